@@ -1,0 +1,140 @@
+//! The block layer: the bottom of the quiltfs stack.
+//!
+//! A [`BlockDevice`] stores fixed-size blocks. Its contract is the one every layer above
+//! relies on for crash consistency:
+//!
+//! * `write` may sit in a volatile cache: after a crash, each block written since the last
+//!   completed `flush` holds either its old content or one of the contents written to it
+//!   since (block writes are atomic, but they may be reordered and dropped).
+//! * `flush` is the durability barrier: when it returns `Ok`, every write that returned
+//!   before it was called is durable.
+//! * `mark` inserts a named point into the device's history. Devices that keep no history
+//!   ignore it and pass it down; the [`RecordingDevice`] logs it so that crash states can be
+//!   cut at operation boundaries, fsync returns and patchgroup syncs.
+//!
+//! Devices stack: a device may wrap another one (`Arc<dyn BlockDevice>`). Every device
+//! counts its I/O in [`IoCounters`]. Bad requests (a block past the end, a buffer of the
+//! wrong size) and I/O failures are typed [`BlockError`]s, never panics.
+
+mod counters;
+mod file;
+mod mem;
+mod recording;
+
+pub use counters::{IoCounters, IoStats};
+pub use file::{FileDevice, FileDeviceOptions};
+pub use mem::MemDevice;
+pub use recording::{LogEntry, RecordingDevice, RecordingLog};
+
+/// A block number on a device.
+pub type BlockNo = u64;
+
+/// Everything that can go wrong below the patch layer.
+#[derive(Debug, thiserror::Error)]
+pub enum BlockError {
+    #[error("block {block} is out of range (device has {count} blocks)")]
+    OutOfRange { block: BlockNo, count: u64 },
+    #[error("buffer of {got} bytes does not match the block size {block_size}")]
+    BadBufferSize { got: usize, block_size: usize },
+    #[error("short read of block {block}: {got} of {want} bytes (the image ends early)")]
+    ShortRead {
+        block: BlockNo,
+        got: usize,
+        want: usize,
+    },
+    #[error("block size {0} is invalid: it must be a power of two between 512 and 65536")]
+    BadBlockSize(usize),
+    #[error("the device does not support {0}")]
+    Unsupported(&'static str),
+    #[error("the recording log is full ({limit_bytes} bytes); raise the limit or record less")]
+    LogFull { limit_bytes: u64 },
+    #[error("I/O error on {what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T, E = BlockError> = std::result::Result<T, E>;
+
+/// A device of fixed-size blocks with an explicit durability barrier.
+///
+/// Methods take `&self` so that one device can be shared by the write-back engine and
+/// its flusher thread; implementations synchronise internally.
+pub trait BlockDevice: Send + Sync {
+    /// Size of one block in bytes (a power of two).
+    fn block_size(&self) -> usize;
+    /// Number of blocks on the device.
+    fn block_count(&self) -> u64;
+    /// Reads block `block` into `buf`, which must be exactly one block long.
+    fn read(&self, block: BlockNo, buf: &mut [u8]) -> Result<()>;
+    /// Writes `buf` (exactly one block) to block `block`. Not durable until `flush`.
+    fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()>;
+    /// Durability barrier: every write that returned before this call is durable when it
+    /// returns `Ok`.
+    fn flush(&self) -> Result<()>;
+    /// Writes `buf` to whichever of `candidates` the device finds cheapest and returns the
+    /// block it chose (range writes, as in Bark). Devices without a placement model refuse.
+    fn write_range(&self, candidates: &[BlockNo], buf: &[u8]) -> Result<BlockNo> {
+        let _ = (candidates, buf);
+        Err(BlockError::Unsupported("range writes"))
+    }
+    /// Inserts a named mark into the device's history (see [`RecordingDevice`]).
+    fn mark(&self, name: &str) {
+        let _ = name;
+    }
+    /// The I/O this device has served so far.
+    fn stats(&self) -> IoStats;
+}
+
+/// Checks a request against a device's geometry. Shared by every device so that the
+/// error messages are the same everywhere.
+pub fn check_request(dev: &dyn BlockDevice, block: BlockNo, buf_len: usize) -> Result<()> {
+    let count = dev.block_count();
+    if block >= count {
+        return Err(BlockError::OutOfRange { block, count });
+    }
+    if buf_len != dev.block_size() {
+        return Err(BlockError::BadBufferSize {
+            got: buf_len,
+            block_size: dev.block_size(),
+        });
+    }
+    Ok(())
+}
+
+/// Validates a block size: a power of two in [512, 65536].
+pub fn check_block_size(block_size: usize) -> Result<()> {
+    if !(512..=65536).contains(&block_size) || !block_size.is_power_of_two() {
+        return Err(BlockError::BadBlockSize(block_size));
+    }
+    Ok(())
+}
+
+impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
+    fn block_size(&self) -> usize {
+        (**self).block_size()
+    }
+    fn block_count(&self) -> u64 {
+        (**self).block_count()
+    }
+    fn read(&self, block: BlockNo, buf: &mut [u8]) -> Result<()> {
+        (**self).read(block, buf)
+    }
+    fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()> {
+        (**self).write(block, buf)
+    }
+    fn flush(&self) -> Result<()> {
+        (**self).flush()
+    }
+    fn write_range(&self, candidates: &[BlockNo], buf: &[u8]) -> Result<BlockNo> {
+        (**self).write_range(candidates, buf)
+    }
+    fn mark(&self, name: &str) {
+        (**self).mark(name)
+    }
+    fn stats(&self) -> IoStats {
+        (**self).stats()
+    }
+}
