@@ -1,0 +1,852 @@
+//! The block cache and patch creation: how a change becomes a patch (new, merged into an
+//! overlapping patch, or folded into the block's hard patch) and how its dependencies are
+//! wired. Write-back lives in `epoch.rs`, patchgroups in `patchgroup.rs`.
+
+use crate::graph::{Graph, Kind, Patch, PatchId};
+use crate::patchgroup::{CallerId, Patchgroups};
+use crate::stats::EngineStats;
+use crate::{PatchError, Result};
+use quilt_block::{BlockDevice, BlockNo};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// Whether write-back waits for the device to make writes durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// A device flush ends every epoch; patches are durable only after it (the default).
+    #[default]
+    Safe,
+    /// No flushes: order is kept against process crashes only. For comparisons, as the
+    /// papers report both.
+    Unsafe,
+}
+
+/// Engine settings. The two optimizations have switches because the benchmarks compare
+/// all four combinations.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Hard patches: a block no other block depends on gets one whole-block patch with no
+    /// undo bytes, and later changes fold into it.
+    pub hard_patches: bool,
+    /// Overlap merging: a change overlapping exactly one pending patch folds into it when
+    /// that cannot create a cycle.
+    pub overlap_merge: bool,
+    pub durability: Durability,
+    /// Memory budget for cached blocks. Clean blocks are evicted past it; if dirty blocks
+    /// alone exceed it, changes trigger write-back. Blocks pinned by unreleased
+    /// patchgroups may exceed it.
+    pub cache_bytes_max: usize,
+    /// Background write-back interval; None for no flusher thread.
+    pub flush_interval_ms: Option<u64>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            hard_patches: true,
+            overlap_merge: true,
+            durability: Durability::Safe,
+            cache_bytes_max: 64 << 20,
+            flush_interval_ms: None,
+        }
+    }
+}
+
+/// Per-change options.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ChangeOpts {
+    /// Who makes the change: its engaged patchgroups order it.
+    pub caller: Option<CallerId>,
+    /// The change is file data, not metadata.
+    pub data: bool,
+}
+
+/// Bounds the reachability search that guards merges: past it a merge is refused, which
+/// costs a patch but never correctness.
+const MERGE_CYCLE_SEARCH_LIMIT: usize = 64;
+
+#[derive(Debug)]
+pub(crate) struct CachedBlock {
+    pub data: Box<[u8]>,
+    /// Pending patches on this block in creation order (in-flight ones included).
+    pub pending: Vec<PatchId>,
+    /// The pending patches an overlap search must look at: a patch fully covered by a
+    /// newer one is dropped, since anything overlapping it overlaps the newer one.
+    pub overlap_index: Vec<PatchId>,
+    /// Dependency edges from patches off this block onto patches on it. Zero means no
+    /// other block waits for this one, so its changes need no undo bytes.
+    pub extern_afters: u64,
+    /// The block's hard patch while it is pending and not being written.
+    pub hard: Option<PatchId>,
+    pub last_use: u64,
+}
+
+/// The change a caller asks for, before it becomes a patch.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Change<'a> {
+    Bytes { offset: usize, bytes: &'a [u8] },
+    Zero,
+    Xor { offset: usize, xor: u32 },
+}
+
+impl Change<'_> {
+    fn range(&self, block_size: usize) -> (usize, usize) {
+        match *self {
+            Change::Bytes { offset, bytes } => (offset, offset + bytes.len()),
+            Change::Zero => (0, block_size),
+            Change::Xor { offset, .. } => (offset, offset + 4),
+        }
+    }
+    fn apply(&self, data: &mut [u8]) {
+        match *self {
+            Change::Bytes { offset, bytes } => data[offset..offset + bytes.len()].copy_from_slice(bytes),
+            Change::Zero => data.fill(0),
+            Change::Xor { offset, xor } => xor_word(data, offset, xor),
+        }
+    }
+}
+
+pub(crate) fn xor_word(data: &mut [u8], offset: usize, xor: u32) {
+    let w = &mut data[offset..offset + 4];
+    let v = u32::from_le_bytes([w[0], w[1], w[2], w[3]]) ^ xor;
+    w.copy_from_slice(&v.to_le_bytes());
+}
+
+pub(crate) struct State {
+    pub g: Graph,
+    pub blocks: HashMap<BlockNo, CachedBlock>,
+    pub dirty: BTreeSet<BlockNo>,
+    /// Blocks by last use, for eviction.
+    pub lru: BTreeMap<u64, BlockNo>,
+    pub tick: u64,
+    pub seq: u64,
+    pub cached_bytes: usize,
+    pub stats: EngineStats,
+    pub pgs: Patchgroups,
+    /// Set by a failed write-back; every later change or epoch is refused.
+    pub failed: Option<String>,
+}
+
+pub(crate) struct Shared {
+    pub st: Mutex<State>,
+    /// Serialises epochs: at most one set of block images is in flight.
+    pub epoch: Mutex<()>,
+    pub dev: Arc<dyn BlockDevice>,
+    pub opts: EngineOptions,
+    pub block_size: usize,
+    pub stop: (Mutex<bool>, Condvar),
+    pub flusher_running: AtomicBool,
+}
+
+/// The patch engine: block cache, patch graph, write-back and patchgroups.
+#[derive(Clone)]
+pub struct Engine {
+    pub(crate) sh: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("opts", &self.sh.opts).finish()
+    }
+}
+
+impl Engine {
+    pub fn new(dev: Arc<dyn BlockDevice>, opts: EngineOptions) -> Engine {
+        let block_size = dev.block_size();
+        let engine = Engine {
+            sh: Arc::new(Shared {
+                st: Mutex::new(State {
+                    g: Graph::default(),
+                    blocks: HashMap::new(),
+                    dirty: BTreeSet::new(),
+                    lru: BTreeMap::new(),
+                    tick: 0,
+                    seq: 0,
+                    cached_bytes: 0,
+                    stats: EngineStats::default(),
+                    pgs: Patchgroups::default(),
+                    failed: None,
+                }),
+                epoch: Mutex::new(()),
+                dev,
+                opts,
+                block_size,
+                stop: (Mutex::new(false), Condvar::new()),
+                flusher_running: AtomicBool::new(false),
+            }),
+        };
+        if let Some(ms) = engine.sh.opts.flush_interval_ms {
+            engine.start_flusher(Duration::from_millis(ms.max(1)));
+        }
+        engine
+    }
+
+    pub fn options(&self) -> &EngineOptions {
+        &self.sh.opts
+    }
+    pub fn block_size(&self) -> usize {
+        self.sh.block_size
+    }
+    pub fn block_count(&self) -> u64 {
+        self.sh.dev.block_count()
+    }
+    pub fn device(&self) -> &Arc<dyn BlockDevice> {
+        &self.sh.dev
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.sh.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The newest contents of `block` (pending patches included).
+    pub fn read(&self, block: BlockNo) -> Result<Vec<u8>> {
+        self.with_block(block, |d| d.to_vec())
+    }
+
+    /// Runs `f` on the newest contents of `block` without copying it.
+    pub fn with_block<R>(&self, block: BlockNo, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        let r = {
+            let mut st = self.lock();
+            let b = st.load(&self.sh, block, false)?;
+            f(&b.data)
+        };
+        self.keep_budget()?;
+        Ok(r)
+    }
+
+    /// Writes `bytes` at `offset` of `block`, after `befores`. Returns the patch that
+    /// carries the change (possibly an existing patch it was merged into).
+    pub fn write(&self, block: BlockNo, offset: usize, bytes: &[u8], befores: &[PatchId], opts: ChangeOpts) -> Result<PatchId> {
+        self.change(block, Change::Bytes { offset, bytes }, befores, opts)
+    }
+
+    /// Zeroes the whole block without reading it first (a freshly allocated block).
+    pub fn zero_block(&self, block: BlockNo, befores: &[PatchId], opts: ChangeOpts) -> Result<PatchId> {
+        self.change(block, Change::Zero, befores, opts)
+    }
+
+    /// XORs `xor` into the little-endian 32-bit word at `offset` (a multiple of 4).
+    pub fn xor_bits(&self, block: BlockNo, offset: usize, xor: u32, befores: &[PatchId], opts: ChangeOpts) -> Result<PatchId> {
+        if offset % 4 != 0 {
+            return Err(PatchError::UnalignedWord(offset));
+        }
+        self.change(block, Change::Xor { offset, xor }, befores, opts)
+    }
+
+    /// An empty patch: durable once all of `befores` are. Use it to join dependencies.
+    pub fn empty(&self, befores: &[PatchId]) -> PatchId {
+        let mut st = self.lock();
+        st.new_empty(befores, 0)
+    }
+
+    /// Makes `after` wait for `before`. Refused if it would close a cycle, or if `after`
+    /// is already durable or being written.
+    pub fn add_depend(&self, after: PatchId, before: PatchId) -> Result<()> {
+        let mut st = self.lock();
+        st.check_failed()?;
+        let Some(a) = st.g.resolve(after) else {
+            return Err(PatchError::NotPending);
+        };
+        if st.g.get(a).in_flight {
+            return Err(PatchError::NotPending);
+        }
+        let Some(b) = st.g.resolve(before) else { return Ok(()) };
+        if a == b || st.g.reaches(b, a, usize::MAX) == Some(true) {
+            return Err(PatchError::Cycle);
+        }
+        st.add_edge(a, b);
+        st.debug_check();
+        Ok(())
+    }
+
+    /// Is this patch on disk (after a flush)?
+    pub fn is_durable(&self, p: PatchId) -> bool {
+        self.lock().g.resolve(p).is_none()
+    }
+
+    /// Inserts a named mark into the device history (see `RecordingDevice`).
+    pub fn mark(&self, name: &str) {
+        self.sh.dev.mark(name);
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let st = self.lock();
+        let mut s = st.stats;
+        s.patches_live = st.g.live() as u64;
+        s.blocks_cached = st.blocks.len() as u64;
+        s.blocks_dirty = st.dirty.len() as u64;
+        s
+    }
+
+    fn change(&self, block: BlockNo, change: Change<'_>, befores: &[PatchId], opts: ChangeOpts) -> Result<PatchId> {
+        let bs = self.sh.block_size;
+        let (start, end) = change.range(bs);
+        if end > bs {
+            return Err(PatchError::OutOfBlock {
+                offset: start,
+                len: end - start,
+                block_size: bs,
+            });
+        }
+        let id = {
+            let mut st = self.lock();
+            st.check_failed()?;
+            let id = st.change(&self.sh, block, change, befores, opts)?;
+            st.debug_check();
+            id
+        };
+        self.keep_budget()?;
+        Ok(id)
+    }
+
+    /// Keeps the cache within its budget: evict clean blocks, and if dirty blocks alone
+    /// are over it, write back what is ready.
+    fn keep_budget(&self) -> Result<()> {
+        let over = {
+            let mut st = self.lock();
+            st.evict(self.sh.opts.cache_bytes_max);
+            st.cached_bytes > self.sh.opts.cache_bytes_max
+        };
+        if over {
+            self.epoch()?;
+            self.lock().evict(self.sh.opts.cache_bytes_max);
+        }
+        Ok(())
+    }
+
+    /// Starts the background flusher: every `interval` it writes back everything ready.
+    pub fn start_flusher(&self, interval: Duration) {
+        if self.sh.flusher_running.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        *self.sh.stop.0.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        let weak = Arc::downgrade(&self.sh);
+        std::thread::Builder::new()
+            .name("quilt-flusher".into())
+            .spawn(move || loop {
+                let Some(sh) = weak.upgrade() else { return };
+                {
+                    let (lock, cv) = &sh.stop;
+                    let stopped = lock.lock().unwrap_or_else(|e| e.into_inner());
+                    let (stopped, _) = cv.wait_timeout(stopped, interval).unwrap_or_else(|e| e.into_inner());
+                    if *stopped {
+                        sh.flusher_running.store(false, Ordering::SeqCst);
+                        return;
+                    }
+                }
+                let engine = Engine { sh };
+                if let Err(e) = engine.write_back_ready() {
+                    tracing::warn!("background write-back failed: {e}");
+                }
+            })
+            .expect("spawning the flusher thread");
+    }
+
+    /// Stops the background flusher (it finishes the epoch it is in).
+    pub fn stop_flusher(&self) {
+        let (lock, cv) = &self.sh.stop;
+        *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        cv.notify_all();
+    }
+}
+
+impl State {
+    pub fn check_failed(&self) -> Result<()> {
+        match &self.failed {
+            Some(e) => Err(PatchError::Failed(e.clone())),
+            None => Ok(()),
+        }
+    }
+
+    pub fn touch(&mut self, block: BlockNo) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(b) = self.blocks.get_mut(&block) {
+            self.lru.remove(&b.last_use);
+            b.last_use = tick;
+            self.lru.insert(tick, block);
+        }
+    }
+
+    /// The cached block, read from the device on a miss. With `synthetic`, a miss gives a
+    /// zero block without reading (the caller overwrites all of it).
+    pub fn load(&mut self, sh: &Shared, block: BlockNo, synthetic: bool) -> Result<&mut CachedBlock> {
+        if self.blocks.contains_key(&block) {
+            self.stats.cache_hits += 1;
+        } else {
+            let count = sh.dev.block_count();
+            if block >= count {
+                return Err(quilt_block::BlockError::OutOfRange { block, count }.into());
+            }
+            let mut data = vec![0u8; sh.block_size].into_boxed_slice();
+            if !synthetic {
+                sh.dev.read(block, &mut data)?;
+            }
+            self.stats.cache_misses += 1;
+            self.cached_bytes += sh.block_size;
+            self.blocks.insert(
+                block,
+                CachedBlock {
+                    data,
+                    pending: Vec::new(),
+                    overlap_index: Vec::new(),
+                    extern_afters: 0,
+                    hard: None,
+                    last_use: 0,
+                },
+            );
+        }
+        self.touch(block);
+        Ok(self.blocks.get_mut(&block).expect("just inserted"))
+    }
+
+    /// Evicts least recently used clean blocks until the cache fits `max` bytes.
+    pub fn evict(&mut self, max: usize) {
+        if self.cached_bytes <= max {
+            return;
+        }
+        let victims: Vec<(u64, BlockNo)> = self
+            .lru
+            .iter()
+            .filter(|(_, b)| !self.dirty.contains(b))
+            .map(|(t, b)| (*t, *b))
+            .collect();
+        for (tick, block) in victims {
+            if self.cached_bytes <= max {
+                break;
+            }
+            if let Some(b) = self.blocks.remove(&block) {
+                self.cached_bytes -= b.data.len();
+                self.lru.remove(&tick);
+                self.stats.evictions += 1;
+            }
+        }
+    }
+
+    /// Adds the edge "after waits for before" (both live). Keeps the block's count of
+    /// off-block afters, which decides whether its changes need undo bytes.
+    pub fn add_edge(&mut self, after: PatchId, before: PatchId) {
+        if after == before {
+            return;
+        }
+        let after_block = self.g.get(after).block;
+        let before_block = self.g.get(before).block;
+        {
+            let a = self.g.get_mut(after);
+            // Cheap duplicate check: consecutive changes often name the same before.
+            if a.befores.last() == Some(&before) {
+                return;
+            }
+            a.befores.push(before);
+        }
+        self.g.get_mut(before).afters.push(after);
+        if let Some(bb) = before_block {
+            if after_block != Some(bb) {
+                if let Some(blk) = self.blocks.get_mut(&bb) {
+                    blk.extern_afters += 1;
+                }
+            }
+        }
+    }
+
+    /// Resolves caller-supplied befores and adds the tails of the caller's engaged
+    /// patchgroups, so that the change waits for what those groups wait for.
+    fn gather_befores(&self, befores: &[PatchId], caller: Option<CallerId>) -> Vec<PatchId> {
+        let mut out: Vec<PatchId> = Vec::with_capacity(befores.len() + 2);
+        let engaged = caller.map(|c| self.pgs.engaged_tails(c)).unwrap_or_default();
+        for &b in befores.iter().chain(engaged.iter()) {
+            if let Some(r) = self.g.resolve(b) {
+                if !out.contains(&r) {
+                    out.push(r);
+                }
+            }
+        }
+        out
+    }
+
+    pub fn new_empty(&mut self, befores: &[PatchId], holds: u32) -> PatchId {
+        let befores = self.gather_befores(befores, None);
+        self.stats.patches_created += 1;
+        self.stats.empties_created += 1;
+        let id = self.g.insert(Patch {
+            block: None,
+            kind: Kind::Empty { holds },
+            befores: Vec::new(),
+            afters: Vec::new(),
+            seq: 0,
+            in_flight: false,
+            data: false,
+            absorbed: Vec::new(),
+        });
+        for b in befores {
+            self.add_edge(id, b);
+        }
+        if holds == 0 && befores_durable(&self.g, id) {
+            self.satisfy(id);
+        }
+        id
+    }
+
+    /// Drops one hold on an empty patch; it becomes durable once its befores are.
+    pub fn unhold(&mut self, id: PatchId) {
+        let Some(id) = self.g.resolve(id) else { return };
+        if let Kind::Empty { holds } = &mut self.g.get_mut(id).kind {
+            *holds = holds.saturating_sub(1);
+            if *holds == 0 && befores_durable(&self.g, id) {
+                self.satisfy(id);
+            }
+        }
+    }
+
+    /// Pending patches on `block` (per the overlap index) that `change` overlaps.
+    fn overlapping(&self, block: BlockNo, probe: &Patch) -> Vec<PatchId> {
+        self.blocks[&block]
+            .overlap_index
+            .iter()
+            .copied()
+            .filter(|&p| self.g.get(p).overlaps(probe))
+            .collect()
+    }
+
+    /// Can `befores` be added to `target` without a cycle? (Is `target` unreachable from
+    /// each of them?) A search that gives up answers no.
+    fn merge_is_acyclic(&self, target: PatchId, befores: &[PatchId]) -> bool {
+        befores
+            .iter()
+            .all(|&b| b == target || self.g.reaches(b, target, MERGE_CYCLE_SEARCH_LIMIT) == Some(false))
+    }
+
+    pub fn change(&mut self, sh: &Shared, block: BlockNo, change: Change<'_>, befores: &[PatchId], opts: ChangeOpts) -> Result<PatchId> {
+        let bs = sh.block_size;
+        let whole = matches!(change, Change::Zero) || matches!(change, Change::Bytes { offset: 0, bytes } if bytes.len() == bs);
+        // A block that is not cached has no pending patches, so a whole-block change can
+        // become a hard patch without knowing the old contents.
+        let synthetic = whole && sh.opts.hard_patches;
+        self.load(sh, block, synthetic)?;
+        let befores = self.gather_befores(befores, opts.caller);
+
+        let (start, end) = change.range(bs);
+        let probe = Patch {
+            block: Some(block),
+            kind: match change {
+                Change::Xor { offset, xor } => Kind::Bit {
+                    offset: offset as u32,
+                    xor,
+                },
+                _ => Kind::Byte {
+                    offset: start as u32,
+                    len: (end - start) as u32,
+                    undo: None,
+                },
+            },
+            befores: Vec::new(),
+            afters: Vec::new(),
+            seq: 0,
+            in_flight: false,
+            data: opts.data,
+            absorbed: Vec::new(),
+        };
+
+        let id = if sh.opts.hard_patches && self.blocks[&block].extern_afters == 0 {
+            self.fold_block_into_hard(block, change, &befores, opts.data)
+        } else if let Some(target) = self.merge_target(sh, block, &probe, &befores) {
+            self.merge_into(target, block, change, &befores, opts.data);
+            target
+        } else {
+            self.new_patch(block, change, probe, &befores)
+        };
+
+        if let Some(c) = opts.caller {
+            for head in self.pgs.engaged_heads(c) {
+                if let Some(h) = self.g.resolve(head) {
+                    self.add_edge(h, id);
+                }
+            }
+        }
+        Ok(id)
+    }
+
+    /// Hard-patch path: no other block depends on `block`, so every pending patch on it
+    /// (except those being written) folds into one whole-block patch without undo bytes,
+    /// and the change is applied to it. Acyclic by construction: the folded patches' afters
+    /// are all on this block, hence folded too, so the result has no afters when the new
+    /// befores are added.
+    fn fold_block_into_hard(&mut self, block: BlockNo, change: Change<'_>, befores: &[PatchId], data: bool) -> PatchId {
+        let members: Vec<PatchId> = self.blocks[&block]
+            .pending
+            .iter()
+            .copied()
+            .filter(|&p| !self.g.get(p).in_flight)
+            .collect();
+        let in_flight: Vec<PatchId> = self.blocks[&block]
+            .pending
+            .iter()
+            .copied()
+            .filter(|&p| self.g.get(p).in_flight)
+            .collect();
+        let bs = self.blocks[&block].data.len() as u32;
+        let existing = self.blocks[&block].hard;
+        let all_data = data && members.iter().all(|&m| self.g.get(m).data);
+        self.seq += 1;
+        let survivor = match existing {
+            Some(h) => {
+                self.stats.patches_merged += 1;
+                h
+            }
+            None => {
+                self.stats.patches_created += 1;
+                self.stats.patches_made_hard += 1;
+                self.g.insert(Patch {
+                    block: Some(block),
+                    kind: Kind::Byte {
+                        offset: 0,
+                        len: bs,
+                        undo: None,
+                    },
+                    befores: Vec::new(),
+                    afters: Vec::new(),
+                    seq: self.seq,
+                    in_flight: false,
+                    data: all_data,
+                    absorbed: Vec::new(),
+                })
+            }
+        };
+        for m in members {
+            if m != survivor {
+                self.absorb(survivor, m);
+            }
+        }
+        {
+            let p = self.g.get_mut(survivor);
+            p.seq = self.seq;
+            p.data = all_data;
+        }
+        for &f in &in_flight {
+            self.add_edge(survivor, f);
+        }
+        for &b in befores {
+            if let Some(b) = self.g.resolve(b) {
+                self.add_edge(survivor, b);
+            }
+        }
+        let blk = self.blocks.get_mut(&block).expect("loaded");
+        blk.pending = in_flight.clone();
+        blk.pending.push(survivor);
+        blk.overlap_index = in_flight;
+        blk.overlap_index.push(survivor);
+        blk.hard = Some(survivor);
+        change.apply(&mut blk.data);
+        self.dirty.insert(block);
+        survivor
+    }
+
+    /// Folds patch `m` into `survivor` (same block): `m`'s id forwards to `survivor`, its
+    /// edges move over (self-edges are dropped lazily) and its undo bytes are freed.
+    fn absorb(&mut self, survivor: PatchId, m: PatchId) {
+        let old = self.g.forward(m, survivor);
+        self.stats.undo_bytes_now -= old.undo_len() as u64;
+        let s = self.g.get_mut(survivor);
+        s.befores.extend(old.befores);
+        s.afters.extend(old.afters);
+    }
+
+    /// The patch a change may be merged into, if any: the block's hard patch when the change
+    /// overlaps nothing else, or (with overlap merging) the single rollbackable patch it
+    /// overlaps. Either way the merge must not close a cycle.
+    fn merge_target(&self, sh: &Shared, block: BlockNo, probe: &Patch, befores: &[PatchId]) -> Option<PatchId> {
+        let blk = &self.blocks[&block];
+        let over = self.overlapping(block, probe);
+        if let Some(h) = blk.hard {
+            // Everything pending on the block depends on the hard patch; folding the change
+            // into it is safe if no newer patch overlaps the change (its undo bytes would
+            // otherwise restore bytes older than the change).
+            if sh.opts.hard_patches && over.iter().all(|&p| p == h) && self.merge_is_acyclic(h, befores) {
+                return Some(h);
+            }
+        }
+        if !sh.opts.overlap_merge {
+            return None;
+        }
+        let target = match probe.kind {
+            Kind::Bit { offset, .. } => {
+                // Merge with the one patch on this word, if it is a bit patch. (Any other
+                // patch touching the word would fix an order between them.)
+                let word = Patch {
+                    kind: Kind::Byte {
+                        offset,
+                        len: 4,
+                        undo: None,
+                    },
+                    block: Some(block),
+                    befores: Vec::new(),
+                    afters: Vec::new(),
+                    seq: 0,
+                    in_flight: false,
+                    data: false,
+                    absorbed: Vec::new(),
+                };
+                let on_word: Vec<PatchId> = blk.pending.iter().copied().filter(|&p| self.g.get(p).overlaps(&word)).collect();
+                match on_word[..] {
+                    [t] if matches!(self.g.get(t).kind, Kind::Bit { .. }) => t,
+                    _ => return None,
+                }
+            }
+            _ => match over[..] {
+                [t] if matches!(self.g.get(t).kind, Kind::Byte { undo: Some(_), .. }) => t,
+                _ => return None,
+            },
+        };
+        let t = self.g.get(target);
+        if t.in_flight || !self.merge_is_acyclic(target, befores) {
+            return None;
+        }
+        Some(target)
+    }
+
+    fn merge_into(&mut self, target: PatchId, block: BlockNo, change: Change<'_>, befores: &[PatchId], data: bool) {
+        self.stats.patches_merged += 1;
+        self.g.get_mut(target).data &= data;
+        let bs = self.blocks[&block].data.len();
+        let (n0, n1) = change.range(bs);
+        let mut undo_added = 0u64;
+        {
+            let data = &self.blocks[&block].data;
+            let p = self.g.get_mut(target);
+            match &mut p.kind {
+                Kind::Byte {
+                    offset,
+                    len,
+                    undo: Some(undo),
+                } => {
+                    let (t0, t1) = (*offset as usize, (*offset + *len) as usize);
+                    let (u0, u1) = (t0.min(n0), t1.max(n1));
+                    if (u0, u1) != (t0, t1) {
+                        // The undo bytes grow to the union: the newly covered bytes are
+                        // saved as they are now, before the change.
+                        let mut grown = data[u0..u1].to_vec();
+                        grown[t0 - u0..t1 - u0].copy_from_slice(undo);
+                        undo_added = (grown.len() - undo.len()) as u64;
+                        *undo = grown.into_boxed_slice();
+                        *offset = u0 as u32;
+                        *len = (u1 - u0) as u32;
+                    }
+                }
+                Kind::Bit { xor: t, .. } => {
+                    if let Change::Xor { xor, .. } = change {
+                        *t ^= xor;
+                    }
+                }
+                // The hard patch covers the whole block: nothing to record.
+                Kind::Byte { undo: None, .. } => {}
+                Kind::Empty { .. } => unreachable!("empty patches are never merge targets"),
+            }
+        }
+        self.stats.undo_bytes_now += undo_added;
+        self.stats.undo_bytes_total += undo_added;
+        for &b in befores {
+            if let Some(b) = self.g.resolve(b) {
+                self.add_edge(target, b);
+            }
+        }
+        let blk = self.blocks.get_mut(&block).expect("loaded");
+        change.apply(&mut blk.data);
+    }
+
+    fn new_patch(&mut self, block: BlockNo, change: Change<'_>, mut probe: Patch, befores: &[PatchId]) -> PatchId {
+        let over = self.overlapping(block, &probe);
+        self.seq += 1;
+        probe.seq = self.seq;
+        if let Kind::Byte { offset, len, undo } = &mut probe.kind {
+            let data = &self.blocks[&block].data;
+            let saved = data[*offset as usize..(*offset + *len) as usize].to_vec();
+            self.stats.undo_bytes_now += saved.len() as u64;
+            self.stats.undo_bytes_total += saved.len() as u64;
+            *undo = Some(saved.into_boxed_slice());
+        }
+        self.stats.patches_created += 1;
+        let id = self.g.insert(probe);
+        for o in over {
+            self.add_edge(id, o);
+        }
+        for &b in befores {
+            if let Some(b) = self.g.resolve(b) {
+                self.add_edge(id, b);
+            }
+        }
+        let covered: Vec<PatchId> = {
+            let new = self.g.get(id);
+            self.blocks[&block]
+                .overlap_index
+                .iter()
+                .copied()
+                .filter(|&p| new.covers(self.g.get(p)))
+                .collect()
+        };
+        let blk = self.blocks.get_mut(&block).expect("loaded");
+        blk.overlap_index.retain(|p| !covered.contains(p));
+        blk.overlap_index.push(id);
+        blk.pending.push(id);
+        change.apply(&mut blk.data);
+        self.dirty.insert(block);
+        id
+    }
+
+    /// Marks a patch durable: it leaves the graph, its block lists and its afters' counts;
+    /// empty afters whose befores are now all durable follow it.
+    pub fn satisfy(&mut self, first: PatchId) {
+        let mut work = vec![first];
+        while let Some(id) = work.pop() {
+            if self.g.resolve(id) != Some(id) {
+                continue;
+            }
+            debug_assert!(befores_durable(&self.g, id), "patch {id} satisfied before its befores");
+            let p = self.g.remove(id);
+            self.stats.undo_bytes_now -= p.undo_len() as u64;
+            if let Some(b) = p.block {
+                if let Some(blk) = self.blocks.get_mut(&b) {
+                    if blk.hard == Some(id) {
+                        blk.hard = None;
+                    }
+                }
+            }
+            for a in p.afters {
+                let Some(a) = self.g.resolve(a) else { continue };
+                if a == id {
+                    continue;
+                }
+                let ap = self.g.get(a);
+                if let Some(b) = p.block {
+                    if ap.block != Some(b) {
+                        if let Some(blk) = self.blocks.get_mut(&b) {
+                            blk.extern_afters -= 1;
+                        }
+                    }
+                }
+                if ap.is_empty() && !ap.is_held() && befores_durable(&self.g, a) {
+                    work.push(a);
+                }
+            }
+        }
+    }
+
+    /// Graph invariants, checked after every mutation in debug builds while the graph is
+    /// small enough for that to be cheap.
+    pub fn debug_check(&self) {
+        if cfg!(debug_assertions) && self.failed.is_none() && self.g.live() <= 512 {
+            if let Err(e) = self.check_invariants() {
+                panic!("patch graph invariant broken: {e}");
+            }
+        }
+    }
+}
+
+/// Are all of `id`'s befores durable?
+pub(crate) fn befores_durable(g: &Graph, id: PatchId) -> bool {
+    g.get(id).befores.iter().all(|&b| match g.resolve(b) {
+        None => true,
+        Some(r) => r == id,
+    })
+}

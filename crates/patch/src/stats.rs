@@ -1,0 +1,34 @@
+//! The engine's counters. They feed the paper's optimization table (patches created,
+//! merged, made hard, rolled back; undo bytes) and `quiltfs stats`.
+
+/// A snapshot of the patch layer's counters.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct EngineStats {
+    /// Patches allocated (a change merged into an existing patch allocates none).
+    pub patches_created: u64,
+    /// Changes folded into an existing patch (overlap merging or hard-patch merging).
+    pub patches_merged: u64,
+    /// Hard patches formed (whole-block, no undo bytes).
+    pub patches_made_hard: u64,
+    /// Patch rollbacks while building block images for write-back.
+    pub patches_rolled_back: u64,
+    /// Empty patches allocated (included in `patches_created`).
+    pub empties_created: u64,
+    /// Undo bytes held right now.
+    pub undo_bytes_now: u64,
+    /// Undo bytes ever allocated.
+    pub undo_bytes_total: u64,
+    /// Patches not yet durable.
+    pub patches_live: u64,
+    /// Block writes issued by write-back.
+    pub blocks_written: u64,
+    /// Write-back epochs that wrote at least one block.
+    pub epochs: u64,
+    /// Flushes issued by write-back.
+    pub flushes: u64,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    pub evictions: u64,
+    pub blocks_cached: u64,
+    pub blocks_dirty: u64,
+}
