@@ -31,18 +31,40 @@ struct BlockImage {
 impl Engine {
     /// One epoch over every dirty block.
     pub fn epoch(&self) -> Result<EpochReport> {
-        self.epoch_on(None)
+        self.epoch_on(None).map(|r| r.unwrap_or_default())
     }
 
-    fn epoch_on(&self, only: Option<&HashSet<BlockNo>>) -> Result<EpochReport> {
+    /// One epoch over the blocks holding `p`'s pending transitive befores. The blocks are
+    /// chosen under the epoch lock, so a concurrent epoch cannot make the choice stale.
+    /// None when `p` is already durable; `Pinned` when it waits for a held patch.
+    fn epoch_until(&self, p: PatchId) -> Result<Option<EpochReport>> {
+        self.epoch_on(Some(p))
+    }
+
+    fn epoch_on(&self, until: Option<PatchId>) -> Result<Option<EpochReport>> {
         let _epoch = self.sh.epoch.lock().unwrap_or_else(|e| e.into_inner());
         let (batch, rolled_back) = {
             let mut st = self.lock();
             st.check_failed()?;
-            st.prepare_epoch(only)
+            let only = match until {
+                None => None,
+                Some(p) => {
+                    let Some(p) = st.g.resolve(p) else { return Ok(None) };
+                    let (blocks, pinned) = st.closure(p);
+                    if blocks.is_empty() {
+                        // Only empty patches are left: either held ones, or p itself is a
+                        // held empty whose befores are all durable.
+                        return if pinned { Err(PatchError::Pinned) } else { Ok(None) };
+                    }
+                    Some(blocks)
+                }
+            };
+            st.prepare_epoch(only.as_ref())
         };
         if batch.is_empty() {
-            return Ok(EpochReport::default());
+            // With the epoch lock held nothing else can be writing: what is left waits
+            // for a patch no epoch can write.
+            return if until.is_some() { Err(PatchError::Pinned) } else { Ok(Some(EpochReport::default())) };
         }
         let safe = self.sh.opts.durability == Durability::Safe;
         let io = (|| {
@@ -60,7 +82,7 @@ impl Engine {
             Ok(()) => {
                 let report = st.complete_epoch(&batch, rolled_back, safe);
                 st.debug_check();
-                Ok(report)
+                Ok(Some(report))
             }
             Err(e) => {
                 // The device now holds some subset of the epoch's writes: a crash state,
@@ -101,21 +123,8 @@ impl Engine {
     /// (this is what fsync uses). For a held empty patch (a patchgroup's head), makes its
     /// befores durable.
     pub fn flush_until(&self, p: PatchId) -> Result<()> {
-        loop {
-            let (blocks, pinned) = {
-                let mut st = self.lock();
-                st.check_failed()?;
-                let Some(p) = st.g.resolve(p) else { return Ok(()) };
-                st.closure(p)
-            };
-            if blocks.is_empty() {
-                return if pinned { Err(PatchError::Pinned) } else { Ok(()) };
-            }
-            let r = self.epoch_on(Some(&blocks))?;
-            if r.patches_written == 0 {
-                return Err(PatchError::Pinned);
-            }
-        }
+        while self.epoch_until(p)?.is_some() {}
+        Ok(())
     }
 
     /// Checks the graph's invariants; the error says which one broke.

@@ -1,0 +1,307 @@
+//! Behaviour of the engine on hand-built graphs: rollback breaking block-level cycles,
+//! the two optimizations, targeted flushes, eviction, the flusher, durability settings,
+//! I/O failures and bad requests.
+
+use quilt_block::{BlockDevice, BlockError, MemDevice};
+use quilt_patch::{ChangeOpts, Durability, Engine, EngineOptions, PatchError};
+use std::sync::Arc;
+use std::time::Duration;
+
+const BS: usize = 512;
+const NONE: ChangeOpts = ChangeOpts { caller: None, data: false };
+
+fn opts(hard: bool, merge: bool) -> EngineOptions {
+    EngineOptions {
+        hard_patches: hard,
+        overlap_merge: merge,
+        ..EngineOptions::default()
+    }
+}
+
+fn setup(o: EngineOptions) -> (Engine, Arc<MemDevice>) {
+    let dev = Arc::new(MemDevice::new(BS, 64).unwrap());
+    (Engine::new(dev.clone(), o), dev)
+}
+
+fn disk(dev: &MemDevice, b: u64) -> Vec<u8> {
+    let mut buf = vec![0; BS];
+    dev.read(b, &mut buf).unwrap();
+    buf
+}
+
+#[test]
+fn block_level_cycle_is_written_with_rollback() {
+    // a1 on A; b1 on B after a1; a2 on A after b1. A and B wait for each other as blocks,
+    // but the patches do not: A goes first without a2, then B, then A again.
+    let (e, dev) = setup(opts(false, false));
+    let a1 = e.write(1, 0, &[1; 8], &[], NONE).unwrap();
+    let b1 = e.write(2, 0, &[2; 8], &[a1], NONE).unwrap();
+    let a2 = e.write(1, 100, &[3; 8], &[b1], NONE).unwrap();
+
+    let r = e.epoch().unwrap();
+    assert_eq!((r.blocks_written, r.patches_written, r.patches_rolled_back), (1, 1, 1));
+    assert_eq!(&disk(&dev, 1)[..8], &[1; 8]);
+    assert_eq!(&disk(&dev, 1)[100..108], &[0; 8], "a2 must be rolled back");
+    assert_eq!(&disk(&dev, 2)[..8], &[0; 8]);
+    assert!(e.is_durable(a1) && !e.is_durable(b1));
+
+    e.epoch().unwrap();
+    assert_eq!(&disk(&dev, 2)[..8], &[2; 8]);
+    assert!(!e.is_durable(a2));
+    e.epoch().unwrap();
+    assert_eq!(&disk(&dev, 1)[100..108], &[3; 8]);
+    assert!(e.is_durable(a2));
+    assert_eq!(e.stats().epochs, 3);
+    assert_eq!(e.stats().flushes, 3);
+    assert_eq!(e.stats().patches_rolled_back, 1);
+}
+
+#[test]
+fn rollback_restores_overlapping_bytes_in_order() {
+    // Three overlapping changes on one block; the newest waits for another block. The
+    // written image holds the first two, byte for byte.
+    let (e, dev) = setup(opts(false, false));
+    e.write(1, 0, &[1; 16], &[], NONE).unwrap();
+    e.write(1, 8, &[2; 16], &[], NONE).unwrap();
+    let other = e.write(2, 0, &[9], &[], NONE).unwrap();
+    e.write(1, 4, &[3; 8], &[other], NONE).unwrap();
+    let mut want = vec![0u8; BS];
+    want[..16].fill(1);
+    want[8..24].fill(2);
+    let r = e.epoch().unwrap();
+    assert_eq!(r.patches_rolled_back, 1);
+    assert_eq!(disk(&dev, 1), want);
+    e.sync().unwrap();
+    want[4..12].fill(3);
+    assert_eq!(disk(&dev, 1), want);
+    assert_eq!(e.read(1).unwrap(), want);
+}
+
+#[test]
+fn hard_patches_need_no_undo_bytes_when_no_other_block_waits() {
+    let (e, _) = setup(opts(true, false));
+    for i in 0..10 {
+        e.write(5, i * 10, &[i as u8; 10], &[], NONE).unwrap();
+    }
+    let s = e.stats();
+    assert_eq!(s.patches_made_hard, 1);
+    assert_eq!(s.patches_created, 1);
+    assert_eq!(s.patches_merged, 9);
+    assert_eq!(s.undo_bytes_total, 0);
+
+    // Once another block depends on it, changes on it keep undo bytes again.
+    let (e, _) = setup(opts(true, false));
+    let d = e.write(5, 0, &[1; 10], &[], NONE).unwrap();
+    e.write(6, 0, &[1; 4], &[d], NONE).unwrap();
+    e.write(5, 100, &[2; 10], &[], NONE).unwrap();
+    e.check_invariants().unwrap();
+    // The new change overlaps the hard patch only: it folds into it.
+    assert_eq!(e.stats().undo_bytes_total, 0);
+    let other = e.write(7, 0, &[1], &[], NONE).unwrap();
+    e.write(5, 200, &[3; 10], &[other], NONE).unwrap();
+    e.sync().unwrap();
+    e.check_invariants().unwrap();
+}
+
+#[test]
+fn overlap_merging_folds_repeated_writes_to_the_same_bytes() {
+    let run = |merge: bool| {
+        let (e, dev) = setup(opts(false, merge));
+        let anchor = e.write(9, 0, &[1], &[], NONE).unwrap();
+        for i in 0..50u8 {
+            e.write(3, 0, &[i; 32], &[anchor], NONE).unwrap();
+            e.write(3, 16, &[i; 32], &[anchor], NONE).unwrap();
+        }
+        e.sync().unwrap();
+        assert_eq!(&disk(&dev, 3)[..48], &[&[49u8; 16][..], &[49u8; 32][..]].concat()[..]);
+        e.stats()
+    };
+    let plain = run(false);
+    let merged = run(true);
+    assert_eq!(plain.patches_created, 101);
+    assert!(merged.patches_created <= 3, "{merged:?}");
+    assert!(merged.patches_merged >= 98);
+    assert!(merged.undo_bytes_total < plain.undo_bytes_total / 10);
+}
+
+#[test]
+fn bit_patches_on_one_word_merge_and_commute() {
+    let (e, dev) = setup(opts(false, true));
+    let anchor = e.write(9, 0, &[1], &[], NONE).unwrap();
+    for bit in 0..32 {
+        e.xor_bits(4, 8, 1 << bit, &[anchor], NONE).unwrap();
+    }
+    assert_eq!(e.stats().patches_created, 2);
+    e.sync().unwrap();
+    assert_eq!(&disk(&dev, 4)[8..12], &[0xff; 4]);
+    assert!(matches!(e.xor_bits(4, 6, 1, &[], NONE), Err(PatchError::UnalignedWord(6))));
+}
+
+#[test]
+fn flush_until_writes_only_what_the_patch_needs() {
+    let (e, dev) = setup(EngineOptions::default());
+    let a = e.write(1, 0, &[1], &[], NONE).unwrap();
+    let b = e.write(2, 0, &[2], &[a], NONE).unwrap();
+    let unrelated = e.write(3, 0, &[3], &[], NONE).unwrap();
+    e.flush_until(b).unwrap();
+    assert!(e.is_durable(a) && e.is_durable(b));
+    assert!(!e.is_durable(unrelated));
+    assert_eq!((disk(&dev, 1)[0], disk(&dev, 2)[0], disk(&dev, 3)[0]), (1, 2, 0));
+    assert_eq!(e.stats().flushes, 2, "a chain of two blocks needs two epochs");
+}
+
+#[test]
+fn empty_patches_join_dependencies() {
+    let (e, dev) = setup(EngineOptions::default());
+    let a = e.write(1, 0, &[1], &[], NONE).unwrap();
+    let b = e.write(2, 0, &[2], &[], NONE).unwrap();
+    let both = e.empty(&[a, b]);
+    let c = e.write(3, 0, &[3], &[both], NONE).unwrap();
+    let r = e.epoch().unwrap();
+    assert_eq!(r.blocks_written, 2, "c waits for a and b");
+    assert!(e.is_durable(both));
+    e.flush_until(c).unwrap();
+    assert_eq!(disk(&dev, 3)[0], 3);
+    assert!(e.is_durable(e.empty(&[])), "an empty patch with nothing to wait for is durable");
+
+    let x = e.write(4, 0, &[4], &[], NONE).unwrap();
+    let join = e.empty(&[x]);
+    let y = e.write(5, 0, &[5], &[join], NONE).unwrap();
+    assert!(matches!(e.add_depend(join, y), Err(PatchError::Cycle)));
+    e.sync().unwrap();
+    assert!(matches!(e.add_depend(join, y), Err(PatchError::NotPending)));
+}
+
+#[test]
+fn cache_stays_within_budget_by_evicting_and_writing_back() {
+    let dev = Arc::new(MemDevice::new(BS, 256).unwrap());
+    let e = Engine::new(
+        dev.clone(),
+        EngineOptions {
+            cache_bytes_max: 8 * BS,
+            ..EngineOptions::default()
+        },
+    );
+    for b in 0..200u64 {
+        e.write(b, 0, &[b as u8 + 1], &[], NONE).unwrap();
+        assert!(e.stats().blocks_cached <= 8, "{:?}", e.stats());
+    }
+    e.sync().unwrap();
+    for b in 0..200u64 {
+        assert_eq!(disk(&dev, b)[0], b as u8 + 1);
+        assert_eq!(e.read(b).unwrap()[0], b as u8 + 1);
+    }
+    let s = e.stats();
+    assert!(s.evictions > 150 && s.cache_misses > 200, "{s:?}");
+}
+
+#[test]
+fn background_flusher_writes_back_on_its_interval() {
+    let dev = Arc::new(MemDevice::new(BS, 8).unwrap());
+    let e = Engine::new(
+        dev.clone(),
+        EngineOptions {
+            flush_interval_ms: Some(10),
+            ..EngineOptions::default()
+        },
+    );
+    let p = e.write(1, 0, &[7], &[], NONE).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !e.is_durable(p) {
+        assert!(std::time::Instant::now() < deadline, "flusher never wrote the block");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(disk(&dev, 1)[0], 7);
+    e.stop_flusher();
+}
+
+#[test]
+fn unsafe_durability_writes_without_flushes() {
+    let (e, dev) = setup(EngineOptions {
+        durability: Durability::Unsafe,
+        ..EngineOptions::default()
+    });
+    let a = e.write(1, 0, &[1], &[], NONE).unwrap();
+    e.write(2, 0, &[2], &[a], NONE).unwrap();
+    e.sync().unwrap();
+    assert_eq!((disk(&dev, 1)[0], disk(&dev, 2)[0]), (1, 2));
+    assert_eq!(dev.stats().flushes, 0);
+    assert_eq!(e.stats().flushes, 0);
+}
+
+#[test]
+fn write_back_failure_stops_the_engine_with_a_clear_error() {
+    let (e, dev) = setup(EngineOptions::default());
+    e.write(1, 0, &[1], &[], NONE).unwrap();
+    dev.set_failing(true);
+    let err = e.sync().unwrap_err();
+    assert!(matches!(err, PatchError::Block(BlockError::Io { .. })), "{err}");
+    assert_eq!(err.errno(), 5);
+    dev.set_failing(false);
+    let again = e.write(2, 0, &[1], &[], NONE).unwrap_err();
+    assert!(matches!(again, PatchError::Failed(_)), "{again}");
+    assert!(again.to_string().contains("injected fault"));
+}
+
+#[test]
+fn bad_requests_are_typed_errors() {
+    let (e, _) = setup(EngineOptions::default());
+    assert!(matches!(e.write(64, 0, &[1], &[], NONE), Err(PatchError::Block(BlockError::OutOfRange { .. }))));
+    assert!(matches!(e.write(1, 510, &[1; 4], &[], NONE), Err(PatchError::OutOfBlock { .. })));
+    assert!(matches!(e.read(1000), Err(PatchError::Block(BlockError::OutOfRange { .. }))));
+    assert!(matches!(e.xor_bits(1, 512, 1, &[], NONE), Err(PatchError::OutOfBlock { .. })));
+}
+
+#[test]
+fn dot_dump_shows_patches_and_edges() {
+    let (e, _) = setup(opts(false, false));
+    let a = e.write(1, 0, &[1], &[], NONE).unwrap();
+    let b = e.write(2, 0, &[2], &[a], NONE).unwrap();
+    let dot = e.dump_dot();
+    assert!(dot.starts_with("digraph patches"));
+    assert!(dot.contains(&format!("\"{b}\" -> \"{a}\"")), "{dot}");
+}
+
+#[test]
+fn concurrent_writers_and_flusher_end_in_the_expected_image() {
+    let dev = Arc::new(MemDevice::new(BS, 64).unwrap());
+    let e = Engine::new(
+        dev.clone(),
+        EngineOptions {
+            flush_interval_ms: Some(1),
+            cache_bytes_max: 16 * BS,
+            ..EngineOptions::default()
+        },
+    );
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let e = e.clone();
+            std::thread::spawn(move || {
+                let mut prev = None;
+                for i in 0..300u64 {
+                    let block = t * 16 + i % 16;
+                    let befores: Vec<_> = prev.into_iter().collect();
+                    let p = e.write(block, (i as usize % 64) * 4, &(i as u32).to_le_bytes(), &befores, NONE).unwrap();
+                    prev = Some(p);
+                    if i % 50 == 0 {
+                        e.flush_until(p).unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    e.sync().unwrap();
+    e.stop_flusher();
+    e.check_invariants().unwrap();
+    for t in 0..4u64 {
+        for i in 284..300u64 {
+            let block = t * 16 + i % 16;
+            let off = (i as usize % 64) * 4;
+            assert_eq!(&disk(&dev, block)[off..off + 4], &(i as u32).to_le_bytes());
+        }
+    }
+    assert_eq!(e.stats().patches_live, 0);
+}
