@@ -1,6 +1,8 @@
 //! A device backed by an image file: pread/pwrite, fdatasync on flush, O_DIRECT optional.
 
-use crate::{check_block_size, check_request, BlockDevice, BlockError, BlockNo, IoCounters, IoStats, Result};
+use crate::{
+    check_block_size, check_request, BlockDevice, BlockError, BlockNo, IoCounters, IoStats, Result,
+};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -44,10 +46,12 @@ struct AlignedBuf {
 impl AlignedBuf {
     const ALIGN: usize = 4096;
     fn new(len: usize) -> Self {
-        let layout = std::alloc::Layout::from_size_align(len, Self::ALIGN).expect("block sizes are validated powers of two");
+        let layout = std::alloc::Layout::from_size_align(len, Self::ALIGN)
+            .expect("block sizes are validated powers of two");
         // SAFETY: layout has non-zero size (block sizes are at least 512).
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        let ptr =
+            std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         AlignedBuf { ptr, layout }
     }
     fn as_mut_slice(&mut self) -> &mut [u8] {
@@ -94,7 +98,11 @@ impl FileDevice {
     }
 
     /// Creates (or truncates) an image of `block_count` zero blocks and opens it.
-    pub fn create(path: impl AsRef<Path>, block_count: u64, opts: FileDeviceOptions) -> Result<Self> {
+    pub fn create(
+        path: impl AsRef<Path>,
+        block_count: u64,
+        opts: FileDeviceOptions,
+    ) -> Result<Self> {
         check_block_size(opts.block_size)?;
         let path = path.as_ref();
         let io = |source| BlockError::Io {
@@ -104,7 +112,12 @@ impl FileDevice {
         let bytes = block_count
             .checked_mul(opts.block_size as u64)
             .ok_or(BlockError::Unsupported("an image this large"))?;
-        let f = OpenOptions::new().write(true).create(true).truncate(true).open(path).map_err(io)?;
+        let f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .map_err(io)?;
         f.set_len(bytes).map_err(io)?;
         drop(f);
         Self::open(path, opts)
@@ -237,25 +250,56 @@ mod tests {
     fn short_image_gives_short_read_not_panic() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("img");
-        let dev = FileDevice::create(&path, 4, FileDeviceOptions { block_size: 1024, ..Default::default() }).unwrap();
+        let dev = FileDevice::create(
+            &path,
+            4,
+            FileDeviceOptions {
+                block_size: 1024,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         // Someone truncates the image under us: the read reports how much it got.
-        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(3 * 1024 + 100).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(3 * 1024 + 100)
+            .unwrap();
         let mut buf = vec![0; 1024];
         match dev.read(3, &mut buf) {
-            Err(BlockError::ShortRead { block: 3, got: 100, want: 1024 }) => {}
+            Err(BlockError::ShortRead {
+                block: 3,
+                got: 100,
+                want: 1024,
+            }) => {}
             other => panic!("expected a short read, got {other:?}"),
         }
-        assert!(matches!(dev.read(4, &mut buf), Err(BlockError::OutOfRange { .. })));
+        assert!(matches!(
+            dev.read(4, &mut buf),
+            Err(BlockError::OutOfRange { .. })
+        ));
     }
 
     #[test]
     fn missing_image_and_read_only_writes_are_clear_errors() {
         let dir = tempfile::tempdir().unwrap();
-        let err = FileDevice::open(dir.path().join("nope"), FileDeviceOptions::default()).unwrap_err();
+        let err =
+            FileDevice::open(dir.path().join("nope"), FileDeviceOptions::default()).unwrap_err();
         assert!(err.to_string().contains("nope"), "{err}");
         let path = dir.path().join("img");
         FileDevice::create(&path, 2, FileDeviceOptions::default()).unwrap();
-        let ro = FileDevice::open(&path, FileDeviceOptions { read_only: true, ..Default::default() }).unwrap();
-        assert!(matches!(ro.write(0, &[0; 4096]), Err(BlockError::Unsupported(_))));
+        let ro = FileDevice::open(
+            &path,
+            FileDeviceOptions {
+                read_only: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(matches!(
+            ro.write(0, &[0; 4096]),
+            Err(BlockError::Unsupported(_))
+        ));
     }
 }

@@ -1,6 +1,8 @@
 //! An in-memory device: tests, crash-state images and the benchmarks' bottom device.
 
-use crate::{check_block_size, check_request, BlockDevice, BlockError, BlockNo, IoCounters, IoStats, Result};
+use crate::{
+    check_block_size, check_request, BlockDevice, BlockError, BlockNo, IoCounters, IoStats, Result,
+};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::RwLock;
 
@@ -117,7 +119,10 @@ mod tests {
         dev.read(3, &mut back).unwrap();
         assert_eq!(back, block);
         dev.read(2, &mut back).unwrap();
-        assert!(back.iter().all(|&b| b == 0), "untouched block must stay zero");
+        assert!(
+            back.iter().all(|&b| b == 0),
+            "untouched block must stay zero"
+        );
         let s = dev.stats();
         assert_eq!((s.reads, s.writes, s.bytes_written), (2, 1, 512));
     }
@@ -126,19 +131,40 @@ mod tests {
     fn out_of_range_and_bad_sizes_are_typed_errors() {
         let dev = MemDevice::new(512, 8).unwrap();
         let mut buf = vec![0; 512];
-        assert!(matches!(dev.read(8, &mut buf), Err(BlockError::OutOfRange { block: 8, count: 8 })));
-        assert!(matches!(dev.write(u64::MAX, &buf), Err(BlockError::OutOfRange { .. })));
-        assert!(matches!(dev.write(0, &buf[..100]), Err(BlockError::BadBufferSize { got: 100, .. })));
-        assert!(matches!(MemDevice::new(1000, 8), Err(BlockError::BadBlockSize(1000))));
-        assert!(matches!(MemDevice::from_bytes(512, &[0; 700]), Err(BlockError::BadBufferSize { .. })));
-        assert!(matches!(dev.write_range(&[1, 2], &buf), Err(BlockError::Unsupported(_))));
+        assert!(matches!(
+            dev.read(8, &mut buf),
+            Err(BlockError::OutOfRange { block: 8, count: 8 })
+        ));
+        assert!(matches!(
+            dev.write(u64::MAX, &buf),
+            Err(BlockError::OutOfRange { .. })
+        ));
+        assert!(matches!(
+            dev.write(0, &buf[..100]),
+            Err(BlockError::BadBufferSize { got: 100, .. })
+        ));
+        assert!(matches!(
+            MemDevice::new(1000, 8),
+            Err(BlockError::BadBlockSize(1000))
+        ));
+        assert!(matches!(
+            MemDevice::from_bytes(512, &[0; 700]),
+            Err(BlockError::BadBufferSize { .. })
+        ));
+        assert!(matches!(
+            dev.write_range(&[1, 2], &buf),
+            Err(BlockError::Unsupported(_))
+        ));
     }
 
     #[test]
     fn injected_faults_fail_writes_and_flushes_without_changing_data() {
         let dev = MemDevice::new(512, 2).unwrap();
         dev.set_failing(true);
-        assert!(matches!(dev.write(0, &[1; 512]), Err(BlockError::Io { .. })));
+        assert!(matches!(
+            dev.write(0, &[1; 512]),
+            Err(BlockError::Io { .. })
+        ));
         assert!(matches!(dev.flush(), Err(BlockError::Io { .. })));
         dev.set_failing(false);
         assert!(dev.to_vec().iter().all(|&b| b == 0));

@@ -72,7 +72,12 @@ impl RecordingLog {
 
     /// Applies the crash state at `len` in which, of the writes after the last flush, only
     /// those for which `keep(index)` is true reached the disk.
-    pub fn replay_subset(&self, len: usize, target: &dyn BlockDevice, keep: impl Fn(usize) -> bool) -> Result<()> {
+    pub fn replay_subset(
+        &self,
+        len: usize,
+        target: &dyn BlockDevice,
+        keep: impl Fn(usize) -> bool,
+    ) -> Result<()> {
         let len = len.min(self.entries.len());
         let durable = self.durable_prefix(len);
         for (i, e) in self.entries[..len].iter().enumerate() {
@@ -86,7 +91,10 @@ impl RecordingLog {
     }
 
     pub fn writes(&self) -> usize {
-        self.entries.iter().filter(|e| matches!(e, LogEntry::Write { .. })).count()
+        self.entries
+            .iter()
+            .filter(|e| matches!(e, LogEntry::Write { .. }))
+            .count()
     }
 }
 
@@ -207,18 +215,35 @@ mod tests {
         assert_eq!(log.crash_points(), vec![3, 4, 7, 8]);
         assert_eq!(log.mark_position("a"), Some(4));
         // The recording device is transparent: the inner device holds the newest data.
-        assert_eq!((first_byte(&mem, 0), first_byte(&mem, 1), first_byte(&mem, 2)), (3, 5, 4));
+        assert_eq!(
+            (
+                first_byte(&mem, 0),
+                first_byte(&mem, 1),
+                first_byte(&mem, 2)
+            ),
+            (3, 5, 4)
+        );
     }
 
     #[test]
     fn replaying_each_prefix_gives_the_state_at_that_point() {
         let (rec, _) = history();
         let log = rec.log();
-        let expect = [(3, [1, 2, 0]), (4, [1, 2, 0]), (7, [3, 2, 4]), (8, [3, 5, 4]), (5, [3, 2, 0])];
+        let expect = [
+            (3, [1, 2, 0]),
+            (4, [1, 2, 0]),
+            (7, [3, 2, 4]),
+            (8, [3, 5, 4]),
+            (5, [3, 2, 0]),
+        ];
         for (len, want) in expect {
             let img = MemDevice::new(512, 4).unwrap();
             log.replay_prefix(len, &img).unwrap();
-            let got = [first_byte(&img, 0), first_byte(&img, 1), first_byte(&img, 2)];
+            let got = [
+                first_byte(&img, 0),
+                first_byte(&img, 1),
+                first_byte(&img, 2),
+            ];
             assert_eq!(got, want, "prefix {len}");
         }
     }
@@ -232,11 +257,25 @@ mod tests {
         // Crash after w(2,4) but before the second flush; keep only the write to block 2.
         let img = MemDevice::new(512, 4).unwrap();
         log.replay_subset(6, &img, |i| i == 5).unwrap();
-        assert_eq!([first_byte(&img, 0), first_byte(&img, 1), first_byte(&img, 2)], [1, 2, 4]);
+        assert_eq!(
+            [
+                first_byte(&img, 0),
+                first_byte(&img, 1),
+                first_byte(&img, 2)
+            ],
+            [1, 2, 4]
+        );
         // Keep nothing in flight: only the durable state.
         let img = MemDevice::new(512, 4).unwrap();
         log.replay_subset(6, &img, |_| false).unwrap();
-        assert_eq!([first_byte(&img, 0), first_byte(&img, 1), first_byte(&img, 2)], [1, 2, 0]);
+        assert_eq!(
+            [
+                first_byte(&img, 0),
+                first_byte(&img, 1),
+                first_byte(&img, 2)
+            ],
+            [1, 2, 0]
+        );
     }
 
     #[test]
@@ -245,8 +284,11 @@ mod tests {
         let rec = RecordingDevice::new(mem.clone(), 1024);
         rec.write(0, &block(1)).unwrap();
         rec.write(1, &block(1)).unwrap();
-        assert!(matches!(rec.write(2, &block(1)), Err(BlockError::LogFull { limit_bytes: 1024 })));
-        assert!(matches!(rec.write(9, &block(1)), Err(_)));
+        assert!(matches!(
+            rec.write(2, &block(1)),
+            Err(BlockError::LogFull { limit_bytes: 1024 })
+        ));
+        assert!(rec.write(9, &block(1)).is_err());
         mem.set_failing(true);
         assert!(rec.flush().is_err());
         assert_eq!(rec.log().entries.len(), 2);

@@ -40,6 +40,11 @@ pub struct EngineOptions {
     pub cache_bytes_max: usize,
     /// Background write-back interval; None for no flusher thread.
     pub flush_interval_ms: Option<u64>,
+    /// Past this many pending patches, a change first writes back what is ready (like the
+    /// kernel's dirty throttling). Bounds the graph, and with it the cost of each epoch:
+    /// without it, patches outside every fsync's closure pile up between flusher runs
+    /// and are rolled back again by every epoch that writes their blocks.
+    pub patches_live_max: usize,
 }
 
 impl Default for EngineOptions {
@@ -50,6 +55,7 @@ impl Default for EngineOptions {
             durability: Durability::Safe,
             cache_bytes_max: 64 << 20,
             flush_interval_ms: None,
+            patches_live_max: 8192,
         }
     }
 }
@@ -101,7 +107,9 @@ impl Change<'_> {
     }
     fn apply(&self, data: &mut [u8]) {
         match *self {
-            Change::Bytes { offset, bytes } => data[offset..offset + bytes.len()].copy_from_slice(bytes),
+            Change::Bytes { offset, bytes } => {
+                data[offset..offset + bytes.len()].copy_from_slice(bytes)
+            }
             Change::Zero => data.fill(0),
             Change::Xor { offset, xor } => xor_word(data, offset, xor),
         }
@@ -148,7 +156,9 @@ pub struct Engine {
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("opts", &self.sh.opts).finish()
+        f.debug_struct("Engine")
+            .field("opts", &self.sh.opts)
+            .finish()
     }
 }
 
@@ -218,17 +228,36 @@ impl Engine {
 
     /// Writes `bytes` at `offset` of `block`, after `befores`. Returns the patch that
     /// carries the change (possibly an existing patch it was merged into).
-    pub fn write(&self, block: BlockNo, offset: usize, bytes: &[u8], befores: &[PatchId], opts: ChangeOpts) -> Result<PatchId> {
+    pub fn write(
+        &self,
+        block: BlockNo,
+        offset: usize,
+        bytes: &[u8],
+        befores: &[PatchId],
+        opts: ChangeOpts,
+    ) -> Result<PatchId> {
         self.change(block, Change::Bytes { offset, bytes }, befores, opts)
     }
 
     /// Zeroes the whole block without reading it first (a freshly allocated block).
-    pub fn zero_block(&self, block: BlockNo, befores: &[PatchId], opts: ChangeOpts) -> Result<PatchId> {
+    pub fn zero_block(
+        &self,
+        block: BlockNo,
+        befores: &[PatchId],
+        opts: ChangeOpts,
+    ) -> Result<PatchId> {
         self.change(block, Change::Zero, befores, opts)
     }
 
     /// XORs `xor` into the little-endian 32-bit word at `offset` (a multiple of 4).
-    pub fn xor_bits(&self, block: BlockNo, offset: usize, xor: u32, befores: &[PatchId], opts: ChangeOpts) -> Result<PatchId> {
+    pub fn xor_bits(
+        &self,
+        block: BlockNo,
+        offset: usize,
+        xor: u32,
+        befores: &[PatchId],
+        opts: ChangeOpts,
+    ) -> Result<PatchId> {
         if offset % 4 != 0 {
             return Err(PatchError::UnalignedWord(offset));
         }
@@ -252,7 +281,9 @@ impl Engine {
         if st.g.get(a).in_flight {
             return Err(PatchError::NotPending);
         }
-        let Some(b) = st.g.resolve(before) else { return Ok(()) };
+        let Some(b) = st.g.resolve(before) else {
+            return Ok(());
+        };
         if a == b || st.g.reaches(b, a, usize::MAX) == Some(true) {
             return Err(PatchError::Cycle);
         }
@@ -280,7 +311,13 @@ impl Engine {
         s
     }
 
-    fn change(&self, block: BlockNo, change: Change<'_>, befores: &[PatchId], opts: ChangeOpts) -> Result<PatchId> {
+    fn change(
+        &self,
+        block: BlockNo,
+        change: Change<'_>,
+        befores: &[PatchId],
+        opts: ChangeOpts,
+    ) -> Result<PatchId> {
         let bs = self.sh.block_size;
         let (start, end) = change.range(bs);
         if end > bs {
@@ -304,13 +341,20 @@ impl Engine {
     /// Keeps the cache within its budget: evict clean blocks, and if dirty blocks alone
     /// are over it, write back what is ready.
     fn keep_budget(&self) -> Result<()> {
-        let over = {
+        let (over_cache, over_patches) = {
             let mut st = self.lock();
             st.evict(self.sh.opts.cache_bytes_max);
-            st.cached_bytes > self.sh.opts.cache_bytes_max
+            (
+                st.cached_bytes > self.sh.opts.cache_bytes_max,
+                st.g.live() > self.sh.opts.patches_live_max,
+            )
         };
-        if over {
+        if over_patches {
+            self.write_back_ready()?;
+        } else if over_cache {
             self.epoch()?;
+        }
+        if over_cache || over_patches {
             self.lock().evict(self.sh.opts.cache_bytes_max);
         }
         Ok(())
@@ -330,7 +374,9 @@ impl Engine {
                 {
                     let (lock, cv) = &sh.stop;
                     let stopped = lock.lock().unwrap_or_else(|e| e.into_inner());
-                    let (stopped, _) = cv.wait_timeout(stopped, interval).unwrap_or_else(|e| e.into_inner());
+                    let (stopped, _) = cv
+                        .wait_timeout(stopped, interval)
+                        .unwrap_or_else(|e| e.into_inner());
                     if *stopped {
                         sh.flusher_running.store(false, Ordering::SeqCst);
                         return;
@@ -372,7 +418,12 @@ impl State {
 
     /// The cached block, read from the device on a miss. With `synthetic`, a miss gives a
     /// zero block without reading (the caller overwrites all of it).
-    pub fn load(&mut self, sh: &Shared, block: BlockNo, synthetic: bool) -> Result<&mut CachedBlock> {
+    pub fn load(
+        &mut self,
+        sh: &Shared,
+        block: BlockNo,
+        synthetic: bool,
+    ) -> Result<&mut CachedBlock> {
         if self.blocks.contains_key(&block) {
             self.stats.cache_hits += 1;
         } else {
@@ -455,7 +506,9 @@ impl State {
     /// patchgroups, so that the change waits for what those groups wait for.
     fn gather_befores(&self, befores: &[PatchId], caller: Option<CallerId>) -> Vec<PatchId> {
         let mut out: Vec<PatchId> = Vec::with_capacity(befores.len() + 2);
-        let engaged = caller.map(|c| self.pgs.engaged_tails(c)).unwrap_or_default();
+        let engaged = caller
+            .map(|c| self.pgs.engaged_tails(c))
+            .unwrap_or_default();
         for &b in befores.iter().chain(engaged.iter()) {
             if let Some(r) = self.g.resolve(b) {
                 if !out.contains(&r) {
@@ -513,14 +566,22 @@ impl State {
     /// Can `befores` be added to `target` without a cycle? (Is `target` unreachable from
     /// each of them?) A search that gives up answers no.
     fn merge_is_acyclic(&self, target: PatchId, befores: &[PatchId]) -> bool {
-        befores
-            .iter()
-            .all(|&b| b == target || self.g.reaches(b, target, MERGE_CYCLE_SEARCH_LIMIT) == Some(false))
+        befores.iter().all(|&b| {
+            b == target || self.g.reaches(b, target, MERGE_CYCLE_SEARCH_LIMIT) == Some(false)
+        })
     }
 
-    pub fn change(&mut self, sh: &Shared, block: BlockNo, change: Change<'_>, befores: &[PatchId], opts: ChangeOpts) -> Result<PatchId> {
+    pub fn change(
+        &mut self,
+        sh: &Shared,
+        block: BlockNo,
+        change: Change<'_>,
+        befores: &[PatchId],
+        opts: ChangeOpts,
+    ) -> Result<PatchId> {
         let bs = sh.block_size;
-        let whole = matches!(change, Change::Zero) || matches!(change, Change::Bytes { offset: 0, bytes } if bytes.len() == bs);
+        let whole = matches!(change, Change::Zero)
+            || matches!(change, Change::Bytes { offset: 0, bytes } if bytes.len() == bs);
         // A block that is not cached has no pending patches, so a whole-block change can
         // become a hard patch without knowing the old contents.
         let synthetic = whole && sh.opts.hard_patches;
@@ -573,7 +634,13 @@ impl State {
     /// and the change is applied to it. Acyclic by construction: the folded patches' afters
     /// are all on this block, hence folded too, so the result has no afters when the new
     /// befores are added.
-    fn fold_block_into_hard(&mut self, block: BlockNo, change: Change<'_>, befores: &[PatchId], data: bool) -> PatchId {
+    fn fold_block_into_hard(
+        &mut self,
+        block: BlockNo,
+        change: Change<'_>,
+        befores: &[PatchId],
+        data: bool,
+    ) -> PatchId {
         let members: Vec<PatchId> = self.blocks[&block]
             .pending
             .iter()
@@ -656,14 +723,23 @@ impl State {
     /// The patch a change may be merged into, if any: the block's hard patch when the change
     /// overlaps nothing else, or (with overlap merging) the single rollbackable patch it
     /// overlaps. Either way the merge must not close a cycle.
-    fn merge_target(&self, sh: &Shared, block: BlockNo, probe: &Patch, befores: &[PatchId]) -> Option<PatchId> {
+    fn merge_target(
+        &self,
+        sh: &Shared,
+        block: BlockNo,
+        probe: &Patch,
+        befores: &[PatchId],
+    ) -> Option<PatchId> {
         let blk = &self.blocks[&block];
         let over = self.overlapping(block, probe);
         if let Some(h) = blk.hard {
             // Everything pending on the block depends on the hard patch; folding the change
             // into it is safe if no newer patch overlaps the change (its undo bytes would
             // otherwise restore bytes older than the change).
-            if sh.opts.hard_patches && over.iter().all(|&p| p == h) && self.merge_is_acyclic(h, befores) {
+            if sh.opts.hard_patches
+                && over.iter().all(|&p| p == h)
+                && self.merge_is_acyclic(h, befores)
+            {
                 return Some(h);
             }
         }
@@ -688,7 +764,12 @@ impl State {
                     data: false,
                     absorbed: Vec::new(),
                 };
-                let on_word: Vec<PatchId> = blk.pending.iter().copied().filter(|&p| self.g.get(p).overlaps(&word)).collect();
+                let on_word: Vec<PatchId> = blk
+                    .pending
+                    .iter()
+                    .copied()
+                    .filter(|&p| self.g.get(p).overlaps(&word))
+                    .collect();
                 match on_word[..] {
                     [t] if matches!(self.g.get(t).kind, Kind::Bit { .. }) => t,
                     _ => return None,
@@ -706,7 +787,14 @@ impl State {
         Some(target)
     }
 
-    fn merge_into(&mut self, target: PatchId, block: BlockNo, change: Change<'_>, befores: &[PatchId], data: bool) {
+    fn merge_into(
+        &mut self,
+        target: PatchId,
+        block: BlockNo,
+        change: Change<'_>,
+        befores: &[PatchId],
+        data: bool,
+    ) {
         self.stats.patches_merged += 1;
         self.g.get_mut(target).data &= data;
         let bs = self.blocks[&block].data.len();
@@ -755,7 +843,13 @@ impl State {
         change.apply(&mut blk.data);
     }
 
-    fn new_patch(&mut self, block: BlockNo, change: Change<'_>, mut probe: Patch, befores: &[PatchId]) -> PatchId {
+    fn new_patch(
+        &mut self,
+        block: BlockNo,
+        change: Change<'_>,
+        mut probe: Patch,
+        befores: &[PatchId],
+    ) -> PatchId {
         let over = self.overlapping(block, &probe);
         self.seq += 1;
         probe.seq = self.seq;
@@ -802,7 +896,10 @@ impl State {
             if self.g.resolve(id) != Some(id) {
                 continue;
             }
-            debug_assert!(befores_durable(&self.g, id), "patch {id} satisfied before its befores");
+            debug_assert!(
+                befores_durable(&self.g, id),
+                "patch {id} satisfied before its befores"
+            );
             let p = self.g.remove(id);
             self.stats.undo_bytes_now -= p.undo_len() as u64;
             if let Some(b) = p.block {

@@ -49,12 +49,18 @@ impl Engine {
             let only = match until {
                 None => None,
                 Some(p) => {
-                    let Some(p) = st.g.resolve(p) else { return Ok(None) };
+                    let Some(p) = st.g.resolve(p) else {
+                        return Ok(None);
+                    };
                     let (blocks, pinned) = st.closure(p);
                     if blocks.is_empty() {
                         // Only empty patches are left: either held ones, or p itself is a
                         // held empty whose befores are all durable.
-                        return if pinned { Err(PatchError::Pinned) } else { Ok(None) };
+                        return if pinned {
+                            Err(PatchError::Pinned)
+                        } else {
+                            Ok(None)
+                        };
                     }
                     Some(blocks)
                 }
@@ -64,7 +70,11 @@ impl Engine {
         if batch.is_empty() {
             // With the epoch lock held nothing else can be writing: what is left waits
             // for a patch no epoch can write.
-            return if until.is_some() { Err(PatchError::Pinned) } else { Ok(Some(EpochReport::default())) };
+            return if until.is_some() {
+                Err(PatchError::Pinned)
+            } else {
+                Ok(Some(EpochReport::default()))
+            };
         }
         let safe = self.sh.opts.durability == Durability::Safe;
         let io = (|| {
@@ -167,7 +177,10 @@ impl State {
     fn ready_set(&mut self, block: BlockNo) -> Vec<PatchId> {
         let pending = self.blocks[&block].pending.clone();
         // Prune stale befores once, so the fixpoint below only reads.
-        let befores: HashMap<PatchId, Vec<PatchId>> = pending.iter().map(|&p| (p, self.g.live_befores(p))).collect();
+        let befores: HashMap<PatchId, Vec<PatchId>> = pending
+            .iter()
+            .map(|&p| (p, self.g.live_befores(p)))
+            .collect();
         let mut cand: HashSet<PatchId> = pending.iter().copied().collect();
         loop {
             let mut memo: HashMap<PatchId, bool> = HashMap::new();
@@ -176,7 +189,9 @@ impl State {
                 if !cand.contains(&p) {
                     continue;
                 }
-                let ok = befores[&p].iter().all(|&b| self.before_ok(b, block, &cand, &mut memo));
+                let ok = befores[&p]
+                    .iter()
+                    .all(|&b| self.before_ok(b, block, &cand, &mut memo));
                 if !ok {
                     cand.remove(&p);
                     removed = true;
@@ -189,8 +204,16 @@ impl State {
         pending.into_iter().filter(|p| cand.contains(p)).collect()
     }
 
-    fn before_ok(&self, b: PatchId, block: BlockNo, cand: &HashSet<PatchId>, memo: &mut HashMap<PatchId, bool>) -> bool {
-        let Some(b) = self.g.resolve(b) else { return true };
+    fn before_ok(
+        &self,
+        b: PatchId,
+        block: BlockNo,
+        cand: &HashSet<PatchId>,
+        memo: &mut HashMap<PatchId, bool>,
+    ) -> bool {
+        let Some(b) = self.g.resolve(b) else {
+            return true;
+        };
         let p = self.g.get(b);
         match p.block {
             Some(bb) => bb == block && cand.contains(&b),
@@ -202,7 +225,10 @@ impl State {
                 // Provisionally false: the graph is acyclic, so this only guards against a
                 // broken invariant turning into endless recursion.
                 memo.insert(b, false);
-                let v = p.befores.iter().all(|&x| self.before_ok(x, block, cand, memo));
+                let v = p
+                    .befores
+                    .iter()
+                    .all(|&x| self.before_ok(x, block, cand, memo));
                 memo.insert(b, v);
                 v
             }
@@ -211,7 +237,12 @@ impl State {
 
     fn prepare_epoch(&mut self, only: Option<&HashSet<BlockNo>>) -> (Vec<BlockImage>, usize) {
         let dirty: Vec<BlockNo> = match only {
-            Some(set) => self.dirty.iter().copied().filter(|b| set.contains(b)).collect(),
+            Some(set) => self
+                .dirty
+                .iter()
+                .copied()
+                .filter(|b| set.contains(b))
+                .collect(),
             None => self.dirty.iter().copied().collect(),
         };
         let mut batch = Vec::new();
@@ -224,7 +255,12 @@ impl State {
             let blk = &self.blocks[&block];
             let mut image = blk.data.to_vec();
             let ready_set: HashSet<PatchId> = ready.iter().copied().collect();
-            let mut not_ready: Vec<PatchId> = blk.pending.iter().copied().filter(|p| !ready_set.contains(p)).collect();
+            let mut not_ready: Vec<PatchId> = blk
+                .pending
+                .iter()
+                .copied()
+                .filter(|p| !ready_set.contains(p))
+                .collect();
             // Newest first: each rollback restores the bytes its patch found.
             not_ready.sort_by_key(|&p| std::cmp::Reverse(self.g.get(p).seq));
             for &p in &not_ready {
@@ -247,15 +283,27 @@ impl State {
             }
             if let Some(h) = self.blocks[&block].hard {
                 if ready_set.contains(&h) {
-                    self.blocks.get_mut(&block).expect("dirty block is cached").hard = None;
+                    self.blocks
+                        .get_mut(&block)
+                        .expect("dirty block is cached")
+                        .hard = None;
                 }
             }
-            batch.push(BlockImage { block, image, ready });
+            batch.push(BlockImage {
+                block,
+                image,
+                ready,
+            });
         }
         (batch, rolled_back)
     }
 
-    fn complete_epoch(&mut self, batch: &[BlockImage], rolled_back: usize, flushed: bool) -> EpochReport {
+    fn complete_epoch(
+        &mut self,
+        batch: &[BlockImage],
+        rolled_back: usize,
+        flushed: bool,
+    ) -> EpochReport {
         let mut report = EpochReport {
             blocks_written: batch.len(),
             patches_rolled_back: rolled_back,
@@ -276,11 +324,17 @@ impl State {
                     true
                 }
             });
-            assert!(done.len() > before || all.is_empty(), "epoch wrote patches whose befores are not durable: {all:?}");
+            assert!(
+                done.len() > before || all.is_empty(),
+                "epoch wrote patches whose befores are not durable: {all:?}"
+            );
         }
         report.patches_written = done.len();
         for b in batch {
-            let blk = self.blocks.get_mut(&b.block).expect("written block is cached");
+            let blk = self
+                .blocks
+                .get_mut(&b.block)
+                .expect("written block is cached");
             blk.pending.retain(|p| !done.contains(p));
             blk.overlap_index.retain(|p| !done.contains(p));
             if blk.pending.is_empty() {
@@ -306,13 +360,23 @@ impl State {
                 if b == id {
                     continue;
                 }
-                if !self.g.get(b).afters.iter().any(|&a| self.g.resolve(a) == Some(id)) {
-                    return Err(format!("{id} waits for {b} but {b} does not list it as an after"));
+                if !self
+                    .g
+                    .get(b)
+                    .afters
+                    .iter()
+                    .any(|&a| self.g.resolve(a) == Some(id))
+                {
+                    return Err(format!(
+                        "{id} waits for {b} but {b} does not list it as an after"
+                    ));
                 }
             }
             for &a in &p.afters {
                 let Some(ar) = self.g.resolve(a) else {
-                    return Err(format!("{id} has after {a} that is durable while {id} is not"));
+                    return Err(format!(
+                        "{id} has after {a} that is durable while {id} is not"
+                    ));
                 };
                 if ar == id {
                     continue;
@@ -333,18 +397,27 @@ impl State {
             }
         }
         if undo != self.stats.undo_bytes_now {
-            return Err(format!("undo bytes: counted {} but patches hold {undo}", self.stats.undo_bytes_now));
+            return Err(format!(
+                "undo bytes: counted {} but patches hold {undo}",
+                self.stats.undo_bytes_now
+            ));
         }
         for (&b, blk) in &self.blocks {
             if blk.extern_afters != extern_count.get(&b).copied().unwrap_or(0) {
-                return Err(format!("block {b}: extern_afters {} but edges say {}", blk.extern_afters, extern_count.get(&b).copied().unwrap_or(0)));
+                return Err(format!(
+                    "block {b}: extern_afters {} but edges say {}",
+                    blk.extern_afters,
+                    extern_count.get(&b).copied().unwrap_or(0)
+                ));
             }
             if blk.pending.is_empty() == self.dirty.contains(&b) {
                 return Err(format!("block {b}: dirty set disagrees with pending list"));
             }
             for &p in &blk.pending {
                 if self.g.resolve(p) != Some(p) || self.g.get(p).block != Some(b) {
-                    return Err(format!("block {b} lists {p}, which is not a live patch on it"));
+                    return Err(format!(
+                        "block {b} lists {p}, which is not a live patch on it"
+                    ));
                 }
             }
             if let Some(h) = blk.hard {
@@ -354,7 +427,10 @@ impl State {
                 // Negative space: nothing on the block may be written without the hard
                 // patch, or the hard patch would need a rollback.
                 for &p in &blk.pending {
-                    if p != h && self.g.get(p).seq > self.g.get(h).seq && self.g.reaches(p, h, usize::MAX) != Some(true) {
+                    if p != h
+                        && self.g.get(p).seq > self.g.get(h).seq
+                        && self.g.reaches(p, h, usize::MAX) != Some(true)
+                    {
                         return Err(format!("block {b}: {p} does not depend on hard patch {h}"));
                     }
                     if self.g.get(p).seq < self.g.get(h).seq && !self.g.get(p).in_flight {
@@ -379,7 +455,9 @@ impl State {
                 let befores = &self.g.get(id).befores;
                 if i < befores.len() {
                     stack.push((id, i + 1));
-                    let Some(b) = self.g.resolve(befores[i]) else { continue };
+                    let Some(b) = self.g.resolve(befores[i]) else {
+                        continue;
+                    };
                     if b == id {
                         continue;
                     }
@@ -400,14 +478,25 @@ impl State {
     }
 
     fn dump_dot(&self) -> String {
-        let mut s = String::from("digraph patches {\n  rankdir=BT;\n  node [shape=box, fontname=monospace];\n");
+        let mut s = String::from(
+            "digraph patches {\n  rankdir=BT;\n  node [shape=box, fontname=monospace];\n",
+        );
         for (id, p) in self.g.iter_live() {
             let label = match &p.kind {
                 Kind::Byte { offset, len, undo } => {
-                    format!("{id}\\nblock {} [{offset}+{len}]{}", p.block.unwrap_or(0), if undo.is_none() { " hard" } else { "" })
+                    format!(
+                        "{id}\\nblock {} [{offset}+{len}]{}",
+                        p.block.unwrap_or(0),
+                        if undo.is_none() { " hard" } else { "" }
+                    )
                 }
-                Kind::Bit { offset, xor } => format!("{id}\\nblock {} bit@{offset} ^{xor:#x}", p.block.unwrap_or(0)),
-                Kind::Empty { holds } => format!("{id}\\nempty{}", if *holds > 0 { " (held)" } else { "" }),
+                Kind::Bit { offset, xor } => format!(
+                    "{id}\\nblock {} bit@{offset} ^{xor:#x}",
+                    p.block.unwrap_or(0)
+                ),
+                Kind::Empty { holds } => {
+                    format!("{id}\\nempty{}", if *holds > 0 { " (held)" } else { "" })
+                }
             };
             let style = if p.is_empty() { ", style=dashed" } else { "" };
             let _ = writeln!(s, "  \"{id}\" [label=\"{label}\"{style}];");

@@ -23,7 +23,11 @@ impl std::fmt::Display for PatchId {
 pub(crate) enum Kind {
     /// Bytes `[offset, offset+len)` of the block. `undo` holds the bytes they replaced
     /// (None for a hard patch, which is never rolled back).
-    Byte { offset: u32, len: u32, undo: Option<Box<[u8]>> },
+    Byte {
+        offset: u32,
+        len: u32,
+        undo: Option<Box<[u8]>>,
+    },
     /// XOR `xor` into the 32-bit little-endian word at byte `offset`. Self-inverse, so
     /// it needs no undo bytes.
     Bit { offset: u32, xor: u32 },
@@ -78,7 +82,9 @@ impl Patch {
     /// Does `self` touch any byte (or bit) that `other` touches? Two bit patches on one
     /// word overlap only if they flip a common bit: XORs of disjoint bits commute.
     pub fn overlaps(&self, other: &Patch) -> bool {
-        if let (Kind::Bit { offset: a, xor: x }, Kind::Bit { offset: b, xor: y }) = (&self.kind, &other.kind) {
+        if let (Kind::Bit { offset: a, xor: x }, Kind::Bit { offset: b, xor: y }) =
+            (&self.kind, &other.kind)
+        {
             return a == b && x & y != 0;
         }
         let (a0, a1) = self.range();
@@ -89,7 +95,9 @@ impl Patch {
     /// skip `other`: whatever overlaps it overlaps `self`, which depends on it)?
     pub fn covers(&self, other: &Patch) -> bool {
         match (&self.kind, &other.kind) {
-            (Kind::Bit { offset: a, xor: x }, Kind::Bit { offset: b, xor: y }) => a == b && x & y == *y,
+            (Kind::Bit { offset: a, xor: x }, Kind::Bit { offset: b, xor: y }) => {
+                a == b && x & y == *y
+            }
             (Kind::Bit { .. }, _) => false,
             _ => {
                 let (a0, a1) = self.range();
@@ -248,15 +256,18 @@ impl Graph {
     }
 
     pub fn iter_live(&self) -> impl Iterator<Item = (PatchId, &Patch)> {
-        self.slots.iter().enumerate().filter_map(|(i, s)| match &s.state {
-            SlotState::Live(p) => Some((
-                PatchId {
-                    idx: i as u32,
-                    gen: s.gen,
-                },
-                p,
-            )),
-            _ => None,
-        })
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match &s.state {
+                SlotState::Live(p) => Some((
+                    PatchId {
+                        idx: i as u32,
+                        gen: s.gen,
+                    },
+                    p,
+                )),
+                _ => None,
+            })
     }
 }

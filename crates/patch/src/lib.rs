@@ -31,6 +31,7 @@ mod epoch;
 mod graph;
 mod patchgroup;
 mod stats;
+pub mod synth;
 
 pub use engine::{ChangeOpts, Durability, Engine, EngineOptions};
 pub use epoch::EpochReport;
@@ -46,7 +47,11 @@ pub enum PatchError {
     #[error(transparent)]
     Block(#[from] BlockError),
     #[error("change of {len} bytes at offset {offset} does not fit in a {block_size}-byte block")]
-    OutOfBlock { offset: usize, len: usize, block_size: usize },
+    OutOfBlock {
+        offset: usize,
+        len: usize,
+        block_size: usize,
+    },
     #[error("bit patches work on aligned 32-bit words; offset {0} is not a multiple of 4")]
     UnalignedWord(usize),
     #[error("adding this dependency would create a cycle")]

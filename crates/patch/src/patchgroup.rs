@@ -35,7 +35,9 @@ pub enum PatchgroupError {
     SelfDependency(u64),
     #[error("patchgroup {0} is released: it can take no new dependencies")]
     AfterReleased(u64),
-    #[error("patchgroup {0} is engaged: a group cannot depend on it until it is disengaged everywhere")]
+    #[error(
+        "patchgroup {0} is engaged: a group cannot depend on it until it is disengaged everywhere"
+    )]
     BeforeEngaged(u64),
     #[error("patchgroup {0} must be released before it is engaged")]
     NotReleased(u64),
@@ -85,11 +87,17 @@ impl Patchgroups {
         self.scope(c).map(|g| g.head).collect()
     }
     fn scope(&self, c: CallerId) -> impl Iterator<Item = &Group> {
-        self.scopes.get(&c).into_iter().flatten().filter_map(|id| self.groups.get(id))
+        self.scopes
+            .get(&c)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.groups.get(id))
     }
 
     fn group(&self, id: PatchgroupId) -> Result<&Group, PatchgroupError> {
-        self.groups.get(&id.0).ok_or(PatchgroupError::NoSuchGroup(id.0))
+        self.groups
+            .get(&id.0)
+            .ok_or(PatchgroupError::NoSuchGroup(id.0))
     }
 }
 
@@ -145,7 +153,11 @@ impl Engine {
         }
         let (tail, head) = (a.tail, b.head);
         let first_after = !b.has_afters;
-        st.pgs.groups.get_mut(&before.0).expect("checked").has_afters = true;
+        st.pgs
+            .groups
+            .get_mut(&before.0)
+            .expect("checked")
+            .has_afters = true;
         if let (Some(t), Some(h)) = (st.g.resolve(tail), st.g.resolve(head)) {
             st.add_edge(t, h);
         }
@@ -171,7 +183,12 @@ impl Engine {
         if g.engaged_by.contains(&caller) {
             return Err(PatchgroupError::AlreadyEngaged(pg.0, caller).into());
         }
-        st.pgs.groups.get_mut(&pg.0).expect("checked").engaged_by.push(caller);
+        st.pgs
+            .groups
+            .get_mut(&pg.0)
+            .expect("checked")
+            .engaged_by
+            .push(caller);
         st.pgs.scopes.entry(caller).or_default().push(pg.0);
         Ok(())
     }
@@ -182,7 +199,12 @@ impl Engine {
         if !g.engaged_by.contains(&caller) {
             return Err(PatchgroupError::NotEngaged(pg.0, caller).into());
         }
-        st.pgs.groups.get_mut(&pg.0).expect("checked").engaged_by.retain(|&c| c != caller);
+        st.pgs
+            .groups
+            .get_mut(&pg.0)
+            .expect("checked")
+            .engaged_by
+            .retain(|&c| c != caller);
         if let Some(scope) = st.pgs.scopes.get_mut(&caller) {
             scope.retain(|&x| x != pg.0);
             if scope.is_empty() {
@@ -288,19 +310,40 @@ mod tests {
         let (e, _) = engine();
         let p = e.pg_create();
         let q = e.pg_create();
-        assert_eq!(pg_err(e.pg_add_depend(p, p)), PatchgroupError::SelfDependency(p.0));
+        assert_eq!(
+            pg_err(e.pg_add_depend(p, p)),
+            PatchgroupError::SelfDependency(p.0)
+        );
         assert_eq!(pg_err(e.pg_engage(p, 1)), PatchgroupError::NotReleased(p.0));
         e.pg_release(p).unwrap();
-        assert_eq!(pg_err(e.pg_release(p)), PatchgroupError::AlreadyReleased(p.0));
-        assert_eq!(pg_err(e.pg_add_depend(p, q)), PatchgroupError::AfterReleased(p.0));
+        assert_eq!(
+            pg_err(e.pg_release(p)),
+            PatchgroupError::AlreadyReleased(p.0)
+        );
+        assert_eq!(
+            pg_err(e.pg_add_depend(p, q)),
+            PatchgroupError::AfterReleased(p.0)
+        );
         e.pg_engage(p, 1).unwrap();
-        assert_eq!(pg_err(e.pg_engage(p, 1)), PatchgroupError::AlreadyEngaged(p.0, 1));
-        assert_eq!(pg_err(e.pg_add_depend(q, p)), PatchgroupError::BeforeEngaged(p.0));
-        assert_eq!(pg_err(e.pg_disengage(p, 2)), PatchgroupError::NotEngaged(p.0, 2));
+        assert_eq!(
+            pg_err(e.pg_engage(p, 1)),
+            PatchgroupError::AlreadyEngaged(p.0, 1)
+        );
+        assert_eq!(
+            pg_err(e.pg_add_depend(q, p)),
+            PatchgroupError::BeforeEngaged(p.0)
+        );
+        assert_eq!(
+            pg_err(e.pg_disengage(p, 2)),
+            PatchgroupError::NotEngaged(p.0, 2)
+        );
         e.pg_disengage(p, 1).unwrap();
         e.pg_add_depend(q, p).unwrap();
         assert_eq!(pg_err(e.pg_engage(p, 1)), PatchgroupError::HasAfters(p.0));
-        assert_eq!(pg_err(e.pg_sync(PatchgroupId(99))), PatchgroupError::NoSuchGroup(99));
+        assert_eq!(
+            pg_err(e.pg_sync(PatchgroupId(99))),
+            PatchgroupError::NoSuchGroup(99)
+        );
         assert_eq!(PatchgroupError::BeforeEngaged(1).errno(), 16);
     }
 
@@ -324,7 +367,11 @@ mod tests {
         // Q's change may go at once.
         e.pg_engage(p, 7).unwrap_err();
         e.write_back_ready().unwrap();
-        assert_eq!(on_disk(&dev, 2), 2, "P has no changes and can take none: Q is free");
+        assert_eq!(
+            on_disk(&dev, 2),
+            2,
+            "P has no changes and can take none: Q is free"
+        );
 
         // Now a chain where P does have changes.
         let p = e.pg_create();
@@ -359,7 +406,10 @@ mod tests {
         e.pg_add_depend(q, p).unwrap();
         e.pg_release(q).unwrap();
         e.pg_engage(q, 1).unwrap();
-        let c = ChangeOpts { caller: Some(1), data: false };
+        let c = ChangeOpts {
+            caller: Some(1),
+            data: false,
+        };
         let w = e.write(5, 0, &[5], &[], c).unwrap();
         // P has afters, so its head is final (empty): Q is not pinned by it.
         e.flush_until(w).unwrap();
@@ -386,9 +436,24 @@ mod tests {
         e.pg_release(p).unwrap();
         e.pg_engage(p, 10).unwrap();
         e.pg_inherit(10, 11);
-        let w = e.write(1, 0, &[1], &[], ChangeOpts { caller: Some(11), data: false }).unwrap();
+        let w = e
+            .write(
+                1,
+                0,
+                &[1],
+                &[],
+                ChangeOpts {
+                    caller: Some(11),
+                    data: false,
+                },
+            )
+            .unwrap();
         let head = e.lock().pgs.group(p).unwrap().head;
-        assert_eq!(e.lock().g.reaches(head, w, 100), Some(true), "the child's change joins the group");
+        assert_eq!(
+            e.lock().g.reaches(head, w, 100),
+            Some(true),
+            "the child's change joins the group"
+        );
         e.pg_forget_caller(11);
         e.pg_forget_caller(10);
         let q = e.pg_create();

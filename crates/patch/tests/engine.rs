@@ -8,7 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 const BS: usize = 512;
-const NONE: ChangeOpts = ChangeOpts { caller: None, data: false };
+const NONE: ChangeOpts = ChangeOpts {
+    caller: None,
+    data: false,
+};
 
 fn opts(hard: bool, merge: bool) -> EngineOptions {
     EngineOptions {
@@ -39,7 +42,10 @@ fn block_level_cycle_is_written_with_rollback() {
     let a2 = e.write(1, 100, &[3; 8], &[b1], NONE).unwrap();
 
     let r = e.epoch().unwrap();
-    assert_eq!((r.blocks_written, r.patches_written, r.patches_rolled_back), (1, 1, 1));
+    assert_eq!(
+        (r.blocks_written, r.patches_written, r.patches_rolled_back),
+        (1, 1, 1)
+    );
     assert_eq!(&disk(&dev, 1)[..8], &[1; 8]);
     assert_eq!(&disk(&dev, 1)[100..108], &[0; 8], "a2 must be rolled back");
     assert_eq!(&disk(&dev, 2)[..8], &[0; 8]);
@@ -113,7 +119,10 @@ fn overlap_merging_folds_repeated_writes_to_the_same_bytes() {
             e.write(3, 16, &[i; 32], &[anchor], NONE).unwrap();
         }
         e.sync().unwrap();
-        assert_eq!(&disk(&dev, 3)[..48], &[&[49u8; 16][..], &[49u8; 32][..]].concat()[..]);
+        assert_eq!(
+            &disk(&dev, 3)[..48],
+            &[&[49u8; 16][..], &[49u8; 32][..]].concat()[..]
+        );
         e.stats()
     };
     let plain = run(false);
@@ -134,7 +143,10 @@ fn bit_patches_on_one_word_merge_and_commute() {
     assert_eq!(e.stats().patches_created, 2);
     e.sync().unwrap();
     assert_eq!(&disk(&dev, 4)[8..12], &[0xff; 4]);
-    assert!(matches!(e.xor_bits(4, 6, 1, &[], NONE), Err(PatchError::UnalignedWord(6))));
+    assert!(matches!(
+        e.xor_bits(4, 6, 1, &[], NONE),
+        Err(PatchError::UnalignedWord(6))
+    ));
 }
 
 #[test]
@@ -146,8 +158,15 @@ fn flush_until_writes_only_what_the_patch_needs() {
     e.flush_until(b).unwrap();
     assert!(e.is_durable(a) && e.is_durable(b));
     assert!(!e.is_durable(unrelated));
-    assert_eq!((disk(&dev, 1)[0], disk(&dev, 2)[0], disk(&dev, 3)[0]), (1, 2, 0));
-    assert_eq!(e.stats().flushes, 2, "a chain of two blocks needs two epochs");
+    assert_eq!(
+        (disk(&dev, 1)[0], disk(&dev, 2)[0], disk(&dev, 3)[0]),
+        (1, 2, 0)
+    );
+    assert_eq!(
+        e.stats().flushes,
+        2,
+        "a chain of two blocks needs two epochs"
+    );
 }
 
 #[test]
@@ -162,7 +181,10 @@ fn empty_patches_join_dependencies() {
     assert!(e.is_durable(both));
     e.flush_until(c).unwrap();
     assert_eq!(disk(&dev, 3)[0], 3);
-    assert!(e.is_durable(e.empty(&[])), "an empty patch with nothing to wait for is durable");
+    assert!(
+        e.is_durable(e.empty(&[])),
+        "an empty patch with nothing to wait for is durable"
+    );
 
     let x = e.write(4, 0, &[4], &[], NONE).unwrap();
     let join = e.empty(&[x]);
@@ -208,7 +230,10 @@ fn background_flusher_writes_back_on_its_interval() {
     let p = e.write(1, 0, &[7], &[], NONE).unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while !e.is_durable(p) {
-        assert!(std::time::Instant::now() < deadline, "flusher never wrote the block");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "flusher never wrote the block"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(disk(&dev, 1)[0], 7);
@@ -235,7 +260,10 @@ fn write_back_failure_stops_the_engine_with_a_clear_error() {
     e.write(1, 0, &[1], &[], NONE).unwrap();
     dev.set_failing(true);
     let err = e.sync().unwrap_err();
-    assert!(matches!(err, PatchError::Block(BlockError::Io { .. })), "{err}");
+    assert!(
+        matches!(err, PatchError::Block(BlockError::Io { .. })),
+        "{err}"
+    );
     assert_eq!(err.errno(), 5);
     dev.set_failing(false);
     let again = e.write(2, 0, &[1], &[], NONE).unwrap_err();
@@ -246,10 +274,22 @@ fn write_back_failure_stops_the_engine_with_a_clear_error() {
 #[test]
 fn bad_requests_are_typed_errors() {
     let (e, _) = setup(EngineOptions::default());
-    assert!(matches!(e.write(64, 0, &[1], &[], NONE), Err(PatchError::Block(BlockError::OutOfRange { .. }))));
-    assert!(matches!(e.write(1, 510, &[1; 4], &[], NONE), Err(PatchError::OutOfBlock { .. })));
-    assert!(matches!(e.read(1000), Err(PatchError::Block(BlockError::OutOfRange { .. }))));
-    assert!(matches!(e.xor_bits(1, 512, 1, &[], NONE), Err(PatchError::OutOfBlock { .. })));
+    assert!(matches!(
+        e.write(64, 0, &[1], &[], NONE),
+        Err(PatchError::Block(BlockError::OutOfRange { .. }))
+    ));
+    assert!(matches!(
+        e.write(1, 510, &[1; 4], &[], NONE),
+        Err(PatchError::OutOfBlock { .. })
+    ));
+    assert!(matches!(
+        e.read(1000),
+        Err(PatchError::Block(BlockError::OutOfRange { .. }))
+    ));
+    assert!(matches!(
+        e.xor_bits(1, 512, 1, &[], NONE),
+        Err(PatchError::OutOfBlock { .. })
+    ));
 }
 
 #[test]
@@ -281,7 +321,15 @@ fn concurrent_writers_and_flusher_end_in_the_expected_image() {
                 for i in 0..300u64 {
                     let block = t * 16 + i % 16;
                     let befores: Vec<_> = prev.into_iter().collect();
-                    let p = e.write(block, (i as usize % 64) * 4, &(i as u32).to_le_bytes(), &befores, NONE).unwrap();
+                    let p = e
+                        .write(
+                            block,
+                            (i as usize % 64) * 4,
+                            &(i as u32).to_le_bytes(),
+                            &befores,
+                            NONE,
+                        )
+                        .unwrap();
                     prev = Some(p);
                     if i % 50 == 0 {
                         e.flush_until(p).unwrap();

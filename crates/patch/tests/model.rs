@@ -38,11 +38,27 @@ const BIT_BASE: usize = 256;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Write { block: u64, slot: usize, nslots: usize, befores: Vec<usize> },
-    WholeBlock { block: u64, befores: Vec<usize> },
-    Bit { block: u64, befores: Vec<usize> },
-    Empty { befores: Vec<usize> },
-    AddDepend { empty: usize, before: usize },
+    Write {
+        block: u64,
+        slot: usize,
+        nslots: usize,
+        befores: Vec<usize>,
+    },
+    WholeBlock {
+        block: u64,
+        befores: Vec<usize>,
+    },
+    Bit {
+        block: u64,
+        befores: Vec<usize>,
+    },
+    Empty {
+        befores: Vec<usize>,
+    },
+    AddDepend {
+        empty: usize,
+        before: usize,
+    },
     Epoch,
     FlushUntil(usize),
     Sync,
@@ -67,9 +83,15 @@ fn op() -> impl Strategy<Value = Op> {
 #[derive(Debug, Clone)]
 enum What {
     /// Bytes at an offset; `token` marks the 4-byte slots it owns in [0, 256).
-    Bytes { offset: usize, bytes: Vec<u8>, token: u32 },
+    Bytes {
+        offset: usize,
+        bytes: Vec<u8>,
+        token: u32,
+    },
     /// Sets bit `bit` of the bit region.
-    Bit { bit: usize },
+    Bit {
+        bit: usize,
+    },
     Empty,
 }
 
@@ -103,7 +125,9 @@ impl Change {
     }
     fn apply(&self, img: &mut [u8]) {
         match &self.what {
-            What::Bytes { offset, bytes, .. } => img[*offset..offset + bytes.len()].copy_from_slice(bytes),
+            What::Bytes { offset, bytes, .. } => {
+                img[*offset..offset + bytes.len()].copy_from_slice(bytes)
+            }
             What::Bit { bit } => img[BIT_BASE + bit / 8] |= 1 << (bit % 8),
             What::Empty => {}
         }
@@ -126,10 +150,16 @@ impl Model {
         for &i in ids.iter().rev() {
             let c = &self.changes[i];
             let shows = match &c.what {
-                What::Bytes { offset, bytes, token } => {
+                What::Bytes {
+                    offset,
+                    bytes,
+                    token,
+                } => {
                     let first = offset / 4;
                     let last = ((offset + bytes.len()) / 4).min(SLOTS);
-                    (first..last).any(|s| u32::from_le_bytes(img[s * 4..s * 4 + 4].try_into().unwrap()) == *token)
+                    (first..last).any(|s| {
+                        u32::from_le_bytes(img[s * 4..s * 4 + 4].try_into().unwrap()) == *token
+                    })
                 }
                 What::Bit { bit } => img[BIT_BASE + bit / 8] & (1 << (bit % 8)) != 0,
                 What::Empty => false,
@@ -156,7 +186,10 @@ impl Model {
     fn present(&self, i: usize, visible_on: &dyn Fn(BlockNo) -> HashSet<usize>) -> bool {
         match self.changes[i].block {
             Some(b) => visible_on(b).contains(&i),
-            None => self.changes[i].befores.iter().all(|&r| self.present(r, visible_on)),
+            None => self.changes[i]
+                .befores
+                .iter()
+                .all(|&r| self.present(r, visible_on)),
         }
     }
 }
@@ -249,6 +282,8 @@ fn run_case(ops: &[Op], hard: bool, merge: bool, cache_blocks: usize) -> Result<
             durability: Durability::Safe,
             cache_bytes_max: cache_blocks * BS,
             flush_interval_ms: None,
+            // Small, so that throttled write-back inside changes is exercised too.
+            patches_live_max: 48,
         },
     );
     let mut ids: Vec<PatchId> = Vec::new();
@@ -268,7 +303,8 @@ fn run_case(ops: &[Op], hard: bool, merge: bool, cache_blocks: usize) -> Result<
                 let (offset, bytes) = match op {
                     Op::Write { slot, nslots, .. } => {
                         let nslots = (*nslots).min(SLOTS - slot);
-                        let bytes: Vec<u8> = (0..nslots).flat_map(|_| token.to_le_bytes()).collect();
+                        let bytes: Vec<u8> =
+                            (0..nslots).flat_map(|_| token.to_le_bytes()).collect();
                         (slot * 4, bytes)
                     }
                     _ => {
@@ -285,7 +321,11 @@ fn run_case(ops: &[Op], hard: bool, merge: bool, cache_blocks: usize) -> Result<
                     let mut m = model.lock().unwrap();
                     m.changes.push(Change {
                         block: Some(*block),
-                        what: What::Bytes { offset, bytes: bytes.clone(), token },
+                        what: What::Bytes {
+                            offset,
+                            bytes: bytes.clone(),
+                            token,
+                        },
                         befores: bf.clone(),
                     });
                     m.by_block.entry(*block).or_default().push(n);
@@ -299,17 +339,29 @@ fn run_case(ops: &[Op], hard: bool, merge: bool, cache_blocks: usize) -> Result<
                     let mut m = model.lock().unwrap();
                     let bit = *m.next_bit.entry(*block).or_default();
                     m.next_bit.insert(*block, bit + 1);
-                    m.changes.push(Change { block: Some(*block), what: What::Bit { bit }, befores: bf.clone() });
+                    m.changes.push(Change {
+                        block: Some(*block),
+                        what: What::Bit { bit },
+                        befores: bf.clone(),
+                    });
                     m.by_block.entry(*block).or_default().push(n);
                     bit
                 };
                 let bids: Vec<PatchId> = bf.iter().map(|&i| ids[i]).collect();
                 let word = BIT_BASE + bit / 32 * 4;
-                ids.push(engine.xor_bits(*block, word, 1 << (bit % 32), &bids, opts).unwrap());
+                ids.push(
+                    engine
+                        .xor_bits(*block, word, 1 << (bit % 32), &bids, opts)
+                        .unwrap(),
+                );
             }
             Op::Empty { befores } => {
                 let bf = befores_of(befores);
-                model.lock().unwrap().changes.push(Change { block: None, what: What::Empty, befores: bf.clone() });
+                model.lock().unwrap().changes.push(Change {
+                    block: None,
+                    what: What::Empty,
+                    befores: bf.clone(),
+                });
                 let bids: Vec<PatchId> = bf.iter().map(|&i| ids[i]).collect();
                 ids.push(engine.empty(&bids));
             }
@@ -318,7 +370,9 @@ fn run_case(ops: &[Op], hard: bool, merge: bool, cache_blocks: usize) -> Result<
                     let m = model.lock().unwrap();
                     (0..n).filter(|&i| m.changes[i].block.is_none()).collect()
                 };
-                let (Some(e), Some(b)) = (pick(*empty, empties.len()), pick(*before, n)) else { continue };
+                let (Some(e), Some(b)) = (pick(*empty, empties.len()), pick(*before, n)) else {
+                    continue;
+                };
                 let e = empties[e];
                 let model_cycle = {
                     let m = model.lock().unwrap();
@@ -348,7 +402,10 @@ fn run_case(ops: &[Op], hard: bool, merge: bool, cache_blocks: usize) -> Result<
                 };
                 match engine.add_depend(ids[e], ids[b]) {
                     Ok(()) => {
-                        prop_assert!(!model_cycle, "step {step}: engine accepted a dependency that closes a cycle");
+                        prop_assert!(
+                            !model_cycle,
+                            "step {step}: engine accepted a dependency that closes a cycle"
+                        );
                         model.lock().unwrap().changes[e].befores.push(b);
                     }
                     Err(PatchError::Cycle) => {}
@@ -366,15 +423,26 @@ fn run_case(ops: &[Op], hard: bool, merge: bool, cache_blocks: usize) -> Result<
                 rec.mark(&format!("flushed {i}"));
                 let m = model.lock().unwrap();
                 let durable = oracle.durable.lock().unwrap();
-                let visible_on = |b: BlockNo| -> HashSet<usize> { m.visible(b, &durable[b as usize]).into_iter().collect() };
-                prop_assert!(m.present(i, &visible_on), "step {step}: change {i} not durable after flush_until");
+                let visible_on = |b: BlockNo| -> HashSet<usize> {
+                    m.visible(b, &durable[b as usize]).into_iter().collect()
+                };
+                prop_assert!(
+                    m.present(i, &visible_on),
+                    "step {step}: change {i} not durable after flush_until"
+                );
             }
             Op::Sync => engine.sync().unwrap(),
             Op::Read(block) => {
                 let got = engine.read(*block).unwrap();
                 let m = model.lock().unwrap();
                 let all = m.by_block.get(block).cloned().unwrap_or_default();
-                prop_assert_eq!(got, m.apply_all(&all), "step {}: cache differs from the model on block {}", step, block);
+                prop_assert_eq!(
+                    got,
+                    m.apply_all(&all),
+                    "step {}: cache differs from the model on block {}",
+                    step,
+                    block
+                );
             }
         }
         if let Err(e) = engine.check_invariants() {
@@ -395,8 +463,18 @@ fn run_case(ops: &[Op], hard: bool, merge: bool, cache_blocks: usize) -> Result<
         for b in 0..BLOCKS {
             let all = m.by_block.get(&b).cloned().unwrap_or_default();
             let dev = oracle.block_of(b);
-            prop_assert_eq!(&dev, &m.apply_all(&all), "block {} differs from the model after sync", b);
-            prop_assert_eq!(&dev, &engine.read(b).unwrap(), "block {} differs from the cache after sync", b);
+            prop_assert_eq!(
+                &dev,
+                &m.apply_all(&all),
+                "block {} differs from the model after sync",
+                b
+            );
+            prop_assert_eq!(
+                &dev,
+                &engine.read(b).unwrap(),
+                "block {} differs from the cache after sync",
+                b
+            );
         }
         prop_assert_eq!(engine.stats().patches_live, 0);
         prop_assert_eq!(engine.stats().undo_bytes_now, 0);
@@ -409,7 +487,10 @@ fn run_case(ops: &[Op], hard: bool, merge: bool, cache_blocks: usize) -> Result<
     for (k, &len) in log.crash_points().iter().enumerate() {
         let in_flight = log.in_flight(len);
         // The prefix itself, everything in flight dropped, and a few subsets.
-        let masks: Vec<u64> = [u64::MAX, 0].into_iter().chain((0..3).map(|j| (k as u64 * 7919 + j * 104729) ^ 0x5555_aaaa_3333_cccc)).collect();
+        let masks: Vec<u64> = [u64::MAX, 0]
+            .into_iter()
+            .chain((0..3).map(|j| (k as u64 * 7919 + j * 104729) ^ 0x5555_aaaa_3333_cccc))
+            .collect();
         for mask in masks {
             let img = MemDevice::new(BS, BLOCKS).unwrap();
             log.replay_subset(len, &img, |i| {
