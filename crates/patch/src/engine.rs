@@ -7,7 +7,8 @@ use crate::patchgroup::{CallerId, Patchgroups};
 use crate::stats::EngineStats;
 use crate::{PatchError, Result};
 use quilt_block::{BlockDevice, BlockNo};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
@@ -133,6 +134,9 @@ pub(crate) struct State {
     pub cached_bytes: usize,
     pub stats: EngineStats,
     pub pgs: Patchgroups,
+    /// Blocks holding afters of patches made durable since the last look: the only blocks
+    /// on which something can have become ready.
+    pub woken: HashSet<BlockNo>,
     /// Set by a failed write-back; every later change or epoch is refused.
     pub failed: Option<String>,
 }
@@ -169,7 +173,7 @@ impl Engine {
             sh: Arc::new(Shared {
                 st: Mutex::new(State {
                     g: Graph::default(),
-                    blocks: HashMap::new(),
+                    blocks: HashMap::default(),
                     dirty: BTreeSet::new(),
                     lru: BTreeMap::new(),
                     tick: 0,
@@ -177,6 +181,7 @@ impl Engine {
                     cached_bytes: 0,
                     stats: EngineStats::default(),
                     pgs: Patchgroups::default(),
+                    woken: HashSet::default(),
                     failed: None,
                 }),
                 epoch: Mutex::new(()),
@@ -915,6 +920,9 @@ impl State {
                     continue;
                 }
                 let ap = self.g.get(a);
+                if let Some(ab) = ap.block {
+                    self.woken.insert(ab);
+                }
                 if let Some(b) = p.block {
                     if ap.block != Some(b) {
                         if let Some(blk) = self.blocks.get_mut(&b) {

@@ -11,7 +11,7 @@ use crate::engine::{befores_durable, xor_word, Durability, Engine, State};
 use crate::graph::{Kind, PatchId};
 use crate::{PatchError, Result};
 use quilt_block::BlockNo;
-use std::collections::{HashMap, HashSet};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::fmt::Write as _;
 
 /// What one epoch did.
@@ -20,6 +20,14 @@ pub struct EpochReport {
     pub blocks_written: usize,
     pub patches_written: usize,
     pub patches_rolled_back: usize,
+}
+
+/// Which blocks an epoch considers.
+enum Target {
+    All,
+    Blocks(HashSet<BlockNo>),
+    /// The blocks of this patch's pending closure.
+    Until(PatchId),
 }
 
 struct BlockImage {
@@ -31,24 +39,29 @@ struct BlockImage {
 impl Engine {
     /// One epoch over every dirty block.
     pub fn epoch(&self) -> Result<EpochReport> {
-        self.epoch_on(None).map(|r| r.unwrap_or_default())
+        self.epoch_on(Target::All).map(|r| r.unwrap_or_default())
     }
 
     /// One epoch over the blocks holding `p`'s pending transitive befores. The blocks are
     /// chosen under the epoch lock, so a concurrent epoch cannot make the choice stale.
     /// None when `p` is already durable; `Pinned` when it waits for a held patch.
     fn epoch_until(&self, p: PatchId) -> Result<Option<EpochReport>> {
-        self.epoch_on(Some(p))
+        self.epoch_on(Target::Until(p))
     }
 
-    fn epoch_on(&self, until: Option<PatchId>) -> Result<Option<EpochReport>> {
+    fn epoch_on(&self, target: Target) -> Result<Option<EpochReport>> {
+        let until = match target {
+            Target::Until(p) => Some(p),
+            _ => None,
+        };
         let _epoch = self.sh.epoch.lock().unwrap_or_else(|e| e.into_inner());
         let (batch, rolled_back) = {
             let mut st = self.lock();
             st.check_failed()?;
-            let only = match until {
-                None => None,
-                Some(p) => {
+            let only = match target {
+                Target::All => None,
+                Target::Blocks(set) => Some(set),
+                Target::Until(p) => {
                     let Some(p) = st.g.resolve(p) else {
                         return Ok(None);
                     };
@@ -108,24 +121,34 @@ impl Engine {
     /// Writes back until nothing that can be written is left (blocks held back by
     /// unreleased patchgroups stay dirty). Returns the number of epochs run.
     pub fn write_back_ready(&self) -> Result<usize> {
+        // The first epoch looks at every dirty block; later ones only at blocks holding
+        // afters of what the previous epoch made durable, since nothing else can have
+        // become ready. (Rescanning stuck blocks made deep chains quadratic.)
+        let mut r = self.epoch()?;
         let mut epochs = 0;
-        loop {
-            let r = self.epoch()?;
-            if r.patches_written == 0 {
-                return Ok(epochs);
-            }
+        while r.patches_written > 0 {
             epochs += 1;
+            let woken = std::mem::take(&mut self.lock().woken);
+            if woken.is_empty() {
+                break;
+            }
+            r = self.epoch_on(Target::Blocks(woken))?.unwrap_or_default();
         }
+        Ok(epochs)
     }
 
     /// Makes everything durable. Fails with [`PatchError::Pinned`] if some patches wait
     /// for a patchgroup that is not released.
     pub fn sync(&self) -> Result<()> {
-        self.write_back_ready()?;
-        if self.lock().dirty.is_empty() {
-            Ok(())
-        } else {
-            Err(PatchError::Pinned)
+        loop {
+            let epochs = self.write_back_ready()?;
+            if self.lock().dirty.is_empty() {
+                return Ok(());
+            }
+            if epochs == 0 {
+                // An epoch over every dirty block wrote nothing.
+                return Err(PatchError::Pinned);
+            }
         }
     }
 
@@ -152,9 +175,9 @@ impl State {
     /// The blocks holding `p`'s pending transitive befores (and `p`'s own block), and
     /// whether some of them wait for a held empty patch.
     fn closure(&mut self, p: PatchId) -> (HashSet<BlockNo>, bool) {
-        let mut blocks = HashSet::new();
+        let mut blocks = HashSet::default();
         let mut pinned = false;
-        let mut seen = HashSet::new();
+        let mut seen = HashSet::default();
         let mut stack = vec![p];
         while let Some(id) = stack.pop() {
             if !seen.insert(id) {
@@ -183,7 +206,7 @@ impl State {
             .collect();
         let mut cand: HashSet<PatchId> = pending.iter().copied().collect();
         loop {
-            let mut memo: HashMap<PatchId, bool> = HashMap::new();
+            let mut memo: HashMap<PatchId, bool> = HashMap::default();
             let mut removed = false;
             for &p in &pending {
                 if !cand.contains(&p) {
@@ -312,7 +335,7 @@ impl State {
         // All patches of the epoch are durable together (one flush), so their edges among
         // themselves need no order; satisfy befores first to keep the debug check honest.
         let mut all: Vec<PatchId> = batch.iter().flat_map(|b| b.ready.iter().copied()).collect();
-        let mut done: HashSet<PatchId> = HashSet::new();
+        let mut done: HashSet<PatchId> = HashSet::default();
         while !all.is_empty() {
             let before = done.len();
             all.retain(|&p| {
@@ -352,7 +375,7 @@ impl State {
 
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut undo = 0u64;
-        let mut extern_count: HashMap<BlockNo, u64> = HashMap::new();
+        let mut extern_count: HashMap<BlockNo, u64> = HashMap::default();
         for (id, p) in self.g.iter_live() {
             undo += p.undo_len() as u64;
             for &b in &p.befores {
@@ -444,7 +467,7 @@ impl State {
 
     fn check_acyclic(&self) -> Result<(), String> {
         // Iterative three-colour DFS over befores.
-        let mut colour: HashMap<PatchId, u8> = HashMap::new();
+        let mut colour: HashMap<PatchId, u8> = HashMap::default();
         for (root, _) in self.g.iter_live() {
             if colour.contains_key(&root) {
                 continue;
@@ -500,7 +523,7 @@ impl State {
             };
             let style = if p.is_empty() { ", style=dashed" } else { "" };
             let _ = writeln!(s, "  \"{id}\" [label=\"{label}\"{style}];");
-            let mut seen = HashSet::new();
+            let mut seen = HashSet::default();
             for &b in &p.befores {
                 if let Some(b) = self.g.resolve(b) {
                     if b != id && seen.insert(b) {

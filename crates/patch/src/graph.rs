@@ -3,7 +3,7 @@
 //! graph's shape and answers reachability questions.
 
 use quilt_block::BlockNo;
-use std::collections::HashSet;
+use rustc_hash::FxHashSet as HashSet;
 
 /// A handle on a patch. Generation-checked: once the patch is durable its slot is reused
 /// under a new generation and the old id resolves to "durable".
@@ -237,7 +237,7 @@ impl Graph {
     /// Is `target` reachable from `start` by following befores? Visits at most
     /// `limit` patches; `None` means "gave up" (callers treat it as "maybe").
     pub fn reaches(&self, start: PatchId, target: PatchId, limit: usize) -> Option<bool> {
-        let mut seen = HashSet::new();
+        let mut seen = HashSet::default();
         let mut stack = vec![start];
         while let Some(id) = stack.pop() {
             let Some(id) = self.resolve(id) else { continue };

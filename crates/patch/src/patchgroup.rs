@@ -17,7 +17,7 @@ use crate::engine::{Engine, State};
 use crate::graph::PatchId;
 use crate::libc_errno;
 use crate::Result;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 /// A patchgroup handle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
