@@ -22,6 +22,21 @@
 //! Unknown ids are durable: a patch leaves the arena only when it is on disk, so a
 //! `PatchId` the engine no longer knows needs no waiting.
 //!
+//! # Example
+//!
+//! ```
+//! use quilt_block::MemDevice;
+//! use quilt_patch::{ChangeOpts, Engine, EngineOptions};
+//! use std::sync::Arc;
+//!
+//! let engine = Engine::new(Arc::new(MemDevice::new(4096, 64)?), EngineOptions::default());
+//! let inode = engine.write(3, 0, b"inode", &[], ChangeOpts::default())?;
+//! let entry = engine.write(7, 0, b"entry", &[inode], ChangeOpts::default())?; // after the inode
+//! engine.flush_until(entry)?; // both durable, in order; nothing else is written
+//! assert!(engine.is_durable(inode) && engine.is_durable(entry));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! Everything sits behind one lock ([`Engine`] is cheap to clone and `Send + Sync`); the
 //! device I/O of an epoch runs outside that lock so that writers are not stalled by disk
 //! latency.
