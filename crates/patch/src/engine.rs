@@ -528,16 +528,9 @@ impl State {
         let befores = self.gather_befores(befores, None);
         self.stats.patches_created += 1;
         self.stats.empties_created += 1;
-        let id = self.g.insert(Patch {
-            block: None,
-            kind: Kind::Empty { holds },
-            befores: Vec::new(),
-            afters: Vec::new(),
-            seq: 0,
-            in_flight: false,
-            data: false,
-            absorbed: Vec::new(),
-        });
+        let id = self
+            .g
+            .insert(Patch::new(None, Kind::Empty { holds }, 0, false));
         for b in befores {
             self.add_edge(id, b);
         }
@@ -594,9 +587,9 @@ impl State {
         let befores = self.gather_befores(befores, opts.caller);
 
         let (start, end) = change.range(bs);
-        let probe = Patch {
-            block: Some(block),
-            kind: match change {
+        let probe = Patch::new(
+            Some(block),
+            match change {
                 Change::Xor { offset, xor } => Kind::Bit {
                     offset: offset as u32,
                     xor,
@@ -607,13 +600,9 @@ impl State {
                     undo: None,
                 },
             },
-            befores: Vec::new(),
-            afters: Vec::new(),
-            seq: 0,
-            in_flight: false,
-            data: opts.data,
-            absorbed: Vec::new(),
-        };
+            0,
+            opts.data,
+        );
 
         let id = if sh.opts.hard_patches && self.blocks[&block].extern_afters == 0 {
             self.fold_block_into_hard(block, change, &befores, opts.data)
@@ -670,20 +659,16 @@ impl State {
             None => {
                 self.stats.patches_created += 1;
                 self.stats.patches_made_hard += 1;
-                self.g.insert(Patch {
-                    block: Some(block),
-                    kind: Kind::Byte {
+                self.g.insert(Patch::new(
+                    Some(block),
+                    Kind::Byte {
                         offset: 0,
                         len: bs,
                         undo: None,
                     },
-                    befores: Vec::new(),
-                    afters: Vec::new(),
-                    seq: self.seq,
-                    in_flight: false,
-                    data: all_data,
-                    absorbed: Vec::new(),
-                })
+                    self.seq,
+                    all_data,
+                ))
             }
         };
         for m in members {
@@ -755,20 +740,16 @@ impl State {
             Kind::Bit { offset, .. } => {
                 // Merge with the one patch on this word, if it is a bit patch. (Any other
                 // patch touching the word would fix an order between them.)
-                let word = Patch {
-                    kind: Kind::Byte {
+                let word = Patch::new(
+                    Some(block),
+                    Kind::Byte {
                         offset,
                         len: 4,
                         undo: None,
                     },
-                    block: Some(block),
-                    befores: Vec::new(),
-                    afters: Vec::new(),
-                    seq: 0,
-                    in_flight: false,
-                    data: false,
-                    absorbed: Vec::new(),
-                };
+                    0,
+                    false,
+                );
                 let on_word: Vec<PatchId> = blk
                     .pending
                     .iter()

@@ -56,6 +56,20 @@ pub(crate) struct Patch {
 }
 
 impl Patch {
+    /// A pending patch with no edges yet.
+    pub fn new(block: Option<BlockNo>, kind: Kind, seq: u64, data: bool) -> Patch {
+        Patch {
+            block,
+            kind,
+            befores: Vec::new(),
+            afters: Vec::new(),
+            seq,
+            in_flight: false,
+            data,
+            absorbed: Vec::new(),
+        }
+    }
+
     /// Byte range touched, for overlap tests. Bit patches touch their word.
     pub fn range(&self) -> (u32, u32) {
         match self.kind {

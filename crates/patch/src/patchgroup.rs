@@ -94,6 +94,19 @@ impl Patchgroups {
             .filter_map(|id| self.groups.get(id))
     }
 
+    /// Removes `caller`'s engagement of group `id` on both sides.
+    fn disengage(&mut self, id: u64, caller: CallerId) {
+        if let Some(g) = self.groups.get_mut(&id) {
+            g.engaged_by.retain(|&c| c != caller);
+        }
+        if let Some(scope) = self.scopes.get_mut(&caller) {
+            scope.retain(|&x| x != id);
+            if scope.is_empty() {
+                self.scopes.remove(&caller);
+            }
+        }
+    }
+
     fn group(&self, id: PatchgroupId) -> Result<&Group, PatchgroupError> {
         self.groups
             .get(&id.0)
@@ -103,15 +116,14 @@ impl Patchgroups {
 
 impl State {
     fn pg_disengage_all(&mut self, id: u64) {
-        if let Some(g) = self.pgs.groups.get_mut(&id) {
-            for c in std::mem::take(&mut g.engaged_by) {
-                if let Some(scope) = self.pgs.scopes.get_mut(&c) {
-                    scope.retain(|&x| x != id);
-                    if scope.is_empty() {
-                        self.pgs.scopes.remove(&c);
-                    }
-                }
-            }
+        let callers = self
+            .pgs
+            .groups
+            .get(&id)
+            .map(|g| g.engaged_by.clone())
+            .unwrap_or_default();
+        for c in callers {
+            self.pgs.disengage(id, c);
         }
     }
 }
@@ -199,18 +211,7 @@ impl Engine {
         if !g.engaged_by.contains(&caller) {
             return Err(PatchgroupError::NotEngaged(pg.0, caller).into());
         }
-        st.pgs
-            .groups
-            .get_mut(&pg.0)
-            .expect("checked")
-            .engaged_by
-            .retain(|&c| c != caller);
-        if let Some(scope) = st.pgs.scopes.get_mut(&caller) {
-            scope.retain(|&x| x != pg.0);
-            if scope.is_empty() {
-                st.pgs.scopes.remove(&caller);
-            }
-        }
+        st.pgs.disengage(pg.0, caller);
         Ok(())
     }
 
