@@ -44,3 +44,16 @@ impl IoCounters {
         }
     }
 }
+
+impl IoStats {
+    /// Every counter with its name, for text and JSON output.
+    pub fn fields(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            ("reads", self.reads),
+            ("writes", self.writes),
+            ("flushes", self.flushes),
+            ("bytes_read", self.bytes_read),
+            ("bytes_written", self.bytes_written),
+        ]
+    }
+}

@@ -2,9 +2,12 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use std::path::PathBuf;
 
 mod demo;
+mod image;
+mod mkfs;
+mod mount;
+mod stats;
 
 #[derive(Parser)]
 #[command(
@@ -22,12 +25,12 @@ enum Command {
     /// Drive the patch engine on an image file with a soft-updates-shaped workload and
     /// print its counters for each optimization setting.
     Demo(demo::DemoArgs),
-    /// Create an ext2/ext3 image (not implemented yet: issue #3).
-    Mkfs { image: PathBuf },
-    /// Mount an image through FUSE (not implemented yet: issue #3).
-    Mount { image: PathBuf, mountpoint: PathBuf },
-    /// Print the counters of a mounted file system (not implemented yet: issue #3).
-    Stats { target: PathBuf },
+    /// Create an ext2 image.
+    Mkfs(mkfs::MkfsArgs),
+    /// Mount an image through FUSE (unmount with `umount MOUNTPOINT`).
+    Mount(mount::MountArgs),
+    /// Print the counters of a mounted file system, or a summary of an image.
+    Stats(stats::StatsArgs),
     /// Explore crash states of a workload (not implemented yet: issue #5).
     Crashtest,
     /// Run the benchmark suites (not implemented yet: issues #6 and #7).
@@ -39,6 +42,15 @@ fn main() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("QUILTFS_LOG"))
         .with_writer(std::io::stderr)
         .init();
+    let argv: Vec<String> = std::env::args().collect();
+    let name = argv.first().map(|a| a.rsplit('/').next().unwrap_or(a).to_string()).unwrap_or_default();
+    if name.starts_with("mount.fuse.quiltfs") || name == "mount.quiltfs" {
+        if let Err(e) = mount::helper_main(argv) {
+            eprintln!("quiltfs: error: {e:#}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("quiltfs: error: {e:#}");
@@ -49,9 +61,9 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Demo(args) => demo::run(args).context("demo failed"),
-        Command::Mkfs { .. } | Command::Mount { .. } | Command::Stats { .. } => {
-            bail!("this command is not implemented yet; it arrives with the ext2 module (issue #3)")
-        }
+        Command::Mkfs(a) => mkfs::run(a),
+        Command::Mount(a) => mount::run(a),
+        Command::Stats(a) => stats::run(a),
         Command::Crashtest => bail!("this command is not implemented yet (issue #5)"),
         Command::Bench => bail!("this command is not implemented yet (issues #6 and #7)"),
     }

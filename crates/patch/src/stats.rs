@@ -32,3 +32,27 @@ pub struct EngineStats {
     pub blocks_cached: u64,
     pub blocks_dirty: u64,
 }
+
+impl EngineStats {
+    /// Every counter with its name, for text and JSON output.
+    pub fn fields(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            ("patches_created", self.patches_created),
+            ("patches_merged", self.patches_merged),
+            ("patches_made_hard", self.patches_made_hard),
+            ("patches_rolled_back", self.patches_rolled_back),
+            ("empties_created", self.empties_created),
+            ("undo_bytes_now", self.undo_bytes_now),
+            ("undo_bytes_total", self.undo_bytes_total),
+            ("patches_live", self.patches_live),
+            ("blocks_written", self.blocks_written),
+            ("epochs", self.epochs),
+            ("flushes", self.flushes),
+            ("cache_hits", self.cache_hits),
+            ("cache_misses", self.cache_misses),
+            ("evictions", self.evictions),
+            ("blocks_cached", self.blocks_cached),
+            ("blocks_dirty", self.blocks_dirty),
+        ]
+    }
+}

@@ -1,0 +1,306 @@
+//! `quiltfs mount`: serve an image through FUSE, in the background (default) or attached
+//! (`--foreground`). Also the `mount -t fuse.quiltfs` helper and the control socket that
+//! `quiltfs stats` reads.
+
+use crate::image::{open_fs, OpenSettings};
+use anyhow::{bail, Context, Result};
+use quilt_ext2::{Ext2, Mode};
+use quilt_fuse::FuseOptions;
+use quilt_vfs::FileSystem;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+#[derive(clap::Args, Clone)]
+pub struct MountArgs {
+    /// The ext2 image.
+    pub image: PathBuf,
+    /// Where to mount it.
+    pub mountpoint: PathBuf,
+    /// Consistency mode: async or soft-updates.
+    #[arg(long, default_value = "soft-updates")]
+    pub mode: Mode,
+    /// Stay attached to the terminal instead of serving in the background.
+    #[arg(long, short = 'f')]
+    pub foreground: bool,
+    /// Skip device flushes: order is kept against crashes of the server, not of the
+    /// machine.
+    #[arg(long)]
+    pub r#unsafe: bool,
+    /// Block-cache budget in MiB.
+    #[arg(long, default_value_t = 128)]
+    pub cache_mib: usize,
+    /// Comma-separated options: ro, rw, allow_other, mode=M, unsafe, cache_mib=N,
+    /// nowbcache (kernel writeback cache off), threads=N; fstab-only options are ignored.
+    #[arg(short = 'o', value_delimiter = ',')]
+    pub options: Vec<String>,
+    /// Internal: the background parent waits for this process to say it is ready.
+    #[arg(long, hide = true)]
+    pub notify_ready: bool,
+}
+
+struct Parsed {
+    settings: OpenSettings,
+    fuse: FuseOptions,
+}
+
+fn parse(a: &MountArgs) -> Result<Parsed> {
+    let mut settings = OpenSettings {
+        mode: a.mode,
+        unsafe_durability: a.r#unsafe,
+        cache_mib: a.cache_mib,
+        ..Default::default()
+    };
+    let mut fuse = FuseOptions { fs_name: a.image.display().to_string(), ..Default::default() };
+    for o in a.options.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
+        let (k, v) = o.split_once('=').map(|(k, v)| (k, Some(v))).unwrap_or((o, None));
+        match (k, v) {
+            ("ro", None) => settings.read_only = true,
+            ("rw", None) => settings.read_only = false,
+            ("allow_other", None) => fuse.allow_other = true,
+            ("unsafe", None) => settings.unsafe_durability = true,
+            ("nowbcache", None) => fuse.writeback_cache = false,
+            ("mode", Some(m)) => settings.mode = m.parse().map_err(anyhow::Error::msg)?,
+            ("cache_mib", Some(n)) => settings.cache_mib = n.parse().context("cache_mib=N")?,
+            ("threads", Some(n)) => fuse.threads = n.parse().context("threads=N")?,
+            // fstab and mount(8) bookkeeping.
+            ("defaults" | "auto" | "noauto" | "user" | "nouser" | "users" | "_netdev" | "nofail"
+            | "dev" | "suid" | "exec" | "relatime" | "noatime" | "atime", None) => {}
+            ("nodev" | "nosuid" | "noexec", None) => fuse.extra.push(k.to_string()),
+            _ => bail!("unknown mount option '{o}'"),
+        }
+    }
+    if settings.cache_mib < 4 {
+        bail!("cache_mib must be at least 4");
+    }
+    fuse.read_only = settings.read_only;
+    Ok(Parsed { settings, fuse })
+}
+
+/// Where the control socket and log of a mount live.
+pub fn runtime_paths(mountpoint: &Path) -> (PathBuf, PathBuf) {
+    let canon = mountpoint.canonicalize().unwrap_or_else(|_| mountpoint.to_path_buf());
+    let s = canon.display().to_string();
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in s.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+    }
+    let dir = PathBuf::from("/run/quiltfs");
+    (dir.join(format!("{h:016x}.sock")), dir.join(format!("{h:016x}.log")))
+}
+
+pub fn run(a: MountArgs) -> Result<()> {
+    let p = parse(&a)?;
+    if !a.mountpoint.is_dir() {
+        bail!("mount point {} is not a directory", a.mountpoint.display());
+    }
+    if !a.image.exists() {
+        bail!("image {} does not exist (create one with quiltfs mkfs)", a.image.display());
+    }
+    if a.foreground {
+        return serve(&a, p);
+    }
+    background(&a)
+}
+
+/// Starts the server as a detached child and returns once it has mounted (or failed).
+fn background(a: &MountArgs) -> Result<()> {
+    let (_, log) = runtime_paths(&a.mountpoint);
+    std::fs::create_dir_all(log.parent().expect("has a parent"))?;
+    let logf = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
+    let start_len = logf.metadata().map(|m| m.len()).unwrap_or(0);
+    let exe = std::env::current_exe().context("finding the quiltfs binary")?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("mount")
+        .arg(&a.image)
+        .arg(&a.mountpoint)
+        .arg("--foreground")
+        .arg("--notify-ready")
+        .arg("--mode")
+        .arg(a.mode.to_string())
+        .arg("--cache-mib")
+        .arg(a.cache_mib.to_string());
+    if a.r#unsafe {
+        cmd.arg("--unsafe");
+    }
+    if !a.options.is_empty() {
+        cmd.arg("-o").arg(a.options.join(","));
+    }
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(logf);
+    // SAFETY: setsid is async-signal-safe; the child detaches from our session so it
+    // survives the terminal.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().context("starting the server")?;
+    let mut out = child.stdout.take().expect("piped");
+    let mut buf = String::new();
+    let _ = out.read_to_string(&mut buf);
+    if buf.starts_with("ready") {
+        println!("quiltfs: {} mounted on {} (server pid {})", a.image.display(), a.mountpoint.display(), child.id());
+        return Ok(());
+    }
+    let status = child.wait()?;
+    let text = std::fs::read(&log).unwrap_or_default();
+    let tail = String::from_utf8_lossy(&text[(start_len as usize).min(text.len())..]).to_string();
+    bail!("the server failed to mount ({status}):\n{}", tail.trim_end())
+}
+
+/// Serves until unmounted: runs FUSE on this thread, the control socket on another.
+fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
+    let fs = Arc::new(open_fs(&a.image, &p.settings)?);
+    let (sock, _) = runtime_paths(&a.mountpoint);
+    let listener = start_control(&sock, fs.clone())?;
+    let unmounted = Arc::new(Mutex::new(false));
+    let finish = {
+        let fs = fs.clone();
+        let unmounted = unmounted.clone();
+        move || {
+            let mut done = unmounted.lock().unwrap_or_else(|e| e.into_inner());
+            if !*done {
+                *done = true;
+                fs.engine().stop_flusher();
+                match fs.unmount() {
+                    Ok(()) => tracing::info!("flushed and marked clean"),
+                    Err(e) => eprintln!("quiltfs: error while unmounting: {e}"),
+                }
+            }
+        }
+    };
+    watch_signals(a.mountpoint.clone());
+    let notify = a.notify_ready;
+    let ready = move || {
+        if notify {
+            let mut o = std::io::stdout();
+            let _ = o.write_all(b"ready\n");
+            let _ = o.flush();
+            // Nothing else goes to the parent's pipe.
+            // SAFETY: plain fd juggling on our own descriptors.
+            unsafe {
+                let null = libc::open(c"/dev/null".as_ptr(), libc::O_WRONLY);
+                if null >= 0 {
+                    libc::dup2(null, 1);
+                    libc::close(null);
+                }
+            }
+        }
+    };
+    let f2 = finish.clone();
+    let r = quilt_fuse::serve(fs.clone(), &a.mountpoint, &p.fuse, ready, Box::new(f2));
+    finish();
+    drop(listener);
+    let _ = std::fs::remove_file(&sock);
+    r.with_context(|| format!("serving {}", a.mountpoint.display()))
+}
+
+/// SIGTERM, SIGINT or SIGHUP unmount the file system, which ends the session cleanly.
+fn watch_signals(mountpoint: PathBuf) {
+    // SAFETY: standard signal-mask setup before the worker threads exist; sigwait in a
+    // dedicated thread.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        std::thread::spawn(move || loop {
+            let mut sig = 0;
+            if libc::sigwait(&set, &mut sig) == 0 {
+                tracing::info!("signal {sig}: unmounting");
+                let c = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes()).unwrap_or_default();
+                if libc::umount(c.as_ptr()) != 0 {
+                    libc::umount2(c.as_ptr(), libc::MNT_DETACH);
+                }
+            }
+        });
+    }
+}
+
+fn start_control(sock: &Path, fs: Arc<Ext2>) -> Result<Arc<UnixListener>> {
+    std::fs::create_dir_all(sock.parent().expect("has a parent"))?;
+    if sock.exists() {
+        // A live server answers; a stale socket (kill -9) is replaced.
+        if UnixStream::connect(sock).is_ok() {
+            bail!("another quiltfs server already serves this mount point ({})", sock.display());
+        }
+        let _ = std::fs::remove_file(sock);
+    }
+    let listener = Arc::new(UnixListener::bind(sock).with_context(|| format!("binding {}", sock.display()))?);
+    let l = listener.clone();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut line = String::new();
+            let _ = BufReader::new(&conn).read_line(&mut line);
+            let reply = match line.trim() {
+                "stats" => serde_json::to_string(&stats_json(&*fs)).unwrap_or_default(),
+                other => format!("{{\"error\":\"unknown command {other:?}\"}}"),
+            };
+            let _ = conn.write_all(reply.as_bytes());
+        }
+    });
+    Ok(listener)
+}
+
+pub fn stats_json(fs: &dyn FileSystem) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    for (k, v) in fs.counters() {
+        m.insert(k, v.into());
+    }
+    if let Ok(s) = fs.statfs() {
+        m.insert("statfs.blocks".into(), s.blocks.into());
+        m.insert("statfs.blocks_free".into(), s.blocks_free.into());
+        m.insert("statfs.files".into(), s.files.into());
+        m.insert("statfs.files_free".into(), s.files_free.into());
+    }
+    serde_json::Value::Object(m)
+}
+
+/// Asks the server of `mountpoint` for its counters.
+pub fn query_stats(mountpoint: &Path) -> Result<serde_json::Value> {
+    let (sock, _) = runtime_paths(mountpoint);
+    let mut s = UnixStream::connect(&sock)
+        .with_context(|| format!("no quiltfs server answers for {} ({})", mountpoint.display(), sock.display()))?;
+    s.write_all(b"stats\n")?;
+    s.shutdown(std::net::Shutdown::Write)?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf)?;
+    Ok(serde_json::from_str(&buf)?)
+}
+
+/// `mount -t fuse.quiltfs IMAGE DIR -o OPTS` runs us as `mount.fuse.quiltfs`.
+pub fn helper_main(args: Vec<String>) -> Result<()> {
+    let mut pos = Vec::new();
+    let mut opts = Vec::new();
+    let mut it = args.into_iter().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-o" => opts.extend(it.next().unwrap_or_default().split(',').map(String::from)),
+            "-n" | "-s" | "-v" | "-f" => {}
+            _ if a.starts_with("-o") => opts.extend(a[2..].split(',').map(String::from)),
+            _ => pos.push(a),
+        }
+    }
+    if pos.len() != 2 {
+        bail!("usage: mount.fuse.quiltfs IMAGE MOUNTPOINT [-o OPTIONS]");
+    }
+    let a = MountArgs {
+        image: PathBuf::from(&pos[0]),
+        mountpoint: PathBuf::from(&pos[1]),
+        mode: Mode::SoftUpdates,
+        foreground: false,
+        r#unsafe: false,
+        cache_mib: 128,
+        options: opts,
+        notify_ready: false,
+    };
+    run(a)
+}

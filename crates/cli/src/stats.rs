@@ -1,0 +1,36 @@
+//! `quiltfs stats`: the counters of a mounted file system (from its server), or a
+//! summary of an unmounted image.
+
+use crate::image::{open_fs, OpenSettings};
+use anyhow::Result;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct StatsArgs {
+    /// A quiltfs mount point, or an image file.
+    pub target: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: StatsArgs) -> Result<()> {
+    let v = if a.target.is_dir() {
+        crate::mount::query_stats(&a.target)?
+    } else {
+        let fs = open_fs(
+            &a.target,
+            &OpenSettings { read_only: true, flush_interval_ms: None, ..Default::default() },
+        )?;
+        crate::mount::stats_json(&fs)
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else if let serde_json::Value::Object(m) = v {
+        let w = m.keys().map(|k| k.len()).max().unwrap_or(0);
+        for (k, v) in m {
+            println!("{k:<w$}  {v}");
+        }
+    }
+    Ok(())
+}

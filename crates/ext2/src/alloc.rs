@@ -1,0 +1,196 @@
+//! Block and inode bitmaps: allocation with locality (file blocks near their inode and
+//! their previous block, directories spread across groups) and freeing. Every bitmap
+//! change is a bit patch; the group descriptor counts follow with no ordering (they are
+//! summaries e2fsck recomputes, as in Featherstitch).
+
+use crate::format::*;
+use crate::fs::{Ext2, Head, State};
+use quilt_patch::PatchId;
+use quilt_vfs::{FsError, Result};
+
+impl Ext2 {
+    /// Finds a zero bit in `bitmap` among the first `limit` bits, starting at `start` and
+    /// wrapping.
+    fn find_zero(&self, bitmap: u32, start: u32, limit: u32) -> Result<Option<u32>> {
+        self.engine
+            .with_block(bitmap as u64, |d| {
+                let limit = limit.min(d.len() as u32 * 8);
+                let scan = |from: u32, to: u32| -> Option<u32> {
+                    let mut i = from;
+                    while i < to {
+                        if i % 64 == 0 && i + 64 <= to {
+                            let at = (i / 8) as usize;
+                            let mut w = [0u8; 8];
+                            w.copy_from_slice(&d[at..at + 8]);
+                            let w = u64::from_le_bytes(w);
+                            if w == u64::MAX {
+                                i += 64;
+                                continue;
+                            }
+                            return Some(i + (!w).trailing_zeros());
+                        }
+                        if d[(i / 8) as usize] & (1 << (i % 8)) == 0 {
+                            return Some(i);
+                        }
+                        i += 1;
+                    }
+                    None
+                };
+                let start = start.min(limit);
+                scan(start, limit).or_else(|| scan(0, start))
+            })
+            .map_err(Self::io)
+    }
+
+    fn bit_is_set(&self, bitmap: u32, bit: u32) -> Result<bool> {
+        self.engine
+            .with_block(bitmap as u64, |d| d[(bit / 8) as usize] & (1 << (bit % 8)) != 0)
+            .map_err(Self::io)
+    }
+
+    fn flip_bit(&self, bitmap: u32, bit: u32, befores: &[PatchId]) -> Result<PatchId> {
+        let word = (bit / 32) * 4;
+        let befores = self.cross(befores);
+        self.engine
+            .xor_bits(bitmap as u64, word as usize, 1 << (bit % 32), &befores, Self::meta())
+            .map_err(Self::io)
+    }
+
+    /// Allocates a block, preferring `goal` and its group. Returns the block and the
+    /// bitmap patch.
+    pub(crate) fn alloc_block(&self, st: &mut State, goal: u32) -> Result<(u32, PatchId)> {
+        let g0 = self.group_of_block(goal.clamp(self.geo.first_data_block, self.geo.blocks_count - 1));
+        let ng = self.geo.groups;
+        for k in 0..ng {
+            let g = (g0 + k) % ng;
+            if st.gd[g as usize].free_blocks == 0 {
+                continue;
+            }
+            let first = self.geo.group_first_block(g);
+            let count = self.geo.group_block_count(g);
+            let start = if k == 0 { goal.saturating_sub(first).min(count - 1) } else { 0 };
+            let bitmap = st.gd[g as usize].block_bitmap;
+            let Some(bit) = self.find_zero(bitmap, start, count)? else {
+                // The descriptor said free blocks exist; the bitmap disagrees.
+                tracing::warn!("group {g}: free block count says {} but bitmap is full", st.gd[g as usize].free_blocks);
+                st.gd[g as usize].free_blocks = 0;
+                continue;
+            };
+            let blk = first + bit;
+            if self.is_meta_block(st, blk) {
+                return Err(corrupt(format!("block bitmap of group {g} marks metadata block {blk} free")));
+            }
+            let freed = st.freed.get(&blk).copied();
+            let p = self.flip_bit(bitmap, bit, &freed.into_iter().collect::<Vec<_>>())?;
+            st.gd[g as usize].free_blocks -= 1;
+            st.sb.free_blocks_count = st.sb.free_blocks_count.saturating_sub(1);
+            self.write_gd(st, g)?;
+            st.counters.blocks_allocated += 1;
+            return Ok((blk, p));
+        }
+        Err(FsError::NoSpace)
+    }
+
+    /// Frees `blk` after `befores` (the patch that removed the last pointer to it), and
+    /// remembers that patch: the block's next contents must wait for it.
+    pub(crate) fn free_block(&self, st: &mut State, blk: u32, befores: Head) -> Result<()> {
+        self.check_data_block(blk)?;
+        let g = self.group_of_block(blk);
+        let bit = blk - self.geo.group_first_block(g);
+        let bitmap = st.gd[g as usize].block_bitmap;
+        if !self.bit_is_set(bitmap, bit)? {
+            return Err(corrupt(format!("freeing block {blk}, which is already free")));
+        }
+        self.flip_bit(bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
+        if let Some(b) = befores {
+            st.freed.insert(blk, b);
+        }
+        st.gd[g as usize].free_blocks += 1;
+        st.sb.free_blocks_count += 1;
+        self.write_gd(st, g)?;
+        st.counters.blocks_freed += 1;
+        Ok(())
+    }
+
+    /// Allocates an inode: directories go to a group with few directories and room to
+    /// spare, files to their parent's group.
+    pub(crate) fn alloc_inode(&self, st: &mut State, parent: u32, dir: bool) -> Result<(u32, PatchId)> {
+        let ng = self.geo.groups;
+        let pg = (parent.saturating_sub(1)) / self.geo.ipg;
+        let start = if dir {
+            let avg_free = st.sb.free_inodes_count / ng;
+            let mut best: Option<u32> = None;
+            for k in 0..ng {
+                let g = (st.dir_cursor + k) % ng;
+                let d = &st.gd[g as usize];
+                if d.free_inodes == 0 || (d.free_inodes as u32) < avg_free {
+                    continue;
+                }
+                if best.is_none_or(|b| d.used_dirs < st.gd[b as usize].used_dirs) {
+                    best = Some(g);
+                }
+            }
+            st.dir_cursor = (st.dir_cursor + 1) % ng;
+            best.unwrap_or(pg)
+        } else {
+            pg
+        };
+        for k in 0..ng {
+            let g = (start + k) % ng;
+            if st.gd[g as usize].free_inodes == 0 {
+                continue;
+            }
+            let bitmap = st.gd[g as usize].inode_bitmap;
+            let from = if g == 0 { self.geo.first_ino - 1 } else { 0 };
+            let Some(bit) = self.find_zero(bitmap, from, self.geo.ipg)? else {
+                st.gd[g as usize].free_inodes = 0;
+                continue;
+            };
+            if g == 0 && bit < self.geo.first_ino - 1 {
+                continue;
+            }
+            let ino = g * self.geo.ipg + bit + 1;
+            let p = self.flip_bit(bitmap, bit, &[])?;
+            st.gd[g as usize].free_inodes -= 1;
+            if dir {
+                st.gd[g as usize].used_dirs += 1;
+            }
+            st.sb.free_inodes_count = st.sb.free_inodes_count.saturating_sub(1);
+            self.write_gd(st, g)?;
+            return Ok((ino, p));
+        }
+        Err(FsError::NoSpace)
+    }
+
+    pub(crate) fn free_inode(&self, st: &mut State, ino: u32, dir: bool, befores: Head) -> Result<()> {
+        let g = (ino - 1) / self.geo.ipg;
+        let bit = (ino - 1) % self.geo.ipg;
+        let bitmap = st.gd[g as usize].inode_bitmap;
+        if !self.bit_is_set(bitmap, bit)? {
+            return Err(corrupt(format!("freeing inode {ino}, which is already free")));
+        }
+        self.flip_bit(bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
+        st.gd[g as usize].free_inodes += 1;
+        if dir {
+            st.gd[g as usize].used_dirs = st.gd[g as usize].used_dirs.saturating_sub(1);
+        }
+        st.sb.free_inodes_count += 1;
+        self.write_gd(st, g)?;
+        Ok(())
+    }
+
+    pub(crate) fn group_of_block(&self, blk: u32) -> u32 {
+        (blk - self.geo.first_data_block) / self.geo.bpg
+    }
+
+    /// Is `blk` a superblock, descriptor, bitmap or inode-table block?
+    pub(crate) fn is_meta_block(&self, st: &State, blk: u32) -> bool {
+        let g = self.group_of_block(blk);
+        let d = &st.gd[g as usize];
+        let first = self.geo.group_first_block(g);
+        (self.geo.group_has_super(g) && blk < first + 1 + self.geo.gdt_blocks)
+            || blk == d.block_bitmap
+            || blk == d.inode_bitmap
+            || (blk >= d.inode_table && blk < d.inode_table + self.geo.itb)
+    }
+}

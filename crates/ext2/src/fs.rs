@@ -1,0 +1,692 @@
+//! Mounting, the in-memory superblock and group descriptors, the helpers every operation
+//! uses to turn changes into patches (and to declare or drop dependencies by mode), and
+//! the `FileSystem` trait implementation.
+
+use crate::format::*;
+use quilt_patch::{ChangeOpts, Engine, PatchError, PatchId};
+use quilt_vfs::{
+    Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, RenameFlags, Result, SetAttr,
+    StatFs, XattrFlags,
+};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use std::sync::{Mutex, MutexGuard};
+
+/// The consistency mode, chosen at mount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// No dependencies across blocks: fastest, and a crash may corrupt.
+    Async,
+    /// Soft updates: ordering rules keep the image consistent up to leaks.
+    #[default]
+    SoftUpdates,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Mode, String> {
+        match s {
+            "async" => Ok(Mode::Async),
+            "soft-updates" | "su" => Ok(Mode::SoftUpdates),
+            _ => Err(format!(
+                "unknown mode '{s}' (expected async or soft-updates; the journal modes arrive with issue #4)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mode::Async => "async",
+            Mode::SoftUpdates => "soft-updates",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct MountOptions {
+    pub mode: Mode,
+    pub read_only: bool,
+}
+
+/// The patch that made a change, or None when the change altered nothing on disk.
+pub(crate) type Head = Option<PatchId>;
+
+/// Geometry: fixed at mount.
+#[derive(Debug, Clone)]
+pub(crate) struct Geo {
+    pub sb: Superblock,
+    pub bs: u32,
+    pub blocks_count: u32,
+    pub first_data_block: u32,
+    pub bpg: u32,
+    pub ipg: u32,
+    pub inodes_count: u32,
+    pub inode_size: u32,
+    pub first_ino: u32,
+    pub groups: u32,
+    pub gdt_blocks: u32,
+    pub itb: u32,
+    pub filetype: bool,
+    pub ext_attr: bool,
+    /// Block and byte offset of the primary superblock.
+    pub sb_block: u32,
+    pub sb_off: usize,
+}
+
+impl Geo {
+    pub fn group_first_block(&self, g: u32) -> u32 {
+        self.sb.group_first_block(g)
+    }
+    pub fn group_block_count(&self, g: u32) -> u32 {
+        self.sb.group_block_count(g)
+    }
+    pub fn group_has_super(&self, g: u32) -> bool {
+        self.sb.group_has_super(g)
+    }
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Counters {
+    pub blocks_allocated: u64,
+    pub blocks_freed: u64,
+    pub inodes_created: u64,
+    pub inodes_freed: u64,
+    pub fsyncs: u64,
+}
+
+pub(crate) struct State {
+    pub sb: Superblock,
+    pub gd: Vec<GroupDesc>,
+    /// Blocks freed while the patch that removed their last pointer may not be durable:
+    /// their next contents must wait for it.
+    pub freed: HashMap<u32, PatchId>,
+    /// Per inode, patches an fsync of it must make durable (folded into one empty patch
+    /// when the list grows).
+    pub heads: HashMap<u32, Vec<PatchId>>,
+    /// Open handles per inode; an unlinked inode is freed at its last release.
+    pub open: HashMap<u32, u32>,
+    pub orphans: HashSet<u32>,
+    pub dir_cursor: u32,
+    pub counters: Counters,
+    /// Superblock counts changed since they were last written.
+    pub sb_dirty: bool,
+}
+
+pub struct Ext2 {
+    pub(crate) engine: Engine,
+    pub(crate) geo: Geo,
+    pub(crate) mode: Mode,
+    pub(crate) read_only: bool,
+    pub(crate) st: Mutex<State>,
+}
+
+/// Fsync lists longer than this fold into one empty patch.
+const HEADS_FOLD: usize = 32;
+
+impl Ext2 {
+    /// Opens the file system on `engine`'s device: validates the superblock and the group
+    /// descriptors, and (read-write) marks the image as mounted.
+    pub fn open(engine: Engine, opts: MountOptions) -> Result<Ext2> {
+        let bs = engine.block_size() as u32;
+        let sb_block = (SUPERBLOCK_OFFSET / bs as u64) as u32;
+        let sb_off = (SUPERBLOCK_OFFSET % bs as u64) as usize;
+        let raw = engine
+            .with_block(sb_block as u64, |d| d[sb_off..sb_off + SUPERBLOCK_SIZE].to_vec())
+            .map_err(Self::io)?;
+        let sb = Superblock::decode(&raw)?;
+        if sb.block_size() != bs {
+            return Err(FsError::Invalid("device block size differs from the file system's"));
+        }
+        if sb.blocks_count as u64 > engine.block_count() {
+            return Err(corrupt(format!(
+                "superblock says {} blocks but the image holds only {}",
+                sb.blocks_count,
+                engine.block_count()
+            )));
+        }
+        if sb.feature_incompat & INCOMPAT_RECOVER != 0 {
+            return Err(FsError::Corrupt(
+                "the journal needs recovery: run e2fsck -fy, or wait for quiltfs journal support (issue #4)"
+                    .into(),
+            ));
+        }
+        let unknown = sb.feature_incompat & !INCOMPAT_SUPPORTED;
+        if unknown != 0 {
+            return Err(FsError::Corrupt(format!(
+                "unsupported incompatible features {unknown:#x} (quiltfs reads ext2 with filetype only)"
+            )));
+        }
+        let mut read_only = opts.read_only;
+        let unknown_ro = sb.feature_ro_compat & !RO_COMPAT_SUPPORTED;
+        if unknown_ro != 0 && !read_only {
+            tracing::warn!(
+                "unknown read-only-compatible features {unknown_ro:#x}: mounting read-only"
+            );
+            read_only = true;
+        }
+        if sb.state & STATE_VALID == 0 {
+            tracing::warn!("the file system was not cleanly unmounted; e2fsck is recommended");
+        }
+        if sb.state & STATE_ERROR != 0 {
+            tracing::warn!("the file system is marked with errors; e2fsck is recommended");
+        }
+        let geo = Geo {
+            bs,
+            blocks_count: sb.blocks_count,
+            first_data_block: sb.first_data_block,
+            bpg: sb.blocks_per_group,
+            ipg: sb.inodes_per_group,
+            inodes_count: sb.inodes_count,
+            inode_size: sb.inode_size as u32,
+            first_ino: sb.first_ino,
+            groups: sb.group_count(),
+            gdt_blocks: sb.gdt_blocks(),
+            itb: sb.inode_table_blocks(),
+            filetype: sb.has_filetype(),
+            ext_attr: sb.feature_compat & COMPAT_EXT_ATTR != 0,
+            sb_block,
+            sb_off,
+            sb: sb.clone(),
+        };
+        let mut gd = Vec::with_capacity(geo.groups as usize);
+        let per_block = bs as usize / GDESC_SIZE;
+        for g in 0..geo.groups {
+            let blk = sb_block + 1 + g / per_block as u32;
+            let off = (g as usize % per_block) * GDESC_SIZE;
+            let d = engine
+                .with_block(blk as u64, |b| GroupDesc::decode(&b[off..off + GDESC_SIZE]))
+                .map_err(Self::io)?;
+            let first = geo.group_first_block(g);
+            let end = first + geo.group_block_count(g);
+            let inside = |b: u32| b >= first && b < end;
+            if !inside(d.block_bitmap)
+                || !inside(d.inode_bitmap)
+                || !inside(d.inode_table)
+                || d.inode_table + geo.itb > end
+            {
+                return Err(corrupt(format!(
+                    "group {g}: descriptor points outside its group (bitmaps {} {}, table {})",
+                    d.block_bitmap, d.inode_bitmap, d.inode_table
+                )));
+            }
+            if d.free_blocks as u32 > geo.group_block_count(g) || d.free_inodes as u32 > geo.ipg {
+                return Err(corrupt(format!("group {g}: free counts exceed the group size")));
+            }
+            gd.push(d);
+        }
+        let fs = Ext2 {
+            engine,
+            mode: opts.mode,
+            read_only,
+            st: Mutex::new(State {
+                sb: sb.clone(),
+                gd,
+                freed: HashMap::default(),
+                heads: HashMap::default(),
+                open: HashMap::default(),
+                orphans: HashSet::default(),
+                dir_cursor: 0,
+                counters: Counters::default(),
+                sb_dirty: false,
+            }),
+            geo,
+        };
+        // The root must be a directory.
+        {
+            let st = fs.lock();
+            let root = fs.read_inode(&st, ROOT_INO)?;
+            if !root.is_dir() || root.links == 0 {
+                return Err(corrupt("the root inode is not a directory"));
+            }
+        }
+        if !fs.read_only {
+            let mut st = fs.lock();
+            // Recompute the summary counts from the descriptors (cheap, and the kernel
+            // does the same), then mark the image as in use until a clean unmount.
+            st.sb.free_blocks_count = st.gd.iter().map(|d| d.free_blocks as u32).sum();
+            st.sb.free_inodes_count = st.gd.iter().map(|d| d.free_inodes as u32).sum();
+            st.sb.state &= !STATE_VALID;
+            st.sb.mnt_count = st.sb.mnt_count.wrapping_add(1);
+            st.sb.mtime = quilt_vfs::Timespec::now().sec as u32;
+            fs.write_super(&mut st)?;
+            drop(st);
+            fs.engine.sync().map_err(Self::io)?;
+        }
+        Ok(fs)
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// Clean unmount: frees orphans, writes the counts, marks the image clean, flushes.
+    pub fn unmount(&self) -> Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        let mut st = self.lock();
+        let orphans: Vec<u32> = st.orphans.drain().collect();
+        for ino in orphans {
+            st.open.remove(&ino);
+            self.destroy_inode(&mut st, ino, None)?;
+        }
+        st.sb.state |= STATE_VALID;
+        st.sb.wtime = quilt_vfs::Timespec::now().sec as u32;
+        self.write_super(&mut st)?;
+        drop(st);
+        self.engine.sync().map_err(Self::io)
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn io(e: PatchError) -> FsError {
+        match e {
+            PatchError::Block(quilt_block::BlockError::OutOfRange { block, count }) => {
+                FsError::Corrupt(format!("block {block} is beyond the device ({count} blocks)"))
+            }
+            e => FsError::Io(e.to_string()),
+        }
+    }
+
+    pub(crate) fn meta() -> ChangeOpts {
+        ChangeOpts::default()
+    }
+    pub(crate) fn data() -> ChangeOpts {
+        ChangeOpts {
+            data: true,
+            ..Default::default()
+        }
+    }
+
+    /// The befores a change may declare across blocks in this mode: all of them in soft
+    /// updates, none in async mode.
+    pub(crate) fn cross(&self, befores: &[PatchId]) -> Vec<PatchId> {
+        match self.mode {
+            Mode::Async => Vec::new(),
+            Mode::SoftUpdates => befores.to_vec(),
+        }
+    }
+
+    pub(crate) fn check_writable(&self) -> Result<()> {
+        if self.read_only {
+            Err(FsError::ReadOnly)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Writes `new` at `off` of `blk`, as a patch covering only the bytes that change.
+    pub(crate) fn put(
+        &self,
+        blk: u32,
+        off: usize,
+        new: &[u8],
+        befores: &[PatchId],
+        data: bool,
+    ) -> Result<Head> {
+        let span = self
+            .engine
+            .with_block(blk as u64, |d| {
+                let old = &d[off..off + new.len()];
+                let lo = old.iter().zip(new).position(|(a, b)| a != b)?;
+                let hi = old.iter().zip(new).rposition(|(a, b)| a != b)? + 1;
+                Some((lo, hi))
+            })
+            .map_err(Self::io)?;
+        let Some((lo, hi)) = span else {
+            return Ok(None);
+        };
+        let befores = self.cross(befores);
+        let opts = if data { Self::data() } else { Self::meta() };
+        self.engine
+            .write(blk as u64, off + lo, &new[lo..hi], &befores, opts)
+            .map(Some)
+            .map_err(Self::io)
+    }
+
+    /// Writes `bytes` at `off` of `blk` as one patch covering all of them, whether or not
+    /// they change: for records whose bytes belong together (a directory entry, an
+    /// initialized inode), so the patch depends on every pending patch it overlaps.
+    pub(crate) fn put_exact(&self, blk: u32, off: usize, bytes: &[u8], befores: &[PatchId]) -> Result<PatchId> {
+        let befores = self.cross(befores);
+        self.engine
+            .write(blk as u64, off, bytes, &befores, Self::meta())
+            .map_err(Self::io)
+    }
+
+    /// Writes a whole block (new contents of a freshly allocated block).
+    pub(crate) fn put_block(&self, blk: u32, data: &[u8], befores: &[PatchId], is_data: bool) -> Result<PatchId> {
+        let befores = self.cross(befores);
+        let opts = if is_data { Self::data() } else { Self::meta() };
+        self.engine
+            .write(blk as u64, 0, data, &befores, opts)
+            .map_err(Self::io)
+    }
+
+    /// An empty patch joining `heads` (None if there is nothing to join).
+    pub(crate) fn join(&self, heads: &[Head]) -> Head {
+        let ids: Vec<PatchId> = heads.iter().flatten().copied().collect();
+        match ids.len() {
+            0 => None,
+            1 => Some(ids[0]),
+            _ => Some(self.engine.empty(&self.cross(&ids))),
+        }
+    }
+
+    /// Records that an fsync of `ino` must make `head` durable.
+    pub(crate) fn track(&self, st: &mut State, ino: u32, head: Head) {
+        let Some(h) = head else { return };
+        let list = st.heads.entry(ino).or_default();
+        list.push(h);
+        if list.len() > HEADS_FOLD {
+            let all = std::mem::take(list);
+            let e = self.engine.empty(&all);
+            st.heads.insert(ino, vec![e]);
+        }
+    }
+
+    pub(crate) fn write_gd(&self, st: &mut State, g: u32) -> Result<()> {
+        let per_block = self.geo.bs / GDESC_SIZE as u32;
+        let blk = self.geo.sb_block + 1 + g / per_block;
+        let off = (g % per_block) as usize * GDESC_SIZE;
+        st.sb_dirty = true;
+        self.put(blk, off, &st.gd[g as usize].encode(), &[], false)?;
+        Ok(())
+    }
+
+    /// Writes the in-memory superblock fields into the primary superblock.
+    pub(crate) fn write_super(&self, st: &mut State) -> Result<()> {
+        let mut raw = self
+            .engine
+            .with_block(self.geo.sb_block as u64, |d| {
+                d[self.geo.sb_off..self.geo.sb_off + SUPERBLOCK_SIZE].to_vec()
+            })
+            .map_err(Self::io)?;
+        st.sb.encode_into(&mut raw);
+        self.put(self.geo.sb_block, self.geo.sb_off, &raw, &[], false)?;
+        st.sb_dirty = false;
+        Ok(())
+    }
+
+    pub(crate) fn check_data_block(&self, blk: u32) -> Result<()> {
+        if blk < self.geo.first_data_block || blk >= self.geo.blocks_count {
+            return Err(corrupt(format!("block pointer {blk} is outside the file system")));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn to_ino(ino: Ino) -> Result<u32> {
+        u32::try_from(ino).map_err(|_| FsError::NotFound)
+    }
+
+    fn attr_of(&self, ino: u32, inode: &Inode) -> Result<Attr> {
+        let kind = FileType::from_mode(inode.mode as u32)
+            .ok_or_else(|| corrupt(format!("inode {ino} has unknown type in mode {:o}", inode.mode)))?;
+        let x = inode.has_extra_times();
+        Ok(Attr {
+            ino: ino as Ino,
+            kind,
+            perm: inode.mode & 0o7777,
+            nlink: inode.links as u32,
+            uid: inode.uid,
+            gid: inode.gid,
+            size: inode.size,
+            blocks: inode.blocks as u64,
+            atime: Inode::time(inode.atime, inode.atime_extra, x),
+            mtime: Inode::time(inode.mtime, inode.mtime_extra, x),
+            ctime: Inode::time(inode.ctime, inode.ctime_extra, x),
+            rdev: if inode.is_special() { inode.rdev() } else { 0 },
+            blksize: self.geo.bs,
+        })
+    }
+
+    pub(crate) fn attr(&self, st: &State, ino: u32) -> Result<Attr> {
+        let inode = self.read_live_inode(st, ino)?;
+        self.attr_of(ino, &inode)
+    }
+
+    pub(crate) fn counters_list(&self) -> Vec<(String, u64)> {
+        let c = self.lock().counters;
+        let e = self.engine.stats();
+        let d = self.engine.device().stats();
+        let mut v: Vec<(String, u64)> = vec![
+            ("fs.blocks_allocated".into(), c.blocks_allocated),
+            ("fs.blocks_freed".into(), c.blocks_freed),
+            ("fs.inodes_created".into(), c.inodes_created),
+            ("fs.inodes_freed".into(), c.inodes_freed),
+            ("fs.fsyncs".into(), c.fsyncs),
+        ];
+        for (k, val) in e.fields() {
+            v.push((format!("patch.{k}"), val));
+        }
+        for (k, val) in d.fields() {
+            v.push((format!("device.{k}"), val));
+        }
+        v
+    }
+}
+
+pub(crate) fn check_name(name: &[u8]) -> Result<()> {
+    if name.is_empty() || name.contains(&b'/') || name.contains(&0) {
+        return Err(FsError::Invalid("bad file name"));
+    }
+    if name.len() > NAME_MAX {
+        return Err(FsError::NameTooLong);
+    }
+    Ok(())
+}
+
+impl FileSystem for Ext2 {
+    fn root(&self) -> Ino {
+        ROOT_INO as Ino
+    }
+
+    fn lookup(&self, parent: Ino, name: &[u8]) -> Result<Attr> {
+        if name.len() > NAME_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        let st = self.lock();
+        let dir = self.read_live_inode(&st, Self::to_ino(parent)?)?;
+        if !dir.is_dir() {
+            return Err(FsError::NotDir);
+        }
+        let e = self.find_entry(&dir, name)?.ok_or(FsError::NotFound)?;
+        self.attr(&st, e.inode)
+    }
+
+    fn getattr(&self, ino: Ino) -> Result<Attr> {
+        let st = self.lock();
+        self.attr(&st, Self::to_ino(ino)?)
+    }
+
+    fn setattr(&self, ino: Ino, set: SetAttr, _ctx: &Ctx) -> Result<Attr> {
+        self.check_writable()?;
+        let mut st = self.lock();
+        self.do_setattr(&mut st, Self::to_ino(ino)?, set)
+    }
+
+    fn mknod(&self, parent: Ino, name: &[u8], mode: u32, rdev: u32, ctx: &Ctx) -> Result<Attr> {
+        self.check_writable()?;
+        if FileType::from_mode(mode).is_none_or(|k| k == FileType::Directory || k == FileType::Symlink) {
+            return Err(FsError::Invalid("mknod makes files, devices, fifos and sockets"));
+        }
+        let mut st = self.lock();
+        self.create_node(&mut st, Self::to_ino(parent)?, name, mode & !(ctx.umask & 0o777), rdev, None, ctx)
+    }
+
+    fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
+        self.check_writable()?;
+        let mut st = self.lock();
+        let mode = libc::S_IFDIR | (mode & 0o7777 & !(ctx.umask & 0o777));
+        self.create_node(&mut st, Self::to_ino(parent)?, name, mode, 0, None, ctx)
+    }
+
+    fn unlink(&self, parent: Ino, name: &[u8], _ctx: &Ctx) -> Result<()> {
+        self.check_writable()?;
+        let mut st = self.lock();
+        self.remove_name(&mut st, Self::to_ino(parent)?, name, false)
+    }
+
+    fn rmdir(&self, parent: Ino, name: &[u8], _ctx: &Ctx) -> Result<()> {
+        self.check_writable()?;
+        let mut st = self.lock();
+        self.remove_name(&mut st, Self::to_ino(parent)?, name, true)
+    }
+
+    fn symlink(&self, parent: Ino, name: &[u8], target: &[u8], ctx: &Ctx) -> Result<Attr> {
+        self.check_writable()?;
+        if target.is_empty() {
+            return Err(FsError::NotFound);
+        }
+        if target.len() >= self.geo.bs as usize {
+            return Err(FsError::NameTooLong);
+        }
+        let mut st = self.lock();
+        self.create_node(&mut st, Self::to_ino(parent)?, name, libc::S_IFLNK | 0o777, 0, Some(target), ctx)
+    }
+
+    fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {
+        let st = self.lock();
+        self.do_readlink(&st, Self::to_ino(ino)?)
+    }
+
+    fn rename(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        new_parent: Ino,
+        new_name: &[u8],
+        flags: RenameFlags,
+        _ctx: &Ctx,
+    ) -> Result<()> {
+        self.check_writable()?;
+        let mut st = self.lock();
+        self.do_rename(&mut st, Self::to_ino(parent)?, name, Self::to_ino(new_parent)?, new_name, flags)
+    }
+
+    fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8], _ctx: &Ctx) -> Result<Attr> {
+        self.check_writable()?;
+        let mut st = self.lock();
+        self.do_link(&mut st, Self::to_ino(ino)?, Self::to_ino(new_parent)?, new_name)
+    }
+
+    fn read(&self, ino: Ino, offset: u64, size: u32) -> Result<Vec<u8>> {
+        let st = self.lock();
+        self.do_read(&st, Self::to_ino(ino)?, offset, size)
+    }
+
+    fn write(&self, ino: Ino, offset: u64, data: &[u8], _ctx: &Ctx) -> Result<u32> {
+        self.check_writable()?;
+        let mut st = self.lock();
+        self.do_write(&mut st, Self::to_ino(ino)?, offset, data)
+    }
+
+    fn readdir(&self, ino: Ino, offset: u64, emit: &mut dyn FnMut(DirEntry) -> bool) -> Result<()> {
+        let st = self.lock();
+        self.do_readdir(&st, Self::to_ino(ino)?, offset, emit)
+    }
+
+    fn statfs(&self) -> Result<StatFs> {
+        let st = self.lock();
+        let free = st.sb.free_blocks_count as u64;
+        Ok(StatFs {
+            block_size: self.geo.bs,
+            blocks: self.geo.blocks_count as u64,
+            blocks_free: free,
+            blocks_avail: free.saturating_sub(st.sb.r_blocks_count as u64),
+            files: self.geo.inodes_count as u64,
+            files_free: st.sb.free_inodes_count as u64,
+            name_max: NAME_MAX as u32,
+        })
+    }
+
+    fn fsync(&self, ino: Ino, _datasync: bool) -> Result<()> {
+        let ino = Self::to_ino(ino)?;
+        let target = {
+            let mut st = self.lock();
+            st.counters.fsyncs += 1;
+            let heads = st.heads.remove(&ino).unwrap_or_default();
+            if st.sb_dirty && !self.read_only {
+                // Counts are summaries; writing them here keeps a crash's fsck quieter.
+                self.write_super(&mut st)?;
+            }
+            match heads.len() {
+                0 => None,
+                1 => Some(heads[0]),
+                _ => Some(self.engine.empty(&heads)),
+            }
+        };
+        if let Some(t) = target {
+            self.engine.flush_until(t).map_err(Self::io)?;
+        }
+        Ok(())
+    }
+
+    fn sync_all(&self) -> Result<()> {
+        {
+            let mut st = self.lock();
+            if st.sb_dirty && !self.read_only {
+                self.write_super(&mut st)?;
+            }
+            st.heads.clear();
+        }
+        self.engine.sync().map_err(Self::io)
+    }
+
+    fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
+        self.check_writable()?;
+        let mut st = self.lock();
+        self.do_setxattr(&mut st, Self::to_ino(ino)?, name, Some(value), flags)
+    }
+
+    fn getxattr(&self, ino: Ino, name: &[u8]) -> Result<Vec<u8>> {
+        let st = self.lock();
+        self.do_getxattr(&st, Self::to_ino(ino)?, name)
+    }
+
+    fn listxattr(&self, ino: Ino) -> Result<Vec<u8>> {
+        let st = self.lock();
+        self.do_listxattr(&st, Self::to_ino(ino)?)
+    }
+
+    fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()> {
+        self.check_writable()?;
+        let mut st = self.lock();
+        self.do_setxattr(&mut st, Self::to_ino(ino)?, name, None, XattrFlags::default())
+    }
+
+    fn open(&self, ino: Ino) -> Result<()> {
+        let ino = Self::to_ino(ino)?;
+        let mut st = self.lock();
+        self.read_live_inode(&st, ino)?;
+        *st.open.entry(ino).or_default() += 1;
+        Ok(())
+    }
+
+    fn release(&self, ino: Ino) -> Result<()> {
+        let ino = Self::to_ino(ino)?;
+        let mut st = self.lock();
+        let n = st.open.entry(ino).or_default();
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            st.open.remove(&ino);
+            if st.orphans.remove(&ino) && !self.read_only {
+                self.destroy_inode(&mut st, ino, None)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn counters(&self) -> Vec<(String, u64)> {
+        self.counters_list()
+    }
+}

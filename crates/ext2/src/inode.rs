@@ -1,0 +1,603 @@
+//! Inodes: reading and writing them, block maps (direct, indirect, double and triple
+//! indirect), file data, truncation and freeing.
+//!
+//! Soft-updates order for a new block: its bitmap bit and its initialized contents
+//! before the pointer to it. The inode's block count and size are written before a
+//! pointer in an indirect block (a crash leaves them too high, never too low), and after
+//! pointers are cleared on truncation, for the same reason.
+
+use crate::format::*;
+use crate::fs::{Ext2, Head, State};
+use quilt_patch::PatchId;
+use quilt_vfs::{FsError, Result, SetAttr, Timespec};
+
+/// Where a logical block's pointer lives: the slot in `i_block`, then the slots in each
+/// indirect level.
+struct Path {
+    top: usize,
+    rest: Vec<usize>,
+}
+
+impl Ext2 {
+    pub(crate) fn inode_loc(&self, st: &State, ino: u32) -> Result<(u32, usize)> {
+        if ino == 0 || ino > self.geo.inodes_count {
+            return Err(FsError::NotFound);
+        }
+        let idx = ino - 1;
+        let g = idx / self.geo.ipg;
+        let i = (idx % self.geo.ipg) as u64 * self.geo.inode_size as u64;
+        let blk = st.gd[g as usize].inode_table + (i / self.geo.bs as u64) as u32;
+        Ok((blk, (i % self.geo.bs as u64) as usize))
+    }
+
+    pub(crate) fn read_inode(&self, st: &State, ino: u32) -> Result<Inode> {
+        let (blk, off) = self.inode_loc(st, ino)?;
+        let isz = self.geo.inode_size as usize;
+        self.engine
+            .with_block(blk as u64, |d| Inode::decode(&d[off..off + isz]))
+            .map_err(Self::io)
+    }
+
+    /// An inode that must be in use (named by an entry, or open).
+    pub(crate) fn read_live_inode(&self, st: &State, ino: u32) -> Result<Inode> {
+        if ino != ROOT_INO && ino < self.geo.first_ino {
+            return Err(FsError::NotFound);
+        }
+        let inode = self.read_inode(st, ino)?;
+        if inode.mode == 0 || (inode.links == 0 && !st.orphans.contains(&ino)) {
+            return Err(corrupt(format!("inode {ino} is in use but not allocated")));
+        }
+        if quilt_vfs::FileType::from_mode(inode.mode as u32).is_none() {
+            return Err(corrupt(format!("inode {ino} has an unknown type (mode {:o})", inode.mode)));
+        }
+        if inode.is_dir() && inode.size % self.geo.bs as u64 != 0 {
+            return Err(corrupt(format!("directory {ino} has size {} (not whole blocks)", inode.size)));
+        }
+        Ok(inode)
+    }
+
+    pub(crate) fn write_inode(&self, st: &State, ino: u32, inode: &Inode, befores: &[PatchId]) -> Result<Head> {
+        let (blk, off) = self.inode_loc(st, ino)?;
+        let isz = self.geo.inode_size as usize;
+        let mut raw = self
+            .engine
+            .with_block(blk as u64, |d| d[off..off + isz].to_vec())
+            .map_err(Self::io)?;
+        inode.encode_into(&mut raw);
+        self.put(blk, off, &raw, befores, false)
+    }
+
+    /// Zeroes the inode's slot (keeping a deletion time), as a freed inode.
+    pub(crate) fn clear_inode(&self, st: &State, ino: u32, befores: &[PatchId]) -> Result<Head> {
+        let (blk, off) = self.inode_loc(st, ino)?;
+        let mut raw = vec![0u8; self.geo.inode_size as usize];
+        put32(&mut raw, 0x14, Timespec::now().sec as u32);
+        self.put_exact(blk, off, &raw, befores).map(Some)
+    }
+
+    /// Writes a new inode's whole slot (see `put_exact`).
+    pub(crate) fn init_inode(&self, st: &State, ino: u32, inode: &Inode, befores: &[PatchId]) -> Result<PatchId> {
+        let (blk, off) = self.inode_loc(st, ino)?;
+        let mut raw = vec![0u8; self.geo.inode_size as usize];
+        inode.encode_into(&mut raw);
+        self.put_exact(blk, off, &raw, befores)
+    }
+
+    /// Reads, changes and writes an inode.
+    pub(crate) fn modify_inode(
+        &self,
+        st: &State,
+        ino: u32,
+        befores: &[PatchId],
+        f: impl FnOnce(&mut Inode),
+    ) -> Result<Head> {
+        let mut inode = self.read_inode(st, ino)?;
+        f(&mut inode);
+        self.write_inode(st, ino, &inode, befores)
+    }
+
+    pub(crate) fn new_inode(&self, mode: u32, uid: u32, gid: u32) -> Inode {
+        let now = Timespec::now();
+        let (lo, extra) = Inode::split_time(now);
+        let big = self.geo.inode_size as usize > GOOD_OLD_INODE_SIZE;
+        Inode {
+            mode: mode as u16,
+            uid,
+            gid,
+            atime: lo,
+            ctime: lo,
+            mtime: lo,
+            extra_isize: if big { crate::mkfs::EXTRA_ISIZE.min(self.geo.inode_size as u16 - 128) } else { 0 },
+            ctime_extra: extra,
+            mtime_extra: extra,
+            atime_extra: extra,
+            crtime: lo,
+            crtime_extra: extra,
+            generation: (now.nsec ^ now.sec as u32).wrapping_mul(2654435761),
+            ..Default::default()
+        }
+    }
+
+    pub(crate) fn touch_times(inode: &mut Inode, m: bool, c: bool) {
+        let (lo, extra) = Inode::split_time(Timespec::now());
+        if m {
+            inode.mtime = lo;
+            inode.mtime_extra = extra;
+        }
+        if c {
+            inode.ctime = lo;
+            inode.ctime_extra = extra;
+        }
+    }
+
+    fn ptrs(&self) -> u64 {
+        self.geo.bs as u64 / 4
+    }
+
+    fn path(&self, lblk: u64) -> Result<Path> {
+        let p = self.ptrs();
+        let mut l = lblk;
+        if l < NDIR_BLOCKS as u64 {
+            return Ok(Path { top: l as usize, rest: vec![] });
+        }
+        l -= NDIR_BLOCKS as u64;
+        if l < p {
+            return Ok(Path { top: IND_BLOCK, rest: vec![l as usize] });
+        }
+        l -= p;
+        if l < p * p {
+            return Ok(Path { top: DIND_BLOCK, rest: vec![(l / p) as usize, (l % p) as usize] });
+        }
+        l -= p * p;
+        if l < p * p * p {
+            return Ok(Path {
+                top: TIND_BLOCK,
+                rest: vec![(l / (p * p)) as usize, ((l / p) % p) as usize, (l % p) as usize],
+            });
+        }
+        Err(FsError::TooBig)
+    }
+
+    /// Largest file size the block map can address.
+    pub(crate) fn max_file_size(&self) -> u64 {
+        let p = self.ptrs();
+        let blocks = NDIR_BLOCKS as u64 + p + p * p + p * p * p;
+        // i_blocks counts 512-byte units in 32 bits.
+        (blocks * self.geo.bs as u64).min((u32::MAX as u64) * 512 / 2)
+    }
+
+    fn read_ptr(&self, blk: u32, slot: usize) -> Result<u32> {
+        self.check_data_block(blk)?;
+        self.engine
+            .with_block(blk as u64, |d| le32(d, slot * 4))
+            .map_err(Self::io)
+    }
+
+    /// The physical block of logical block `lblk`, or 0 for a hole.
+    pub(crate) fn bmap(&self, inode: &Inode, lblk: u64) -> Result<u32> {
+        let path = self.path(lblk)?;
+        let mut ptr = inode.block[path.top];
+        for &slot in &path.rest {
+            if ptr == 0 {
+                return Ok(0);
+            }
+            ptr = self.read_ptr(ptr, slot)?;
+        }
+        if ptr != 0 {
+            self.check_data_block(ptr)?;
+        }
+        Ok(ptr)
+    }
+
+    /// Maps `lblk` to a new block holding `content`, which waits for `content_befores`.
+    /// Missing indirect blocks are created on the way. Writes the inode (new block count,
+    /// and whatever the caller changed in `inode`) and returns the block and the patch
+    /// that makes it reachable.
+    pub(crate) fn bmap_alloc(
+        &self,
+        st: &mut State,
+        ino: u32,
+        inode: &mut Inode,
+        lblk: u64,
+        content: &[u8],
+        content_befores: &[PatchId],
+        is_data: bool,
+        goal: u32,
+    ) -> Result<(u32, PatchId)> {
+        let path = self.path(lblk)?;
+        // nodes[i] = block holding slot i of the path (0 = the inode itself).
+        let slots: Vec<usize> = std::iter::once(path.top).chain(path.rest.iter().copied()).collect();
+        let mut nodes: Vec<u32> = vec![0];
+        let mut ptr = inode.block[path.top];
+        let mut depth = 0;
+        while ptr != 0 && depth < path.rest.len() {
+            self.check_data_block(ptr)?;
+            nodes.push(ptr);
+            depth += 1;
+            ptr = self.read_ptr(ptr, slots[depth])?;
+        }
+        if ptr != 0 {
+            return Err(corrupt(format!("inode {ino}: block {lblk} is already mapped")));
+        }
+        // Slot `slots[depth]` of node `nodes[depth]` is empty: allocate levels depth+1..
+        let levels = path.rest.len() - depth + 1;
+        let mut goal = goal;
+        // Bottom up: the data block first, then each new indirect block holding the
+        // pointer to the one below.
+        let (blk, alloc) = self.alloc_block(st, goal)?;
+        goal = blk;
+        let mut befores: Vec<PatchId> = content_befores.to_vec();
+        befores.extend(st.freed.get(&blk).copied());
+        let init = self.put_block(blk, content, &befores, is_data)?;
+        let data_blk = blk;
+        let mut child = (blk, vec![alloc, init]);
+        for level in (depth + 1..=path.rest.len()).rev() {
+            let (ind, alloc) = self.alloc_block(st, goal)?;
+            let mut b = vec![0u8; self.geo.bs as usize];
+            put32(&mut b, slots[level] * 4, child.0);
+            let mut befores = child.1.clone();
+            befores.extend(st.freed.get(&ind).copied());
+            let init = self.put_block(ind, &b, &befores, false)?;
+            child = (ind, vec![alloc, init]);
+        }
+        inode.blocks += levels as u32 * (self.geo.bs / 512);
+        let head = if depth == 0 {
+            inode.block[path.top] = child.0;
+            self.write_inode(st, ino, inode, &child.1)?
+                .ok_or_else(|| corrupt("inode write changed nothing"))?
+        } else {
+            let i = self.write_inode(st, ino, inode, &[])?;
+            let mut befores = child.1.clone();
+            befores.extend(i);
+            let mut b = [0u8; 4];
+            put32(&mut b, 0, child.0);
+            self.put(nodes[depth], slots[depth] * 4, &b, &befores, false)?
+                .ok_or_else(|| corrupt("pointer write changed nothing"))?
+        };
+        Ok((data_blk, head))
+    }
+
+    pub(crate) fn do_read(&self, st: &State, ino: u32, offset: u64, size: u32) -> Result<Vec<u8>> {
+        let inode = self.read_live_inode(st, ino)?;
+        if inode.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        if offset >= inode.size {
+            return Ok(Vec::new());
+        }
+        let end = inode.size.min(offset + size as u64);
+        let bs = self.geo.bs as u64;
+        let mut out = vec![0u8; (end - offset) as usize];
+        let mut pos = offset;
+        while pos < end {
+            let lblk = pos / bs;
+            let in_off = (pos % bs) as usize;
+            let n = ((bs - in_off as u64).min(end - pos)) as usize;
+            let phys = self.bmap(&inode, lblk)?;
+            let dst = (pos - offset) as usize;
+            if phys != 0 {
+                self.engine
+                    .with_block(phys as u64, |d| out[dst..dst + n].copy_from_slice(&d[in_off..in_off + n]))
+                    .map_err(Self::io)?;
+            }
+            pos += n as u64;
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn do_write(&self, st: &mut State, ino: u32, offset: u64, data: &[u8]) -> Result<u32> {
+        let mut inode = self.read_live_inode(st, ino)?;
+        if inode.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        if !inode.is_reg() {
+            return Err(FsError::Invalid("write to a non-regular file"));
+        }
+        let end = offset.checked_add(data.len() as u64).ok_or(FsError::TooBig)?;
+        if end > self.max_file_size() {
+            return Err(FsError::TooBig);
+        }
+        if data.is_empty() {
+            return Ok(0);
+        }
+        let bs = self.geo.bs as u64;
+        Self::touch_times(&mut inode, true, true);
+        if end > inode.size {
+            inode.size = end;
+        }
+        let mut pos = offset;
+        let mut goal = self.goal_for(st, ino, &inode, offset / bs);
+        let mut written = 0usize;
+        let mut result: Result<()> = Ok(());
+        while pos < end {
+            let lblk = pos / bs;
+            let in_off = (pos % bs) as usize;
+            let n = ((bs - in_off as u64).min(end - pos)) as usize;
+            let src = &data[(pos - offset) as usize..(pos - offset) as usize + n];
+            let phys = match self.bmap(&inode, lblk) {
+                Ok(p) => p,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            };
+            let head = if phys != 0 {
+                goal = phys + 1;
+                self.engine
+                    .write(phys as u64, in_off, src, &[], Self::data())
+                    .map_err(Self::io)
+            } else {
+                let mut content = vec![0u8; bs as usize];
+                content[in_off..in_off + n].copy_from_slice(src);
+                match self.bmap_alloc(st, ino, &mut inode, lblk, &content, &[], true, goal) {
+                    Ok((b, h)) => {
+                        goal = b + 1;
+                        Ok(h)
+                    }
+                    Err(e) => Err(e),
+                }
+            };
+            match head {
+                Ok(h) => self.track(st, ino, Some(h)),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+            pos += n as u64;
+            written += n;
+        }
+        // A short write (ENOSPC midway) still reports what was written.
+        if written < data.len() {
+            inode.size = inode.size.min(offset + written as u64).max(self.read_inode(st, ino)?.size);
+        }
+        let h = self.write_inode(st, ino, &inode, &[])?;
+        self.track(st, ino, h);
+        if written == 0 {
+            result?;
+        }
+        Ok(written as u32)
+    }
+
+    /// Where to put logical block `lblk`: after the previous block of the file, or at the
+    /// start of the inode's group.
+    fn goal_for(&self, st: &State, ino: u32, inode: &Inode, lblk: u64) -> u32 {
+        if lblk > 0 {
+            if let Ok(p) = self.bmap(inode, lblk - 1) {
+                if p != 0 {
+                    return p + 1;
+                }
+            }
+        }
+        let g = (ino - 1) / self.geo.ipg;
+        st.gd[g as usize].inode_table + self.geo.itb
+    }
+
+    /// Frees every block at or past logical block `from`. Pointers inside indirect blocks
+    /// that stay are cleared first; `inode` gets its cleared slots and new block count, and
+    /// the caller writes it after the returned patches. Freed blocks wait for
+    /// `inode_head_later`, which the caller supplies by calling `finish_free`.
+    fn cut_tree(&self, inode: &mut Inode, from: u64, frees: &mut Vec<u32>, clears: &mut Vec<PatchId>) -> Result<()> {
+        let p = self.ptrs();
+        for slot in 0..NDIR_BLOCKS {
+            if slot as u64 >= from && inode.block[slot] != 0 {
+                frees.push(inode.block[slot]);
+                inode.block[slot] = 0;
+            }
+        }
+        let spans = [
+            (IND_BLOCK, 1u32, NDIR_BLOCKS as u64, p),
+            (DIND_BLOCK, 2, NDIR_BLOCKS as u64 + p, p * p),
+            (TIND_BLOCK, 3, NDIR_BLOCKS as u64 + p + p * p, p * p * p),
+        ];
+        for (slot, level, start, span) in spans {
+            let blk = inode.block[slot];
+            if blk == 0 || start + span <= from {
+                continue;
+            }
+            self.check_data_block(blk)?;
+            if from <= start {
+                self.collect_subtree(blk, level, frees)?;
+                inode.block[slot] = 0;
+            } else {
+                self.cut_subtree(blk, level, start, from, frees, clears)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// All blocks of the subtree at `blk` (an indirect block of `level`), itself included.
+    fn collect_subtree(&self, blk: u32, level: u32, frees: &mut Vec<u32>) -> Result<()> {
+        self.check_data_block(blk)?;
+        let ptrs: Vec<u32> = self
+            .engine
+            .with_block(blk as u64, |d| (0..d.len() / 4).map(|i| le32(d, i * 4)).filter(|&x| x != 0).collect())
+            .map_err(Self::io)?;
+        for c in ptrs {
+            self.check_data_block(c)?;
+            if level > 1 {
+                self.collect_subtree(c, level - 1, frees)?;
+            } else {
+                frees.push(c);
+            }
+        }
+        frees.push(blk);
+        Ok(())
+    }
+
+    /// Cuts the part of the subtree at `blk` (covering logical blocks from `start`) at or
+    /// past `from`, clearing the pointers in `blk` itself.
+    fn cut_subtree(
+        &self,
+        blk: u32,
+        level: u32,
+        start: u64,
+        from: u64,
+        frees: &mut Vec<u32>,
+        clears: &mut Vec<PatchId>,
+    ) -> Result<()> {
+        let p = self.ptrs();
+        let child_span = p.pow(level - 1);
+        let mut img = self.engine.read(blk as u64).map_err(Self::io)?;
+        let mut changed = false;
+        for i in 0..p as usize {
+            let c = le32(&img, i * 4);
+            let cstart = start + i as u64 * child_span;
+            if c == 0 || cstart + child_span <= from {
+                continue;
+            }
+            self.check_data_block(c)?;
+            if from <= cstart {
+                if level > 1 {
+                    self.collect_subtree(c, level - 1, frees)?;
+                } else {
+                    frees.push(c);
+                }
+                put32(&mut img, i * 4, 0);
+                changed = true;
+            } else {
+                self.cut_subtree(c, level - 1, cstart, from, frees, clears)?;
+            }
+        }
+        if changed {
+            if let Some(h) = self.put(blk, 0, &img, &[], false)? {
+                clears.push(h);
+            }
+        }
+        Ok(())
+    }
+
+    /// Shrinks or grows `ino` to `size`; writes the inode (with `inode`'s other changes).
+    pub(crate) fn truncate(&self, st: &mut State, ino: u32, inode: &mut Inode, size: u64) -> Result<Head> {
+        if size > self.max_file_size() {
+            return Err(FsError::TooBig);
+        }
+        let bs = self.geo.bs as u64;
+        if size < inode.size && inode.has_block_map() {
+            // Zero the tail of the last kept block, so a later extension reads zeros.
+            if size % bs != 0 {
+                let phys = self.bmap(inode, size / bs)?;
+                if phys != 0 {
+                    let off = (size % bs) as usize;
+                    let zeros = vec![0u8; bs as usize - off];
+                    let h = self.put(phys, off, &zeros, &[], true)?;
+                    self.track(st, ino, h);
+                }
+            }
+            let from = size.div_ceil(bs);
+            let mut frees = Vec::new();
+            let mut clears = Vec::new();
+            self.cut_tree(inode, from, &mut frees, &mut clears)?;
+            inode.blocks = inode.blocks.saturating_sub(frees.len() as u32 * (bs as u32 / 512));
+            inode.size = size;
+            let head = self.write_inode(st, ino, inode, &clears)?;
+            for h in &clears {
+                self.track(st, ino, Some(*h));
+            }
+            // The blocks are unreachable once the inode (and the cleared pointers) are
+            // on disk.
+            let mut all = clears.clone();
+            all.extend(head);
+            let after = self.join(&all.iter().map(|&x| Some(x)).collect::<Vec<_>>());
+            for b in frees {
+                self.free_block(st, b, after)?;
+            }
+            self.track(st, ino, head);
+            return Ok(head);
+        }
+        inode.size = size;
+        let h = self.write_inode(st, ino, inode, &[])?;
+        self.track(st, ino, h);
+        Ok(h)
+    }
+
+    /// Frees an inode whose last name is gone, after `removal` (the patch that removed
+    /// its entry): the cleared inode waits for the removal, the bitmap frees wait for the
+    /// cleared inode.
+    pub(crate) fn destroy_inode(&self, st: &mut State, ino: u32, removal: Head) -> Result<()> {
+        let inode = self.read_inode(st, ino)?;
+        let mut frees = Vec::new();
+        if inode.has_block_map() {
+            let mut copy = inode.clone();
+            let mut clears = Vec::new();
+            self.cut_tree(&mut copy, 0, &mut frees, &mut clears)?;
+        }
+        if inode.file_acl != 0 {
+            frees.push(inode.file_acl);
+        }
+        let cleared = self.clear_inode(st, ino, &removal.into_iter().collect::<Vec<_>>())?;
+        let after = cleared.or(removal);
+        for b in frees {
+            self.free_block(st, b, after)?;
+        }
+        self.free_inode(st, ino, inode.is_dir(), after)?;
+        st.heads.remove(&ino);
+        st.counters.inodes_freed += 1;
+        Ok(())
+    }
+
+    pub(crate) fn do_setattr(&self, st: &mut State, ino: u32, set: SetAttr) -> Result<quilt_vfs::Attr> {
+        let mut inode = self.read_live_inode(st, ino)?;
+        let now = Inode::split_time(Timespec::now());
+        if let Some(mode) = set.mode {
+            inode.mode = (inode.mode & libc::S_IFMT as u16) | (mode & 0o7777) as u16;
+        }
+        if let Some(uid) = set.uid {
+            inode.uid = uid;
+        }
+        if let Some(gid) = set.gid {
+            inode.gid = gid;
+        }
+        if let Some(t) = set.atime {
+            (inode.atime, inode.atime_extra) = Inode::split_time(t.resolve());
+        }
+        if let Some(t) = set.mtime {
+            (inode.mtime, inode.mtime_extra) = Inode::split_time(t.resolve());
+        }
+        (inode.ctime, inode.ctime_extra) = match set.ctime {
+            Some(t) => Inode::split_time(t),
+            None => now,
+        };
+        if let Some(size) = set.size {
+            if inode.is_dir() {
+                return Err(FsError::IsDir);
+            }
+            if !inode.is_reg() {
+                return Err(FsError::Invalid("truncate of a non-regular file"));
+            }
+            if size != inode.size && set.mtime.is_none() {
+                (inode.mtime, inode.mtime_extra) = now;
+            }
+            self.truncate(st, ino, &mut inode, size)?;
+        } else {
+            let h = self.write_inode(st, ino, &inode, &[])?;
+            self.track(st, ino, h);
+        }
+        self.attr(st, ino)
+    }
+
+    pub(crate) fn do_readlink(&self, st: &State, ino: u32) -> Result<Vec<u8>> {
+        let inode = self.read_live_inode(st, ino)?;
+        if !inode.is_symlink() {
+            return Err(FsError::Invalid("not a symbolic link"));
+        }
+        let len = inode.size as usize;
+        if inode.is_fast_symlink() {
+            let mut raw = [0u8; 60];
+            for (i, v) in inode.block.iter().enumerate() {
+                put32(&mut raw, i * 4, *v);
+            }
+            return Ok(raw[..len].to_vec());
+        }
+        if len >= self.geo.bs as usize {
+            return Err(corrupt(format!("symlink {ino} has length {len}")));
+        }
+        let phys = self.bmap(&inode, 0)?;
+        if phys == 0 {
+            return Err(corrupt(format!("slow symlink {ino} has no block")));
+        }
+        self.engine
+            .with_block(phys as u64, |d| d[..len].to_vec())
+            .map_err(Self::io)
+    }
+}

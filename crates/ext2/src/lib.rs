@@ -1,0 +1,26 @@
+//! quilt-ext2: an ext2-compatible file system over the patch layer.
+//!
+//! Every block change is a patch (`quilt_patch::Engine`), so the consistency mode is a
+//! property of the dependencies the module declares, not of its code paths:
+//!
+//! - [`Mode::Async`] declares no dependencies across blocks;
+//! - [`Mode::SoftUpdates`] declares the soft-updates rules (allocation before pointer,
+//!   initialized block before pointer, initialized inode before the entry naming it,
+//!   entry removal before the inode is freed, the rename sequences).
+//!
+//! Modules: `format` (on-disk structures), `mkfs`, `fs` (mount, superblock, the
+//! [`quilt_vfs::FileSystem`] implementation), `alloc` (bitmaps), `inode` (inodes, block
+//! maps, truncation), `dir` (directory entries), `xattr` (user.* attributes in an EA
+//! block).
+
+pub mod format;
+pub mod mkfs;
+
+mod alloc;
+mod dir;
+mod fs;
+mod inode;
+mod xattr;
+
+pub use fs::{Ext2, Mode, MountOptions};
+pub use mkfs::{mkfs, MkfsOptions};

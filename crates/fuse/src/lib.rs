@@ -1,0 +1,540 @@
+//! The FUSE adapter: translates kernel requests into [`quilt_vfs::FileSystem`] calls.
+//!
+//! Choices: the kernel checks permissions (`default_permissions`); attributes and entries
+//! are cached for one second; the kernel's writeback cache and 1 MiB writes are on for
+//! read-write mounts (fsync still reaches us, after the kernel has written its dirty
+//! pages); requests are served by several threads.
+
+use fuser::{
+    AccessFlags, Config, Errno, FileAttr, FileHandle, FileType as FuseType, Filesystem,
+    FopenFlags, Generation, INodeNo, InitFlags, KernelConfig, LockOwner, MountOption,
+    OpenFlags, RenameFlags as FuseRename, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
+    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request,
+    SessionACL, TimeOrNow as FuseTime, WriteFlags,
+};
+use quilt_vfs::{Attr, Ctx, FileSystem, FileType, FsError, RenameFlags, SetAttr, TimeOrNow, Timespec, XattrFlags};
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+const TTL: Duration = Duration::from_secs(1);
+
+/// Settings of one mount.
+#[derive(Debug, Clone)]
+pub struct FuseOptions {
+    pub fs_name: String,
+    pub read_only: bool,
+    /// Let other users in (needed for services running as another user).
+    pub allow_other: bool,
+    pub threads: usize,
+    /// Kernel writeback cache (off: every write reaches the server at once).
+    pub writeback_cache: bool,
+    /// Options passed through to the kernel as they are.
+    pub extra: Vec<String>,
+}
+
+impl Default for FuseOptions {
+    fn default() -> Self {
+        FuseOptions {
+            fs_name: "quiltfs".into(),
+            read_only: false,
+            allow_other: false,
+            threads: 4,
+            writeback_cache: true,
+            extra: Vec::new(),
+        }
+    }
+}
+
+/// Something to run when the kernel ends the session (flush and mark clean).
+pub type OnUnmount = Box<dyn FnOnce() + Send + Sync>;
+
+struct Adapter<F: FileSystem> {
+    fs: Arc<F>,
+    writeback_cache: bool,
+    read_only: bool,
+    on_unmount: Option<OnUnmount>,
+}
+
+fn errno(e: FsError) -> Errno {
+    if let FsError::Corrupt(m) | FsError::Io(m) = &e {
+        tracing::error!("{e}: {m}");
+    }
+    Errno::from_i32(e.errno())
+}
+
+fn to_system(t: Timespec) -> SystemTime {
+    if t.sec >= 0 {
+        UNIX_EPOCH + Duration::new(t.sec as u64, t.nsec)
+    } else {
+        UNIX_EPOCH - Duration::from_secs(t.sec.unsigned_abs()) + Duration::from_nanos(t.nsec as u64)
+    }
+}
+
+fn from_system(t: SystemTime) -> Timespec {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => Timespec { sec: d.as_secs() as i64, nsec: d.subsec_nanos() },
+        Err(e) => {
+            let d = e.duration();
+            let mut sec = -(d.as_secs() as i64);
+            let mut nsec = d.subsec_nanos();
+            if nsec > 0 {
+                sec -= 1;
+                nsec = 1_000_000_000 - nsec;
+            }
+            Timespec { sec, nsec }
+        }
+    }
+}
+
+fn kind(k: FileType) -> FuseType {
+    match k {
+        FileType::Regular => FuseType::RegularFile,
+        FileType::Directory => FuseType::Directory,
+        FileType::Symlink => FuseType::Symlink,
+        FileType::CharDevice => FuseType::CharDevice,
+        FileType::BlockDevice => FuseType::BlockDevice,
+        FileType::Fifo => FuseType::NamedPipe,
+        FileType::Socket => FuseType::Socket,
+    }
+}
+
+fn fattr(a: &Attr) -> FileAttr {
+    FileAttr {
+        ino: INodeNo(fuse_ino(a.ino)),
+        size: a.size,
+        blocks: a.blocks,
+        atime: to_system(a.atime),
+        mtime: to_system(a.mtime),
+        ctime: to_system(a.ctime),
+        crtime: to_system(a.ctime),
+        kind: kind(a.kind),
+        perm: a.perm,
+        nlink: a.nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: a.rdev,
+        blksize: a.blksize,
+        flags: 0,
+    }
+}
+
+// FUSE's root is inode 1; the file system's root keeps its own number. Inode 1 of ext2
+// (the bad-blocks inode) is never visible, so the two swap.
+static ROOT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(2);
+
+fn fuse_ino(ino: u64) -> u64 {
+    let root = ROOT.load(std::sync::atomic::Ordering::Relaxed);
+    if ino == root {
+        1
+    } else if ino == 1 {
+        root
+    } else {
+        ino
+    }
+}
+fn fs_ino(ino: INodeNo) -> u64 {
+    fuse_ino(ino.0)
+}
+
+fn ctx(req: &Request) -> Ctx {
+    Ctx { uid: req.uid(), gid: req.gid(), pid: req.pid(), umask: 0 }
+}
+
+fn time_or_now(t: FuseTime) -> TimeOrNow {
+    match t {
+        FuseTime::Now => TimeOrNow::Now,
+        FuseTime::SpecificTime(s) => TimeOrNow::At(from_system(s)),
+    }
+}
+
+impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let _ = config.set_max_write(1 << 20);
+        let _ = config.set_max_readahead(1 << 20);
+        let mut want = InitFlags::FUSE_PARALLEL_DIROPS;
+        if self.writeback_cache && !self.read_only {
+            want |= InitFlags::FUSE_WRITEBACK_CACHE;
+        }
+        if let Err(missing) = config.add_capabilities(want) {
+            tracing::info!("kernel lacks FUSE capabilities {missing:?}");
+            let _ = config.add_capabilities(want & !missing);
+        }
+        Ok(())
+    }
+
+    fn destroy(&mut self) {
+        if let Some(f) = self.on_unmount.take() {
+            f();
+        }
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        match self.fs.lookup(fs_ino(parent), name.as_bytes()) {
+            Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.fs.getattr(fs_ino(ino)) {
+            Ok(a) => reply.attr(&TTL, &fattr(&a)),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn setattr(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<FuseTime>,
+        mtime: Option<FuseTime>,
+        ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let set = SetAttr {
+            mode,
+            uid,
+            gid,
+            size,
+            atime: atime.map(time_or_now),
+            mtime: mtime.map(time_or_now),
+            ctime: ctime.map(from_system),
+        };
+        match self.fs.setattr(fs_ino(ino), set, &ctx(req)) {
+            Ok(a) => reply.attr(&TTL, &fattr(&a)),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self.fs.readlink(fs_ino(ino)) {
+            Ok(t) => reply.data(&t),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn mknod(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let mut c = ctx(req);
+        c.umask = umask;
+        match self.fs.mknod(fs_ino(parent), name.as_bytes(), mode, rdev, &c) {
+            Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+        let mut c = ctx(req);
+        c.umask = umask;
+        match self.fs.mkdir(fs_ino(parent), name.as_bytes(), mode, &c) {
+            Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.fs.unlink(fs_ino(parent), name.as_bytes(), &ctx(req)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.fs.rmdir(fs_ino(parent), name.as_bytes(), &ctx(req)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
+        match self.fs.symlink(fs_ino(parent), link_name.as_bytes(), target.as_os_str().as_bytes(), &ctx(req)) {
+            Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn rename(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        newparent: INodeNo,
+        newname: &OsStr,
+        flags: FuseRename,
+        reply: ReplyEmpty,
+    ) {
+        if flags.contains(FuseRename::RENAME_WHITEOUT) {
+            return reply.error(Errno::from_i32(libc::EINVAL));
+        }
+        let f = RenameFlags {
+            noreplace: flags.contains(FuseRename::RENAME_NOREPLACE),
+            exchange: flags.contains(FuseRename::RENAME_EXCHANGE),
+        };
+        match self.fs.rename(fs_ino(parent), name.as_bytes(), fs_ino(newparent), newname.as_bytes(), f, &ctx(req)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn link(&self, req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
+        match self.fs.link(fs_ino(ino), fs_ino(newparent), newname.as_bytes(), &ctx(req)) {
+            Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.fs.open(fs_ino(ino)) {
+            Ok(()) => reply.opened(FileHandle(0), FopenFlags::empty()),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        match self.fs.read(fs_ino(ino), offset, size) {
+            Ok(d) => reply.data(&d),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn write(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _wflags: WriteFlags,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        match self.fs.write(fs_ino(ino), offset, data, &ctx(req)) {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock: LockOwner, reply: ReplyEmpty) {
+        reply.ok();
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        match self.fs.release(fs_ino(ino)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn fsync(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+        match self.fs.fsync(fs_ino(ino), datasync) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        let r = self.fs.readdir(fs_ino(ino), offset, &mut |e| {
+            !reply.add(INodeNo(fuse_ino(e.ino)), e.next_offset, kind(e.kind), OsStr::from_bytes(&e.name))
+        });
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+        match self.fs.fsync(fs_ino(ino), datasync) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        match self.fs.statfs() {
+            Ok(s) => reply.statfs(
+                s.blocks,
+                s.blocks_free,
+                s.blocks_avail,
+                s.files,
+                s.files_free,
+                s.block_size,
+                s.name_max,
+                s.block_size,
+            ),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        let f = XattrFlags {
+            create: flags & libc::XATTR_CREATE != 0,
+            replace: flags & libc::XATTR_REPLACE != 0,
+        };
+        match self.fs.setxattr(fs_ino(ino), name.as_bytes(), value, f) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        match self.fs.getxattr(fs_ino(ino), name.as_bytes()) {
+            Ok(v) if size == 0 => reply.size(v.len() as u32),
+            Ok(v) if v.len() > size as usize => reply.error(Errno::from_i32(libc::ERANGE)),
+            Ok(v) => reply.data(&v),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        match self.fs.listxattr(fs_ino(ino)) {
+            Ok(v) if size == 0 => reply.size(v.len() as u32),
+            Ok(v) if v.len() > size as usize => reply.error(Errno::from_i32(libc::ERANGE)),
+            Ok(v) => reply.data(&v),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        match self.fs.removexattr(fs_ino(ino), name.as_bytes()) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        match self.fs.access(fs_ino(ino), mask.bits() as u32, &ctx(req)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let mut c = ctx(req);
+        c.umask = umask;
+        let mode = if mode & libc::S_IFMT == 0 { mode | libc::S_IFREG } else { mode };
+        let r = self
+            .fs
+            .mknod(fs_ino(parent), name.as_bytes(), mode, 0, &c)
+            .and_then(|a| self.fs.open(a.ino).map(|()| a));
+        match r {
+            Ok(a) => reply.created(&TTL, &fattr(&a), Generation(0), FileHandle(0), FopenFlags::empty()),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+}
+
+fn config(opts: &FuseOptions) -> Config {
+    let mut cfg = Config::default();
+    let mut mo = vec![
+        MountOption::FSName(opts.fs_name.clone()),
+        MountOption::Subtype("quiltfs".into()),
+        MountOption::DefaultPermissions,
+        MountOption::Dev,
+        MountOption::Suid,
+    ];
+    mo.push(if opts.read_only { MountOption::RO } else { MountOption::RW });
+    for e in &opts.extra {
+        mo.push(MountOption::CUSTOM(e.clone()));
+    }
+    cfg.mount_options = mo;
+    cfg.acl = if opts.allow_other { SessionACL::All } else { SessionACL::Owner };
+    cfg.n_threads = Some(opts.threads.max(1));
+    cfg.clone_fd = opts.threads > 1;
+    cfg
+}
+
+/// Mounts `fs` at `mountpoint` and serves it on this thread until it is unmounted.
+/// `ready` runs once the mount exists; `on_unmount` when the session ends.
+pub fn serve<F: FileSystem + 'static>(
+    fs: Arc<F>,
+    mountpoint: &Path,
+    opts: &FuseOptions,
+    ready: impl FnOnce(),
+    on_unmount: OnUnmount,
+) -> std::io::Result<()> {
+    ROOT.store(fs.root(), std::sync::atomic::Ordering::Relaxed);
+    let adapter = Adapter {
+        fs,
+        writeback_cache: opts.writeback_cache,
+        read_only: opts.read_only,
+        on_unmount: Some(on_unmount),
+    };
+    let session = fuser::Session::new(adapter, mountpoint, &config(opts))?;
+    ready();
+    session.run()
+}
+
+/// Mounts `fs` in a background thread; dropping the handle unmounts (for tests).
+pub fn spawn<F: FileSystem + 'static>(
+    fs: Arc<F>,
+    mountpoint: &Path,
+    opts: &FuseOptions,
+    on_unmount: OnUnmount,
+) -> std::io::Result<fuser::BackgroundSession> {
+    ROOT.store(fs.root(), std::sync::atomic::Ordering::Relaxed);
+    let adapter = Adapter {
+        fs,
+        writeback_cache: opts.writeback_cache,
+        read_only: opts.read_only,
+        on_unmount: Some(on_unmount),
+    };
+    fuser::spawn_mount(adapter, mountpoint, &config(opts))
+}

@@ -1,0 +1,343 @@
+//! The file-system trait: inode-level POSIX operations that the FUSE adapter, the native
+//! API users (tests, benchmarks, programs) and later the namespace service all drive.
+//! File-system modules (ext2 now, the Bε-tree later) implement it.
+//!
+//! Conventions: inode numbers are the module's own (the root is [`FileSystem::root`]);
+//! names are raw bytes; times are nanoseconds-resolution [`Timespec`]s; errors are
+//! [`FsError`]s that map to one errno each at the FUSE boundary.
+
+use std::fmt;
+
+pub type Ino = u64;
+
+/// Seconds and nanoseconds since the epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Hash)]
+pub struct Timespec {
+    pub sec: i64,
+    pub nsec: u32,
+}
+
+impl Timespec {
+    pub fn now() -> Timespec {
+        let d = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        Timespec {
+            sec: d.as_secs() as i64,
+            nsec: d.subsec_nanos(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FileType {
+    Regular,
+    Directory,
+    Symlink,
+    CharDevice,
+    BlockDevice,
+    Fifo,
+    Socket,
+}
+
+impl FileType {
+    /// The `S_IFMT` bits of a mode.
+    pub fn from_mode(mode: u32) -> Option<FileType> {
+        Some(match mode & libc::S_IFMT {
+            libc::S_IFREG => FileType::Regular,
+            libc::S_IFDIR => FileType::Directory,
+            libc::S_IFLNK => FileType::Symlink,
+            libc::S_IFCHR => FileType::CharDevice,
+            libc::S_IFBLK => FileType::BlockDevice,
+            libc::S_IFIFO => FileType::Fifo,
+            libc::S_IFSOCK => FileType::Socket,
+            _ => return None,
+        })
+    }
+    pub fn mode_bits(self) -> u32 {
+        match self {
+            FileType::Regular => libc::S_IFREG,
+            FileType::Directory => libc::S_IFDIR,
+            FileType::Symlink => libc::S_IFLNK,
+            FileType::CharDevice => libc::S_IFCHR,
+            FileType::BlockDevice => libc::S_IFBLK,
+            FileType::Fifo => libc::S_IFIFO,
+            FileType::Socket => libc::S_IFSOCK,
+        }
+    }
+}
+
+/// What `stat` reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attr {
+    pub ino: Ino,
+    pub kind: FileType,
+    /// Permission bits (and setuid/setgid/sticky), without the type.
+    pub perm: u16,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+    /// 512-byte units allocated, metadata blocks included (as `st_blocks`).
+    pub blocks: u64,
+    pub atime: Timespec,
+    pub mtime: Timespec,
+    pub ctime: Timespec,
+    pub rdev: u32,
+    pub blksize: u32,
+}
+
+/// Which attributes `setattr` changes; `None` leaves one alone.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SetAttr {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: Option<TimeOrNow>,
+    pub mtime: Option<TimeOrNow>,
+    pub ctime: Option<Timespec>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimeOrNow {
+    Now,
+    At(Timespec),
+}
+
+impl TimeOrNow {
+    pub fn resolve(self) -> Timespec {
+        match self {
+            TimeOrNow::Now => Timespec::now(),
+            TimeOrNow::At(t) => t,
+        }
+    }
+}
+
+/// Who asks: credentials for new files and access checks, and the process whose engaged
+/// patchgroups order the change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Ctx {
+    pub uid: u32,
+    pub gid: u32,
+    pub pid: u32,
+    /// File-creation mask to apply to new modes (the FUSE kernel has usually applied it).
+    pub umask: u32,
+}
+
+impl Ctx {
+    pub fn root() -> Ctx {
+        Ctx::default()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RenameFlags {
+    /// RENAME_NOREPLACE: fail with EEXIST if the target exists.
+    pub noreplace: bool,
+    /// RENAME_EXCHANGE: swap the two names atomically.
+    pub exchange: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirEntry {
+    pub ino: Ino,
+    pub kind: FileType,
+    pub name: Vec<u8>,
+    /// Cookie to resume listing after this entry.
+    pub next_offset: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatFs {
+    pub block_size: u32,
+    pub blocks: u64,
+    pub blocks_free: u64,
+    pub blocks_avail: u64,
+    pub files: u64,
+    pub files_free: u64,
+    pub name_max: u32,
+}
+
+/// File-system errors, each one errno.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FsError {
+    #[error("no such file or directory")]
+    NotFound,
+    #[error("file exists")]
+    Exists,
+    #[error("not a directory")]
+    NotDir,
+    #[error("is a directory")]
+    IsDir,
+    #[error("directory not empty")]
+    NotEmpty,
+    #[error("file name too long")]
+    NameTooLong,
+    #[error("no space left on device")]
+    NoSpace,
+    #[error("invalid argument: {0}")]
+    Invalid(&'static str),
+    #[error("permission denied")]
+    Access,
+    #[error("operation not permitted")]
+    Perm,
+    #[error("too many links")]
+    TooManyLinks,
+    #[error("file too large")]
+    TooBig,
+    #[error("no such attribute")]
+    NoAttr,
+    #[error("attribute value or list does not fit")]
+    Range,
+    #[error("read-only file system")]
+    ReadOnly,
+    #[error("operation not supported")]
+    NotSupported,
+    #[error("cross-device link")]
+    CrossDevice,
+    #[error("device busy")]
+    Busy,
+    /// The image is damaged where this operation looked; the message says where.
+    #[error("file system corrupted: {0}")]
+    Corrupt(String),
+    /// The device or the patch layer failed.
+    #[error("I/O error: {0}")]
+    Io(String),
+}
+
+impl FsError {
+    pub fn errno(&self) -> i32 {
+        match self {
+            FsError::NotFound => libc::ENOENT,
+            FsError::Exists => libc::EEXIST,
+            FsError::NotDir => libc::ENOTDIR,
+            FsError::IsDir => libc::EISDIR,
+            FsError::NotEmpty => libc::ENOTEMPTY,
+            FsError::NameTooLong => libc::ENAMETOOLONG,
+            FsError::NoSpace => libc::ENOSPC,
+            FsError::Invalid(_) => libc::EINVAL,
+            FsError::Access => libc::EACCES,
+            FsError::Perm => libc::EPERM,
+            FsError::TooManyLinks => libc::EMLINK,
+            FsError::TooBig => libc::EFBIG,
+            FsError::NoAttr => libc::ENODATA,
+            FsError::Range => libc::ERANGE,
+            FsError::ReadOnly => libc::EROFS,
+            FsError::NotSupported => libc::EOPNOTSUPP,
+            FsError::CrossDevice => libc::EXDEV,
+            FsError::Busy => libc::EBUSY,
+            FsError::Corrupt(_) => libc::EIO,
+            FsError::Io(_) => libc::EIO,
+        }
+    }
+}
+
+pub type Result<T, E = FsError> = std::result::Result<T, E>;
+
+/// Bits of the `access` mask.
+pub const R_OK: u32 = 4;
+pub const W_OK: u32 = 2;
+pub const X_OK: u32 = 1;
+
+/// POSIX permission check of `mask` for `ctx` against an inode's owner, group and mode.
+/// Root passes everything except execute on a file with no execute bit at all.
+pub fn check_access(attr: &Attr, mask: u32, ctx: &Ctx) -> Result<()> {
+    let mode = attr.perm as u32;
+    if ctx.uid == 0 {
+        if mask & X_OK != 0 && attr.kind != FileType::Directory && mode & 0o111 == 0 {
+            return Err(FsError::Access);
+        }
+        return Ok(());
+    }
+    let bits = if ctx.uid == attr.uid {
+        (mode >> 6) & 7
+    } else if ctx.gid == attr.gid {
+        (mode >> 3) & 7
+    } else {
+        mode & 7
+    };
+    if bits & mask == mask {
+        Ok(())
+    } else {
+        Err(FsError::Access)
+    }
+}
+
+/// Counters a module exposes; printed by `quiltfs stats` as text or JSON.
+pub type Counters = Vec<(String, u64)>;
+
+/// Inode-level POSIX operations. Every method takes `&self`: implementations serve
+/// concurrent callers.
+pub trait FileSystem: Send + Sync {
+    fn root(&self) -> Ino;
+    fn lookup(&self, parent: Ino, name: &[u8]) -> Result<Attr>;
+    fn getattr(&self, ino: Ino) -> Result<Attr>;
+    fn setattr(&self, ino: Ino, set: SetAttr, ctx: &Ctx) -> Result<Attr>;
+    /// Creates a regular file, device node, fifo or socket (`mode` carries the type).
+    fn mknod(&self, parent: Ino, name: &[u8], mode: u32, rdev: u32, ctx: &Ctx) -> Result<Attr>;
+    fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr>;
+    fn unlink(&self, parent: Ino, name: &[u8], ctx: &Ctx) -> Result<()>;
+    fn rmdir(&self, parent: Ino, name: &[u8], ctx: &Ctx) -> Result<()>;
+    fn symlink(&self, parent: Ino, name: &[u8], target: &[u8], ctx: &Ctx) -> Result<Attr>;
+    fn readlink(&self, ino: Ino) -> Result<Vec<u8>>;
+    fn rename(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        new_parent: Ino,
+        new_name: &[u8],
+        flags: RenameFlags,
+        ctx: &Ctx,
+    ) -> Result<()>;
+    fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8], ctx: &Ctx) -> Result<Attr>;
+    /// Reads up to `size` bytes at `offset`; short only at end of file.
+    fn read(&self, ino: Ino, offset: u64, size: u32) -> Result<Vec<u8>>;
+    /// Writes all of `data` at `offset` and returns the count.
+    fn write(&self, ino: Ino, offset: u64, data: &[u8], ctx: &Ctx) -> Result<u32>;
+    /// Lists entries from cookie `offset` (0 = start); `emit` returns false when full.
+    /// Cookies stay valid while entries are added and removed.
+    fn readdir(
+        &self,
+        ino: Ino,
+        offset: u64,
+        emit: &mut dyn FnMut(DirEntry) -> bool,
+    ) -> Result<()>;
+    fn statfs(&self) -> Result<StatFs>;
+    /// Makes the file's changes (and everything they depend on) durable.
+    fn fsync(&self, ino: Ino, datasync: bool) -> Result<()>;
+    /// Makes everything durable.
+    fn sync_all(&self) -> Result<()>;
+    fn access(&self, ino: Ino, mask: u32, ctx: &Ctx) -> Result<()> {
+        check_access(&self.getattr(ino)?, mask, ctx)
+    }
+    fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()>;
+    fn getxattr(&self, ino: Ino, name: &[u8]) -> Result<Vec<u8>>;
+    /// Names, each NUL-terminated, as listxattr(2) returns them.
+    fn listxattr(&self, ino: Ino) -> Result<Vec<u8>>;
+    fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()>;
+    /// A handle on `ino` was opened: an unlinked inode lives until its last `release`.
+    fn open(&self, _ino: Ino) -> Result<()> {
+        Ok(())
+    }
+    fn release(&self, _ino: Ino) -> Result<()> {
+        Ok(())
+    }
+    fn counters(&self) -> Counters {
+        Vec::new()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct XattrFlags {
+    /// XATTR_CREATE: fail if it exists.
+    pub create: bool,
+    /// XATTR_REPLACE: fail if it does not.
+    pub replace: bool,
+}
+
+impl fmt::Display for FileType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
