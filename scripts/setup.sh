@@ -4,10 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages the stack and its tests use: e2fsprogs (mkfs/e2fsck/debugfs oracles)
-# and fuse3 (fusermount3 for the FUSE mount).
+# Debian packages the stack and its tests use: e2fsprogs (mkfs/e2fsck/debugfs oracles),
+# fuse3 (fusermount3 for the FUSE mount), attr (getfattr/setfattr in the kernel-oracle
+# test), fuse2fs and xz-utils/linux-source (the untar benchmark, installed by it).
 need=()
-for pkg in e2fsprogs fuse3; do
+for pkg in e2fsprogs fuse3 attr; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -26,3 +27,11 @@ if ! command -v cargo >/dev/null 2>&1; then
 fi
 
 cargo build --release --workspace --quiet
+
+# The binary, and the helpers that make `mount -t fuse.quiltfs IMAGE DIR`, fstab entries
+# and `umount DIR` (which then waits for the final write-back) work.
+if [ "$(id -u)" = 0 ]; then
+  install -m 755 target/release/quiltfs /usr/local/bin/quiltfs
+  ln -sf /usr/local/bin/quiltfs /usr/sbin/mount.fuse.quiltfs
+  ln -sf /usr/local/bin/quiltfs /usr/sbin/umount.fuse.quiltfs
+fi

@@ -29,6 +29,14 @@ enum Command {
     Mkfs(mkfs::MkfsArgs),
     /// Mount an image through FUSE (unmount with `umount MOUNTPOINT`).
     Mount(mount::MountArgs),
+    /// Unmount and wait for the server to finish writing back (what `umount` does once
+    /// the helpers are installed).
+    Umount {
+        mountpoint: std::path::PathBuf,
+        /// Detach now even if busy.
+        #[arg(long, short = 'l')]
+        lazy: bool,
+    },
     /// Print the counters of a mounted file system, or a summary of an image.
     Stats(stats::StatsArgs),
     /// Explore crash states of a workload (not implemented yet: issue #5).
@@ -51,6 +59,13 @@ fn main() {
         }
         return;
     }
+    if name.starts_with("umount.fuse.quiltfs") || name == "umount.quiltfs" {
+        if let Err(e) = mount::umount_helper_main(argv) {
+            eprintln!("quiltfs: error: {e:#}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("quiltfs: error: {e:#}");
@@ -64,6 +79,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Mkfs(a) => mkfs::run(a),
         Command::Mount(a) => mount::run(a),
         Command::Stats(a) => stats::run(a),
+        Command::Umount { mountpoint, lazy } => mount::unmount_and_wait(&mountpoint, lazy),
         Command::Crashtest => bail!("this command is not implemented yet (issue #5)"),
         Command::Bench => bail!("this command is not implemented yet (issues #6 and #7)"),
     }

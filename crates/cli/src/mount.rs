@@ -176,7 +176,10 @@ fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
     };
     watch_signals(a.mountpoint.clone());
     let notify = a.notify_ready;
+    let utab_line = utab_entry(&a.image, &a.mountpoint);
+    let utab_add = utab_line.clone();
     let ready = move || {
+        edit_utab(|lines| lines.push(utab_add.clone()));
         if notify {
             let mut o = std::io::stdout();
             let _ = o.write_all(b"ready\n");
@@ -195,6 +198,7 @@ fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
     let f2 = finish.clone();
     let r = quilt_fuse::serve(fs.clone(), &a.mountpoint, &p.fuse, ready, Box::new(f2));
     finish();
+    edit_utab(|lines| lines.retain(|l| *l != utab_line));
     drop(listener);
     let _ = std::fs::remove_file(&sock);
     r.with_context(|| format!("serving {}", a.mountpoint.display()))
@@ -242,6 +246,7 @@ fn start_control(sock: &Path, fs: Arc<Ext2>) -> Result<Arc<UnixListener>> {
             let _ = BufReader::new(&conn).read_line(&mut line);
             let reply = match line.trim() {
                 "stats" => serde_json::to_string(&stats_json(&*fs)).unwrap_or_default(),
+                "pid" => std::process::id().to_string(),
                 other => format!("{{\"error\":\"unknown command {other:?}\"}}"),
             };
             let _ = conn.write_all(reply.as_bytes());
@@ -303,4 +308,101 @@ pub fn helper_main(args: Vec<String>) -> Result<()> {
         notify_ready: false,
     };
     run(a)
+}
+
+/// Unmounts `mountpoint` and waits until its server has written everything back and
+/// exited. The kernel sends FUSE servers no DESTROY for plain (non-block) mounts, so a
+/// bare umount(2) returns before the final write-back; util-linux's `umount` runs this as
+/// the `umount.fuse.quiltfs` helper, which makes `umount MOUNTPOINT` wait too.
+pub fn unmount_and_wait(mountpoint: &Path, lazy: bool) -> Result<()> {
+    let pid: Option<i32> = (|| {
+        let (sock, _) = runtime_paths(mountpoint);
+        let mut s = UnixStream::connect(sock).ok()?;
+        s.write_all(b"pid\n").ok()?;
+        s.shutdown(std::net::Shutdown::Write).ok()?;
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).ok()?;
+        buf.trim().parse().ok()
+    })();
+    let c = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())?;
+    // SAFETY: plain system call on a NUL-terminated path.
+    let r = unsafe { libc::umount2(c.as_ptr(), if lazy { libc::MNT_DETACH } else { 0 }) };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        bail!("cannot unmount {}: {e}", mountpoint.display());
+    }
+    if let Some(pid) = pid {
+        let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+        let start = std::time::Instant::now();
+        let mut told = false;
+        while proc_dir.exists() {
+            // A zombie has finished its work.
+            let stat = std::fs::read_to_string(proc_dir.join("stat")).unwrap_or_default();
+            if stat.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')) {
+                break;
+            }
+            if !told && start.elapsed() > std::time::Duration::from_secs(5) {
+                eprintln!("quiltfs: waiting for server {pid} to finish writing back");
+                told = true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+    Ok(())
+}
+
+/// `umount MOUNTPOINT` runs us as `umount.fuse.quiltfs MOUNTPOINT [-flnrv] [-t TYPE]`.
+pub fn umount_helper_main(args: Vec<String>) -> Result<()> {
+    let mut target = None;
+    let mut lazy = false;
+    let mut it = args.into_iter().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-t" | "-N" => {
+                it.next();
+            }
+            _ if a.starts_with('-') => lazy |= a.contains('l'),
+            _ => target = target.or(Some(a)),
+        }
+    }
+    let target = target.context("usage: umount.fuse.quiltfs MOUNTPOINT")?;
+    unmount_and_wait(Path::new(&target), lazy)
+}
+
+/// The line we add to libmount's /run/mount/utab. With an entry there, util-linux's
+/// `umount` reads the mount table instead of trusting statfs (which says plain "fuse"),
+/// sees type fuse.quiltfs and runs our `umount.fuse.quiltfs` helper, which waits for the
+/// final write-back.
+fn utab_entry(image: &Path, mountpoint: &Path) -> String {
+    let esc = |p: &Path| {
+        let c = p.canonicalize().unwrap_or_else(|_| p.to_path_buf());
+        c.display().to_string().replace('\\', "\\x5c").replace(' ', "\\x20")
+    };
+    format!("SRC={} TARGET={} ROOT=/ OPTS=uhelper=quiltfs", esc(image), esc(mountpoint))
+}
+
+fn edit_utab(f: impl FnOnce(&mut Vec<String>)) {
+    let dir = Path::new("/run/mount");
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    // libmount's lock protocol: flock on utab.lock around every change.
+    let Ok(lock) = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("utab.lock")) else {
+        return;
+    };
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor we own; released when `lock` closes.
+    unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
+    let path = dir.join("utab");
+    let text = std::fs::read_to_string(&path).unwrap_or_default();
+    let mut lines: Vec<String> = text.lines().map(String::from).collect();
+    f(&mut lines);
+    let mut out = lines.join("\n");
+    if !out.is_empty() {
+        out.push('\n');
+    }
+    let tmp = dir.join("utab.quiltfs.tmp");
+    if std::fs::write(&tmp, out).is_ok() {
+        let _ = std::fs::rename(&tmp, &path);
+    }
 }

@@ -517,9 +517,73 @@ pub fn serve<F: FileSystem + 'static>(
         read_only: opts.read_only,
         on_unmount: Some(on_unmount),
     };
-    let session = fuser::Session::new(adapter, mountpoint, &config(opts))?;
+    let cfg = config(opts);
+    let session = match mount_typed(mountpoint, opts)? {
+        Some(fd) => fuser::Session::from_fd(adapter, fd, cfg.acl, cfg.clone())?,
+        None => fuser::Session::new(adapter, mountpoint, &cfg)?,
+    };
     ready();
     session.run()
+}
+
+/// Mounts with file-system type `fuse.quiltfs` (fuser always says plain `fuse`), so that
+/// mount tables name us and util-linux finds our `umount.fuse.quiltfs` helper. Returns
+/// None when not permitted (not root): the caller falls back to fuser's own mount.
+fn mount_typed(mountpoint: &Path, opts: &FuseOptions) -> std::io::Result<Option<std::os::fd::OwnedFd>> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+    let cstr = |b: &[u8]| std::ffi::CString::new(b).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL));
+    // SAFETY: open/mount/close system calls on NUL-terminated strings we own.
+    unsafe {
+        let fd = libc::open(c"/dev/fuse".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let fd = OwnedFd::from_raw_fd(fd);
+        use std::os::fd::AsRawFd;
+        let mut data = format!(
+            "fd={},rootmode=40000,user_id={},group_id={},default_permissions",
+            fd.as_raw_fd(),
+            libc::geteuid(),
+            libc::getegid()
+        );
+        if opts.allow_other {
+            data.push_str(",allow_other");
+        }
+        let mut flags: libc::c_ulong = 0;
+        if opts.read_only {
+            flags |= libc::MS_RDONLY;
+        }
+        for e in &opts.extra {
+            match e.as_str() {
+                "nodev" => flags |= libc::MS_NODEV,
+                "nosuid" => flags |= libc::MS_NOSUID,
+                "noexec" => flags |= libc::MS_NOEXEC,
+                other => {
+                    data.push(',');
+                    data.push_str(other);
+                }
+            }
+        }
+        let source = cstr(opts.fs_name.as_bytes())?;
+        let target = cstr(mountpoint.as_os_str().as_bytes())?;
+        let data = cstr(data.as_bytes())?;
+        let r = libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            c"fuse.quiltfs".as_ptr(),
+            flags,
+            data.as_ptr() as *const libc::c_void,
+        );
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EPERM) {
+                return Ok(None);
+            }
+            return Err(e);
+        }
+        Ok(Some(fd))
+    }
 }
 
 /// Mounts `fs` in a background thread; dropping the handle unmounts (for tests).
