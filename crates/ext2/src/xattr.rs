@@ -108,13 +108,66 @@ impl Ext2 {
         Ok(b)
     }
 
+    /// Attributes kept in the inode body (after `i_extra_isize`), as the kernel's ext4
+    /// driver stores small ones. Returns them and whether the area is in use.
+    fn inline_attrs(&self, st: &State, ino: u32, inode: &Inode) -> Result<(bool, Attrs)> {
+        let isz = self.geo.inode_size as usize;
+        let start = GOOD_OLD_INODE_SIZE + inode.extra_isize as usize;
+        if isz <= GOOD_OLD_INODE_SIZE || start + 4 > isz {
+            return Ok((false, Vec::new()));
+        }
+        let (blk, off) = self.inode_loc(st, ino)?;
+        self.engine
+            .with_block(blk as u64, |d| -> Result<(bool, Attrs)> {
+                let slot = &d[off..off + isz];
+                if le32(slot, start) != EA_MAGIC {
+                    return Ok((false, Vec::new()));
+                }
+                let region = &slot[start + 4..];
+                let mut out = Vec::new();
+                let mut o = 0;
+                while o + 4 <= region.len() && le32(region, o) != 0 {
+                    if o + ENTRY > region.len() {
+                        return Err(corrupt(format!("inode {ino}: in-inode attribute overruns")));
+                    }
+                    let nlen = region[o] as usize;
+                    let idx = region[o + 1];
+                    let voff = le16(region, o + 2) as usize;
+                    let vsize = le32(region, o + 8) as usize;
+                    let end = o + entry_len(nlen);
+                    if end > region.len() || voff + vsize > region.len() || le32(region, o + 4) != 0 {
+                        return Err(corrupt(format!("inode {ino}: in-inode attribute is invalid")));
+                    }
+                    out.push((idx, region[o + ENTRY..o + ENTRY + nlen].to_vec(), region[voff..voff + vsize].to_vec()));
+                    o = end;
+                }
+                Ok((true, out))
+            })
+            .map_err(Self::io)?
+    }
+
     fn read_attrs(&self, st: &State, ino: u32) -> Result<(Inode, Attrs)> {
         let inode = self.read_live_inode(st, ino)?;
-        if inode.file_acl == 0 {
-            return Ok((inode, Vec::new()));
+        let (_, mut attrs) = self.inline_attrs(st, ino, &inode)?;
+        if inode.file_acl != 0 {
+            attrs.extend(self.parse_ea_block(inode.file_acl)?.1);
         }
-        let (_, attrs) = self.parse_ea_block(inode.file_acl)?;
         Ok((inode, attrs))
+    }
+
+    /// Writes the inode; with `clear_inline`, also retires its in-inode attributes (they
+    /// now live in the block), in the same patch.
+    fn write_inode_xattr(&self, st: &State, ino: u32, inode: &Inode, clear_inline: bool, befores: &[quilt_patch::PatchId]) -> Result<Option<quilt_patch::PatchId>> {
+        if !clear_inline {
+            return self.write_inode(st, ino, inode, befores);
+        }
+        let (blk, off) = self.inode_loc(st, ino)?;
+        let isz = self.geo.inode_size as usize;
+        let mut raw = self.engine.with_block(blk as u64, |d| d[off..off + isz].to_vec()).map_err(Self::io)?;
+        inode.encode_into(&mut raw);
+        let start = GOOD_OLD_INODE_SIZE + inode.extra_isize as usize;
+        raw[start..].fill(0);
+        self.put(blk, off, &raw, befores, false)
     }
 
     pub(crate) fn do_getxattr(&self, st: &State, ino: u32, name: &[u8]) -> Result<Vec<u8>> {
@@ -154,6 +207,7 @@ impl Ext2 {
             return Err(FsError::NotSupported);
         }
         let (mut inode, mut attrs) = self.read_attrs(st, ino)?;
+        let (inline, _) = self.inline_attrs(st, ino, &inode)?;
         let pos = attrs.iter().position(|(i, n, _)| *i == idx && n == short);
         match (value, pos) {
             (None, None) => return Err(FsError::NoAttr),
@@ -174,13 +228,16 @@ impl Ext2 {
         let shared = old != 0 && self.parse_ea_block(old)?.0 > 1;
         let sectors = self.geo.bs / 512;
         if attrs.is_empty() {
+            let had_block = old != 0;
             inode.file_acl = 0;
-            inode.blocks = inode.blocks.saturating_sub(sectors);
-            let h = self.write_inode(st, ino, &inode, &[])?;
+            if had_block {
+                inode.blocks = inode.blocks.saturating_sub(sectors);
+            }
+            let h = self.write_inode_xattr(st, ino, &inode, inline, &[])?;
             self.track(st, ino, h);
-            if shared {
+            if had_block && shared {
                 self.drop_ea_ref(old, h)?;
-            } else {
+            } else if had_block {
                 self.free_block(st, old, h)?;
             }
             return Ok(());
@@ -188,7 +245,7 @@ impl Ext2 {
         let img = self.build_ea_block(&attrs)?;
         if old != 0 && !shared {
             let h = self.put_exact(old, 0, &img, &[])?;
-            let i = self.write_inode(st, ino, &inode, &[])?;
+            let i = self.write_inode_xattr(st, ino, &inode, inline, &[h])?;
             self.track(st, ino, Some(h));
             self.track(st, ino, i);
             return Ok(());
@@ -202,7 +259,7 @@ impl Ext2 {
         if old == 0 {
             inode.blocks += sectors;
         }
-        let h = self.write_inode(st, ino, &inode, &[alloc, init])?;
+        let h = self.write_inode_xattr(st, ino, &inode, inline, &[alloc, init])?;
         self.track(st, ino, h);
         if shared {
             self.drop_ea_ref(old, h)?;
