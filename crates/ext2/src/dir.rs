@@ -119,7 +119,7 @@ impl Ext2 {
         encode_dirent(&mut content, child, bs as usize, name, ftype);
         dir.size += bs;
         let goal = if lblk > 0 { self.bmap(&dir, lblk - 1)? + 1 } else { 0 };
-        let (_, head) = self.bmap_alloc(st, dir_ino, &mut dir, lblk, &content, befores, false, goal)?;
+        let (_, head) = self.bmap_alloc(st, dir_ino, &mut dir, lblk, &content, befores, false, goal, None)?;
         Ok(head)
     }
 

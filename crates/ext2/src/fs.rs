@@ -111,6 +111,8 @@ pub(crate) struct State {
     pub counters: Counters,
     /// Superblock counts changed since they were last written.
     pub sb_dirty: bool,
+    /// Group descriptors changed by the current operation.
+    pub dirty_groups: std::collections::BTreeSet<u32>,
 }
 
 pub struct Ext2 {
@@ -229,6 +231,7 @@ impl Ext2 {
                 dir_cursor: 0,
                 counters: Counters::default(),
                 sb_dirty: false,
+                dirty_groups: Default::default(),
             }),
             geo,
         };
@@ -277,6 +280,7 @@ impl Ext2 {
             st.open.remove(&ino);
             self.destroy_inode(&mut st, ino, None)?;
         }
+        self.flush_groups(&mut st)?;
         st.sb.state |= STATE_VALID;
         st.sb.wtime = quilt_vfs::Timespec::now().sec as u32;
         self.write_super(&mut st)?;
@@ -394,7 +398,23 @@ impl Ext2 {
         }
     }
 
+    /// Notes that group `g`'s descriptor changed; `flush_groups` writes it once per
+    /// operation.
     pub(crate) fn write_gd(&self, st: &mut State, g: u32) -> Result<()> {
+        st.dirty_groups.insert(g);
+        st.sb_dirty = true;
+        Ok(())
+    }
+
+    pub(crate) fn flush_groups(&self, st: &mut State) -> Result<()> {
+        let groups = std::mem::take(&mut st.dirty_groups);
+        for g in groups {
+            self.write_gd_now(st, g)?;
+        }
+        Ok(())
+    }
+
+    fn write_gd_now(&self, st: &mut State, g: u32) -> Result<()> {
         let per_block = self.geo.bs / GDESC_SIZE as u32;
         let blk = self.geo.sb_block + 1 + g / per_block;
         let off = (g % per_block) as usize * GDESC_SIZE;
@@ -511,7 +531,9 @@ impl FileSystem for Ext2 {
     fn setattr(&self, ino: Ino, set: SetAttr, _ctx: &Ctx) -> Result<Attr> {
         self.check_writable()?;
         let mut st = self.lock();
-        self.do_setattr(&mut st, Self::to_ino(ino)?, set)
+        let r = self.do_setattr(&mut st, Self::to_ino(ino)?, set);
+        self.flush_groups(&mut st)?;
+        r
     }
 
     fn mknod(&self, parent: Ino, name: &[u8], mode: u32, rdev: u32, ctx: &Ctx) -> Result<Attr> {
@@ -520,26 +542,34 @@ impl FileSystem for Ext2 {
             return Err(FsError::Invalid("mknod makes files, devices, fifos and sockets"));
         }
         let mut st = self.lock();
-        self.create_node(&mut st, Self::to_ino(parent)?, name, mode & !(ctx.umask & 0o777), rdev, None, ctx)
+        let r = self.create_node(&mut st, Self::to_ino(parent)?, name, mode & !(ctx.umask & 0o777), rdev, None, ctx);
+        self.flush_groups(&mut st)?;
+        r
     }
 
     fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
         self.check_writable()?;
         let mut st = self.lock();
         let mode = libc::S_IFDIR | (mode & 0o7777 & !(ctx.umask & 0o777));
-        self.create_node(&mut st, Self::to_ino(parent)?, name, mode, 0, None, ctx)
+        let r = self.create_node(&mut st, Self::to_ino(parent)?, name, mode, 0, None, ctx);
+        self.flush_groups(&mut st)?;
+        r
     }
 
     fn unlink(&self, parent: Ino, name: &[u8], _ctx: &Ctx) -> Result<()> {
         self.check_writable()?;
         let mut st = self.lock();
-        self.remove_name(&mut st, Self::to_ino(parent)?, name, false)
+        let r = self.remove_name(&mut st, Self::to_ino(parent)?, name, false);
+        self.flush_groups(&mut st)?;
+        r
     }
 
     fn rmdir(&self, parent: Ino, name: &[u8], _ctx: &Ctx) -> Result<()> {
         self.check_writable()?;
         let mut st = self.lock();
-        self.remove_name(&mut st, Self::to_ino(parent)?, name, true)
+        let r = self.remove_name(&mut st, Self::to_ino(parent)?, name, true);
+        self.flush_groups(&mut st)?;
+        r
     }
 
     fn symlink(&self, parent: Ino, name: &[u8], target: &[u8], ctx: &Ctx) -> Result<Attr> {
@@ -551,7 +581,9 @@ impl FileSystem for Ext2 {
             return Err(FsError::NameTooLong);
         }
         let mut st = self.lock();
-        self.create_node(&mut st, Self::to_ino(parent)?, name, libc::S_IFLNK | 0o777, 0, Some(target), ctx)
+        let r = self.create_node(&mut st, Self::to_ino(parent)?, name, libc::S_IFLNK | 0o777, 0, Some(target), ctx);
+        self.flush_groups(&mut st)?;
+        r
     }
 
     fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {
@@ -570,13 +602,17 @@ impl FileSystem for Ext2 {
     ) -> Result<()> {
         self.check_writable()?;
         let mut st = self.lock();
-        self.do_rename(&mut st, Self::to_ino(parent)?, name, Self::to_ino(new_parent)?, new_name, flags)
+        let r = self.do_rename(&mut st, Self::to_ino(parent)?, name, Self::to_ino(new_parent)?, new_name, flags);
+        self.flush_groups(&mut st)?;
+        r
     }
 
     fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8], _ctx: &Ctx) -> Result<Attr> {
         self.check_writable()?;
         let mut st = self.lock();
-        self.do_link(&mut st, Self::to_ino(ino)?, Self::to_ino(new_parent)?, new_name)
+        let r = self.do_link(&mut st, Self::to_ino(ino)?, Self::to_ino(new_parent)?, new_name);
+        self.flush_groups(&mut st)?;
+        r
     }
 
     fn read(&self, ino: Ino, offset: u64, size: u32) -> Result<Vec<u8>> {
@@ -587,7 +623,9 @@ impl FileSystem for Ext2 {
     fn write(&self, ino: Ino, offset: u64, data: &[u8], _ctx: &Ctx) -> Result<u32> {
         self.check_writable()?;
         let mut st = self.lock();
-        self.do_write(&mut st, Self::to_ino(ino)?, offset, data)
+        let r = self.do_write(&mut st, Self::to_ino(ino)?, offset, data);
+        self.flush_groups(&mut st)?;
+        r
     }
 
     fn readdir(&self, ino: Ino, offset: u64, emit: &mut dyn FnMut(DirEntry) -> bool) -> Result<()> {
@@ -645,7 +683,9 @@ impl FileSystem for Ext2 {
     fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
         self.check_writable()?;
         let mut st = self.lock();
-        self.do_setxattr(&mut st, Self::to_ino(ino)?, name, Some(value), flags)
+        let r = self.do_setxattr(&mut st, Self::to_ino(ino)?, name, Some(value), flags);
+        self.flush_groups(&mut st)?;
+        r
     }
 
     fn getxattr(&self, ino: Ino, name: &[u8]) -> Result<Vec<u8>> {
@@ -661,7 +701,9 @@ impl FileSystem for Ext2 {
     fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()> {
         self.check_writable()?;
         let mut st = self.lock();
-        self.do_setxattr(&mut st, Self::to_ino(ino)?, name, None, XattrFlags::default())
+        let r = self.do_setxattr(&mut st, Self::to_ino(ino)?, name, None, XattrFlags::default());
+        self.flush_groups(&mut st)?;
+        r
     }
 
     fn open(&self, ino: Ino) -> Result<()> {
@@ -681,6 +723,7 @@ impl FileSystem for Ext2 {
             st.open.remove(&ino);
             if st.orphans.remove(&ino) && !self.read_only {
                 self.destroy_inode(&mut st, ino, None)?;
+                self.flush_groups(&mut st)?;
             }
         }
         Ok(())

@@ -203,6 +203,7 @@ impl Ext2 {
         content_befores: &[PatchId],
         is_data: bool,
         goal: u32,
+        defer: Option<&mut Vec<PatchId>>,
     ) -> Result<(u32, PatchId)> {
         let path = self.path(lblk)?;
         // nodes[i] = block holding slot i of the path (0 = the inode itself).
@@ -241,12 +242,20 @@ impl Ext2 {
             child = (ind, vec![alloc, init]);
         }
         inode.blocks += levels as u32 * (self.geo.bs / 512);
-        let head = if depth == 0 {
+        let head = if depth == 0 && defer.is_some() {
+            // The caller writes the inode once for many blocks, after all their befores.
+            inode.block[path.top] = child.0;
+            let d = defer.expect("checked");
+            d.extend(&child.1);
+            init
+        } else if depth == 0 {
             inode.block[path.top] = child.0;
             self.write_inode(st, ino, inode, &child.1)?
                 .ok_or_else(|| corrupt("inode write changed nothing"))?
         } else {
-            let i = self.write_inode(st, ino, inode, &[])?;
+            // Pointers this request deferred are in `inode` too: their befores come along.
+            let pending: Vec<PatchId> = defer.map(|d| d.clone()).unwrap_or_default();
+            let i = self.write_inode(st, ino, inode, &pending)?;
             let mut befores = child.1.clone();
             befores.extend(i);
             let mut b = [0u8; 4];
@@ -302,12 +311,14 @@ impl Ext2 {
         }
         let bs = self.geo.bs as u64;
         Self::touch_times(&mut inode, true, true);
+        let old_size = inode.size;
         if end > inode.size {
             inode.size = end;
         }
         let mut pos = offset;
         let mut goal = self.goal_for(st, ino, &inode, offset / bs);
         let mut written = 0usize;
+        let mut deferred: Vec<PatchId> = Vec::new();
         let mut result: Result<()> = Ok(());
         while pos < end {
             let lblk = pos / bs;
@@ -329,7 +340,7 @@ impl Ext2 {
             } else {
                 let mut content = vec![0u8; bs as usize];
                 content[in_off..in_off + n].copy_from_slice(src);
-                match self.bmap_alloc(st, ino, &mut inode, lblk, &content, &[], true, goal) {
+                match self.bmap_alloc(st, ino, &mut inode, lblk, &content, &[], true, goal, Some(&mut deferred)) {
                     Ok((b, h)) => {
                         goal = b + 1;
                         Ok(h)
@@ -349,9 +360,9 @@ impl Ext2 {
         }
         // A short write (ENOSPC midway) still reports what was written.
         if written < data.len() {
-            inode.size = inode.size.min(offset + written as u64).max(self.read_inode(st, ino)?.size);
+            inode.size = old_size.max(offset + written as u64);
         }
-        let h = self.write_inode(st, ino, &inode, &[])?;
+        let h = self.write_inode(st, ino, &inode, &deferred)?;
         self.track(st, ino, h);
         if written == 0 {
             result?;

@@ -414,7 +414,13 @@ impl State {
     pub fn touch(&mut self, block: BlockNo) {
         self.tick += 1;
         let tick = self.tick;
+        let recent = (self.blocks.len() / 16) as u64;
         if let Some(b) = self.blocks.get_mut(&block) {
+            // Recently used blocks keep their place: the order is approximate, and a hot
+            // block does not pay two tree operations per access.
+            if b.last_use != 0 && tick - b.last_use < recent {
+                return;
+            }
             self.lru.remove(&b.last_use);
             b.last_use = tick;
             self.lru.insert(tick, block);
@@ -458,21 +464,26 @@ impl State {
         Ok(self.blocks.get_mut(&block).expect("just inserted"))
     }
 
-    /// Evicts least recently used clean blocks until the cache fits `max` bytes.
+    /// Evicts least recently used clean blocks until the cache fits `max` bytes, and then
+    /// some (down to 7/8 of it), so that a full cache does not pay a scan per change.
     pub fn evict(&mut self, max: usize) {
         if self.cached_bytes <= max {
             return;
         }
-        let victims: Vec<(u64, BlockNo)> = self
-            .lru
-            .iter()
-            .filter(|(_, b)| !self.dirty.contains(b))
-            .map(|(t, b)| (*t, *b))
-            .collect();
-        for (tick, block) in victims {
-            if self.cached_bytes <= max {
+        let target = max - max / 8;
+        let mut victims: Vec<(u64, BlockNo)> = Vec::new();
+        let mut freeing = 0;
+        for (&tick, &block) in self.lru.iter() {
+            if self.cached_bytes - freeing <= target {
                 break;
             }
+            if self.dirty.contains(&block) {
+                continue;
+            }
+            freeing += self.blocks.get(&block).map_or(0, |b| b.data.len());
+            victims.push((tick, block));
+        }
+        for (tick, block) in victims {
             if let Some(b) = self.blocks.remove(&block) {
                 self.cached_bytes -= b.data.len();
                 self.lru.remove(&tick);
