@@ -24,23 +24,34 @@ pub fn parse_size(s: &str) -> Result<u64> {
         }
         _ => (s, 1),
     };
-    let n: u64 = num.parse().with_context(|| format!("'{s}' is not a size"))?;
-    n.checked_mul(mult).with_context(|| format!("size '{s}' is too large"))
+    let n: u64 = num
+        .parse()
+        .with_context(|| format!("'{s}' is not a size"))?;
+    n.checked_mul(mult)
+        .with_context(|| format!("size '{s}' is too large"))
 }
 
 /// Reads the block size an ext2 image declares.
 pub fn probe_block_size(image: &Path) -> Result<usize> {
     let dev = FileDevice::open(
         image,
-        FileDeviceOptions { block_size: 1024, direct: false, read_only: true },
+        FileDeviceOptions {
+            block_size: 1024,
+            direct: false,
+            read_only: true,
+        },
     )
     .with_context(|| format!("cannot open {}", image.display()))?;
     if dev.block_count() < 2 {
-        bail!("{} is too small to hold an ext2 file system", image.display());
+        bail!(
+            "{} is too small to hold an ext2 file system",
+            image.display()
+        );
     }
     let mut b = vec![0u8; 1024];
     dev.read(1, &mut b)?;
-    let sb = Superblock::decode(&b).with_context(|| format!("{} is not a usable ext2 image", image.display()))?;
+    let sb = Superblock::decode(&b)
+        .with_context(|| format!("{} is not a usable ext2 image", image.display()))?;
     Ok(sb.block_size() as usize)
 }
 
@@ -70,22 +81,37 @@ pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
     let bs = probe_block_size(image)?;
     let dev = FileDevice::open(
         image,
-        FileDeviceOptions { block_size: bs, direct: false, read_only: s.read_only },
+        FileDeviceOptions {
+            block_size: bs,
+            direct: false,
+            read_only: s.read_only,
+        },
     )
     .with_context(|| format!("cannot open {}", image.display()))?;
     let engine = Engine::new(
         Arc::new(dev),
         EngineOptions {
-            durability: if s.unsafe_durability { Durability::Unsafe } else { Durability::Safe },
+            durability: if s.unsafe_durability {
+                Durability::Unsafe
+            } else {
+                Durability::Safe
+            },
             cache_bytes_max: s.cache_mib << 20,
             flush_interval_ms: s.flush_interval_ms,
             ..Default::default()
         },
     );
-    let fs = Ext2::open(engine, MountOptions { mode: s.mode, read_only: s.read_only })
-        .with_context(|| format!("cannot mount {}", image.display()))?;
+    let fs = Ext2::open(
+        engine,
+        MountOptions {
+            mode: s.mode,
+            read_only: s.read_only,
+        },
+    )
+    .with_context(|| format!("cannot mount {}", image.display()))?;
     if let Some(ms) = s.flush_interval_ms {
-        fs.engine().start_flusher(std::time::Duration::from_millis(ms));
+        fs.engine()
+            .start_flusher(std::time::Duration::from_millis(ms));
     }
     Ok(fs)
 }

@@ -51,7 +51,10 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let argv: Vec<String> = std::env::args().collect();
-    let name = argv.first().map(|a| a.rsplit('/').next().unwrap_or(a).to_string()).unwrap_or_default();
+    let name = argv
+        .first()
+        .map(|a| a.rsplit('/').next().unwrap_or(a).to_string())
+        .unwrap_or_default();
     if name.starts_with("mount.fuse.quiltfs") || name == "mount.quiltfs" {
         if let Err(e) = mount::helper_main(argv) {
             eprintln!("quiltfs: error: {e:#}");

@@ -33,12 +33,19 @@ pub fn run(a: MkfsArgs) -> Result<()> {
         bail!("--journal is not implemented yet (issue #4)");
     }
     if ![1024, 2048, 4096].contains(&a.block_size) {
-        bail!("--block-size must be 1024, 2048 or 4096, not {}", a.block_size);
+        bail!(
+            "--block-size must be 1024, 2048 or 4096, not {}",
+            a.block_size
+        );
     }
     let bytes = parse_size(&a.size)?;
     let blocks = bytes / a.block_size as u64;
     if blocks > u32::MAX as u64 {
-        bail!("--size {} is too large for ext2 with {}-byte blocks", a.size, a.block_size);
+        bail!(
+            "--size {} is too large for ext2 with {}-byte blocks",
+            a.size,
+            a.block_size
+        );
     }
     if a.image.exists() && !a.image.is_file() {
         bail!("{} exists and is not a regular file", a.image.display());
@@ -46,7 +53,11 @@ pub fn run(a: MkfsArgs) -> Result<()> {
     let dev = FileDevice::create(
         &a.image,
         blocks,
-        FileDeviceOptions { block_size: a.block_size as usize, direct: false, read_only: false },
+        FileDeviceOptions {
+            block_size: a.block_size as usize,
+            direct: false,
+            read_only: false,
+        },
     )
     .with_context(|| format!("cannot create {}", a.image.display()))?;
     let engine = Engine::new(Arc::new(dev), EngineOptions::default());

@@ -52,9 +52,15 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
         cache_mib: a.cache_mib,
         ..Default::default()
     };
-    let mut fuse = FuseOptions { fs_name: a.image.display().to_string(), ..Default::default() };
+    let mut fuse = FuseOptions {
+        fs_name: a.image.display().to_string(),
+        ..Default::default()
+    };
     for o in a.options.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
-        let (k, v) = o.split_once('=').map(|(k, v)| (k, Some(v))).unwrap_or((o, None));
+        let (k, v) = o
+            .split_once('=')
+            .map(|(k, v)| (k, Some(v)))
+            .unwrap_or((o, None));
         match (k, v) {
             ("ro", None) => settings.read_only = true,
             ("rw", None) => settings.read_only = false,
@@ -65,8 +71,11 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
             ("cache_mib", Some(n)) => settings.cache_mib = n.parse().context("cache_mib=N")?,
             ("threads", Some(n)) => fuse.threads = n.parse().context("threads=N")?,
             // fstab and mount(8) bookkeeping.
-            ("defaults" | "auto" | "noauto" | "user" | "nouser" | "users" | "_netdev" | "nofail"
-            | "dev" | "suid" | "exec" | "relatime" | "noatime" | "atime", None) => {}
+            (
+                "defaults" | "auto" | "noauto" | "user" | "nouser" | "users" | "_netdev" | "nofail"
+                | "dev" | "suid" | "exec" | "relatime" | "noatime" | "atime",
+                None,
+            ) => {}
             ("nodev" | "nosuid" | "noexec", None) => fuse.extra.push(k.to_string()),
             _ => bail!("unknown mount option '{o}'"),
         }
@@ -80,14 +89,19 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
 
 /// Where the control socket and log of a mount live.
 pub fn runtime_paths(mountpoint: &Path) -> (PathBuf, PathBuf) {
-    let canon = mountpoint.canonicalize().unwrap_or_else(|_| mountpoint.to_path_buf());
+    let canon = mountpoint
+        .canonicalize()
+        .unwrap_or_else(|_| mountpoint.to_path_buf());
     let s = canon.display().to_string();
     let mut h: u64 = 0xcbf29ce484222325;
     for b in s.bytes() {
         h = (h ^ b as u64).wrapping_mul(0x100000001b3);
     }
     let dir = PathBuf::from("/run/quiltfs");
-    (dir.join(format!("{h:016x}.sock")), dir.join(format!("{h:016x}.log")))
+    (
+        dir.join(format!("{h:016x}.sock")),
+        dir.join(format!("{h:016x}.log")),
+    )
 }
 
 pub fn run(a: MountArgs) -> Result<()> {
@@ -96,7 +110,10 @@ pub fn run(a: MountArgs) -> Result<()> {
         bail!("mount point {} is not a directory", a.mountpoint.display());
     }
     if !a.image.exists() {
-        bail!("image {} does not exist (create one with quiltfs mkfs)", a.image.display());
+        bail!(
+            "image {} does not exist (create one with quiltfs mkfs)",
+            a.image.display()
+        );
     }
     if a.foreground {
         return serve(&a, p);
@@ -108,7 +125,10 @@ pub fn run(a: MountArgs) -> Result<()> {
 fn background(a: &MountArgs) -> Result<()> {
     let (_, log) = runtime_paths(&a.mountpoint);
     std::fs::create_dir_all(log.parent().expect("has a parent"))?;
-    let logf = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
+    let logf = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)?;
     let start_len = logf.metadata().map(|m| m.len()).unwrap_or(0);
     let exe = std::env::current_exe().context("finding the quiltfs binary")?;
     let mut cmd = std::process::Command::new(exe);
@@ -144,13 +164,21 @@ fn background(a: &MountArgs) -> Result<()> {
     let mut buf = String::new();
     let _ = out.read_to_string(&mut buf);
     if buf.starts_with("ready") {
-        println!("quiltfs: {} mounted on {} (server pid {})", a.image.display(), a.mountpoint.display(), child.id());
+        println!(
+            "quiltfs: {} mounted on {} (server pid {})",
+            a.image.display(),
+            a.mountpoint.display(),
+            child.id()
+        );
         return Ok(());
     }
     let status = child.wait()?;
     let text = std::fs::read(&log).unwrap_or_default();
     let tail = String::from_utf8_lossy(&text[(start_len as usize).min(text.len())..]).to_string();
-    bail!("the server failed to mount ({status}):\n{}", tail.trim_end())
+    bail!(
+        "the server failed to mount ({status}):\n{}",
+        tail.trim_end()
+    )
 }
 
 /// Serves until unmounted: runs FUSE on this thread, the control socket on another.
@@ -219,7 +247,8 @@ fn watch_signals(mountpoint: PathBuf) {
             let mut sig = 0;
             if libc::sigwait(&set, &mut sig) == 0 {
                 tracing::info!("signal {sig}: unmounting");
-                let c = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes()).unwrap_or_default();
+                let c = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())
+                    .unwrap_or_default();
                 if libc::umount(c.as_ptr()) != 0 {
                     libc::umount2(c.as_ptr(), libc::MNT_DETACH);
                 }
@@ -233,11 +262,15 @@ fn start_control(sock: &Path, fs: Arc<Ext2>) -> Result<Arc<UnixListener>> {
     if sock.exists() {
         // A live server answers; a stale socket (kill -9) is replaced.
         if UnixStream::connect(sock).is_ok() {
-            bail!("another quiltfs server already serves this mount point ({})", sock.display());
+            bail!(
+                "another quiltfs server already serves this mount point ({})",
+                sock.display()
+            );
         }
         let _ = std::fs::remove_file(sock);
     }
-    let listener = Arc::new(UnixListener::bind(sock).with_context(|| format!("binding {}", sock.display()))?);
+    let listener =
+        Arc::new(UnixListener::bind(sock).with_context(|| format!("binding {}", sock.display()))?);
     let l = listener.clone();
     std::thread::spawn(move || {
         for conn in l.incoming() {
@@ -272,8 +305,13 @@ pub fn stats_json(fs: &dyn FileSystem) -> serde_json::Value {
 /// Asks the server of `mountpoint` for its counters.
 pub fn query_stats(mountpoint: &Path) -> Result<serde_json::Value> {
     let (sock, _) = runtime_paths(mountpoint);
-    let mut s = UnixStream::connect(&sock)
-        .with_context(|| format!("no quiltfs server answers for {} ({})", mountpoint.display(), sock.display()))?;
+    let mut s = UnixStream::connect(&sock).with_context(|| {
+        format!(
+            "no quiltfs server answers for {} ({})",
+            mountpoint.display(),
+            sock.display()
+        )
+    })?;
     s.write_all(b"stats\n")?;
     s.shutdown(std::net::Shutdown::Write)?;
     let mut buf = String::new();
@@ -338,7 +376,11 @@ pub fn unmount_and_wait(mountpoint: &Path, lazy: bool) -> Result<()> {
         while proc_dir.exists() {
             // A zombie has finished its work.
             let stat = std::fs::read_to_string(proc_dir.join("stat")).unwrap_or_default();
-            if stat.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')) {
+            if stat
+                .rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
+            {
                 break;
             }
             if !told && start.elapsed() > std::time::Duration::from_secs(5) {
@@ -376,9 +418,16 @@ pub fn umount_helper_main(args: Vec<String>) -> Result<()> {
 fn utab_entry(image: &Path, mountpoint: &Path) -> String {
     let esc = |p: &Path| {
         let c = p.canonicalize().unwrap_or_else(|_| p.to_path_buf());
-        c.display().to_string().replace('\\', "\\x5c").replace(' ', "\\x20")
+        c.display()
+            .to_string()
+            .replace('\\', "\\x5c")
+            .replace(' ', "\\x20")
     };
-    format!("SRC={} TARGET={} ROOT=/ OPTS=uhelper=quiltfs", esc(image), esc(mountpoint))
+    format!(
+        "SRC={} TARGET={} ROOT=/ OPTS=uhelper=quiltfs",
+        esc(image),
+        esc(mountpoint)
+    )
 }
 
 fn edit_utab(f: impl FnOnce(&mut Vec<String>)) {
@@ -387,7 +436,12 @@ fn edit_utab(f: impl FnOnce(&mut Vec<String>)) {
         return;
     }
     // libmount's lock protocol: flock on utab.lock around every change.
-    let Ok(lock) = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("utab.lock")) else {
+    let Ok(lock) = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join("utab.lock"))
+    else {
         return;
     };
     use std::os::fd::AsRawFd;

@@ -20,7 +20,11 @@ pub fn run(a: StatsArgs) -> Result<()> {
     } else {
         let fs = open_fs(
             &a.target,
-            &OpenSettings { read_only: true, flush_interval_ms: None, ..Default::default() },
+            &OpenSettings {
+                read_only: true,
+                flush_interval_ms: None,
+                ..Default::default()
+            },
         )?;
         crate::mount::stats_json(&fs)
     };

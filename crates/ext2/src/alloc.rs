@@ -44,7 +44,9 @@ impl Ext2 {
 
     fn bit_is_set(&self, bitmap: u32, bit: u32) -> Result<bool> {
         self.engine
-            .with_block(bitmap as u64, |d| d[(bit / 8) as usize] & (1 << (bit % 8)) != 0)
+            .with_block(bitmap as u64, |d| {
+                d[(bit / 8) as usize] & (1 << (bit % 8)) != 0
+            })
             .map_err(Self::io)
     }
 
@@ -52,14 +54,21 @@ impl Ext2 {
         let word = (bit / 32) * 4;
         let befores = self.cross(befores);
         self.engine
-            .xor_bits(bitmap as u64, word as usize, 1 << (bit % 32), &befores, Self::meta())
+            .xor_bits(
+                bitmap as u64,
+                word as usize,
+                1 << (bit % 32),
+                &befores,
+                Self::meta(),
+            )
             .map_err(Self::io)
     }
 
     /// Allocates a block, preferring `goal` and its group. Returns the block and the
     /// bitmap patch.
     pub(crate) fn alloc_block(&self, st: &mut State, goal: u32) -> Result<(u32, PatchId)> {
-        let g0 = self.group_of_block(goal.clamp(self.geo.first_data_block, self.geo.blocks_count - 1));
+        let g0 =
+            self.group_of_block(goal.clamp(self.geo.first_data_block, self.geo.blocks_count - 1));
         let ng = self.geo.groups;
         for k in 0..ng {
             let g = (g0 + k) % ng;
@@ -68,17 +77,26 @@ impl Ext2 {
             }
             let first = self.geo.group_first_block(g);
             let count = self.geo.group_block_count(g);
-            let start = if k == 0 { goal.saturating_sub(first).min(count - 1) } else { 0 };
+            let start = if k == 0 {
+                goal.saturating_sub(first).min(count - 1)
+            } else {
+                0
+            };
             let bitmap = st.gd[g as usize].block_bitmap;
             let Some(bit) = self.find_zero(bitmap, start, count)? else {
                 // The descriptor said free blocks exist; the bitmap disagrees.
-                tracing::warn!("group {g}: free block count says {} but bitmap is full", st.gd[g as usize].free_blocks);
+                tracing::warn!(
+                    "group {g}: free block count says {} but bitmap is full",
+                    st.gd[g as usize].free_blocks
+                );
                 st.gd[g as usize].free_blocks = 0;
                 continue;
             };
             let blk = first + bit;
             if self.is_meta_block(st, blk) {
-                return Err(corrupt(format!("block bitmap of group {g} marks metadata block {blk} free")));
+                return Err(corrupt(format!(
+                    "block bitmap of group {g} marks metadata block {blk} free"
+                )));
             }
             let freed = st.freed.get(&blk).copied();
             let p = self.flip_bit(bitmap, bit, &freed.into_iter().collect::<Vec<_>>())?;
@@ -99,7 +117,9 @@ impl Ext2 {
         let bit = blk - self.geo.group_first_block(g);
         let bitmap = st.gd[g as usize].block_bitmap;
         if !self.bit_is_set(bitmap, bit)? {
-            return Err(corrupt(format!("freeing block {blk}, which is already free")));
+            return Err(corrupt(format!(
+                "freeing block {blk}, which is already free"
+            )));
         }
         self.flip_bit(bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
         if let Some(b) = befores {
@@ -114,7 +134,12 @@ impl Ext2 {
 
     /// Allocates an inode: directories go to a group with few directories and room to
     /// spare, files to their parent's group.
-    pub(crate) fn alloc_inode(&self, st: &mut State, parent: u32, dir: bool) -> Result<(u32, PatchId)> {
+    pub(crate) fn alloc_inode(
+        &self,
+        st: &mut State,
+        parent: u32,
+        dir: bool,
+    ) -> Result<(u32, PatchId)> {
         let ng = self.geo.groups;
         let pg = (parent.saturating_sub(1)) / self.geo.ipg;
         let start = if dir {
@@ -162,12 +187,20 @@ impl Ext2 {
         Err(FsError::NoSpace)
     }
 
-    pub(crate) fn free_inode(&self, st: &mut State, ino: u32, dir: bool, befores: Head) -> Result<()> {
+    pub(crate) fn free_inode(
+        &self,
+        st: &mut State,
+        ino: u32,
+        dir: bool,
+        befores: Head,
+    ) -> Result<()> {
         let g = (ino - 1) / self.geo.ipg;
         let bit = (ino - 1) % self.geo.ipg;
         let bitmap = st.gd[g as usize].inode_bitmap;
         if !self.bit_is_set(bitmap, bit)? {
-            return Err(corrupt(format!("freeing inode {ino}, which is already free")));
+            return Err(corrupt(format!(
+                "freeing inode {ino}, which is already free"
+            )));
         }
         self.flip_bit(bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
         st.gd[g as usize].free_inodes += 1;

@@ -50,7 +50,12 @@ impl Ext2 {
                     let mut prev = None;
                     for e in parse_dir_block(d, self.geo.filetype)? {
                         if e.inode != 0 && e.name == name {
-                            return Ok(Some(Found { phys, offset: e.offset, prev, inode: e.inode }));
+                            return Ok(Some(Found {
+                                phys,
+                                offset: e.offset,
+                                prev,
+                                inode: e.inode,
+                            }));
                         }
                         prev = Some(e.offset);
                     }
@@ -59,7 +64,10 @@ impl Ext2 {
                 .map_err(Self::io)??;
             if let Some(f) = found {
                 if f.inode == 0 || f.inode > self.geo.inodes_count {
-                    return Err(corrupt(format!("entry names inode {} out of range", f.inode)));
+                    return Err(corrupt(format!(
+                        "entry names inode {} out of range",
+                        f.inode
+                    )));
                 }
                 return Ok(Some(f));
             }
@@ -88,7 +96,11 @@ impl Ext2 {
                 .engine
                 .with_block(phys as u64, |d| -> Result<Option<(usize, usize, usize)>> {
                     for e in parse_dir_block(d, self.geo.filetype)? {
-                        let used = if e.inode == 0 { 0 } else { dirent_len(e.name.len()) };
+                        let used = if e.inode == 0 {
+                            0
+                        } else {
+                            dirent_len(e.name.len())
+                        };
                         if e.rec_len >= used + need {
                             return Ok(Some((e.offset, e.rec_len, used)));
                         }
@@ -101,7 +113,9 @@ impl Ext2 {
                 let mut buf = vec![0u8; used + 8 + name.len()];
                 if used > 0 {
                     self.engine
-                        .with_block(phys as u64, |d| buf[..used].copy_from_slice(&d[off..off + used]))
+                        .with_block(phys as u64, |d| {
+                            buf[..used].copy_from_slice(&d[off..off + used])
+                        })
                         .map_err(Self::io)?;
                     put16(&mut buf, 4, used as u16);
                 }
@@ -118,8 +132,14 @@ impl Ext2 {
         let mut content = vec![0u8; bs as usize];
         encode_dirent(&mut content, child, bs as usize, name, ftype);
         dir.size += bs;
-        let goal = if lblk > 0 { self.bmap(&dir, lblk - 1)? + 1 } else { 0 };
-        let (_, head) = self.bmap_alloc(st, dir_ino, &mut dir, lblk, &content, befores, false, goal, None)?;
+        let goal = if lblk > 0 {
+            self.bmap(&dir, lblk - 1)? + 1
+        } else {
+            0
+        };
+        let (_, head) = self.bmap_alloc(
+            st, dir_ino, &mut dir, lblk, &content, befores, false, goal, None,
+        )?;
         Ok(head)
     }
 
@@ -130,7 +150,9 @@ impl Ext2 {
             Some(prev) => {
                 let (prev_len, len) = self
                     .engine
-                    .with_block(f.phys as u64, |d| (le16(d, prev + 4), le16(d, f.offset + 4)))
+                    .with_block(f.phys as u64, |d| {
+                        (le16(d, prev + 4), le16(d, f.offset + 4))
+                    })
                     .map_err(Self::io)?;
                 let mut b = [0u8; 2];
                 put16(&mut b, 0, prev_len + len);
@@ -141,7 +163,13 @@ impl Ext2 {
     }
 
     /// Points an existing entry at another inode.
-    fn retarget_entry(&self, f: &Found, ino: u32, ftype: u8, befores: &[PatchId]) -> Result<PatchId> {
+    fn retarget_entry(
+        &self,
+        f: &Found,
+        ino: u32,
+        ftype: u8,
+        befores: &[PatchId],
+    ) -> Result<PatchId> {
         let mut head = self
             .engine
             .with_block(f.phys as u64, |d| d[f.offset..f.offset + 8].to_vec())
@@ -214,7 +242,12 @@ impl Ext2 {
                         FileType::from_mode(i.mode as u32).unwrap_or(FileType::Regular)
                     }
                 };
-                let e = DirEntry { ino: inode as Ino, kind, name, next_offset: pos + rec_len as u64 };
+                let e = DirEntry {
+                    ino: inode as Ino,
+                    kind,
+                    name,
+                    next_offset: pos + rec_len as u64,
+                };
                 if !emit(e) {
                     return Ok(());
                 }
@@ -283,7 +316,13 @@ impl Ext2 {
             if is_dir {
                 let mut content = vec![0u8; bs as usize];
                 encode_dirent(&mut content, ino, 12, b".", self.ftype(libc::S_IFDIR));
-                encode_dirent(&mut content[12..], parent, bs as usize - 12, b"..", self.ftype(libc::S_IFDIR));
+                encode_dirent(
+                    &mut content[12..],
+                    parent,
+                    bs as usize - 12,
+                    b"..",
+                    self.ftype(libc::S_IFDIR),
+                );
                 block_with(st, &mut inode, &content)?;
                 inode.size = bs as u64;
                 inode.links = 2;
@@ -332,12 +371,22 @@ impl Ext2 {
         self.attr(st, ino)
     }
 
-    pub(crate) fn remove_name(&self, st: &mut State, parent: u32, name: &[u8], rmdir: bool) -> Result<()> {
+    pub(crate) fn remove_name(
+        &self,
+        st: &mut State,
+        parent: u32,
+        name: &[u8],
+        rmdir: bool,
+    ) -> Result<()> {
         if name == b"." {
             return Err(FsError::Invalid("cannot remove '.'"));
         }
         if name == b".." {
-            return Err(if rmdir { FsError::NotEmpty } else { FsError::IsDir });
+            return Err(if rmdir {
+                FsError::NotEmpty
+            } else {
+                FsError::IsDir
+            });
         }
         check_name(name)?;
         let dir = self.read_live_inode(st, parent)?;
@@ -373,7 +422,11 @@ impl Ext2 {
     /// when no name and no open handle is left.
     fn drop_link(&self, st: &mut State, ino: u32, whole_dir: bool, removal: Head) -> Result<()> {
         let mut inode = self.read_inode(st, ino)?;
-        inode.links = if whole_dir { 0 } else { inode.links.saturating_sub(1) };
+        inode.links = if whole_dir {
+            0
+        } else {
+            inode.links.saturating_sub(1)
+        };
         Self::touch_times(&mut inode, false, true);
         if inode.links > 0 {
             let h = self.write_inode(st, ino, &inode, &removal.into_iter().collect::<Vec<_>>())?;
@@ -390,7 +443,13 @@ impl Ext2 {
         self.destroy_inode(st, ino, removal)
     }
 
-    pub(crate) fn do_link(&self, st: &mut State, ino: u32, parent: u32, name: &[u8]) -> Result<Attr> {
+    pub(crate) fn do_link(
+        &self,
+        st: &mut State,
+        ino: u32,
+        parent: u32,
+        name: &[u8],
+    ) -> Result<Attr> {
         check_name(name)?;
         let inode = self.read_live_inode(st, ino)?;
         if inode.is_dir() {
@@ -410,7 +469,14 @@ impl Ext2 {
             i.links += 1;
             Self::touch_times(i, false, true);
         })?;
-        let e = self.add_entry(st, parent, name, ino, self.ftype(inode.mode as u32), &l.into_iter().collect::<Vec<_>>());
+        let e = self.add_entry(
+            st,
+            parent,
+            name,
+            ino,
+            self.ftype(inode.mode as u32),
+            &l.into_iter().collect::<Vec<_>>(),
+        );
         let e = match e {
             Ok(e) => e,
             Err(err) => {
@@ -537,9 +603,12 @@ impl Ext2 {
                 dd_befores.extend(p);
             }
             let dd = self.dotdot(st, src.inode)?;
-            let moved = self.retarget_entry(&dd, new_parent, self.ftype(libc::S_IFDIR), &dd_befores)?;
+            let moved =
+                self.retarget_entry(&dd, new_parent, self.ftype(libc::S_IFDIR), &dd_befores)?;
             self.track(st, src.inode, Some(moved));
-            let down = self.modify_inode(st, parent, &[moved], |i| i.links = i.links.saturating_sub(1))?;
+            let down = self.modify_inode(st, parent, &[moved], |i| {
+                i.links = i.links.saturating_sub(1)
+            })?;
             self.track(st, parent, down);
             before_removal = vec![moved];
         }
@@ -551,7 +620,9 @@ impl Ext2 {
         })?;
         self.track(st, parent, Some(removal));
         self.track(st, parent, h);
-        let down = self.modify_inode(st, src.inode, &[removal], |i| i.links = i.links.saturating_sub(1))?;
+        let down = self.modify_inode(st, src.inode, &[removal], |i| {
+            i.links = i.links.saturating_sub(1)
+        })?;
         self.track(st, src.inode, down);
         self.track(st, src.inode, Some(removal));
         // The replaced inode loses its name once the new entry is on disk.
@@ -559,7 +630,9 @@ impl Ext2 {
             if v.is_dir() {
                 // Its ".." counted in the new parent; the moved directory now does.
                 if !moving_dir || parent == new_parent {
-                    self.modify_inode(st, new_parent, &[new_entry], |i| i.links = i.links.saturating_sub(1))?;
+                    self.modify_inode(st, new_parent, &[new_entry], |i| {
+                        i.links = i.links.saturating_sub(1)
+                    })?;
                 }
             }
             self.drop_link(st, d.inode, v.is_dir(), Some(new_entry))?;
@@ -584,14 +657,20 @@ impl Ext2 {
         }
         // Counts up first, entries next, counts down last: a crash leaves counts too
         // high, never too low.
-        let up_a: Vec<PatchId> = self.modify_inode(st, a.inode, &[], |i| {
-            i.links += 1;
-            Self::touch_times(i, false, true);
-        })?.into_iter().collect();
-        let up_b: Vec<PatchId> = self.modify_inode(st, b.inode, &[], |i| {
-            i.links += 1;
-            Self::touch_times(i, false, true);
-        })?.into_iter().collect();
+        let up_a: Vec<PatchId> = self
+            .modify_inode(st, a.inode, &[], |i| {
+                i.links += 1;
+                Self::touch_times(i, false, true);
+            })?
+            .into_iter()
+            .collect();
+        let up_b: Vec<PatchId> = self
+            .modify_inode(st, b.inode, &[], |i| {
+                i.links += 1;
+                Self::touch_times(i, false, true);
+            })?
+            .into_iter()
+            .collect();
         let mut parent_up = Vec::new();
         let delta = ia.is_dir() as i32 - ib.is_dir() as i32;
         if pa != pb && delta != 0 {

@@ -164,8 +164,7 @@ impl Superblock {
         if self.blocks_count <= self.first_data_block {
             return Err(corrupt("block count is too small"));
         }
-        if (self.inodes_count as u64) != self.group_count() as u64 * self.inodes_per_group as u64
-        {
+        if (self.inodes_count as u64) != self.group_count() as u64 * self.inodes_per_group as u64 {
             return Err(corrupt(format!(
                 "inode count {} is not groups × inodes per group ({} × {})",
                 self.inodes_count,
@@ -174,7 +173,10 @@ impl Superblock {
             )));
         }
         if self.first_ino < 11 || self.first_ino >= self.inodes_count {
-            return Err(corrupt(format!("first inode {} is invalid", self.first_ino)));
+            return Err(corrupt(format!(
+                "first inode {} is invalid",
+                self.first_ino
+            )));
         }
         Ok(())
     }
@@ -500,11 +502,17 @@ pub fn parse_dir_block(b: &[u8], filetype: bool) -> Result<Vec<RawDirent<'_>>, F
     let mut off = 0;
     while off < b.len() {
         if off + 8 > b.len() {
-            return Err(corrupt(format!("directory entry at {off} overruns its block")));
+            return Err(corrupt(format!(
+                "directory entry at {off} overruns its block"
+            )));
         }
         let inode = le32(b, off);
         let rec_len = le16(b, off + 4) as usize;
-        let rec_len = if rec_len == 0 && b.len() == 65536 { 65536 } else { rec_len };
+        let rec_len = if rec_len == 0 && b.len() == 65536 {
+            65536
+        } else {
+            rec_len
+        };
         let (name_len, file_type) = if filetype {
             (b[off + 6] as usize, b[off + 7])
         } else {

@@ -5,8 +5,8 @@
 use crate::format::*;
 use quilt_patch::{ChangeOpts, Engine, PatchError, PatchId};
 use quilt_vfs::{
-    Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, RenameFlags, Result, SetAttr,
-    StatFs, XattrFlags,
+    Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, RenameFlags, Result, SetAttr, StatFs,
+    XattrFlags,
 };
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::{Mutex, MutexGuard};
@@ -134,11 +134,15 @@ impl Ext2 {
         let sb_block = (SUPERBLOCK_OFFSET / bs as u64) as u32;
         let sb_off = (SUPERBLOCK_OFFSET % bs as u64) as usize;
         let raw = engine
-            .with_block(sb_block as u64, |d| d[sb_off..sb_off + SUPERBLOCK_SIZE].to_vec())
+            .with_block(sb_block as u64, |d| {
+                d[sb_off..sb_off + SUPERBLOCK_SIZE].to_vec()
+            })
             .map_err(Self::io)?;
         let sb = Superblock::decode(&raw)?;
         if sb.block_size() != bs {
-            return Err(FsError::Invalid("device block size differs from the file system's"));
+            return Err(FsError::Invalid(
+                "device block size differs from the file system's",
+            ));
         }
         if sb.blocks_count as u64 > engine.block_count() {
             return Err(corrupt(format!(
@@ -213,7 +217,9 @@ impl Ext2 {
                 )));
             }
             if d.free_blocks as u32 > geo.group_block_count(g) || d.free_inodes as u32 > geo.ipg {
-                return Err(corrupt(format!("group {g}: free counts exceed the group size")));
+                return Err(corrupt(format!(
+                    "group {g}: free counts exceed the group size"
+                )));
             }
             gd.push(d);
         }
@@ -295,7 +301,9 @@ impl Ext2 {
     pub(crate) fn io(e: PatchError) -> FsError {
         match e {
             PatchError::Block(quilt_block::BlockError::OutOfRange { block, count }) => {
-                FsError::Corrupt(format!("block {block} is beyond the device ({count} blocks)"))
+                FsError::Corrupt(format!(
+                    "block {block} is beyond the device ({count} blocks)"
+                ))
             }
             e => FsError::Io(e.to_string()),
         }
@@ -360,7 +368,13 @@ impl Ext2 {
     /// Writes `bytes` at `off` of `blk` as one patch covering all of them, whether or not
     /// they change: for records whose bytes belong together (a directory entry, an
     /// initialized inode), so the patch depends on every pending patch it overlaps.
-    pub(crate) fn put_exact(&self, blk: u32, off: usize, bytes: &[u8], befores: &[PatchId]) -> Result<PatchId> {
+    pub(crate) fn put_exact(
+        &self,
+        blk: u32,
+        off: usize,
+        bytes: &[u8],
+        befores: &[PatchId],
+    ) -> Result<PatchId> {
         let befores = self.cross(befores);
         self.engine
             .write(blk as u64, off, bytes, &befores, Self::meta())
@@ -368,7 +382,13 @@ impl Ext2 {
     }
 
     /// Writes a whole block (new contents of a freshly allocated block).
-    pub(crate) fn put_block(&self, blk: u32, data: &[u8], befores: &[PatchId], is_data: bool) -> Result<PatchId> {
+    pub(crate) fn put_block(
+        &self,
+        blk: u32,
+        data: &[u8],
+        befores: &[PatchId],
+        is_data: bool,
+    ) -> Result<PatchId> {
         let befores = self.cross(befores);
         let opts = if is_data { Self::data() } else { Self::meta() };
         self.engine
@@ -439,7 +459,9 @@ impl Ext2 {
 
     pub(crate) fn check_data_block(&self, blk: u32) -> Result<()> {
         if blk < self.geo.first_data_block || blk >= self.geo.blocks_count {
-            return Err(corrupt(format!("block pointer {blk} is outside the file system")));
+            return Err(corrupt(format!(
+                "block pointer {blk} is outside the file system"
+            )));
         }
         Ok(())
     }
@@ -449,8 +471,12 @@ impl Ext2 {
     }
 
     fn attr_of(&self, ino: u32, inode: &Inode) -> Result<Attr> {
-        let kind = FileType::from_mode(inode.mode as u32)
-            .ok_or_else(|| corrupt(format!("inode {ino} has unknown type in mode {:o}", inode.mode)))?;
+        let kind = FileType::from_mode(inode.mode as u32).ok_or_else(|| {
+            corrupt(format!(
+                "inode {ino} has unknown type in mode {:o}",
+                inode.mode
+            ))
+        })?;
         let x = inode.has_extra_times();
         Ok(Attr {
             ino: ino as Ino,
@@ -538,11 +564,23 @@ impl FileSystem for Ext2 {
 
     fn mknod(&self, parent: Ino, name: &[u8], mode: u32, rdev: u32, ctx: &Ctx) -> Result<Attr> {
         self.check_writable()?;
-        if FileType::from_mode(mode).is_none_or(|k| k == FileType::Directory || k == FileType::Symlink) {
-            return Err(FsError::Invalid("mknod makes files, devices, fifos and sockets"));
+        if FileType::from_mode(mode)
+            .is_none_or(|k| k == FileType::Directory || k == FileType::Symlink)
+        {
+            return Err(FsError::Invalid(
+                "mknod makes files, devices, fifos and sockets",
+            ));
         }
         let mut st = self.lock();
-        let r = self.create_node(&mut st, Self::to_ino(parent)?, name, mode & !(ctx.umask & 0o777), rdev, None, ctx);
+        let r = self.create_node(
+            &mut st,
+            Self::to_ino(parent)?,
+            name,
+            mode & !(ctx.umask & 0o777),
+            rdev,
+            None,
+            ctx,
+        );
         self.flush_groups(&mut st)?;
         r
     }
@@ -581,7 +619,15 @@ impl FileSystem for Ext2 {
             return Err(FsError::NameTooLong);
         }
         let mut st = self.lock();
-        let r = self.create_node(&mut st, Self::to_ino(parent)?, name, libc::S_IFLNK | 0o777, 0, Some(target), ctx);
+        let r = self.create_node(
+            &mut st,
+            Self::to_ino(parent)?,
+            name,
+            libc::S_IFLNK | 0o777,
+            0,
+            Some(target),
+            ctx,
+        );
         self.flush_groups(&mut st)?;
         r
     }
@@ -602,7 +648,14 @@ impl FileSystem for Ext2 {
     ) -> Result<()> {
         self.check_writable()?;
         let mut st = self.lock();
-        let r = self.do_rename(&mut st, Self::to_ino(parent)?, name, Self::to_ino(new_parent)?, new_name, flags);
+        let r = self.do_rename(
+            &mut st,
+            Self::to_ino(parent)?,
+            name,
+            Self::to_ino(new_parent)?,
+            new_name,
+            flags,
+        );
         self.flush_groups(&mut st)?;
         r
     }
@@ -610,7 +663,12 @@ impl FileSystem for Ext2 {
     fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8], _ctx: &Ctx) -> Result<Attr> {
         self.check_writable()?;
         let mut st = self.lock();
-        let r = self.do_link(&mut st, Self::to_ino(ino)?, Self::to_ino(new_parent)?, new_name);
+        let r = self.do_link(
+            &mut st,
+            Self::to_ino(ino)?,
+            Self::to_ino(new_parent)?,
+            new_name,
+        );
         self.flush_groups(&mut st)?;
         r
     }
@@ -701,7 +759,13 @@ impl FileSystem for Ext2 {
     fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()> {
         self.check_writable()?;
         let mut st = self.lock();
-        let r = self.do_setxattr(&mut st, Self::to_ino(ino)?, name, None, XattrFlags::default());
+        let r = self.do_setxattr(
+            &mut st,
+            Self::to_ino(ino)?,
+            name,
+            None,
+            XattrFlags::default(),
+        );
         self.flush_groups(&mut st)?;
         r
     }

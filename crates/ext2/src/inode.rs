@@ -48,15 +48,27 @@ impl Ext2 {
             return Err(corrupt(format!("inode {ino} is in use but not allocated")));
         }
         if quilt_vfs::FileType::from_mode(inode.mode as u32).is_none() {
-            return Err(corrupt(format!("inode {ino} has an unknown type (mode {:o})", inode.mode)));
+            return Err(corrupt(format!(
+                "inode {ino} has an unknown type (mode {:o})",
+                inode.mode
+            )));
         }
         if inode.is_dir() && inode.size % self.geo.bs as u64 != 0 {
-            return Err(corrupt(format!("directory {ino} has size {} (not whole blocks)", inode.size)));
+            return Err(corrupt(format!(
+                "directory {ino} has size {} (not whole blocks)",
+                inode.size
+            )));
         }
         Ok(inode)
     }
 
-    pub(crate) fn write_inode(&self, st: &State, ino: u32, inode: &Inode, befores: &[PatchId]) -> Result<Head> {
+    pub(crate) fn write_inode(
+        &self,
+        st: &State,
+        ino: u32,
+        inode: &Inode,
+        befores: &[PatchId],
+    ) -> Result<Head> {
         let (blk, off) = self.inode_loc(st, ino)?;
         let isz = self.geo.inode_size as usize;
         let mut raw = self
@@ -76,7 +88,13 @@ impl Ext2 {
     }
 
     /// Writes a new inode's whole slot (see `put_exact`).
-    pub(crate) fn init_inode(&self, st: &State, ino: u32, inode: &Inode, befores: &[PatchId]) -> Result<PatchId> {
+    pub(crate) fn init_inode(
+        &self,
+        st: &State,
+        ino: u32,
+        inode: &Inode,
+        befores: &[PatchId],
+    ) -> Result<PatchId> {
         let (blk, off) = self.inode_loc(st, ino)?;
         let mut raw = vec![0u8; self.geo.inode_size as usize];
         inode.encode_into(&mut raw);
@@ -107,7 +125,11 @@ impl Ext2 {
             atime: lo,
             ctime: lo,
             mtime: lo,
-            extra_isize: if big { crate::mkfs::EXTRA_ISIZE.min(self.geo.inode_size as u16 - 128) } else { 0 },
+            extra_isize: if big {
+                crate::mkfs::EXTRA_ISIZE.min(self.geo.inode_size as u16 - 128)
+            } else {
+                0
+            },
             ctime_extra: extra,
             mtime_extra: extra,
             atime_extra: extra,
@@ -138,21 +160,34 @@ impl Ext2 {
         let p = self.ptrs();
         let mut l = lblk;
         if l < NDIR_BLOCKS as u64 {
-            return Ok(Path { top: l as usize, rest: vec![] });
+            return Ok(Path {
+                top: l as usize,
+                rest: vec![],
+            });
         }
         l -= NDIR_BLOCKS as u64;
         if l < p {
-            return Ok(Path { top: IND_BLOCK, rest: vec![l as usize] });
+            return Ok(Path {
+                top: IND_BLOCK,
+                rest: vec![l as usize],
+            });
         }
         l -= p;
         if l < p * p {
-            return Ok(Path { top: DIND_BLOCK, rest: vec![(l / p) as usize, (l % p) as usize] });
+            return Ok(Path {
+                top: DIND_BLOCK,
+                rest: vec![(l / p) as usize, (l % p) as usize],
+            });
         }
         l -= p * p;
         if l < p * p * p {
             return Ok(Path {
                 top: TIND_BLOCK,
-                rest: vec![(l / (p * p)) as usize, ((l / p) % p) as usize, (l % p) as usize],
+                rest: vec![
+                    (l / (p * p)) as usize,
+                    ((l / p) % p) as usize,
+                    (l % p) as usize,
+                ],
             });
         }
         Err(FsError::TooBig)
@@ -207,7 +242,9 @@ impl Ext2 {
     ) -> Result<(u32, PatchId)> {
         let path = self.path(lblk)?;
         // nodes[i] = block holding slot i of the path (0 = the inode itself).
-        let slots: Vec<usize> = std::iter::once(path.top).chain(path.rest.iter().copied()).collect();
+        let slots: Vec<usize> = std::iter::once(path.top)
+            .chain(path.rest.iter().copied())
+            .collect();
         let mut nodes: Vec<u32> = vec![0];
         let mut ptr = inode.block[path.top];
         let mut depth = 0;
@@ -218,7 +255,9 @@ impl Ext2 {
             ptr = self.read_ptr(ptr, slots[depth])?;
         }
         if ptr != 0 {
-            return Err(corrupt(format!("inode {ino}: block {lblk} is already mapped")));
+            return Err(corrupt(format!(
+                "inode {ino}: block {lblk} is already mapped"
+            )));
         }
         // Slot `slots[depth]` of node `nodes[depth]` is empty: allocate levels depth+1..
         let levels = path.rest.len() - depth + 1;
@@ -286,7 +325,9 @@ impl Ext2 {
             let dst = (pos - offset) as usize;
             if phys != 0 {
                 self.engine
-                    .with_block(phys as u64, |d| out[dst..dst + n].copy_from_slice(&d[in_off..in_off + n]))
+                    .with_block(phys as u64, |d| {
+                        out[dst..dst + n].copy_from_slice(&d[in_off..in_off + n])
+                    })
                     .map_err(Self::io)?;
             }
             pos += n as u64;
@@ -294,7 +335,13 @@ impl Ext2 {
         Ok(out)
     }
 
-    pub(crate) fn do_write(&self, st: &mut State, ino: u32, offset: u64, data: &[u8]) -> Result<u32> {
+    pub(crate) fn do_write(
+        &self,
+        st: &mut State,
+        ino: u32,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<u32> {
         let mut inode = self.read_live_inode(st, ino)?;
         if inode.is_dir() {
             return Err(FsError::IsDir);
@@ -302,7 +349,9 @@ impl Ext2 {
         if !inode.is_reg() {
             return Err(FsError::Invalid("write to a non-regular file"));
         }
-        let end = offset.checked_add(data.len() as u64).ok_or(FsError::TooBig)?;
+        let end = offset
+            .checked_add(data.len() as u64)
+            .ok_or(FsError::TooBig)?;
         if end > self.max_file_size() {
             return Err(FsError::TooBig);
         }
@@ -340,7 +389,17 @@ impl Ext2 {
             } else {
                 let mut content = vec![0u8; bs as usize];
                 content[in_off..in_off + n].copy_from_slice(src);
-                match self.bmap_alloc(st, ino, &mut inode, lblk, &content, &[], true, goal, Some(&mut deferred)) {
+                match self.bmap_alloc(
+                    st,
+                    ino,
+                    &mut inode,
+                    lblk,
+                    &content,
+                    &[],
+                    true,
+                    goal,
+                    Some(&mut deferred),
+                ) {
                     Ok((b, h)) => {
                         goal = b + 1;
                         Ok(h)
@@ -388,7 +447,13 @@ impl Ext2 {
     /// that stay are cleared first; `inode` gets its cleared slots and new block count, and
     /// the caller writes it after the returned patches. Freed blocks wait for
     /// `inode_head_later`, which the caller supplies by calling `finish_free`.
-    fn cut_tree(&self, inode: &mut Inode, from: u64, frees: &mut Vec<u32>, clears: &mut Vec<PatchId>) -> Result<()> {
+    fn cut_tree(
+        &self,
+        inode: &mut Inode,
+        from: u64,
+        frees: &mut Vec<u32>,
+        clears: &mut Vec<PatchId>,
+    ) -> Result<()> {
         let p = self.ptrs();
         for slot in 0..NDIR_BLOCKS {
             if slot as u64 >= from && inode.block[slot] != 0 {
@@ -422,7 +487,12 @@ impl Ext2 {
         self.check_data_block(blk)?;
         let ptrs: Vec<u32> = self
             .engine
-            .with_block(blk as u64, |d| (0..d.len() / 4).map(|i| le32(d, i * 4)).filter(|&x| x != 0).collect())
+            .with_block(blk as u64, |d| {
+                (0..d.len() / 4)
+                    .map(|i| le32(d, i * 4))
+                    .filter(|&x| x != 0)
+                    .collect()
+            })
             .map_err(Self::io)?;
         for c in ptrs {
             self.check_data_block(c)?;
@@ -479,7 +549,13 @@ impl Ext2 {
     }
 
     /// Shrinks or grows `ino` to `size`; writes the inode (with `inode`'s other changes).
-    pub(crate) fn truncate(&self, st: &mut State, ino: u32, inode: &mut Inode, size: u64) -> Result<Head> {
+    pub(crate) fn truncate(
+        &self,
+        st: &mut State,
+        ino: u32,
+        inode: &mut Inode,
+        size: u64,
+    ) -> Result<Head> {
         if size > self.max_file_size() {
             return Err(FsError::TooBig);
         }
@@ -499,7 +575,9 @@ impl Ext2 {
             let mut frees = Vec::new();
             let mut clears = Vec::new();
             self.cut_tree(inode, from, &mut frees, &mut clears)?;
-            inode.blocks = inode.blocks.saturating_sub(frees.len() as u32 * (bs as u32 / 512));
+            inode.blocks = inode
+                .blocks
+                .saturating_sub(frees.len() as u32 * (bs as u32 / 512));
             inode.size = size;
             let head = self.write_inode(st, ino, inode, &clears)?;
             for h in &clears {
@@ -547,7 +625,12 @@ impl Ext2 {
         Ok(())
     }
 
-    pub(crate) fn do_setattr(&self, st: &mut State, ino: u32, set: SetAttr) -> Result<quilt_vfs::Attr> {
+    pub(crate) fn do_setattr(
+        &self,
+        st: &mut State,
+        ino: u32,
+        set: SetAttr,
+    ) -> Result<quilt_vfs::Attr> {
         let mut inode = self.read_live_inode(st, ino)?;
         let now = Inode::split_time(Timespec::now());
         if let Some(mode) = set.mode {

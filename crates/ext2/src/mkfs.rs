@@ -89,8 +89,11 @@ fn layout(blocks: u64, bs: u32, opts: &MkfsOptions, uuid: [u8; 16]) -> Result<La
         };
         // The last group must hold its own metadata and some data; otherwise drop it.
         let last = groups - 1;
-        let overhead = if sb.group_has_super(last) { 1 + sb.gdt_blocks() } else { 0 }
-            + 2
+        let overhead = if sb.group_has_super(last) {
+            1 + sb.gdt_blocks()
+        } else {
+            0
+        } + 2
             + sb.inode_table_blocks();
         if sb.group_block_count(last) < overhead + 16 {
             if groups == 1 {
@@ -103,7 +106,12 @@ fn layout(blocks: u64, bs: u32, opts: &MkfsOptions, uuid: [u8; 16]) -> Result<La
         let mut g = Vec::new();
         for i in 0..groups {
             let start = sb.group_first_block(i);
-            let bb = start + if sb.group_has_super(i) { 1 + sb.gdt_blocks() } else { 0 };
+            let bb = start
+                + if sb.group_has_super(i) {
+                    1 + sb.gdt_blocks()
+                } else {
+                    0
+                };
             g.push((bb, bb + 1, bb + 2));
         }
         return Ok(Layout { sb, groups: g });
@@ -138,7 +146,10 @@ pub fn mkfs(engine: &Engine, opts: &MkfsOptions) -> Result<Superblock, FsError> 
     let ipb = bs / INODE_SIZE as u32;
     let meta = ChangeOpts::default();
     let write_block = |blk: u32, data: &[u8]| -> Result<(), FsError> {
-        engine.write(blk as u64, 0, data, &[], meta).map(|_| ()).map_err(io)
+        engine
+            .write(blk as u64, 0, data, &[], meta)
+            .map(|_| ())
+            .map_err(io)
     };
 
     // Data blocks for the root directory and lost+found, right after group 0's table.
@@ -250,7 +261,13 @@ pub fn mkfs(engine: &Engine, opts: &MkfsOptions) -> Result<Superblock, FsError> 
     let mut rootb = dir_block(ROOT_INO, ROOT_INO);
     // Root: ".", "..", "lost+found".
     put16(&mut rootb, 12 + 4, 12);
-    encode_dirent(&mut rootb[24..], LOST_FOUND_INO, bs as usize - 24, b"lost+found", 2);
+    encode_dirent(
+        &mut rootb[24..],
+        LOST_FOUND_INO,
+        bs as usize - 24,
+        b"lost+found",
+        2,
+    );
     write_block(root_blk, &rootb)?;
     write_block(lf_first, &dir_block(LOST_FOUND_INO, ROOT_INO))?;
     for i in 1..lf_blocks {
@@ -292,7 +309,10 @@ pub fn mkfs(engine: &Engine, opts: &MkfsOptions) -> Result<Superblock, FsError> 
         let start = sb.group_first_block(g);
         put16(&mut raw, 0x5A, g as u16);
         let (sb_block, sb_off) = if g == 0 {
-            (SUPERBLOCK_OFFSET as u32 / bs, (SUPERBLOCK_OFFSET % bs as u64) as usize)
+            (
+                SUPERBLOCK_OFFSET as u32 / bs,
+                (SUPERBLOCK_OFFSET % bs as u64) as usize,
+            )
         } else {
             (start, 0)
         };

@@ -52,7 +52,9 @@ impl Ext2 {
         self.engine
             .with_block(blk as u64, |d| -> Result<(u32, Attrs)> {
                 if le32(d, 0) != EA_MAGIC || le32(d, 8) != 1 {
-                    return Err(corrupt(format!("extended-attribute block {blk} has a bad header")));
+                    return Err(corrupt(format!(
+                        "extended-attribute block {blk} has a bad header"
+                    )));
                 }
                 let refcount = le32(d, 4);
                 let mut out = Vec::new();
@@ -68,9 +70,15 @@ impl Ext2 {
                     let vsize = le32(d, off + 8) as usize;
                     let end = off + entry_len(nlen);
                     if end > d.len() || vinum != 0 || voff + vsize > d.len() {
-                        return Err(corrupt(format!("attribute entry at {off} of block {blk} is invalid")));
+                        return Err(corrupt(format!(
+                            "attribute entry at {off} of block {blk} is invalid"
+                        )));
                     }
-                    out.push((idx, d[off + ENTRY..off + ENTRY + nlen].to_vec(), d[voff..voff + vsize].to_vec()));
+                    out.push((
+                        idx,
+                        d[off + ENTRY..off + ENTRY + nlen].to_vec(),
+                        d[voff..voff + vsize].to_vec(),
+                    ));
                     off = end;
                 }
                 Ok((refcount, out))
@@ -97,7 +105,11 @@ impl Ext2 {
             let h = entry_hash(name, value);
             b[off] = name.len() as u8;
             b[off + 1] = *idx;
-            put16(&mut b, off + 2, if value.is_empty() { 0 } else { vend as u16 });
+            put16(
+                &mut b,
+                off + 2,
+                if value.is_empty() { 0 } else { vend as u16 },
+            );
             put32(&mut b, off + 8, value.len() as u32);
             put32(&mut b, off + 12, h);
             b[off + ENTRY..off + ENTRY + name.len()].copy_from_slice(name);
@@ -135,10 +147,17 @@ impl Ext2 {
                     let voff = le16(region, o + 2) as usize;
                     let vsize = le32(region, o + 8) as usize;
                     let end = o + entry_len(nlen);
-                    if end > region.len() || voff + vsize > region.len() || le32(region, o + 4) != 0 {
-                        return Err(corrupt(format!("inode {ino}: in-inode attribute is invalid")));
+                    if end > region.len() || voff + vsize > region.len() || le32(region, o + 4) != 0
+                    {
+                        return Err(corrupt(format!(
+                            "inode {ino}: in-inode attribute is invalid"
+                        )));
                     }
-                    out.push((idx, region[o + ENTRY..o + ENTRY + nlen].to_vec(), region[voff..voff + vsize].to_vec()));
+                    out.push((
+                        idx,
+                        region[o + ENTRY..o + ENTRY + nlen].to_vec(),
+                        region[voff..voff + vsize].to_vec(),
+                    ));
                     o = end;
                 }
                 Ok((true, out))
@@ -157,13 +176,23 @@ impl Ext2 {
 
     /// Writes the inode; with `clear_inline`, also retires its in-inode attributes (they
     /// now live in the block), in the same patch.
-    fn write_inode_xattr(&self, st: &State, ino: u32, inode: &Inode, clear_inline: bool, befores: &[quilt_patch::PatchId]) -> Result<Option<quilt_patch::PatchId>> {
+    fn write_inode_xattr(
+        &self,
+        st: &State,
+        ino: u32,
+        inode: &Inode,
+        clear_inline: bool,
+        befores: &[quilt_patch::PatchId],
+    ) -> Result<Option<quilt_patch::PatchId>> {
         if !clear_inline {
             return self.write_inode(st, ino, inode, befores);
         }
         let (blk, off) = self.inode_loc(st, ino)?;
         let isz = self.geo.inode_size as usize;
-        let mut raw = self.engine.with_block(blk as u64, |d| d[off..off + isz].to_vec()).map_err(Self::io)?;
+        let mut raw = self
+            .engine
+            .with_block(blk as u64, |d| d[off..off + isz].to_vec())
+            .map_err(Self::io)?;
         inode.encode_into(&mut raw);
         let start = GOOD_OLD_INODE_SIZE + inode.extra_isize as usize;
         raw[start..].fill(0);
@@ -268,7 +297,10 @@ impl Ext2 {
     }
 
     fn drop_ea_ref(&self, blk: u32, after: Option<quilt_patch::PatchId>) -> Result<()> {
-        let rc = self.engine.with_block(blk as u64, |d| le32(d, 4)).map_err(Self::io)?;
+        let rc = self
+            .engine
+            .with_block(blk as u64, |d| le32(d, 4))
+            .map_err(Self::io)?;
         let mut b = [0u8; 4];
         put32(&mut b, 0, rc.saturating_sub(1));
         self.put_exact(blk, 4, &b, &after.into_iter().collect::<Vec<_>>())?;
@@ -283,7 +315,10 @@ mod tests {
     #[test]
     fn names_need_a_known_prefix() {
         assert_eq!(split_name(b"user.a").unwrap(), (1, &b"a"[..]));
-        assert_eq!(split_name(b"system.posix_acl_access"), Err(FsError::NotSupported));
+        assert_eq!(
+            split_name(b"system.posix_acl_access"),
+            Err(FsError::NotSupported)
+        );
         assert!(split_name(b"user.").is_err());
     }
 

@@ -6,13 +6,15 @@
 //! pages); requests are served by several threads.
 
 use fuser::{
-    AccessFlags, Config, Errno, FileAttr, FileHandle, FileType as FuseType, Filesystem,
-    FopenFlags, Generation, INodeNo, InitFlags, KernelConfig, LockOwner, MountOption,
-    OpenFlags, RenameFlags as FuseRename, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request,
-    SessionACL, TimeOrNow as FuseTime, WriteFlags,
+    AccessFlags, Config, Errno, FileAttr, FileHandle, FileType as FuseType, Filesystem, FopenFlags,
+    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, MountOption, OpenFlags,
+    RenameFlags as FuseRename, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty,
+    ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr, Request, SessionACL,
+    TimeOrNow as FuseTime, WriteFlags,
 };
-use quilt_vfs::{Attr, Ctx, FileSystem, FileType, FsError, RenameFlags, SetAttr, TimeOrNow, Timespec, XattrFlags};
+use quilt_vfs::{
+    Attr, Ctx, FileSystem, FileType, FsError, RenameFlags, SetAttr, TimeOrNow, Timespec, XattrFlags,
+};
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -75,7 +77,10 @@ fn to_system(t: Timespec) -> SystemTime {
 
 fn from_system(t: SystemTime) -> Timespec {
     match t.duration_since(UNIX_EPOCH) {
-        Ok(d) => Timespec { sec: d.as_secs() as i64, nsec: d.subsec_nanos() },
+        Ok(d) => Timespec {
+            sec: d.as_secs() as i64,
+            nsec: d.subsec_nanos(),
+        },
         Err(e) => {
             let d = e.duration();
             let mut sec = -(d.as_secs() as i64);
@@ -140,7 +145,12 @@ fn fs_ino(ino: INodeNo) -> u64 {
 }
 
 fn ctx(req: &Request) -> Ctx {
-    Ctx { uid: req.uid(), gid: req.gid(), pid: req.pid(), umask: 0 }
+    Ctx {
+        uid: req.uid(),
+        gid: req.gid(),
+        pid: req.pid(),
+        umask: 0,
+    }
 }
 
 fn time_or_now(t: FuseTime) -> TimeOrNow {
@@ -237,13 +247,24 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     ) {
         let mut c = ctx(req);
         c.umask = umask;
-        match self.fs.mknod(fs_ino(parent), name.as_bytes(), mode, rdev, &c) {
+        match self
+            .fs
+            .mknod(fs_ino(parent), name.as_bytes(), mode, rdev, &c)
+        {
             Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
             Err(e) => reply.error(errno(e)),
         }
     }
 
-    fn mkdir(&self, req: &Request, parent: INodeNo, name: &OsStr, mode: u32, umask: u32, reply: ReplyEntry) {
+    fn mkdir(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        reply: ReplyEntry,
+    ) {
         let mut c = ctx(req);
         c.umask = umask;
         match self.fs.mkdir(fs_ino(parent), name.as_bytes(), mode, &c) {
@@ -266,8 +287,20 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         }
     }
 
-    fn symlink(&self, req: &Request, parent: INodeNo, link_name: &OsStr, target: &Path, reply: ReplyEntry) {
-        match self.fs.symlink(fs_ino(parent), link_name.as_bytes(), target.as_os_str().as_bytes(), &ctx(req)) {
+    fn symlink(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        link_name: &OsStr,
+        target: &Path,
+        reply: ReplyEntry,
+    ) {
+        match self.fs.symlink(
+            fs_ino(parent),
+            link_name.as_bytes(),
+            target.as_os_str().as_bytes(),
+            &ctx(req),
+        ) {
             Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
             Err(e) => reply.error(errno(e)),
         }
@@ -290,14 +323,33 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
             noreplace: flags.contains(FuseRename::RENAME_NOREPLACE),
             exchange: flags.contains(FuseRename::RENAME_EXCHANGE),
         };
-        match self.fs.rename(fs_ino(parent), name.as_bytes(), fs_ino(newparent), newname.as_bytes(), f, &ctx(req)) {
+        match self.fs.rename(
+            fs_ino(parent),
+            name.as_bytes(),
+            fs_ino(newparent),
+            newname.as_bytes(),
+            f,
+            &ctx(req),
+        ) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
     }
 
-    fn link(&self, req: &Request, ino: INodeNo, newparent: INodeNo, newname: &OsStr, reply: ReplyEntry) {
-        match self.fs.link(fs_ino(ino), fs_ino(newparent), newname.as_bytes(), &ctx(req)) {
+    fn link(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        match self.fs.link(
+            fs_ino(ino),
+            fs_ino(newparent),
+            newname.as_bytes(),
+            &ctx(req),
+        ) {
             Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
             Err(e) => reply.error(errno(e)),
         }
@@ -345,7 +397,14 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         }
     }
 
-    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock: LockOwner, reply: ReplyEmpty) {
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock: LockOwner,
+        reply: ReplyEmpty,
+    ) {
         reply.ok();
     }
 
@@ -365,16 +424,35 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         }
     }
 
-    fn fsync(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+    fn fsync(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         match self.fs.fsync(fs_ino(ino), datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
         let r = self.fs.readdir(fs_ino(ino), offset, &mut |e| {
-            !reply.add(INodeNo(fuse_ino(e.ino)), e.next_offset, kind(e.kind), OsStr::from_bytes(&e.name))
+            !reply.add(
+                INodeNo(fuse_ino(e.ino)),
+                e.next_offset,
+                kind(e.kind),
+                OsStr::from_bytes(&e.name),
+            )
         });
         match r {
             Ok(()) => reply.ok(),
@@ -382,7 +460,14 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         }
     }
 
-    fn fsyncdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, datasync: bool, reply: ReplyEmpty) {
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        datasync: bool,
+        reply: ReplyEmpty,
+    ) {
         match self.fs.fsync(fs_ino(ino), datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
@@ -469,13 +554,23 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     ) {
         let mut c = ctx(req);
         c.umask = umask;
-        let mode = if mode & libc::S_IFMT == 0 { mode | libc::S_IFREG } else { mode };
+        let mode = if mode & libc::S_IFMT == 0 {
+            mode | libc::S_IFREG
+        } else {
+            mode
+        };
         let r = self
             .fs
             .mknod(fs_ino(parent), name.as_bytes(), mode, 0, &c)
             .and_then(|a| self.fs.open(a.ino).map(|()| a));
         match r {
-            Ok(a) => reply.created(&TTL, &fattr(&a), Generation(0), FileHandle(0), FopenFlags::empty()),
+            Ok(a) => reply.created(
+                &TTL,
+                &fattr(&a),
+                Generation(0),
+                FileHandle(0),
+                FopenFlags::empty(),
+            ),
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -490,12 +585,20 @@ fn config(opts: &FuseOptions) -> Config {
         MountOption::Dev,
         MountOption::Suid,
     ];
-    mo.push(if opts.read_only { MountOption::RO } else { MountOption::RW });
+    mo.push(if opts.read_only {
+        MountOption::RO
+    } else {
+        MountOption::RW
+    });
     for e in &opts.extra {
         mo.push(MountOption::CUSTOM(e.clone()));
     }
     cfg.mount_options = mo;
-    cfg.acl = if opts.allow_other { SessionACL::All } else { SessionACL::Owner };
+    cfg.acl = if opts.allow_other {
+        SessionACL::All
+    } else {
+        SessionACL::Owner
+    };
     cfg.n_threads = Some(opts.threads.max(1));
     cfg.clone_fd = opts.threads > 1;
     cfg
@@ -529,10 +632,15 @@ pub fn serve<F: FileSystem + 'static>(
 /// Mounts with file-system type `fuse.quiltfs` (fuser always says plain `fuse`), so that
 /// mount tables name us and util-linux finds our `umount.fuse.quiltfs` helper. Returns
 /// None when not permitted (not root): the caller falls back to fuser's own mount.
-fn mount_typed(mountpoint: &Path, opts: &FuseOptions) -> std::io::Result<Option<std::os::fd::OwnedFd>> {
+fn mount_typed(
+    mountpoint: &Path,
+    opts: &FuseOptions,
+) -> std::io::Result<Option<std::os::fd::OwnedFd>> {
     use std::os::fd::{FromRawFd, OwnedFd};
     use std::os::unix::ffi::OsStrExt;
-    let cstr = |b: &[u8]| std::ffi::CString::new(b).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL));
+    let cstr = |b: &[u8]| {
+        std::ffi::CString::new(b).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))
+    };
     // SAFETY: open/mount/close system calls on NUL-terminated strings we own.
     unsafe {
         let fd = libc::open(c"/dev/fuse".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);

@@ -297,12 +297,7 @@ pub trait FileSystem: Send + Sync {
     fn write(&self, ino: Ino, offset: u64, data: &[u8], ctx: &Ctx) -> Result<u32>;
     /// Lists entries from cookie `offset` (0 = start); `emit` returns false when full.
     /// Cookies stay valid while entries are added and removed.
-    fn readdir(
-        &self,
-        ino: Ino,
-        offset: u64,
-        emit: &mut dyn FnMut(DirEntry) -> bool,
-    ) -> Result<()>;
+    fn readdir(&self, ino: Ino, offset: u64, emit: &mut dyn FnMut(DirEntry) -> bool) -> Result<()>;
     fn statfs(&self) -> Result<StatFs>;
     /// Makes the file's changes (and everything they depend on) durable.
     fn fsync(&self, ino: Ino, datasync: bool) -> Result<()>;

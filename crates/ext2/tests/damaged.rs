@@ -1,0 +1,219 @@
+//! Damaged images: bit flips and garbage in every kind of metadata block. Opening and then
+//! walking and changing the tree must give errors (or work), never panic or hang.
+
+use quilt_block::{BlockDevice, MemDevice};
+use quilt_ext2::{mkfs, Ext2, MkfsOptions, MountOptions};
+use quilt_patch::{Engine, EngineOptions};
+use quilt_vfs::{Ctx, FileSystem, FsError, XattrFlags};
+use std::sync::Arc;
+
+const BS: usize = 1024;
+
+/// A small populated image: directories over several blocks, files with indirect
+/// blocks, symlinks, xattrs.
+fn populated() -> Vec<u8> {
+    let dev = Arc::new(MemDevice::new(BS, 4096).unwrap());
+    let engine = Engine::new(dev.clone(), EngineOptions::default());
+    mkfs(
+        &engine,
+        &MkfsOptions {
+            device_is_zeroed: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let fs = Ext2::open(engine, MountOptions::default()).unwrap();
+    let c = Ctx::root();
+    let r = fs.root();
+    let d = fs.mkdir(r, b"dir", 0o755, &c).unwrap().ino;
+    for i in 0..40 {
+        let f = fs
+            .mknod(d, format!("f{i}").as_bytes(), libc::S_IFREG | 0o644, 0, &c)
+            .unwrap()
+            .ino;
+        fs.write(f, (i as u64) * 5000, &vec![i as u8; 3000], &c)
+            .unwrap();
+    }
+    let big = fs
+        .mknod(r, b"big", libc::S_IFREG | 0o644, 0, &c)
+        .unwrap()
+        .ino;
+    fs.write(big, 0, &vec![9u8; 300_000], &c).unwrap();
+    fs.symlink(r, b"s", &[b'x'; 200], &c).unwrap();
+    fs.setxattr(big, b"user.k", b"v", XattrFlags::default())
+        .unwrap();
+    fs.unmount().unwrap();
+    dev.to_vec()
+}
+
+/// Walks everything, then changes a few things; returns how many operations failed.
+fn exercise(fs: &Ext2) -> usize {
+    let c = Ctx::root();
+    let mut errors = 0;
+    let mut stack = vec![fs.root()];
+    let mut visited = 0;
+    while let Some(dir) = stack.pop() {
+        visited += 1;
+        if visited > 500 {
+            break;
+        }
+        let mut entries = Vec::new();
+        if fs
+            .readdir(dir, 0, &mut |e| {
+                entries.push(e);
+                entries.len() < 1000
+            })
+            .is_err()
+        {
+            errors += 1;
+            continue;
+        }
+        for e in entries {
+            if e.name == b"." || e.name == b".." {
+                continue;
+            }
+            match fs.lookup(dir, &e.name) {
+                Ok(a) => match a.kind {
+                    quilt_vfs::FileType::Directory => stack.push(a.ino),
+                    quilt_vfs::FileType::Regular => {
+                        errors += fs.read(a.ino, 0, 1 << 20).is_err() as usize;
+                        errors += fs.listxattr(a.ino).is_err() as usize;
+                        errors += fs.write(a.ino, 7000, b"poke", &c).is_err() as usize;
+                    }
+                    quilt_vfs::FileType::Symlink => errors += fs.readlink(a.ino).is_err() as usize,
+                    _ => {}
+                },
+                Err(_) => errors += 1,
+            }
+        }
+    }
+    let r = fs.root();
+    errors += fs.mknod(r, b"new", libc::S_IFREG | 0o644, 0, &c).is_err() as usize;
+    errors += fs.mkdir(r, b"newdir", 0o755, &c).is_err() as usize;
+    errors += fs.unlink(r, b"big", &c).is_err() as usize;
+    errors += fs
+        .rename(r, b"dir", r, b"dir2", Default::default(), &c)
+        .is_err() as usize;
+    let _ = fs.sync_all();
+    errors
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+#[test]
+fn damaged_metadata_gives_errors_not_panics() {
+    let clean = populated();
+    // Locate the metadata: superblock (block 1 at 1 KiB), descriptors (block 2), then
+    // group 0's bitmaps and inode table from the descriptor, and the root directory
+    // block from inode 2.
+    let le32 = |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap()) as usize;
+    let gd = 2 * BS;
+    let (bb, ib, it) = (le32(&clean, gd), le32(&clean, gd + 4), le32(&clean, gd + 8));
+    let root_inode = it * BS + 256;
+    let root_dir_block = le32(&clean, root_inode + 0x28);
+    let regions: Vec<(&str, usize, usize)> = vec![
+        ("superblock", BS, 200),
+        ("group descriptors", gd, 64),
+        ("block bitmap", bb * BS, BS),
+        ("inode bitmap", ib * BS, BS),
+        ("inode table", it * BS, 16 * 256),
+        ("root directory", root_dir_block * BS, BS),
+    ];
+    let cases: u64 = if std::env::var("CI").is_ok() { 40 } else { 200 };
+    let mut rng = Rng(0x9e3779b97f4a7c15);
+    let (mut refused, mut opened) = (0, 0);
+    for (name, start, len) in &regions {
+        for case in 0..cases {
+            let mut img = clean.clone();
+            if case % 4 == 0 {
+                // Garbage over a stretch.
+                let at = start + (rng.next() as usize % len);
+                let n = 1 + rng.next() as usize % 64;
+                for b in img.iter_mut().skip(at).take(n) {
+                    *b = rng.next() as u8;
+                }
+            } else {
+                for _ in 0..1 + case % 8 {
+                    let at = start + (rng.next() as usize % len);
+                    img[at] ^= 1 << (rng.next() % 8);
+                }
+            }
+            let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
+            let engine = Engine::new(dev.clone(), EngineOptions::default());
+            match Ext2::open(engine, MountOptions::default()) {
+                Err(e) => {
+                    refused += 1;
+                    assert!(!e.to_string().is_empty(), "{name}: error without a message");
+                }
+                Ok(fs) => {
+                    opened += 1;
+                    exercise(&fs);
+                    let _ = fs.unmount();
+                }
+            }
+        }
+    }
+    eprintln!("damaged images: {refused} refused at mount, {opened} mounted and exercised");
+    assert!(refused > 0, "some superblock damage must be refused");
+    assert!(opened > 0);
+}
+
+#[test]
+fn clear_errors_for_wrong_images() {
+    // Not ext2 at all.
+    let dev = Arc::new(MemDevice::new(BS, 1024).unwrap());
+    let err = Ext2::open(
+        Engine::new(dev, EngineOptions::default()),
+        MountOptions::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(
+        matches!(err, FsError::Corrupt(ref m) if m.contains("magic")),
+        "{err}"
+    );
+    // An unknown incompatible feature is refused; an unknown read-only one mounts
+    // read-only.
+    let clean = populated();
+    let mut img = clean.clone();
+    img[BS + 0x60] |= 0x80; // incompat: 0x80 is not ours
+    let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
+    let err = Ext2::open(
+        Engine::new(dev, EngineOptions::default()),
+        MountOptions::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("incompatible"), "{err}");
+    let mut img = clean.clone();
+    img[BS + 0x64] |= 0x40; // ro_compat: unknown to us
+    let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
+    let fs = Ext2::open(
+        Engine::new(dev, EngineOptions::default()),
+        MountOptions::default(),
+    )
+    .unwrap();
+    assert!(fs.is_read_only());
+    assert_eq!(
+        fs.mkdir(fs.root(), b"x", 0o755, &Ctx::root()),
+        Err(FsError::ReadOnly)
+    );
+    // A device smaller than the superblock says.
+    let dev = Arc::new(MemDevice::from_bytes(BS, &clean[..clean.len() / 2]).unwrap());
+    let err = Ext2::open(
+        Engine::new(dev, EngineOptions::default()),
+        MountOptions::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("image holds only"), "{err}");
+    let _ = MemDevice::block_size;
+}
