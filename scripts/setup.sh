@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 # fuse3 (fusermount3 for the FUSE mount), attr (getfattr/setfattr in the kernel-oracle
 # test), fuse2fs and xz-utils/linux-source (the untar benchmark, installed by it).
 need=()
-for pkg in e2fsprogs fuse3 attr; do
+for pkg in e2fsprogs fuse3 attr python3 bc; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

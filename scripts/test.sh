@@ -8,8 +8,15 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 # Unit, integration, property and doc tests.
 cargo test --workspace
+# The kernel and e2fsck as oracles of the ext2 module, both directions (loop mounts need
+# root).
+if [ "$(id -u)" = 0 ]; then
+  tests/kernel-oracle.sh ./target/release/quiltfs
+else
+  echo "test: skipping tests/kernel-oracle.sh (needs root for loop mounts)" >&2
+fi
 # Each benchmark once, as a smoke test (timings come from `cargo bench`, never from here).
 cargo test --release -p quilt-patch --benches --quiet
-# The main job, small, end to end.
+# The engine demo, small.
 ./target/release/quiltfs demo --files 500 --image "${TMPDIR:-/tmp}/quiltfs-ci-demo.img" >/dev/null
 echo "quiltfs: all checks passed"

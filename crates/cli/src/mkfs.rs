@@ -74,7 +74,7 @@ pub fn run(a: MkfsArgs) -> Result<()> {
         a.image.display(),
         sb.blocks_count,
         sb.block_size(),
-        sb.blocks_count as u64 * sb.block_size() as u64 >> 20,
+        (sb.blocks_count as u64 * sb.block_size() as u64) >> 20,
         sb.inodes_count,
         sb.group_count()
     );

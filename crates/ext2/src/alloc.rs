@@ -123,6 +123,9 @@ impl Ext2 {
         }
         self.flip_bit(bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
         if let Some(b) = befores {
+            if st.freed.len() >= 65536 {
+                self.prune(st);
+            }
             st.freed.insert(blk, b);
         }
         st.gd[g as usize].free_blocks += 1;

@@ -111,6 +111,8 @@ pub(crate) struct State {
     pub counters: Counters,
     /// Superblock counts changed since they were last written.
     pub sb_dirty: bool,
+    /// `heads` is pruned of durable patches when it reaches this many inodes.
+    pub heads_prune_at: usize,
     /// Group descriptors changed by the current operation.
     pub dirty_groups: std::collections::BTreeSet<u32>,
 }
@@ -238,6 +240,7 @@ impl Ext2 {
                 counters: Counters::default(),
                 sb_dirty: false,
                 dirty_groups: Default::default(),
+                heads_prune_at: 4096,
             }),
             geo,
         };
@@ -409,6 +412,9 @@ impl Ext2 {
     /// Records that an fsync of `ino` must make `head` durable.
     pub(crate) fn track(&self, st: &mut State, ino: u32, head: Head) {
         let Some(h) = head else { return };
+        if st.heads.len() >= st.heads_prune_at {
+            self.prune(st);
+        }
         let list = st.heads.entry(ino).or_default();
         list.push(h);
         if list.len() > HEADS_FOLD {
@@ -420,6 +426,19 @@ impl Ext2 {
 
     /// Notes that group `g`'s descriptor changed; `flush_groups` writes it once per
     /// operation.
+    /// Forgets bookkeeping whose patches are durable, so memory stays bounded by what
+    /// is pending rather than by everything ever touched.
+    pub(crate) fn prune(&self, st: &mut State) {
+        let e = &self.engine;
+        st.heads.retain(|_, l| {
+            l.retain(|&p| !e.is_durable(p));
+            !l.is_empty()
+        });
+        st.freed.retain(|_, p| !e.is_durable(*p));
+        // Whatever is still pending stays; look again when the map has doubled.
+        st.heads_prune_at = (st.heads.len() * 2).max(4096);
+    }
+
     pub(crate) fn write_gd(&self, st: &mut State, g: u32) -> Result<()> {
         st.dirty_groups.insert(g);
         st.sb_dirty = true;

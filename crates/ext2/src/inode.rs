@@ -228,6 +228,7 @@ impl Ext2 {
     /// Missing indirect blocks are created on the way. Writes the inode (new block count,
     /// and whatever the caller changed in `inode`) and returns the block and the patch
     /// that makes it reachable.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn bmap_alloc(
         &self,
         st: &mut State,
@@ -238,7 +239,7 @@ impl Ext2 {
         content_befores: &[PatchId],
         is_data: bool,
         goal: u32,
-        defer: Option<&mut Vec<PatchId>>,
+        mut defer: Option<&mut Vec<PatchId>>,
     ) -> Result<(u32, PatchId)> {
         let path = self.path(lblk)?;
         // nodes[i] = block holding slot i of the path (0 = the inode itself).
@@ -281,10 +282,9 @@ impl Ext2 {
             child = (ind, vec![alloc, init]);
         }
         inode.blocks += levels as u32 * (self.geo.bs / 512);
-        let head = if depth == 0 && defer.is_some() {
+        let head = if let (0, Some(d)) = (depth, defer.as_deref_mut()) {
             // The caller writes the inode once for many blocks, after all their befores.
             inode.block[path.top] = child.0;
-            let d = defer.expect("checked");
             d.extend(&child.1);
             init
         } else if depth == 0 {

@@ -6,7 +6,7 @@ use crate::format::*;
 use quilt_patch::{ChangeOpts, Engine};
 use quilt_vfs::FsError;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct MkfsOptions {
     /// Inodes wanted; default one per 16 KiB, as mke2fs.
     pub inodes: Option<u32>,
@@ -17,18 +17,6 @@ pub struct MkfsOptions {
     /// Owner of the root directory.
     pub root_uid: u32,
     pub root_gid: u32,
-}
-
-impl Default for MkfsOptions {
-    fn default() -> Self {
-        MkfsOptions {
-            inodes: None,
-            label: String::new(),
-            device_is_zeroed: false,
-            root_uid: 0,
-            root_gid: 0,
-        }
-    }
 }
 
 pub const INODE_SIZE: u16 = 256;
