@@ -452,18 +452,18 @@ impl Ext2 {
     ) -> Result<Attr> {
         check_name(name)?;
         let inode = self.read_live_inode(st, ino)?;
-        if inode.is_dir() {
-            return Err(FsError::Perm);
-        }
-        if inode.links >= LINK_MAX {
-            return Err(FsError::TooManyLinks);
-        }
         let dir = self.read_live_inode(st, parent)?;
         if !dir.is_dir() {
             return Err(FsError::NotDir);
         }
         if self.find_entry(&dir, name)?.is_some() {
             return Err(FsError::Exists);
+        }
+        if inode.is_dir() {
+            return Err(FsError::Perm);
+        }
+        if inode.links >= LINK_MAX {
+            return Err(FsError::TooManyLinks);
         }
         let l = self.modify_inode(st, ino, &[], |i| {
             i.links += 1;
@@ -549,6 +549,12 @@ impl Ext2 {
             }
         }
         let moving_dir = child.is_dir();
+        // A target that contains the source is never empty (Linux checks this first).
+        if let Some(d) = &dst {
+            if self.read_live_inode(st, d.inode)?.is_dir() && self.is_within(st, parent, d.inode)? {
+                return Err(FsError::NotEmpty);
+            }
+        }
         if moving_dir && parent != new_parent && self.is_within(st, new_parent, src.inode)? {
             return Err(FsError::Invalid("cannot move a directory under itself"));
         }
@@ -612,7 +618,12 @@ impl Ext2 {
             self.track(st, parent, down);
             before_removal = vec![moved];
         }
-        // (5) The old name goes, (6) then the extra link.
+        // (5) The old name goes, (6) then the extra link. The new entry may have been
+        // placed in the old one's directory block, right before it: look it up again.
+        let pdir = self.read_live_inode(st, parent)?;
+        let src = self
+            .find_entry(&pdir, name)?
+            .ok_or_else(|| corrupt("renamed entry vanished"))?;
         let removal = self.remove_entry(&src, &before_removal)?;
         let h = self.modify_inode(st, parent, &[], |i| {
             Self::touch_times(i, true, true);

@@ -1,7 +1,9 @@
 //! Model-based tests of the ext2 module through the native `FileSystem` API.
 //!
 //! Random operation sequences over a small namespace (names `a`..`d`, depth ≤ 3, so that
-//! collisions, overwrites, ENOTEMPTY and lookups through files happen often) run both on
+//! collisions, overwrites, ENOTEMPTY and lookups through files happen often; paths are
+//! literal, or "the i-th existing name" / "a name in the i-th existing directory" so
+//! that most operations hit the tree as it grows) run both on
 //! an `Ext2` over a memory device and on a reference model of POSIX semantics as Linux
 //! implements them (a tree of directories naming inodes). After every step the test
 //! compares the result (Ok, or the same errno) and then the whole visible state: both
@@ -18,7 +20,8 @@
 //! link, symlink (fast < 60 bytes and slow ≥ 60), write (small, multi-block, past EOF,
 //! and at 50 MB and 4.3 GB for double and triple indirect blocks), truncate (setattr
 //! size), chmod (setattr mode), user.* xattrs set (plain, XATTR_CREATE, XATTR_REPLACE)
-//! and removed, fsync, sync_all, and remount (clean unmount, reopen the image bytes).
+//! and removed, fsync, sync_all, remount (clean unmount, reopen the image bytes), and
+//! `Fill` (up to 40 files with 200–255-byte names, so directories span several blocks).
 //!
 //! Harness conventions (what the kernel's VFS does before a FUSE file system is called):
 //! paths are resolved by `lookup` one component at a time without following symlinks;
@@ -29,14 +32,17 @@
 //!
 //! Case count: `QUILT_PROPTEST_CASES` if set, else 300 cases (of up to 60 operations)
 //! under `CI=true` and 2,000 otherwise. Each case picks the consistency mode (async or
-//! soft updates) and the cache size (roomy, or small enough to force write-back).
+//! soft updates) and the cache size (roomy, or small enough to force write-back). A
+//! failure reports proptest's minimal case with its paths resolved, then the same
+//! sequence with steps dropped while the failure stays the same.
 //!
-//! `thousands_of_random_operations` runs one seeded sequence of 2,000 operations, biased
-//! toward existing names, in one file system, comparing after every step.
+//! `thousands_of_random_operations` runs one seeded sequence of 2,000 operations (same
+//! distribution, xorshift generator, fixed seed) in one 64 MiB file system, comparing
+//! after every step; a failure is reported with a minimized reproduction.
 
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
-use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
+use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
 use quilt_block::MemDevice;
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
@@ -1627,155 +1633,18 @@ fn compare(h: &mut Harness, m: &Model) -> Result<(), String> {
 // ---------------------------------------------------------------------------------------
 // Running sequences
 
-// EXPLORE-BEGIN
-fn explore_tolerated(op: &Op, want: &R, got: &R) -> bool {
-    let e = |r: &R| r.as_ref().err().map(|e| e.errno()).unwrap_or(0);
-    match op {
-        Op::Link { .. } => e(want) == libc::EEXIST && e(got) == libc::EPERM,
-        Op::Rename { .. } => e(want) == libc::ENOTEMPTY && e(got) == libc::EISDIR,
-        _ => false,
-    }
-}
-static EXPLORE: std::sync::Mutex<BTreeMap<String, u64>> = std::sync::Mutex::new(BTreeMap::new());
-fn explore_record(op: &Op, r: &str) {
-    let v = format!("{op:?}");
-    let mut v = v.split(['{', ' ']).next().unwrap().to_string();
-    match op {
-        Op::Rename { flags, .. } => v = format!("{v}-{flags:?}"),
-        Op::Write { offset, .. } if *offset > 40_000_000 => v = format!("{v}-huge"),
-        Op::Write { offset, .. } if *offset > 48_000 => v = format!("{v}-ind"),
-        Op::Symlink { len, .. } if *len >= 60 => v = format!("{v}-slow"),
-        _ => {}
-    }
-    *EXPLORE
-        .lock()
-        .unwrap()
-        .entry(format!("{v} {r}"))
-        .or_default() += 1;
-}
-#[test]
-fn explore_stats() {
-    let mut runner = TestRunner::deterministic();
-    let strat = (any::<bool>(), prop::collection::vec(op_s(), 1..=60));
-    let mut fails = 0;
-    let mut depth = [0usize; 8];
-    let mut sizes = [0usize; 4];
-    let mut bigdirs = 0;
-    for _ in 0..300 {
-        let (su, specs) = strat.new_tree(&mut runner).unwrap().current();
-        let mode = if su { Mode::SoftUpdates } else { Mode::Async };
-        let mut h = Harness::new(CASE_BLOCKS, mode, 8 << 20).unwrap();
-        let mut m = Model::new();
-        for spec in specs {
-            let mut bad = false;
-            for op in expand(spec.map(|ps| m.resolve_spec(ps))) {
-                if let Err(e) = step(&mut h, &mut m, &op) {
-                    fails += 1;
-                    eprintln!("FAIL {op:?}: {e}");
-                    bad = true;
-                    break;
-                }
-            }
-            if bad {
-                break;
-            }
-            let big = m.nodes.values().map(|n| n.children.len()).max().unwrap();
-            if big > 16 {
-                bigdirs += 1;
-            }
-        }
-        let d = m
-            .paths(usize::MAX)
-            .iter()
-            .map(|(p, _)| p.0.len())
-            .max()
-            .unwrap_or(0);
-        depth[d.min(7)] += 1;
-        for n in m.nodes.values() {
-            if n.kind == FileType::Regular {
-                sizes[match n.size {
-                    0 => 0,
-                    1..=65536 => 1,
-                    65537..=100_000_000 => 2,
-                    _ => 3,
-                }] += 1;
-            }
-        }
-    }
-    eprintln!(
-        "fails {fails} depth {depth:?} sizes {sizes:?} steps with a dir of > 16 entries {bigdirs}"
-    );
-    for (k, v) in EXPLORE.lock().unwrap().iter() {
-        eprintln!("{k}: {v}");
-    }
-}
-#[test]
-fn explore_repro() {
-    let l = |v: &[u8]| P(v.to_vec());
-    let ops = vec![
-        Op::Create {
-            path: l(&[0]),
-            perm: Perm(0o644),
-            who: 0,
-        },
-        Op::Rename {
-            from: l(&[0]),
-            to: l(&[1]),
-            flags: RFlags::Plain,
-        },
-        Op::Rename {
-            from: l(&[1]),
-            to: l(&[2]),
-            flags: RFlags::Plain,
-        },
-    ];
-    for mode in [Mode::Async, Mode::SoftUpdates] {
-        eprintln!(
-            "{mode}: {:?}",
-            run(&literal(&ops), mode, 8 << 20, CASE_BLOCKS)
-                .err()
-                .map(|f| f.msg)
-        );
-    }
-}
-fn explore_skip(m: &Model, op: &Op) -> bool {
-    if std::env::var("EXPLORE_SAME_DIR_RENAME").is_ok() {
-        return false;
-    }
-    if let Op::Rename {
-        from,
-        to,
-        flags: RFlags::Plain | RFlags::NoReplace,
-    } = op
-    {
-        if let (Ok(a), Ok(b)) = (m.dir_of(from), m.dir_of(to)) {
-            return a == b && m.child(b, to.name()).is_none();
-        }
-    }
-    false
-}
-// EXPLORE-END
-
 /// One step: the model decides (or skips), the file system runs, results compare.
 fn step(h: &mut Harness, m: &mut Model, op: &Op) -> Result<(), String> {
-    if explore_skip(m, op) {
-        return Ok(());
-    }
     let Some(want) = m.apply(op) else {
-        explore_record(op, "skip");
         return Ok(());
     };
-    explore_record(
-        op,
-        &errno_name(&want).split(':').next().unwrap().to_string(),
-    );
     let mut problems = Vec::new();
     let got = h.apply(op, &mut problems);
     let same = match (&want, &got) {
         (Ok(()), Ok(())) => true,
         (Err(a), Err(b)) => a.errno() == b.errno(),
         _ => false,
-    } || explore_tolerated(op, &want, &got);
+    };
     if !same {
         problems.insert(
             0,
@@ -1829,8 +1698,7 @@ fn signature(e: &str) -> String {
     let (head, rest) = e.split_once(" ⇒ ").unwrap_or(("", e));
     let variant = head
         .split(['{', ' '])
-        .filter(|w| w.chars().next().is_some_and(|c| c.is_ascii_uppercase()))
-        .next()
+        .find(|w| w.chars().next().is_some_and(|c| c.is_ascii_uppercase()))
         .unwrap_or(head);
     let rest = if rest.starts_with("expected") {
         rest.to_string()
@@ -1876,14 +1744,30 @@ fn run(specs: &[Op<PS>], mode: Mode, cache: usize, blocks: u64) -> Result<(), Fa
         for op in group {
             let i = ops.len();
             ops.push(op.clone());
-            step(&mut h, &mut m, &op).map_err(|e| fail(format!("step {i} {op:?} ⇒ {e}"), &ops))?;
+            guarded(|| step(&mut h, &mut m, &op))
+                .map_err(|e| fail(format!("step {i} {op:?} ⇒ {e}"), &ops))?;
         }
         if let Some(op) = last {
             let i = ops.len() - 1;
-            compare(&mut h, &m).map_err(|e| fail(format!("after step {i} {op:?} ⇒ {e}"), &ops))?;
+            guarded(|| compare(&mut h, &m))
+                .map_err(|e| fail(format!("after step {i} {op:?} ⇒ {e}"), &ops))?;
         }
     }
-    teardown(&mut h, &mut m).map_err(|e| fail(e, &ops))
+    guarded(|| teardown(&mut h, &mut m)).map_err(|e| fail(e, &ops))
+}
+
+/// Runs `f`, turning a panic (in the file system or the harness) into an error.
+fn guarded(f: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => Err(format!(
+            "panicked: {}",
+            p.downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_default()
+        )),
+    }
 }
 
 /// The steps of an operation: `Fill` becomes its creates.
@@ -1922,29 +1806,60 @@ fn cases() -> u32 {
 /// 16 MiB: room for every case, cheap to copy at a remount.
 const CASE_BLOCKS: u64 = 4096;
 
-proptest! {
-    #![proptest_config(Config {
+/// The property test. It drives proptest's runner itself so that, after proptest has
+/// shrunk a failure, the report can also list the minimal case's operations with their
+/// paths resolved, shrunk further by dropping steps (`minimize`).
+#[test]
+fn ext2_agrees_with_the_posix_model() {
+    let config = Config {
         cases: cases(),
         max_shrink_iters: 4096,
         failure_persistence: None,
         ..Config::default()
-    })]
-
-    #[test]
-    fn ext2_agrees_with_the_posix_model(
-        soft_updates in any::<bool>(),
-        small_cache in prop::bool::weighted(0.25),
-        specs in prop::collection::vec(op_s(), 1..=60),
-    ) {
-        let mode = if soft_updates { Mode::SoftUpdates } else { Mode::Async };
+    };
+    let strategy = (
+        any::<bool>(),
+        prop::bool::weighted(0.25),
+        prop::collection::vec(op_s(), 1..=60),
+    );
+    let setup = |soft_updates: bool, small_cache: bool| {
+        let mode = if soft_updates {
+            Mode::SoftUpdates
+        } else {
+            Mode::Async
+        };
         let cache = if small_cache { 96 << 10 } else { 8 << 20 };
-        if let Err(f) = run(&specs, mode, cache, CASE_BLOCKS) {
-            return Err(TestCaseError::fail(format!(
-                "{}\nmode {mode}, cache {cache} bytes; the operations with their paths resolved:\n{}",
-                f.msg,
-                listing(&f.ops)
-            )));
+        (mode, cache)
+    };
+    let mut runner = TestRunner::new(config);
+    let result = runner.run(&strategy, |(soft_updates, small_cache, specs)| {
+        let (mode, cache) = setup(soft_updates, small_cache);
+        match run(&specs, mode, cache, CASE_BLOCKS) {
+            Ok(()) => Ok(()),
+            Err(f) => Err(TestCaseError::fail(f.msg)),
         }
+    });
+    match result {
+        Ok(()) => {}
+        Err(TestError::Fail(reason, (soft_updates, small_cache, specs))) => {
+            let (mode, cache) = setup(soft_updates, small_cache);
+            let f =
+                run(&specs, mode, cache, CASE_BLOCKS).expect_err("the minimal case fails again");
+            let small = minimize(f.ops.clone(), &f.msg, mode, cache, CASE_BLOCKS, 60);
+            let again = run(&literal(&small), mode, cache, CASE_BLOCKS)
+                .err()
+                .map_or(String::new(), |f| f.msg);
+            panic!(
+                "{reason}\nmode {mode}, cache {cache} bytes\n\
+                 proptest's minimal case, with its paths resolved ({} steps):\n{}\n\
+                 dropping steps while the failure stays the same leaves {} steps, which fail with:\n{again}\n{}",
+                f.ops.len(),
+                listing(&f.ops),
+                small.len(),
+                listing(&small)
+            );
+        }
+        Err(e) => panic!("{e}"),
     }
 }
 
@@ -1953,13 +1868,20 @@ proptest! {
 
 /// Shrinks a failing sequence by dropping chunks of it while it still fails the same way
 /// (within a time bound), for the report.
-fn minimize(mut ops: Vec<Op>, failure: &str, mode: Mode, cache: usize, blocks: u64) -> Vec<Op> {
+fn minimize(
+    mut ops: Vec<Op>,
+    failure: &str,
+    mode: Mode,
+    cache: usize,
+    blocks: u64,
+    seconds: u64,
+) -> Vec<Op> {
     let want = signature(failure);
     let start = std::time::Instant::now();
     let mut chunk = ops.len() / 2;
-    while chunk >= 1 && start.elapsed().as_secs() < 120 {
+    while chunk >= 1 && start.elapsed().as_secs() < seconds {
         let mut i = 0;
-        while i < ops.len() && start.elapsed().as_secs() < 120 {
+        while i < ops.len() && start.elapsed().as_secs() < seconds {
             let mut trial = ops.clone();
             trial.drain(i..(i + chunk).min(ops.len()));
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1994,7 +1916,7 @@ fn thousands_of_random_operations() {
         .collect();
     if let Err(f) = run(&specs, mode, cache, blocks) {
         let total = f.ops.len();
-        let small = minimize(f.ops, &f.msg, mode, cache, blocks);
+        let small = minimize(f.ops, &f.msg, mode, cache, blocks, 120);
         let again = run(&literal(&small), mode, cache, blocks)
             .err()
             .map_or(String::new(), |f| f.msg);

@@ -541,3 +541,28 @@ fn read_only_mount_refuses_changes() {
     );
     assert!(fs.lookup(fs.root(), b"lost+found").is_ok());
 }
+
+#[test]
+fn rename_within_one_directory_keeps_it_intact() {
+    // Regression: the new name went into the block before the old entry, and the
+    // removal then merged into the wrong record.
+    let fs = fresh();
+    let r = fs.root();
+    fs.mknod(r, b"a", REG, 0, &c()).unwrap();
+    fs.rename(r, b"a", r, b"b", RenameFlags::default(), &c())
+        .unwrap();
+    fs.rename(r, b"b", r, b"c", RenameFlags::default(), &c())
+        .unwrap();
+    assert_eq!(names(&fs, r), vec![".", "..", "c", "lost+found"]);
+    let d = fs.mkdir(r, b"d", 0o755, &c()).unwrap().ino;
+    assert_eq!(
+        fs.link(d, r, b"c", &c()),
+        Err(FsError::Exists),
+        "EEXIST before EPERM"
+    );
+    fs.mknod(d, b"x", REG, 0, &c()).unwrap();
+    assert_eq!(
+        fs.rename(d, b"x", r, b"d", RenameFlags::default(), &c()),
+        Err(FsError::NotEmpty)
+    );
+}
