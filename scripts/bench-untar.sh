@@ -24,8 +24,6 @@ fi
 if [ "${QUICK:-0}" = 1 ]; then
   small="$work/small.tar"
   if [ ! -f "$small" ]; then
-    tar tf "$tarball" | grep -E '^linux-source-6.1/(fs|kernel)/' >"$work/list" || true
-    tar cf "$small" -C "$work" --files-from /dev/null
     mkdir -p "$work/x" && tar xf "$tarball" -C "$work/x" linux-source-6.1/fs linux-source-6.1/kernel
     tar cf "$small" -C "$work/x" . && rm -rf "$work/x"
   fi

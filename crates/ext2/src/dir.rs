@@ -303,9 +303,8 @@ impl Ext2 {
         };
         let mut block_with = |st: &mut State, inode: &mut Inode, content: &[u8]| -> Result<()> {
             let (blk, alloc) = self.alloc_block(st, goal)?;
-            let mut b = vec![alloc];
-            b.extend(st.freed.get(&blk).copied());
-            let init = self.put_block(blk, content, &b[1..], false)?;
+            let freed: Vec<_> = st.freed.get(&blk).copied().into_iter().collect();
+            let init = self.put_block(blk, content, &freed, false)?;
             befores.push(alloc);
             befores.push(init);
             inode.block[0] = blk;

@@ -69,6 +69,19 @@ impl Ext2 {
         inode: &Inode,
         befores: &[PatchId],
     ) -> Result<Head> {
+        self.write_inode_with(st, ino, inode, befores, |_| {})
+    }
+
+    /// Writes an inode over its current slot bytes, after `edit` has changed the raw slot
+    /// further (bytes past the fields `Inode` knows).
+    pub(crate) fn write_inode_with(
+        &self,
+        st: &State,
+        ino: u32,
+        inode: &Inode,
+        befores: &[PatchId],
+        edit: impl FnOnce(&mut [u8]),
+    ) -> Result<Head> {
         let (blk, off) = self.inode_loc(st, ino)?;
         let isz = self.geo.inode_size as usize;
         let mut raw = self
@@ -76,6 +89,7 @@ impl Ext2 {
             .with_block(blk as u64, |d| d[off..off + isz].to_vec())
             .map_err(Self::io)?;
         inode.encode_into(&mut raw);
+        edit(&mut raw);
         self.put(blk, off, &raw, befores, false)
     }
 
@@ -444,9 +458,9 @@ impl Ext2 {
     }
 
     /// Frees every block at or past logical block `from`. Pointers inside indirect blocks
-    /// that stay are cleared first; `inode` gets its cleared slots and new block count, and
-    /// the caller writes it after the returned patches. Freed blocks wait for
-    /// `inode_head_later`, which the caller supplies by calling `finish_free`.
+    /// that stay are cleared first; `inode` gets its cleared slots, and
+    /// the caller writes it after the cleared pointers (`clears`) and frees `frees` after
+    /// both.
     fn cut_tree(
         &self,
         inode: &mut Inode,

@@ -46,6 +46,37 @@ fn entry_hash(name: &[u8], value: &[u8]) -> u32 {
 
 type Attrs = Vec<(u8, Vec<u8>, Vec<u8>)>;
 
+/// Decodes the entry list of an attribute area: entries from `first`, values at offsets
+/// relative to `value_base` (the block start for EA blocks, the first entry for in-inode
+/// attributes). `what` names the area in errors.
+fn parse_entries(d: &[u8], first: usize, value_base: usize, what: &str) -> Result<Attrs> {
+    let mut out = Vec::new();
+    let mut off = first;
+    while off + 4 <= d.len() && le32(d, off) != 0 {
+        if off + ENTRY > d.len() {
+            return Err(corrupt(format!("attribute entry overruns {what}")));
+        }
+        let nlen = d[off] as usize;
+        let idx = d[off + 1];
+        let voff = value_base + le16(d, off + 2) as usize;
+        let vinum = le32(d, off + 4);
+        let vsize = le32(d, off + 8) as usize;
+        let end = off + entry_len(nlen);
+        if end > d.len() || vinum != 0 || voff + vsize > d.len() {
+            return Err(corrupt(format!(
+                "attribute entry at {off} of {what} is invalid"
+            )));
+        }
+        out.push((
+            idx,
+            d[off + ENTRY..off + ENTRY + nlen].to_vec(),
+            d[voff..voff + vsize].to_vec(),
+        ));
+        off = end;
+    }
+    Ok(out)
+}
+
 impl Ext2 {
     fn parse_ea_block(&self, blk: u32) -> Result<(u32, Attrs)> {
         self.check_data_block(blk)?;
@@ -57,30 +88,7 @@ impl Ext2 {
                     )));
                 }
                 let refcount = le32(d, 4);
-                let mut out = Vec::new();
-                let mut off = HEADER;
-                while off + 4 <= d.len() && le32(d, off) != 0 {
-                    if off + ENTRY > d.len() {
-                        return Err(corrupt(format!("attribute entry overruns block {blk}")));
-                    }
-                    let nlen = d[off] as usize;
-                    let idx = d[off + 1];
-                    let voff = le16(d, off + 2) as usize;
-                    let vinum = le32(d, off + 4);
-                    let vsize = le32(d, off + 8) as usize;
-                    let end = off + entry_len(nlen);
-                    if end > d.len() || vinum != 0 || voff + vsize > d.len() {
-                        return Err(corrupt(format!(
-                            "attribute entry at {off} of block {blk} is invalid"
-                        )));
-                    }
-                    out.push((
-                        idx,
-                        d[off + ENTRY..off + ENTRY + nlen].to_vec(),
-                        d[voff..voff + vsize].to_vec(),
-                    ));
-                    off = end;
-                }
+                let out = parse_entries(d, HEADER, 0, &format!("block {blk}"))?;
                 Ok((refcount, out))
             })
             .map_err(Self::io)?
@@ -136,30 +144,7 @@ impl Ext2 {
                     return Ok((false, Vec::new()));
                 }
                 let region = &slot[start + 4..];
-                let mut out = Vec::new();
-                let mut o = 0;
-                while o + 4 <= region.len() && le32(region, o) != 0 {
-                    if o + ENTRY > region.len() {
-                        return Err(corrupt(format!("inode {ino}: in-inode attribute overruns")));
-                    }
-                    let nlen = region[o] as usize;
-                    let idx = region[o + 1];
-                    let voff = le16(region, o + 2) as usize;
-                    let vsize = le32(region, o + 8) as usize;
-                    let end = o + entry_len(nlen);
-                    if end > region.len() || voff + vsize > region.len() || le32(region, o + 4) != 0
-                    {
-                        return Err(corrupt(format!(
-                            "inode {ino}: in-inode attribute is invalid"
-                        )));
-                    }
-                    out.push((
-                        idx,
-                        region[o + ENTRY..o + ENTRY + nlen].to_vec(),
-                        region[voff..voff + vsize].to_vec(),
-                    ));
-                    o = end;
-                }
+                let out = parse_entries(region, 0, 0, &format!("inode {ino}"))?;
                 Ok((true, out))
             })
             .map_err(Self::io)?
@@ -187,16 +172,8 @@ impl Ext2 {
         if !clear_inline {
             return self.write_inode(st, ino, inode, befores);
         }
-        let (blk, off) = self.inode_loc(st, ino)?;
-        let isz = self.geo.inode_size as usize;
-        let mut raw = self
-            .engine
-            .with_block(blk as u64, |d| d[off..off + isz].to_vec())
-            .map_err(Self::io)?;
-        inode.encode_into(&mut raw);
         let start = GOOD_OLD_INODE_SIZE + inode.extra_isize as usize;
-        raw[start..].fill(0);
-        self.put(blk, off, &raw, befores, false)
+        self.write_inode_with(st, ino, inode, befores, |raw| raw[start..].fill(0))
     }
 
     pub(crate) fn do_getxattr(&self, st: &State, ino: u32, name: &[u8]) -> Result<Vec<u8>> {
@@ -281,9 +258,8 @@ impl Ext2 {
         }
         let goal = st.gd[((ino - 1) / self.geo.ipg) as usize].inode_table + self.geo.itb;
         let (blk, alloc) = self.alloc_block(st, goal)?;
-        let mut befores = vec![alloc];
-        befores.extend(st.freed.get(&blk).copied());
-        let init = self.put_block(blk, &img, &befores[1..], false)?;
+        let freed: Vec<_> = st.freed.get(&blk).copied().into_iter().collect();
+        let init = self.put_block(blk, &img, &freed, false)?;
         inode.file_acl = blk;
         if old == 0 {
             inode.blocks += sectors;
