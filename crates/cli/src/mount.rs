@@ -185,7 +185,7 @@ fn background(a: &MountArgs) -> Result<()> {
 fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
     let fs = Arc::new(open_fs(&a.image, &p.settings)?);
     let (sock, _) = runtime_paths(&a.mountpoint);
-    let listener = start_control(&sock, fs.clone())?;
+    let listener = start_control(&sock, fs.clone(), p.fuse.stats.clone())?;
     let unmounted = Arc::new(Mutex::new(false));
     let finish = {
         let fs = fs.clone();
@@ -257,7 +257,11 @@ fn watch_signals(mountpoint: PathBuf) {
     }
 }
 
-fn start_control(sock: &Path, fs: Arc<Ext2>) -> Result<Arc<UnixListener>> {
+fn start_control(
+    sock: &Path,
+    fs: Arc<Ext2>,
+    requests: Arc<quilt_fuse::RequestStats>,
+) -> Result<Arc<UnixListener>> {
     std::fs::create_dir_all(sock.parent().expect("has a parent"))?;
     if sock.exists() {
         // A live server answers; a stale socket (kill -9) is replaced.
@@ -278,7 +282,15 @@ fn start_control(sock: &Path, fs: Arc<Ext2>) -> Result<Arc<UnixListener>> {
             let mut line = String::new();
             let _ = BufReader::new(&conn).read_line(&mut line);
             let reply = match line.trim() {
-                "stats" => serde_json::to_string(&stats_json(&*fs)).unwrap_or_default(),
+                "stats" => {
+                    let mut j = stats_json(&*fs);
+                    if let Some(m) = j.as_object_mut() {
+                        for (k, v) in requests.fields() {
+                            m.insert(k, v.into());
+                        }
+                    }
+                    serde_json::to_string(&j).unwrap_or_default()
+                }
                 "pid" => std::process::id().to_string(),
                 other => format!("{{\"error\":\"unknown command {other:?}\"}}"),
             };

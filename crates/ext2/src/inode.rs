@@ -639,6 +639,9 @@ impl Ext2 {
         Ok(())
     }
 
+    /// Setattr. A change of owner or group of anything but a directory drops set-user-ID,
+    /// and set-group-ID where group execute is on, as Linux does even for root (the
+    /// FUSE adapter relies on this: it tells the kernel the file system kills them).
     pub(crate) fn do_setattr(
         &self,
         st: &mut State,
@@ -655,6 +658,9 @@ impl Ext2 {
         }
         if let Some(gid) = set.gid {
             inode.gid = gid;
+        }
+        if (set.uid.is_some() || set.gid.is_some()) && set.mode.is_none() && !inode.is_dir() {
+            inode.mode = kill_suid_sgid(inode.mode);
         }
         if let Some(t) = set.atime {
             (inode.atime, inode.atime_extra) = Inode::split_time(t.resolve());
@@ -708,4 +714,16 @@ impl Ext2 {
             .with_block(phys as u64, |d| d[..len].to_vec())
             .map_err(Self::io)
     }
+}
+
+/// `mode` without set-user-ID, and without set-group-ID if group execute is on (without
+/// it, set-group-ID marks mandatory locking and stays), as Linux drops them on chown and
+/// on writes by unprivileged users.
+pub(crate) fn kill_suid_sgid(mode: u16) -> u16 {
+    let mut m = mode & !(libc::S_ISUID as u16);
+    let sgid_x = (libc::S_ISGID | libc::S_IXGRP) as u16;
+    if m & sgid_x == sgid_x {
+        m &= !(libc::S_ISGID as u16);
+    }
+    m
 }

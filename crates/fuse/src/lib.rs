@@ -21,6 +21,10 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+mod stats;
+pub use stats::RequestStats;
+use stats::Op;
+
 const TTL: Duration = Duration::from_secs(1);
 
 /// Settings of one mount.
@@ -35,6 +39,8 @@ pub struct FuseOptions {
     pub writeback_cache: bool,
     /// Options passed through to the kernel as they are.
     pub extra: Vec<String>,
+    /// Where the adapter counts requests (share it to report them).
+    pub stats: Arc<RequestStats>,
 }
 
 impl Default for FuseOptions {
@@ -46,6 +52,7 @@ impl Default for FuseOptions {
             threads: 4,
             writeback_cache: true,
             extra: Vec::new(),
+            stats: Arc::default(),
         }
     }
 }
@@ -58,6 +65,10 @@ struct Adapter<F: FileSystem> {
     writeback_cache: bool,
     read_only: bool,
     on_unmount: Option<OnUnmount>,
+    stats: Arc<RequestStats>,
+    /// Set once the session exists: tells the kernel when we changed attributes it has
+    /// cached (privileges dropped by a write).
+    notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
 }
 
 fn errno(e: FsError) -> Errno {
@@ -160,11 +171,41 @@ fn time_or_now(t: FuseTime) -> TimeOrNow {
     }
 }
 
+impl<F: FileSystem> Adapter<F> {
+    fn kill_suid(&self, ino: u64, req: &Request) -> Result<(), FsError> {
+        let a = self.fs.getattr(ino)?;
+        let mode = a.perm as u32;
+        let mut kept = mode & !libc::S_ISUID;
+        if kept & (libc::S_ISGID | libc::S_IXGRP) == libc::S_ISGID | libc::S_IXGRP {
+            kept &= !libc::S_ISGID;
+        }
+        if kept != mode {
+            let set = SetAttr {
+                mode: Some(kept),
+                ..SetAttr::default()
+            };
+            self.fs.setattr(ino, set, &ctx(req))?;
+            // The write's reply carries no attributes: without this the kernel would
+            // show (and exec with) the old mode until its cache times out.
+            if let Some(n) = self.notifier.get() {
+                if let Err(e) = n.inval_inode(INodeNo(fuse_ino(ino)), -1, 0) {
+                    tracing::warn!("invalidating cached attributes of inode {ino}: {e}");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         let _ = config.set_max_write(1 << 20);
         let _ = config.set_max_readahead(1 << 20);
-        let mut want = InitFlags::FUSE_PARALLEL_DIROPS;
+        // HANDLE_KILLPRIV_V2: we drop set-user-ID and set-group-ID on chown and on
+        // writes flagged by the kernel, so the kernel marks inodes S_NOSEC once it has
+        // seen they carry no privileges, instead of asking for security.capability on
+        // every write(2) and for fresh attributes before every chown.
+        let mut want = InitFlags::FUSE_PARALLEL_DIROPS | InitFlags::FUSE_HANDLE_KILLPRIV_V2;
         if self.writeback_cache && !self.read_only {
             want |= InitFlags::FUSE_WRITEBACK_CACHE;
         }
@@ -182,6 +223,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let _t = self.stats.time(Op::Lookup);
         match self.fs.lookup(fs_ino(parent), name.as_bytes()) {
             Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
             Err(e) => reply.error(errno(e)),
@@ -189,6 +231,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let _t = self.stats.time(Op::Getattr);
         match self.fs.getattr(fs_ino(ino)) {
             Ok(a) => reply.attr(&TTL, &fattr(&a)),
             Err(e) => reply.error(errno(e)),
@@ -213,6 +256,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        let _t = self.stats.time(Op::Setattr);
         let set = SetAttr {
             mode,
             uid,
@@ -222,6 +266,14 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
             mtime: mtime.map(time_or_now),
             ctime: ctime.map(from_system),
         };
+        if size.is_some() && mode.is_none() && req.uid() != 0 {
+            // The kernel flags a truncate by a caller without CAP_FSETID for us to drop
+            // set-user-ID, but fuser does not pass that flag on: uid 0 stands for the
+            // capability here.
+            if let Err(e) = self.kill_suid(fs_ino(ino), req) {
+                return reply.error(errno(e));
+            }
+        }
         match self.fs.setattr(fs_ino(ino), set, &ctx(req)) {
             Ok(a) => reply.attr(&TTL, &fattr(&a)),
             Err(e) => reply.error(errno(e)),
@@ -229,6 +281,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     }
 
     fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        let _t = self.stats.time(Op::Readlink);
         match self.fs.readlink(fs_ino(ino)) {
             Ok(t) => reply.data(&t),
             Err(e) => reply.error(errno(e)),
@@ -245,6 +298,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         rdev: u32,
         reply: ReplyEntry,
     ) {
+        let _t = self.stats.time(Op::Mknod);
         let mut c = ctx(req);
         c.umask = umask;
         match self
@@ -265,6 +319,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         umask: u32,
         reply: ReplyEntry,
     ) {
+        let _t = self.stats.time(Op::Mkdir);
         let mut c = ctx(req);
         c.umask = umask;
         match self.fs.mkdir(fs_ino(parent), name.as_bytes(), mode, &c) {
@@ -274,6 +329,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _t = self.stats.time(Op::Unlink);
         match self.fs.unlink(fs_ino(parent), name.as_bytes(), &ctx(req)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
@@ -281,6 +337,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _t = self.stats.time(Op::Rmdir);
         match self.fs.rmdir(fs_ino(parent), name.as_bytes(), &ctx(req)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
@@ -295,6 +352,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         target: &Path,
         reply: ReplyEntry,
     ) {
+        let _t = self.stats.time(Op::Symlink);
         match self.fs.symlink(
             fs_ino(parent),
             link_name.as_bytes(),
@@ -316,6 +374,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         flags: FuseRename,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.time(Op::Rename);
         if flags.contains(FuseRename::RENAME_WHITEOUT) {
             return reply.error(Errno::from_i32(libc::EINVAL));
         }
@@ -344,6 +403,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
+        let _t = self.stats.time(Op::Link);
         match self.fs.link(
             fs_ino(ino),
             fs_ino(newparent),
@@ -356,6 +416,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let _t = self.stats.time(Op::Open);
         match self.fs.open(fs_ino(ino)) {
             Ok(()) => reply.opened(FileHandle(0), FopenFlags::empty()),
             Err(e) => reply.error(errno(e)),
@@ -373,6 +434,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        let _t = self.stats.time(Op::Read);
         match self.fs.read(fs_ino(ino), offset, size) {
             Ok(d) => reply.data(&d),
             Err(e) => reply.error(errno(e)),
@@ -386,11 +448,19 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         _fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _wflags: WriteFlags,
+        wflags: WriteFlags,
         _flags: OpenFlags,
         _lock: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        let _t = self.stats.time(Op::Write);
+        if wflags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
+            // A writer without CAP_FSETID (the kernel decided): drop the privileges
+            // first, as the kernel's own file systems do.
+            if let Err(e) = self.kill_suid(fs_ino(ino), req) {
+                return reply.error(errno(e));
+            }
+        }
         match self.fs.write(fs_ino(ino), offset, data, &ctx(req)) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(e)),
@@ -405,7 +475,10 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         _lock: LockOwner,
         reply: ReplyEmpty,
     ) {
-        reply.ok();
+        let _t = self.stats.time(Op::Flush);
+        // close(2) needs nothing from us (the kernel writes dirty pages before asking):
+        // ENOSYS tells it to stop sending FLUSH, one request less per file.
+        reply.error(Errno::from_i32(libc::ENOSYS));
     }
 
     fn release(
@@ -418,6 +491,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.time(Op::Release);
         match self.fs.release(fs_ino(ino)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
@@ -432,6 +506,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.time(Op::Fsync);
         match self.fs.fsync(fs_ino(ino), datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
@@ -446,6 +521,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        let _t = self.stats.time(Op::Readdir);
         let r = self.fs.readdir(fs_ino(ino), offset, &mut |e| {
             !reply.add(
                 INodeNo(fuse_ino(e.ino)),
@@ -468,6 +544,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         datasync: bool,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.time(Op::Fsyncdir);
         match self.fs.fsync(fs_ino(ino), datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
@@ -475,6 +552,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let _t = self.stats.time(Op::Statfs);
         match self.fs.statfs() {
             Ok(s) => reply.statfs(
                 s.blocks,
@@ -500,6 +578,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        let _t = self.stats.time(Op::Setxattr);
         let f = XattrFlags {
             create: flags & libc::XATTR_CREATE != 0,
             replace: flags & libc::XATTR_REPLACE != 0,
@@ -511,6 +590,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let _t = self.stats.time(Op::Getxattr);
         match self.fs.getxattr(fs_ino(ino), name.as_bytes()) {
             Ok(v) if size == 0 => reply.size(v.len() as u32),
             Ok(v) if v.len() > size as usize => reply.error(Errno::from_i32(libc::ERANGE)),
@@ -520,6 +600,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     }
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        let _t = self.stats.time(Op::Listxattr);
         match self.fs.listxattr(fs_ino(ino)) {
             Ok(v) if size == 0 => reply.size(v.len() as u32),
             Ok(v) if v.len() > size as usize => reply.error(Errno::from_i32(libc::ERANGE)),
@@ -529,6 +610,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     }
 
     fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _t = self.stats.time(Op::Removexattr);
         match self.fs.removexattr(fs_ino(ino), name.as_bytes()) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
@@ -536,6 +618,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
     }
 
     fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        let _t = self.stats.time(Op::Access);
         match self.fs.access(fs_ino(ino), mask.bits() as u32, &ctx(req)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
@@ -552,6 +635,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         _flags: i32,
         reply: ReplyCreate,
     ) {
+        let _t = self.stats.time(Op::Create);
         let mut c = ctx(req);
         c.umask = umask;
         let mode = if mode & libc::S_IFMT == 0 {
@@ -619,12 +703,16 @@ pub fn serve<F: FileSystem + 'static>(
         writeback_cache: opts.writeback_cache,
         read_only: opts.read_only,
         on_unmount: Some(on_unmount),
+        stats: opts.stats.clone(),
+        notifier: Arc::default(),
     };
+    let notifier = adapter.notifier.clone();
     let cfg = config(opts);
     let session = match mount_typed(mountpoint, opts)? {
         Some(fd) => fuser::Session::from_fd(adapter, fd, cfg.acl, cfg.clone())?,
         None => fuser::Session::new(adapter, mountpoint, &cfg)?,
     };
+    let _ = notifier.set(session.notifier());
     ready();
     session.run()
 }
@@ -707,6 +795,11 @@ pub fn spawn<F: FileSystem + 'static>(
         writeback_cache: opts.writeback_cache,
         read_only: opts.read_only,
         on_unmount: Some(on_unmount),
+        stats: opts.stats.clone(),
+        notifier: Arc::default(),
     };
-    fuser::spawn_mount(adapter, mountpoint, &config(opts))
+    let notifier = adapter.notifier.clone();
+    let session = fuser::spawn_mount(adapter, mountpoint, &config(opts))?;
+    let _ = notifier.set(session.notifier());
+    Ok(session)
 }

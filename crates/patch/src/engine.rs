@@ -150,6 +150,9 @@ pub(crate) struct Shared {
     pub block_size: usize,
     pub stop: (Mutex<bool>, Condvar),
     pub flusher_running: AtomicBool,
+    /// Set by a change that found the cache or the graph past half its limit: the
+    /// flusher starts an early round instead of waiting for its interval.
+    pub kicked: AtomicBool,
 }
 
 /// The patch engine: block cache, patch graph, write-back and patchgroups.
@@ -190,6 +193,7 @@ impl Engine {
                 block_size,
                 stop: (Mutex::new(false), Condvar::new()),
                 flusher_running: AtomicBool::new(false),
+                kicked: AtomicBool::new(false),
             }),
         };
         if let Some(ms) = engine.sh.opts.flush_interval_ms {
@@ -343,26 +347,44 @@ impl Engine {
         Ok(id)
     }
 
-    /// Keeps the cache within its budget: evict clean blocks, and if dirty blocks alone
-    /// are over it, write back what is ready.
+    /// Keeps the cache within its budget: evict clean blocks; write back when dirty
+    /// blocks or pending patches pile up. Past half of either limit the flusher thread is
+    /// woken and the caller goes on; only past the limit itself does the caller write
+    /// back (or wait for the flusher's epoch) before returning, like the kernel's dirty
+    /// throttling. Without a flusher the caller writes back at the limit.
     fn keep_budget(&self) -> Result<()> {
-        let (over_cache, over_patches) = {
+        let max = self.sh.opts.cache_bytes_max;
+        let live_max = self.sh.opts.patches_live_max;
+        let (over_cache, over_patches, past_half) = {
             let mut st = self.lock();
-            st.evict(self.sh.opts.cache_bytes_max);
+            st.evict(max);
+            let live = st.g.live();
+            let dirty_bytes = st.dirty.len() * self.sh.block_size;
             (
-                st.cached_bytes > self.sh.opts.cache_bytes_max,
-                st.g.live() > self.sh.opts.patches_live_max,
+                st.cached_bytes > max,
+                live > live_max,
+                live > live_max / 2 || dirty_bytes > max / 2,
             )
         };
+        if past_half && self.sh.flusher_running.load(Ordering::Relaxed) {
+            self.kick_flusher();
+        }
         if over_patches {
             self.write_back_ready()?;
         } else if over_cache {
             self.epoch()?;
         }
         if over_cache || over_patches {
-            self.lock().evict(self.sh.opts.cache_bytes_max);
+            self.lock().evict(max);
         }
         Ok(())
+    }
+
+    fn kick_flusher(&self) {
+        if !self.sh.kicked.swap(true, Ordering::SeqCst) {
+            let _g = self.sh.stop.0.lock().unwrap_or_else(|e| e.into_inner());
+            self.sh.stop.1.notify_all();
+        }
     }
 
     /// Starts the background flusher: every `interval` it writes back everything ready.
@@ -380,12 +402,15 @@ impl Engine {
                     let (lock, cv) = &sh.stop;
                     let stopped = lock.lock().unwrap_or_else(|e| e.into_inner());
                     let (stopped, _) = cv
-                        .wait_timeout(stopped, interval)
+                        .wait_timeout_while(stopped, interval, |stop| {
+                            !*stop && !sh.kicked.load(Ordering::SeqCst)
+                        })
                         .unwrap_or_else(|e| e.into_inner());
                     if *stopped {
                         sh.flusher_running.store(false, Ordering::SeqCst);
                         return;
                     }
+                    sh.kicked.store(false, Ordering::SeqCst);
                 }
                 let engine = Engine { sh };
                 if let Err(e) = engine.write_back_ready() {
