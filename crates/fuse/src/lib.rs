@@ -22,8 +22,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 mod stats;
-pub use stats::RequestStats;
 use stats::Op;
+pub use stats::RequestStats;
 
 const TTL: Duration = Duration::from_secs(1);
 

@@ -58,7 +58,10 @@ impl RequestStats {
             let c = self.count[i].load(Relaxed);
             if c > 0 {
                 v.push((format!("fuse.{name}.count"), c));
-                v.push((format!("fuse.{name}.us"), self.nanos[i].load(Relaxed) / 1000));
+                v.push((
+                    format!("fuse.{name}.us"),
+                    self.nanos[i].load(Relaxed) / 1000,
+                ));
             }
         }
         v

@@ -76,7 +76,10 @@ const MERGE_CYCLE_SEARCH_LIMIT: usize = 64;
 
 #[derive(Debug)]
 pub(crate) struct CachedBlock {
-    pub data: Box<[u8]>,
+    /// Shared with an epoch's image while the block is being written, so that writing a
+    /// block whose image needs no rollback copies nothing; a change made meanwhile copies
+    /// it first (see `data_mut`).
+    pub data: Arc<[u8]>,
     /// Pending patches on this block in creation order (in-flight ones included).
     pub pending: Vec<PatchId>,
     /// The pending patches an overlap search must look at: a patch fully covered by a
@@ -90,12 +93,33 @@ pub(crate) struct CachedBlock {
     pub last_use: u64,
 }
 
+/// How `State::load` fills a block that is not cached.
+#[derive(Clone, Copy)]
+pub(crate) enum Init<'a> {
+    /// From the device.
+    Read,
+    /// Zeros, unread: the caller overwrites the whole block.
+    Zero,
+    /// These bytes, unread: the caller writes exactly them over the whole block.
+    Bytes(&'a [u8]),
+}
+
 /// The change a caller asks for, before it becomes a patch.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Change<'a> {
     Bytes { offset: usize, bytes: &'a [u8] },
     Zero,
     Xor { offset: usize, xor: u32 },
+}
+
+impl CachedBlock {
+    /// The block's bytes for changing, copied first if an epoch still holds them.
+    pub fn data_mut(&mut self) -> &mut [u8] {
+        if Arc::get_mut(&mut self.data).is_none() {
+            self.data = Arc::from(&self.data[..]);
+        }
+        Arc::get_mut(&mut self.data).expect("just made unique")
+    }
 }
 
 impl Change<'_> {
@@ -228,7 +252,7 @@ impl Engine {
     pub fn with_block<R>(&self, block: BlockNo, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         let r = {
             let mut st = self.lock();
-            let b = st.load(&self.sh, block, false)?;
+            let b = st.load(&self.sh, block, Init::Read)?;
             f(&b.data)
         };
         self.keep_budget()?;
@@ -452,13 +476,12 @@ impl State {
         }
     }
 
-    /// The cached block, read from the device on a miss. With `synthetic`, a miss gives a
-    /// zero block without reading (the caller overwrites all of it).
+    /// The cached block; on a miss, filled as `init` says.
     pub fn load(
         &mut self,
         sh: &Shared,
         block: BlockNo,
-        synthetic: bool,
+        init: Init<'_>,
     ) -> Result<&mut CachedBlock> {
         if self.blocks.contains_key(&block) {
             self.stats.cache_hits += 1;
@@ -467,10 +490,15 @@ impl State {
             if block >= count {
                 return Err(quilt_block::BlockError::OutOfRange { block, count }.into());
             }
-            let mut data = vec![0u8; sh.block_size].into_boxed_slice();
-            if !synthetic {
-                sh.dev.read(block, &mut data)?;
-            }
+            let data: Arc<[u8]> = match init {
+                Init::Read => {
+                    let mut data = vec![0u8; sh.block_size];
+                    sh.dev.read(block, &mut data)?;
+                    data.into()
+                }
+                Init::Zero => vec![0u8; sh.block_size].into(),
+                Init::Bytes(b) => Arc::from(b),
+            };
             self.stats.cache_misses += 1;
             self.cached_bytes += sh.block_size;
             self.blocks.insert(
@@ -618,8 +646,12 @@ impl State {
             || matches!(change, Change::Bytes { offset: 0, bytes } if bytes.len() == bs);
         // A block that is not cached has no pending patches, so a whole-block change can
         // become a hard patch without knowing the old contents.
-        let synthetic = whole && sh.opts.hard_patches;
-        self.load(sh, block, synthetic)?;
+        let init = match change {
+            _ if !(whole && sh.opts.hard_patches) => Init::Read,
+            Change::Bytes { bytes, .. } => Init::Bytes(bytes),
+            _ => Init::Zero,
+        };
+        self.load(sh, block, init)?;
         let befores = self.gather_befores(befores, opts.caller);
 
         let (start, end) = change.range(bs);
@@ -731,7 +763,7 @@ impl State {
         blk.overlap_index = in_flight;
         blk.overlap_index.push(survivor);
         blk.hard = Some(survivor);
-        change.apply(&mut blk.data);
+        change.apply(blk.data_mut());
         self.dirty.insert(block);
         survivor
     }
@@ -862,7 +894,7 @@ impl State {
             }
         }
         let blk = self.blocks.get_mut(&block).expect("loaded");
-        change.apply(&mut blk.data);
+        change.apply(blk.data_mut());
     }
 
     fn new_patch(
@@ -905,7 +937,7 @@ impl State {
         blk.overlap_index.retain(|p| !covered.contains(p));
         blk.overlap_index.push(id);
         blk.pending.push(id);
-        change.apply(&mut blk.data);
+        change.apply(blk.data_mut());
         self.dirty.insert(block);
         id
     }

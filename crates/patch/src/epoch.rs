@@ -13,6 +13,7 @@ use crate::{PatchError, Result};
 use quilt_block::BlockNo;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 /// What one epoch did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -32,7 +33,7 @@ enum Target {
 
 struct BlockImage {
     block: BlockNo,
-    image: Vec<u8>,
+    image: Arc<[u8]>,
     ready: Vec<PatchId>,
 }
 
@@ -276,7 +277,6 @@ impl State {
                 continue;
             }
             let blk = &self.blocks[&block];
-            let mut image = blk.data.to_vec();
             let ready_set: HashSet<PatchId> = ready.iter().copied().collect();
             let mut not_ready: Vec<PatchId> = blk
                 .pending
@@ -286,21 +286,15 @@ impl State {
                 .collect();
             // Newest first: each rollback restores the bytes its patch found.
             not_ready.sort_by_key(|&p| std::cmp::Reverse(self.g.get(p).seq));
-            for &p in &not_ready {
-                match &self.g.get(p).kind {
-                    Kind::Byte {
-                        offset,
-                        len,
-                        undo: Some(undo),
-                    } => image[*offset as usize..(*offset + *len) as usize].copy_from_slice(undo),
-                    Kind::Bit { offset, xor } => xor_word(&mut image, *offset as usize, *xor),
-                    Kind::Byte { undo: None, .. } => {
-                        panic!("hard patch {p} on block {block} would need a rollback: a ready patch on its block does not depend on it")
-                    }
-                    Kind::Empty { .. } => unreachable!("empty patches have no block"),
-                }
-                rolled_back += 1;
-            }
+            // Nothing to roll back (the common case): the image is the cached data itself.
+            let image: Arc<[u8]> = if not_ready.is_empty() {
+                blk.data.clone()
+            } else {
+                let mut image = blk.data.to_vec();
+                self.roll_back(block, &not_ready, &mut image);
+                rolled_back += not_ready.len();
+                image.into()
+            };
             for &p in &ready {
                 self.g.get_mut(p).in_flight = true;
             }
@@ -319,6 +313,24 @@ impl State {
             });
         }
         (batch, rolled_back)
+    }
+
+    /// Undoes `not_ready` (newest first) in `image`.
+    fn roll_back(&self, block: BlockNo, not_ready: &[PatchId], image: &mut [u8]) {
+        for &p in not_ready {
+            match &self.g.get(p).kind {
+                Kind::Byte {
+                    offset,
+                    len,
+                    undo: Some(undo),
+                } => image[*offset as usize..(*offset + *len) as usize].copy_from_slice(undo),
+                Kind::Bit { offset, xor } => xor_word(image, *offset as usize, *xor),
+                Kind::Byte { undo: None, .. } => {
+                    panic!("hard patch {p} on block {block} would need a rollback: a ready patch on its block does not depend on it")
+                }
+                Kind::Empty { .. } => unreachable!("empty patches have no block"),
+            }
+        }
     }
 
     fn complete_epoch(
