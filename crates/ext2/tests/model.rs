@@ -53,6 +53,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::sync::Arc;
 
+#[path = "support/mount_fs.rs"]
+mod mount_fs;
+use mount_fs::MountFs;
+
 const BS: u64 = 4096;
 const NAMES: [&str; 4] = ["a", "b", "c", "d"];
 const XNAMES: [&str; 4] = [
@@ -981,7 +985,11 @@ fn special(kind: Special, rdev: u32) -> (FileType, u16, u32) {
 
 struct Harness {
     dev: Arc<MemDevice>,
-    fs: Ext2,
+    /// What the steps and the comparisons use: the file system itself, or (through
+    /// FUSE) system calls on its mount.
+    fs: Arc<dyn FileSystem>,
+    ext2: Arc<Ext2>,
+    mounted: Option<Mounted>,
     mode: Mode,
     cache: usize,
     /// statfs right after mkfs.
@@ -1000,8 +1008,61 @@ fn engine_opts(cache: usize) -> EngineOptions {
     }
 }
 
+/// A FUSE mount of the harness's file system in a temporary directory.
+struct Mounted {
+    session: Option<fuser::BackgroundSession>,
+    /// Removed after the unmount (fields drop after `drop` runs).
+    _dir: tempfile::TempDir,
+}
+
+impl Mounted {
+    fn new(fs: Arc<Ext2>) -> Result<(Mounted, MountFs), String> {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        // Requests come from the operations' users (uid 1000 too): fuser refuses other
+        // users' requests unless the session admits everyone.
+        let opts = quilt_fuse::FuseOptions {
+            default_permissions: false,
+            allow_other: true,
+            ..Default::default()
+        };
+        let session = quilt_fuse::spawn(fs, dir.path(), &opts, Box::new(|| {}))
+            .map_err(|e| format!("FUSE mount: {e}"))?;
+        let mfs = MountFs::new(dir.path()).map_err(|e| format!("MountFs: {e}"))?;
+        Ok((
+            Mounted {
+                session: Some(session),
+                _dir: dir,
+            },
+            mfs,
+        ))
+    }
+
+    /// Unmounts and waits for the session to end (the adapter lets go of the fs).
+    fn unmount(&mut self) -> Result<(), String> {
+        match self.session.take() {
+            Some(s) => s
+                .umount_and_join()
+                .map_err(|e| format!("FUSE unmount: {e}")),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = self.unmount();
+    }
+}
+
+/// Whether the harness drives the file system directly or through a FUSE mount.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Via {
+    Native,
+    Fuse,
+}
+
 impl Harness {
-    fn new(blocks: u64, mode: Mode, cache: usize) -> Result<Harness, String> {
+    fn new_via(blocks: u64, mode: Mode, cache: usize, via: Via) -> Result<Harness, String> {
         let dev = Arc::new(MemDevice::new(BS as usize, blocks).map_err(|e| e.to_string())?);
         let engine = Engine::new(dev.clone(), engine_opts(cache));
         mkfs(
@@ -1020,6 +1081,14 @@ impl Harness {
             },
         )
         .map_err(|e| format!("mount: {e}"))?;
+        let ext2 = Arc::new(fs);
+        let (fs, mounted): (Arc<dyn FileSystem>, _) = match via {
+            Via::Native => (ext2.clone(), None),
+            Via::Fuse => {
+                let (m, mfs) = Mounted::new(ext2.clone())?;
+                (Arc::new(mfs), Some(m))
+            }
+        };
         let sf = fs.statfs().map_err(|e| format!("statfs: {e}"))?;
         let root_blocks0 = fs
             .getattr(fs.root())
@@ -1028,6 +1097,8 @@ impl Harness {
         Ok(Harness {
             dev,
             fs,
+            ext2,
+            mounted,
             mode,
             cache,
             files_free0: sf.files_free,
@@ -1038,7 +1109,10 @@ impl Harness {
     }
 
     fn remount(&mut self) -> Result<(), String> {
-        self.fs.unmount().map_err(|e| format!("unmount: {e}"))?;
+        if let Some(m) = self.mounted.as_mut() {
+            m.unmount()?;
+        }
+        self.ext2.unmount().map_err(|e| format!("unmount: {e}"))?;
         let bytes = self.dev.to_vec();
         let dev = Arc::new(MemDevice::from_bytes(BS as usize, &bytes).map_err(|e| e.to_string())?);
         let engine = Engine::new(dev.clone(), engine_opts(self.cache));
@@ -1050,7 +1124,15 @@ impl Harness {
             },
         )
         .map_err(|e| format!("remount: {e}"))?;
-        self.fs = fs;
+        self.ext2 = Arc::new(fs);
+        self.fs = match self.mounted.take() {
+            None => self.ext2.clone(),
+            Some(_) => {
+                let (m, mfs) = Mounted::new(self.ext2.clone())?;
+                self.mounted = Some(m);
+                Arc::new(mfs)
+            }
+        };
         self.dev = dev;
         Ok(())
     }
@@ -1730,15 +1812,28 @@ struct Failure {
 
 /// Runs `specs` from a fresh file system, comparing after every step, then tears down.
 fn run(specs: &[Op<PS>], mode: Mode, cache: usize, blocks: u64) -> Result<(), Failure> {
+    run_via(specs, mode, cache, blocks, Via::Native, 1)
+}
+
+/// `run`, through `via`, comparing the whole state after every `compare_every`-th
+/// operation (and after the last); every result is compared regardless.
+fn run_via(
+    specs: &[Op<PS>],
+    mode: Mode,
+    cache: usize,
+    blocks: u64,
+    via: Via,
+    compare_every: usize,
+) -> Result<(), Failure> {
     let mut ops = Vec::new();
     let fail = |msg: String, ops: &Vec<Op>| Failure {
         msg,
         ops: ops.clone(),
     };
-    let mut h = Harness::new(blocks, mode, cache).map_err(|e| fail(e, &ops))?;
+    let mut h = Harness::new_via(blocks, mode, cache, via).map_err(|e| fail(e, &ops))?;
     let mut m = Model::new();
     compare(&mut h, &m).map_err(|e| fail(format!("after mkfs: {e}"), &ops))?;
-    for spec in specs {
+    for (k, spec) in specs.iter().enumerate() {
         let group = expand(spec.clone().map(|ps| m.resolve_spec(ps)));
         let last = group.last().cloned();
         for op in group {
@@ -1747,7 +1842,8 @@ fn run(specs: &[Op<PS>], mode: Mode, cache: usize, blocks: u64) -> Result<(), Fa
             guarded(|| step(&mut h, &mut m, &op))
                 .map_err(|e| fail(format!("step {i} {op:?} ⇒ {e}"), &ops))?;
         }
-        if let Some(op) = last {
+        let due = k % compare_every == compare_every - 1 || k == specs.len() - 1;
+        if let (Some(op), true) = (last, due) {
             let i = ops.len() - 1;
             guarded(|| compare(&mut h, &m))
                 .map_err(|e| fail(format!("after step {i} {op:?} ⇒ {e}"), &ops))?;
@@ -1897,23 +1993,84 @@ fn minimize(
     ops
 }
 
+/// Can this process mount FUSE file systems? Without it the FUSE replay is skipped,
+/// unless `QUILT_REQUIRE_FUSE=1` (set by scripts/test.sh when run as root) makes that a
+/// failure.
+fn fuse_available() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let ok = unsafe { libc::geteuid() } == 0 && std::path::Path::new("/dev/fuse").exists();
+    if !ok {
+        assert!(
+            std::env::var("QUILT_REQUIRE_FUSE").is_err_and(|_| true)
+                || std::env::var("QUILT_REQUIRE_FUSE").is_ok_and(|v| v != "1"),
+            "QUILT_REQUIRE_FUSE=1 but this process cannot mount FUSE (needs root and /dev/fuse)"
+        );
+        eprintln!("SKIPPED: the FUSE replay needs root and /dev/fuse");
+    }
+    ok
+}
+
+/// The seeded sequence of `thousands_of_random_operations`, replayed through the FUSE
+/// adapter and the kernel: every operation becomes the system call a program would make
+/// on the mount (creates as the operation's user, with its umask), and after every step
+/// the mount's whole visible state is compared with the model, as natively.
+#[test]
+fn thousands_of_random_operations_through_fuse() {
+    if !fuse_available() {
+        return;
+    }
+    let specs = seeded_specs();
+    // Walking the whole mount costs thousands of system calls: under CI the state is
+    // compared after every tenth operation (results after every one).
+    let every = if std::env::var("CI").is_ok_and(|v| v == "true") {
+        10
+    } else {
+        1
+    };
+    for mode in [Mode::SoftUpdates, Mode::Async] {
+        let t = std::time::Instant::now();
+        let r = run_via(&specs, mode, 1 << 20, 16_384, Via::Fuse, every);
+        eprintln!(
+            "through FUSE ({mode}): {} operations, state compared every {every}, {:.1?}",
+            specs.len(),
+            t.elapsed()
+        );
+        if let Err(f) = r {
+            let native = run(&literal(&f.ops), mode, 1 << 20, 16_384)
+                .err()
+                .map_or("passes".to_string(), |n| format!("fails too: {}", n.msg));
+            let tail = f.ops.len().saturating_sub(15);
+            panic!(
+                "through FUSE ({mode}): {}\n(after {} operations; natively the same operations {native})\nlast operations:\n{}",
+                f.msg,
+                f.ops.len(),
+                listing(&f.ops[tail..])
+            );
+        }
+    }
+}
+
+fn seeded_specs() -> Vec<Op<PS>> {
+    const OPS: usize = 2_000;
+    const SEED: [u8; 16] = *b"quiltfs-ext2-mdl";
+    let mut runner = TestRunner::new_with_rng(
+        Config::default(),
+        TestRng::from_seed(RngAlgorithm::XorShift, &SEED),
+    );
+    (0..OPS)
+        .map(|_| op_s().new_tree(&mut runner).expect("strategy").current())
+        .collect()
+}
+
 /// One seeded sequence of 2,000 operations (drawn from the same distribution as the
 /// property test, by a xorshift generator with a fixed seed) in one 64 MiB file system,
 /// compared after every step.
 #[test]
 fn thousands_of_random_operations() {
-    const OPS: usize = 2_000;
-    const SEED: [u8; 16] = *b"quiltfs-ext2-mdl";
     let mode = Mode::SoftUpdates;
     let cache = 1 << 20;
     let blocks = 16_384;
-    let mut runner = TestRunner::new_with_rng(
-        Config::default(),
-        TestRng::from_seed(RngAlgorithm::XorShift, &SEED),
-    );
-    let specs: Vec<Op<PS>> = (0..OPS)
-        .map(|_| op_s().new_tree(&mut runner).expect("strategy").current())
-        .collect();
+    let specs = seeded_specs();
     if let Err(f) = run(&specs, mode, cache, blocks) {
         let total = f.ops.len();
         let small = minimize(f.ops, &f.msg, mode, cache, blocks, 120);

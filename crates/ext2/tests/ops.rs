@@ -566,3 +566,52 @@ fn rename_within_one_directory_keeps_it_intact() {
         Err(FsError::NotEmpty)
     );
 }
+
+#[test]
+fn chown_drops_setuid_and_executable_setgid_of_files_only() {
+    let fs = fresh();
+    let root = fs.root();
+    let f = fs
+        .mknod(root, b"f", libc::S_IFREG | 0o6755, 0, &c())
+        .unwrap();
+    let chown = |ino, mode: Option<u32>| {
+        fs.setattr(
+            ino,
+            SetAttr {
+                uid: Some(5),
+                gid: Some(5),
+                mode,
+                ..Default::default()
+            },
+            &c(),
+        )
+        .unwrap()
+    };
+    // As Linux does, even for root: set-user-ID goes, and set-group-ID with group execute.
+    assert_eq!(chown(f.ino, None).perm, 0o755);
+    // Without group execute, set-group-ID marks mandatory locking and stays.
+    let g = fs
+        .mknod(root, b"g", libc::S_IFREG | 0o6745, 0, &c())
+        .unwrap();
+    assert_eq!(chown(g.ino, None).perm, 0o2745);
+    // A mode given with the owner is taken as it is.
+    assert_eq!(chown(g.ino, Some(0o4755)).perm, 0o4755);
+    // Directories keep theirs (set-group-ID there means inheritance).
+    let d = fs.mkdir(root, b"d", 0o6755, &c()).unwrap();
+    assert_eq!(chown(d.ino, None).perm, 0o6755);
+    // Changing only times or mode drops nothing.
+    let h = fs
+        .mknod(root, b"h", libc::S_IFREG | 0o4755, 0, &c())
+        .unwrap();
+    let a = fs
+        .setattr(
+            h.ino,
+            SetAttr {
+                mtime: Some(quilt_vfs::TimeOrNow::Now),
+                ..Default::default()
+            },
+            &c(),
+        )
+        .unwrap();
+    assert_eq!(a.perm, 0o4755);
+}

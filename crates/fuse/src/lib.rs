@@ -37,6 +37,10 @@ pub struct FuseOptions {
     pub threads: usize,
     /// Kernel writeback cache (off: every write reaches the server at once).
     pub writeback_cache: bool,
+    /// The kernel checks permissions against the mode bits (on by default). Off, every
+    /// request reaches the file system unchecked: tests use that to drive it as any
+    /// user without modelling permissions.
+    pub default_permissions: bool,
     /// Options passed through to the kernel as they are.
     pub extra: Vec<String>,
     /// Where the adapter counts requests (share it to report them).
@@ -51,6 +55,7 @@ impl Default for FuseOptions {
             allow_other: false,
             threads: 4,
             writeback_cache: true,
+            default_permissions: true,
             extra: Vec::new(),
             stats: Arc::default(),
         }
@@ -69,6 +74,11 @@ struct Adapter<F: FileSystem> {
     /// Set once the session exists: tells the kernel when we changed attributes it has
     /// cached (privileges dropped by a write).
     notifier: Arc<std::sync::OnceLock<fuser::Notifier>>,
+    /// The kernel's lookup count of each inode it holds. While it is above zero the
+    /// inode is held open in the file system (`FileSystem::open`), so an unlinked inode
+    /// is not freed, nor its number reused, while the kernel may still send requests for
+    /// it (writeback of its dirty pages, getattr of a cached inode); FORGET lets go.
+    lookups: std::sync::Mutex<std::collections::HashMap<u64, u64>>,
 }
 
 fn errno(e: FsError) -> Errno {
@@ -172,6 +182,45 @@ fn time_or_now(t: FuseTime) -> TimeOrNow {
 }
 
 impl<F: FileSystem> Adapter<F> {
+    /// Counts one more kernel reference to the inode of `a` (an entry we reply with).
+    /// Fails only if the inode went away in between, which the caller reports as the
+    /// lookup's result.
+    fn remember(&self, a: &Attr) -> Result<(), FsError> {
+        if a.ino == self.fs.root() {
+            return Ok(());
+        }
+        let mut m = self.lookups.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(a.ino).or_insert(0);
+        if *n == 0 {
+            if let Err(e) = self.fs.open(a.ino) {
+                m.remove(&a.ino);
+                return Err(e);
+            }
+        }
+        *n += 1;
+        Ok(())
+    }
+
+    fn forget_n(&self, ino: u64, nlookup: u64) {
+        let mut m = self.lookups.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(n) = m.get_mut(&ino) else { return };
+        *n = n.saturating_sub(nlookup);
+        if *n == 0 {
+            m.remove(&ino);
+            drop(m);
+            if let Err(e) = self.fs.release(ino) {
+                tracing::warn!("releasing inode {ino} after FORGET: {e}");
+            }
+        }
+    }
+
+    fn reply_entry(&self, r: Result<Attr, FsError>, reply: ReplyEntry) {
+        match r.and_then(|a| self.remember(&a).map(|()| a)) {
+            Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
     fn kill_suid(&self, ino: u64, req: &Request) -> Result<(), FsError> {
         let a = self.fs.getattr(ino)?;
         let mode = a.perm as u32;
@@ -224,10 +273,11 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let _t = self.stats.time(Op::Lookup);
-        match self.fs.lookup(fs_ino(parent), name.as_bytes()) {
-            Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
-            Err(e) => reply.error(errno(e)),
-        }
+        self.reply_entry(self.fs.lookup(fs_ino(parent), name.as_bytes()), reply);
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        self.forget_n(fs_ino(ino), nlookup);
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
@@ -301,13 +351,10 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         let _t = self.stats.time(Op::Mknod);
         let mut c = ctx(req);
         c.umask = umask;
-        match self
+        let r = self
             .fs
-            .mknod(fs_ino(parent), name.as_bytes(), mode, rdev, &c)
-        {
-            Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
-            Err(e) => reply.error(errno(e)),
-        }
+            .mknod(fs_ino(parent), name.as_bytes(), mode, rdev, &c);
+        self.reply_entry(r, reply);
     }
 
     fn mkdir(
@@ -322,10 +369,10 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         let _t = self.stats.time(Op::Mkdir);
         let mut c = ctx(req);
         c.umask = umask;
-        match self.fs.mkdir(fs_ino(parent), name.as_bytes(), mode, &c) {
-            Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
-            Err(e) => reply.error(errno(e)),
-        }
+        self.reply_entry(
+            self.fs.mkdir(fs_ino(parent), name.as_bytes(), mode, &c),
+            reply,
+        );
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
@@ -353,15 +400,13 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyEntry,
     ) {
         let _t = self.stats.time(Op::Symlink);
-        match self.fs.symlink(
+        let r = self.fs.symlink(
             fs_ino(parent),
             link_name.as_bytes(),
             target.as_os_str().as_bytes(),
             &ctx(req),
-        ) {
-            Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
-            Err(e) => reply.error(errno(e)),
-        }
+        );
+        self.reply_entry(r, reply);
     }
 
     fn rename(
@@ -404,15 +449,13 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyEntry,
     ) {
         let _t = self.stats.time(Op::Link);
-        match self.fs.link(
+        let r = self.fs.link(
             fs_ino(ino),
             fs_ino(newparent),
             newname.as_bytes(),
             &ctx(req),
-        ) {
-            Ok(a) => reply.entry(&TTL, &fattr(&a), Generation(0)),
-            Err(e) => reply.error(errno(e)),
-        }
+        );
+        self.reply_entry(r, reply);
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -646,7 +689,8 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         let r = self
             .fs
             .mknod(fs_ino(parent), name.as_bytes(), mode, 0, &c)
-            .and_then(|a| self.fs.open(a.ino).map(|()| a));
+            .and_then(|a| self.fs.open(a.ino).map(|()| a))
+            .and_then(|a| self.remember(&a).map(|()| a));
         match r {
             Ok(a) => reply.created(
                 &TTL,
@@ -665,10 +709,12 @@ fn config(opts: &FuseOptions) -> Config {
     let mut mo = vec![
         MountOption::FSName(opts.fs_name.clone()),
         MountOption::Subtype("quiltfs".into()),
-        MountOption::DefaultPermissions,
         MountOption::Dev,
         MountOption::Suid,
     ];
+    if opts.default_permissions {
+        mo.push(MountOption::DefaultPermissions);
+    }
     mo.push(if opts.read_only {
         MountOption::RO
     } else {
@@ -705,6 +751,7 @@ pub fn serve<F: FileSystem + 'static>(
         on_unmount: Some(on_unmount),
         stats: opts.stats.clone(),
         notifier: Arc::default(),
+        lookups: Default::default(),
     };
     let notifier = adapter.notifier.clone();
     let cfg = config(opts);
@@ -738,11 +785,14 @@ fn mount_typed(
         let fd = OwnedFd::from_raw_fd(fd);
         use std::os::fd::AsRawFd;
         let mut data = format!(
-            "fd={},rootmode=40000,user_id={},group_id={},default_permissions",
+            "fd={},rootmode=40000,user_id={},group_id={}",
             fd.as_raw_fd(),
             libc::geteuid(),
             libc::getegid()
         );
+        if opts.default_permissions {
+            data.push_str(",default_permissions");
+        }
         if opts.allow_other {
             data.push_str(",allow_other");
         }
@@ -797,6 +847,7 @@ pub fn spawn<F: FileSystem + 'static>(
         on_unmount: Some(on_unmount),
         stats: opts.stats.clone(),
         notifier: Arc::default(),
+        lookups: Default::default(),
     };
     let notifier = adapter.notifier.clone();
     let session = fuser::spawn_mount(adapter, mountpoint, &config(opts))?;

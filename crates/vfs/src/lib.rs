@@ -233,6 +233,35 @@ impl FsError {
     }
 }
 
+impl FsError {
+    /// The error an errno stands for (the inverse of [`FsError::errno`]); for results of
+    /// system calls, as when a file system is reached through a mount.
+    pub fn from_errno(e: i32) -> FsError {
+        match e {
+            libc::ENOENT => FsError::NotFound,
+            libc::EEXIST => FsError::Exists,
+            libc::ENOTDIR => FsError::NotDir,
+            libc::EISDIR => FsError::IsDir,
+            libc::ENOTEMPTY => FsError::NotEmpty,
+            libc::ENAMETOOLONG => FsError::NameTooLong,
+            libc::ENOSPC => FsError::NoSpace,
+            libc::EINVAL => FsError::Invalid("EINVAL"),
+            libc::EACCES => FsError::Access,
+            libc::EPERM => FsError::Perm,
+            libc::EMLINK => FsError::TooManyLinks,
+            libc::EFBIG => FsError::TooBig,
+            libc::ENODATA => FsError::NoAttr,
+            libc::ERANGE => FsError::Range,
+            libc::EROFS => FsError::ReadOnly,
+            libc::EOPNOTSUPP => FsError::NotSupported,
+            libc::EXDEV => FsError::CrossDevice,
+            libc::EBUSY => FsError::Busy,
+            libc::EIO => FsError::Io("EIO".into()),
+            other => FsError::Io(format!("errno {other}")),
+        }
+    }
+}
+
 pub type Result<T, E = FsError> = std::result::Result<T, E>;
 
 /// Bits of the `access` mask.
@@ -334,5 +363,40 @@ pub struct XattrFlags {
 impl fmt::Display for FileType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(self, f)
+    }
+}
+
+#[cfg(test)]
+mod errno_tests {
+    use super::FsError;
+
+    #[test]
+    fn from_errno_inverts_errno() {
+        let all = [
+            FsError::NotFound,
+            FsError::Exists,
+            FsError::NotDir,
+            FsError::IsDir,
+            FsError::NotEmpty,
+            FsError::NameTooLong,
+            FsError::NoSpace,
+            FsError::Invalid("x"),
+            FsError::Access,
+            FsError::Perm,
+            FsError::TooManyLinks,
+            FsError::TooBig,
+            FsError::NoAttr,
+            FsError::Range,
+            FsError::ReadOnly,
+            FsError::NotSupported,
+            FsError::CrossDevice,
+            FsError::Busy,
+            FsError::Corrupt("x".into()),
+            FsError::Io("x".into()),
+        ];
+        for e in all {
+            assert_eq!(FsError::from_errno(e.errno()).errno(), e.errno(), "{e:?}");
+        }
+        assert_eq!(FsError::from_errno(libc::ENOTTY).errno(), libc::EIO);
     }
 }
