@@ -83,7 +83,17 @@ pub struct Superblock {
     pub feature_incompat: u32,
     pub feature_ro_compat: u32,
     pub uuid: [u8; 16],
+    /// The journal's inode (8) when `COMPAT_HAS_JOURNAL`; 0 otherwise.
+    pub journal_inum: u32,
+    /// A copy of the journal inode's block map (15 words), its size high and low, for
+    /// e2fsck when the inode is damaged.
+    pub jnl_blocks: [u32; 17],
+    /// 1 (`EXT3_JNL_BACKUP_BLOCKS`) when `jnl_blocks` is valid.
+    pub jnl_backup_type: u8,
 }
+
+/// The journal's inode number.
+pub const JOURNAL_INO: u32 = 8;
 
 impl Superblock {
     /// Decodes and validates the 1024-byte superblock.
@@ -126,6 +136,9 @@ impl Superblock {
             feature_incompat: if rev_level == 0 { 0 } else { le32(b, 0x60) },
             feature_ro_compat: if rev_level == 0 { 0 } else { le32(b, 0x64) },
             uuid,
+            journal_inum: le32(b, 0xE0),
+            jnl_blocks: std::array::from_fn(|i| le32(b, 0x10C + 4 * i)),
+            jnl_backup_type: b[0xFD],
         };
         sb.validate()?;
         Ok(sb)
@@ -208,6 +221,11 @@ impl Superblock {
             put32(b, 0x64, self.feature_ro_compat);
         }
         b[0x68..0x78].copy_from_slice(&self.uuid);
+        put32(b, 0xE0, self.journal_inum);
+        for (i, w) in self.jnl_blocks.iter().enumerate() {
+            put32(b, 0x10C + 4 * i, *w);
+        }
+        b[0xFD] = self.jnl_backup_type;
     }
 
     pub fn block_size(&self) -> u32 {

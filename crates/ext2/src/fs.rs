@@ -132,6 +132,11 @@ impl Ext2 {
     /// Opens the file system on `engine`'s device: validates the superblock and the group
     /// descriptors, and (read-write) marks the image as mounted.
     pub fn open(engine: Engine, opts: MountOptions) -> Result<Ext2> {
+        // A journal left needing recovery is replayed first, on the device itself: the
+        // engine must not have cached any block yet, or it would serve stale copies.
+        if !opts.read_only && engine.stats().blocks_cached == 0 {
+            crate::journal::recover(engine.device().as_ref())?;
+        }
         let bs = engine.block_size() as u32;
         let sb_block = (SUPERBLOCK_OFFSET / bs as u64) as u32;
         let sb_off = (SUPERBLOCK_OFFSET % bs as u64) as usize;
@@ -155,7 +160,7 @@ impl Ext2 {
         }
         if sb.feature_incompat & INCOMPAT_RECOVER != 0 {
             return Err(FsError::Corrupt(
-                "the journal needs recovery: run e2fsck -fy, or wait for quiltfs journal support (issue #4)"
+                "the journal needs recovery: mount read-write once (quiltfs replays it) or run e2fsck -fy"
                     .into(),
             ));
         }

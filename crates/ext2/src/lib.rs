@@ -14,6 +14,7 @@
 //! block).
 
 pub mod format;
+pub mod journal;
 pub mod mkfs;
 
 mod alloc;

@@ -74,6 +74,9 @@ fn layout(blocks: u64, bs: u32, opts: &MkfsOptions, uuid: [u8; 16]) -> Result<La
             feature_incompat: INCOMPAT_FILETYPE,
             feature_ro_compat: RO_COMPAT_SPARSE_SUPER | RO_COMPAT_LARGE_FILE,
             uuid,
+            journal_inum: 0,
+            jnl_blocks: [0; 17],
+            jnl_backup_type: 0,
         };
         // The last group must hold its own metadata and some data; otherwise drop it.
         let last = groups - 1;

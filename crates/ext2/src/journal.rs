@@ -1,0 +1,240 @@
+//! The ext3 journal as the ext2 module sees it: inode 8 holds a JBD2 journal
+//! (`quilt_journal`); the superblock says so (`COMPAT_HAS_JOURNAL`, `journal_inum`, a
+//! backup of the inode's block map) and asks for recovery after a crash
+//! (`INCOMPAT_RECOVER`). Here: finding the journal on a raw device, recovery before the
+//! file system is opened, and creating a journal (`mkfs --journal`).
+
+use crate::format::corrupt;
+use crate::format::{
+    le32, GroupDesc, Inode, Superblock, COMPAT_HAS_JOURNAL, DIND_BLOCK, GDESC_SIZE,
+    INCOMPAT_RECOVER, IND_BLOCK, JOURNAL_INO, NDIR_BLOCKS, N_BLOCKS, SUPERBLOCK_OFFSET,
+    SUPERBLOCK_SIZE, TIND_BLOCK,
+};
+use crate::fs::Ext2;
+use quilt_block::BlockDevice;
+use quilt_journal::{JournalMap, JournalSuper, RecoveryReport};
+use quilt_vfs::FsError;
+use quilt_vfs::Result;
+
+/// The journal size mke2fs picks for a file system of `blocks` blocks (0: too small for
+/// one).
+pub fn default_journal_blocks(blocks: u64) -> u32 {
+    match blocks {
+        b if b < 2048 => 0,
+        b if b < 32768 => 1024,
+        b if b < 256 * 1024 => 4096,
+        b if b < 512 * 1024 => 8192,
+        b if b < 4096 * 1024 => 16384,
+        _ => 32768,
+    }
+}
+
+fn jerr(e: quilt_journal::JournalError) -> FsError {
+    match e {
+        quilt_journal::JournalError::Corrupt(m) => FsError::Corrupt(m),
+        quilt_journal::JournalError::Unsupported(m) => FsError::Corrupt(m),
+        e => FsError::Io(e.to_string()),
+    }
+}
+
+fn dev_err(e: quilt_block::BlockError) -> FsError {
+    FsError::Io(e.to_string())
+}
+
+/// Reads the superblock straight from the device.
+fn read_super(dev: &dyn BlockDevice) -> Result<(Superblock, Vec<u8>, u64, usize)> {
+    let bs = dev.block_size() as u64;
+    let blk = SUPERBLOCK_OFFSET / bs;
+    let off = (SUPERBLOCK_OFFSET % bs) as usize;
+    let mut b = vec![0u8; bs as usize];
+    dev.read(blk, &mut b).map_err(dev_err)?;
+    let sb = Superblock::decode(&b[off..off + SUPERBLOCK_SIZE])?;
+    Ok((sb, b, blk, off))
+}
+
+/// The journal inode's block map, read straight from the device (before a cache exists:
+/// recovery must not leave stale copies behind).
+pub fn journal_map(dev: &dyn BlockDevice, sb: &Superblock) -> Result<JournalMap> {
+    let bs = sb.block_size();
+    if bs as usize != dev.block_size() {
+        return Err(FsError::Invalid(
+            "device block size differs from the file system's",
+        ));
+    }
+    let ino = sb.journal_inum;
+    if ino == 0 || ino > sb.inodes_count {
+        return Err(corrupt(format!("journal inode number {ino} is invalid")));
+    }
+    let read = |blk: u32| -> Result<Vec<u8>> {
+        if blk < sb.first_data_block || blk >= sb.blocks_count {
+            return Err(corrupt(format!(
+                "journal block pointer {blk} is outside the file system"
+            )));
+        }
+        let mut b = vec![0u8; bs as usize];
+        dev.read(blk as u64, &mut b).map_err(dev_err)?;
+        Ok(b)
+    };
+    let idx = ino - 1;
+    let g = idx / sb.inodes_per_group;
+    let gdt_first = sb.first_data_block + 1;
+    let per_block = bs / GDESC_SIZE as u32;
+    let gdb = read(gdt_first + g / per_block)?;
+    let o = (g % per_block) as usize * GDESC_SIZE;
+    let gd = GroupDesc::decode(&gdb[o..o + GDESC_SIZE]);
+    let isz = sb.inode_size as u64;
+    let pos = (idx % sb.inodes_per_group) as u64 * isz;
+    let it = read(gd.inode_table + (pos / bs as u64) as u32)?;
+    let io = (pos % bs as u64) as usize;
+    let inode = Inode::decode(&it[io..io + sb.inode_size as usize]);
+    if inode.mode & 0xF000 != 0x8000 {
+        return Err(corrupt(format!(
+            "journal inode {ino} is not a regular file (mode {:o})",
+            inode.mode
+        )));
+    }
+    let n = inode.size / bs as u64;
+    if n < quilt_journal::format::MIN_BLOCKS as u64 || n > sb.blocks_count as u64 {
+        return Err(corrupt(format!(
+            "journal inode {ino} has size {} (need at least {} blocks)",
+            inode.size,
+            quilt_journal::format::MIN_BLOCKS
+        )));
+    }
+    let ptrs = bs / 4;
+    let mut out: Vec<u64> = Vec::with_capacity(n as usize);
+    // Walks a subtree of `level` indirection under `blk`, appending data blocks.
+    fn walk(
+        blk: u32,
+        level: u32,
+        ptrs: u32,
+        want: u64,
+        out: &mut Vec<u64>,
+        read: &dyn Fn(u32) -> Result<Vec<u8>>,
+    ) -> Result<()> {
+        if out.len() as u64 >= want {
+            return Ok(());
+        }
+        if blk == 0 {
+            return Err(corrupt("the journal inode has a hole".to_string()));
+        }
+        if level == 0 {
+            out.push(blk as u64);
+            return Ok(());
+        }
+        let b = read(blk)?;
+        for i in 0..ptrs as usize {
+            if out.len() as u64 >= want {
+                break;
+            }
+            walk(le32(&b, 4 * i), level - 1, ptrs, want, out, read)?;
+        }
+        Ok(())
+    }
+    for i in 0..N_BLOCKS {
+        let level = match i {
+            i if i < NDIR_BLOCKS => 0,
+            IND_BLOCK => 1,
+            DIND_BLOCK => 2,
+            TIND_BLOCK => 3,
+            _ => unreachable!(),
+        };
+        walk(inode.block[i], level, ptrs, n, &mut out, &read)?;
+    }
+    Ok(JournalMap { blocks: out })
+}
+
+/// Replays the journal of the file system on `dev` if the superblock asks for it, and
+/// clears the request. Must run before anything caches the device's blocks. None when
+/// there is no journal or nothing to do.
+pub fn recover(dev: &dyn BlockDevice) -> Result<Option<RecoveryReport>> {
+    let (sb, _, _, _) = read_super(dev)?;
+    if sb.feature_compat & COMPAT_HAS_JOURNAL == 0 || sb.journal_inum == 0 {
+        if sb.feature_incompat & INCOMPAT_RECOVER != 0 {
+            return Err(corrupt(
+                "the superblock asks for journal recovery but names no journal".to_string(),
+            ));
+        }
+        return Ok(None);
+    }
+    if sb.feature_incompat & INCOMPAT_RECOVER == 0 {
+        return Ok(None);
+    }
+    let map = journal_map(dev, &sb)?;
+    let report = quilt_journal::recover(dev, &map).map_err(jerr)?;
+    // Replay may have rewritten the superblock's block: read it again, then clear the
+    // request.
+    let (mut sb, mut raw, blk, off) = read_super(dev)?;
+    sb.feature_incompat &= !INCOMPAT_RECOVER;
+    sb.encode_into(&mut raw[off..off + SUPERBLOCK_SIZE]);
+    dev.write(blk, &raw).map_err(dev_err)?;
+    dev.flush().map_err(dev_err)?;
+    tracing::info!(
+        "journal recovery: {} transactions, {} blocks replayed, {} revoked",
+        report.transactions,
+        report.blocks_replayed,
+        report.blocks_revoked
+    );
+    Ok(Some(report))
+}
+
+impl Ext2 {
+    /// Gives the file system an empty JBD2 journal of `blocks` blocks in inode 8 (as
+    /// `mke2fs -j`), making it ext3. The journal's blocks are placed from the middle
+    /// block group on.
+    pub fn create_journal(&self, blocks: u32) -> Result<()> {
+        self.check_writable()?;
+        if blocks < quilt_journal::format::MIN_BLOCKS {
+            return Err(FsError::Invalid("a journal needs at least 1024 blocks"));
+        }
+        let mut st = self.lock();
+        if st.sb.feature_compat & COMPAT_HAS_JOURNAL != 0 {
+            return Err(FsError::Exists);
+        }
+        let bs = self.geo.bs;
+        let mut inode = self.new_inode(libc::S_IFREG | 0o600, 0, 0);
+        inode.links = 1;
+        let ino = JOURNAL_INO;
+        let groups = st.gd.len() as u32;
+        let mid = groups / 2;
+        let mut goal = st.gd[mid as usize].inode_table + self.geo.itb;
+        let mut deferred = Vec::new();
+        let zero = vec![0u8; bs as usize];
+        for lblk in 0..blocks as u64 {
+            let content = if lblk == 0 {
+                let mut b = zero.clone();
+                JournalSuper::new(bs, blocks, st.sb.uuid).encode_into(&mut b);
+                b
+            } else {
+                zero.clone()
+            };
+            let (b, _) = self.bmap_alloc(
+                &mut st,
+                ino,
+                &mut inode,
+                lblk,
+                &content,
+                &[],
+                false,
+                goal,
+                Some(&mut deferred),
+            )?;
+            goal = b + 1;
+        }
+        inode.size = blocks as u64 * bs as u64;
+        let h = self.write_inode(&st, ino, &inode, &deferred)?;
+        self.track(&mut st, ino, h);
+        st.sb.feature_compat |= COMPAT_HAS_JOURNAL;
+        st.sb.journal_inum = ino;
+        for i in 0..N_BLOCKS {
+            st.sb.jnl_blocks[i] = inode.block[i];
+        }
+        st.sb.jnl_blocks[15] = (inode.size >> 32) as u32;
+        st.sb.jnl_blocks[16] = inode.size as u32;
+        st.sb.jnl_backup_type = 1;
+        self.flush_groups(&mut st)?;
+        self.write_super(&mut st)?;
+        drop(st);
+        self.engine.sync().map_err(Self::io)
+    }
+}

@@ -1,0 +1,48 @@
+//! The journal module: JBD2 transactions over the patch layer, and recovery.
+//!
+//! - `format` — the JBD2 on-disk format (superblock, descriptor, commit, revoke blocks).
+//! - `recovery` — replay of committed transactions (the three passes of the kernel's and
+//!   e2fsck's recovery: scan, revoke, replay).
+
+pub mod format;
+pub mod recovery;
+
+pub use format::JournalSuper;
+pub use recovery::{recover, RecoveryReport};
+
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("damaged journal: {0}")]
+    Corrupt(String),
+    #[error("unsupported journal: {0}")]
+    Unsupported(String),
+    #[error(transparent)]
+    Block(#[from] quilt_block::BlockError),
+    #[error(transparent)]
+    Patch(#[from] quilt_patch::PatchError),
+}
+
+pub type Result<T, E = JournalError> = std::result::Result<T, E>;
+
+/// Where the journal lives: device block of each journal block (block 0 is the journal
+/// superblock), as the journal inode maps them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JournalMap {
+    pub blocks: Vec<u64>,
+}
+
+impl JournalMap {
+    pub fn len(&self) -> u32 {
+        self.blocks.len() as u32
+    }
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+    /// Device block of journal block `j`.
+    pub fn device_block(&self, j: u32) -> Result<u64> {
+        self.blocks
+            .get(j as usize)
+            .copied()
+            .ok_or_else(|| JournalError::Corrupt(format!("journal block {j} is past its end")))
+    }
+}

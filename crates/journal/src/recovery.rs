@@ -1,0 +1,171 @@
+//! Recovery: replays the committed transactions a journal holds, as the kernel's jbd2 and
+//! e2fsck do, in three passes over the log from `start`. SCAN finds where the committed
+//! log ends (a transaction counts only once its commit block is there); REVOKE collects
+//! each revoked block with the newest transaction that revoked it; REPLAY writes every
+//! journal copy to its home block unless a transaction at least as new revoked it. Then
+//! the journal is marked empty (`start = 0`) with the next sequence number.
+//!
+//! Works on the device directly, before any cache holds its blocks.
+
+use crate::format::{
+    parse_descriptor, parse_revoke, seq_after, Header, JournalSuper, Tag, BLOCK_COMMIT,
+    BLOCK_DESCRIPTOR, BLOCK_REVOKE, MAGIC,
+};
+use crate::{JournalError, JournalMap, Result};
+use quilt_block::BlockDevice;
+use rustc_hash::FxHashMap as HashMap;
+
+/// What a recovery did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Committed transactions found (and replayed).
+    pub transactions: u32,
+    /// Journal copies written to their home blocks.
+    pub blocks_replayed: u64,
+    /// Journal copies skipped because a newer transaction revoked their block.
+    pub blocks_revoked: u64,
+    /// The sequence number the next transaction gets.
+    pub next_sequence: u32,
+}
+
+/// One transaction's records, in log order.
+#[derive(Default)]
+struct Txn {
+    /// (home block, journal block of the copy, escaped)
+    copies: Vec<(u64, u32, bool)>,
+    revoked: Vec<u64>,
+}
+
+struct Log<'a> {
+    dev: &'a dyn BlockDevice,
+    map: &'a JournalMap,
+    sb: JournalSuper,
+}
+
+impl Log<'_> {
+    fn read(&self, j: u32) -> Result<Vec<u8>> {
+        let mut b = vec![0u8; self.dev.block_size()];
+        self.dev.read(self.map.device_block(j)?, &mut b)?;
+        Ok(b)
+    }
+
+    fn next(&self, j: u32) -> u32 {
+        if j + 1 >= self.sb.maxlen {
+            self.sb.first
+        } else {
+            j + 1
+        }
+    }
+
+    /// The committed transactions from `start` on (SCAN), with their records.
+    fn scan(&self) -> Result<Vec<(u32, Txn)>> {
+        let mut out = Vec::new();
+        let mut pos = self.sb.start;
+        let mut seq = self.sb.sequence;
+        let mut cur = Txn::default();
+        // Every log block is visited at most once per pass: a log longer than the ring
+        // is a damaged one.
+        let mut budget = (self.sb.maxlen - self.sb.first) as u64;
+        let incompat = self.sb.feature_incompat;
+        loop {
+            if budget == 0 {
+                break;
+            }
+            budget -= 1;
+            let b = self.read(pos)?;
+            let Some(h) = Header::parse(&b) else { break };
+            if h.sequence != seq {
+                break;
+            }
+            match h.blocktype {
+                BLOCK_DESCRIPTOR => {
+                    let tags: Vec<Tag> = parse_descriptor(&b, incompat)?;
+                    let mut p = self.next(pos);
+                    for t in tags {
+                        if budget == 0 {
+                            return Ok(out);
+                        }
+                        budget -= 1;
+                        cur.copies.push((t.block, p, t.escaped));
+                        p = self.next(p);
+                    }
+                    pos = p;
+                    continue;
+                }
+                BLOCK_REVOKE => cur.revoked.extend(parse_revoke(&b, incompat)?),
+                BLOCK_COMMIT => {
+                    out.push((seq, std::mem::take(&mut cur)));
+                    seq = seq.wrapping_add(1);
+                }
+                _ => break,
+            }
+            pos = self.next(pos);
+        }
+        Ok(out)
+    }
+}
+
+/// Replays the journal at `map` on `dev` if it holds committed transactions, then marks
+/// it empty. Returns what it did (nothing when `start` is 0).
+pub fn recover(dev: &dyn BlockDevice, map: &JournalMap) -> Result<RecoveryReport> {
+    let bs = dev.block_size();
+    let mut raw = vec![0u8; bs];
+    dev.read(map.device_block(0)?, &mut raw)?;
+    let sb = JournalSuper::decode(&raw, bs as u32, map.len())?;
+    sb.check_readable()?;
+    if sb.start == 0 {
+        return Ok(RecoveryReport {
+            next_sequence: sb.sequence,
+            ..Default::default()
+        });
+    }
+    let log = Log {
+        dev,
+        map,
+        sb: sb.clone(),
+    };
+    let txns = log.scan()?;
+    let mut revoked: HashMap<u64, u32> = HashMap::default();
+    for (seq, t) in &txns {
+        for &b in &t.revoked {
+            let e = revoked.entry(b).or_insert(*seq);
+            if seq_after(*seq, *e) {
+                *e = *seq;
+            }
+        }
+    }
+    let mut report = RecoveryReport {
+        transactions: txns.len() as u32,
+        ..Default::default()
+    };
+    let count = dev.block_count();
+    for (seq, t) in &txns {
+        for &(home, j, escaped) in &t.copies {
+            if revoked.get(&home).is_some_and(|&r| !seq_after(*seq, r)) {
+                report.blocks_revoked += 1;
+                continue;
+            }
+            if home >= count {
+                return Err(JournalError::Corrupt(format!(
+                    "transaction {seq} logs block {home}, past the device's end ({count})"
+                )));
+            }
+            let mut data = log.read(j)?;
+            if escaped {
+                data[0..4].copy_from_slice(&MAGIC.to_be_bytes());
+            }
+            dev.write(home, &data)?;
+            report.blocks_replayed += 1;
+        }
+    }
+    dev.flush()?;
+    let next = txns.last().map_or(sb.sequence, |(s, _)| s.wrapping_add(1));
+    let mut clean = sb;
+    clean.sequence = next;
+    clean.start = 0;
+    clean.encode_into(&mut raw);
+    dev.write(map.device_block(0)?, &raw)?;
+    dev.flush()?;
+    report.next_sequence = next;
+    Ok(report)
+}
