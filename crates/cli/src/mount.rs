@@ -18,7 +18,8 @@ pub struct MountArgs {
     pub image: PathBuf,
     /// Where to mount it.
     pub mountpoint: PathBuf,
-    /// Consistency mode: async or soft-updates.
+    /// Consistency mode: async, soft-updates, meta-journal or full-journal (the journal
+    /// modes need an image made with `mkfs --journal`).
     #[arg(long, default_value = "soft-updates")]
     pub mode: Mode,
     /// Stay attached to the terminal instead of serving in the background.

@@ -122,6 +122,8 @@ impl Ext2 {
             )));
         }
         self.flip_bit(bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
+        // A journal must not replay an old copy of this block over its next owner's data.
+        self.engine.capture_revoke(blk as u64);
         if let Some(b) = befores {
             if st.freed.len() >= 65536 {
                 self.prune(st);

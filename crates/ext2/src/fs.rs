@@ -19,6 +19,18 @@ pub enum Mode {
     /// Soft updates: ordering rules keep the image consistent up to leaks.
     #[default]
     SoftUpdates,
+    /// Metadata journaled in the ext3 journal; file data written in place, before the
+    /// commit of the transaction that points to it (like ext3 data=ordered, which is
+    /// stronger than the data=writeback the issue allows).
+    MetaJournal,
+    /// Metadata and file data journaled (like ext3 data=journal).
+    FullJournal,
+}
+
+impl Mode {
+    pub fn is_journal(self) -> bool {
+        matches!(self, Mode::MetaJournal | Mode::FullJournal)
+    }
 }
 
 impl std::str::FromStr for Mode {
@@ -27,8 +39,10 @@ impl std::str::FromStr for Mode {
         match s {
             "async" => Ok(Mode::Async),
             "soft-updates" | "su" => Ok(Mode::SoftUpdates),
+            "meta-journal" | "meta" => Ok(Mode::MetaJournal),
+            "full-journal" | "full" => Ok(Mode::FullJournal),
             _ => Err(format!(
-                "unknown mode '{s}' (expected async or soft-updates; the journal modes arrive with issue #4)"
+                "unknown mode '{s}' (expected async, soft-updates, meta-journal or full-journal)"
             )),
         }
     }
@@ -39,6 +53,8 @@ impl std::fmt::Display for Mode {
         f.write_str(match self {
             Mode::Async => "async",
             Mode::SoftUpdates => "soft-updates",
+            Mode::MetaJournal => "meta-journal",
+            Mode::FullJournal => "full-journal",
         })
     }
 }
@@ -123,6 +139,8 @@ pub struct Ext2 {
     pub(crate) mode: Mode,
     pub(crate) read_only: bool,
     pub(crate) st: Mutex<State>,
+    /// The running ext3 journal in the journal modes (read-write).
+    pub(crate) journal: Option<quilt_journal::Journal>,
 }
 
 /// Fsync lists longer than this fold into one empty patch.
@@ -162,6 +180,11 @@ impl Ext2 {
             return Err(FsError::Corrupt(
                 "the journal needs recovery: mount read-write once (quiltfs replays it) or run e2fsck -fy"
                     .into(),
+            ));
+        }
+        if opts.mode.is_journal() && sb.feature_compat & COMPAT_HAS_JOURNAL == 0 {
+            return Err(FsError::Invalid(
+                "the journal modes need an ext3 image with a journal (quiltfs mkfs --journal)",
             ));
         }
         let unknown = sb.feature_incompat & !INCOMPAT_SUPPORTED;
@@ -248,6 +271,7 @@ impl Ext2 {
                 heads_prune_at: 4096,
             }),
             geo,
+            journal: None,
         };
         // The root must be a directory.
         {
@@ -266,9 +290,18 @@ impl Ext2 {
             st.sb.state &= !STATE_VALID;
             st.sb.mnt_count = st.sb.mnt_count.wrapping_add(1);
             st.sb.mtime = quilt_vfs::Timespec::now().sec as u32;
+            if opts.mode.is_journal() {
+                // Recovery is needed from here on until a clean unmount: durable before
+                // the first transaction.
+                st.sb.feature_incompat |= INCOMPAT_RECOVER;
+            }
             fs.write_super(&mut st)?;
             drop(st);
             fs.engine.sync().map_err(Self::io)?;
+        }
+        let mut fs = fs;
+        if opts.mode.is_journal() && !fs.read_only {
+            fs.journal = Some(fs.start_journal(opts.mode)?);
         }
         Ok(fs)
     }
@@ -298,6 +331,13 @@ impl Ext2 {
         st.sb.state |= STATE_VALID;
         st.sb.wtime = quilt_vfs::Timespec::now().sec as u32;
         self.write_super(&mut st)?;
+        if let Some(j) = &self.journal {
+            // Commit, put everything home, mark the journal empty; then the superblock
+            // no longer asks for recovery.
+            j.shutdown().map_err(crate::journal::jerr)?;
+            st.sb.feature_incompat &= !INCOMPAT_RECOVER;
+            self.write_super(&mut st)?;
+        }
         drop(st);
         self.engine.sync().map_err(Self::io)
     }
@@ -329,10 +369,13 @@ impl Ext2 {
 
     /// The befores a change may declare across blocks in this mode: all of them in soft
     /// updates, none in async mode.
+    /// The befores a change keeps from other blocks: soft updates keeps them all; async
+    /// none; the journal modes none either, as transactions make groups of changes
+    /// atomic instead.
     pub(crate) fn cross(&self, befores: &[PatchId]) -> Vec<PatchId> {
         match self.mode {
-            Mode::Async => Vec::new(),
             Mode::SoftUpdates => befores.to_vec(),
+            Mode::Async | Mode::MetaJournal | Mode::FullJournal => Vec::new(),
         }
     }
 
@@ -450,10 +493,15 @@ impl Ext2 {
         Ok(())
     }
 
+    /// Ends an operation: writes the group descriptors it changed, and in the journal
+    /// modes commits if the running transaction has grown past its size limit.
     pub(crate) fn flush_groups(&self, st: &mut State) -> Result<()> {
         let groups = std::mem::take(&mut st.dirty_groups);
         for g in groups {
             self.write_gd_now(st, g)?;
+        }
+        if let Some(j) = &self.journal {
+            j.maybe_commit().map_err(crate::journal::jerr)?;
         }
         Ok(())
     }
@@ -537,6 +585,11 @@ impl Ext2 {
         ];
         for (k, val) in e.fields() {
             v.push((format!("patch.{k}"), val));
+        }
+        if let Some(j) = &self.journal {
+            for (k, val) in j.stats().fields() {
+                v.push((format!("journal.{k}"), val));
+            }
         }
         for (k, val) in d.fields() {
             v.push((format!("device.{k}"), val));
@@ -731,6 +784,19 @@ impl FileSystem for Ext2 {
 
     fn fsync(&self, ino: Ino, _datasync: bool) -> Result<()> {
         let ino = Self::to_ino(ino)?;
+        if let Some(j) = &self.journal {
+            // A commit makes every change so far durable (file data is written before
+            // it); concurrent fsyncs share one.
+            {
+                let mut st = self.lock();
+                st.counters.fsyncs += 1;
+                st.heads.remove(&ino);
+                if st.sb_dirty && !self.read_only {
+                    self.write_super(&mut st)?;
+                }
+            }
+            return j.commit().map_err(crate::journal::jerr);
+        }
         let target = {
             let mut st = self.lock();
             st.counters.fsyncs += 1;
@@ -758,6 +824,9 @@ impl FileSystem for Ext2 {
                 self.write_super(&mut st)?;
             }
             st.heads.clear();
+        }
+        if let Some(j) = &self.journal {
+            return j.commit().map_err(crate::journal::jerr);
         }
         self.engine.sync().map_err(Self::io)
     }

@@ -29,7 +29,7 @@ pub fn default_journal_blocks(blocks: u64) -> u32 {
     }
 }
 
-fn jerr(e: quilt_journal::JournalError) -> FsError {
+pub(crate) fn jerr(e: quilt_journal::JournalError) -> FsError {
     match e {
         quilt_journal::JournalError::Corrupt(m) => FsError::Corrupt(m),
         quilt_journal::JournalError::Unsupported(m) => FsError::Corrupt(m),
@@ -236,5 +236,16 @@ impl Ext2 {
         self.write_super(&mut st)?;
         drop(st);
         self.engine.sync().map_err(Self::io)
+    }
+
+    /// Takes over the image's journal for the journal modes (after recovery at open).
+    pub(crate) fn start_journal(&self, mode: crate::Mode) -> Result<quilt_journal::Journal> {
+        let sb = self.lock().sb.clone();
+        let map = journal_map(self.engine.device().as_ref(), &sb)?;
+        let opts = quilt_journal::JournalOptions {
+            data: mode == crate::Mode::FullJournal,
+            ..Default::default()
+        };
+        quilt_journal::Journal::start(self.engine.clone(), map, opts).map_err(jerr)
     }
 }

@@ -3,12 +3,16 @@
 //! - `format` — the JBD2 on-disk format (superblock, descriptor, commit, revoke blocks).
 //! - `recovery` — replay of committed transactions (the three passes of the kernel's and
 //!   e2fsck's recovery: scan, revoke, replay).
+//! - `writer` — the running journal: the engine's captured transactions become JBD2
+//!   transactions; commit, checkpoint, group commit.
 
 pub mod format;
 pub mod recovery;
+pub mod writer;
 
 pub use format::JournalSuper;
 pub use recovery::{recover, RecoveryReport};
+pub use writer::{Journal, JournalOptions, JournalStats};
 
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {

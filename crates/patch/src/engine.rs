@@ -163,6 +163,8 @@ pub(crate) struct State {
     pub woken: HashSet<BlockNo>,
     /// Set by a failed write-back; every later change or epoch is refused.
     pub failed: Option<String>,
+    /// The open transaction capture, if a journal is above (`capture.rs`).
+    pub(crate) capture: Option<crate::capture::Capture>,
 }
 
 pub(crate) struct Shared {
@@ -210,6 +212,7 @@ impl Engine {
                     pgs: Patchgroups::default(),
                     woken: HashSet::default(),
                     failed: None,
+                    capture: None,
                 }),
                 epoch: Mutex::new(()),
                 dev,
@@ -688,6 +691,7 @@ impl State {
                 }
             }
         }
+        self.capture_change(id, block, opts.data);
         Ok(id)
     }
 

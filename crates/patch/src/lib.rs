@@ -41,6 +41,7 @@
 //! device I/O of an epoch runs outside that lock so that writers are not stalled by disk
 //! latency.
 
+mod capture;
 mod engine;
 mod epoch;
 mod graph;
@@ -48,6 +49,7 @@ mod patchgroup;
 mod stats;
 pub mod synth;
 
+pub use capture::CapturedTxn;
 pub use engine::{ChangeOpts, Durability, Engine, EngineOptions};
 pub use epoch::EpochReport;
 pub use graph::PatchId;
@@ -79,6 +81,8 @@ pub enum PatchError {
     Failed(String),
     #[error(transparent)]
     Patchgroup(#[from] patchgroup::PatchgroupError),
+    #[error("invalid request: {0}")]
+    Invalid(&'static str),
 }
 
 impl PatchError {
@@ -92,6 +96,7 @@ impl PatchError {
             PatchError::Pinned => libc_errno::EAGAIN,
             PatchError::Failed(_) => libc_errno::EIO,
             PatchError::Patchgroup(e) => e.errno(),
+            PatchError::Invalid(_) => libc_errno::EINVAL,
         }
     }
 }

@@ -1,0 +1,543 @@
+//! The running journal: turns the engine's captured transactions into JBD2 transactions.
+//!
+//! A commit closes the engine's capture (a new one opens at once), writes a descriptor
+//! block for every `descriptor_capacity` captured blocks followed by their contents as of
+//! the close (escaped when they begin with the JBD2 magic), revoke blocks for blocks
+//! freed in the transaction that the live log may still hold, flushes, writes the commit
+//! block and flushes again. Only then is the capture's hold dropped, so no captured change
+//! reaches its home block before its transaction is durable in the log.
+//!
+//! Log space comes back when a transaction is *checkpointed*: normally when the engine's
+//! write-back has put every one of its changes in place (its `done` patch is durable);
+//! when a commit needs space that is not free, the oldest transactions are checkpointed
+//! by writing their committed images in place (`Engine::write_through`). The journal
+//! superblock's tail (`start`, `sequence`) moves, durably, before any freed log block is
+//! reused; recovery from an older tail replays a few transactions twice, harmlessly.
+//!
+//! Commits happen on a timer (default 5 s), when the capture grows past
+//! `max_txn_blocks`, and on fsync; concurrent fsyncs share a commit (group commit).
+
+use crate::format::{
+    descriptor_capacity, encode_commit, encode_descriptor, encode_revoke, needs_escape,
+    revoke_capacity, JournalSuper, Tag, INCOMPAT_REVOKE, INCOMPAT_WRITABLE,
+};
+use crate::{JournalError, JournalMap, Result};
+use quilt_block::{BlockDevice, BlockNo};
+use quilt_patch::{Engine, PatchId};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::SeqCst};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct JournalOptions {
+    /// Journal file data too (full journaling); otherwise metadata only.
+    pub data: bool,
+    /// Commit at least this often while changes are pending.
+    pub commit_interval: Duration,
+    /// Commit once the running transaction holds this many blocks (None: a quarter of
+    /// the log).
+    pub max_txn_blocks: Option<usize>,
+}
+
+impl Default for JournalOptions {
+    fn default() -> Self {
+        JournalOptions {
+            data: false,
+            commit_interval: Duration::from_secs(5),
+            max_txn_blocks: None,
+        }
+    }
+}
+
+/// Counters for `quiltfs stats`.
+#[derive(Debug, Default)]
+pub struct JournalStats {
+    pub transactions: AtomicU64,
+    pub journal_blocks_written: AtomicU64,
+    pub commits: AtomicU64,
+    pub checkpoints: AtomicU64,
+    pub forced_checkpoints: AtomicU64,
+    pub revokes: AtomicU64,
+    pub log_full_waits: AtomicU64,
+}
+
+impl JournalStats {
+    pub fn fields(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            ("transactions", self.transactions.load(SeqCst)),
+            (
+                "journal_blocks_written",
+                self.journal_blocks_written.load(SeqCst),
+            ),
+            ("commits", self.commits.load(SeqCst)),
+            ("checkpoints", self.checkpoints.load(SeqCst)),
+            ("forced_checkpoints", self.forced_checkpoints.load(SeqCst)),
+            ("revokes", self.revokes.load(SeqCst)),
+            ("log_full_waits", self.log_full_waits.load(SeqCst)),
+        ]
+    }
+}
+
+/// A committed transaction whose log space is not yet reclaimed.
+struct Live {
+    seq: u32,
+    start: u32,
+    len: u32,
+    done: PatchId,
+    images: Vec<(BlockNo, Arc<[u8]>)>,
+}
+
+struct State {
+    sb: JournalSuper,
+    sb_raw: Vec<u8>,
+    /// Next log block to write.
+    head: u32,
+    /// Sequence number of the next commit.
+    next_seq: u32,
+    live: VecDeque<Live>,
+    /// Log blocks the live transactions occupy.
+    used: u32,
+    /// Blocks with a copy in the live log, and how many live transactions hold one.
+    logged: HashMap<BlockNo, u32>,
+    /// Set by a failed write: the journal refuses further commits.
+    failed: Option<String>,
+}
+
+struct Inner {
+    engine: Engine,
+    dev: Arc<dyn BlockDevice>,
+    map: JournalMap,
+    bs: usize,
+    opts: JournalOptions,
+    max_txn: usize,
+    st: Mutex<State>,
+    /// Sequence the running transaction will commit as (for group commit).
+    running: AtomicU32,
+    /// Last committed sequence.
+    committed: AtomicU32,
+    stop: (Mutex<bool>, Condvar),
+    kicked: AtomicBool,
+    stats: JournalStats,
+}
+
+/// A journal in use. Cloning shares it.
+///
+/// In metadata mode the commit first writes back every ready change, file data
+/// included, so data reaches its blocks before the metadata naming them commits (ext3's
+/// data=ordered); in full mode file data is journaled with the metadata.
+#[derive(Clone)]
+pub struct Journal {
+    inner: Arc<Inner>,
+}
+
+impl Journal {
+    /// Takes over the journal at `map` (it must be empty: recover first), opens the
+    /// engine's capture, and starts the commit timer. The journal superblock is marked
+    /// in use before this returns.
+    pub fn start(engine: Engine, map: JournalMap, opts: JournalOptions) -> Result<Journal> {
+        let dev = engine.device().clone();
+        let bs = dev.block_size();
+        let mut raw = vec![0u8; bs];
+        dev.read(map.device_block(0)?, &mut raw)?;
+        let mut sb = JournalSuper::decode(&raw, bs as u32, map.len())?;
+        sb.check_readable()?;
+        if sb.feature_incompat & !INCOMPAT_WRITABLE != 0 {
+            return Err(JournalError::Unsupported(format!(
+                "journal features {:#x} (quiltfs writes journals without checksums or 64-bit block numbers)",
+                sb.feature_incompat
+            )));
+        }
+        if sb.start != 0 {
+            return Err(JournalError::Corrupt(
+                "the journal holds transactions to replay".into(),
+            ));
+        }
+        let ring = sb.maxlen - sb.first;
+        let max_txn = opts
+            .max_txn_blocks
+            .unwrap_or(ring as usize / 4)
+            .clamp(1, ring as usize / 2);
+        // The log starts at its first block with the next sequence number; recovery from
+        // here finds nothing until the first commit.
+        sb.feature_incompat |= INCOMPAT_REVOKE;
+        sb.start = sb.first;
+        sb.errno = 0;
+        sb.encode_into(&mut raw);
+        dev.write(map.device_block(0)?, &raw)?;
+        dev.flush()?;
+        let next_seq = sb.sequence;
+        let head = sb.first;
+        engine.capture_start(opts.data)?;
+        let j = Journal {
+            inner: Arc::new(Inner {
+                engine,
+                dev,
+                map,
+                bs,
+                max_txn,
+                st: Mutex::new(State {
+                    sb,
+                    sb_raw: raw,
+                    head,
+                    next_seq,
+                    live: VecDeque::new(),
+                    used: 0,
+                    logged: HashMap::default(),
+                    failed: None,
+                }),
+                running: AtomicU32::new(next_seq),
+                committed: AtomicU32::new(next_seq.wrapping_sub(1)),
+                stop: (Mutex::new(false), Condvar::new()),
+                kicked: AtomicBool::new(false),
+                stats: JournalStats::default(),
+                opts,
+            }),
+        };
+        j.spawn_timer();
+        Ok(j)
+    }
+
+    pub fn stats(&self) -> &JournalStats {
+        &self.inner.stats
+    }
+
+    /// Whether file data is journaled.
+    pub fn journals_data(&self) -> bool {
+        self.inner.opts.data
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.inner.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Commits the running transaction if it has grown past the size limit (call after
+    /// each operation); otherwise does nothing.
+    pub fn maybe_commit(&self) -> Result<()> {
+        if self.inner.engine.capture_len() >= self.inner.max_txn {
+            self.commit()?;
+        }
+        Ok(())
+    }
+
+    /// Makes every change made so far durable: commits the running transaction, unless
+    /// a commit that began after this call's changes already did (group commit).
+    pub fn commit(&self) -> Result<()> {
+        let want = self.inner.running.load(SeqCst);
+        let mut st = self.lock();
+        let committed = self.inner.committed.load(SeqCst);
+        if !crate::format::seq_after(want, committed) {
+            return Ok(());
+        }
+        self.commit_locked(&mut st)
+    }
+
+    fn commit_locked(&self, st: &mut State) -> Result<()> {
+        if let Some(f) = &st.failed {
+            return Err(JournalError::Corrupt(format!("the journal stopped: {f}")));
+        }
+        let r = self.commit_inner(st);
+        if let Err(e) = &r {
+            st.failed = Some(e.to_string());
+        }
+        r
+    }
+
+    fn commit_inner(&self, st: &mut State) -> Result<()> {
+        let inner = &self.inner;
+        // Announce the next transaction before closing this one: a caller whose change
+        // lands after the close then waits for that next commit (group commit).
+        inner.running.store(st.next_seq.wrapping_add(1), SeqCst);
+        let Some(txn) = inner.engine.capture_rotate(true)? else {
+            inner.running.store(st.next_seq, SeqCst);
+            return Ok(());
+        };
+        if !inner.opts.data {
+            // File data goes home before the commit that makes metadata point to it
+            // (ordered mode): after a crash no file shows another file's old blocks.
+            inner.engine.write_back_ready()?;
+        }
+        let own: std::collections::BTreeSet<BlockNo> = txn.blocks.iter().map(|(b, _)| *b).collect();
+        let mut revokes: Vec<u32> = txn
+            .revoked
+            .iter()
+            .copied()
+            .filter(|b| st.logged.contains_key(b) || own.contains(b))
+            .filter_map(|b| u32::try_from(b).ok())
+            .collect();
+        revokes.sort_unstable();
+        if txn.blocks.is_empty() && revokes.is_empty() {
+            inner.engine.release_hold(txn.hold);
+            // Nothing to log: the sequence number is not used.
+            inner.running.store(st.next_seq, SeqCst);
+            inner.committed.store(st.next_seq.wrapping_sub(1), SeqCst);
+            return Ok(());
+        }
+        let seq = st.next_seq;
+        let dcap = descriptor_capacity(inner.bs, 0);
+        let rcap = revoke_capacity(inner.bs);
+        let n = txn.blocks.len();
+        let need = (n.div_ceil(dcap) + n + revokes.len().div_ceil(rcap) + 1) as u32;
+        let ring = st.sb.maxlen - st.sb.first;
+        if need + 1 > ring {
+            return Err(JournalError::Corrupt(format!(
+                "a transaction of {need} blocks does not fit in a log of {ring}"
+            )));
+        }
+        self.make_room(st, need)?;
+
+        // The log records, in order.
+        let start = st.head;
+        let mut pos = start;
+        let mut writes: Vec<(u32, Vec<u8>)> = Vec::with_capacity(need as usize);
+        let mut push = |st: &State, data: Vec<u8>, pos: &mut u32| {
+            writes.push((*pos, data));
+            *pos = if *pos + 1 >= st.sb.maxlen {
+                st.sb.first
+            } else {
+                *pos + 1
+            };
+        };
+        for chunk in txn.blocks.chunks(dcap) {
+            let tags: Vec<Tag> = chunk
+                .iter()
+                .map(|(b, d)| Tag {
+                    block: *b,
+                    escaped: needs_escape(d),
+                })
+                .collect();
+            push(
+                st,
+                encode_descriptor(inner.bs, seq, &st.sb.uuid, &tags),
+                &mut pos,
+            );
+            for (_, d) in chunk {
+                let mut copy = d.to_vec();
+                if needs_escape(&copy) {
+                    copy[0..4].fill(0);
+                }
+                push(st, copy, &mut pos);
+            }
+        }
+        for chunk in revokes.chunks(rcap) {
+            push(st, encode_revoke(inner.bs, seq, chunk), &mut pos);
+        }
+        let commit_pos = pos;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        for (j, data) in &writes {
+            inner.dev.write(inner.map.device_block(*j)?, data)?;
+        }
+        let safe = inner.engine.flushes();
+        if safe {
+            inner.dev.flush()?;
+        }
+        let commit = encode_commit(inner.bs, seq, now.as_secs(), now.subsec_nanos());
+        inner
+            .dev
+            .write(inner.map.device_block(commit_pos)?, &commit)?;
+        if safe {
+            inner.dev.flush()?;
+        }
+        // Durable in the log: the changes may go home now.
+        inner.engine.release_hold(txn.hold);
+        st.head = if commit_pos + 1 >= st.sb.maxlen {
+            st.sb.first
+        } else {
+            commit_pos + 1
+        };
+        st.next_seq = seq.wrapping_add(1);
+        st.used += need;
+        for b in &own {
+            *st.logged.entry(*b).or_insert(0) += 1;
+        }
+        st.live.push_back(Live {
+            seq,
+            start,
+            len: need,
+            done: txn.done,
+            images: txn.blocks,
+        });
+        inner.committed.store(seq, SeqCst);
+        let s = &inner.stats;
+        s.transactions.fetch_add(1, SeqCst);
+        s.commits.fetch_add(1, SeqCst);
+        s.journal_blocks_written.fetch_add(need as u64, SeqCst);
+        s.revokes.fetch_add(revokes.len() as u64, SeqCst);
+        self.reclaim(st, false)?;
+        Ok(())
+    }
+
+    /// Frees log space until `need` blocks (and one spare) are free, checkpointing the
+    /// oldest transactions by force if their changes are not home yet.
+    fn make_room(&self, st: &mut State, need: u32) -> Result<()> {
+        let ring = st.sb.maxlen - st.sb.first;
+        if st.used + need < ring {
+            return Ok(());
+        }
+        self.inner.stats.log_full_waits.fetch_add(1, SeqCst);
+        // First let write-back put what it can in place.
+        self.inner.engine.write_back_ready()?;
+        self.reclaim(st, false)?;
+        if st.used + need < ring {
+            return Ok(());
+        }
+        self.reclaim(st, true)?;
+        while st.used + need >= ring {
+            if st.live.is_empty() {
+                return Err(JournalError::Corrupt("the log has no room".into()));
+            }
+            self.force_oldest(st)?;
+        }
+        Ok(())
+    }
+
+    /// Checkpoints the oldest live transaction by writing its committed images home.
+    fn force_oldest(&self, st: &mut State) -> Result<()> {
+        let Some(t) = st.live.front() else {
+            return Ok(());
+        };
+        self.inner.engine.write_through(&t.images)?;
+        self.inner.stats.forced_checkpoints.fetch_add(1, SeqCst);
+        self.pop_oldest(st);
+        self.write_tail(st)
+    }
+
+    fn pop_oldest(&self, st: &mut State) {
+        if let Some(t) = st.live.pop_front() {
+            st.used -= t.len;
+            for (b, _) in &t.images {
+                if let Some(c) = st.logged.get_mut(b) {
+                    *c -= 1;
+                    if *c == 0 {
+                        st.logged.remove(b);
+                    }
+                }
+            }
+            self.inner.stats.checkpoints.fetch_add(1, SeqCst);
+        }
+    }
+
+    /// Drops the oldest transactions whose changes are all home, and records the new
+    /// tail durably (`always`: write the tail even if nothing was dropped).
+    fn reclaim(&self, st: &mut State, always: bool) -> Result<()> {
+        let mut dropped = false;
+        while let Some(t) = st.live.front() {
+            if !self.inner.engine.is_durable(t.done) {
+                break;
+            }
+            self.pop_oldest(st);
+            dropped = true;
+        }
+        if dropped || always {
+            self.write_tail(st)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the journal superblock with the current tail, and flushes: recovery starts
+    /// at the oldest live transaction (or at the head, which holds nothing yet).
+    fn write_tail(&self, st: &mut State) -> Result<()> {
+        let (start, seq) = match st.live.front() {
+            Some(t) => (t.start, t.seq),
+            None => (st.head, st.next_seq),
+        };
+        st.sb.start = start;
+        st.sb.sequence = seq;
+        let mut raw = std::mem::take(&mut st.sb_raw);
+        st.sb.encode_into(&mut raw);
+        let r = self
+            .inner
+            .dev
+            .write(self.inner.map.device_block(0)?, &raw)
+            .and_then(|()| self.inner.dev.flush());
+        st.sb_raw = raw;
+        r.map_err(Into::into)
+    }
+
+    /// Ends journaling: commits what is pending, closes the capture, puts everything
+    /// home and marks the journal empty (`start = 0`), as a clean unmount leaves it.
+    pub fn shutdown(&self) -> Result<()> {
+        self.stop_timer();
+        let mut st = self.lock();
+        self.commit_locked(&mut st)?;
+        // The caller has stopped making changes, so the capture closed here is empty.
+        if let Some(txn) = self.inner.engine.capture_rotate(false)? {
+            if !txn.blocks.is_empty() {
+                tracing::warn!(
+                    "{} blocks changed during journal shutdown go home unjournaled",
+                    txn.blocks.len()
+                );
+            }
+            self.inner.engine.release_hold(txn.hold);
+        }
+        self.inner.engine.sync()?;
+        while !st.live.is_empty() {
+            let before = st.live.len();
+            self.reclaim(&mut st, false)?;
+            if st.live.len() == before {
+                self.force_oldest(&mut st)?;
+            }
+        }
+        st.sb.start = 0;
+        st.sb.sequence = st.next_seq;
+        let mut raw = std::mem::take(&mut st.sb_raw);
+        st.sb.encode_into(&mut raw);
+        self.inner
+            .dev
+            .write(self.inner.map.device_block(0)?, &raw)?;
+        self.inner.dev.flush()?;
+        st.sb_raw = raw;
+        Ok(())
+    }
+
+    fn spawn_timer(&self) {
+        let weak = Arc::downgrade(&self.inner);
+        let interval = self.inner.opts.commit_interval;
+        std::thread::Builder::new()
+            .name("quilt-journal".into())
+            .spawn(move || loop {
+                let Some(inner) = weak.upgrade() else { return };
+                {
+                    let (lock, cv) = &inner.stop;
+                    let stopped = lock.lock().unwrap_or_else(|e| e.into_inner());
+                    let (stopped, _) = cv
+                        .wait_timeout_while(stopped, interval, |s| {
+                            !*s && !inner.kicked.load(SeqCst)
+                        })
+                        .unwrap_or_else(|e| e.into_inner());
+                    if *stopped {
+                        return;
+                    }
+                    inner.kicked.store(false, SeqCst);
+                }
+                let j = Journal { inner };
+                if j.inner.engine.capture_len() > 0 {
+                    if let Err(e) = j.commit() {
+                        tracing::error!("journal commit failed: {e}");
+                    }
+                } else {
+                    let mut st = j.lock();
+                    if let Err(e) = j.reclaim(&mut st, false) {
+                        tracing::error!("journal checkpoint failed: {e}");
+                    }
+                }
+            })
+            .expect("spawning the journal thread");
+    }
+
+    fn stop_timer(&self) {
+        let (lock, cv) = &self.inner.stop;
+        *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        cv.notify_all();
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        *self.stop.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.stop.1.notify_all();
+    }
+}

@@ -1,0 +1,151 @@
+//! Transaction capture, for a journal above the engine: while a capture is open, every
+//! change (file data only if asked) waits for the capture's *hold*, a held empty patch,
+//! and its block is recorded. Closing the capture (`capture_rotate`) hands the journal the
+//! captured blocks as they are at that instant (shared copy-on-write with the cache, so
+//! later changes do not alter them), the blocks freed meanwhile (for revoke records), the
+//! hold (which the journal drops once the transaction's commit block is durable, letting
+//! the in-place writes go) and a *done* patch that becomes durable once every captured
+//! change is on disk in place (the transaction's log space can then be reused). A new
+//! capture opens in the same step, so no change falls between two transactions.
+
+use crate::engine::{Engine, State};
+use crate::graph::PatchId;
+use crate::{PatchError, Result};
+use quilt_block::BlockNo;
+use rustc_hash::FxHashSet as HashSet;
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+pub(crate) struct Capture {
+    hold: PatchId,
+    data: bool,
+    blocks: BTreeSet<BlockNo>,
+    patches: Vec<PatchId>,
+    /// Blocks freed since the last change to them in this capture.
+    revoked: HashSet<BlockNo>,
+}
+
+/// A closed capture: one transaction's worth of changes.
+#[derive(Debug)]
+pub struct CapturedTxn {
+    /// Drop it (`Engine::release_hold`) once the transaction is committed.
+    pub hold: PatchId,
+    /// Durable once every captured change is written in place.
+    pub done: PatchId,
+    /// Each captured block and its contents at the close.
+    pub blocks: Vec<(BlockNo, Arc<[u8]>)>,
+    /// Blocks freed in this transaction and not changed since.
+    pub revoked: Vec<BlockNo>,
+}
+
+impl State {
+    /// Called for every change: ties it to the open capture.
+    pub(crate) fn capture_change(&mut self, id: PatchId, block: BlockNo, data: bool) {
+        let Some((hold, take)) = self.capture.as_ref().map(|c| (c.hold, !data || c.data)) else {
+            return;
+        };
+        if !take || id == hold {
+            return;
+        }
+        self.add_edge(id, hold);
+        let c = self.capture.as_mut().expect("checked above");
+        c.blocks.insert(block);
+        c.revoked.remove(&block);
+        if c.patches.last() != Some(&id) {
+            c.patches.push(id);
+        }
+    }
+
+    fn open_capture(&mut self, data: bool) {
+        let hold = self.new_empty(&[], 1);
+        self.capture = Some(Capture {
+            hold,
+            data,
+            blocks: BTreeSet::new(),
+            patches: Vec::new(),
+            revoked: HashSet::default(),
+        });
+    }
+}
+
+impl Engine {
+    /// Opens a capture (`data`: file data changes are captured too). Refused if one is
+    /// open.
+    pub fn capture_start(&self, data: bool) -> Result<()> {
+        let mut st = self.lock();
+        if st.capture.is_some() {
+            return Err(PatchError::Invalid("a capture is already open"));
+        }
+        st.open_capture(data);
+        Ok(())
+    }
+
+    /// Closes the open capture and returns it (None if none is open); with `reopen`, a
+    /// new one opens atomically.
+    pub fn capture_rotate(&self, reopen: bool) -> Result<Option<CapturedTxn>> {
+        let mut st = self.lock();
+        let Some(c) = st.capture.take() else {
+            return Ok(None);
+        };
+        let mut blocks = Vec::with_capacity(c.blocks.len());
+        for &b in &c.blocks {
+            match st.blocks.get(&b) {
+                Some(cb) => blocks.push((b, cb.data.clone())),
+                None => {
+                    // Captured blocks hold pending patches, and those are never evicted.
+                    st.capture = Some(c);
+                    return Err(PatchError::Invalid("a captured block left the cache"));
+                }
+            }
+        }
+        let done = st.new_empty(&c.patches, 0);
+        if reopen {
+            st.open_capture(c.data);
+        }
+        Ok(Some(CapturedTxn {
+            hold: c.hold,
+            done,
+            blocks,
+            revoked: c.revoked.into_iter().collect(),
+        }))
+    }
+
+    /// Records that `block` was freed, for the open capture's revoke records.
+    pub fn capture_revoke(&self, block: BlockNo) {
+        if let Some(c) = self.lock().capture.as_mut() {
+            c.revoked.insert(block);
+        }
+    }
+
+    /// Blocks the open capture holds (0 if none is open).
+    pub fn capture_len(&self) -> usize {
+        self.lock().capture.as_ref().map_or(0, |c| c.blocks.len())
+    }
+
+    /// Drops one hold on an empty patch (a capture's hold, once its transaction is
+    /// committed).
+    pub fn release_hold(&self, hold: PatchId) {
+        self.lock().unhold(hold);
+    }
+
+    /// Writes `blocks` straight to the device, bypassing the cache but ordered with
+    /// write-back (no epoch is in flight meanwhile), then flushes if the engine is in
+    /// safe mode. For a journal's checkpoint: the images must be no older than what the
+    /// cache would write.
+    pub fn write_through(&self, blocks: &[(BlockNo, Arc<[u8]>)]) -> Result<()> {
+        let _epoch = self.sh.epoch.lock().unwrap_or_else(|e| e.into_inner());
+        self.lock().check_failed()?;
+        for (b, data) in blocks {
+            self.sh.dev.write(*b, data)?;
+        }
+        if self.sh.opts.durability == crate::Durability::Safe {
+            self.sh.dev.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Whether write-back flushes the device (safe durability).
+    pub fn flushes(&self) -> bool {
+        self.sh.opts.durability == crate::Durability::Safe
+    }
+}
