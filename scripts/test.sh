@@ -14,8 +14,9 @@ cargo test --workspace
 # root).
 if [ "$(id -u)" = 0 ]; then
   tests/kernel-oracle.sh ./target/release/quiltfs
+  tests/journal-oracle.sh ./target/release/quiltfs
 else
-  echo "test: skipping tests/kernel-oracle.sh (needs root for loop mounts)" >&2
+  echo "test: skipping tests/kernel-oracle.sh and tests/journal-oracle.sh (need root for loop mounts)" >&2
 fi
 # Each benchmark once, as a smoke test (timings come from `cargo bench`, never from here).
 cargo test --release -p quilt-patch --benches --quiet
