@@ -9,6 +9,7 @@ cargo clippy --workspace --all-targets --quiet -- -D warnings
 # Unit, integration, property and doc tests. The FUSE tests (the model's sequence replayed
 # through a mount, privileges) need root and /dev/fuse: as root they must run, not skip.
 if [ "$(id -u)" = 0 ]; then export QUILT_REQUIRE_FUSE=1; fi
+export QUILT_REQUIRE_E2FSCK=1   # setup.sh installs e2fsprogs: the crash-state tests must run
 cargo test --workspace
 # The kernel and e2fsck as oracles of the ext2 module, both directions (loop mounts need
 # root).
