@@ -9,7 +9,9 @@
 #     give the same tree, both clean; a file fsynced before the kill is intact.
 #  4. A Debian mkfs.ext3 image: quiltfs journals on it, is killed, and the kernel's own
 #     mount replays the journal; e2fsck is clean afterwards.
-#  5. A tiny journal (1024 blocks) under a long workload: the log wraps many times and
+#  5. journal_checksum (the kernel sets it): e2fsck verifies the CRCs in our commit
+#     blocks; a flipped byte in the log stops both recoveries at the same transaction.
+#  6. A tiny journal (1024 blocks) under a long workload: the log wraps many times and
 #     fills, writers wait for checkpoints, and nothing is lost.
 # Needs root. Usage: tests/journal-oracle.sh [QUILTFS_BINARY]   (KILLS=N, default 6; 2
 # under CI=true)
@@ -136,6 +138,25 @@ mount -o loop -t ext3 "$work/d.img" "$k"
 umount "$k"
 fsck_clean "$work/d.img"
 rm -f "$work/d.img"
+
+echo "journal-oracle: journal_checksum (set by the kernel): e2fsck verifies our commit CRCs"
+"$q" mkfs "$work/c.img" --size 256M --journal >/dev/null
+mount -o loop,journal_checksum -t ext4 "$work/c.img" "$k"; echo x >"$k/x"; umount "$k"
+dumpe2fs -h "$work/c.img" 2>/dev/null | grep -q "journal_checksum" || fail "the kernel did not set journal_checksum (test setup)"
+"$q" mount "$work/c.img" "$m" --mode meta-journal --foreground >/dev/null 2>&1 &
+srv=$!
+for _ in $(seq 1 100); do mountpoint -q "$m" && break; sleep 0.05; done
+workload "$m"
+kill -9 "$srv"; wait "$srv" 2>/dev/null || true; srv=""
+umount -l "$m" 2>/dev/null || true
+replay_both "$work/c.img" synced fsynced meta-journal
+# A flipped byte in a logged block: both recoveries must stop before that transaction.
+first=$(debugfs -R "logdump" "$work/c.img" 2>/dev/null | awk '/descriptor block/ {print $NF; exit}')
+[ -n "$first" ] || fail "no descriptor block in the log"
+jb=$(debugfs -R "bmap <8> $((first + 1))" "$work/c.img" 2>/dev/null)
+printf '\x55' | dd of="$work/c.img" bs=1 seek=$((jb * 4096 + 100)) conv=notrunc 2>/dev/null
+replay_both "$work/c.img" "" "" meta-journal
+rm -f "$work/c.img"
 
 echo "journal-oracle: a tiny journal under a long workload (wrap-around, full log)"
 "$q" mkfs "$work/t.img" --size 512M --journal --journal-size 4M >/dev/null

@@ -16,6 +16,12 @@ pub const BLOCK_SUPER_V1: u32 = 3;
 pub const BLOCK_SUPER_V2: u32 = 4;
 pub const BLOCK_REVOKE: u32 = 5;
 
+/// Compatible journal feature: commit blocks carry a CRC32 of the transaction's
+/// descriptor and data blocks (the kernel's `journal_checksum` on ext3).
+pub const COMPAT_CHECKSUM: u32 = 0x1;
+/// `h_chksum_type` of such a commit block.
+pub const CHECKSUM_CRC32: u8 = 1;
+
 /// Incompatible journal features.
 pub const INCOMPAT_REVOKE: u32 = 0x1;
 pub const INCOMPAT_64BIT: u32 = 0x2;
@@ -323,14 +329,53 @@ pub fn encode_descriptor(
     b
 }
 
-/// A commit block.
-pub fn encode_commit(block_size: usize, sequence: u32, sec: u64, nsec: u32) -> Vec<u8> {
+/// The running checksum of `COMPAT_CHECKSUM` journals: the kernel's `crc32_be` from ~0
+/// over the transaction's descriptor and data blocks, in log order, with no final
+/// inversion (CRC-32/BZIP2 without its final xor).
+pub struct TxnChecksum(crc::Digest<'static, u32>);
+
+static CRC32_BE: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_BZIP2);
+
+impl Default for TxnChecksum {
+    fn default() -> Self {
+        TxnChecksum(CRC32_BE.digest())
+    }
+}
+
+impl TxnChecksum {
+    pub fn update(&mut self, block: &[u8]) {
+        self.0.update(block);
+    }
+    pub fn value(self) -> u32 {
+        !self.0.finalize()
+    }
+}
+
+/// The checksum a commit block carries: Some((type, value)) when it has one.
+pub fn commit_checksum(b: &[u8]) -> Option<(u8, u32)> {
+    let (ty, size, v) = (b[12], b[13], be32(b, 16));
+    (ty != 0 || size != 0 || v != 0).then_some((ty, v))
+}
+
+/// A commit block, with the transaction's checksum if the journal keeps them.
+pub fn encode_commit(
+    block_size: usize,
+    sequence: u32,
+    sec: u64,
+    nsec: u32,
+    checksum: Option<u32>,
+) -> Vec<u8> {
     let mut b = vec![0u8; block_size];
     Header {
         blocktype: BLOCK_COMMIT,
         sequence,
     }
     .encode_into(&mut b);
+    if let Some(c) = checksum {
+        b[12] = CHECKSUM_CRC32;
+        b[13] = 4;
+        put32(&mut b, 16, c);
+    }
     b[0x30..0x38].copy_from_slice(&sec.to_be_bytes());
     put32(&mut b, 0x38, nsec);
     b
@@ -418,6 +463,19 @@ mod tests {
         let mut f = s.clone();
         f.feature_incompat = INCOMPAT_FAST_COMMIT;
         assert!(f.check_readable().is_err());
+    }
+
+    #[test]
+    fn transaction_checksum_is_the_kernels_crc32_be() {
+        // crc32_be(~0, "123456789") with no final inversion: the CRC-32/BZIP2 check
+        // value 0xFC891918, uninverted.
+        let mut c = TxnChecksum::default();
+        c.update(b"1234");
+        c.update(b"56789");
+        assert_eq!(c.value(), !0xFC89_1918);
+        let b = encode_commit(4096, 3, 0, 0, Some(0xDEAD_BEEF));
+        assert_eq!(commit_checksum(&b), Some((CHECKSUM_CRC32, 0xDEAD_BEEF)));
+        assert_eq!(commit_checksum(&encode_commit(4096, 3, 0, 0, None)), None);
     }
 
     #[test]

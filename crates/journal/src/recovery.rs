@@ -8,8 +8,9 @@
 //! Works on the device directly, before any cache holds its blocks.
 
 use crate::format::{
-    parse_descriptor, parse_revoke, seq_after, Header, JournalSuper, Tag, BLOCK_COMMIT,
-    BLOCK_DESCRIPTOR, BLOCK_REVOKE, MAGIC,
+    commit_checksum, parse_descriptor, parse_revoke, seq_after, Header, JournalSuper, Tag,
+    TxnChecksum, BLOCK_COMMIT, BLOCK_DESCRIPTOR, BLOCK_REVOKE, CHECKSUM_CRC32, COMPAT_CHECKSUM,
+    MAGIC,
 };
 use crate::{JournalError, JournalMap, Result};
 use quilt_block::BlockDevice;
@@ -67,6 +68,10 @@ impl Log<'_> {
         // is a damaged one.
         let mut budget = (self.sb.maxlen - self.sb.first) as u64;
         let incompat = self.sb.feature_incompat;
+        // journal_checksum: a commit whose CRC does not match its transaction ends the
+        // log there, as in e2fsck (a torn commit).
+        let checksummed = self.sb.feature_compat & COMPAT_CHECKSUM != 0;
+        let mut crc = TxnChecksum::default();
         loop {
             if budget == 0 {
                 break;
@@ -80,12 +85,18 @@ impl Log<'_> {
             match h.blocktype {
                 BLOCK_DESCRIPTOR => {
                     let tags: Vec<Tag> = parse_descriptor(&b, incompat)?;
+                    if checksummed {
+                        crc.update(&b);
+                    }
                     let mut p = self.next(pos);
                     for t in tags {
                         if budget == 0 {
                             return Ok(out);
                         }
                         budget -= 1;
+                        if checksummed {
+                            crc.update(&self.read(p)?);
+                        }
                         cur.copies.push((t.block, p, t.escaped));
                         p = self.next(p);
                     }
@@ -94,6 +105,14 @@ impl Log<'_> {
                 }
                 BLOCK_REVOKE => cur.revoked.extend(parse_revoke(&b, incompat)?),
                 BLOCK_COMMIT => {
+                    if checksummed {
+                        let want = std::mem::take(&mut crc).value();
+                        match commit_checksum(&b) {
+                            None => {}
+                            Some((CHECKSUM_CRC32, v)) if v == want => {}
+                            Some(_) => break,
+                        }
+                    }
                     out.push((seq, std::mem::take(&mut cur)));
                     seq = seq.wrapping_add(1);
                 }

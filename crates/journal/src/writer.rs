@@ -19,7 +19,8 @@
 
 use crate::format::{
     descriptor_capacity, encode_commit, encode_descriptor, encode_revoke, needs_escape,
-    revoke_capacity, JournalSuper, Tag, INCOMPAT_REVOKE, INCOMPAT_WRITABLE,
+    revoke_capacity, JournalSuper, Tag, TxnChecksum, COMPAT_CHECKSUM, INCOMPAT_REVOKE,
+    INCOMPAT_WRITABLE,
 };
 use crate::{JournalError, JournalMap, Result};
 use quilt_block::{BlockDevice, BlockNo};
@@ -320,6 +321,7 @@ impl Journal {
                 push(st, copy, &mut pos);
             }
         }
+        let data_records = n.div_ceil(dcap) + n;
         for chunk in revokes.chunks(rcap) {
             push(st, encode_revoke(inner.bs, seq, chunk), &mut pos);
         }
@@ -334,7 +336,16 @@ impl Journal {
         if safe {
             inner.dev.flush()?;
         }
-        let commit = encode_commit(inner.bs, seq, now.as_secs(), now.subsec_nanos());
+        // journal_checksum: a CRC of the descriptor and data blocks (revoke blocks are
+        // not included, as in the kernel).
+        let checksum = (st.sb.feature_compat & COMPAT_CHECKSUM != 0).then(|| {
+            let mut c = TxnChecksum::default();
+            for (_, data) in writes.iter().take(data_records) {
+                c.update(data);
+            }
+            c.value()
+        });
+        let commit = encode_commit(inner.bs, seq, now.as_secs(), now.subsec_nanos(), checksum);
         inner
             .dev
             .write(inner.map.device_block(commit_pos)?, &commit)?;
