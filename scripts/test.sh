@@ -19,6 +19,8 @@ if [ "$(id -u)" = 0 ]; then
 else
   echo "test: skipping tests/kernel-oracle.sh and tests/journal-oracle.sh (need root for loop mounts)" >&2
 fi
+# The crash explorer on every mode (e2fsck as the oracle; no root needed).
+tests/crashtest.sh ./target/release/quiltfs
 # Each benchmark once, as a smoke test (timings come from `cargo bench`, never from here).
 cargo test --release -p quilt-patch --benches --quiet
 # The engine demo, small.

@@ -3,6 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+mod crashtest;
 mod demo;
 mod image;
 mod mkfs;
@@ -44,8 +45,8 @@ enum Command {
     },
     /// Print the counters of a mounted file system, or a summary of an image.
     Stats(stats::StatsArgs),
-    /// Explore crash states of a workload (not implemented yet: issue #5).
-    Crashtest,
+    /// Explore crash states of a workload and check them (e2fsck, fsync promises).
+    Crashtest(crashtest::CrashtestArgs),
     /// Run the benchmark suites (not implemented yet: issues #6 and #7).
     Bench,
 }
@@ -88,7 +89,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Mount(a) => mount::run(a),
         Command::Stats(a) => stats::run(a),
         Command::Umount { mountpoint, lazy } => mount::unmount_and_wait(&mountpoint, lazy),
-        Command::Crashtest => bail!("this command is not implemented yet (issue #5)"),
+        Command::Crashtest(a) => crashtest::run(a),
         Command::Bench => bail!("this command is not implemented yet (issues #6 and #7)"),
     }
 }

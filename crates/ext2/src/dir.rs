@@ -366,6 +366,7 @@ impl Ext2 {
         };
         self.track(st, parent, Some(entry));
         self.track(st, ino, Some(entry));
+        st.parents.insert(ino, parent);
         st.counters.inodes_created += 1;
         self.attr(st, ino)
     }
@@ -485,6 +486,7 @@ impl Ext2 {
         };
         self.track(st, parent, Some(e));
         self.track(st, ino, Some(e));
+        st.parents.insert(ino, parent);
         self.attr(st, ino)
     }
 
@@ -598,6 +600,7 @@ impl Ext2 {
             },
         };
         self.track(st, new_parent, Some(new_entry));
+        st.parents.insert(src.inode, new_parent);
         let mut before_removal = vec![new_entry];
         if moving_dir && parent != new_parent {
             // (2) the new parent counts the directory (unless it replaces one), (3) ".."
@@ -720,6 +723,8 @@ impl Ext2 {
         }
         self.track(st, pa, Some(ea));
         self.track(st, pb, Some(eb));
+        st.parents.insert(a.inode, pb);
+        st.parents.insert(b.inode, pa);
         Ok(())
     }
 }

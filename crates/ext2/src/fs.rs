@@ -120,6 +120,10 @@ pub(crate) struct State {
     /// Per inode, patches an fsync of it must make durable (folded into one empty patch
     /// when the list grows).
     pub heads: HashMap<u32, Vec<PatchId>>,
+    /// The directory each inode was last given a name in, while that name may not be
+    /// durable (pruned with `heads`): fsync follows it up, so a fsynced file is also
+    /// reachable, as soft updates' fsync does for new parent directories.
+    pub parents: HashMap<u32, u32>,
     /// Open handles per inode; an unlinked inode is freed at its last release.
     pub open: HashMap<u32, u32>,
     pub orphans: HashSet<u32>,
@@ -262,6 +266,7 @@ impl Ext2 {
                 gd,
                 freed: HashMap::default(),
                 heads: HashMap::default(),
+                parents: HashMap::default(),
                 open: HashMap::default(),
                 orphans: HashSet::default(),
                 dir_cursor: 0,
@@ -483,6 +488,8 @@ impl Ext2 {
             !l.is_empty()
         });
         st.freed.retain(|_, p| !e.is_durable(*p));
+        let heads = &st.heads;
+        st.parents.retain(|ino, _| heads.contains_key(ino));
         // Whatever is still pending stays; look again when the map has doubled.
         st.heads_prune_at = (st.heads.len() * 2).max(4096);
     }
@@ -800,7 +807,22 @@ impl FileSystem for Ext2 {
         let target = {
             let mut st = self.lock();
             st.counters.fsyncs += 1;
-            let heads = st.heads.remove(&ino).unwrap_or_default();
+            let mut heads = st.heads.remove(&ino).unwrap_or_default();
+            // The names leading to it: each directory up the chain whose own name may
+            // not be durable yet contributes its pending changes.
+            let mut cur = st.parents.get(&ino).copied();
+            let mut steps = 0;
+            while let Some(d) = cur {
+                steps += 1;
+                if steps > 4096 {
+                    break;
+                }
+                heads.extend(st.heads.remove(&d).unwrap_or_default());
+                if d == ROOT_INO {
+                    break;
+                }
+                cur = st.parents.get(&d).copied();
+            }
             if st.sb_dirty && !self.read_only {
                 // Counts are summaries; writing them here keeps a crash's fsck quieter.
                 self.write_super(&mut st)?;

@@ -1,0 +1,440 @@
+//! quilt-crashtest: the crash-consistency explorer behind `quiltfs crashtest`.
+//!
+//! A run: make a small image (ext3 for the journal modes) with the workload's starting
+//! state, mount it over a recording device, run the workload through the native API
+//! (marks before every operation and after every fsync), and drop the file system
+//! without unmounting. Crash states are then cut from the recorded history
+//! (`states`): every prefix at a flush or a mark, and before every flush the subsets of
+//! the writes in flight (all of them up to four writes, random ones past that). Each
+//! state is checked (`check`): e2fsck -fn, judged by the mode (soft updates may leak and
+//! overcount, the journal modes must be spotless after our replay and after e2fsck's,
+//! which must agree, async is reported in full), and the persistence oracle (what was
+//! fsynced must be there unless a later operation changed it).
+//!
+//! Workloads (`workload`): `ace` (every sequence of one to three operations from creat,
+//! mkdir, write, truncate, link, unlink, rename, rmdir, fsync over a small set of files
+//! and directories, each followed by an fsync), `untar`, `rmrf`, `postmark`.
+
+pub mod check;
+pub mod states;
+pub mod workload;
+
+use check::{Outcome, Verdict};
+use quilt_block::{MemDevice, RecordingDevice};
+use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
+use quilt_patch::{Engine, EngineOptions};
+use states::CrashState;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use workload::{Recorder, Rng};
+
+const BS: usize = 4096;
+const BLOCKS: u64 = 4096;
+const JOURNAL_BLOCKS: u32 = 1024;
+
+pub const WORKLOADS: [&str; 4] = ["ace", "untar", "rmrf", "postmark"];
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub mode: Mode,
+    pub workload: String,
+    /// At most this many states are checked in all (sampled evenly).
+    pub states: usize,
+    pub seed: u64,
+    pub keep_failures: Option<PathBuf>,
+}
+
+/// One checked state that broke the mode's guarantees.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Failure {
+    pub run: String,
+    pub state: CrashState,
+    pub problems: Vec<String>,
+    /// Where the crash image was saved (`--keep-failures`).
+    pub image: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Report {
+    pub mode: String,
+    pub workload: String,
+    pub seed: u64,
+    /// Runs made (sequences, for ACE), of `runs_possible`.
+    pub runs: usize,
+    pub runs_possible: usize,
+    pub operations: usize,
+    pub states_generated: usize,
+    pub states_checked: usize,
+    pub clean: usize,
+    /// States whose only problems are ones the mode allows.
+    pub allowed_only: usize,
+    pub with_violations: usize,
+    pub promises_checked: usize,
+    /// How often each kind of problem was seen (the message without its numbers).
+    pub problem_kinds: BTreeMap<String, (usize, &'static str)>,
+    pub failures: Vec<Failure>,
+    pub seconds: f64,
+}
+
+/// A workload run: its name, and how to set up and drive it.
+struct RunSpec {
+    name: String,
+    setup: fn(&Ext2) -> Result<(), String>,
+    body: Box<dyn Fn(&mut Recorder) + Send + Sync>,
+}
+
+fn specs(workload: &str, seed: u64) -> Result<Vec<RunSpec>, String> {
+    let none: fn(&Ext2) -> Result<(), String> = |_| Ok(());
+    Ok(match workload {
+        "ace" => {
+            let mut v = Vec::new();
+            let ops = workload::ACE_OPS;
+            let mut seqs: Vec<Vec<usize>> = (0..ops.len()).map(|a| vec![a]).collect();
+            for len in 2..=3 {
+                let prev: Vec<Vec<usize>> = seqs
+                    .iter()
+                    .filter(|s| s.len() == len - 1)
+                    .cloned()
+                    .collect();
+                for s in prev {
+                    for o in 0..ops.len() {
+                        let mut t = s.clone();
+                        t.push(o);
+                        seqs.push(t);
+                    }
+                }
+            }
+            for s in seqs {
+                let name = format!(
+                    "ace[{}]",
+                    s.iter().map(|&i| ops[i]).collect::<Vec<_>>().join(",")
+                );
+                v.push(RunSpec {
+                    name,
+                    setup: |fs| workload::ace_setup(fs).map_err(|e| e.to_string()),
+                    body: Box::new(move |r| {
+                        for (pos, &o) in s.iter().enumerate() {
+                            workload::ace_step(r, ops[o], pos);
+                        }
+                    }),
+                });
+            }
+            v
+        }
+        "untar" => vec![RunSpec {
+            name: "untar".into(),
+            setup: none,
+            body: Box::new(move |r| workload::untar(r, seed, 3, 24)),
+        }],
+        "rmrf" => vec![RunSpec {
+            name: "rmrf".into(),
+            setup: |fs| {
+                let dev = MemDevice::new(BS, 1).map_err(|e| e.to_string())?;
+                let mut r = Recorder::new(&dev, fs);
+                workload::untar(&mut r, 7, 3, 24);
+                Ok(())
+            },
+            body: Box::new(|r| workload::rmrf(r, 3, 24)),
+        }],
+        "postmark" => vec![RunSpec {
+            name: "postmark".into(),
+            setup: none,
+            body: Box::new(move |r| workload::postmark(r, seed, 30, 120)),
+        }],
+        "all" => {
+            let mut v = Vec::new();
+            for w in WORKLOADS {
+                v.extend(specs(w, seed)?);
+            }
+            v
+        }
+        other => {
+            return Err(format!(
+                "unknown workload '{other}' (expected one of {}, or all)",
+                WORKLOADS.join(", ")
+            ))
+        }
+    })
+}
+
+fn engine(dev: Arc<dyn quilt_block::BlockDevice>) -> Engine {
+    Engine::new(dev, EngineOptions::default())
+}
+
+/// The image a run starts from: fresh, with a journal in the journal modes, and the
+/// workload's setup made durable by a clean unmount.
+fn base_image(mode: Mode, setup: fn(&Ext2) -> Result<(), String>) -> Result<Vec<u8>, String> {
+    let dev = Arc::new(MemDevice::new(BS, BLOCKS).map_err(|e| e.to_string())?);
+    mkfs(
+        &engine(dev.clone()),
+        &MkfsOptions {
+            device_is_zeroed: true,
+            inodes: Some(1024),
+            ..Default::default()
+        },
+    )
+    .map_err(|e| format!("mkfs: {e}"))?;
+    let fs = Ext2::open(engine(dev.clone()), MountOptions::default()).map_err(|e| e.to_string())?;
+    if mode.is_journal() {
+        fs.create_journal(JOURNAL_BLOCKS)
+            .map_err(|e| format!("creating the journal: {e}"))?;
+    }
+    setup(&fs)?;
+    fs.unmount().map_err(|e| e.to_string())?;
+    drop(fs);
+    Ok(dev.to_vec())
+}
+
+/// What one recorded run left: the base, the history, the promises.
+struct Recorded {
+    base: Vec<u8>,
+    log: quilt_block::RecordingLog,
+    promises: Vec<workload::Promise>,
+    touched: Vec<workload::Touch>,
+}
+
+fn record(mode: Mode, spec: &RunSpec) -> Result<Recorded, String> {
+    let base = base_image(mode, spec.setup)?;
+    let mem = Arc::new(MemDevice::from_bytes(BS, &base).map_err(|e| e.to_string())?);
+    let rec = Arc::new(RecordingDevice::new(mem, 1 << 30));
+    let fs = Ext2::open(
+        engine(rec.clone()),
+        MountOptions {
+            mode,
+            read_only: false,
+        },
+    )
+    .map_err(|e| format!("mount: {e}"))?;
+    let (promises, touched) = {
+        let mut r = Recorder::new(rec.as_ref(), &fs);
+        (spec.body)(&mut r);
+        (r.promises, r.touched)
+    };
+    let log = rec.take_log();
+    // The crash: the file system goes away without unmounting.
+    drop(fs);
+    Ok(Recorded {
+        base,
+        log,
+        promises,
+        touched,
+    })
+}
+
+/// The message without numbers, to count kinds of problems.
+fn kind_of(what: &str) -> String {
+    let s: String = what
+        .chars()
+        .map(|c| if c.is_ascii_digit() { '#' } else { c })
+        .collect();
+    let mut out = String::new();
+    let mut last = ' ';
+    for c in s.chars() {
+        if !(c == '#' && last == '#') {
+            out.push(c);
+        }
+        last = c;
+    }
+    out.chars().take(90).collect()
+}
+
+/// Runs the explorer. `progress` hears a line per run.
+pub fn run(cfg: &Config, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+    let t0 = std::time::Instant::now();
+    let mut specs = specs(&cfg.workload, cfg.seed)?;
+    let mut rng = Rng::new(cfg.seed);
+    let total_runs = specs.len();
+    if cfg.states < specs.len() {
+        // Fewer states than runs: every non-ACE run, and an even random choice of the
+        // ACE sequences, one state each.
+        let (ace, other): (Vec<RunSpec>, Vec<RunSpec>) =
+            specs.into_iter().partition(|s| s.name.starts_with("ace["));
+        let want = cfg.states.saturating_sub(other.len()).max(1);
+        let mut ace: Vec<Option<RunSpec>> = ace.into_iter().map(Some).collect();
+        let mut picked = Vec::new();
+        let n = ace.len();
+        let mut idx: Vec<usize> = (0..n).collect();
+        for i in 0..want.min(n) {
+            let j = i + rng.below((n - i) as u64) as usize;
+            idx.swap(i, j);
+        }
+        idx.truncate(want.min(n));
+        idx.sort_unstable();
+        for i in idx {
+            picked.extend(ace[i].take());
+        }
+        specs = other;
+        specs.extend(picked);
+    }
+    let tmp = if std::path::Path::new("/dev/shm").is_dir() {
+        PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let mut report = Report {
+        mode: cfg.mode.to_string(),
+        workload: cfg.workload.clone(),
+        seed: cfg.seed,
+        runs: specs.len(),
+        runs_possible: total_runs,
+        ..Default::default()
+    };
+    let per_run = (cfg.states / specs.len().max(1)).max(1);
+    let mut kept = 0usize;
+    for spec in &specs {
+        let rec = record(cfg.mode, spec)?;
+        report.operations += rec.touched.len();
+        let all = states::generate(&rec.log, &mut rng);
+        report.states_generated += all.len();
+        let chosen = states::sample(all, per_run, &mut rng);
+        let outcomes = check_all(cfg.mode, &rec, &chosen, &tmp);
+        for (state, out) in chosen.iter().zip(outcomes) {
+            report.states_checked += 1;
+            report.promises_checked += out.promises_checked;
+            for p in &out.problems {
+                let e = report
+                    .problem_kinds
+                    .entry(kind_of(&p.what))
+                    .or_insert((0, "allowed"));
+                e.0 += 1;
+                if p.verdict == Verdict::Violation {
+                    e.1 = "violation";
+                }
+            }
+            if out.problems.is_empty() {
+                report.clean += 1;
+            } else if out.violations == 0 {
+                report.allowed_only += 1;
+            } else {
+                report.with_violations += 1;
+                let mut image = None;
+                if let Some(dir) = &cfg.keep_failures {
+                    if kept < 50 {
+                        let name = format!(
+                            "{}-{}-{}.img",
+                            spec.name.replace(['[', ']', ','], "_"),
+                            state.len,
+                            kept
+                        );
+                        let path = dir.join(name);
+                        let img = state_image(&rec, state)?;
+                        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+                        std::fs::write(&path, img).map_err(|e| e.to_string())?;
+                        image = Some(path.display().to_string());
+                        kept += 1;
+                    }
+                }
+                if report.failures.len() < 200 {
+                    report.failures.push(Failure {
+                        run: spec.name.clone(),
+                        state: state.clone(),
+                        problems: out
+                            .problems
+                            .iter()
+                            .filter(|p| p.verdict == Verdict::Violation)
+                            .map(|p| p.what.clone())
+                            .collect(),
+                        image,
+                    });
+                }
+            }
+        }
+        progress(&format!(
+            "{}: {} operations, {} states checked so far, {} with violations",
+            spec.name,
+            rec.touched.len(),
+            report.states_checked,
+            report.with_violations
+        ));
+    }
+    report.seconds = t0.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+fn state_image(rec: &Recorded, s: &CrashState) -> Result<Vec<u8>, String> {
+    let dev = MemDevice::from_bytes(BS, &rec.base).map_err(|e| e.to_string())?;
+    rec.log
+        .replay_subset(s.len, &dev, |i| s.keeps(i))
+        .map_err(|e| e.to_string())?;
+    Ok(dev.to_vec())
+}
+
+/// Checks `states` on two threads (e2fsck runs as a separate process).
+fn check_all(
+    mode: Mode,
+    rec: &Recorded,
+    states: &[CrashState],
+    tmp: &std::path::Path,
+) -> Vec<Outcome> {
+    let one = |s: &CrashState| -> Outcome {
+        let img = match state_image(rec, s) {
+            Ok(i) => i,
+            Err(e) => {
+                return Outcome {
+                    problems: vec![check::Problem {
+                        what: format!("building the state: {e}"),
+                        verdict: Verdict::Violation,
+                    }],
+                    violations: 1,
+                    promises_checked: 0,
+                }
+            }
+        };
+        let pos = |m: &str| rec.log.mark_position(m);
+        let promises: Vec<&workload::Promise> = rec
+            .promises
+            .iter()
+            .filter(|p| pos(&p.mark).is_some_and(|x| x <= s.len))
+            .collect();
+        // Operations begun before the cut.
+        let begun = (0..rec.touched.len())
+            .take_while(|k| pos(&format!("op-{k}")).is_some_and(|x| x <= s.len))
+            .count();
+        // A promise stands unless an operation after it (and begun before the cut)
+        // touched its path or its file.
+        let relevant: Vec<&workload::Promise> = promises
+            .into_iter()
+            .filter(|p| !(p.op + 1..begun).any(|k| rec.touched[k].invalidates(p)))
+            .collect();
+        check::check_state(&img, mode, &relevant, tmp)
+    };
+    let half = states.len().div_ceil(2);
+    std::thread::scope(|sc| {
+        let (a, b) = states.split_at(half.min(states.len()));
+        let h = sc.spawn(|| a.iter().map(one).collect::<Vec<_>>());
+        let mut rb: Vec<Outcome> = b.iter().map(one).collect();
+        let mut ra = h.join().unwrap_or_default();
+        ra.append(&mut rb);
+        ra
+    })
+}
+
+impl Report {
+    /// A human summary.
+    pub fn text(&self) -> String {
+        let mut s = format!(
+            "crashtest: mode {}, workload {} (seed {}): {} of {} runs, {} operations; {} crash states generated, {} checked in {:.1} s\n  clean: {}   only what the mode allows: {}   with violations: {}   fsync promises checked: {}\n",
+            self.mode, self.workload, self.seed, self.runs, self.runs_possible, self.operations,
+            self.states_generated, self.states_checked, self.seconds,
+            self.clean, self.allowed_only, self.with_violations, self.promises_checked
+        );
+        if !self.problem_kinds.is_empty() {
+            s.push_str("  problems seen (count, verdict):\n");
+            for (k, (n, v)) in &self.problem_kinds {
+                s.push_str(&format!("    {n:6}  {v:9}  {k}\n"));
+            }
+        }
+        for f in self.failures.iter().take(5) {
+            s.push_str(&format!(
+                "  e.g. {} at {} ({}, {} writes in flight kept): {}\n",
+                f.run,
+                f.state.len,
+                f.state.why,
+                f.state.kept.len(),
+                f.problems.first().cloned().unwrap_or_default()
+            ));
+        }
+        s
+    }
+}

@@ -1,0 +1,491 @@
+//! Workloads, and what they promise. A workload drives the file system through paths;
+//! before each operation the recorder puts a mark `op-K` into the device's history, and
+//! after each fsync or sync that returned, a mark `fsync-K` with the promises it made:
+//! the fsynced file's contents, the fsynced directory's names, or after a sync the whole
+//! tree. A promise is checked in a crash state only while no later operation (one that
+//! started before the cut) has touched its path.
+
+use quilt_block::BlockDevice;
+use quilt_ext2::Ext2;
+use quilt_vfs::{Ctx, FileSystem, FileType, FsError, RenameFlags, SetAttr};
+use std::collections::BTreeSet;
+
+/// What a promise says is on disk at a path.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub enum Expect {
+    File(#[serde(skip)] Vec<u8>),
+    Dir(BTreeSet<String>),
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Promise {
+    /// The mark placed when the promise was made.
+    pub mark: String,
+    /// The operation that made it.
+    pub op: usize,
+    pub path: String,
+    /// The file's inode (a write through another hard link changes it too).
+    pub ino: u64,
+    pub expect: Expect,
+}
+
+/// What one operation touched: paths, and the inodes they named before it ran.
+#[derive(Debug, Clone, Default)]
+pub struct Touch {
+    pub paths: Vec<String>,
+    pub inodes: Vec<u64>,
+}
+
+impl Touch {
+    /// Does this operation invalidate `p` (made earlier)?
+    pub fn invalidates(&self, p: &Promise) -> bool {
+        (matches!(p.expect, Expect::File(_)) && self.inodes.contains(&p.ino))
+            || self.paths.iter().any(|t| invalidates(t, &p.path))
+    }
+}
+
+/// Records marks, the paths each operation touches, and promises.
+pub struct Recorder<'a> {
+    dev: &'a dyn BlockDevice,
+    fs: &'a Ext2,
+    pub touched: Vec<Touch>,
+    pub promises: Vec<Promise>,
+    pub errors: usize,
+}
+
+fn parent(p: &str) -> &str {
+    p.rsplit_once('/').map_or("", |(a, _)| a)
+}
+
+fn ctx() -> Ctx {
+    Ctx::root()
+}
+
+impl<'a> Recorder<'a> {
+    pub fn new(dev: &'a dyn BlockDevice, fs: &'a Ext2) -> Self {
+        Recorder {
+            dev,
+            fs,
+            touched: Vec::new(),
+            promises: Vec::new(),
+            errors: 0,
+        }
+    }
+
+    fn begin(&mut self, paths: &[&str]) {
+        self.dev.mark(&format!("op-{}", self.touched.len()));
+        let inodes = paths.iter().filter_map(|p| self.resolve(p).ok()).collect();
+        self.touched.push(Touch {
+            paths: paths.iter().map(|p| p.to_string()).collect(),
+            inodes,
+        });
+    }
+
+    fn resolve(&self, path: &str) -> Result<u64, FsError> {
+        let mut ino = self.fs.root();
+        for c in path.split('/').filter(|c| !c.is_empty()) {
+            ino = self.fs.lookup(ino, c.as_bytes())?.ino;
+        }
+        Ok(ino)
+    }
+
+    fn split(&self, path: &str) -> Result<(u64, String), FsError> {
+        let d = self.resolve(parent(path))?;
+        let name = path.rsplit('/').next().unwrap_or(path).to_string();
+        Ok((d, name))
+    }
+
+    fn note<T>(&mut self, r: Result<T, FsError>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(_) => {
+                self.errors += 1;
+                None
+            }
+        }
+    }
+
+    pub fn create(&mut self, path: &str) {
+        self.begin(&[path]);
+        let r = self.split(path).and_then(|(d, n)| {
+            self.fs
+                .mknod(d, n.as_bytes(), libc::S_IFREG | 0o644, 0, &ctx())
+        });
+        self.note(r);
+    }
+
+    pub fn mkdir(&mut self, path: &str) {
+        self.begin(&[path]);
+        let r = self
+            .split(path)
+            .and_then(|(d, n)| self.fs.mkdir(d, n.as_bytes(), 0o755, &ctx()));
+        self.note(r);
+    }
+
+    pub fn write(&mut self, path: &str, offset: u64, data: &[u8]) {
+        self.begin(&[path]);
+        let r = self
+            .resolve(path)
+            .and_then(|i| self.fs.write(i, offset, data, &ctx()));
+        self.note(r);
+    }
+
+    pub fn truncate(&mut self, path: &str, size: u64) {
+        self.begin(&[path]);
+        let set = SetAttr {
+            size: Some(size),
+            ..Default::default()
+        };
+        let r = self
+            .resolve(path)
+            .and_then(|i| self.fs.setattr(i, set, &ctx()));
+        self.note(r);
+    }
+
+    pub fn link(&mut self, from: &str, to: &str) {
+        self.begin(&[from, to]);
+        let r = self.resolve(from).and_then(|i| {
+            let (d, n) = self.split(to)?;
+            self.fs.link(i, d, n.as_bytes(), &ctx())
+        });
+        self.note(r);
+    }
+
+    pub fn unlink(&mut self, path: &str) {
+        self.begin(&[path]);
+        let r = self
+            .split(path)
+            .and_then(|(d, n)| self.fs.unlink(d, n.as_bytes(), &ctx()));
+        self.note(r);
+    }
+
+    pub fn rmdir(&mut self, path: &str) {
+        self.begin(&[path]);
+        let r = self
+            .split(path)
+            .and_then(|(d, n)| self.fs.rmdir(d, n.as_bytes(), &ctx()));
+        self.note(r);
+    }
+
+    pub fn rename(&mut self, from: &str, to: &str) {
+        self.begin(&[from, to]);
+        let r = self.split(from).and_then(|(d, n)| {
+            let (d2, n2) = self.split(to)?;
+            self.fs.rename(
+                d,
+                n.as_bytes(),
+                d2,
+                n2.as_bytes(),
+                RenameFlags::default(),
+                &ctx(),
+            )
+        });
+        self.note(r);
+    }
+
+    /// fsync(path); on success the path's state is promised.
+    pub fn fsync(&mut self, path: &str) {
+        self.begin(&[]);
+        let op = self.touched.len() - 1;
+        let Some(ino) = self.note(self.resolve(path)) else {
+            return;
+        };
+        if self.note(self.fs.fsync(ino, false)).is_none() {
+            return;
+        }
+        let mark = format!("fsync-{op}");
+        self.dev.mark(&mark);
+        if let Some(expect) = self.state_of(ino) {
+            self.promises.push(Promise {
+                mark,
+                op,
+                path: path.to_string(),
+                ino,
+                expect,
+            });
+        }
+    }
+
+    /// sync(); on success every path is promised.
+    pub fn sync(&mut self) {
+        self.begin(&[]);
+        let op = self.touched.len() - 1;
+        if self.note(self.fs.sync_all()).is_none() {
+            return;
+        }
+        let mark = format!("fsync-{op}");
+        self.dev.mark(&mark);
+        let mut stack = vec![String::new()];
+        while let Some(p) = stack.pop() {
+            let Ok(ino) = self.resolve(&p) else { continue };
+            let Some(expect) = self.state_of(ino) else {
+                continue;
+            };
+            if let Expect::Dir(names) = &expect {
+                for n in names {
+                    stack.push(if p.is_empty() {
+                        n.clone()
+                    } else {
+                        format!("{p}/{n}")
+                    });
+                }
+            }
+            self.promises.push(Promise {
+                mark: mark.clone(),
+                op,
+                path: p,
+                ino,
+                expect,
+            });
+        }
+    }
+
+    fn state_of(&self, ino: u64) -> Option<Expect> {
+        state_of(self.fs, ino)
+    }
+}
+
+/// The promised view of an inode: a file's contents or a directory's names.
+pub fn state_of(fs: &dyn FileSystem, ino: u64) -> Option<Expect> {
+    let a = fs.getattr(ino).ok()?;
+    match a.kind {
+        FileType::Regular => fs
+            .read(ino, 0, a.size.min(u32::MAX as u64) as u32)
+            .ok()
+            .map(Expect::File),
+        FileType::Directory => {
+            let mut names = BTreeSet::new();
+            fs.readdir(ino, 0, &mut |e| {
+                if e.name != b"." && e.name != b".." && e.name != b"lost+found" {
+                    names.insert(String::from_utf8_lossy(&e.name).into_owned());
+                }
+                true
+            })
+            .ok()?;
+            Some(Expect::Dir(names))
+        }
+        _ => None,
+    }
+}
+
+/// Does an operation on path `touched` invalidate a promise about `path`? The same
+/// path, an ancestor (renamed or removed), or a name inside the promised directory.
+pub fn invalidates(touched: &str, path: &str) -> bool {
+    touched == path || path.starts_with(&format!("{touched}/")) || parent(touched) == path
+}
+
+/// A small deterministic generator (splitmix64), so runs repeat from a seed.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            0
+        } else {
+            self.next_u64() % n
+        }
+    }
+}
+
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut r = Rng::new(seed);
+    (0..len).map(|_| r.next_u64() as u8).collect()
+}
+
+/// The ACE operation types, in enumeration order.
+pub const ACE_OPS: [&str; 9] = [
+    "creat", "mkdir", "write", "truncate", "link", "unlink", "rename", "rmdir", "fsync",
+];
+
+/// One ACE step: operation `kind` at position `i` (0..3) of its sequence; each position
+/// uses different arguments, so sequences combine files and directories in many ways.
+/// Every step is followed by an fsync of what it changed (a persistence point).
+pub fn ace_step(r: &mut Recorder, kind: &str, i: usize) {
+    let i = i % 3;
+    let (target, fsync_path): (String, String) = match kind {
+        "creat" => {
+            let p = ["foo2", "A/baz", "B/qux"][i];
+            r.create(p);
+            (p.into(), p.into())
+        }
+        "mkdir" => {
+            let p = ["B", "A/C", "D"][i];
+            r.mkdir(p);
+            (p.into(), p.into())
+        }
+        "write" => {
+            let p = ["foo", "A/bar", "foo2"][i];
+            r.write(p, [0, 4000, 8192][i], &pattern(i as u64 + 7, 5000));
+            (p.into(), p.into())
+        }
+        "truncate" => {
+            let p = ["foo", "A/bar", "foo"][i];
+            r.truncate(p, [100, 0, 20000][i]);
+            (p.into(), p.into())
+        }
+        "link" => {
+            let (a, b) = [
+                ("foo", "A/foo_link"),
+                ("A/bar", "bar_link"),
+                ("foo", "B/link"),
+            ][i];
+            r.link(a, b);
+            (b.into(), b.into())
+        }
+        "unlink" => {
+            let p = ["foo", "A/bar", "foo2"][i];
+            r.unlink(p);
+            (p.into(), parent(p).into())
+        }
+        "rename" => {
+            let (a, b) = [("foo", "A/foo"), ("A", "B"), ("A/bar", "bar")][i];
+            r.rename(a, b);
+            (b.into(), b.into())
+        }
+        "rmdir" => {
+            let p = ["A", "B", "A/C"][i];
+            r.rmdir(p);
+            (p.into(), parent(p).into())
+        }
+        _ => {
+            let p = ["foo", "A", ""][i];
+            r.fsync(p);
+            return;
+        }
+    };
+    let _ = target;
+    // The persistence point: the target if it exists, else its directory.
+    if r.resolve(&fsync_path).is_ok() {
+        r.fsync(&fsync_path);
+    } else {
+        r.fsync(parent(&fsync_path));
+    }
+}
+
+/// The state every ACE sequence starts from (made durable before recording starts).
+pub fn ace_setup(fs: &Ext2) -> Result<(), FsError> {
+    let c = ctx();
+    let root = fs.root();
+    let a = fs.mkdir(root, b"A", 0o755, &c)?.ino;
+    let foo_ino = fs.mknod(root, b"foo", libc::S_IFREG | 0o644, 0, &c)?.ino;
+    fs.write(foo_ino, 0, &pattern(1, 9000), &c)?;
+    let bar = fs.mknod(a, b"bar", libc::S_IFREG | 0o644, 0, &c)?.ino;
+    fs.write(bar, 0, &pattern(2, 3000), &c)?;
+    fs.sync_all()
+}
+
+/// Creates a small tree (the shape of an untar): `dirs` directories of `files` files
+/// of varied sizes, an fsync every tenth file, a sync at the end.
+pub fn untar(r: &mut Recorder, seed: u64, dirs: usize, files: usize) {
+    let mut rng = Rng::new(seed);
+    for d in 0..dirs {
+        let dp = format!("src{d}");
+        r.mkdir(&dp);
+        r.mkdir(&format!("{dp}/sub"));
+        for f in 0..files {
+            let p = if f % 3 == 0 {
+                format!("{dp}/sub/file{f}")
+            } else {
+                format!("{dp}/file{f}")
+            };
+            r.create(&p);
+            let len = [10usize, 700, 4096, 5000, 20000, 60000][rng.below(6) as usize];
+            r.write(&p, 0, &pattern(rng.next_u64(), len));
+            if f % 10 == 9 {
+                r.fsync(&p);
+            }
+        }
+    }
+    r.sync();
+}
+
+/// rm -rf of the untar tree (made durable first), fsyncing each emptied directory's
+/// parent.
+pub fn rmrf(r: &mut Recorder, dirs: usize, files: usize) {
+    for d in 0..dirs {
+        let dp = format!("src{d}");
+        for f in 0..files {
+            let p = if f % 3 == 0 {
+                format!("{dp}/sub/file{f}")
+            } else {
+                format!("{dp}/file{f}")
+            };
+            r.unlink(&p);
+        }
+        r.rmdir(&format!("{dp}/sub"));
+        r.fsync(&dp);
+        r.rmdir(&dp);
+        r.fsync("");
+    }
+    r.sync();
+}
+
+/// A PostMark-like mix: a pool of files, then transactions that create, delete, read
+/// or append, with an fsync of the touched file every fifth transaction.
+pub fn postmark(r: &mut Recorder, seed: u64, initial: usize, transactions: usize) {
+    let mut rng = Rng::new(seed);
+    r.mkdir("pm");
+    let mut live: Vec<String> = Vec::new();
+    let mut next = 0;
+    for _ in 0..initial {
+        let p = format!("pm/f{next}");
+        next += 1;
+        r.create(&p);
+        r.write(&p, 0, &pattern(rng.next_u64(), 500 + rng.below(9000) as usize));
+        live.push(p);
+    }
+    for t in 0..transactions {
+        let pick = rng.below(live.len().max(1) as u64) as usize;
+        let touched = match rng.below(4) {
+            0 => {
+                let p = format!("pm/f{next}");
+                next += 1;
+                r.create(&p);
+                r.write(&p, 0, &pattern(rng.next_u64(), 500 + rng.below(9000) as usize));
+                live.push(p.clone());
+                Some(p)
+            }
+            1 if !live.is_empty() => {
+                let p = live.swap_remove(pick);
+                r.unlink(&p);
+                None
+            }
+            2 if !live.is_empty() => {
+                let p = live[pick].clone();
+                r.begin(&[]);
+                if let Ok(i) = r.resolve(&p) {
+                    let _ = r.fs.read(i, 0, 65536);
+                }
+                None
+            }
+            _ if !live.is_empty() => {
+                let p = live[pick].clone();
+                let size = r
+                    .resolve(&p)
+                    .and_then(|i| r.fs.getattr(i))
+                    .map_or(0, |a| a.size);
+                r.write(&p, size, &pattern(rng.next_u64(), 1 + rng.below(3000) as usize));
+                Some(p)
+            }
+            _ => None,
+        };
+        if t % 5 == 4 {
+            match touched {
+                Some(p) => r.fsync(&p),
+                None => r.fsync("pm"),
+            }
+        }
+    }
+    r.sync();
+}
