@@ -43,13 +43,22 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
         seed: a.seed,
         keep_failures: a.keep_failures.clone(),
     };
-    let verbose = std::env::var("QUILTFS_LOG").is_ok();
-    let r = quilt_crashtest::run(&cfg, |line| {
-        if verbose {
-            eprintln!("crashtest: {line}");
-        }
+    // A progress bar with an estimate (drawn only on a terminal).
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} states, {eta} left  {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let r = quilt_crashtest::run(&cfg, |checked, planned, run| {
+        bar.set_length(planned as u64);
+        bar.set_position(checked as u64);
+        bar.set_message(run.to_string());
     })
-    .map_err(anyhow::Error::msg)?;
+    .map_err(anyhow::Error::msg);
+    bar.finish_and_clear();
+    let r = r?;
     print!("{}", r.text());
     if let Some(p) = &a.report {
         let json = serde_json::to_string_pretty(&r)?;

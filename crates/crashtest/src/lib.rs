@@ -51,8 +51,46 @@ pub struct Failure {
     pub run: String,
     pub state: CrashState,
     pub problems: Vec<String>,
-    /// Where the crash image was saved (`--keep-failures`).
+    /// Where the crash image and its reproduction were saved (`--keep-failures`).
     pub image: Option<String>,
+}
+
+/// The reproduction of a failing state: the operations begun before the cut, the
+/// state, what e2fsck said, the verdicts.
+fn reproduction(spec: &str, mode: Mode, rec: &Recorded, s: &CrashState, out: &Outcome) -> String {
+    let mut t = format!(
+        "run: {spec}\nmode: {mode}\ncrash state: the first {} entries of the recorded history ({} writes, {} flushes, {} marks in all); {}; of the writes after the last flush, these persisted: {:?}\n\noperations begun before the crash:\n",
+        s.len,
+        rec.log.writes(),
+        rec.log
+            .entries
+            .iter()
+            .filter(|e| matches!(e, quilt_block::LogEntry::Flush))
+            .count(),
+        rec.log
+            .entries
+            .iter()
+            .filter(|e| matches!(e, quilt_block::LogEntry::Mark(_)))
+            .count(),
+        s.why,
+        s.kept
+    );
+    for (k, op) in rec.touched.iter().enumerate() {
+        if rec
+            .log
+            .mark_position(&format!("op-{k}"))
+            .is_some_and(|p| p <= s.len)
+        {
+            t.push_str(&format!("  {k:4}  {}\n", op.what));
+        }
+    }
+    t.push_str("\nverdicts:\n");
+    for p in &out.problems {
+        t.push_str(&format!("  {:?}  {}\n", p.verdict, p.what));
+    }
+    t.push_str("\ne2fsck -fn:\n");
+    t.push_str(&out.fsck);
+    t
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -239,8 +277,9 @@ fn kind_of(what: &str) -> String {
     out.chars().take(90).collect()
 }
 
-/// Runs the explorer. `progress` hears a line per run.
-pub fn run(cfg: &Config, mut progress: impl FnMut(&str)) -> Result<Report, String> {
+/// Runs the explorer. After each run, `progress` hears the states checked so far, an
+/// estimate of how many will be checked in all, and the run's name.
+pub fn run(cfg: &Config, mut progress: impl FnMut(usize, usize, &str)) -> Result<Report, String> {
     let t0 = std::time::Instant::now();
     let mut specs = specs(&cfg.workload, cfg.seed)?;
     let mut rng = Rng::new(cfg.seed);
@@ -282,13 +321,23 @@ pub fn run(cfg: &Config, mut progress: impl FnMut(&str)) -> Result<Report, Strin
     };
     let per_run = (cfg.states / specs.len().max(1)).max(1);
     let mut kept = 0usize;
+    let mut done_runs = 0usize;
     for spec in &specs {
         let rec = record(cfg.mode, spec)?;
         report.operations += rec.touched.len();
         let all = states::generate(&rec.log, &mut rng);
         report.states_generated += all.len();
         let chosen = states::sample(all, per_run, &mut rng);
-        let outcomes = check_all(cfg.mode, &rec, &chosen, &tmp);
+        let planned_run = chosen.len();
+        let mut outcomes = Vec::with_capacity(planned_run);
+        // In slices, so the progress estimate moves within long runs too.
+        for slice in chosen.chunks(32) {
+            outcomes.extend(check_all(cfg.mode, &rec, slice, &tmp));
+            let planned = report.states_checked
+                + planned_run
+                + (specs.len() - done_runs - 1) * per_run;
+            progress(report.states_checked + outcomes.len(), planned, &spec.name);
+        }
         for (state, out) in chosen.iter().zip(outcomes) {
             report.states_checked += 1;
             report.promises_checked += out.promises_checked;
@@ -317,10 +366,15 @@ pub fn run(cfg: &Config, mut progress: impl FnMut(&str)) -> Result<Report, Strin
                             state.len,
                             kept
                         );
-                        let path = dir.join(name);
+                        let path = dir.join(&name);
                         let img = state_image(&rec, state)?;
                         std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
                         std::fs::write(&path, img).map_err(|e| e.to_string())?;
+                        std::fs::write(
+                            path.with_extension("txt"),
+                            reproduction(&spec.name, cfg.mode, &rec, state, &out),
+                        )
+                        .map_err(|e| e.to_string())?;
                         image = Some(path.display().to_string());
                         kept += 1;
                     }
@@ -340,13 +394,9 @@ pub fn run(cfg: &Config, mut progress: impl FnMut(&str)) -> Result<Report, Strin
                 }
             }
         }
-        progress(&format!(
-            "{}: {} operations, {} states checked so far, {} with violations",
-            spec.name,
-            rec.touched.len(),
-            report.states_checked,
-            report.with_violations
-        ));
+        done_runs += 1;
+        let planned = report.states_checked + (specs.len() - done_runs) * per_run;
+        progress(report.states_checked, planned, &spec.name);
     }
     report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)
@@ -378,6 +428,7 @@ fn check_all(
                     }],
                     violations: 1,
                     promises_checked: 0,
+                    fsck: String::new(),
                 }
             }
         };

@@ -32,6 +32,8 @@ pub struct Promise {
 /// What one operation touched: paths, and the inodes they named before it ran.
 #[derive(Debug, Clone, Default)]
 pub struct Touch {
+    /// The operation, as a reproduction lists it.
+    pub what: String,
     pub paths: Vec<String>,
     pub inodes: Vec<u64>,
 }
@@ -72,10 +74,11 @@ impl<'a> Recorder<'a> {
         }
     }
 
-    fn begin(&mut self, paths: &[&str]) {
+    fn begin(&mut self, what: String, paths: &[&str]) {
         self.dev.mark(&format!("op-{}", self.touched.len()));
         let inodes = paths.iter().filter_map(|p| self.resolve(p).ok()).collect();
         self.touched.push(Touch {
+            what,
             paths: paths.iter().map(|p| p.to_string()).collect(),
             inodes,
         });
@@ -106,7 +109,7 @@ impl<'a> Recorder<'a> {
     }
 
     pub fn create(&mut self, path: &str) {
-        self.begin(&[path]);
+        self.begin(format!("creat /{path}"), &[path]);
         let r = self.split(path).and_then(|(d, n)| {
             self.fs
                 .mknod(d, n.as_bytes(), libc::S_IFREG | 0o644, 0, &ctx())
@@ -115,7 +118,7 @@ impl<'a> Recorder<'a> {
     }
 
     pub fn mkdir(&mut self, path: &str) {
-        self.begin(&[path]);
+        self.begin(format!("mkdir /{path}"), &[path]);
         let r = self
             .split(path)
             .and_then(|(d, n)| self.fs.mkdir(d, n.as_bytes(), 0o755, &ctx()));
@@ -123,7 +126,10 @@ impl<'a> Recorder<'a> {
     }
 
     pub fn write(&mut self, path: &str, offset: u64, data: &[u8]) {
-        self.begin(&[path]);
+        self.begin(
+            format!("write /{path} at {offset}, {} bytes", data.len()),
+            &[path],
+        );
         let r = self
             .resolve(path)
             .and_then(|i| self.fs.write(i, offset, data, &ctx()));
@@ -131,7 +137,7 @@ impl<'a> Recorder<'a> {
     }
 
     pub fn truncate(&mut self, path: &str, size: u64) {
-        self.begin(&[path]);
+        self.begin(format!("truncate /{path} to {size}"), &[path]);
         let set = SetAttr {
             size: Some(size),
             ..Default::default()
@@ -143,7 +149,7 @@ impl<'a> Recorder<'a> {
     }
 
     pub fn link(&mut self, from: &str, to: &str) {
-        self.begin(&[from, to]);
+        self.begin(format!("link /{from} /{to}"), &[from, to]);
         let r = self.resolve(from).and_then(|i| {
             let (d, n) = self.split(to)?;
             self.fs.link(i, d, n.as_bytes(), &ctx())
@@ -152,7 +158,7 @@ impl<'a> Recorder<'a> {
     }
 
     pub fn unlink(&mut self, path: &str) {
-        self.begin(&[path]);
+        self.begin(format!("unlink /{path}"), &[path]);
         let r = self
             .split(path)
             .and_then(|(d, n)| self.fs.unlink(d, n.as_bytes(), &ctx()));
@@ -160,7 +166,7 @@ impl<'a> Recorder<'a> {
     }
 
     pub fn rmdir(&mut self, path: &str) {
-        self.begin(&[path]);
+        self.begin(format!("rmdir /{path}"), &[path]);
         let r = self
             .split(path)
             .and_then(|(d, n)| self.fs.rmdir(d, n.as_bytes(), &ctx()));
@@ -168,7 +174,7 @@ impl<'a> Recorder<'a> {
     }
 
     pub fn rename(&mut self, from: &str, to: &str) {
-        self.begin(&[from, to]);
+        self.begin(format!("rename /{from} /{to}"), &[from, to]);
         let r = self.split(from).and_then(|(d, n)| {
             let (d2, n2) = self.split(to)?;
             self.fs.rename(
@@ -185,7 +191,7 @@ impl<'a> Recorder<'a> {
 
     /// fsync(path); on success the path's state is promised.
     pub fn fsync(&mut self, path: &str) {
-        self.begin(&[]);
+        self.begin(format!("fsync /{path}"), &[]);
         let op = self.touched.len() - 1;
         let Some(ino) = self.note(self.resolve(path)) else {
             return;
@@ -208,7 +214,7 @@ impl<'a> Recorder<'a> {
 
     /// sync(); on success every path is promised.
     pub fn sync(&mut self) {
-        self.begin(&[]);
+        self.begin("sync".into(), &[]);
         let op = self.touched.len() - 1;
         if self.note(self.fs.sync_all()).is_none() {
             return;
@@ -442,7 +448,11 @@ pub fn postmark(r: &mut Recorder, seed: u64, initial: usize, transactions: usize
         let p = format!("pm/f{next}");
         next += 1;
         r.create(&p);
-        r.write(&p, 0, &pattern(rng.next_u64(), 500 + rng.below(9000) as usize));
+        r.write(
+            &p,
+            0,
+            &pattern(rng.next_u64(), 500 + rng.below(9000) as usize),
+        );
         live.push(p);
     }
     for t in 0..transactions {
@@ -452,7 +462,11 @@ pub fn postmark(r: &mut Recorder, seed: u64, initial: usize, transactions: usize
                 let p = format!("pm/f{next}");
                 next += 1;
                 r.create(&p);
-                r.write(&p, 0, &pattern(rng.next_u64(), 500 + rng.below(9000) as usize));
+                r.write(
+                    &p,
+                    0,
+                    &pattern(rng.next_u64(), 500 + rng.below(9000) as usize),
+                );
                 live.push(p.clone());
                 Some(p)
             }
@@ -463,7 +477,7 @@ pub fn postmark(r: &mut Recorder, seed: u64, initial: usize, transactions: usize
             }
             2 if !live.is_empty() => {
                 let p = live[pick].clone();
-                r.begin(&[]);
+                r.begin(format!("read /{p}"), &[]);
                 if let Ok(i) = r.resolve(&p) {
                     let _ = r.fs.read(i, 0, 65536);
                 }
@@ -475,7 +489,11 @@ pub fn postmark(r: &mut Recorder, seed: u64, initial: usize, transactions: usize
                     .resolve(&p)
                     .and_then(|i| r.fs.getattr(i))
                     .map_or(0, |a| a.size);
-                r.write(&p, size, &pattern(rng.next_u64(), 1 + rng.below(3000) as usize));
+                r.write(
+                    &p,
+                    size,
+                    &pattern(rng.next_u64(), 1 + rng.below(3000) as usize),
+                );
                 Some(p)
             }
             _ => None,
