@@ -333,9 +333,8 @@ pub fn run(cfg: &Config, mut progress: impl FnMut(usize, usize, &str)) -> Result
         // In slices, so the progress estimate moves within long runs too.
         for slice in chosen.chunks(32) {
             outcomes.extend(check_all(cfg.mode, &rec, slice, &tmp));
-            let planned = report.states_checked
-                + planned_run
-                + (specs.len() - done_runs - 1) * per_run;
+            let planned =
+                report.states_checked + planned_run + (specs.len() - done_runs - 1) * per_run;
             progress(report.states_checked + outcomes.len(), planned, &spec.name);
         }
         for (state, out) in chosen.iter().zip(outcomes) {
