@@ -409,18 +409,26 @@ impl Ext2 {
         let h = self.modify_inode(st, parent, &[r], |d| {
             Self::touch_times(d, true, true);
             d.flags &= !INDEX_FL;
-            if rmdir {
-                d.links = d.links.saturating_sub(1);
-            }
         })?;
         self.track(st, parent, Some(r));
         self.track(st, parent, h);
-        self.drop_link(st, f.inode, rmdir, Some(r))
+        let gone = self.drop_link(st, f.inode, rmdir, Some(r))?;
+        if rmdir {
+            // The parent counts the child's ".." until the child is cleared: count it
+            // down only after that (the crash explorer found the parent's link count
+            // too low when this waited only for the entry's removal).
+            let after: Vec<PatchId> = gone.into_iter().chain([r]).collect();
+            let d =
+                self.modify_inode(st, parent, &after, |d| d.links = d.links.saturating_sub(1))?;
+            self.track(st, parent, d);
+        }
+        Ok(())
     }
 
     /// One name of `ino` is gone (after `removal`): count it down, and free the inode
-    /// when no name and no open handle is left.
-    fn drop_link(&self, st: &mut State, ino: u32, whole_dir: bool, removal: Head) -> Result<()> {
+    /// when no name and no open handle is left. Returns the patch that wrote the inode's
+    /// new state (cleared, when freed).
+    fn drop_link(&self, st: &mut State, ino: u32, whole_dir: bool, removal: Head) -> Result<Head> {
         let mut inode = self.read_inode(st, ino)?;
         inode.links = if whole_dir {
             0
@@ -431,14 +439,14 @@ impl Ext2 {
         if inode.links > 0 {
             let h = self.write_inode(st, ino, &inode, &removal.into_iter().collect::<Vec<_>>())?;
             self.track(st, ino, h);
-            return Ok(());
+            return Ok(h);
         }
         if st.open.get(&ino).copied().unwrap_or(0) > 0 {
             // Still open: it lives, nameless, until the last release.
             st.orphans.insert(ino);
             let h = self.write_inode(st, ino, &inode, &removal.into_iter().collect::<Vec<_>>())?;
             self.track(st, ino, h);
-            return Ok(());
+            return Ok(h);
         }
         self.destroy_inode(st, ino, removal)
     }

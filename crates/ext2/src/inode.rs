@@ -617,7 +617,8 @@ impl Ext2 {
     /// Frees an inode whose last name is gone, after `removal` (the patch that removed
     /// its entry): the cleared inode waits for the removal, the bitmap frees wait for the
     /// cleared inode.
-    pub(crate) fn destroy_inode(&self, st: &mut State, ino: u32, removal: Head) -> Result<()> {
+    /// Frees an inode and its blocks after `removal`; returns the patch clearing it.
+    pub(crate) fn destroy_inode(&self, st: &mut State, ino: u32, removal: Head) -> Result<Head> {
         let inode = self.read_inode(st, ino)?;
         let mut frees = Vec::new();
         if inode.has_block_map() {
@@ -636,7 +637,7 @@ impl Ext2 {
         self.free_inode(st, ino, inode.is_dir(), after)?;
         st.heads.remove(&ino);
         st.counters.inodes_freed += 1;
-        Ok(())
+        Ok(after)
     }
 
     /// Setattr. A change of owner or group of anything but a directory drops set-user-ID,
