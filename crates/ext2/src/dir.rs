@@ -148,13 +148,19 @@ impl Ext2 {
     pub(crate) fn remove_entry(&self, f: &Found, befores: &[PatchId]) -> Result<PatchId> {
         match f.prev {
             Some(prev) => {
-                let (prev_len, len) = self
+                // The new length is computed from both records' lengths, which pending
+                // patches may have set (a split that placed this entry): the patch
+                // covers every byte from the previous record's length through this
+                // record's length, so it waits for (or merges with) whatever wrote them.
+                // Written over the length field alone, it could land while the split
+                // it relied on was rolled back, exposing a stale entry (the crash
+                // explorer found a name pointing at a freed inode that way).
+                let mut b = self
                     .engine
-                    .with_block(f.phys as u64, |d| {
-                        (le16(d, prev + 4), le16(d, f.offset + 4))
-                    })
+                    .with_block(f.phys as u64, |d| d[prev + 4..f.offset + 6].to_vec())
                     .map_err(Self::io)?;
-                let mut b = [0u8; 2];
+                let len = le16(&b, f.offset + 4 - (prev + 4));
+                let prev_len = le16(&b, 0);
                 put16(&mut b, 0, prev_len + len);
                 self.put_exact(f.phys, prev + 4, &b, befores)
             }
