@@ -250,11 +250,7 @@ pub fn check_state(img: &[u8], mode: Mode, promises: &[&Promise], tmp: &Path) ->
 }
 
 fn resolve(fs: &Ext2, path: &str) -> Option<u64> {
-    let mut ino = fs.root();
-    for c in path.split('/').filter(|c| !c.is_empty()) {
-        ino = fs.lookup(ino, c.as_bytes()).ok()?.ino;
-    }
-    Some(ino)
+    crate::workload::resolve(fs, path).ok()
 }
 
 /// The first path at which two trees differ (kind, size, links, contents, names).
