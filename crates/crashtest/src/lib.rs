@@ -118,12 +118,13 @@ pub struct Report {
 /// A workload run: its name, and how to set up and drive it.
 struct RunSpec {
     name: String,
-    setup: fn(&Ext2) -> Result<(), String>,
+    setup: Box<dyn Fn(&Ext2) -> Result<(), String> + Send + Sync>,
     body: Box<dyn Fn(&mut Recorder) + Send + Sync>,
 }
 
 fn specs(workload: &str, seed: u64) -> Result<Vec<RunSpec>, String> {
-    let none: fn(&Ext2) -> Result<(), String> = |_| Ok(());
+    let none =
+        || -> Box<dyn Fn(&Ext2) -> Result<(), String> + Send + Sync> { Box::new(|_| Ok(())) };
     Ok(match workload {
         "ace" => {
             let mut v = Vec::new();
@@ -150,7 +151,7 @@ fn specs(workload: &str, seed: u64) -> Result<Vec<RunSpec>, String> {
                 );
                 v.push(RunSpec {
                     name,
-                    setup: |fs| workload::ace_setup(fs).map_err(|e| e.to_string()),
+                    setup: Box::new(|fs| workload::ace_setup(fs).map_err(|e| e.to_string())),
                     body: Box::new(move |r| {
                         for (pos, &o) in s.iter().enumerate() {
                             workload::ace_step(r, ops[o], pos);
@@ -162,22 +163,24 @@ fn specs(workload: &str, seed: u64) -> Result<Vec<RunSpec>, String> {
         }
         "untar" => vec![RunSpec {
             name: "untar".into(),
-            setup: none,
+            setup: none(),
             body: Box::new(move |r| workload::untar(r, seed, 3, 24)),
         }],
         "rmrf" => vec![RunSpec {
             name: "rmrf".into(),
-            setup: |fs| {
+            // The tree to remove (the default seed 1 gives the tree of seed 7 that earlier
+            // versions always removed).
+            setup: Box::new(move |fs| {
                 let dev = MemDevice::new(BS, 1).map_err(|e| e.to_string())?;
                 let mut r = Recorder::new(&dev, fs);
-                workload::untar(&mut r, 7, 3, 24);
+                workload::untar(&mut r, seed.wrapping_add(6), 3, 24);
                 Ok(())
-            },
+            }),
             body: Box::new(|r| workload::rmrf(r, 3, 24)),
         }],
         "postmark" => vec![RunSpec {
             name: "postmark".into(),
-            setup: none,
+            setup: none(),
             body: Box::new(move |r| workload::postmark(r, seed, 30, 120)),
         }],
         "all" => {
@@ -202,7 +205,7 @@ fn engine(dev: Arc<dyn quilt_block::BlockDevice>) -> Engine {
 
 /// The image a run starts from: fresh, with a journal in the journal modes, and the
 /// workload's setup made durable by a clean unmount.
-fn base_image(mode: Mode, setup: fn(&Ext2) -> Result<(), String>) -> Result<Vec<u8>, String> {
+fn base_image(mode: Mode, setup: &dyn Fn(&Ext2) -> Result<(), String>) -> Result<Vec<u8>, String> {
     let dev = Arc::new(MemDevice::new(BS, BLOCKS).map_err(|e| e.to_string())?);
     mkfs(
         &engine(dev.clone()),
@@ -233,7 +236,7 @@ struct Recorded {
 }
 
 fn record(mode: Mode, spec: &RunSpec) -> Result<Recorded, String> {
-    let base = base_image(mode, spec.setup)?;
+    let base = base_image(mode, &*spec.setup)?;
     let mem = Arc::new(MemDevice::from_bytes(BS, &base).map_err(|e| e.to_string())?);
     let rec = Arc::new(RecordingDevice::new(mem, 1 << 30));
     let fs = Ext2::open(
@@ -321,84 +324,156 @@ pub fn run(cfg: &Config, mut progress: impl FnMut(usize, usize, &str)) -> Result
     };
     let per_run = (cfg.states / specs.len().max(1)).max(1);
     let mut kept = 0usize;
-    let mut done_runs = 0usize;
-    for spec in &specs {
-        let rec = record(cfg.mode, spec)?;
-        report.operations += rec.touched.len();
-        let all = states::generate(&rec.log, &mut rng);
-        report.states_generated += all.len();
-        let chosen = states::sample(all, per_run, &mut rng);
-        let planned_run = chosen.len();
-        let mut outcomes = Vec::with_capacity(planned_run);
-        // In slices, so the progress estimate moves within long runs too.
-        for slice in chosen.chunks(32) {
-            outcomes.extend(check_all(cfg.mode, &rec, slice, &tmp));
-            let planned =
-                report.states_checked + planned_run + (specs.len() - done_runs - 1) * per_run;
-            progress(report.states_checked + outcomes.len(), planned, &spec.name);
+    let n = specs.len();
+    for (done, spec) in specs.iter().enumerate() {
+        let remaining = (n - done - 1) * per_run;
+        explore(
+            cfg,
+            spec,
+            per_run,
+            remaining,
+            &mut rng,
+            &tmp,
+            &mut report,
+            &mut kept,
+            &mut progress,
+        )?;
+    }
+    // Budget left after every state of the chosen runs: more runs of the seeded workloads
+    // (untar, rm -rf, PostMark) with the following seeds, until it is spent.
+    let extendable: Vec<&str> = match cfg.workload.as_str() {
+        "all" => WORKLOADS.iter().copied().filter(|w| *w != "ace").collect(),
+        "ace" => Vec::new(),
+        w => vec![w],
+    };
+    let mut next_seed = cfg.seed;
+    while report.states_checked < cfg.states && !extendable.is_empty() {
+        next_seed = next_seed.wrapping_add(1);
+        if next_seed.wrapping_sub(cfg.seed) > 100_000 {
+            break;
         }
-        for (state, out) in chosen.iter().zip(outcomes) {
-            report.states_checked += 1;
-            report.promises_checked += out.promises_checked;
-            for p in &out.problems {
-                let e = report
-                    .problem_kinds
-                    .entry(kind_of(&p.what))
-                    .or_insert((0, "allowed"));
-                e.0 += 1;
-                if p.verdict == Verdict::Violation {
-                    e.1 = "violation";
-                }
+        for w in &extendable {
+            let left = cfg.states.saturating_sub(report.states_checked);
+            if left == 0 {
+                break;
             }
-            if out.problems.is_empty() {
-                report.clean += 1;
-            } else if out.violations == 0 {
-                report.allowed_only += 1;
-            } else {
-                report.with_violations += 1;
-                let mut image = None;
-                if let Some(dir) = &cfg.keep_failures {
-                    if kept < 50 {
-                        let name = format!(
-                            "{}-{}-{}.img",
-                            spec.name.replace(['[', ']', ','], "_"),
-                            state.len,
-                            kept
-                        );
-                        let path = dir.join(&name);
-                        let img = state_image(&rec, state)?;
-                        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
-                        std::fs::write(&path, img).map_err(|e| e.to_string())?;
-                        std::fs::write(
-                            path.with_extension("txt"),
-                            reproduction(&spec.name, cfg.mode, &rec, state, &out),
-                        )
-                        .map_err(|e| e.to_string())?;
-                        image = Some(path.display().to_string());
-                        kept += 1;
-                    }
-                }
-                if report.failures.len() < 200 {
-                    report.failures.push(Failure {
-                        run: spec.name.clone(),
-                        state: state.clone(),
-                        problems: out
-                            .problems
-                            .iter()
-                            .filter(|p| p.verdict == Verdict::Violation)
-                            .map(|p| p.what.clone())
-                            .collect(),
-                        image,
-                    });
-                }
+            for mut spec in self::specs(w, next_seed)? {
+                spec.name = format!("{}@{next_seed}", spec.name);
+                let left = cfg.states.saturating_sub(report.states_checked);
+                explore(
+                    cfg,
+                    &spec,
+                    left,
+                    0,
+                    &mut rng,
+                    &tmp,
+                    &mut report,
+                    &mut kept,
+                    &mut progress,
+                )?;
+                report.runs += 1;
+                report.runs_possible += 1;
             }
         }
-        done_runs += 1;
-        let planned = report.states_checked + (specs.len() - done_runs) * per_run;
-        progress(report.states_checked, planned, &spec.name);
     }
     report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// Records one run, cuts its states, checks at most `budget` of them, and adds the
+/// results to `report`. `after` is how many more states later runs will check (for the
+/// progress estimate).
+#[allow(clippy::too_many_arguments)]
+fn explore(
+    cfg: &Config,
+    spec: &RunSpec,
+    budget: usize,
+    after: usize,
+    rng: &mut Rng,
+    tmp: &std::path::Path,
+    report: &mut Report,
+    kept: &mut usize,
+    progress: &mut impl FnMut(usize, usize, &str),
+) -> Result<(), String> {
+    let rec = record(cfg.mode, spec)?;
+    report.operations += rec.touched.len();
+    let all = states::generate(&rec.log, rng);
+    report.states_generated += all.len();
+    let chosen = states::sample(all, budget, rng);
+    let planned_run = chosen.len();
+    let mut outcomes = Vec::with_capacity(planned_run);
+    let base = report.states_checked;
+    let estimate = |checked: usize| {
+        (base + planned_run + after).max(cfg.states.min(checked + after).max(checked))
+    };
+    // In slices, so the progress estimate moves within long runs too.
+    for slice in chosen.chunks(32) {
+        outcomes.extend(check_all(cfg.mode, &rec, slice, tmp));
+        let checked = base + outcomes.len();
+        progress(checked, estimate(checked), &spec.name);
+    }
+    for (state, out) in chosen.iter().zip(outcomes) {
+        report.states_checked += 1;
+        report.promises_checked += out.promises_checked;
+        for p in &out.problems {
+            let e = report
+                .problem_kinds
+                .entry(kind_of(&p.what))
+                .or_insert((0, "allowed"));
+            e.0 += 1;
+            if p.verdict == Verdict::Violation {
+                e.1 = "violation";
+            }
+        }
+        if out.problems.is_empty() {
+            report.clean += 1;
+        } else if out.violations == 0 {
+            report.allowed_only += 1;
+        } else {
+            report.with_violations += 1;
+            let mut image = None;
+            if let Some(dir) = &cfg.keep_failures {
+                if *kept < 50 {
+                    let name = format!(
+                        "{}-{}-{}.img",
+                        spec.name.replace(['[', ']', ','], "_"),
+                        state.len,
+                        kept
+                    );
+                    let path = dir.join(&name);
+                    let img = state_image(&rec, state)?;
+                    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+                    std::fs::write(&path, img).map_err(|e| e.to_string())?;
+                    std::fs::write(
+                        path.with_extension("txt"),
+                        reproduction(&spec.name, cfg.mode, &rec, state, &out),
+                    )
+                    .map_err(|e| e.to_string())?;
+                    image = Some(path.display().to_string());
+                    *kept += 1;
+                }
+            }
+            if report.failures.len() < 200 {
+                report.failures.push(Failure {
+                    run: spec.name.clone(),
+                    state: state.clone(),
+                    problems: out
+                        .problems
+                        .iter()
+                        .filter(|p| p.verdict == Verdict::Violation)
+                        .map(|p| p.what.clone())
+                        .collect(),
+                    image,
+                });
+            }
+        }
+    }
+    progress(
+        report.states_checked,
+        report.states_checked + after,
+        &spec.name,
+    );
+    Ok(())
 }
 
 fn state_image(rec: &Recorded, s: &CrashState) -> Result<Vec<u8>, String> {
@@ -407,6 +482,20 @@ fn state_image(rec: &Recorded, s: &CrashState) -> Result<Vec<u8>, String> {
         .replay_subset(s.len, &dev, |i| s.keeps(i))
         .map_err(|e| e.to_string())?;
     Ok(dev.to_vec())
+}
+
+/// The promises a crash at cut `len` must keep: those made before the cut, unless an
+/// operation after the promise (and begun before the cut) touched its path or its file.
+fn promises_at(rec: &Recorded, len: usize) -> Vec<&workload::Promise> {
+    let pos = |m: &str| rec.log.mark_position(m);
+    let begun = (0..rec.touched.len())
+        .take_while(|k| pos(&format!("op-{k}")).is_some_and(|x| x <= len))
+        .count();
+    rec.promises
+        .iter()
+        .filter(|p| pos(&p.mark).is_some_and(|x| x <= len))
+        .filter(|p| !(p.op + 1..begun).any(|k| rec.touched[k].invalidates(p)))
+        .collect()
 }
 
 /// Checks `states` on two threads (e2fsck runs as a separate process).
@@ -431,22 +520,16 @@ fn check_all(
                 }
             }
         };
-        let pos = |m: &str| rec.log.mark_position(m);
-        let promises: Vec<&workload::Promise> = rec
-            .promises
-            .iter()
-            .filter(|p| pos(&p.mark).is_some_and(|x| x <= s.len))
-            .collect();
-        // Operations begun before the cut.
-        let begun = (0..rec.touched.len())
-            .take_while(|k| pos(&format!("op-{k}")).is_some_and(|x| x <= s.len))
-            .count();
-        // A promise stands unless an operation after it (and begun before the cut)
-        // touched its path or its file.
-        let relevant: Vec<&workload::Promise> = promises
-            .into_iter()
-            .filter(|p| !(p.op + 1..begun).any(|k| rec.touched[k].invalidates(p)))
-            .collect();
+        // The image is the crash state of every cut in `also` too: it must keep the
+        // promises of each.
+        let mut relevant: Vec<&workload::Promise> = Vec::new();
+        for len in std::iter::once(s.len).chain(s.also.iter().copied()) {
+            for p in promises_at(rec, len) {
+                if !relevant.iter().any(|q| std::ptr::eq(*q, p)) {
+                    relevant.push(p);
+                }
+            }
+        }
         check::check_state(&img, mode, &relevant, tmp)
     };
     let half = states.len().div_ceil(2);

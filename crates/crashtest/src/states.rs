@@ -5,7 +5,7 @@
 
 use crate::workload::Rng;
 use quilt_block::{LogEntry, RecordingLog};
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 
 /// One crash state.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -18,6 +18,11 @@ pub struct CrashState {
     pub kept: Vec<usize>,
     /// How the state was chosen.
     pub why: &'static str,
+    /// Other cuts that leave the very same disk image (a mark with no write since the
+    /// previous cut, a flush whose writes all landed). The image is checked once; the
+    /// persistence oracle holds it to the promises of every one of these cuts.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub also: Vec<usize>,
 }
 
 impl CrashState {
@@ -31,14 +36,53 @@ pub const EXHAUSTIVE_MAX: usize = 4;
 /// Past it, this many random subsets besides "all" and "none".
 pub const RANDOM_SUBSETS: usize = 6;
 
-/// Every state worth checking: each prefix ending at a flush or a mark (all writes in),
-/// the whole log, and just before each flush, subsets of the writes in flight.
+/// The writes a state applies, in a canonical form: how many of the log's writes are
+/// applied from the start without a gap, and the applied writes past that gap. Two
+/// states with the same key leave the same image.
+fn image_key(
+    log: &RecordingLog,
+    writes: &[usize],
+    len: usize,
+    kept: &[usize],
+) -> (usize, Vec<usize>) {
+    let durable = log.durable_prefix(len);
+    let mut applied: Vec<usize> = writes.iter().copied().filter(|&i| i < durable).collect();
+    applied.extend_from_slice(kept);
+    let run = applied
+        .iter()
+        .zip(writes)
+        .take_while(|(a, w)| a == w)
+        .count();
+    (run, applied[run..].to_vec())
+}
+
+/// Every distinct state worth checking: each prefix ending at a flush or a mark (all
+/// writes in), the whole log, and just before each flush, subsets of the writes in
+/// flight. Cuts that leave the same image are one state (see [`CrashState::also`]).
 pub fn generate(log: &RecordingLog, rng: &mut Rng) -> Vec<CrashState> {
-    let mut out = Vec::new();
-    let mut seen: BTreeSet<(usize, Vec<usize>)> = BTreeSet::new();
+    let writes: Vec<usize> = (0..log.entries.len())
+        .filter(|&i| matches!(log.entries[i], LogEntry::Write { .. }))
+        .collect();
+    let mut out: Vec<CrashState> = Vec::new();
+    let mut seen: BTreeMap<(usize, Vec<usize>), usize> = BTreeMap::new();
     let mut push = |len: usize, kept: Vec<usize>, why: &'static str, out: &mut Vec<CrashState>| {
-        if seen.insert((len, kept.clone())) {
-            out.push(CrashState { len, kept, why });
+        let key = image_key(log, &writes, len, &kept);
+        match seen.get(&key) {
+            Some(&at) => {
+                let s = &mut out[at];
+                if s.len != len && !s.also.contains(&len) {
+                    s.also.push(len);
+                }
+            }
+            None => {
+                seen.insert(key, out.len());
+                out.push(CrashState {
+                    len,
+                    kept,
+                    why,
+                    also: Vec::new(),
+                });
+            }
         }
     };
     for len in log.crash_points() {
@@ -123,12 +167,29 @@ mod tests {
         rec.flush().unwrap();
         let log = rec.take_log();
         let states = generate(&log, &mut Rng::new(1));
-        // Before the first flush: 4 subsets of 2 writes; before the second: 8 of 3.
-        assert_eq!(states.iter().filter(|s| s.len == 2).count(), 4);
-        assert_eq!(states.iter().filter(|s| s.len == 7).count(), 8);
-        assert!(states
+        // Before the first flush: 4 subsets of 2 writes, but "both" is the image after
+        // the flush. Before the second: 8 subsets of 3, but "none" is the image after the
+        // first flush and "all" the one after the second.
+        assert_eq!(states.iter().filter(|s| s.len == 2).count(), 3);
+        assert_eq!(states.iter().filter(|s| s.len == 7).count(), 6);
+        let after_first = states.iter().find(|s| s.len == 3).unwrap();
+        assert_eq!(
+            after_first.also,
+            vec![4, 2, 7],
+            "the fsync mark, the full subset before the first flush and the empty one before the second leave the same image"
+        );
+        let n = states.len();
+        let mut keys: Vec<_> = states
             .iter()
-            .any(|s| s.why == "after an fsync" && s.len == 4));
+            .map(|s| {
+                let dev = MemDevice::new(512, 16).unwrap();
+                log.replay_subset(s.len, &dev, |i| s.keeps(i)).unwrap();
+                dev.to_vec()
+            })
+            .collect();
+        keys.sort();
+        keys.dedup();
+        assert_eq!(keys.len(), n, "every state leaves a different image");
         assert!(states.iter().any(|s| s.len == log.entries.len()));
         let sampled = sample(states.clone(), 5, &mut Rng::new(2));
         assert_eq!(sampled.len(), 5);
