@@ -115,16 +115,18 @@ pub struct Report {
     pub seconds: f64,
 }
 
+/// What a run does to a fresh image before recording starts.
+type Setup = Box<dyn Fn(&Ext2) -> Result<(), String> + Send + Sync>;
+
 /// A workload run: its name, and how to set up and drive it.
 struct RunSpec {
     name: String,
-    setup: Box<dyn Fn(&Ext2) -> Result<(), String> + Send + Sync>,
+    setup: Setup,
     body: Box<dyn Fn(&mut Recorder) + Send + Sync>,
 }
 
 fn specs(workload: &str, seed: u64) -> Result<Vec<RunSpec>, String> {
-    let none =
-        || -> Box<dyn Fn(&Ext2) -> Result<(), String> + Send + Sync> { Box::new(|_| Ok(())) };
+    let none = || -> Setup { Box::new(|_| Ok(())) };
     Ok(match workload {
         "ace" => {
             let mut v = Vec::new();
