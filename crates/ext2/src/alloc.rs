@@ -59,7 +59,7 @@ impl Ext2 {
                 word as usize,
                 1 << (bit % 32),
                 &befores,
-                Self::meta(),
+                self.meta(),
             )
             .map_err(Self::io)
     }

@@ -3,12 +3,13 @@
 //! the `FileSystem` trait implementation.
 
 use crate::format::*;
-use quilt_patch::{ChangeOpts, Engine, PatchError, PatchId};
+use quilt_patch::{ChangeOpts, Engine, PatchError, PatchId, PatchgroupId};
 use quilt_vfs::{
-    Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, RenameFlags, Result, SetAttr, StatFs,
-    XattrFlags,
+    Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, PgId, RenameFlags, Result, SetAttr,
+    StatFs, XattrFlags,
 };
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Mutex, MutexGuard};
 
 /// The consistency mode, chosen at mount.
@@ -145,6 +146,10 @@ pub struct Ext2 {
     pub(crate) st: Mutex<State>,
     /// The running ext3 journal in the journal modes (read-write).
     pub(crate) journal: Option<quilt_journal::Journal>,
+    /// The process the operation under way works for (0: none). Its engaged patchgroups
+    /// order every change the operation makes. Set with `st` locked and read only by
+    /// the operation holding it, so the lock is what protects it.
+    pub(crate) caller: std::sync::atomic::AtomicU64,
 }
 
 /// Fsync lists longer than this fold into one empty patch.
@@ -277,6 +282,7 @@ impl Ext2 {
             }),
             geo,
             journal: None,
+            caller: std::sync::atomic::AtomicU64::new(0),
         };
         // The root must be a directory.
         {
@@ -347,8 +353,19 @@ impl Ext2 {
         self.engine.sync().map_err(Self::io)
     }
 
+    /// Locks the state for an operation made on no process's behalf.
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        self.st.lock().unwrap_or_else(|e| e.into_inner())
+        let st = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        self.caller.store(0, Relaxed);
+        st
+    }
+
+    /// Locks the state for an operation made for `ctx`'s process: its changes join the
+    /// patchgroups that process has engaged.
+    pub(crate) fn lock_for(&self, ctx: &Ctx) -> MutexGuard<'_, State> {
+        let st = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        self.caller.store(ctx.pid as u64, Relaxed);
+        st
     }
 
     pub(crate) fn io(e: PatchError) -> FsError {
@@ -362,13 +379,22 @@ impl Ext2 {
         }
     }
 
-    pub(crate) fn meta() -> ChangeOpts {
-        ChangeOpts::default()
+    fn current_caller(&self) -> Option<quilt_patch::CallerId> {
+        match self.caller.load(Relaxed) {
+            0 => None,
+            c => Some(c),
+        }
     }
-    pub(crate) fn data() -> ChangeOpts {
+    pub(crate) fn meta(&self) -> ChangeOpts {
         ChangeOpts {
+            caller: self.current_caller(),
+            data: false,
+        }
+    }
+    pub(crate) fn data(&self) -> ChangeOpts {
+        ChangeOpts {
+            caller: self.current_caller(),
             data: true,
-            ..Default::default()
         }
     }
 
@@ -414,7 +440,7 @@ impl Ext2 {
             return Ok(None);
         };
         let befores = self.cross(befores);
-        let opts = if data { Self::data() } else { Self::meta() };
+        let opts = if data { self.data() } else { self.meta() };
         self.engine
             .write(blk as u64, off + lo, &new[lo..hi], &befores, opts)
             .map(Some)
@@ -433,7 +459,7 @@ impl Ext2 {
     ) -> Result<PatchId> {
         let befores = self.cross(befores);
         self.engine
-            .write(blk as u64, off, bytes, &befores, Self::meta())
+            .write(blk as u64, off, bytes, &befores, self.meta())
             .map_err(Self::io)
     }
 
@@ -446,7 +472,7 @@ impl Ext2 {
         is_data: bool,
     ) -> Result<PatchId> {
         let befores = self.cross(befores);
-        let opts = if is_data { Self::data() } else { Self::meta() };
+        let opts = if is_data { self.data() } else { self.meta() };
         self.engine
             .write(blk as u64, 0, data, &befores, opts)
             .map_err(Self::io)
@@ -638,9 +664,9 @@ impl FileSystem for Ext2 {
         self.attr(&st, Self::to_ino(ino)?)
     }
 
-    fn setattr(&self, ino: Ino, set: SetAttr, _ctx: &Ctx) -> Result<Attr> {
+    fn setattr(&self, ino: Ino, set: SetAttr, ctx: &Ctx) -> Result<Attr> {
         self.check_writable()?;
-        let mut st = self.lock();
+        let mut st = self.lock_for(ctx);
         let r = self.do_setattr(&mut st, Self::to_ino(ino)?, set);
         self.flush_groups(&mut st)?;
         r
@@ -655,7 +681,7 @@ impl FileSystem for Ext2 {
                 "mknod makes files, devices, fifos and sockets",
             ));
         }
-        let mut st = self.lock();
+        let mut st = self.lock_for(ctx);
         let r = self.create_node(
             &mut st,
             Self::to_ino(parent)?,
@@ -671,24 +697,24 @@ impl FileSystem for Ext2 {
 
     fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
         self.check_writable()?;
-        let mut st = self.lock();
+        let mut st = self.lock_for(ctx);
         let mode = libc::S_IFDIR | (mode & 0o7777 & !(ctx.umask & 0o777));
         let r = self.create_node(&mut st, Self::to_ino(parent)?, name, mode, 0, None, ctx);
         self.flush_groups(&mut st)?;
         r
     }
 
-    fn unlink(&self, parent: Ino, name: &[u8], _ctx: &Ctx) -> Result<()> {
+    fn unlink(&self, parent: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
         self.check_writable()?;
-        let mut st = self.lock();
+        let mut st = self.lock_for(ctx);
         let r = self.remove_name(&mut st, Self::to_ino(parent)?, name, false);
         self.flush_groups(&mut st)?;
         r
     }
 
-    fn rmdir(&self, parent: Ino, name: &[u8], _ctx: &Ctx) -> Result<()> {
+    fn rmdir(&self, parent: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
         self.check_writable()?;
-        let mut st = self.lock();
+        let mut st = self.lock_for(ctx);
         let r = self.remove_name(&mut st, Self::to_ino(parent)?, name, true);
         self.flush_groups(&mut st)?;
         r
@@ -702,7 +728,7 @@ impl FileSystem for Ext2 {
         if target.len() >= self.geo.bs as usize {
             return Err(FsError::NameTooLong);
         }
-        let mut st = self.lock();
+        let mut st = self.lock_for(ctx);
         let r = self.create_node(
             &mut st,
             Self::to_ino(parent)?,
@@ -728,10 +754,10 @@ impl FileSystem for Ext2 {
         new_parent: Ino,
         new_name: &[u8],
         flags: RenameFlags,
-        _ctx: &Ctx,
+        ctx: &Ctx,
     ) -> Result<()> {
         self.check_writable()?;
-        let mut st = self.lock();
+        let mut st = self.lock_for(ctx);
         let r = self.do_rename(
             &mut st,
             Self::to_ino(parent)?,
@@ -744,9 +770,9 @@ impl FileSystem for Ext2 {
         r
     }
 
-    fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8], _ctx: &Ctx) -> Result<Attr> {
+    fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8], ctx: &Ctx) -> Result<Attr> {
         self.check_writable()?;
-        let mut st = self.lock();
+        let mut st = self.lock_for(ctx);
         let r = self.do_link(
             &mut st,
             Self::to_ino(ino)?,
@@ -762,9 +788,9 @@ impl FileSystem for Ext2 {
         self.do_read(&st, Self::to_ino(ino)?, offset, size)
     }
 
-    fn write(&self, ino: Ino, offset: u64, data: &[u8], _ctx: &Ctx) -> Result<u32> {
+    fn write(&self, ino: Ino, offset: u64, data: &[u8], ctx: &Ctx) -> Result<u32> {
         self.check_writable()?;
-        let mut st = self.lock();
+        let mut st = self.lock_for(ctx);
         let r = self.do_write(&mut st, Self::to_ino(ino)?, offset, data);
         self.flush_groups(&mut st)?;
         r
@@ -853,9 +879,16 @@ impl FileSystem for Ext2 {
         self.engine.sync().map_err(Self::io)
     }
 
-    fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
+    fn setxattr(
+        &self,
+        ino: Ino,
+        name: &[u8],
+        value: &[u8],
+        flags: XattrFlags,
+        ctx: &Ctx,
+    ) -> Result<()> {
         self.check_writable()?;
-        let mut st = self.lock();
+        let mut st = self.lock_for(ctx);
         let r = self.do_setxattr(&mut st, Self::to_ino(ino)?, name, Some(value), flags);
         self.flush_groups(&mut st)?;
         r
@@ -871,9 +904,9 @@ impl FileSystem for Ext2 {
         self.do_listxattr(&st, Self::to_ino(ino)?)
     }
 
-    fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()> {
+    fn removexattr(&self, ino: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
         self.check_writable()?;
-        let mut st = self.lock();
+        let mut st = self.lock_for(ctx);
         let r = self.do_setxattr(
             &mut st,
             Self::to_ino(ino)?,
@@ -910,5 +943,70 @@ impl FileSystem for Ext2 {
 
     fn counters(&self) -> Vec<(String, u64)> {
         self.counters_list()
+    }
+
+    fn pg_create(&self) -> Result<PgId> {
+        self.check_writable()?;
+        Ok(self.engine.pg_create().0)
+    }
+
+    fn pg_depend(&self, after: PgId, before: PgId) -> Result<()> {
+        self.engine
+            .pg_add_depend(PatchgroupId(after), PatchgroupId(before))
+            .map_err(pg_err)
+    }
+
+    fn pg_release(&self, pg: PgId) -> Result<()> {
+        self.engine.pg_release(PatchgroupId(pg)).map_err(pg_err)
+    }
+
+    fn pg_engage(&self, pg: PgId, caller: u64) -> Result<()> {
+        self.engine
+            .pg_engage(PatchgroupId(pg), caller)
+            .map_err(pg_err)
+    }
+
+    fn pg_disengage(&self, pg: PgId, caller: u64) -> Result<()> {
+        self.engine
+            .pg_disengage(PatchgroupId(pg), caller)
+            .map_err(pg_err)
+    }
+
+    fn pg_sync(&self, pg: PgId) -> Result<()> {
+        if let Some(j) = &self.journal {
+            // A commit makes every change made so far durable, the group's among them.
+            self.engine.pg_exists(PatchgroupId(pg)).map_err(pg_err)?;
+            j.commit().map_err(crate::journal::jerr)?;
+            self.engine.mark(&format!("pg-sync {pg}"));
+            return Ok(());
+        }
+        self.engine.pg_sync(PatchgroupId(pg)).map_err(pg_err)
+    }
+
+    fn pg_abandon(&self, pg: PgId) -> Result<()> {
+        self.engine.pg_abandon(PatchgroupId(pg)).map_err(pg_err)
+    }
+
+    fn pg_inherit(&self, parent: u64, child: u64) {
+        self.engine.pg_inherit(parent, child)
+    }
+
+    fn pg_forget_caller(&self, caller: u64) {
+        self.engine.pg_forget_caller(caller)
+    }
+}
+
+/// A patchgroup call's failure as the caller sees it.
+fn pg_err(e: PatchError) -> FsError {
+    match e {
+        PatchError::Patchgroup(g) => FsError::Patchgroup {
+            errno: g.errno(),
+            what: g.to_string(),
+        },
+        PatchError::Pinned => FsError::Patchgroup {
+            errno: libc::EDEADLK,
+            what: "the group waits for a group that is not released yet: it cannot become durable until that group is released".into(),
+        },
+        e => Ext2::io(e),
     }
 }

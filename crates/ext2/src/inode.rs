@@ -398,7 +398,7 @@ impl Ext2 {
             let head = if phys != 0 {
                 goal = phys + 1;
                 self.engine
-                    .write(phys as u64, in_off, src, &[], Self::data())
+                    .write(phys as u64, in_off, src, &[], self.data())
                     .map_err(Self::io)
             } else {
                 let mut content = vec![0u8; bs as usize];

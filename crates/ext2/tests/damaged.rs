@@ -40,7 +40,7 @@ fn populated() -> Vec<u8> {
         .ino;
     fs.write(big, 0, &vec![9u8; 300_000], &c).unwrap();
     fs.symlink(r, b"s", &[b'x'; 200], &c).unwrap();
-    fs.setxattr(big, b"user.k", b"v", XattrFlags::default())
+    fs.setxattr(big, b"user.k", b"v", XattrFlags::default(), &Ctx::root())
         .unwrap();
     fs.unmount().unwrap();
     dev.to_vec()

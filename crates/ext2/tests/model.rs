@@ -1302,12 +1302,17 @@ impl Harness {
                     create: *flag == XFlag::Create,
                     replace: *flag == XFlag::Replace,
                 };
-                self.fs
-                    .setxattr(ino, xname(*name), &pattern(*seed, *len), flags)
+                self.fs.setxattr(
+                    ino,
+                    xname(*name),
+                    &pattern(*seed, *len),
+                    flags,
+                    &Ctx::root(),
+                )
             }
             Op::RemoveXattr { path, name } => {
                 let ino = self.resolve(&path.0)?;
-                self.fs.removexattr(ino, xname(*name))
+                self.fs.removexattr(ino, xname(*name), &Ctx::root())
             }
             Op::Fsync { path, datasync } => {
                 let ino = self.resolve(&path.0)?;

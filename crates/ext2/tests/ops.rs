@@ -369,8 +369,9 @@ fn xattrs() {
     let r = fs.root();
     let f = fs.mknod(r, b"f", REG, 0, &c()).unwrap().ino;
     let none = XattrFlags::default();
-    fs.setxattr(f, b"user.a", b"1", none).unwrap();
-    fs.setxattr(f, b"user.b", &[7u8; 500], none).unwrap();
+    fs.setxattr(f, b"user.a", b"1", none, &Ctx::root()).unwrap();
+    fs.setxattr(f, b"user.b", &[7u8; 500], none, &Ctx::root())
+        .unwrap();
     assert_eq!(fs.getxattr(f, b"user.a").unwrap(), b"1");
     assert_eq!(fs.listxattr(f).unwrap(), b"user.a\0user.b\0");
     let create = XattrFlags {
@@ -382,25 +383,28 @@ fn xattrs() {
         ..Default::default()
     };
     assert_eq!(
-        fs.setxattr(f, b"user.a", b"2", create),
+        fs.setxattr(f, b"user.a", b"2", create, &Ctx::root()),
         Err(FsError::Exists)
     );
     assert_eq!(
-        fs.setxattr(f, b"user.z", b"2", replace),
+        fs.setxattr(f, b"user.z", b"2", replace, &Ctx::root()),
         Err(FsError::NoAttr)
     );
     assert_eq!(fs.getxattr(f, b"user.zz"), Err(FsError::NoAttr));
     assert_eq!(
-        fs.setxattr(f, b"system.posix_acl_access", b"", none),
+        fs.setxattr(f, b"system.posix_acl_access", b"", none, &Ctx::root()),
         Err(FsError::NotSupported)
     );
     assert_eq!(
-        fs.setxattr(f, b"user.huge", &vec![1u8; 5000], none),
+        fs.setxattr(f, b"user.huge", &vec![1u8; 5000], none, &Ctx::root()),
         Err(FsError::NoSpace)
     );
-    fs.removexattr(f, b"user.a").unwrap();
-    fs.removexattr(f, b"user.b").unwrap();
-    assert_eq!(fs.removexattr(f, b"user.b"), Err(FsError::NoAttr));
+    fs.removexattr(f, b"user.a", &Ctx::root()).unwrap();
+    fs.removexattr(f, b"user.b", &Ctx::root()).unwrap();
+    assert_eq!(
+        fs.removexattr(f, b"user.b", &Ctx::root()),
+        Err(FsError::NoAttr)
+    );
     assert_eq!(fs.listxattr(f).unwrap(), b"");
 }
 

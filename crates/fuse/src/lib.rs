@@ -21,7 +21,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+mod callers;
+mod control;
 mod stats;
+use callers::Callers;
+use control::{is_control, CONTROL_INO};
 use stats::Op;
 pub use stats::RequestStats;
 
@@ -79,6 +83,10 @@ struct Adapter<F: FileSystem> {
     /// is not freed, nor its number reused, while the kernel may still send requests for
     /// it (writeback of its dirty pages, getattr of a cached inode); FORGET lets go.
     lookups: std::sync::Mutex<std::collections::HashMap<u64, u64>>,
+    /// Processes taking part in patchgroups (see `callers`).
+    callers: Arc<Callers>,
+    /// Releases the patchgroups of exited processes while the session lasts.
+    _reaper: callers::Watcher,
 }
 
 fn errno(e: FsError) -> Errno {
@@ -165,15 +173,6 @@ fn fs_ino(ino: INodeNo) -> u64 {
     fuse_ino(ino.0)
 }
 
-fn ctx(req: &Request) -> Ctx {
-    Ctx {
-        uid: req.uid(),
-        gid: req.gid(),
-        pid: req.pid(),
-        umask: 0,
-    }
-}
-
 fn time_or_now(t: FuseTime) -> TimeOrNow {
     match t {
         FuseTime::Now => TimeOrNow::Now,
@@ -182,6 +181,16 @@ fn time_or_now(t: FuseTime) -> TimeOrNow {
 }
 
 impl<F: FileSystem> Adapter<F> {
+    /// Who asks: credentials, and the process whose patchgroups order the change.
+    fn ctx(&self, req: &Request) -> Ctx {
+        Ctx {
+            uid: req.uid(),
+            gid: req.gid(),
+            pid: self.callers.caller(req.pid(), self.fs.as_ref()) as u32,
+            umask: 0,
+        }
+    }
+
     /// Counts one more kernel reference to the inode of `a` (an entry we reply with).
     /// Fails only if the inode went away in between, which the caller reports as the
     /// lookup's result.
@@ -233,7 +242,7 @@ impl<F: FileSystem> Adapter<F> {
                 mode: Some(kept),
                 ..SetAttr::default()
             };
-            self.fs.setattr(ino, set, &ctx(req))?;
+            self.fs.setattr(ino, set, &self.ctx(req))?;
             // The write's reply carries no attributes: without this the kernel would
             // show (and exec with) the old mode until its cache times out.
             if let Some(n) = self.notifier.get() {
@@ -273,15 +282,24 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let _t = self.stats.time(Op::Lookup);
+        if is_control(parent, name) {
+            return reply.entry(&TTL, &control::attr(), Generation(0));
+        }
         self.reply_entry(self.fs.lookup(fs_ino(parent), name.as_bytes()), reply);
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        if ino.0 == CONTROL_INO {
+            return;
+        }
         self.forget_n(fs_ino(ino), nlookup);
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         let _t = self.stats.time(Op::Getattr);
+        if ino.0 == CONTROL_INO {
+            return reply.attr(&TTL, &control::attr());
+        }
         match self.fs.getattr(fs_ino(ino)) {
             Ok(a) => reply.attr(&TTL, &fattr(&a)),
             Err(e) => reply.error(errno(e)),
@@ -307,6 +325,9 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyAttr,
     ) {
         let _t = self.stats.time(Op::Setattr);
+        if ino.0 == CONTROL_INO {
+            return reply.error(Errno::from_i32(libc::EPERM));
+        }
         let set = SetAttr {
             mode,
             uid,
@@ -324,7 +345,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
                 return reply.error(errno(e));
             }
         }
-        match self.fs.setattr(fs_ino(ino), set, &ctx(req)) {
+        match self.fs.setattr(fs_ino(ino), set, &self.ctx(req)) {
             Ok(a) => reply.attr(&TTL, &fattr(&a)),
             Err(e) => reply.error(errno(e)),
         }
@@ -349,7 +370,10 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyEntry,
     ) {
         let _t = self.stats.time(Op::Mknod);
-        let mut c = ctx(req);
+        if is_control(parent, name) {
+            return reply.error(Errno::from_i32(libc::EEXIST));
+        }
+        let mut c = self.ctx(req);
         c.umask = umask;
         let r = self
             .fs
@@ -367,7 +391,10 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyEntry,
     ) {
         let _t = self.stats.time(Op::Mkdir);
-        let mut c = ctx(req);
+        if is_control(parent, name) {
+            return reply.error(Errno::from_i32(libc::EEXIST));
+        }
+        let mut c = self.ctx(req);
         c.umask = umask;
         self.reply_entry(
             self.fs.mkdir(fs_ino(parent), name.as_bytes(), mode, &c),
@@ -377,7 +404,13 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let _t = self.stats.time(Op::Unlink);
-        match self.fs.unlink(fs_ino(parent), name.as_bytes(), &ctx(req)) {
+        if is_control(parent, name) {
+            return reply.error(Errno::from_i32(libc::EPERM));
+        }
+        match self
+            .fs
+            .unlink(fs_ino(parent), name.as_bytes(), &self.ctx(req))
+        {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
@@ -385,7 +418,13 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let _t = self.stats.time(Op::Rmdir);
-        match self.fs.rmdir(fs_ino(parent), name.as_bytes(), &ctx(req)) {
+        if is_control(parent, name) {
+            return reply.error(Errno::from_i32(libc::ENOTDIR));
+        }
+        match self
+            .fs
+            .rmdir(fs_ino(parent), name.as_bytes(), &self.ctx(req))
+        {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
@@ -400,11 +439,14 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyEntry,
     ) {
         let _t = self.stats.time(Op::Symlink);
+        if is_control(parent, link_name) {
+            return reply.error(Errno::from_i32(libc::EEXIST));
+        }
         let r = self.fs.symlink(
             fs_ino(parent),
             link_name.as_bytes(),
             target.as_os_str().as_bytes(),
-            &ctx(req),
+            &self.ctx(req),
         );
         self.reply_entry(r, reply);
     }
@@ -420,6 +462,9 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyEmpty,
     ) {
         let _t = self.stats.time(Op::Rename);
+        if is_control(parent, name) || is_control(newparent, newname) {
+            return reply.error(Errno::from_i32(libc::EPERM));
+        }
         if flags.contains(FuseRename::RENAME_WHITEOUT) {
             return reply.error(Errno::from_i32(libc::EINVAL));
         }
@@ -433,7 +478,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
             fs_ino(newparent),
             newname.as_bytes(),
             f,
-            &ctx(req),
+            &self.ctx(req),
         ) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
@@ -449,19 +494,28 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyEntry,
     ) {
         let _t = self.stats.time(Op::Link);
+        if is_control(newparent, newname) {
+            return reply.error(Errno::from_i32(libc::EEXIST));
+        }
         let r = self.fs.link(
             fs_ino(ino),
             fs_ino(newparent),
             newname.as_bytes(),
-            &ctx(req),
+            &self.ctx(req),
         );
         self.reply_entry(r, reply);
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let _t = self.stats.time(Op::Open);
+        if ino.0 == CONTROL_INO {
+            return reply.opened(FileHandle(0), FopenFlags::FOPEN_DIRECT_IO);
+        }
+        // The handle remembers who opened the file: the kernel's writeback of its pages
+        // comes with no process id, and is done for the opener.
+        let opener = self.ctx(req).pid as u64;
         match self.fs.open(fs_ino(ino)) {
-            Ok(()) => reply.opened(FileHandle(0), FopenFlags::empty()),
+            Ok(()) => reply.opened(FileHandle(opener), FopenFlags::empty()),
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -478,6 +532,9 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyData,
     ) {
         let _t = self.stats.time(Op::Read);
+        if ino.0 == CONTROL_INO {
+            return reply.data(&[]);
+        }
         match self.fs.read(fs_ino(ino), offset, size) {
             Ok(d) => reply.data(&d),
             Err(e) => reply.error(errno(e)),
@@ -488,7 +545,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         &self,
         req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         data: &[u8],
         wflags: WriteFlags,
@@ -497,6 +554,14 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyWrite,
     ) {
         let _t = self.stats.time(Op::Write);
+        if ino.0 == CONTROL_INO {
+            return reply.error(Errno::from_i32(libc::EPERM));
+        }
+        let mut c = self.ctx(req);
+        if req.pid() == 0 {
+            // Writeback by the kernel: done for whoever opened the handle.
+            c.pid = fh.0 as u32;
+        }
         if wflags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
             // A writer without CAP_FSETID (the kernel decided): drop the privileges
             // first, as the kernel's own file systems do.
@@ -504,7 +569,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
                 return reply.error(errno(e));
             }
         }
-        match self.fs.write(fs_ino(ino), offset, data, &ctx(req)) {
+        match self.fs.write(fs_ino(ino), offset, data, &c) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(e)),
         }
@@ -535,6 +600,9 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyEmpty,
     ) {
         let _t = self.stats.time(Op::Release);
+        if ino.0 == CONTROL_INO {
+            return reply.ok();
+        }
         match self.fs.release(fs_ino(ino)) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
@@ -550,6 +618,9 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyEmpty,
     ) {
         let _t = self.stats.time(Op::Fsync);
+        if ino.0 == CONTROL_INO {
+            return reply.ok();
+        }
         match self.fs.fsync(fs_ino(ino), datasync) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
@@ -613,7 +684,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
 
     fn setxattr(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         name: &OsStr,
         value: &[u8],
@@ -622,11 +693,17 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyEmpty,
     ) {
         let _t = self.stats.time(Op::Setxattr);
+        if ino.0 == CONTROL_INO {
+            return reply.error(Errno::from_i32(libc::EPERM));
+        }
         let f = XattrFlags {
             create: flags & libc::XATTR_CREATE != 0,
             replace: flags & libc::XATTR_REPLACE != 0,
         };
-        match self.fs.setxattr(fs_ino(ino), name.as_bytes(), value, f) {
+        match self
+            .fs
+            .setxattr(fs_ino(ino), name.as_bytes(), value, f, &self.ctx(req))
+        {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
@@ -634,6 +711,9 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
         let _t = self.stats.time(Op::Getxattr);
+        if ino.0 == CONTROL_INO {
+            return reply.error(Errno::from_i32(libc::ENODATA));
+        }
         match self.fs.getxattr(fs_ino(ino), name.as_bytes()) {
             Ok(v) if size == 0 => reply.size(v.len() as u32),
             Ok(v) if v.len() > size as usize => reply.error(Errno::from_i32(libc::ERANGE)),
@@ -644,6 +724,13 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
 
     fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
         let _t = self.stats.time(Op::Listxattr);
+        if ino.0 == CONTROL_INO {
+            return if size == 0 {
+                reply.size(0)
+            } else {
+                reply.data(&[])
+            };
+        }
         match self.fs.listxattr(fs_ino(ino)) {
             Ok(v) if size == 0 => reply.size(v.len() as u32),
             Ok(v) if v.len() > size as usize => reply.error(Errno::from_i32(libc::ERANGE)),
@@ -652,9 +739,15 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         }
     }
 
-    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let _t = self.stats.time(Op::Removexattr);
-        match self.fs.removexattr(fs_ino(ino), name.as_bytes()) {
+        if ino.0 == CONTROL_INO {
+            return reply.error(Errno::from_i32(libc::EPERM));
+        }
+        match self
+            .fs
+            .removexattr(fs_ino(ino), name.as_bytes(), &self.ctx(req))
+        {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
@@ -662,7 +755,13 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
 
     fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
         let _t = self.stats.time(Op::Access);
-        match self.fs.access(fs_ino(ino), mask.bits() as u32, &ctx(req)) {
+        if ino.0 == CONTROL_INO {
+            return reply.ok();
+        }
+        match self
+            .fs
+            .access(fs_ino(ino), mask.bits() as u32, &self.ctx(req))
+        {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno(e)),
         }
@@ -679,7 +778,10 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         reply: ReplyCreate,
     ) {
         let _t = self.stats.time(Op::Create);
-        let mut c = ctx(req);
+        if is_control(parent, name) {
+            return reply.error(Errno::from_i32(libc::EEXIST));
+        }
+        let mut c = self.ctx(req);
         c.umask = umask;
         let mode = if mode & libc::S_IFMT == 0 {
             mode | libc::S_IFREG
@@ -696,10 +798,38 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
                 &TTL,
                 &fattr(&a),
                 Generation(0),
-                FileHandle(0),
+                FileHandle(c.pid as u64),
                 FopenFlags::empty(),
             ),
             Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    fn ioctl(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        _flags: fuser::IoctlFlags,
+        cmd: u32,
+        in_data: &[u8],
+        out_size: u32,
+        reply: fuser::ReplyIoctl,
+    ) {
+        let _t = self.stats.time(Op::Ioctl);
+        if ino.0 != CONTROL_INO {
+            return reply.error(Errno::from_i32(libc::ENOTTY));
+        }
+        match control::ioctl(
+            self.fs.as_ref(),
+            &self.callers,
+            req.pid(),
+            cmd,
+            in_data,
+            out_size,
+        ) {
+            Ok(out) => reply.ioctl(0, &out),
+            Err(e) => reply.error(Errno::from_i32(e)),
         }
     }
 }
@@ -744,6 +874,8 @@ pub fn serve<F: FileSystem + 'static>(
     on_unmount: OnUnmount,
 ) -> std::io::Result<()> {
     ROOT.store(fs.root(), std::sync::atomic::Ordering::Relaxed);
+    let callers = Arc::new(Callers::default());
+    let reaper = callers.watch(fs.clone(), Duration::from_millis(500));
     let adapter = Adapter {
         fs,
         writeback_cache: opts.writeback_cache,
@@ -752,6 +884,8 @@ pub fn serve<F: FileSystem + 'static>(
         stats: opts.stats.clone(),
         notifier: Arc::default(),
         lookups: Default::default(),
+        callers,
+        _reaper: reaper,
     };
     let notifier = adapter.notifier.clone();
     let cfg = config(opts);
@@ -840,6 +974,8 @@ pub fn spawn<F: FileSystem + 'static>(
     on_unmount: OnUnmount,
 ) -> std::io::Result<fuser::BackgroundSession> {
     ROOT.store(fs.root(), std::sync::atomic::Ordering::Relaxed);
+    let callers = Arc::new(Callers::default());
+    let reaper = callers.watch(fs.clone(), Duration::from_millis(500));
     let adapter = Adapter {
         fs,
         writeback_cache: opts.writeback_cache,
@@ -848,6 +984,8 @@ pub fn spawn<F: FileSystem + 'static>(
         stats: opts.stats.clone(),
         notifier: Arc::default(),
         lookups: Default::default(),
+        callers,
+        _reaper: reaper,
     };
     let notifier = adapter.notifier.clone();
     let session = fuser::spawn_mount(adapter, mountpoint, &config(opts))?;

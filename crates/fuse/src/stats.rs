@@ -22,7 +22,7 @@ ops! {
     Read => "read", Write => "write", Flush => "flush", Release => "release",
     Fsync => "fsync", Readdir => "readdir", Fsyncdir => "fsyncdir", Statfs => "statfs",
     Setxattr => "setxattr", Getxattr => "getxattr", Listxattr => "listxattr",
-    Removexattr => "removexattr", Access => "access", Create => "create",
+    Removexattr => "removexattr", Access => "access", Create => "create", Ioctl => "ioctl",
 }
 
 /// Counts and server time per request kind; shared with whoever reports them.

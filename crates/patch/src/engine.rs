@@ -691,7 +691,12 @@ impl State {
                 }
             }
         }
-        self.capture_change(id, block, opts.data);
+        // File data of a process in a patchgroup is journaled even when only metadata
+        // is (as in Featherstitch): written in place it could wait, through the group's
+        // befores, for metadata held in the running transaction, miss the commit, and
+        // leave the group's committed metadata naming data that never arrived.
+        let engaged = opts.caller.is_some_and(|c| self.pgs.is_engaged(c));
+        self.capture_change(id, block, opts.data && !engaged);
         Ok(id)
     }
 

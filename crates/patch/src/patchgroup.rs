@@ -83,6 +83,9 @@ impl Patchgroups {
     pub fn engaged_tails(&self, c: CallerId) -> Vec<PatchId> {
         self.scope(c).map(|g| g.tail).collect()
     }
+    pub fn is_engaged(&self, c: CallerId) -> bool {
+        self.scopes.contains_key(&c)
+    }
     pub fn engaged_heads(&self, c: CallerId) -> Vec<PatchId> {
         self.scope(c).map(|g| g.head).collect()
     }
@@ -226,6 +229,12 @@ impl Engine {
         let tail = g.tail;
         st.pgs.groups.get_mut(&pg.0).expect("checked").released = true;
         st.unhold(tail);
+        Ok(())
+    }
+
+    /// Fails with `NoSuchGroup` unless `pg` exists.
+    pub fn pg_exists(&self, pg: PatchgroupId) -> Result<()> {
+        self.lock().pgs.group(pg)?;
         Ok(())
     }
 

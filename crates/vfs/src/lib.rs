@@ -204,6 +204,9 @@ pub enum FsError {
     /// The device or the patch layer failed.
     #[error("I/O error: {0}")]
     Io(String),
+    /// A patchgroup rule was broken; `errno` is what the caller sees.
+    #[error("{what}")]
+    Patchgroup { errno: i32, what: String },
 }
 
 impl FsError {
@@ -229,6 +232,7 @@ impl FsError {
             FsError::Busy => libc::EBUSY,
             FsError::Corrupt(_) => libc::EIO,
             FsError::Io(_) => libc::EIO,
+            FsError::Patchgroup { errno, .. } => *errno,
         }
     }
 }
@@ -335,11 +339,18 @@ pub trait FileSystem: Send + Sync {
     fn access(&self, ino: Ino, mask: u32, ctx: &Ctx) -> Result<()> {
         check_access(&self.getattr(ino)?, mask, ctx)
     }
-    fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()>;
+    fn setxattr(
+        &self,
+        ino: Ino,
+        name: &[u8],
+        value: &[u8],
+        flags: XattrFlags,
+        ctx: &Ctx,
+    ) -> Result<()>;
     fn getxattr(&self, ino: Ino, name: &[u8]) -> Result<Vec<u8>>;
     /// Names, each NUL-terminated, as listxattr(2) returns them.
     fn listxattr(&self, ino: Ino) -> Result<Vec<u8>>;
-    fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()>;
+    fn removexattr(&self, ino: Ino, name: &[u8], ctx: &Ctx) -> Result<()>;
     /// A handle on `ino` was opened: an unlinked inode lives until its last `release`.
     fn open(&self, _ino: Ino) -> Result<()> {
         Ok(())
@@ -350,7 +361,52 @@ pub trait FileSystem: Send + Sync {
     fn counters(&self) -> Counters {
         Vec::new()
     }
+
+    // Patchgroups (Featherstitch): application-defined write ordering. A group's changes
+    // reach the disk only after the changes of every group it depends on. `caller`
+    // identifies a process (through FUSE, its thread-group id): the changes an operation
+    // makes for a caller (`Ctx::pid`) join the groups that caller has engaged. Modules
+    // without write ordering answer `NotSupported`.
+
+    /// Creates a group: not released, not engaged, depending on nothing.
+    fn pg_create(&self) -> Result<PgId> {
+        Err(FsError::NotSupported)
+    }
+    /// Group `after`'s changes wait for group `before`'s (only before `after` is
+    /// released, and never on a group that is engaged).
+    fn pg_depend(&self, _after: PgId, _before: PgId) -> Result<()> {
+        Err(FsError::NotSupported)
+    }
+    /// Ends the group's dependencies; it may now be engaged.
+    fn pg_release(&self, _pg: PgId) -> Result<()> {
+        Err(FsError::NotSupported)
+    }
+    /// `caller`'s following changes join the group (released, and with no group yet
+    /// depending on it).
+    fn pg_engage(&self, _pg: PgId, _caller: u64) -> Result<()> {
+        Err(FsError::NotSupported)
+    }
+    fn pg_disengage(&self, _pg: PgId, _caller: u64) -> Result<()> {
+        Err(FsError::NotSupported)
+    }
+    /// Waits until every change of the group, and so of every group before it, is
+    /// durable.
+    fn pg_sync(&self, _pg: PgId) -> Result<()> {
+        Err(FsError::NotSupported)
+    }
+    /// Drops the handle: the group keeps its place in the order, is disengaged
+    /// everywhere and can take no groups after it.
+    fn pg_abandon(&self, _pg: PgId) -> Result<()> {
+        Err(FsError::NotSupported)
+    }
+    /// `child` (a new process) starts with `parent`'s engagements.
+    fn pg_inherit(&self, _parent: u64, _child: u64) {}
+    /// `caller` is gone: disengages it everywhere.
+    fn pg_forget_caller(&self, _caller: u64) {}
 }
+
+/// A patchgroup handle.
+pub type PgId = u64;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct XattrFlags {

@@ -490,7 +490,14 @@ impl FileSystem for MountFs {
         check(unsafe { libc::syncfs(fd.as_raw_fd()) })
     }
 
-    fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], flags: XattrFlags) -> Result<()> {
+    fn setxattr(
+        &self,
+        ino: Ino,
+        name: &[u8],
+        value: &[u8],
+        flags: XattrFlags,
+        _ctx: &Ctx,
+    ) -> Result<()> {
         let c = cpath(&self.path(ino)?);
         let n = CString::new(name).map_err(|_| FsError::Invalid("NUL in name"))?;
         let mut f = 0;
@@ -538,7 +545,7 @@ impl FileSystem for MountFs {
         Ok(buf)
     }
 
-    fn removexattr(&self, ino: Ino, name: &[u8]) -> Result<()> {
+    fn removexattr(&self, ino: Ino, name: &[u8], _ctx: &Ctx) -> Result<()> {
         let c = cpath(&self.path(ino)?);
         let n = CString::new(name).map_err(|_| FsError::Invalid("NUL in name"))?;
         // SAFETY: lremovexattr with our strings.

@@ -1,0 +1,92 @@
+//! The control file at the mount root (`.quiltfs-control`): patchgroup calls arrive as
+//! ioctls on it (`quilt_pg::abi`). It exists only in the adapter: it is not in the
+//! image, not listed by readdir, and its name in the root is reserved (a real entry of
+//! that name, made by another driver, is shadowed).
+
+use crate::callers::Callers;
+use fuser::{FileAttr, FileType, INodeNo};
+use quilt_pg::abi;
+use quilt_vfs::{FileSystem, FsError};
+use std::ffi::OsStr;
+use std::time::UNIX_EPOCH;
+
+/// Its inode number on the FUSE side: above every ext2 inode number.
+pub(crate) const CONTROL_INO: u64 = 1 << 40;
+
+/// Is `name` in directory `parent` (FUSE numbering) the control file?
+pub(crate) fn is_control(parent: INodeNo, name: &OsStr) -> bool {
+    parent.0 == 1 && name.as_encoded_bytes() == abi::CONTROL_NAME.as_bytes()
+}
+
+pub(crate) fn attr() -> FileAttr {
+    FileAttr {
+        ino: INodeNo(CONTROL_INO),
+        size: 0,
+        blocks: 0,
+        atime: UNIX_EPOCH,
+        mtime: UNIX_EPOCH,
+        ctime: UNIX_EPOCH,
+        crtime: UNIX_EPOCH,
+        kind: FileType::RegularFile,
+        // Everyone may open it for reading, which is all an ioctl needs.
+        perm: 0o444,
+        nlink: 1,
+        uid: 0,
+        gid: 0,
+        rdev: 0,
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
+/// Serves one ioctl from thread `tid`: the reply's bytes, or an errno.
+pub(crate) fn ioctl(
+    fs: &dyn FileSystem,
+    callers: &Callers,
+    tid: u32,
+    cmd: u32,
+    input: &[u8],
+    out_size: u32,
+) -> Result<Vec<u8>, i32> {
+    let caller = callers.join(tid, fs);
+    if cmd == abi::LAST_ERROR {
+        let mut out = vec![0u8; abi::ERROR_LEN.min(out_size as usize)];
+        let msg = callers.last_error(caller);
+        let n = msg.len().min(out.len().saturating_sub(1));
+        out[..n].copy_from_slice(&msg.as_bytes()[..n]);
+        return Ok(out);
+    }
+    let Some(args) = abi::PgArgs::from_bytes(input) else {
+        return Err(libc::ENOTTY);
+    };
+    let r = match cmd {
+        abi::CREATE => fs.pg_create().map(|g| {
+            callers.owns(caller, g);
+            abi::PgArgs { a: g, b: 0 }
+        }),
+        abi::DEPEND => fs.pg_depend(args.a, args.b).map(|()| args),
+        abi::RELEASE => fs.pg_release(args.a).map(|()| args),
+        abi::ENGAGE => fs.pg_engage(args.a, caller).map(|()| args),
+        abi::DISENGAGE => fs.pg_disengage(args.a, caller).map(|()| args),
+        abi::SYNC => fs.pg_sync(args.a).map(|()| args),
+        abi::ABANDON => fs.pg_abandon(args.a).map(|()| {
+            callers.disown(args.a);
+            args
+        }),
+        _ => return Err(libc::ENOTTY),
+    };
+    match r {
+        Ok(out) => Ok(out.to_bytes()[..(out_size as usize).min(16)].to_vec()),
+        Err(e) => {
+            let what = match &e {
+                FsError::NotSupported => {
+                    "this file system has no patchgroups (read-only mount?)".to_string()
+                }
+                e => e.to_string(),
+            };
+            tracing::debug!("patchgroup {} for process {caller}: {what}", abi::name(cmd));
+            callers.set_error(caller, what);
+            Err(e.errno())
+        }
+    }
+}
