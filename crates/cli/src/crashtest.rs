@@ -8,10 +8,13 @@ pub struct CrashtestArgs {
     /// Consistency mode: soft-updates, meta-journal, full-journal or async.
     #[arg(long)]
     pub mode: quilt_ext2::Mode,
-    /// Workload: ace (every sequence of 1-3 operations), untar, rmrf, postmark, or all.
+    /// Workload: ace (every sequence of 1-3 operations), untar, rmrf, postmark, mail (a
+    /// mailbox move ordered by patchgroups), or all; mail-unordered is the same move with
+    /// nothing ordered (it must lose messages).
     #[arg(long, default_value = "all")]
     pub workload: String,
-    /// How many crash states to check at most (sampled evenly over the runs).
+    /// How many crash states to check (sampled evenly over the runs; past what one seed
+    /// yields, the seeded workloads run again with the following seeds).
     #[arg(long, default_value_t = 3000)]
     pub states: usize,
     /// Seed of the random choices (workload contents, subsets, sampling).
@@ -42,6 +45,7 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
         states: a.states,
         seed: a.seed,
         keep_failures: a.keep_failures.clone(),
+        more_seeds: true,
     };
     // A progress bar with an estimate (drawn only on a terminal).
     let bar = indicatif::ProgressBar::new(0);

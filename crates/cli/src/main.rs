@@ -52,6 +52,9 @@ enum Command {
 }
 
 fn main() {
+    // Output piped into `head` ends quietly, as for other command-line tools.
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("QUILTFS_LOG"))
         .with_writer(std::io::stderr)

@@ -1,7 +1,7 @@
 //! Checking one crash state: e2fsck, classification of what it reports, the journal
 //! replays, and the persistence oracle.
 
-use crate::workload::{state_of, Expect, Promise};
+use crate::workload::{state_of, Expect, Invariant, Promise};
 use quilt_block::MemDevice;
 use quilt_ext2::{Ext2, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
@@ -136,8 +136,15 @@ pub struct Outcome {
 }
 
 /// Checks the state `img` of a run in `mode`. `promises`: the fsync promises that stand
-/// at the cut (made before it, not undone by a later operation).
-pub fn check_state(img: &[u8], mode: Mode, promises: &[&Promise], tmp: &Path) -> Outcome {
+/// at the cut (made before it, not undone by a later operation); `invariants`: what the
+/// run's guarantees say holds at any cut.
+pub fn check_state(
+    img: &[u8],
+    mode: Mode,
+    promises: &[&Promise],
+    invariants: &[Invariant],
+    tmp: &Path,
+) -> Outcome {
     let mut out = Outcome::default();
     let violation = |what: String, out: &mut Outcome| {
         out.problems.push(Problem {
@@ -238,6 +245,12 @@ pub fn check_state(img: &[u8], mode: Mode, promises: &[&Promise], tmp: &Path) ->
                     violation(format!("/{} ({}) {what}", p.path, p.mark), &mut out);
                 }
             }
+            for inv in invariants {
+                out.promises_checked += 1;
+                if let Some(what) = broken(&fs, inv) {
+                    violation(what, &mut out);
+                }
+            }
         }
         Err(e) => violation(format!("the crash state does not mount: {e}"), &mut out),
     }
@@ -247,6 +260,51 @@ pub fn check_state(img: &[u8], mode: Mode, promises: &[&Promise], tmp: &Path) ->
         .filter(|p| p.verdict == Verdict::Violation)
         .count();
     out
+}
+
+/// How `inv` is broken in `fs`, if it is.
+fn broken(fs: &Ext2, inv: &Invariant) -> Option<String> {
+    match inv {
+        Invariant::Moved {
+            stem,
+            src_dir,
+            dst_dir,
+            content,
+        } => {
+            let names = |dir: &str| -> Vec<(String, u64)> {
+                let mut v = Vec::new();
+                if let Some(d) = resolve(fs, dir) {
+                    let _ = fs.readdir(d, 0, &mut |e| {
+                        if e.name.starts_with(stem.as_bytes()) {
+                            v.push((String::from_utf8_lossy(&e.name).into_owned(), e.ino));
+                        }
+                        true
+                    });
+                }
+                v
+            };
+            let mut complete = false;
+            for (name, ino) in names(dst_dir) {
+                match state_of(fs, ino) {
+                    Some(Expect::File(got)) if got == *content => complete = true,
+                    Some(Expect::File(got)) => {
+                        return Some(format!(
+                        "/{dst_dir}/{name} has {} bytes, not the {} of the message copied there",
+                        got.len(),
+                        content.len()
+                    ))
+                    }
+                    _ => return Some(format!("/{dst_dir}/{name} is not a readable file")),
+                }
+            }
+            if !complete && names(src_dir).is_empty() {
+                return Some(format!(
+                    "message {stem}* is gone from /{src_dir} and missing from /{dst_dir}"
+                ));
+            }
+            None
+        }
+    }
 }
 
 fn resolve(fs: &Ext2, path: &str) -> Option<u64> {

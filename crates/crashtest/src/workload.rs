@@ -46,13 +46,33 @@ impl Touch {
     }
 }
 
+/// What must hold in every crash state of a run, wherever the cut.
+#[derive(Debug, Clone, serde::Serialize)]
+pub enum Invariant {
+    /// A message moved from `src_dir` to `dst_dir` (names starting with `stem`): it is
+    /// never gone from the source unless it is in the destination, and a copy in the
+    /// destination is never incomplete.
+    Moved {
+        stem: String,
+        src_dir: String,
+        dst_dir: String,
+        #[serde(skip)]
+        content: Vec<u8>,
+    },
+}
+
 /// Records marks, the paths each operation touches, and promises.
 pub struct Recorder<'a> {
     dev: &'a dyn BlockDevice,
     fs: &'a Ext2,
     pub touched: Vec<Touch>,
     pub promises: Vec<Promise>,
+    pub invariants: Vec<Invariant>,
     pub errors: usize,
+    /// The process the operations are made for (0: none; patchgroups need one).
+    caller: u32,
+    /// The patchgroup engaged (`pg_start`, `pg_next`).
+    group: Option<u64>,
 }
 
 fn parent(p: &str) -> &str {
@@ -63,6 +83,9 @@ fn ctx() -> Ctx {
     Ctx::root()
 }
 
+/// The process id the patchgroup workloads act as.
+pub const PG_CALLER: u32 = 4242;
+
 impl<'a> Recorder<'a> {
     pub fn new(dev: &'a dyn BlockDevice, fs: &'a Ext2) -> Self {
         Recorder {
@@ -70,8 +93,64 @@ impl<'a> Recorder<'a> {
             fs,
             touched: Vec::new(),
             promises: Vec::new(),
+            invariants: Vec::new(),
             errors: 0,
+            caller: 0,
+            group: None,
         }
+    }
+
+    fn ctx(&self) -> Ctx {
+        Ctx {
+            pid: self.caller,
+            ..Ctx::root()
+        }
+    }
+
+    /// From now on the operations are made by a process that creates a patchgroup and
+    /// engages it (what the LD_PRELOAD library does at start).
+    pub fn pg_start(&mut self) {
+        self.caller = PG_CALLER;
+        self.begin("patchgroup: create, release, engage".into(), &[]);
+        let c = self.caller as u64;
+        let r = self.fs.pg_create().and_then(|g| {
+            self.fs.pg_release(g)?;
+            self.fs.pg_engage(g, c)?;
+            Ok(g)
+        });
+        self.group = self.note(r);
+    }
+
+    /// Ends the engaged group and engages a new one that depends on it: what the
+    /// LD_PRELOAD library makes of an fsync.
+    pub fn pg_next(&mut self) {
+        let Some(cur) = self.group else { return };
+        self.begin(format!("patchgroup: next after {cur}"), &[]);
+        let c = self.caller as u64;
+        let fs = self.fs;
+        let r = fs.pg_create().and_then(|g| {
+            fs.pg_disengage(cur, c)?;
+            fs.pg_depend(g, cur)?;
+            fs.pg_release(g)?;
+            fs.pg_engage(g, c)?;
+            fs.pg_abandon(cur)?;
+            Ok(g)
+        });
+        if let Some(g) = self.note(r) {
+            self.group = Some(g);
+        }
+    }
+
+    /// Waits for the engaged group; on success the whole tree is promised (every change
+    /// of this single process is in the chain of groups it syncs).
+    pub fn pg_sync(&mut self) {
+        let Some(cur) = self.group else { return };
+        self.begin(format!("patchgroup: sync {cur}"), &[]);
+        let op = self.touched.len() - 1;
+        if self.note(self.fs.pg_sync(cur)).is_none() {
+            return;
+        }
+        self.promise_tree(op);
     }
 
     fn begin(&mut self, what: String, paths: &[&str]) {
@@ -108,7 +187,7 @@ impl<'a> Recorder<'a> {
         self.begin(format!("creat /{path}"), &[path]);
         let r = self.split(path).and_then(|(d, n)| {
             self.fs
-                .mknod(d, n.as_bytes(), libc::S_IFREG | 0o644, 0, &ctx())
+                .mknod(d, n.as_bytes(), libc::S_IFREG | 0o644, 0, &self.ctx())
         });
         self.note(r);
     }
@@ -117,7 +196,7 @@ impl<'a> Recorder<'a> {
         self.begin(format!("mkdir /{path}"), &[path]);
         let r = self
             .split(path)
-            .and_then(|(d, n)| self.fs.mkdir(d, n.as_bytes(), 0o755, &ctx()));
+            .and_then(|(d, n)| self.fs.mkdir(d, n.as_bytes(), 0o755, &self.ctx()));
         self.note(r);
     }
 
@@ -128,7 +207,7 @@ impl<'a> Recorder<'a> {
         );
         let r = self
             .resolve(path)
-            .and_then(|i| self.fs.write(i, offset, data, &ctx()));
+            .and_then(|i| self.fs.write(i, offset, data, &self.ctx()));
         self.note(r);
     }
 
@@ -140,7 +219,7 @@ impl<'a> Recorder<'a> {
         };
         let r = self
             .resolve(path)
-            .and_then(|i| self.fs.setattr(i, set, &ctx()));
+            .and_then(|i| self.fs.setattr(i, set, &self.ctx()));
         self.note(r);
     }
 
@@ -148,7 +227,7 @@ impl<'a> Recorder<'a> {
         self.begin(format!("link /{from} /{to}"), &[from, to]);
         let r = self.resolve(from).and_then(|i| {
             let (d, n) = self.split(to)?;
-            self.fs.link(i, d, n.as_bytes(), &ctx())
+            self.fs.link(i, d, n.as_bytes(), &self.ctx())
         });
         self.note(r);
     }
@@ -157,7 +236,7 @@ impl<'a> Recorder<'a> {
         self.begin(format!("unlink /{path}"), &[path]);
         let r = self
             .split(path)
-            .and_then(|(d, n)| self.fs.unlink(d, n.as_bytes(), &ctx()));
+            .and_then(|(d, n)| self.fs.unlink(d, n.as_bytes(), &self.ctx()));
         self.note(r);
     }
 
@@ -165,7 +244,7 @@ impl<'a> Recorder<'a> {
         self.begin(format!("rmdir /{path}"), &[path]);
         let r = self
             .split(path)
-            .and_then(|(d, n)| self.fs.rmdir(d, n.as_bytes(), &ctx()));
+            .and_then(|(d, n)| self.fs.rmdir(d, n.as_bytes(), &self.ctx()));
         self.note(r);
     }
 
@@ -179,7 +258,7 @@ impl<'a> Recorder<'a> {
                 d2,
                 n2.as_bytes(),
                 RenameFlags::default(),
-                &ctx(),
+                &self.ctx(),
             )
         });
         self.note(r);
@@ -215,6 +294,11 @@ impl<'a> Recorder<'a> {
         if self.note(self.fs.sync_all()).is_none() {
             return;
         }
+        self.promise_tree(op);
+    }
+
+    /// After a sync made by operation `op`: every path is promised.
+    fn promise_tree(&mut self, op: usize) {
         let mark = format!("fsync-{op}");
         self.dev.mark(&mark);
         let mut stack = vec![String::new()];
@@ -511,4 +595,83 @@ pub fn postmark(r: &mut Recorder, seed: u64, initial: usize, transactions: usize
         }
     }
     r.sync();
+}
+
+/// A message of the mail workload: about 2 kB, different for each seed and number.
+fn message(seed: u64, i: usize) -> Vec<u8> {
+    let mut rng = Rng::new(seed ^ (i as u64).wrapping_mul(0x9E37_79B9));
+    pattern(rng.next_u64(), 1500 + rng.below(1100) as usize)
+}
+
+/// The mailbox the mail workload moves messages out of: maildir `src` with `n`
+/// messages in `src/cur`, made durable before recording starts.
+pub fn mail_setup(fs: &Ext2, seed: u64, n: usize) -> Result<(), FsError> {
+    let c = ctx();
+    let src = fs.mkdir(fs.root(), b"src", 0o700, &c)?.ino;
+    for d in [&b"tmp"[..], b"new"] {
+        fs.mkdir(src, d, 0o700, &c)?;
+    }
+    let cur = fs.mkdir(src, b"cur", 0o700, &c)?.ino;
+    for i in 0..n {
+        let f = fs
+            .mknod(
+                cur,
+                format!("m{i}:2,").as_bytes(),
+                libc::S_IFREG | 0o600,
+                0,
+                &c,
+            )?
+            .ino;
+        fs.write(f, 0, &message(seed, i), &c)?;
+    }
+    fs.sync_all()
+}
+
+/// The IMAP move of the mail benchmark, as Dovecot does it on maildir: create the
+/// destination mailbox, then for each message write a copy into `dst/tmp`, fsync it,
+/// rename it into `dst/cur`, and flag the source deleted (a rename that adds `T`); then
+/// expunge (unlink the flagged sources). With `groups`, every fsync is what the
+/// LD_PRELOAD library makes of it (the next patchgroup, no waiting) and a patchgroup
+/// sync ends the run; without, nothing is ordered until a sync at the end: the unsafe
+/// configuration (fsync disabled), whose crash states must show the invariant broken.
+pub fn mail_move(r: &mut Recorder, seed: u64, n: usize, groups: bool) {
+    let fsync = |r: &mut Recorder| {
+        if groups {
+            r.pg_next();
+        }
+    };
+    if groups {
+        r.pg_start();
+    }
+    for d in ["dst", "dst/tmp", "dst/new", "dst/cur"] {
+        r.mkdir(d);
+    }
+    fsync(r);
+    for i in 0..n {
+        let m = message(seed, i);
+        r.invariants.push(Invariant::Moved {
+            stem: format!("m{i}:"),
+            src_dir: "src/cur".into(),
+            dst_dir: "dst/cur".into(),
+            content: m.clone(),
+        });
+        let tmp = format!("dst/tmp/m{i}:copy");
+        r.create(&tmp);
+        r.write(&tmp, 0, &m);
+        fsync(r);
+        r.rename(&tmp, &format!("dst/cur/m{i}:2,"));
+        fsync(r);
+        r.rename(&format!("src/cur/m{i}:2,"), &format!("src/cur/m{i}:2,T"));
+        fsync(r);
+    }
+    for i in 0..n {
+        r.unlink(&format!("src/cur/m{i}:2,T"));
+    }
+    fsync(r);
+    if groups {
+        r.pg_sync();
+    } else {
+        // Everything goes to disk in write-back's own order.
+        r.sync();
+    }
 }

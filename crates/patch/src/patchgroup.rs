@@ -240,7 +240,18 @@ impl Engine {
 
     /// Waits until every change in `pg` (and so everything it depends on) is durable.
     pub fn pg_sync(&self, pg: PatchgroupId) -> Result<()> {
-        let head = self.lock().pgs.group(pg)?.head;
+        let (head, tail, released) = {
+            let st = self.lock();
+            let g = st.pgs.group(pg)?;
+            (g.head, g.tail, g.released)
+        };
+        // The head waits for the group's changes; the groups before it are reached
+        // through the tail (an empty group's head has no befores at all). An unreleased
+        // group's tail is held: it can take no changes yet, and what it will depend on
+        // is not settled, so only its head is synced.
+        if released {
+            self.flush_until(tail)?;
+        }
         self.flush_until(head)?;
         self.mark(&format!("pg-sync {}", pg.0));
         Ok(())
@@ -437,6 +448,27 @@ mod tests {
         e.pg_release(r).unwrap();
         e.sync().unwrap();
         assert_eq!(on_disk(&dev, 6), 6);
+    }
+
+    #[test]
+    fn sync_of_an_empty_group_makes_the_groups_before_it_durable() {
+        let (e, dev) = engine();
+        let me = ChangeOpts {
+            caller: Some(3),
+            data: false,
+        };
+        let p = e.pg_create();
+        e.pg_release(p).unwrap();
+        e.pg_engage(p, 3).unwrap();
+        e.write(7, 0, &[7], &[], me).unwrap();
+        e.pg_disengage(p, 3).unwrap();
+        let q = e.pg_create();
+        e.pg_add_depend(q, p).unwrap();
+        e.pg_release(q).unwrap();
+        e.pg_engage(q, 3).unwrap();
+        // Q made no change: syncing it must still make P's durable.
+        e.pg_sync(q).unwrap();
+        assert_eq!(on_disk(&dev, 7), 7);
     }
 
     #[test]
