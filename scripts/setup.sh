@@ -6,9 +6,10 @@ cd "$(dirname "$0")/.."
 
 # Debian packages the stack and its tests use: e2fsprogs (mkfs/e2fsck/debugfs oracles),
 # fuse3 (fusermount3 for the FUSE mount), attr (getfattr/setfattr in the kernel-oracle
-# test), fuse2fs and xz-utils/linux-source (the untar benchmark, installed by it).
+# test), gcc (the C patchgroup example), fuse2fs and xz-utils/linux-source (the untar
+# benchmark, installed by it), dovecot-imapd (the mail benchmark, installed by it).
 need=()
-for pkg in e2fsprogs fuse3 attr python3 bc; do
+for pkg in e2fsprogs fuse3 attr python3 bc gcc; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -34,4 +35,8 @@ if [ "$(id -u)" = 0 ]; then
   install -m 755 target/release/quiltfs /usr/local/bin/quiltfs
   ln -sf /usr/local/bin/quiltfs /usr/sbin/mount.fuse.quiltfs
   ln -sf /usr/local/bin/quiltfs /usr/sbin/umount.fuse.quiltfs
+  # The patchgroup libraries for programs: C interface and LD_PRELOAD.
+  install -m 755 target/release/libquilt_pg.so target/release/libquilt_preload.so /usr/local/lib/
+  install -m 644 crates/pg/include/quiltfs_pg.h /usr/local/include/
+  ldconfig 2>/dev/null || true
 fi

@@ -16,8 +16,10 @@ cargo test --workspace
 if [ "$(id -u)" = 0 ]; then
   tests/kernel-oracle.sh ./target/release/quiltfs
   tests/journal-oracle.sh ./target/release/quiltfs
+  # Patchgroups for programs: the C library and the LD_PRELOAD library on a mount.
+  tests/patchgroups.sh ./target/release
 else
-  echo "test: skipping tests/kernel-oracle.sh and tests/journal-oracle.sh (need root for loop mounts)" >&2
+  echo "test: skipping tests/kernel-oracle.sh, tests/journal-oracle.sh and tests/patchgroups.sh (need root)" >&2
 fi
 # The crash explorer on every mode (e2fsck as the oracle; no root needed).
 tests/crashtest.sh ./target/release/quiltfs
