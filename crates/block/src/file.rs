@@ -81,13 +81,19 @@ impl FileDevice {
             what: format!("opening {}", path.display()),
             source,
         })?;
-        let len = file
-            .metadata()
-            .map_err(|source| BlockError::Io {
-                what: format!("reading the size of {}", path.display()),
-                source,
-            })?
-            .len();
+        let size_err = |source| BlockError::Io {
+            what: format!("reading the size of {}", path.display()),
+            source,
+        };
+        let meta = file.metadata().map_err(size_err)?;
+        // A block device (a loop device, a disk partition) has no length in its
+        // metadata: its size is where seeking to the end lands.
+        let len = if std::os::unix::fs::FileTypeExt::is_block_device(&meta.file_type()) {
+            use std::io::Seek;
+            (&file).seek(std::io::SeekFrom::End(0)).map_err(size_err)?
+        } else {
+            meta.len()
+        };
         Ok(FileDevice {
             file,
             block_count: len / opts.block_size as u64,

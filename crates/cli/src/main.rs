@@ -1,8 +1,9 @@
 //! `quiltfs`: the command-line front end of the quiltfs storage stack.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
+mod bench_mail;
 mod crashtest;
 mod demo;
 mod image;
@@ -47,8 +48,16 @@ enum Command {
     Stats(stats::StatsArgs),
     /// Explore crash states of a workload and check them (e2fsck, fsync promises).
     Crashtest(crashtest::CrashtestArgs),
-    /// Run the benchmark suites (not implemented yet: issues #6 and #7).
-    Bench,
+    /// Run a benchmark suite.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// The IMAP mailbox move of the Featherstitch paper, with Dovecot: kernel ext3,
+    /// quiltfs with fsync and with patchgroups, and fsync disabled, side by side.
+    Mail(bench_mail::MailArgs),
 }
 
 fn main() {
@@ -93,6 +102,6 @@ fn run(cli: Cli) -> Result<()> {
         Command::Stats(a) => stats::run(a),
         Command::Umount { mountpoint, lazy } => mount::unmount_and_wait(&mountpoint, lazy),
         Command::Crashtest(a) => crashtest::run(a),
-        Command::Bench => bail!("this command is not implemented yet (issues #6 and #7)"),
+        Command::Bench(BenchCommand::Mail(a)) => bench_mail::run(a),
     }
 }

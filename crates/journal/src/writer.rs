@@ -88,6 +88,8 @@ struct Live {
     len: u32,
     done: PatchId,
     images: Vec<(BlockNo, Arc<[u8]>)>,
+    /// Blocks this transaction revoked (freed while the log held a copy).
+    revoked: Vec<BlockNo>,
 }
 
 struct State {
@@ -370,6 +372,7 @@ impl Journal {
             len: need,
             done: txn.done,
             images: txn.blocks,
+            revoked: revokes.iter().map(|&b| b as BlockNo).collect(),
         });
         inner.committed.store(seq, SeqCst);
         let s = &inner.stats;
@@ -405,12 +408,35 @@ impl Journal {
         Ok(())
     }
 
-    /// Checkpoints the oldest live transaction by writing its committed images home.
+    /// Checkpoints the oldest live transaction by putting its blocks home: for each, what
+    /// replaying the whole live log would leave there. Not the transaction's own image:
+    /// write-back may already have put a newer committed version home, and writing the
+    /// older one would take the block back in time for good. A block a live transaction
+    /// revoked is not written at all (it was freed, and may hold unjournaled data now).
     fn force_oldest(&self, st: &mut State) -> Result<()> {
         let Some(t) = st.live.front() else {
             return Ok(());
         };
-        self.inner.engine.write_through(&t.images)?;
+        let mut latest: HashMap<BlockNo, Option<Arc<[u8]>>> =
+            t.images.iter().map(|(b, _)| (*b, None)).collect();
+        for l in &st.live {
+            for (b, img) in &l.images {
+                if let Some(slot) = latest.get_mut(b) {
+                    *slot = Some(img.clone());
+                }
+            }
+            for b in &l.revoked {
+                if let Some(slot) = latest.get_mut(b) {
+                    *slot = None;
+                }
+            }
+        }
+        let mut home: Vec<(BlockNo, Arc<[u8]>)> = latest
+            .into_iter()
+            .filter_map(|(b, img)| img.map(|i| (b, i)))
+            .collect();
+        home.sort_unstable_by_key(|(b, _)| *b);
+        self.inner.engine.write_through(&home)?;
         self.inner.stats.forced_checkpoints.fetch_add(1, SeqCst);
         self.pop_oldest(st);
         self.write_tail(st)
