@@ -44,6 +44,9 @@ enum Command {
         #[arg(long, short = 'l')]
         lazy: bool,
     },
+    /// Make everything written to a mount durable. `sync` and syncfs(2) do not reach
+    /// the server (the FUSE library in use does not pass FUSE_SYNCFS on); fsync does.
+    Sync { mountpoint: std::path::PathBuf },
     /// Print the counters of a mounted file system, or a summary of an image.
     Stats(stats::StatsArgs),
     /// Explore crash states of a workload and check them (e2fsck, fsync promises).
@@ -100,6 +103,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Mkfs(a) => mkfs::run(a),
         Command::Mount(a) => mount::run(a),
         Command::Stats(a) => stats::run(a),
+        Command::Sync { mountpoint } => mount::sync_mount(&mountpoint),
         Command::Umount { mountpoint, lazy } => mount::unmount_and_wait(&mountpoint, lazy),
         Command::Crashtest(a) => crashtest::run(a),
         Command::Bench(BenchCommand::Mail(a)) => bench_mail::run(a),

@@ -293,6 +293,12 @@ fn start_control(
                     serde_json::to_string(&j).unwrap_or_default()
                 }
                 "pid" => std::process::id().to_string(),
+                // syncfs(2) never reaches us (fuser 0.18 does not dispatch FUSE_SYNCFS),
+                // so `quiltfs sync` asks here.
+                "sync" => match fs.sync_all() {
+                    Ok(()) => "ok".to_string(),
+                    Err(e) => format!("error: {e}"),
+                },
                 other => format!("{{\"error\":\"unknown command {other:?}\"}}"),
             };
             let _ = conn.write_all(reply.as_bytes());
@@ -316,7 +322,22 @@ pub fn stats_json(fs: &dyn FileSystem) -> serde_json::Value {
 }
 
 /// Asks the server of `mountpoint` for its counters.
+/// Makes everything written to the mount durable (what syncfs would do).
+pub fn sync_mount(mountpoint: &Path) -> Result<()> {
+    let reply = ask(mountpoint, "sync")?;
+    if reply.trim() == "ok" {
+        Ok(())
+    } else {
+        bail!("sync of {} failed: {}", mountpoint.display(), reply.trim())
+    }
+}
+
 pub fn query_stats(mountpoint: &Path) -> Result<serde_json::Value> {
+    Ok(serde_json::from_str(&ask(mountpoint, "stats")?)?)
+}
+
+/// One request to the server's control socket.
+fn ask(mountpoint: &Path, what: &str) -> Result<String> {
     let (sock, _) = runtime_paths(mountpoint);
     let mut s = UnixStream::connect(&sock).with_context(|| {
         format!(
@@ -325,11 +346,11 @@ pub fn query_stats(mountpoint: &Path) -> Result<serde_json::Value> {
             sock.display()
         )
     })?;
-    s.write_all(b"stats\n")?;
+    s.write_all(format!("{what}\n").as_bytes())?;
     s.shutdown(std::net::Shutdown::Write)?;
     let mut buf = String::new();
     s.read_to_string(&mut buf)?;
-    Ok(serde_json::from_str(&buf)?)
+    Ok(buf)
 }
 
 /// `mount -t fuse.quiltfs IMAGE DIR -o OPTS` runs us as `mount.fuse.quiltfs`.

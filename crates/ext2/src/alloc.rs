@@ -8,6 +8,9 @@ use crate::fs::{Ext2, Head, State};
 use quilt_patch::PatchId;
 use quilt_vfs::{FsError, Result};
 
+/// How many recently freed items an allocation passes over before it takes one.
+const FRESH_SKIPS: usize = 64;
+
 impl Ext2 {
     /// Finds a zero bit in `bitmap` among the first `limit` bits, starting at `start` and
     /// wrapping.
@@ -40,6 +43,38 @@ impl Ext2 {
                 scan(start, limit).or_else(|| scan(0, start))
             })
             .map_err(Self::io)
+    }
+
+    /// Like `find_zero`, but passes over (up to `FRESH_SKIPS` times) free bits whose
+    /// freeing may not be durable yet (`pending`). Reusing such an item at once chains its
+    /// new owner's changes behind the old owner's removal; a program that frees and
+    /// reallocates in turn (a mail server rewriting its index through a lock file and a
+    /// rename) then builds a dependency chain as long as its run, and write-back needs an
+    /// epoch, and a flush, per link. If only such bits are free, the first one is used:
+    /// the dependency keeps it correct, only slower.
+    fn find_fresh(
+        &self,
+        bitmap: u32,
+        start: u32,
+        limit: u32,
+        pending: impl Fn(u32) -> bool,
+    ) -> Result<Option<u32>> {
+        let mut first: Option<u32> = None;
+        let mut from = start;
+        for _ in 0..FRESH_SKIPS {
+            let Some(bit) = self.find_zero(bitmap, from, limit)? else {
+                return Ok(None);
+            };
+            if first == Some(bit) {
+                break;
+            }
+            if !pending(bit) {
+                return Ok(Some(bit));
+            }
+            first.get_or_insert(bit);
+            from = if bit + 1 >= limit { 0 } else { bit + 1 };
+        }
+        Ok(first)
     }
 
     fn bit_is_set(&self, bitmap: u32, bit: u32) -> Result<bool> {
@@ -83,7 +118,12 @@ impl Ext2 {
                 0
             };
             let bitmap = st.gd[g as usize].block_bitmap;
-            let Some(bit) = self.find_zero(bitmap, start, count)? else {
+            let pending = |bit: u32| {
+                st.freed
+                    .get(&(first + bit))
+                    .is_some_and(|&p| !self.engine.is_durable(p))
+            };
+            let Some(bit) = self.find_fresh(bitmap, start, count, pending)? else {
                 // The descriptor said free blocks exist; the bitmap disagrees.
                 tracing::warn!(
                     "group {g}: free block count says {} but bitmap is full",
@@ -172,7 +212,13 @@ impl Ext2 {
             }
             let bitmap = st.gd[g as usize].inode_bitmap;
             let from = if g == 0 { self.geo.first_ino - 1 } else { 0 };
-            let Some(bit) = self.find_zero(bitmap, from, self.geo.ipg)? else {
+            let base = g * self.geo.ipg + 1;
+            let pending = |bit: u32| {
+                st.freed_inodes
+                    .get(&(base + bit))
+                    .is_some_and(|&p| !self.engine.is_durable(p))
+            };
+            let Some(bit) = self.find_fresh(bitmap, from, self.geo.ipg, pending)? else {
                 st.gd[g as usize].free_inodes = 0;
                 continue;
             };
@@ -207,7 +253,11 @@ impl Ext2 {
                 "freeing inode {ino}, which is already free"
             )));
         }
-        self.flip_bit(bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
+        let p = self.flip_bit(bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
+        if st.freed_inodes.len() >= 65536 {
+            self.prune(st);
+        }
+        st.freed_inodes.insert(ino, p);
         st.gd[g as usize].free_inodes += 1;
         if dir {
             st.gd[g as usize].used_dirs = st.gd[g as usize].used_dirs.saturating_sub(1);

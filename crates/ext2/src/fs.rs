@@ -118,6 +118,9 @@ pub(crate) struct State {
     /// Blocks freed while the patch that removed their last pointer may not be durable:
     /// their next contents must wait for it.
     pub freed: HashMap<u32, PatchId>,
+    /// Inodes freed while the bitmap patch freeing them may not be durable: allocation
+    /// passes over them while it can (`alloc::find_fresh`).
+    pub freed_inodes: HashMap<u32, PatchId>,
     /// Per inode, patches an fsync of it must make durable (folded into one empty patch
     /// when the list grows).
     pub heads: HashMap<u32, Vec<PatchId>>,
@@ -270,6 +273,7 @@ impl Ext2 {
                 sb: sb.clone(),
                 gd,
                 freed: HashMap::default(),
+                freed_inodes: HashMap::default(),
                 heads: HashMap::default(),
                 parents: HashMap::default(),
                 open: HashMap::default(),
@@ -514,6 +518,7 @@ impl Ext2 {
             !l.is_empty()
         });
         st.freed.retain(|_, p| !e.is_durable(*p));
+        st.freed_inodes.retain(|_, p| !e.is_durable(*p));
         let heads = &st.heads;
         st.parents.retain(|ino, _| heads.contains_key(ino));
         // Whatever is still pending stays; look again when the map has doubled.

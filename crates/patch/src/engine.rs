@@ -655,7 +655,17 @@ impl State {
             _ => Init::Zero,
         };
         self.load(sh, block, init)?;
-        let befores = self.gather_befores(befores, opts.caller);
+        // Under a capture (the journal modes) transactions commit in order and a group's
+        // changes are made after those of the groups before it, so the log already
+        // keeps patchgroup order: the groups' tails would only make write-back put
+        // blocks home one group per epoch (and flush) for nothing. Heads still collect
+        // the changes, for whoever waits on a group.
+        let ordering_caller = if self.capture.is_some() {
+            None
+        } else {
+            opts.caller
+        };
+        let befores = self.gather_befores(befores, ordering_caller);
 
         let (start, end) = change.range(bs);
         let probe = Patch::new(
