@@ -19,7 +19,7 @@
 //!   to the server before the switch, so they join the group they were written in.
 //!   Pages of *other* files written in the group and still cached in the kernel join
 //!   the group that is current when the kernel writes them back: later, never earlier.
-//!   Mount with `--writeback-cache off` for exact group membership of every write.
+//!   Mount with `-o nowbcache` for exact group membership of every write.
 //! * A child made by fork (without exec) starts inside the group its parent had engaged
 //!   when the server first sees the child (FUSE cannot see the fork itself). While a
 //!   child keeps that group engaged, the parent cannot start a group after it; its fsync
