@@ -280,6 +280,7 @@ impl Drop for Mounted {
             let _ = Command::new("losetup").arg("-d").arg(d).status();
         }
         let _ = std::fs::remove_file(&self.image);
+        let _ = std::fs::remove_dir(&self.mnt);
     }
 }
 

@@ -8,8 +8,12 @@ use crate::fs::{Ext2, Head, State};
 use quilt_patch::PatchId;
 use quilt_vfs::{FsError, Result};
 
-/// How many recently freed items an allocation passes over before it takes one.
+/// How many recently freed items an allocation passes over before it takes one. In the
+/// journal modes a freed block is pending until its transaction commits and it is home;
+/// passing over more of them keeps file data out of blocks whose free is not committed
+/// (the engine journals such data if it must, see `patch::capture`).
 const FRESH_SKIPS: usize = 64;
+const FRESH_SKIPS_JOURNAL: usize = 1024;
 
 impl Ext2 {
     /// Finds a zero bit in `bitmap` among the first `limit` bits, starting at `start` and
@@ -45,7 +49,8 @@ impl Ext2 {
             .map_err(Self::io)
     }
 
-    /// Like `find_zero`, but passes over (up to `FRESH_SKIPS` times) free bits whose
+    /// Like `find_zero`, but passes over (up to `FRESH_SKIPS` times, more in the journal
+    /// modes) free bits whose
     /// freeing may not be durable yet (`pending`). Reusing such an item at once chains its
     /// new owner's changes behind the old owner's removal; a program that frees and
     /// reallocates in turn (a mail server rewriting its index through a lock file and a
@@ -61,7 +66,12 @@ impl Ext2 {
     ) -> Result<Option<u32>> {
         let mut first: Option<u32> = None;
         let mut from = start;
-        for _ in 0..FRESH_SKIPS {
+        let skips = if self.mode.is_journal() {
+            FRESH_SKIPS_JOURNAL
+        } else {
+            FRESH_SKIPS
+        };
+        for _ in 0..skips {
             let Some(bit) = self.find_zero(bitmap, from, limit)? else {
                 return Ok(None);
             };

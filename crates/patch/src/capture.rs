@@ -41,7 +41,15 @@ pub struct CapturedTxn {
 impl State {
     /// Called for every change: ties it to the open capture.
     pub(crate) fn capture_change(&mut self, id: PatchId, block: BlockNo, data: bool) {
-        let Some((hold, take)) = self.capture.as_ref().map(|c| (c.hold, !data || c.data)) else {
+        // File data is captured in full mode; in metadata mode too when it lands in a
+        // block this transaction freed (ext3's rule): written in place, it could reach
+        // the disk before the free commits, and a checkpoint or a replay of the block's
+        // old, committed contents would then overwrite it.
+        let Some((hold, take)) = self
+            .capture
+            .as_ref()
+            .map(|c| (c.hold, !data || c.data || c.revoked.contains(&block)))
+        else {
             return;
         };
         if !take || id == hold {
@@ -147,5 +155,37 @@ impl Engine {
     /// Whether write-back flushes the device (safe durability).
     pub fn flushes(&self) -> bool {
         self.sh.opts.durability == crate::Durability::Safe
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{ChangeOpts, Engine, EngineOptions};
+    use quilt_block::MemDevice;
+    use std::sync::Arc;
+
+    #[test]
+    fn data_in_a_block_freed_by_the_transaction_is_journaled_in_metadata_mode() {
+        let e = Engine::new(
+            Arc::new(MemDevice::new(512, 16).unwrap()),
+            EngineOptions::default(),
+        );
+        e.capture_start(false).unwrap();
+        let data = ChangeOpts {
+            caller: None,
+            data: true,
+        };
+        e.write(3, 0, &[1], &[], data).unwrap();
+        e.capture_revoke(5);
+        e.write(5, 0, &[2], &[], data).unwrap();
+        let t = e.capture_rotate(false).unwrap().unwrap();
+        let blocks: Vec<u64> = t.blocks.iter().map(|(b, _)| *b).collect();
+        assert_eq!(
+            blocks,
+            vec![5],
+            "plain data stays out, reused-block data goes in"
+        );
+        assert!(!t.revoked.contains(&5), "re-logged, not revoked");
+        e.release_hold(t.hold);
     }
 }
