@@ -658,8 +658,8 @@ impl State {
         // Under a capture (the journal modes) transactions commit in order and a group's
         // changes are made after those of the groups before it, so the log already
         // keeps patchgroup order: the groups' tails would only make write-back put
-        // blocks home one group per epoch (and flush) for nothing. Heads still collect
-        // the changes, for whoever waits on a group.
+        // blocks home one group per epoch (and flush) for nothing, and their heads
+        // (which a group sync does not use there: it commits) only grow the graph.
         let ordering_caller = if self.capture.is_some() {
             None
         } else {
@@ -694,7 +694,7 @@ impl State {
             self.new_patch(block, change, probe, &befores)
         };
 
-        if let Some(c) = opts.caller {
+        if let Some(c) = ordering_caller {
             for head in self.pgs.engaged_heads(c) {
                 if let Some(h) = self.g.resolve(head) {
                     self.add_edge(h, id);
