@@ -44,7 +44,8 @@ fn rmdir_counts_the_parent_down_only_after_the_child_is_cleared() {
         return;
     }
     let r = explore(Mode::SoftUpdates, "rmrf", 100_000);
-    assert!(r.states_checked >= 100, "{}", r.text());
+    // Distinct crash images (cuts that leave the same image count once).
+    assert!(r.states_checked >= 30, "{}", r.text());
     assert_eq!(r.with_violations, 0, "{}", r.text());
     assert!(
         r.allowed_only > 0,
@@ -75,7 +76,7 @@ fn an_entry_removal_waits_for_the_split_it_measured() {
         return;
     }
     let r = explore_seed(Mode::SoftUpdates, "postmark", 100_000, 11);
-    assert!(r.states_checked >= 500, "{}", r.text());
+    assert!(r.states_checked >= 200, "{}", r.text());
     assert_eq!(r.with_violations, 0, "{}", r.text());
 }
 

@@ -50,10 +50,47 @@ fn superblock(dev: &MemDevice) -> Superblock {
     Superblock::decode(&b[1024..2048]).unwrap()
 }
 
+/// A device whose flush takes a while, as a disk's does: while one commit waits for it,
+/// the other threads' fsyncs queue up behind it and can share the next one. (On a
+/// memory device a commit is over before another fsync arrives, and whether any is
+/// shared is up to the scheduler.)
+struct SlowFlush(Arc<MemDevice>);
+
+impl BlockDevice for SlowFlush {
+    fn block_size(&self) -> usize {
+        self.0.block_size()
+    }
+    fn block_count(&self) -> u64 {
+        self.0.block_count()
+    }
+    fn read(&self, block: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
+        self.0.read(block, buf)
+    }
+    fn write(&self, block: u64, buf: &[u8]) -> quilt_block::Result<()> {
+        self.0.write(block, buf)
+    }
+    fn flush(&self) -> quilt_block::Result<()> {
+        std::thread::sleep(std::time::Duration::from_millis(3));
+        self.0.flush()
+    }
+    fn stats(&self) -> quilt_block::IoStats {
+        self.0.stats()
+    }
+}
+
 #[test]
 fn concurrent_fsyncs_share_commits() {
     let dev = image(true);
-    let fs = Arc::new(mount(&dev, Mode::MetaJournal).unwrap());
+    let fs = Arc::new(
+        Ext2::open(
+            Engine::new(Arc::new(SlowFlush(dev.clone())), EngineOptions::default()),
+            MountOptions {
+                mode: Mode::MetaJournal,
+                read_only: false,
+            },
+        )
+        .unwrap(),
+    );
     let threads: Vec<_> = (0..8)
         .map(|t| {
             let fs = fs.clone();
