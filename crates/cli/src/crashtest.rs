@@ -55,10 +55,26 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    // Off a terminal the bar is not drawn: a line every half minute instead, for logs.
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let t0 = std::time::Instant::now();
+    let mut last = t0;
     let r = quilt_crashtest::run(&cfg, |checked, planned, run| {
         bar.set_length(planned as u64);
         bar.set_position(checked as u64);
         bar.set_message(run.to_string());
+        if !tty && last.elapsed().as_secs() >= 30 {
+            last = std::time::Instant::now();
+            let secs = t0.elapsed().as_secs_f64();
+            let left = if checked > 0 {
+                secs / checked as f64 * planned.saturating_sub(checked) as f64
+            } else {
+                0.0
+            };
+            eprintln!(
+                "crashtest: {checked}/{planned} states in {secs:.0} s, about {left:.0} s left ({run})"
+            );
+        }
     })
     .map_err(anyhow::Error::msg);
     bar.finish_and_clear();
