@@ -63,6 +63,9 @@ pub struct OpenSettings {
     pub cache_mib: usize,
     /// Background write-back interval; None for none.
     pub flush_interval_ms: Option<u64>,
+    /// The patch engine's two optimizations (on unless a benchmark compares them).
+    pub hard_patches: bool,
+    pub overlap_merge: bool,
 }
 
 impl Default for OpenSettings {
@@ -73,6 +76,8 @@ impl Default for OpenSettings {
             unsafe_durability: false,
             cache_mib: 128,
             flush_interval_ms: Some(1000),
+            hard_patches: true,
+            overlap_merge: true,
         }
     }
 }
@@ -98,6 +103,8 @@ pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
             },
             cache_bytes_max: s.cache_mib << 20,
             flush_interval_ms: s.flush_interval_ms,
+            hard_patches: s.hard_patches,
+            overlap_merge: s.overlap_merge,
             ..Default::default()
         },
     );

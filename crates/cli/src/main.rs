@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
-mod bench_mail;
+mod bench;
 mod crashtest;
 mod demo;
 mod image;
@@ -60,7 +60,11 @@ enum Command {
 enum BenchCommand {
     /// The IMAP mailbox move of the Featherstitch paper, with Dovecot: kernel ext3,
     /// quiltfs with fsync and with patchgroups, and fsync disabled, side by side.
-    Mail(bench_mail::MailArgs),
+    Mail(bench::mail::MailArgs),
+    /// The Featherstitch paper's evaluation: untar, delete, PostMark and an Andrew-like
+    /// build on every quiltfs mode, kernel ext2/ext3/ext4 and fuse2fs, plus the patch
+    /// optimization table; Markdown, CSV, JSON and PNG plots.
+    Featherstitch(bench::featherstitch::FeatherstitchArgs),
 }
 
 fn main() {
@@ -106,6 +110,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Sync { mountpoint } => mount::sync_mount(&mountpoint),
         Command::Umount { mountpoint, lazy } => mount::unmount_and_wait(&mountpoint, lazy),
         Command::Crashtest(a) => crashtest::run(a),
-        Command::Bench(BenchCommand::Mail(a)) => bench_mail::run(a),
+        Command::Bench(BenchCommand::Mail(a)) => bench::mail::run(a),
+        Command::Bench(BenchCommand::Featherstitch(a)) => bench::featherstitch::run(a),
     }
 }

@@ -33,7 +33,8 @@ pub struct MountArgs {
     #[arg(long, default_value_t = 128)]
     pub cache_mib: usize,
     /// Comma-separated options: ro, rw, allow_other, mode=M, unsafe, cache_mib=N,
-    /// nowbcache (kernel writeback cache off), threads=N; fstab-only options are ignored.
+    /// nowbcache (kernel writeback cache off), threads=N, nohard and nomerge (the patch
+    /// engine's optimizations off, for comparing them); fstab-only options are ignored.
     #[arg(short = 'o', value_delimiter = ',')]
     pub options: Vec<String>,
     /// Internal: the background parent waits for this process to say it is ready.
@@ -68,6 +69,8 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
             ("allow_other", None) => fuse.allow_other = true,
             ("unsafe", None) => settings.unsafe_durability = true,
             ("nowbcache", None) => fuse.writeback_cache = false,
+            ("nohard", None) => settings.hard_patches = false,
+            ("nomerge", None) => settings.overlap_merge = false,
             ("mode", Some(m)) => settings.mode = m.parse().map_err(anyhow::Error::msg)?,
             ("cache_mib", Some(n)) => settings.cache_mib = n.parse().context("cache_mib=N")?,
             ("threads", Some(n)) => fuse.threads = n.parse().context("threads=N")?,

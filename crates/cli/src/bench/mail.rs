@@ -8,6 +8,7 @@
 //! and for quiltfs (`/sys/block/loopN/stat`). Runs are interleaved across
 //! configurations; the report gives medians with min–max.
 
+use super::{cpu_of, csv, jbd2_thread, loop_stat, median, sh};
 use anyhow::{bail, Context, Result};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -159,24 +160,8 @@ fn quilt_requests(mnt: &Path) -> (u64, u64) {
     )
 }
 
-fn sh(cmd: &mut Command) -> Result<String> {
-    let what = format!("{cmd:?}");
-    let o = cmd.output().with_context(|| format!("running {what}"))?;
-    if !o.status.success() {
-        bail!(
-            "{what} failed ({}): {}",
-            o.status,
-            String::from_utf8_lossy(&o.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8_lossy(&o.stdout).into_owned())
-}
-
 fn ensure_prerequisites() -> Result<()> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        bail!("bench mail needs root (loop devices, mounts, running Dovecot as {USER})");
-    }
+    super::require_root("bench mail")?;
     if !Path::new(IMAP).exists() {
         eprintln!("bench mail: installing Dovecot (dovecot-imapd)");
         sh(Command::new("apt-get")
@@ -196,11 +181,7 @@ fn ensure_prerequisites() -> Result<()> {
         ]))?;
     }
     for tool in ["mkfs.ext3", "losetup", "e2fsck"] {
-        if sh(Command::new("sh")
-            .arg("-c")
-            .arg(format!("command -v {tool}")))
-        .is_err()
-        {
+        if !super::have(tool) {
             bail!("bench mail needs {tool} (Debian packages e2fsprogs and mount)");
         }
     }
@@ -211,44 +192,6 @@ fn ids() -> Result<(u32, u32)> {
     let uid = sh(Command::new("id").arg("-u").arg(USER))?.trim().parse()?;
     let gid = sh(Command::new("id").arg("-g").arg(USER))?.trim().parse()?;
     Ok((uid, gid))
-}
-
-/// Write and flush requests completed by a block device so far.
-fn loop_stat(dev: &str) -> Result<(u64, u64)> {
-    let name = dev.trim_start_matches("/dev/");
-    let s = std::fs::read_to_string(format!("/sys/block/{name}/stat"))?;
-    let f: Vec<u64> = s
-        .split_whitespace()
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    if f.len() < 17 {
-        bail!("/sys/block/{name}/stat has no flush counts");
-    }
-    Ok((f[4], f[15]))
-}
-
-/// CPU seconds (user + system) a process or kernel thread has used.
-fn cpu_of(pid: u32) -> f64 {
-    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    // Fields after the command name (which may hold spaces) start at state (field 3).
-    let rest = s.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    (ticks(11) + ticks(12)) as f64 / hz
-}
-
-/// The kernel's journal thread for `dev` (jbd2/loopN-8).
-fn jbd2_thread(dev: &str) -> Option<u32> {
-    let want = format!("jbd2/{}-", dev.trim_start_matches("/dev/"));
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
-        comm.starts_with(&want).then_some(pid)
-    })
 }
 
 /// Everything one run set up, torn down in reverse on drop (also after errors).
@@ -479,17 +422,8 @@ impl Imap {
     /// Waits for the process; returns its CPU seconds.
     fn finish(self) -> Result<f64> {
         drop(self.to);
-        let pid = self.child.id() as libc::pid_t;
-        let mut status = 0;
-        // SAFETY: rusage is plain data that wait4 fills for our own child.
-        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-        // SAFETY: waiting for a child we spawned and have not waited for.
-        let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
-        if r != pid {
-            bail!("waiting for imap: {}", std::io::Error::last_os_error());
-        }
-        let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-        Ok(secs(ru.ru_utime) + secs(ru.ru_stime))
+        let r = super::reap(&self.child).context("waiting for imap")?;
+        Ok(r.user + r.sys)
     }
 }
 
@@ -511,7 +445,7 @@ fn one_run(conf: &Conf, run: usize, a: &MailArgs, n: usize, preload_lib: &Path) 
     }
     let (w0, f0) = loop_stat(&dev)?;
     let fs_pid = m.server.or_else(|| jbd2_thread(&dev));
-    let fs0 = fs_pid.map(cpu_of).unwrap_or(0.0);
+    let fs0 = fs_pid.map(cpu_of).map(|(u, s)| u + s).unwrap_or(0.0);
     let (q0, p0) = if m.quilt {
         quilt_requests(&m.mnt)
     } else {
@@ -540,7 +474,7 @@ fn one_run(conf: &Conf, run: usize, a: &MailArgs, n: usize, preload_lib: &Path) 
     }
     let sync_seconds = t1.elapsed().as_secs_f64();
     let (w2, f2) = loop_stat(&dev)?;
-    let fs_cpu = fs_pid.map(cpu_of).unwrap_or(0.0) - fs0;
+    let fs_cpu = fs_pid.map(cpu_of).map(|(u, s)| u + s).unwrap_or(0.0) - fs0;
     let (q1, p1) = if m.quilt {
         quilt_requests(&m.mnt)
     } else {
@@ -611,26 +545,6 @@ fn one_run(conf: &Conf, run: usize, a: &MailArgs, n: usize, preload_lib: &Path) 
     })
 }
 
-fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n == 0 {
-        return (0.0, 0.0, 0.0);
-    }
-    let med = if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    };
-    (med, v[0], v[n - 1])
-}
-
-static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-extern "C" fn on_sigint(_: libc::c_int) {
-    INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
-}
-
 pub fn run(a: MailArgs) -> Result<()> {
     ensure_prerequisites()?;
     let (n, runs) = if a.quick {
@@ -666,19 +580,12 @@ pub fn run(a: MailArgs) -> Result<()> {
     std::fs::create_dir_all(&a.work)?;
     // The mail user must reach the mounts under the work directory.
     sh(Command::new("chmod").arg("755").arg(&a.work))?;
-    // SAFETY: installs a handler that only stores to an atomic.
-    unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
-    let bar = indicatif::ProgressBar::new((confs.len() * runs) as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} runs, {eta} left  {msg}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    super::catch_interrupts();
+    let bar = super::progress_bar((confs.len() * runs) as u64, "runs");
     let mut samples = Vec::new();
     for run in 0..runs {
         for c in &confs {
-            if INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
+            if super::interrupted() {
                 bar.finish_and_clear();
                 bail!(
                     "interrupted: everything this run set up was unmounted, detached and removed"
@@ -705,28 +612,6 @@ pub fn run(a: MailArgs) -> Result<()> {
         println!("results in {}", out.display());
     }
     Ok(())
-}
-
-/// The samples as CSV, one column per field.
-fn csv(samples: &[Sample]) -> Result<String> {
-    let rows = serde_json::to_value(samples)?;
-    let rows = rows.as_array().cloned().unwrap_or_default();
-    let Some(first) = rows.first().and_then(|r| r.as_object()) else {
-        return Ok(String::new());
-    };
-    let keys: Vec<String> = first.keys().cloned().collect();
-    let mut out = keys.join(",") + "\n";
-    for r in &rows {
-        let cells: Vec<String> = keys
-            .iter()
-            .map(|k| match &r[k] {
-                serde_json::Value::String(s) => s.clone(),
-                v => v.to_string(),
-            })
-            .collect();
-        out += &(cells.join(",") + "\n");
-    }
-    Ok(out)
 }
 
 fn report(confs: &[Conf], samples: &[Sample], n: usize, size: usize, runs: usize) -> String {

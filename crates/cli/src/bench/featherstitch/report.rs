@@ -1,0 +1,358 @@
+//! The Markdown report: the paper's benchmark table and optimization table with this
+//! run's numbers, per-workload details with ratios to the kernel's ext2 and ext3, and
+//! the issue's goals checked against the medians.
+
+use super::systems::System;
+use super::workloads::{Inputs, Workload};
+use super::Sample;
+use crate::bench::median;
+use std::fmt::Write;
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Meta {
+    pub quiltfs_version: &'static str,
+    pub kernel: String,
+    pub cpu: String,
+    pub cores: usize,
+    pub quick: bool,
+    pub runs: usize,
+    pub image_mib: u64,
+    pub inputs: Inputs,
+    pub duration_s: f64,
+}
+
+impl Meta {
+    pub fn gather(
+        inputs: &Inputs,
+        quick: bool,
+        runs: usize,
+        image_mib: u64,
+        took: std::time::Duration,
+    ) -> Meta {
+        let (kernel, cpu) = super::machine();
+        Meta {
+            quiltfs_version: env!("CARGO_PKG_VERSION"),
+            kernel,
+            cpu,
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            quick,
+            runs,
+            image_mib,
+            inputs: inputs.clone(),
+            duration_s: took.as_secs_f64(),
+        }
+    }
+}
+
+/// Medians over the runs of one system on one workload.
+pub struct Cell {
+    pub wall: (f64, f64, f64),
+    pub cpu: (f64, f64, f64),
+    pub user: f64,
+    pub sys: f64,
+    pub fs: f64,
+    pub writes: f64,
+    pub flushes: f64,
+    pub patches: Option<f64>,
+    pub undo: Option<f64>,
+}
+
+pub fn cell(samples: &[Sample], system: &str, w: Workload) -> Option<Cell> {
+    let v: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.system == system && s.workload == w)
+        .collect();
+    if v.is_empty() {
+        return None;
+    }
+    let m = |f: &dyn Fn(&Sample) -> f64| median(v.iter().map(|s| f(s)).collect());
+    let opt = |f: &dyn Fn(&Sample) -> Option<u64>| {
+        let xs: Vec<f64> = v.iter().filter_map(|s| f(s)).map(|x| x as f64).collect();
+        (!xs.is_empty()).then(|| median(xs).0)
+    };
+    Some(Cell {
+        wall: m(&|s| s.wall_s),
+        cpu: m(&|s| s.cpu_s()),
+        user: m(&|s| s.user_s()).0,
+        sys: m(&|s| s.sys_s()).0,
+        fs: m(&|s| s.fs_user_s + s.fs_sys_s).0,
+        writes: m(&|s| s.device_writes as f64).0,
+        flushes: m(&|s| s.device_flushes as f64).0,
+        patches: opt(&|s| s.patches_created),
+        undo: opt(&|s| s.undo_bytes),
+    })
+}
+
+fn ratio(a: f64, b: Option<f64>) -> String {
+    match b {
+        Some(b) if b > 0.0 => format!("{:.2}×", a / b),
+        _ => "–".into(),
+    }
+}
+
+pub fn markdown(meta: &Meta, systems: &[System], ws: &[Workload], samples: &[Sample]) -> String {
+    let mut t = String::new();
+    let i = &meta.inputs;
+    let _ = writeln!(
+        t,
+        "# Featherstitch's evaluation on this machine{}\n",
+        if meta.quick { " (quick mode)" } else { "" }
+    );
+    let _ = writeln!(
+        t,
+        "quiltfs {}, Linux {}, {} × {}; {} run(s) per system, interleaved; {} MiB images on \
+         loop devices; {:.0} s in all.\n",
+        meta.quiltfs_version, meta.kernel, meta.cores, meta.cpu, meta.runs, meta.image_mib,
+        meta.duration_s
+    );
+    let _ = writeln!(
+        t,
+        "- **untar**: `tar xf` of {} ({:.0} MB, {} entries; read into the page cache \
+         before timing), then sync.\n\
+         - **delete**: after unmounting and mounting again (caches dropped), `rm -rf` of \
+         that tree, then sync.\n\
+         - **postmark**: Debian's PostMark, {} files of {}–{} bytes, {} transactions, \
+         seed {}, then sync.\n\
+         - **andrew**: make the directory hierarchy of {} ({} files, {:.1} MB), copy the \
+         files, stat every file, read every file, `make -j1 {}`, then sync.\n\
+         - Every timing runs until the data is durable and the file system unmounted: \
+         the workload, a sync (`sync -f`; for quiltfs its own sync request, as FUSE_SYNCFS \
+         does not reach FUSE servers here), and the unmount, which for a FUSE server \
+         lasts until it has written back and exited. The page cache is dropped before \
+         each workload. Each run starts from a fresh image.\n\
+         - **CPU** is user + system seconds of the workload's processes plus the file \
+         system's own: the FUSE server (quiltfs, fuse2fs), or the kernel's jbd2 thread. A \
+         kernel file system's other work is system time of the processes that call it; \
+         kernel writeback and loop-device threads are not counted for any system.\n\
+         - **Safe** systems flush the device's write cache where durability needs it; \
+         `-unsafe` quiltfs systems never flush (the paper's unsafe); kernel ext2 orders \
+         nothing, and fuse2fs writes back only at unmount.\n",
+        i.tarball.display(),
+        i.tarball_bytes as f64 / 1e6,
+        i.tarball_entries,
+        i.postmark.files,
+        i.postmark.min_size,
+        i.postmark.max_size,
+        i.postmark.transactions,
+        i.postmark.seed,
+        i.source.display(),
+        i.source_files,
+        i.source_bytes as f64 / 1e6,
+        if i.make_targets.is_empty() {
+            "(the default target)".to_string()
+        } else {
+            i.make_targets.join(" ")
+        },
+    );
+
+    let main: Vec<&System> = systems.iter().filter(|s| !s.opt_only()).collect();
+    // The paper's figure: seconds, CPU in brackets.
+    let _ = writeln!(
+        t,
+        "## Benchmark times\n\nWall seconds, median of {} run(s); total CPU seconds in \
+         brackets.\n",
+        meta.runs
+    );
+    let _ = write!(t, "| system | safe |");
+    for w in ws {
+        let _ = write!(t, " {} |", w.name());
+    }
+    let _ = write!(t, "\n|---|---|");
+    for _ in ws {
+        let _ = write!(t, "---|");
+    }
+    t.push('\n');
+    for s in &main {
+        let _ = write!(
+            t,
+            "| {} (`{}`) | {} |",
+            s.what,
+            s.name,
+            if s.safe { "safe" } else { "unsafe" }
+        );
+        for &w in ws {
+            match cell(samples, s.name, w) {
+                Some(c) => {
+                    let _ = write!(t, " {:.2} [{:.2}] |", c.wall.0, c.cpu.0);
+                }
+                None => t.push_str(" – |"),
+            }
+        }
+        t.push('\n');
+    }
+
+    for &w in ws {
+        let ext2 = cell(samples, "ext2", w).map(|c| c.wall.0);
+        let _ = writeln!(
+            t,
+            "\n## {}\n\n| system | wall s (min–max) | CPU s (min–max) | user s | sys s | of which fs process s | vs ext2 | vs ext3 (same guarantee) | device writes | device flushes |\n|---|---|---|---|---|---|---|---|---|---|",
+            w.name()
+        );
+        for s in &main {
+            let Some(c) = cell(samples, s.name, w) else {
+                continue;
+            };
+            let peer = s.ext3_peer();
+            let ext3 = cell(samples, peer, w).map(|c| c.wall.0);
+            let _ = writeln!(
+                t,
+                "| `{}` | {:.2} ({:.2}–{:.2}) | {:.2} ({:.2}–{:.2}) | {:.2} | {:.2} | {:.2} | {} | {} {} | {:.0} | {:.0} |",
+                s.name,
+                c.wall.0,
+                c.wall.1,
+                c.wall.2,
+                c.cpu.0,
+                c.cpu.1,
+                c.cpu.2,
+                c.user,
+                c.sys,
+                c.fs,
+                ratio(c.wall.0, ext2),
+                ratio(c.wall.0, ext3),
+                peer.trim_start_matches("ext3-"),
+                c.writes,
+                c.flushes
+            );
+        }
+    }
+
+    // The optimization table (soft updates).
+    let opts: Vec<(&str, &str)> = [
+        ("none", "None"),
+        ("hard", "Hard patches"),
+        ("merge", "Overlap merging"),
+        ("both", "Both"),
+    ]
+    .into_iter()
+    .filter(|(o, _)| systems.iter().any(|s| s.opt == Some(o)))
+    .collect();
+    if !opts.is_empty() {
+        let _ = writeln!(
+            t,
+            "\n## Patch optimizations (quiltfs soft updates)\n\nPatches created and undo \
+             bytes allocated over the workload and its sync; CPU of the server; medians.\n\n\
+             | workload | optimization | patches created | undo data MB | server CPU s | wall s |\n|---|---|---|---|---|---|"
+        );
+        for &w in ws {
+            for &(o, label) in &opts {
+                let Some(sys) = systems.iter().find(|s| s.opt == Some(o)) else {
+                    continue;
+                };
+                let Some(c) = cell(samples, sys.name, w) else {
+                    continue;
+                };
+                let _ = writeln!(
+                    t,
+                    "| {} | {label} | {} | {} | {:.2} | {:.2} |",
+                    w.name(),
+                    c.patches.map_or("–".into(), |p| format!("{p:.0}")),
+                    c.undo.map_or("–".into(), |u| format!("{:.2}", u / 1e6)),
+                    c.fs,
+                    c.wall.0
+                );
+            }
+        }
+    }
+
+    t.push_str("\n## Goals\n\n");
+    for g in goals(samples) {
+        let _ = writeln!(t, "- {g}");
+    }
+    t
+}
+
+fn med(samples: &[Sample], system: &str, w: Workload) -> Option<f64> {
+    cell(samples, system, w).map(|c| c.wall.0)
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok {
+        "**met**"
+    } else {
+        "**missed**"
+    }
+}
+
+/// The issue's goals, each with the measured figure; goals whose systems did not run
+/// are said to be unmeasured.
+pub fn goals(samples: &[Sample]) -> Vec<String> {
+    let mut g = Vec::new();
+    let opt = |o: &str, w: Workload| cell(samples, o, w);
+    match (
+        opt("quilt-su-opt-none", Workload::Untar),
+        opt("quilt-su", Workload::Untar),
+    ) {
+        (Some(none), Some(both)) => match (none.patches, both.patches, none.undo, both.undo) {
+            (Some(pn), Some(pb), Some(un), Some(ub)) if pn > 0.0 => {
+                let pc = 100.0 * (1.0 - pb / pn);
+                let uc = if un > 0.0 {
+                    100.0 * (1.0 - ub / un)
+                } else {
+                    0.0
+                };
+                g.push(format!(
+                    "Optimizations cut patches created on untar by ≥ 85%: {pc:.1}% ({pn:.0} → {pb:.0}) {}; undo bytes by ≥ 99%: {uc:.2}% ({:.1} MB → {:.3} MB) {}.",
+                    verdict(pc >= 85.0),
+                    un / 1e6,
+                    ub / 1e6,
+                    verdict(uc >= 99.0)
+                ));
+            }
+            _ => g.push("Optimizations on untar: the counters are missing.".into()),
+        },
+        _ => g.push(
+            "Optimizations on untar: not measured (needs quilt-su and quilt-su-opt-none)."
+                .into(),
+        ),
+    }
+    for w in [Workload::Untar, Workload::Delete] {
+        match (med(samples, "quilt-su", w), med(samples, "ext2", w)) {
+            (Some(q), Some(e)) => g.push(format!(
+                "quiltfs soft updates within 2× kernel ext2 on {}: {:.2}× ({q:.2} s against {e:.2} s) {}.",
+                w.name(),
+                q / e,
+                verdict(q <= 2.0 * e)
+            )),
+            _ => g.push(format!(
+                "quiltfs soft updates against ext2 on {}: not measured.",
+                w.name()
+            )),
+        }
+    }
+    for (q, k) in [
+        ("quilt-meta", "ext3-writeback"),
+        ("quilt-full", "ext3-journal"),
+    ] {
+        match (
+            med(samples, q, Workload::Postmark),
+            med(samples, k, Workload::Postmark),
+        ) {
+            (Some(a), Some(b)) => g.push(format!(
+                "PostMark: `{q}` within 1.5× of `{k}`: {:.2}× ({a:.2} s against {b:.2} s) {}.",
+                a / b,
+                verdict(a <= 1.5 * b)
+            )),
+            _ => g.push(format!("PostMark: `{q}` against `{k}`: not measured.")),
+        }
+    }
+    if let Some(f) = med(samples, "fuse2fs", Workload::Untar) {
+        let quilt: Vec<(&str, f64)> = super::SYSTEMS
+            .iter()
+            .filter(|s| s.is_quilt() && !s.opt_only())
+            .filter_map(|s| Some((s.name, med(samples, s.name, Workload::Untar)?)))
+            .collect();
+        if quilt.is_empty() {
+            g.push("quiltfs against fuse2fs on untar: no quiltfs system ran.".into());
+        }
+        for (name, q) in quilt {
+            g.push(format!(
+                "`{name}` at least 5× faster than fuse2fs on untar: {:.1}× ({q:.2} s against {f:.2} s) {}.",
+                f / q,
+                verdict(f >= 5.0 * q)
+            ));
+        }
+    } else {
+        g.push("quiltfs against fuse2fs on untar: not measured.".into());
+    }
+    g
+}

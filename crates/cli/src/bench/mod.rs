@@ -1,0 +1,234 @@
+//! `quiltfs bench`: benchmark suites that run quiltfs side by side with the systems a
+//! user would pick instead, on this machine, in one command.
+//!
+//! What the suites share lives here: running commands, reading device and CPU counters,
+//! medians, CSV, and stopping cleanly on Ctrl-C.
+
+pub mod featherstitch;
+pub mod mail;
+
+use anyhow::{bail, Context, Result};
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Runs a command to completion; its standard output, or an error with its stderr.
+pub fn sh(cmd: &mut Command) -> Result<String> {
+    let what = format!("{cmd:?}");
+    let o = cmd.output().with_context(|| format!("running {what}"))?;
+    if !o.status.success() {
+        bail!(
+            "{what} failed ({}): {}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+}
+
+/// Whether `tool` is on the PATH.
+pub fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Installs Debian packages that are missing (the suites run as root).
+pub fn apt_install(packages: &[&str]) -> Result<()> {
+    let missing: Vec<&str> = packages
+        .iter()
+        .copied()
+        .filter(|p| {
+            !Command::new("dpkg")
+                .args(["-s", p])
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!("bench: installing {}", missing.join(" "));
+    sh(Command::new("apt-get")
+        .args(["install", "-y", "-qq"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+    .with_context(|| format!("installing {}", missing.join(" ")))?;
+    Ok(())
+}
+
+pub fn require_root(what: &str) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("{what} needs root (loop devices, mounts, dropping caches)");
+    }
+    Ok(())
+}
+
+/// Write and flush requests completed by a block device so far.
+pub fn loop_stat(dev: &str) -> Result<(u64, u64)> {
+    let name = dev.trim_start_matches("/dev/");
+    let s = std::fs::read_to_string(format!("/sys/block/{name}/stat"))?;
+    let f: Vec<u64> = s
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    if f.len() < 17 {
+        bail!("/sys/block/{name}/stat has no flush counts");
+    }
+    Ok((f[4], f[15]))
+}
+
+/// CPU seconds (user, system) a process or kernel thread has used so far.
+pub fn cpu_of(pid: u32) -> (f64, f64) {
+    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return (0.0, 0.0);
+    };
+    // Fields after the command name (which may hold spaces) start at state (field 3).
+    let rest = s.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    (ticks(11) as f64 / hz, ticks(12) as f64 / hz)
+}
+
+/// The kernel's journal thread for `dev` (jbd2/loopN-8).
+pub fn jbd2_thread(dev: &str) -> Option<u32> {
+    let want = format!("jbd2/{}-", dev.trim_start_matches("/dev/"));
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+        comm.starts_with(&want).then_some(pid)
+    })
+}
+
+/// How a child process ended and the CPU it and its waited-for descendants used.
+pub struct Reaped {
+    pub status: i32,
+    pub user: f64,
+    pub sys: f64,
+}
+
+impl Reaped {
+    pub fn success(&self) -> bool {
+        libc::WIFEXITED(self.status) && libc::WEXITSTATUS(self.status) == 0
+    }
+}
+
+/// Waits for a child we spawned and returns its resource usage (wait4).
+pub fn reap(child: &std::process::Child) -> Result<Reaped> {
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0;
+    // SAFETY: rusage is plain data that wait4 fills in.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: waiting for our own child, which nothing else waits for.
+        let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
+        if r == pid {
+            break;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            bail!("waiting for process {pid}: {e}");
+        }
+    }
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    Ok(Reaped {
+        status,
+        user: secs(ru.ru_utime),
+        sys: secs(ru.ru_stime),
+    })
+}
+
+/// Median, minimum and maximum.
+pub fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n == 0 {
+        return (0.0, 0.0, 0.0);
+    }
+    let med = if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    };
+    (med, v[0], v[n - 1])
+}
+
+/// Serializable rows as CSV, one column per field.
+pub fn csv<T: serde::Serialize>(rows: &[T]) -> Result<String> {
+    let rows = serde_json::to_value(rows)?;
+    let rows = rows.as_array().cloned().unwrap_or_default();
+    let Some(first) = rows.first().and_then(|r| r.as_object()) else {
+        return Ok(String::new());
+    };
+    let keys: Vec<String> = first.keys().cloned().collect();
+    let mut out = keys.join(",") + "\n";
+    for r in &rows {
+        let cells: Vec<String> = keys
+            .iter()
+            .map(|k| match &r[k] {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Null => String::new(),
+                v => v.to_string(),
+            })
+            .collect();
+        out += &(cells.join(",") + "\n");
+    }
+    Ok(out)
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_sigint(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// From now on Ctrl-C sets a flag that the suites check between steps, so that what a
+/// step set up is torn down by its guards rather than left behind.
+pub fn catch_interrupts() {
+    // SAFETY: installs a handler that only stores to an atomic.
+    unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
+}
+
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
+pub fn progress_bar(len: u64, unit: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(len);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(&format!(
+            "{{spinner}} [{{elapsed_precise}}] {{bar:30}} {{pos}}/{{len}} {unit}, {{eta}} left  {{msg}}"
+        ))
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+/// `quiltfs` itself, for the subcommands a suite runs (mkfs, mount, stats).
+pub fn quiltfs_exe() -> Result<std::path::PathBuf> {
+    std::env::current_exe().context("finding the quiltfs binary")
+}
+
+/// Drops the kernel's clean caches, so each timed step starts cold.
+pub fn drop_caches() -> Result<()> {
+    sh(&mut Command::new("sync"))?;
+    std::fs::write("/proc/sys/vm/drop_caches", "3").context("dropping the page cache")?;
+    Ok(())
+}
+
+/// Whether something is mounted at `path` (by the kernel's mount table).
+pub fn is_mounted(path: &Path) -> bool {
+    let Ok(canon) = path.canonicalize() else {
+        return false;
+    };
+    let want = canon.to_string_lossy().replace(' ', "\\040");
+    std::fs::read_to_string("/proc/self/mountinfo").is_ok_and(|m| {
+        m.lines()
+            .any(|l| l.split_whitespace().nth(4) == Some(want.as_str()))
+    })
+}
