@@ -2,6 +2,7 @@
 //! `tar x` drives a mount (create, write in 10 KiB pieces, chown, chmod, set times), and
 //! prints the time and the engine's counters. For profiling the file system without FUSE.
 //!   cargo run --release -p quilt-ext2 --example replay_tree -- SRC_DIR [soft-updates|async]
+//!       [both|hard|merge|none]   (the patch optimizations on)
 
 use quilt_block::MemDevice;
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
@@ -71,7 +72,10 @@ fn main() {
         _ => Mode::SoftUpdates,
     };
     let dev = Arc::new(MemDevice::new(4096, 1 << 20).expect("device"));
+    let optimizations = args.get(3).map(String::as_str).unwrap_or("both");
     let opts = || EngineOptions {
+        hard_patches: matches!(optimizations, "both" | "hard"),
+        overlap_merge: matches!(optimizations, "both" | "merge"),
         cache_bytes_max: 128 << 20,
         flush_interval_ms: Some(1000),
         ..Default::default()
