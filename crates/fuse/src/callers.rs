@@ -227,7 +227,12 @@ impl Callers {
             .name("quiltfs-pg-reaper".into())
             .spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(period);
+                    // Parked, not asleep: dropping the watcher wakes it, so unmounting
+                    // does not wait out a period.
+                    std::thread::park_timeout(period);
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
                     let Some(c) = me.upgrade() else { break };
                     if c.active.load(Ordering::Relaxed) {
                         c.release_exited(fs.as_ref());
@@ -252,6 +257,7 @@ impl Drop for Watcher {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(h) = self.thread.take() {
+            h.thread().unpark();
             let _ = h.join();
         }
     }
