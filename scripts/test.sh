@@ -18,8 +18,11 @@ if [ "$(id -u)" = 0 ]; then
   tests/journal-oracle.sh ./target/release/quiltfs
   # Patchgroups for programs: the C library and the LD_PRELOAD library on a mount.
   tests/patchgroups.sh ./target/release
+  # The Featherstitch benchmark suite, quick, on a few systems: outputs and cleanup
+  # (timings are not checked: they come from the full run, never from here).
+  tests/bench-featherstitch.sh ./target/release/quiltfs
 else
-  echo "test: skipping tests/kernel-oracle.sh, tests/journal-oracle.sh and tests/patchgroups.sh (need root)" >&2
+  echo "test: skipping tests/kernel-oracle.sh, tests/journal-oracle.sh, tests/patchgroups.sh and tests/bench-featherstitch.sh (need root)" >&2
 fi
 # The crash explorer on every mode (e2fsck as the oracle; no root needed).
 tests/crashtest.sh ./target/release/quiltfs

@@ -108,7 +108,11 @@ fn ensure_prerequisites(systems: &[System], workloads: &[Workload]) -> Result<()
     Ok(())
 }
 
-fn select<T: Copy>(list: &Option<String>, all: &[T], parse: impl Fn(&str) -> Result<T>) -> Result<Vec<T>> {
+fn select<T: Copy>(
+    list: &Option<String>,
+    all: &[T],
+    parse: impl Fn(&str) -> Result<T>,
+) -> Result<Vec<T>> {
     match list {
         None => Ok(all.to_vec()),
         Some(l) => l
@@ -128,8 +132,7 @@ pub fn run(a: FeatherstitchArgs) -> Result<()> {
     let runs = a.runs.unwrap_or(if a.quick { 1 } else { 3 }).max(1);
     let image_mib = a.image_mib.unwrap_or(if a.quick { 1024 } else { 4096 });
     ensure_prerequisites(&systems, &chosen)?;
-    std::fs::create_dir_all(&a.work)
-        .with_context(|| format!("creating {}", a.work.display()))?;
+    std::fs::create_dir_all(&a.work).with_context(|| format!("creating {}", a.work.display()))?;
     let inputs = workloads::prepare(&a.work, a.quick)?;
     // Delete removes what untar made: with delete chosen alone, untar still runs, untimed.
     let mut phases: Vec<(Workload, bool)> = Vec::new();
@@ -194,10 +197,7 @@ pub fn run(a: FeatherstitchArgs) -> Result<()> {
     println!(
         "results in {}: report.md, results.json, results.csv{}",
         a.out.display(),
-        plots
-            .iter()
-            .map(|p| format!(", {p}"))
-            .collect::<String>()
+        plots.iter().map(|p| format!(", {p}")).collect::<String>()
     );
     Ok(())
 }
@@ -229,7 +229,10 @@ fn one_system(
     }
     let _ = std::fs::remove_dir(&mnt);
     // Every system must leave a consistent file system after a clean unmount.
-    let fsck = Command::new("e2fsck").arg("-fn").arg(&disk.image).output()?;
+    let fsck = Command::new("e2fsck")
+        .arg("-fn")
+        .arg(&disk.image)
+        .output()?;
     if !fsck.status.success() {
         disk.keep = true;
         bail!(

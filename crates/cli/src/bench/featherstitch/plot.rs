@@ -39,7 +39,7 @@ pub fn all(
     }
     let mut written = Vec::new();
     for &w in ws {
-        let rows: Vec<(String, (f64, f64, f64), (f64, f64, f64))> = systems
+        let rows: Vec<Row> = systems
             .iter()
             .filter(|s| !s.opt_only())
             .filter_map(|s| {
@@ -51,8 +51,7 @@ pub fn all(
             continue;
         }
         let name = format!("{}.png", w.name());
-        chart(&out.join(&name), w.name(), &rows)
-            .with_context(|| format!("drawing {name}"))?;
+        chart(&out.join(&name), w.name(), &rows).with_context(|| format!("drawing {name}"))?;
         written.push(name);
     }
     Ok(written)

@@ -102,7 +102,12 @@ pub fn markdown(meta: &Meta, systems: &[System], ws: &[Workload], samples: &[Sam
         t,
         "quiltfs {}, Linux {}, {} × {}; {} run(s) per system, interleaved; {} MiB images on \
          loop devices; {:.0} s in all.\n",
-        meta.quiltfs_version, meta.kernel, meta.cores, meta.cpu, meta.runs, meta.image_mib,
+        meta.quiltfs_version,
+        meta.kernel,
+        meta.cores,
+        meta.cpu,
+        meta.runs,
+        meta.image_mib,
         meta.duration_s
     );
     let _ = writeln!(
@@ -301,8 +306,7 @@ pub fn goals(samples: &[Sample]) -> Vec<String> {
             _ => g.push("Optimizations on untar: the counters are missing.".into()),
         },
         _ => g.push(
-            "Optimizations on untar: not measured (needs quilt-su and quilt-su-opt-none)."
-                .into(),
+            "Optimizations on untar: not measured (needs quilt-su and quilt-su-opt-none).".into(),
         ),
     }
     for w in [Workload::Untar, Workload::Delete] {
@@ -355,4 +359,94 @@ pub fn goals(samples: &[Sample]) -> Vec<String> {
         g.push("quiltfs against fuse2fs on untar: not measured.".into());
     }
     g
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(system: &'static str, w: Workload, run: usize, wall: f64) -> Sample {
+        Sample {
+            system,
+            workload: w,
+            run,
+            wall_s: wall,
+            work_s: wall,
+            sync_s: 0.0,
+            umount_s: 0.0,
+            client_user_s: 0.1,
+            client_sys_s: 0.2,
+            fs_user_s: 0.3,
+            fs_sys_s: 0.4,
+            device_writes: 10,
+            device_flushes: 1,
+            patches_created: None,
+            undo_bytes: None,
+            patches_merged: None,
+            patches_made_hard: None,
+            patches_rolled_back: None,
+        }
+    }
+
+    #[test]
+    fn cells_are_medians_with_min_and_max() {
+        let s = vec![
+            sample("ext2", Workload::Untar, 0, 3.0),
+            sample("ext2", Workload::Untar, 1, 1.0),
+            sample("ext2", Workload::Untar, 2, 2.0),
+            sample("ext2", Workload::Delete, 0, 9.0),
+        ];
+        let c = cell(&s, "ext2", Workload::Untar).expect("cell");
+        assert_eq!(c.wall, (2.0, 1.0, 3.0));
+        assert!((c.cpu.0 - 1.0).abs() < 1e-9);
+        assert!((c.fs - 0.7).abs() < 1e-9);
+        assert!(cell(&s, "ext2", Workload::Postmark).is_none());
+        assert!(cell(&s, "quilt-su", Workload::Untar).is_none());
+    }
+
+    #[test]
+    fn goals_compare_the_right_systems_and_say_met_or_missed() {
+        let mut s = vec![
+            sample("ext2", Workload::Untar, 0, 4.0),
+            sample("quilt-su", Workload::Untar, 0, 7.0),
+            sample("ext2", Workload::Delete, 0, 1.0),
+            sample("quilt-su", Workload::Delete, 0, 3.0),
+            sample("fuse2fs", Workload::Untar, 0, 70.0),
+            sample("ext3-writeback", Workload::Postmark, 0, 10.0),
+            sample("quilt-meta", Workload::Postmark, 0, 14.0),
+        ];
+        s[1].patches_created = Some(100);
+        s[1].undo_bytes = Some(5_000);
+        let mut none = sample("quilt-su-opt-none", Workload::Untar, 0, 9.0);
+        none.patches_created = Some(1_000);
+        none.undo_bytes = Some(10_000_000);
+        s.push(none);
+        let g = goals(&s);
+        let find = |needle: &str| {
+            g.iter()
+                .find(|l| l.contains(needle))
+                .unwrap_or_else(|| panic!("no goal line with {needle:?} in {g:#?}"))
+                .clone()
+        };
+        let opt = find("patches created on untar");
+        assert!(opt.contains("90.0%") && opt.contains("**met**"), "{opt}");
+        assert!(opt.contains("99.95%"), "{opt}");
+        let untar = find("2× kernel ext2 on untar");
+        assert!(
+            untar.contains("1.75×") && untar.contains("**met**"),
+            "{untar}"
+        );
+        let delete = find("2× kernel ext2 on delete");
+        assert!(
+            delete.contains("3.00×") && delete.contains("**missed**"),
+            "{delete}"
+        );
+        let pm = find("`quilt-meta` within 1.5×");
+        assert!(pm.contains("1.40×") && pm.contains("**met**"), "{pm}");
+        assert!(find("`quilt-full` against `ext3-journal`").contains("not measured"));
+        let f = find("`quilt-su` at least 5× faster than fuse2fs");
+        assert!(f.contains("10.0×") && f.contains("**met**"), "{f}");
+        // Systems that did not run are not claimed.
+        assert!(!g.iter().any(|l| l.contains("`quilt-async`")), "{g:#?}");
+    }
 }

@@ -100,12 +100,7 @@ const fn opt(name: &'static str, options: &'static str, opt: &'static str) -> Sy
 pub const SYSTEMS: &[System] = &[
     System {
         opt: Some("both"),
-        ..quilt(
-            "quilt-su",
-            "quiltfs soft updates",
-            "soft-updates",
-            false,
-        )
+        ..quilt("quilt-su", "quiltfs soft updates", "soft-updates", false)
     },
     quilt(
         "quilt-meta",
@@ -203,7 +198,11 @@ pub fn by_name(name: &str) -> Result<System> {
         .with_context(|| {
             format!(
                 "unknown system '{name}' (one of: {})",
-                SYSTEMS.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
+                SYSTEMS
+                    .iter()
+                    .map(|s| s.name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )
         })
 }
@@ -430,7 +429,8 @@ impl Mounted {
 
 impl Drop for Mounted {
     fn drop(&mut self) {
-        if self.mounted && !Command::new("umount")
+        if self.mounted
+            && !Command::new("umount")
                 .arg(&self.mnt)
                 .status()
                 .is_ok_and(|s| s.success())

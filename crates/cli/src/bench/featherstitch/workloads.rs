@@ -200,7 +200,12 @@ fn lz4_tree(work: &Path) -> Result<PathBuf> {
     let crate_file = std::fs::read_dir(&cache)
         .with_context(|| format!("reading {}", cache.display()))?
         .flatten()
-        .flat_map(|index| std::fs::read_dir(index.path()).into_iter().flatten().flatten())
+        .flat_map(|index| {
+            std::fs::read_dir(index.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+        })
         .map(|e| e.path())
         .find(|p| {
             p.file_name()
@@ -254,9 +259,7 @@ impl Inputs {
     pub fn before(&self, w: Workload, mnt: &Path, work: &Path) -> Result<()> {
         match w {
             Workload::Untar => {
-                sh(Command::new("cat")
-                    .arg(&self.tarball)
-                    .stdout(Stdio::null()))?;
+                sh(Command::new("cat").arg(&self.tarball).stdout(Stdio::null()))?;
             }
             Workload::Delete => {
                 if !mnt.join(LINUX_TOP).is_dir() {
@@ -300,10 +303,7 @@ impl Inputs {
         let script = match w {
             Workload::Untar => format!("tar xf {} -C {}", q(&self.tarball), q(mnt)),
             Workload::Delete => format!("rm -rf {}", q(&mnt.join(LINUX_TOP))),
-            Workload::Postmark => format!(
-                "postmark {} >/dev/null",
-                q(&work.join("postmark.cfg"))
-            ),
+            Workload::Postmark => format!("postmark {} >/dev/null", q(&work.join("postmark.cfg"))),
             Workload::Andrew => {
                 let src = q(&self.source);
                 let dst = q(&mnt.join("andrew"));
