@@ -581,24 +581,24 @@ pub fn run(a: MailArgs) -> Result<()> {
     // The mail user must reach the mounts under the work directory.
     sh(Command::new("chmod").arg("755").arg(&a.work))?;
     super::catch_interrupts();
-    let bar = super::progress_bar((confs.len() * runs) as u64, "runs");
+    let mut bar = super::Progress::new((confs.len() * runs) as u64, "runs");
     let mut samples = Vec::new();
     for run in 0..runs {
         for c in &confs {
             if super::interrupted() {
-                bar.finish_and_clear();
+                bar.finish();
                 bail!(
                     "interrupted: everything this run set up was unmounted, detached and removed"
                 );
             }
-            bar.set_message(format!("{} (run {})", c.name, run + 1));
+            bar.step(format!("{} (run {})", c.name, run + 1));
             let s = one_run(c, run, &a, n, &lib)
                 .with_context(|| format!("{} run {}", c.name, run + 1))?;
-            bar.inc(1);
+            bar.inc();
             samples.push(s);
         }
     }
-    bar.finish_and_clear();
+    bar.finish();
     let report = report(&confs, &samples, n, a.message_size, runs);
     print!("{report}");
     if let Some(out) = &a.out {

@@ -198,15 +198,70 @@ pub fn interrupted() -> bool {
     INTERRUPTED.load(Ordering::SeqCst)
 }
 
-pub fn progress_bar(len: u64, unit: &str) -> indicatif::ProgressBar {
-    let bar = indicatif::ProgressBar::new(len);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(&format!(
-            "{{spinner}} [{{elapsed_precise}}] {{bar:30}} {{pos}}/{{len}} {unit}, {{eta}} left  {{msg}}"
-        ))
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    bar
+/// Progress of a suite: a bar with an estimate on a terminal, otherwise one line per
+/// step on stderr (so logs of long runs show where they are).
+pub struct Progress {
+    bar: indicatif::ProgressBar,
+    tty: bool,
+    start: std::time::Instant,
+    len: u64,
+    done: u64,
+}
+
+impl Progress {
+    pub fn new(len: u64, unit: &str) -> Progress {
+        let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let bar = if tty {
+            indicatif::ProgressBar::new(len)
+        } else {
+            indicatif::ProgressBar::hidden()
+        };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(&format!(
+                "{{spinner}} [{{elapsed_precise}}] {{bar:30}} {{pos}}/{{len}} {unit}, {{eta}} left  {{msg}}"
+            ))
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        Progress {
+            bar,
+            tty,
+            start: std::time::Instant::now(),
+            len,
+            done: 0,
+        }
+    }
+
+    /// A step begins.
+    pub fn step(&self, what: String) {
+        if self.tty {
+            self.bar.set_message(what);
+            return;
+        }
+        let elapsed = self.start.elapsed().as_secs();
+        let eta = if self.done > 0 {
+            format!(
+                ", about {} s left",
+                elapsed * (self.len - self.done) / self.done
+            )
+        } else {
+            String::new()
+        };
+        eprintln!(
+            "bench: [{}/{}] {what} ({elapsed} s so far{eta})",
+            self.done + 1,
+            self.len
+        );
+    }
+
+    /// A step ended.
+    pub fn inc(&mut self) {
+        self.done += 1;
+        self.bar.inc(1);
+    }
+
+    pub fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
 }
 
 /// `quiltfs` itself, for the subcommands a suite runs (mkfs, mount, stats).

@@ -155,17 +155,18 @@ pub fn run(a: FeatherstitchArgs) -> Result<()> {
         inputs.source_files,
         a.out.display()
     );
-    let bar = crate::bench::progress_bar((systems.len() * runs * phases.len()) as u64, "steps");
+    let mut bar =
+        crate::bench::Progress::new((systems.len() * runs * phases.len()) as u64, "steps");
     let started = Instant::now();
     let mut samples = Vec::new();
     for run in 0..runs {
         for sys in &systems {
-            let got = one_system(sys, run, &phases, &inputs, &a.work, image_mib, &bar)
+            let got = one_system(sys, run, &phases, &inputs, &a.work, image_mib, &mut bar)
                 .with_context(|| format!("{} run {}", sys.name, run + 1));
             match got {
                 Ok(s) => samples.extend(s),
                 Err(e) => {
-                    bar.finish_and_clear();
+                    bar.finish();
                     if crate::bench::interrupted() {
                         bail!(
                             "interrupted: everything this run set up was unmounted, detached and removed"
@@ -176,7 +177,7 @@ pub fn run(a: FeatherstitchArgs) -> Result<()> {
             }
         }
     }
-    bar.finish_and_clear();
+    bar.finish();
     let meta = report::Meta::gather(&inputs, a.quick, runs, image_mib, started.elapsed());
     let md = report::markdown(&meta, &systems, &chosen, &samples);
     print!("{md}");
@@ -210,7 +211,7 @@ fn one_system(
     inputs: &Inputs,
     work: &Path,
     image_mib: u64,
-    bar: &indicatif::ProgressBar,
+    bar: &mut crate::bench::Progress,
 ) -> Result<Vec<Sample>> {
     let mut disk = Disk::create(sys, work, image_mib)?;
     let mnt = work.join(format!("{}.mnt", sys.name));
@@ -219,13 +220,13 @@ fn one_system(
         if crate::bench::interrupted() {
             bail!("interrupted");
         }
-        bar.set_message(format!("{} on {} (run {})", w.name(), sys.name, run + 1));
+        bar.step(format!("{} on {} (run {})", w.name(), sys.name, run + 1));
         let s = one_phase(sys, run, w, inputs, &disk, &mnt, work)
             .with_context(|| format!("{} on {}", w.name(), sys.name))?;
         if timed {
             out.push(s);
         }
-        bar.inc(1);
+        bar.inc();
     }
     let _ = std::fs::remove_dir(&mnt);
     // Every system must leave a consistent file system after a clean unmount.
