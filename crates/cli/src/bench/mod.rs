@@ -238,14 +238,10 @@ impl Progress {
             return;
         }
         let elapsed = self.start.elapsed().as_secs();
-        let eta = if self.done > 0 {
-            format!(
-                ", about {} s left",
-                elapsed * (self.len - self.done) / self.done
-            )
-        } else {
-            String::new()
-        };
+        let eta = (elapsed * self.len.saturating_sub(self.done))
+            .checked_div(self.done)
+            .map(|left| format!(", about {left} s left"))
+            .unwrap_or_default();
         eprintln!(
             "bench: [{}/{}] {what} ({elapsed} s so far{eta})",
             self.done + 1,
