@@ -175,7 +175,7 @@ impl Ext2 {
         // A journal must not replay an old copy of this block over its next owner's data.
         self.engine.capture_revoke(blk as u64);
         if let Some(b) = befores {
-            if st.freed.len() >= st.freed_prune_at {
+            if st.freed.len() >= 65536 {
                 self.prune(st);
             }
             st.freed.insert(blk, b);
@@ -264,7 +264,7 @@ impl Ext2 {
             )));
         }
         let p = self.flip_bit(bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
-        if st.freed_inodes.len() >= st.freed_prune_at {
+        if st.freed_inodes.len() >= 65536 {
             self.prune(st);
         }
         st.freed_inodes.insert(ino, p);

@@ -137,11 +137,6 @@ pub(crate) struct State {
     pub sb_dirty: bool,
     /// `heads` is pruned of durable patches when it reaches this many inodes.
     pub heads_prune_at: usize,
-    /// `freed` and `freed_inodes` are pruned when either reaches this many entries. It
-    /// doubles past what a prune leaves: in the journal modes frees stay pending until a
-    /// commit, and pruning a full map at every free was quadratic (half the server's CPU
-    /// in PostMark).
-    pub freed_prune_at: usize,
     /// Group descriptors changed by the current operation.
     pub dirty_groups: std::collections::BTreeSet<u32>,
 }
@@ -288,7 +283,6 @@ impl Ext2 {
                 sb_dirty: false,
                 dirty_groups: Default::default(),
                 heads_prune_at: 4096,
-                freed_prune_at: 65536,
             }),
             geo,
             journal: None,
@@ -529,7 +523,6 @@ impl Ext2 {
         st.parents.retain(|ino, _| heads.contains_key(ino));
         // Whatever is still pending stays; look again when the map has doubled.
         st.heads_prune_at = (st.heads.len() * 2).max(4096);
-        st.freed_prune_at = (st.freed.len().max(st.freed_inodes.len()) * 2).max(65536);
     }
 
     pub(crate) fn write_gd(&self, st: &mut State, g: u32) -> Result<()> {
