@@ -269,15 +269,7 @@ fn setup(conf: &Conf, work: &Path, n: usize, size: usize) -> Result<Mounted> {
                 .arg(&image))?;
         }
         Fs::Quilt(mode) => {
-            let mut c = Command::new(&quiltfs);
-            c.arg("mkfs")
-                .arg(&image)
-                .arg("--size")
-                .arg(format!("{size_mib}M"));
-            if mode.contains("journal") {
-                c.arg("--journal");
-            }
-            sh(&mut c)?;
+            super::quilt_mkfs(&image, size_mib as u64, mode.contains("journal"))?;
         }
     }
     let dev = sh(Command::new("losetup").args(["-f", "--show"]).arg(&image))?

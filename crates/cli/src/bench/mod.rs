@@ -265,6 +265,19 @@ pub fn quiltfs_exe() -> Result<std::path::PathBuf> {
     std::env::current_exe().context("finding the quiltfs binary")
 }
 
+/// `quiltfs mkfs IMAGE --size N M [--journal]`: a fresh quiltfs image for a suite.
+pub fn quilt_mkfs(image: &Path, size_mib: u64, journal: bool) -> Result<()> {
+    let mut c = Command::new(quiltfs_exe()?);
+    c.arg("mkfs")
+        .arg(image)
+        .arg("--size")
+        .arg(format!("{size_mib}M"));
+    if journal {
+        c.arg("--journal");
+    }
+    sh(&mut c).map(|_| ())
+}
+
 /// Drops the kernel's clean caches, so each timed step starts cold.
 pub fn drop_caches() -> Result<()> {
     sh(&mut Command::new("sync"))?;

@@ -246,15 +246,8 @@ impl Disk {
                 .map_err(remove)?;
             }
             Kind::Quilt { mode, .. } => {
-                let mut c = Command::new(crate::bench::quiltfs_exe()?);
-                c.arg("mkfs")
-                    .arg(&image)
-                    .arg("--size")
-                    .arg(format!("{size_mib}M"));
-                if mode.contains("journal") {
-                    c.arg("--journal");
-                }
-                sh(&mut c).map_err(remove)?;
+                crate::bench::quilt_mkfs(&image, size_mib, mode.contains("journal"))
+                    .map_err(remove)?;
             }
         }
         let dev = sh(Command::new("losetup").args(["-f", "--show"]).arg(&image))
