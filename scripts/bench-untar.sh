@@ -41,7 +41,7 @@ one() {
     fuse2fs) mkfs.ext2 -F -q "$img"
       /usr/bin/time -f "%U %S %M" -o "$work/srv.time" fuse2fs "$img" "$m" -f >/dev/null 2>&1 &
       srv=$!; while ! mountpoint -q "$m"; do sleep 0.05; done ;;
-    quiltfs-*) "$q" mkfs "$img" --size 4G >/dev/null
+    quiltfs-*) "$q" mkfs "$img" --size 4G --force >/dev/null
       mode=soft-updates; [ "$sys" = quiltfs-async ] && mode=async
       /usr/bin/time -f "%U %S %M" -o "$work/srv.time" "$q" mount "$img" "$m" --foreground --mode "$mode" >/dev/null 2>&1 &
       srv=$!; while ! mountpoint -q "$m"; do sleep 0.05; done ;;

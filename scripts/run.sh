@@ -21,7 +21,9 @@ img="$PWD/quiltfs.img"; mnt="$PWD/quiltfs-mnt"; k="$PWD/quiltfs-kernel"
 mkdir -p "$mnt" "$k"
 cleanup() { mountpoint -q "$mnt" && umount "$mnt" || true; mountpoint -q "$k" && umount "$k" || true; rmdir "$k" 2>/dev/null || true; }
 trap cleanup EXIT
-"$q" mkfs "$img" --size 1G
+force=()
+if [ -e "$img" ]; then echo "run: replacing $img (kept by an earlier run)"; force=(--force); fi
+"$q" mkfs "$img" --size 1G "${force[@]}"
 "$q" mount "$img" "$mnt" --mode "$mode"
 src=/usr/share
 start=$(date +%s.%N)

@@ -72,7 +72,7 @@ fsck_clean "$work/j.img"
 rm -f "$work/j.img"
 
 echo "journal-oracle: a journal the kernel left dirty: our replay equals e2fsck's"
-"$q" mkfs "$work/j.img" --size 256M --journal >/dev/null
+"$q" mkfs "$work/j.img" --size 256M --journal --force >/dev/null
 mount -o loop -t ext3 "$work/j.img" "$k"
 cp -a "$here/../crates" "$k/"
 mkdir "$k/d"; for i in $(seq 1 200); do echo "$i" >"$k/d/f$i"; done
@@ -103,7 +103,7 @@ workload() {
 for mode in meta-journal full-journal; do
   for n in $(seq 1 "$kills"); do
     echo "journal-oracle: kill -9 in $mode mode ($n/$kills)"
-    "$q" mkfs "$work/j.img" --size 256M --journal >/dev/null
+    "$q" mkfs "$work/j.img" --size 256M --journal --force >/dev/null
     "$q" mount "$work/j.img" "$m" --mode "$mode" --foreground >/dev/null 2>&1 &
     srv=$!
     for _ in $(seq 1 100); do mountpoint -q "$m" && break; sleep 0.05; done

@@ -14,6 +14,12 @@ pub struct FileDeviceOptions {
     /// Bypass the host page cache (O_DIRECT). Buffers are bounced through aligned memory.
     pub direct: bool,
     pub read_only: bool,
+    /// Take the image's lock for as long as the device is open: exclusive to write,
+    /// shared to read (`flock` on a file; `O_EXCL` on a block device, which also
+    /// refuses a device the kernel has mounted). A second writer gets
+    /// [`BlockError::Busy`]. The lock dies with the process, so a killed server leaves
+    /// none behind.
+    pub lock: bool,
 }
 
 impl Default for FileDeviceOptions {
@@ -22,6 +28,7 @@ impl Default for FileDeviceOptions {
             block_size: 4096,
             direct: false,
             read_only: false,
+            lock: true,
         }
     }
 }
@@ -35,6 +42,64 @@ pub struct FileDevice {
     opts: FileDeviceOptions,
     block_count: u64,
     counters: IoCounters,
+}
+
+/// Takes the image lock on `file`'s open file description without waiting: exclusive
+/// to write, shared to read. On conflict the error names the processes holding it.
+pub fn lock_file(file: &File, path: &Path, exclusive: bool) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let op = if exclusive {
+        libc::LOCK_EX
+    } else {
+        libc::LOCK_SH
+    } | libc::LOCK_NB;
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+        return Ok(());
+    }
+    let source = std::io::Error::last_os_error();
+    if source.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        return Err(BlockError::Busy {
+            path: path.display().to_string(),
+            holders: lock_holders(file),
+        });
+    }
+    Err(BlockError::Io {
+        what: format!("locking {}", path.display()),
+        source,
+    })
+}
+
+/// The processes holding a `flock` on `file` (from /proc/locks; empty if unknown).
+pub fn lock_holders(file: &File) -> Vec<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = file.metadata() else {
+        return Vec::new();
+    };
+    let dev = meta.dev();
+    // /proc/locks names a file as MAJOR:MINOR:INODE, the numbers in hex, hex, decimal.
+    let want = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(dev),
+        libc::minor(dev),
+        meta.ino()
+    );
+    let text = std::fs::read_to_string("/proc/locks").unwrap_or_default();
+    let mut pids: Vec<u32> = text
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF"; a blocked waiter has
+            // "->" after the number.
+            let f: Vec<&str> = f.into_iter().filter(|x| *x != "->").collect();
+            (f.len() >= 6 && f[1] == "FLOCK" && f[5] == want)
+                .then(|| f[4].parse().ok())
+                .flatten()
+        })
+        .collect();
+    pids.sort_unstable();
+    pids.dedup();
+    pids
 }
 
 /// Memory aligned for O_DIRECT (4096 covers every logical sector size we meet).
@@ -72,15 +137,42 @@ impl FileDevice {
     pub fn open(path: impl AsRef<Path>, opts: FileDeviceOptions) -> Result<Self> {
         check_block_size(opts.block_size)?;
         let path = path.as_ref().to_path_buf();
+        let is_bdev = std::fs::metadata(&path)
+            .map(|m| std::os::unix::fs::FileTypeExt::is_block_device(&m.file_type()))
+            .unwrap_or(false);
         let mut oo = OpenOptions::new();
         oo.read(true).write(!opts.read_only);
+        let mut flags = 0;
         if opts.direct {
-            oo.custom_flags(libc::O_DIRECT);
+            flags |= libc::O_DIRECT;
         }
-        let file = oo.open(&path).map_err(|source| BlockError::Io {
-            what: format!("opening {}", path.display()),
-            source,
+        if opts.lock && is_bdev && !opts.read_only {
+            flags |= libc::O_EXCL;
+        }
+        oo.custom_flags(flags);
+        let file = oo.open(&path).map_err(|source| {
+            if source.raw_os_error() == Some(libc::EBUSY) {
+                BlockError::Busy {
+                    path: path.display().to_string(),
+                    holders: Vec::new(),
+                }
+            } else {
+                BlockError::Io {
+                    what: format!("opening {}", path.display()),
+                    source,
+                }
+            }
         })?;
+        if opts.lock && !is_bdev {
+            lock_file(&file, &path, !opts.read_only)?;
+        }
+        Self::from_locked(file, path, opts)
+    }
+
+    /// A device over `file`, opened (and locked, if wanted) by the caller: `mkfs` takes
+    /// the lock before it looks at what the image holds and before it truncates it.
+    pub fn from_locked(file: File, path: PathBuf, opts: FileDeviceOptions) -> Result<Self> {
+        check_block_size(opts.block_size)?;
         let size_err = |source| BlockError::Io {
             what: format!("reading the size of {}", path.display()),
             source,
@@ -119,14 +211,19 @@ impl FileDevice {
             .checked_mul(opts.block_size as u64)
             .ok_or(BlockError::Unsupported("an image this large"))?;
         let f = OpenOptions::new()
+            .read(true)
             .write(true)
             .create(true)
-            .truncate(true)
+            .truncate(false)
             .open(path)
             .map_err(io)?;
+        // Locked before it is emptied: an image in use is refused, not destroyed.
+        if opts.lock {
+            lock_file(&f, path, true)?;
+        }
+        f.set_len(0).map_err(io)?;
         f.set_len(bytes).map_err(io)?;
-        drop(f);
-        Self::open(path, opts)
+        Self::from_locked(f, path.to_path_buf(), opts)
     }
 
     pub fn path(&self) -> &Path {
@@ -224,6 +321,7 @@ mod tests {
             block_size: 4096,
             direct,
             read_only: false,
+            lock: true,
         };
         let dev = FileDevice::create(&path, 16, opts.clone()).unwrap();
         assert_eq!((dev.block_count(), dev.block_size()), (16, 4096));
@@ -307,5 +405,53 @@ mod tests {
             ro.write(0, &[0; 4096]),
             Err(BlockError::Unsupported(_))
         ));
+    }
+
+    #[test]
+    fn one_writer_or_many_readers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        let rw = FileDevice::create(&path, 2, FileDeviceOptions::default()).unwrap();
+        let ro = FileDeviceOptions {
+            read_only: true,
+            ..Default::default()
+        };
+        // A second writer and a reader are refused while a writer holds the image, and
+        // the error names the holder (this process).
+        for opts in [FileDeviceOptions::default(), ro.clone()] {
+            match FileDevice::open(&path, opts) {
+                Err(BlockError::Busy { holders, .. }) => {
+                    assert_eq!(holders, vec![std::process::id()])
+                }
+                other => panic!("expected Busy, got {other:?}"),
+            }
+        }
+        // mkfs's path (create) must not truncate an image in use.
+        assert!(matches!(
+            FileDevice::create(&path, 1, FileDeviceOptions::default()),
+            Err(BlockError::Busy { .. })
+        ));
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 2 * 4096);
+        drop(rw);
+        // Readers share; a writer waits for them to go.
+        let r1 = FileDevice::open(&path, ro.clone()).unwrap();
+        let r2 = FileDevice::open(&path, ro).unwrap();
+        assert!(matches!(
+            FileDevice::open(&path, FileDeviceOptions::default()),
+            Err(BlockError::Busy { .. })
+        ));
+        drop((r1, r2));
+        FileDevice::open(&path, FileDeviceOptions::default()).unwrap();
+        // Opting out (tests that look at an image a server holds) takes no lock.
+        let _held = FileDevice::open(&path, FileDeviceOptions::default()).unwrap();
+        FileDevice::open(
+            &path,
+            FileDeviceOptions {
+                lock: false,
+                read_only: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
     }
 }

@@ -22,7 +22,7 @@ mod mem;
 mod recording;
 
 pub use counters::{IoCounters, IoStats};
-pub use file::{FileDevice, FileDeviceOptions};
+pub use file::{lock_file, lock_holders, FileDevice, FileDeviceOptions};
 pub use mem::MemDevice;
 pub use recording::{LogEntry, RecordingDevice, RecordingLog};
 
@@ -48,6 +48,9 @@ pub enum BlockError {
     Unsupported(&'static str),
     #[error("the recording log is full ({limit_bytes} bytes); raise the limit or record less")]
     LogFull { limit_bytes: u64 },
+    /// Another open of the image holds its lock: one writer per image (or readers only).
+    #[error("{path} is in use{}", holders_text(.holders))]
+    Busy { path: String, holders: Vec<u32> },
     #[error("I/O error on {what}: {source}")]
     Io {
         what: String,
@@ -57,6 +60,20 @@ pub enum BlockError {
 }
 
 pub type Result<T, E = BlockError> = std::result::Result<T, E>;
+
+fn holders_text(pids: &[u32]) -> String {
+    match pids {
+        [] => String::new(),
+        [p] => format!(" by process {p}"),
+        _ => format!(
+            " by processes {}",
+            pids.iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
 
 /// A device of fixed-size blocks with an explicit durability barrier.
 ///

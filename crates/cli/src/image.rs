@@ -31,17 +31,247 @@ pub fn parse_size(s: &str) -> Result<u64> {
         .with_context(|| format!("size '{s}' is too large"))
 }
 
+/// The target of `mkfs`, opened and locked (exclusive), not yet changed.
+pub struct Target {
+    pub file: std::fs::File,
+    /// It existed before (else it was just created, empty).
+    pub existed: bool,
+    pub is_device: bool,
+    /// Its size in bytes.
+    pub len: u64,
+}
+
+/// Opens (creating if missing) a file or block device for `mkfs` and takes the image
+/// lock, so a mounted image is refused before anything is read or written; a loop
+/// device the kernel has mounted over the file is refused too.
+pub fn open_target(path: &Path) -> Result<Target> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let meta = std::fs::metadata(path).ok();
+    let is_device = meta
+        .as_ref()
+        .is_some_and(|m| m.file_type().is_block_device());
+    if meta
+        .as_ref()
+        .is_some_and(|m| !m.is_file() && !m.file_type().is_block_device())
+    {
+        bail!(
+            "{} exists and is neither a regular file nor a block device",
+            path.display()
+        );
+    }
+    let mut oo = std::fs::OpenOptions::new();
+    oo.read(true).write(true);
+    if is_device {
+        // The kernel refuses O_EXCL while the device is mounted or claimed.
+        oo.custom_flags(libc::O_EXCL);
+    } else {
+        oo.create(true).truncate(false);
+    }
+    let file = oo.open(path).map_err(|e| {
+        if e.raw_os_error() == Some(libc::EBUSY) {
+            anyhow::anyhow!(
+                "{} is in use (mounted, or held by another program): refusing to format it",
+                path.display()
+            )
+        } else {
+            anyhow::anyhow!("cannot open {}: {e}", path.display())
+        }
+    })?;
+    if !is_device {
+        quilt_block::lock_file(&file, path, true).map_err(|e| in_use(path, e))?;
+        if let Some(l) = kernel_loop_mount(path) {
+            bail!("{} is in use: {l}; unmount it first", path.display());
+        }
+    }
+    let len = if is_device {
+        use std::io::Seek;
+        (&file).seek(std::io::SeekFrom::End(0))?
+    } else {
+        file.metadata()?.len()
+    };
+    Ok(Target {
+        file,
+        existed: meta.is_some(),
+        is_device,
+        len,
+    })
+}
+
+/// Turns the block layer's "image in use" into a message naming the mount that holds it.
+pub fn in_use(path: &Path, e: quilt_block::BlockError) -> anyhow::Error {
+    let quilt_block::BlockError::Busy { holders, .. } = &e else {
+        return anyhow::anyhow!("{e}");
+    };
+    let mut who = Vec::new();
+    for pid in holders {
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmd
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        // A server is `quiltfs mount IMAGE MOUNTPOINT --foreground ...`.
+        match args.iter().position(|a| a == "mount") {
+            Some(i) if args.len() > i + 2 => who.push(format!(
+                "it is mounted on {} (quiltfs server, pid {pid})",
+                args[i + 2]
+            )),
+            _ => who.push(format!(
+                "process {pid} ({}) holds it",
+                args.first().map(String::as_str).unwrap_or("?")
+            )),
+        }
+    }
+    if who.is_empty() {
+        who.push("another process holds its lock".into());
+    }
+    anyhow::anyhow!("{} is in use: {}", path.display(), who.join("; "))
+}
+
+fn open_error(image: &Path, e: quilt_block::BlockError) -> anyhow::Error {
+    match e {
+        quilt_block::BlockError::Busy { .. } => in_use(image, e),
+        e => anyhow::Error::new(e).context(format!("cannot open {}", image.display())),
+    }
+}
+
+/// A loop device over `path` that the kernel has mounted, described.
+fn kernel_loop_mount(path: &Path) -> Option<String> {
+    let canon = path.canonicalize().ok()?;
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    for entry in std::fs::read_dir("/sys/block").ok()?.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("loop") {
+            continue;
+        }
+        let Ok(backing) = std::fs::read_to_string(entry.path().join("loop/backing_file")) else {
+            continue;
+        };
+        if Path::new(backing.trim()) != canon {
+            continue;
+        }
+        let dev = format!("/dev/{name}");
+        // mountinfo: ... mount point is field 5; the source follows " - TYPE ".
+        for l in mountinfo.lines() {
+            let (left, right) = l.split_once(" - ").unwrap_or((l, ""));
+            if right.split_whitespace().nth(1) == Some(dev.as_str()) {
+                let at = left.split_whitespace().nth(4).unwrap_or("?");
+                return Some(format!("the kernel has it mounted on {at} through {dev}"));
+            }
+        }
+    }
+    None
+}
+
+/// What `file` already holds, if it looks like a file system: ext2/3/4 from the
+/// superblock (size, label, last mount), anything else as blkid names it.
+pub fn probe_contents(file: &std::fs::File, path: &Path) -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    let mut b = vec![0u8; 2048];
+    let n = file.read_at(&mut b, 0).unwrap_or(0);
+    if n >= 2048 && u16::from_le_bytes([b[1024 + 0x38], b[1024 + 0x39]]) == 0xEF53 {
+        return Some(describe_ext(&b[1024..2048]));
+    }
+    // Any other signature blkid knows (file systems, swap, partition tables).
+    let out = std::process::Command::new("blkid")
+        .args(["-p", "-o", "export"])
+        .arg(path)
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let field = |k: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(k).map(|v| v.to_string()))
+    };
+    if let Some(t) = field("TYPE=") {
+        return Some(if t == "swap" {
+            "swap space (found by blkid)".to_string()
+        } else {
+            format!("a {t} file system (found by blkid)")
+        });
+    }
+    field("PTTYPE=").map(|t| format!("a {t} partition table (found by blkid)"))
+}
+
+fn describe_ext(sb: &[u8]) -> String {
+    let le32 = |o: usize| u32::from_le_bytes([sb[o], sb[o + 1], sb[o + 2], sb[o + 3]]);
+    let compat = le32(0x5C);
+    let incompat = le32(0x60);
+    let kind = if incompat & 0x2C0 != 0 {
+        // extents, 64bit or flex_bg
+        "ext4"
+    } else if compat & 0x4 != 0 {
+        "ext3"
+    } else {
+        "ext2"
+    };
+    let bs = 1024u64 << le32(0x18).min(6);
+    let blocks = le32(0x04) as u64;
+    let inodes = le32(0x00);
+    let used = inodes.saturating_sub(le32(0x10));
+    let mut s = format!(
+        "an {kind} file system of {} MiB ({} inodes in use)",
+        (blocks * bs) >> 20,
+        used
+    );
+    let label = String::from_utf8_lossy(&sb[0x78..0x88])
+        .trim_end_matches('\0')
+        .to_string();
+    if !label.is_empty() {
+        s.push_str(&format!(", label '{label}'"));
+    }
+    match le32(0x2C) {
+        0 => s.push_str(", never mounted"),
+        t => {
+            s.push_str(&format!(", last mounted {}", utc(t as i64)));
+            let dir = String::from_utf8_lossy(&sb[0x88..0xC8])
+                .trim_end_matches('\0')
+                .to_string();
+            if !dir.is_empty() {
+                s.push_str(&format!(" on {dir}"));
+            }
+        }
+    }
+    let wtime = le32(0x30);
+    if wtime != 0 {
+        s.push_str(&format!(", last written {}", utc(wtime as i64)));
+    }
+    s
+}
+
+/// `2026-11-23 18:45:00 UTC` from seconds since the epoch.
+pub fn utc(t: i64) -> String {
+    let days = t.div_euclid(86400);
+    let secs = t.rem_euclid(86400);
+    // Civil date from days since 1970-01-01 (proleptic Gregorian).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
+}
+
 /// Reads the block size an ext2 image declares.
 pub fn probe_block_size(image: &Path) -> Result<usize> {
     let dev = FileDevice::open(
         image,
         FileDeviceOptions {
             block_size: 1024,
-            direct: false,
             read_only: true,
+            ..Default::default()
         },
     )
-    .with_context(|| format!("cannot open {}", image.display()))?;
+    .map_err(|e| open_error(image, e))?;
     if dev.block_count() < 2 {
         bail!(
             "{} is too small to hold an ext2 file system",
@@ -83,16 +313,21 @@ impl Default for OpenSettings {
 }
 
 pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
+    if !s.read_only {
+        if let Some(l) = kernel_loop_mount(image) {
+            bail!("{} is in use: {l}", image.display());
+        }
+    }
     let bs = probe_block_size(image)?;
     let dev = FileDevice::open(
         image,
         FileDeviceOptions {
             block_size: bs,
-            direct: false,
             read_only: s.read_only,
+            ..Default::default()
         },
     )
-    .with_context(|| format!("cannot open {}", image.display()))?;
+    .map_err(|e| open_error(image, e))?;
     let engine = Engine::new(
         Arc::new(dev),
         EngineOptions {

@@ -9,11 +9,11 @@ use std::sync::Arc;
 
 #[derive(clap::Args)]
 pub struct MkfsArgs {
-    /// Image file to create (replaced if it exists).
+    /// Image file (created if missing) or block device to format.
     pub image: PathBuf,
-    /// Size, e.g. 512M, 4G.
+    /// Size, e.g. 512M, 4G (default: the size of an existing file or device).
     #[arg(long)]
-    pub size: String,
+    pub size: Option<String>,
     /// Block size in bytes: 1024, 2048 or 4096.
     #[arg(long, default_value_t = 4096)]
     pub block_size: u32,
@@ -30,6 +30,9 @@ pub struct MkfsArgs {
     /// 1024 blocks).
     #[arg(long, requires = "journal")]
     pub journal_size: Option<String>,
+    /// Overwrite a file system (or anything else blkid recognizes) already on the target.
+    #[arg(long, short = 'F')]
+    pub force: bool,
 }
 
 pub fn run(a: MkfsArgs) -> Result<()> {
@@ -39,33 +42,62 @@ pub fn run(a: MkfsArgs) -> Result<()> {
             a.block_size
         );
     }
-    let bytes = parse_size(&a.size)?;
+    let target = crate::image::open_target(&a.image)?;
+    let bytes = match &a.size {
+        Some(s) => parse_size(s)?,
+        None if target.existed => target.len,
+        None => bail!(
+            "{} does not exist: give its size with --size (e.g. --size 1G)",
+            a.image.display()
+        ),
+    };
+    if target.is_device && bytes != target.len {
+        bail!(
+            "a file system on a block device fills it ({} bytes): leave out --size",
+            target.len
+        );
+    }
     let blocks = bytes / a.block_size as u64;
     if blocks > u32::MAX as u64 {
         bail!(
-            "--size {} is too large for ext2 with {}-byte blocks",
-            a.size,
+            "a size of {bytes} bytes is too large for ext2 with {}-byte blocks",
             a.block_size
         );
     }
-    if a.image.exists() && !a.image.is_file() {
-        bail!("{} exists and is not a regular file", a.image.display());
+    if blocks < 64 {
+        bail!("a size of {bytes} bytes is too small for a file system (at least 64 blocks)");
     }
-    let dev = FileDevice::create(
-        &a.image,
-        blocks,
+    if let Some(found) = crate::image::probe_contents(&target.file, &a.image) {
+        if !a.force {
+            bail!(
+                "{} already holds {found}.\nquiltfs mkfs would destroy it; run it again with --force to overwrite it",
+                a.image.display()
+            );
+        }
+        eprintln!("quiltfs mkfs: overwriting {found} (--force)");
+    }
+    let file = target.file;
+    if !target.is_device {
+        // Emptied, then extended: the new image reads as zeros without writing them.
+        let io = |e| anyhow::anyhow!("cannot resize {}: {e}", a.image.display());
+        file.set_len(0).map_err(io)?;
+        file.set_len(bytes).map_err(io)?;
+    }
+    let dev = FileDevice::from_locked(
+        file,
+        a.image.clone(),
         FileDeviceOptions {
             block_size: a.block_size as usize,
-            direct: false,
-            read_only: false,
+            ..Default::default()
         },
     )
-    .with_context(|| format!("cannot create {}", a.image.display()))?;
+    .with_context(|| format!("cannot open {}", a.image.display()))?;
+    let device_is_zeroed = !target.is_device;
     let engine = Engine::new(Arc::new(dev), EngineOptions::default());
     let opts = quilt_ext2::MkfsOptions {
         inodes: a.inodes,
         label: a.label.clone(),
-        device_is_zeroed: true,
+        device_is_zeroed,
         root_uid: 0,
         root_gid: 0,
     };

@@ -108,7 +108,14 @@ pub fn runtime_paths(mountpoint: &Path) -> (PathBuf, PathBuf) {
     )
 }
 
-pub fn run(a: MountArgs) -> Result<()> {
+pub fn run(mut a: MountArgs) -> Result<()> {
+    // Absolute paths: the server's command line and the mount table name the image and
+    // the mount point, and messages about a busy image quote them.
+    for p in [&mut a.image, &mut a.mountpoint] {
+        if let Ok(c) = p.canonicalize() {
+            *p = c;
+        }
+    }
     let p = parse(&a)?;
     if !a.mountpoint.is_dir() {
         bail!("mount point {} is not a directory", a.mountpoint.display());

@@ -271,7 +271,9 @@ pub fn quilt_mkfs(image: &Path, size_mib: u64, journal: bool) -> Result<()> {
     c.arg("mkfs")
         .arg(image)
         .arg("--size")
-        .arg(format!("{size_mib}M"));
+        .arg(format!("{size_mib}M"))
+        // The suite's own scratch image, made anew for every step.
+        .arg("--force");
     if journal {
         c.arg("--journal");
     }
