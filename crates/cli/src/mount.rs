@@ -33,7 +33,9 @@ pub struct MountArgs {
     #[arg(long, default_value_t = 128)]
     pub cache_mib: usize,
     /// Comma-separated options: ro, rw, allow_other, mode=M, unsafe, cache_mib=N,
-    /// nowbcache (kernel writeback cache off), threads=N, nohard and nomerge (the patch
+    /// wbcache (the kernel's writeback cache: fewer, larger writes, but errors such as
+    /// no space surface only at fsync or close while free space is plentiful; nowbcache,
+    /// the default, fails write(2) itself), threads=N, nohard and nomerge (the patch
     /// engine's optimizations off, for comparing them); fstab-only options are ignored.
     #[arg(short = 'o', value_delimiter = ',')]
     pub options: Vec<String>,
@@ -69,6 +71,7 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
             ("allow_other", None) => fuse.allow_other = true,
             ("unsafe", None) => settings.unsafe_durability = true,
             ("nowbcache", None) => fuse.writeback_cache = false,
+            ("wbcache", None) => fuse.writeback_cache = true,
             ("nohard", None) => settings.hard_patches = false,
             ("nomerge", None) => settings.overlap_merge = false,
             ("mode", Some(m)) => settings.mode = m.parse().map_err(anyhow::Error::msg)?,

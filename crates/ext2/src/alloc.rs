@@ -112,6 +112,13 @@ impl Ext2 {
     /// Allocates a block, preferring `goal` and its group. Returns the block and the
     /// bitmap patch.
     pub(crate) fn alloc_block(&self, st: &mut State, goal: u32) -> Result<(u32, PatchId)> {
+        // The last r_blocks_count free blocks are root's (kernel ext2's rule), so a full
+        // disk still leaves root room to log in and clean up.
+        if st.sb.free_blocks_count <= st.sb.r_blocks_count
+            && !self.privileged.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Err(FsError::NoSpace);
+        }
         let g0 =
             self.group_of_block(goal.clamp(self.geo.first_data_block, self.geo.blocks_count - 1));
         let ng = self.geo.groups;

@@ -82,6 +82,9 @@ pub struct Superblock {
     pub feature_compat: u32,
     pub feature_incompat: u32,
     pub feature_ro_compat: u32,
+    /// Who may use the reserved blocks (`r_blocks_count`) besides root.
+    pub def_resuid: u16,
+    pub def_resgid: u16,
     pub uuid: [u8; 16],
     /// The journal's inode (8) when `COMPAT_HAS_JOURNAL`; 0 otherwise.
     pub journal_inum: u32,
@@ -135,6 +138,8 @@ impl Superblock {
             feature_compat: if rev_level == 0 { 0 } else { le32(b, 0x5C) },
             feature_incompat: if rev_level == 0 { 0 } else { le32(b, 0x60) },
             feature_ro_compat: if rev_level == 0 { 0 } else { le32(b, 0x64) },
+            def_resuid: le16(b, 0x50),
+            def_resgid: le16(b, 0x52),
             uuid,
             journal_inum: le32(b, 0xE0),
             jnl_blocks: std::array::from_fn(|i| le32(b, 0x10C + 4 * i)),

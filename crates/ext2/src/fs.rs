@@ -153,6 +153,10 @@ pub struct Ext2 {
     /// order every change the operation makes. Set with `st` locked and read only by
     /// the operation holding it, so the lock is what protects it.
     pub(crate) caller: std::sync::atomic::AtomicU64,
+    /// The current operation's caller may use the blocks reserved for root
+    /// (`r_blocks_count`): root, the superblock's `def_resuid`, or a member of a non-root
+    /// `def_resgid` — the kernel's rule (its CAP_SYS_RESOURCE is uid 0 here).
+    pub(crate) privileged: std::sync::atomic::AtomicBool,
 }
 
 /// Fsync lists longer than this fold into one empty patch.
@@ -287,6 +291,7 @@ impl Ext2 {
             geo,
             journal: None,
             caller: std::sync::atomic::AtomicU64::new(0),
+            privileged: std::sync::atomic::AtomicBool::new(true),
         };
         // The root must be a directory.
         {
@@ -361,6 +366,7 @@ impl Ext2 {
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         let st = self.st.lock().unwrap_or_else(|e| e.into_inner());
         self.caller.store(0, Relaxed);
+        self.privileged.store(true, Relaxed);
         st
     }
 
@@ -369,6 +375,9 @@ impl Ext2 {
     pub(crate) fn lock_for(&self, ctx: &Ctx) -> MutexGuard<'_, State> {
         let st = self.st.lock().unwrap_or_else(|e| e.into_inner());
         self.caller.store(ctx.pid as u64, Relaxed);
+        let (resuid, resgid) = (st.sb.def_resuid as u32, st.sb.def_resgid as u32);
+        let privileged = ctx.uid == 0 || ctx.uid == resuid || (resgid != 0 && ctx.gid == resgid);
+        self.privileged.store(privileged, Relaxed);
         st
     }
 

@@ -207,12 +207,12 @@ impl Ext2 {
         Err(FsError::TooBig)
     }
 
-    /// Largest file size the block map can address.
+    /// The largest file size, as the kernel computes it for a block-mapped file without
+    /// `huge_file`: the data and every map block of a dense file, counted in 512-byte
+    /// sectors, must fit `i_blocks`' 32 bits (about 2 TiB with 4 KiB blocks), or the
+    /// block map's reach if that is smaller (16 GiB with 1 KiB blocks).
     pub(crate) fn max_file_size(&self) -> u64 {
-        let p = self.ptrs();
-        let blocks = NDIR_BLOCKS as u64 + p + p * p + p * p * p;
-        // i_blocks counts 512-byte units in 32 bits.
-        (blocks * self.geo.bs as u64).min((u32::MAX as u64) * 512 / 2)
+        max_file_size(self.geo.bs)
     }
 
     fn read_ptr(&self, blk: u32, slot: usize) -> Result<u32> {
@@ -363,12 +363,13 @@ impl Ext2 {
         if !inode.is_reg() {
             return Err(FsError::Invalid("write to a non-regular file"));
         }
-        let end = offset
-            .checked_add(data.len() as u64)
-            .ok_or(FsError::TooBig)?;
-        if end > self.max_file_size() {
+        // As the kernel does: nothing at or past the maximum size, a short write up to it.
+        let max = self.max_file_size();
+        if offset >= max && !data.is_empty() {
             return Err(FsError::TooBig);
         }
+        let data = &data[..data.len().min((max.saturating_sub(offset)) as usize)];
+        let end = offset + data.len() as u64;
         if data.is_empty() {
             return Ok(0);
         }
@@ -727,4 +728,30 @@ pub(crate) fn kill_suid_sgid(mode: u16) -> u16 {
         m &= !(libc::S_ISGID as u16);
     }
     m
+}
+
+/// See [`Ext2::max_file_size`].
+pub(crate) fn max_file_size(bs: u32) -> u64 {
+    let bits = bs.trailing_zeros();
+    let ppb = bs as u64 / 4;
+    let limit = ((1u64 << 32) - 1) >> (bits - 9);
+    let reach = NDIR_BLOCKS as u64 + ppb + ppb * ppb + ppb * ppb * ppb;
+    let full_map = 1 + (1 + ppb) + (1 + ppb + ppb * ppb);
+    let blocks = if reach + full_map <= limit {
+        reach
+    } else {
+        // Data blocks d and map blocks m(d) with d + m(d) = limit: count the map blocks
+        // that addressing `limit` blocks would need and take them off.
+        let mut rest = limit - NDIR_BLOCKS as u64 - ppb;
+        let mut map = 1;
+        if rest < ppb * ppb {
+            map += 1 + rest.div_ceil(ppb);
+        } else {
+            map += 1 + ppb;
+            rest -= ppb * ppb;
+            map += 1 + rest.div_ceil(ppb) + rest.div_ceil(ppb * ppb);
+        }
+        limit - map
+    };
+    (blocks << bits).min(i64::MAX as u64)
 }

@@ -619,3 +619,59 @@ fn chown_drops_setuid_and_executable_setgid_of_files_only() {
         .unwrap();
     assert_eq!(a.perm, 0o4755);
 }
+
+#[test]
+fn maximum_file_size_is_the_kernels() {
+    // The kernel's limit for a block-mapped file without huge_file: data plus map blocks
+    // of a dense file within 2^32 - 1 sectors (tests/no-silent-loss.sh checks these
+    // against the kernel's own driver on loop mounts).
+    for (bs, max) in [(4096usize, 2_196_873_666_560u64), (1024, 17_247_252_480)] {
+        let (_dev, fs) = fresh_with(4096, bs, Mode::SoftUpdates);
+        let f = fs.mknod(fs.root(), b"f", REG, 0, &c()).unwrap().ino;
+        // The last byte can be written, the next cannot; a write across the limit is
+        // short, as the kernel's is.
+        assert_eq!(fs.write(f, max - 1, b"x", &c()), Ok(1));
+        assert_eq!(fs.write(f, max, b"x", &c()), Err(FsError::TooBig));
+        assert_eq!(fs.write(f, max - 2, b"abc", &c()), Ok(2));
+        assert_eq!(fs.getattr(f).unwrap().size, max);
+        let size = |n| SetAttr {
+            size: Some(n),
+            ..Default::default()
+        };
+        assert_eq!(fs.setattr(f, size(max + 1), &c()), Err(FsError::TooBig));
+        assert_eq!(fs.getattr(f).unwrap().size, max);
+        fs.setattr(f, size(0), &c()).unwrap();
+        fs.setattr(f, size(max), &c()).unwrap();
+        assert_eq!(fs.read(f, max - 1, 10).unwrap(), vec![0u8]);
+    }
+}
+
+#[test]
+fn reserved_blocks_are_roots() {
+    // mkfs reserves 5% (r_blocks_count) for root, as mke2fs does.
+    let (_dev, fs) = fresh_with(2048, 4096, Mode::SoftUpdates);
+    let r = fs.root();
+    let user = Ctx {
+        uid: 1000,
+        gid: 1000,
+        ..Ctx::default()
+    };
+    let d = fs.mkdir(r, b"home", 0o777, &c()).unwrap().ino;
+    let f = fs.mknod(d, b"u", REG, 0, &user).unwrap().ino;
+    let chunk = vec![7u8; 64 << 10];
+    let mut off = 0u64;
+    let err = loop {
+        match fs.write(f, off, &chunk, &user) {
+            Ok(n) => off += n as u64,
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err, FsError::NoSpace);
+    let st = fs.statfs().unwrap();
+    assert!(st.blocks_free > 0, "the reserve is left");
+    assert_eq!(st.blocks_avail, 0, "and not available to users");
+    assert_eq!(fs.getattr(f).unwrap().size, off);
+    // Root still writes into the reserve.
+    let g = fs.mknod(r, b"root", REG, 0, &c()).unwrap().ino;
+    assert_eq!(fs.write(g, 0, &chunk, &c()), Ok(chunk.len() as u32));
+}

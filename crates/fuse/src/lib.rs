@@ -1,9 +1,10 @@
 //! The FUSE adapter: translates kernel requests into [`quilt_vfs::FileSystem`] calls.
 //!
 //! Choices: the kernel checks permissions (`default_permissions`); attributes and entries
-//! are cached for one second; the kernel's writeback cache and 1 MiB writes are on for
-//! read-write mounts (fsync still reaches us, after the kernel has written its dirty
-//! pages); requests are served by several threads.
+//! are cached for one second; writes go through to the server (1 MiB at most each), so a
+//! write the file system cannot store fails in write(2) itself, as on a kernel file
+//! system; the kernel's writeback cache is an option (`writeback_cache`) that trades
+//! that for fewer, larger writes; requests are served by several threads.
 
 use fuser::{
     AccessFlags, Config, Errno, FileAttr, FileHandle, FileType as FuseType, Filesystem, FopenFlags,
@@ -31,6 +32,11 @@ pub use stats::RequestStats;
 
 const TTL: Duration = Duration::from_secs(1);
 
+/// Under the writeback cache, opens for writing bypass the cache while free space is
+/// below this, so a write that would not fit fails in write(2). More than the kernel
+/// lets one FUSE mount hold dirty (its share of the dirty limit, strictly enforced).
+pub const LOW_SPACE: u64 = 128 << 20;
+
 /// Settings of one mount.
 #[derive(Debug, Clone)]
 pub struct FuseOptions {
@@ -39,7 +45,11 @@ pub struct FuseOptions {
     /// Let other users in (needed for services running as another user).
     pub allow_other: bool,
     pub threads: usize,
-    /// Kernel writeback cache (off: every write reaches the server at once).
+    /// Kernel writeback cache. Off (the default), every write(2) reaches the server
+    /// before it returns, so no space, too large and I/O errors fail the write itself.
+    /// On, the kernel gathers writes in its page cache and sends them later: errors then
+    /// surface only at fsync(2) or close(2), so opens for writing while free space is
+    /// below [`LOW_SPACE`] bypass the cache (direct I/O).
     pub writeback_cache: bool,
     /// The kernel checks permissions against the mode bits (on by default). Off, every
     /// request reaches the file system unchecked: tests use that to drive it as any
@@ -58,7 +68,7 @@ impl Default for FuseOptions {
             read_only: false,
             allow_other: false,
             threads: 4,
-            writeback_cache: true,
+            writeback_cache: false,
             default_permissions: true,
             extra: Vec::new(),
             stats: Arc::default(),
@@ -182,6 +192,33 @@ fn time_or_now(t: FuseTime) -> TimeOrNow {
 
 impl<F: FileSystem> Adapter<F> {
     /// Who asks: credentials, and the process whose patchgroups order the change.
+    /// How a file is opened: through the kernel's cache, or (writeback cache on, opened
+    /// for writing, free space low) directly, so a write that does not fit fails in
+    /// write(2) instead of at close.
+    fn open_flags(&self, flags: i32) -> FopenFlags {
+        let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        if self.writeback_cache && writes {
+            let low = self
+                .fs
+                .statfs()
+                .map(|s| s.blocks_free * s.block_size as u64 <= LOW_SPACE)
+                .unwrap_or(true);
+            if low {
+                return FopenFlags::FOPEN_DIRECT_IO;
+            }
+        }
+        FopenFlags::empty()
+    }
+
+    /// Drops the kernel's cached attributes of `ino` (we changed them behind its back).
+    fn invalidate_attr(&self, ino: u64) {
+        if let Some(n) = self.notifier.get() {
+            if let Err(e) = n.inval_inode(INodeNo(fuse_ino(ino)), -1, 0) {
+                tracing::warn!("invalidating cached attributes of inode {ino}: {e}");
+            }
+        }
+    }
+
     fn ctx(&self, req: &Request) -> Ctx {
         Ctx {
             uid: req.uid(),
@@ -506,7 +543,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         self.reply_entry(r, reply);
     }
 
-    fn open(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let _t = self.stats.time(Op::Open);
         if ino.0 == CONTROL_INO {
             return reply.opened(FileHandle(0), FopenFlags::FOPEN_DIRECT_IO);
@@ -515,7 +552,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         // comes with no process id, and is done for the opener.
         let opener = self.ctx(req).pid as u64;
         match self.fs.open(fs_ino(ino)) {
-            Ok(()) => reply.opened(FileHandle(opener), FopenFlags::empty()),
+            Ok(()) => reply.opened(FileHandle(opener), self.open_flags(flags.0)),
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -622,7 +659,14 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
             return reply.ok();
         }
         match self.fs.fsync(fs_ino(ino), datasync) {
-            Ok(()) => reply.ok(),
+            Ok(()) => {
+                reply.ok();
+                if self.writeback_cache {
+                    // The kernel keeps the attributes it had before writing back; the
+                    // data is ours now, so let stat see its true block count.
+                    self.invalidate_attr(fs_ino(ino));
+                }
+            }
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -774,7 +818,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
         name: &OsStr,
         mode: u32,
         umask: u32,
-        _flags: i32,
+        flags: i32,
         reply: ReplyCreate,
     ) {
         let _t = self.stats.time(Op::Create);
@@ -799,7 +843,7 @@ impl<F: FileSystem + 'static> Filesystem for Adapter<F> {
                 &fattr(&a),
                 Generation(0),
                 FileHandle(c.pid as u64),
-                FopenFlags::empty(),
+                self.open_flags(flags),
             ),
             Err(e) => reply.error(errno(e)),
         }

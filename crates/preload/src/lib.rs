@@ -15,11 +15,12 @@
 //! Limits:
 //! * Only fsync and fdatasync are caught (not sync, syncfs, msync, sync_file_range,
 //!   O_SYNC/O_DSYNC writes, which keep their own meaning).
-//! * With the kernel's writeback cache (on by default), the file's dirty pages are sent
+//! * With the kernel's writeback cache (`-o wbcache`), the file's dirty pages are sent
 //!   to the server before the switch, so they join the group they were written in.
 //!   Pages of *other* files written in the group and still cached in the kernel join
 //!   the group that is current when the kernel writes them back: later, never earlier.
-//!   Mount with `-o nowbcache` for exact group membership of every write.
+//!   Without it (the default) every write reaches the server in its own call, in the
+//!   group current at that moment.
 //! * A child made by fork (without exec) starts inside the group its parent had engaged
 //!   when the server first sees the child (FUSE cannot see the fork itself). While a
 //!   child keeps that group engaged, the parent cannot start a group after it; its fsync
