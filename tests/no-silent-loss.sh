@@ -14,6 +14,8 @@
 #     fail naming the mount; after kill -9 of the server a new mount works.
 #  6. mkfs over a file system refuses without --force (ext2 with files, ext4) and leaves
 #     it intact; --force replaces it.
+#  7. sync(1) and syncfs(2) (sync -f) make everything durable: after each, kill -9 of the
+#     server, remount, nothing lost.
 # Needs root. Usage: tests/no-silent-loss.sh [QUILTFS_BINARY]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -173,5 +175,25 @@ echo "$out" | grep -q "already holds an ext4 file system" || fail "mkfs does not
 [ ! -e "$m/d" ] || fail "mkfs --force kept the old files"
 umount "$m"
 fsck_clean "$work/c.img"
+
+echo "no-silent-loss: sync(1) and syncfs(2) reach the server"
+head -c 20M /dev/urandom >"$work/src.bin"
+for round in sync syncfs; do
+  "$q" mkfs "$work/y.img" --size 256M --force >/dev/null 2>&1
+  out="$("$q" mount "$work/y.img" "$m")"
+  pid="$(echo "$out" | sed -n 's/.*server pid \([0-9]*\).*/\1/p')"
+  grep -q " $m fuseblk.quiltfs " /proc/self/mounts || fail "not a block-device mount: $(grep " $m " /proc/self/mounts)"
+  cp "$work/src.bin" "$m/a.bin"
+  mkdir "$m/dir"; for i in $(seq 1 50); do echo "file $i" >"$m/dir/f$i"; done
+  if [ "$round" = sync ]; then sync; else sync -f "$m"; fi
+  kill -9 "$pid"
+  while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done
+  umount "$m" 2>/dev/null || umount -l "$m"
+  "$q" mount "$work/y.img" "$m" >/dev/null
+  cmp "$work/src.bin" "$m/a.bin" || fail "$round: data written before it is gone after kill -9"
+  for i in $(seq 1 50); do [ "$(cat "$m/dir/f$i")" = "file $i" ] || fail "$round: dir/f$i lost"; done
+  umount "$m"
+  fsck_clean "$work/y.img"
+done
 
 echo "no-silent-loss: all checks passed"

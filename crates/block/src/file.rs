@@ -14,11 +14,10 @@ pub struct FileDeviceOptions {
     /// Bypass the host page cache (O_DIRECT). Buffers are bounced through aligned memory.
     pub direct: bool,
     pub read_only: bool,
-    /// Take the image's lock for as long as the device is open: exclusive to write,
-    /// shared to read (`flock` on a file; `O_EXCL` on a block device, which also
-    /// refuses a device the kernel has mounted). A second writer gets
-    /// [`BlockError::Busy`]. The lock dies with the process, so a killed server leaves
-    /// none behind.
+    /// Take the image's lock for as long as the device is open: an `flock`, exclusive
+    /// to write, shared to read (on a block device, a device the kernel has mounted is
+    /// refused too). A second writer gets [`BlockError::Busy`]. The lock dies with the
+    /// process, so a killed server leaves none behind.
     pub lock: bool,
 }
 
@@ -146,11 +145,8 @@ impl FileDevice {
         if opts.direct {
             flags |= libc::O_DIRECT;
         }
-        if opts.lock && is_bdev && !opts.read_only {
-            flags |= libc::O_EXCL;
-        }
         oo.custom_flags(flags);
-        let file = oo.open(&path).map_err(|source| {
+        let open_err = |source: std::io::Error| {
             if source.raw_os_error() == Some(libc::EBUSY) {
                 BlockError::Busy {
                     path: path.display().to_string(),
@@ -162,8 +158,19 @@ impl FileDevice {
                     source,
                 }
             }
-        })?;
-        if opts.lock && !is_bdev {
+        };
+        if opts.lock && is_bdev && !opts.read_only {
+            // O_EXCL fails while the kernel has the device mounted (or another program
+            // claims it). We let go at once: our own block-device FUSE mount claims it
+            // next, and the flock below keeps other servers out meanwhile.
+            OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_EXCL)
+                .open(&path)
+                .map_err(open_err)?;
+        }
+        let file = oo.open(&path).map_err(open_err)?;
+        if opts.lock {
             lock_file(&file, &path, !opts.read_only)?;
         }
         Self::from_locked(file, path, opts)

@@ -62,6 +62,9 @@ pub fn run(args: DemoArgs) -> Result<()> {
             blocks,
             FileDeviceOptions {
                 block_size,
+                // The demo's own scratch image, made anew for each setting while the
+                // previous setting's flusher thread may still hold its device.
+                lock: false,
                 ..Default::default()
             },
         )

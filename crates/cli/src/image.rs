@@ -261,6 +261,12 @@ pub fn utc(t: i64) -> String {
     )
 }
 
+/// Whether `path` is a block device (else an image file).
+pub fn is_block_device(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device())
+}
+
 /// Reads the block size an ext2 image declares.
 pub fn probe_block_size(image: &Path) -> Result<usize> {
     let dev = FileDevice::open(
@@ -313,11 +319,6 @@ impl Default for OpenSettings {
 }
 
 pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
-    if !s.read_only {
-        if let Some(l) = kernel_loop_mount(image) {
-            bail!("{} is in use: {l}", image.display());
-        }
-    }
     let bs = probe_block_size(image)?;
     let dev = FileDevice::open(
         image,
@@ -328,6 +329,11 @@ pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
         },
     )
     .map_err(|e| open_error(image, e))?;
+    if !s.read_only {
+        if let Some(l) = kernel_loop_mount(image) {
+            bail!("{} is in use: {l}", image.display());
+        }
+    }
     let engine = Engine::new(
         Arc::new(dev),
         EngineOptions {

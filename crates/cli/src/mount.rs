@@ -238,7 +238,22 @@ fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
         }
     };
     let f2 = finish.clone();
-    let r = quilt_fuse::serve(fs.clone(), &a.mountpoint, &p.fuse, ready, Box::new(f2));
+    let mut fuse = p.fuse.clone();
+    // A block-device mount (the image's loop device, or the device itself), so that
+    // sync(1) and syncfs(2) reach us and umount waits for the final write-back.
+    fuse.block = Some(if crate::image::is_block_device(&a.image) {
+        quilt_fuse::BlockTarget::Device(a.image.clone())
+    } else {
+        quilt_fuse::BlockTarget::File(a.image.clone())
+    });
+    fuse.block_size = fs.statfs().map(|s| s.block_size).unwrap_or(4096);
+    let ready = move |kind: quilt_fuse::MountKind| {
+        if kind != quilt_fuse::MountKind::Fuseblk {
+            tracing::warn!("mounted as plain FUSE: sync(1) does not reach us, use quiltfs sync");
+        }
+        ready()
+    };
+    let r = quilt_fuse::serve(fs.clone(), &a.mountpoint, &fuse, ready, Box::new(f2));
     finish();
     edit_utab(|lines| lines.retain(|l| *l != utab_line));
     drop(listener);
@@ -306,8 +321,8 @@ fn start_control(
                     serde_json::to_string(&j).unwrap_or_default()
                 }
                 "pid" => std::process::id().to_string(),
-                // syncfs(2) never reaches us (fuser 0.18 does not dispatch FUSE_SYNCFS),
-                // so `quiltfs sync` asks here.
+                // What sync(1) does through the mount, for scripts and for plain FUSE
+                // mounts (not root), which the kernel sends no FUSE_SYNCFS.
                 "sync" => match fs.sync_all() {
                     Ok(()) => "ok".to_string(),
                     Err(e) => format!("error: {e}"),

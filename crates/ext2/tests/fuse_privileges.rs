@@ -30,7 +30,7 @@ fn fuse_available() -> bool {
     ok
 }
 
-fn mounted() -> (tempfile::TempDir, fuser::BackgroundSession) {
+fn mounted() -> (tempfile::TempDir, quilt_fuse::BackgroundSession) {
     let dev = Arc::new(MemDevice::new(4096, 4096).unwrap());
     let engine = Engine::new(dev.clone(), EngineOptions::default());
     mkfs(

@@ -1010,7 +1010,7 @@ fn engine_opts(cache: usize) -> EngineOptions {
 
 /// A FUSE mount of the harness's file system in a temporary directory.
 struct Mounted {
-    session: Option<fuser::BackgroundSession>,
+    session: Option<quilt_fuse::BackgroundSession>,
     /// Removed after the unmount (fields drop after `drop` runs).
     _dir: tempfile::TempDir,
 }
@@ -1018,8 +1018,8 @@ struct Mounted {
 impl Mounted {
     fn new(fs: Arc<Ext2>) -> Result<(Mounted, MountFs), String> {
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-        // Requests come from the operations' users (uid 1000 too): fuser refuses other
-        // users' requests unless the session admits everyone.
+        // Requests come from the operations' users (uid 1000 too): the kernel refuses other
+        // users' requests unless the mount admits everyone.
         let opts = quilt_fuse::FuseOptions {
             default_permissions: false,
             allow_other: true,

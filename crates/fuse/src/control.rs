@@ -4,38 +4,26 @@
 //! that name, made by another driver, is shadowed).
 
 use crate::callers::Callers;
-use fuser::{FileAttr, FileType, INodeNo};
+use quilt_fusewire::Attr;
 use quilt_pg::abi;
 use quilt_vfs::{FileSystem, FsError};
-use std::ffi::OsStr;
-use std::time::UNIX_EPOCH;
 
 /// Its inode number on the FUSE side: above every ext2 inode number.
 pub(crate) const CONTROL_INO: u64 = 1 << 40;
 
 /// Is `name` in directory `parent` (FUSE numbering) the control file?
-pub(crate) fn is_control(parent: INodeNo, name: &OsStr) -> bool {
-    parent.0 == 1 && name.as_encoded_bytes() == abi::CONTROL_NAME.as_bytes()
+pub(crate) fn is_control(parent: u64, name: &[u8]) -> bool {
+    parent == 1 && name == abi::CONTROL_NAME.as_bytes()
 }
 
-pub(crate) fn attr() -> FileAttr {
-    FileAttr {
-        ino: INodeNo(CONTROL_INO),
-        size: 0,
-        blocks: 0,
-        atime: UNIX_EPOCH,
-        mtime: UNIX_EPOCH,
-        ctime: UNIX_EPOCH,
-        crtime: UNIX_EPOCH,
-        kind: FileType::RegularFile,
+pub(crate) fn attr() -> Attr {
+    Attr {
+        ino: CONTROL_INO,
         // Everyone may open it for reading, which is all an ioctl needs.
-        perm: 0o444,
+        mode: libc::S_IFREG | 0o444,
         nlink: 1,
-        uid: 0,
-        gid: 0,
-        rdev: 0,
         blksize: 4096,
-        flags: 0,
+        ..Attr::default()
     }
 }
 

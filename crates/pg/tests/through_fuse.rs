@@ -29,7 +29,7 @@ struct Mounted {
     rec: Arc<RecordingDevice>,
     base: Vec<u8>,
     dir: tempfile::TempDir,
-    _session: fuser::BackgroundSession,
+    _session: quilt_fuse::BackgroundSession,
 }
 
 impl Mounted {
