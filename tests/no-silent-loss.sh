@@ -16,6 +16,9 @@
 #     it intact; --force replaces it.
 #  7. sync(1) and syncfs(2) (sync -f) make everything durable: after each, kill -9 of the
 #     server, remount, nothing lost.
+#  8. A sparse 1 GiB image on a 100 MiB host file system (tmpfs): when the host fills,
+#     write(2) fails with ENOSPC (not a later write-back), and after a remount the file
+#     holds exactly what was acknowledged.
 # Needs root. Usage: tests/no-silent-loss.sh [QUILTFS_BINARY]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -23,9 +26,9 @@ q="${1:-$here/../target/release/quiltfs}"
 py=(python3 "$here/silentloss.py")
 work="$(mktemp -d /tmp/quiltfs-loss.XXXXXX)"
 chmod 755 "$work"  # a user writes below it (the reserve check)
-m="$work/m"; m2="$work/m2"; k="$work/k"; mkdir -p "$m" "$m2" "$k"
+m="$work/m"; m2="$work/m2"; k="$work/k"; host="$work/host"; mkdir -p "$m" "$m2" "$k" "$host"
 cleanup() {
-  for d in "$m" "$m2" "$k"; do
+  for d in "$m" "$m2" "$k" "$host"; do
     mountpoint -q "$d" && { umount "$d" 2>/dev/null || umount -l "$d" || true; }
   done
   rm -rf "$work"
@@ -195,5 +198,23 @@ for round in sync syncfs; do
   umount "$m"
   fsck_clean "$work/y.img"
 done
+
+echo "no-silent-loss: a sparse image on a host file system that fills up"
+mount -t tmpfs -o size=100m quiltfs-test-host "$host"
+"$q" mkfs "$host/s.img" --size 1G >/dev/null
+"$q" mount "$host/s.img" "$m" >/dev/null
+mountpoint -q "$m" || fail "the image on the small host did not mount"
+r="$("${py[@]}" fill "$m/f" 5 262144)"
+[ "$(jget "$r" write_errno)" = ENOSPC ] || fail "a full host did not fail write(2) with ENOSPC: $r"
+[ "$(jget "$r" fsync_errno)" = None ] && [ "$(jget "$r" close_errno)" = None ] ||
+  fail "fsync or close failed after write(2) had acknowledged (full host): $r"
+acked="$(jget "$r" acked)"
+[ "$acked" -gt $((50 << 20)) ] || fail "only $acked bytes stored on a 100 MiB host"
+umount "$m"
+fsck_clean "$host/s.img"
+"$q" mount "$host/s.img" "$m" >/dev/null
+"${py[@]}" verify "$m/f" 5 "$acked" >/dev/null || fail "after a full host, the file is not what was acknowledged"
+umount "$m"
+umount "$host"
 
 echo "no-silent-loss: all checks passed"

@@ -41,7 +41,14 @@ pub struct FileDevice {
     opts: FileDeviceOptions,
     block_count: u64,
     counters: IoCounters,
+    /// Chunks of the file ([`RESERVE_CHUNK`] bytes) known to have host storage behind
+    /// them; None when there is nothing to reserve (a block device, a read-only open,
+    /// or a host file system without fallocate).
+    backed: Option<std::sync::Mutex<Vec<u64>>>,
 }
+
+/// Host storage is reserved in chunks of this many bytes (one fallocate each).
+pub const RESERVE_CHUNK: u64 = 1 << 20;
 
 /// Takes the image lock on `file`'s open file description without waiting: exclusive
 /// to write, shared to read. On conflict the error names the processes holding it.
@@ -193,7 +200,11 @@ impl FileDevice {
         } else {
             meta.len()
         };
+        let is_file = meta.is_file();
+        let chunks = len.div_ceil(RESERVE_CHUNK);
         Ok(FileDevice {
+            backed: (is_file && !opts.read_only)
+                .then(|| std::sync::Mutex::new(vec![0; chunks.div_ceil(64) as usize])),
             file,
             block_count: len / opts.block_size as u64,
             path,
@@ -235,6 +246,17 @@ impl FileDevice {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    fn fallocate(&self, off: u64, len: u64) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: fallocate on our descriptor; mode 0 allocates without changing size.
+        let r = unsafe { libc::fallocate(self.file.as_raw_fd(), 0, off as i64, len as i64) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
     }
 
     fn io_err(&self, what: &str, block: BlockNo, source: std::io::Error) -> BlockError {
@@ -284,6 +306,68 @@ impl BlockDevice for FileDevice {
         self.counters.read(buf.len());
         Ok(())
     }
+    fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
+        let Some(backed) = &self.backed else {
+            return Ok(());
+        };
+        if count == 0 {
+            return Ok(());
+        }
+        if first.saturating_add(count) > self.block_count {
+            return Err(BlockError::OutOfRange {
+                block: first.saturating_add(count - 1),
+                count: self.block_count,
+            });
+        }
+        let bs = self.opts.block_size as u64;
+        let (start, end) = (first * bs, (first + count) * bs);
+        let mut map = backed.lock().unwrap_or_else(|e| e.into_inner());
+        let file_len = self.block_count * bs;
+        for c in start / RESERVE_CHUNK..end.div_ceil(RESERVE_CHUNK) {
+            let (word, bit) = ((c / 64) as usize, c % 64);
+            if map.get(word).is_some_and(|w| w & (1 << bit) != 0) {
+                continue;
+            }
+            let off = c * RESERVE_CHUNK;
+            let len = RESERVE_CHUNK.min(file_len - off);
+            match self.fallocate(off, len) {
+                Ok(()) => {
+                    if let Some(w) = map.get_mut(word) {
+                        *w |= 1 << bit;
+                    }
+                }
+                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
+                    // Not room for the whole chunk: is there for what is asked?
+                    let (a, b) = (start.max(off), end.min(off + len));
+                    if self.fallocate(a, b - a).is_err() {
+                        return Err(BlockError::NoSpace {
+                            path: self.path.display().to_string(),
+                            first,
+                            end: first + count,
+                        });
+                    }
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                    // The host cannot reserve (tmpfs can; some network file systems
+                    // cannot): writes may then fail at write-back, as for any program.
+                    tracing::warn!(
+                        "{}: the host file system cannot reserve space (fallocate): a full host disk will show as I/O errors at write-back",
+                        self.path.display()
+                    );
+                    map.iter_mut().for_each(|w| *w = u64::MAX);
+                    return Ok(());
+                }
+                Err(source) => {
+                    return Err(BlockError::Io {
+                        what: format!("reserving blocks {first}.. of {}", self.path.display()),
+                        source,
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()> {
         check_request(self, block, buf.len())?;
         if self.opts.read_only {
@@ -460,5 +544,32 @@ mod tests {
             },
         )
         .unwrap();
+    }
+
+    #[test]
+    fn reserve_allocates_host_storage_once() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        let dev = FileDevice::create(&path, 16384, FileDeviceOptions::default()).unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().blocks(), 0, "sparse");
+        dev.reserve(5, 1).unwrap();
+        let after = std::fs::metadata(&path).unwrap().blocks() * 512;
+        assert!(
+            after >= 4096,
+            "block 5 has storage behind it ({after} bytes)"
+        );
+        assert!(after <= RESERVE_CHUNK, "one chunk at most ({after} bytes)");
+        dev.reserve(6, 1).unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().blocks() * 512, after);
+        // Through the Arc<dyn BlockDevice> an engine holds, too.
+        let dev: std::sync::Arc<dyn BlockDevice> = std::sync::Arc::new(dev);
+        let via: &dyn BlockDevice = &dev;
+        via.reserve(16000, 1).unwrap();
+        assert!(std::fs::metadata(&path).unwrap().blocks() * 512 > after);
+        assert!(matches!(
+            via.reserve(16383, 2),
+            Err(BlockError::OutOfRange { .. })
+        ));
     }
 }

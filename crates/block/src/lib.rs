@@ -48,6 +48,16 @@ pub enum BlockError {
     Unsupported(&'static str),
     #[error("the recording log is full ({limit_bytes} bytes); raise the limit or record less")]
     LogFull { limit_bytes: u64 },
+    /// What holds the image (a sparse file on a full host file system) has no room for
+    /// blocks about to be used.
+    #[error(
+        "no room for blocks {first}..{end} of {path}: the file system holding the image is full"
+    )]
+    NoSpace {
+        path: String,
+        first: BlockNo,
+        end: BlockNo,
+    },
     /// Another open of the image holds its lock: one writer per image (or readers only).
     #[error("{path} is in use{}", holders_text(.holders))]
     Busy { path: String, holders: Vec<u32> },
@@ -86,6 +96,15 @@ pub trait BlockDevice: Send + Sync {
     fn block_count(&self) -> u64;
     /// Reads block `block` into `buf`, which must be exactly one block long.
     fn read(&self, block: BlockNo, buf: &mut [u8]) -> Result<()>;
+    /// Makes sure blocks `first..first + count` have storage behind them, so that
+    /// writing them later cannot fail for lack of room where the image lives (a sparse
+    /// image file on a host file system that fills up). A file system calls it when it
+    /// allocates a block, so that the error reaches the write(2) that needed the block
+    /// instead of a write-back after it returned. Nothing to do by default.
+    fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
+        let _ = (first, count);
+        Ok(())
+    }
     /// Writes `buf` (exactly one block) to block `block`. Not durable until `flush`.
     fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()>;
     /// Durability barrier: every write that returned before this call is durable when it
@@ -141,6 +160,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()> {
         (**self).write(block, buf)
+    }
+    fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
+        (**self).reserve(first, count)
     }
     fn flush(&self) -> Result<()> {
         (**self).flush()

@@ -160,6 +160,9 @@ impl BlockDevice for RecordingDevice {
         });
         Ok(())
     }
+    fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
+        self.inner.reserve(first, count)
+    }
     fn flush(&self) -> Result<()> {
         let mut g = self.lock();
         self.inner.flush()?;

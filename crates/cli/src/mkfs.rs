@@ -93,6 +93,9 @@ pub fn run(a: MkfsArgs) -> Result<()> {
     )
     .with_context(|| format!("cannot open {}", a.image.display()))?;
     let device_is_zeroed = !target.is_device;
+    if !target.is_device {
+        host_room_note(&a.image, bytes);
+    }
     let engine = Engine::new(Arc::new(dev), EngineOptions::default());
     let opts = quilt_ext2::MkfsOptions {
         inodes: a.inodes,
@@ -134,4 +137,30 @@ pub fn run(a: MkfsArgs) -> Result<()> {
         sb.group_count()
     );
     Ok(())
+}
+
+/// Image files are sparse: says so when the host file system has less room than the
+/// image could fill (writes past it then fail with ENOSPC, in write(2)).
+fn host_room_note(image: &std::path::Path, bytes: u64) {
+    let dir = image
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
+        return;
+    };
+    // SAFETY: statvfs fills the struct we pass for a NUL-terminated path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return;
+    }
+    let free = st.f_bavail as u64 * st.f_frsize as u64;
+    if free < bytes {
+        eprintln!(
+            "quiltfs mkfs: note: {} is sparse; its host file system has {} MiB free for its {} MiB, so writes past that will fail with ENOSPC",
+            image.display(),
+            free >> 20,
+            bytes >> 20
+        );
+    }
 }

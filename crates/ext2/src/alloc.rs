@@ -5,7 +5,7 @@
 
 use crate::format::*;
 use crate::fs::{Ext2, Head, State};
-use quilt_patch::PatchId;
+use quilt_patch::{PatchError, PatchId};
 use quilt_vfs::{FsError, Result};
 
 /// How many recently freed items an allocation passes over before it takes one. In the
@@ -155,6 +155,15 @@ impl Ext2 {
                     "block bitmap of group {g} marks metadata block {blk} free"
                 )));
             }
+            // Storage behind the block before it is ours: a sparse image on a full host
+            // disk fails this operation, not the write-back after it returned.
+            self.engine.reserve(blk as u64, 1).map_err(|e| match e {
+                PatchError::Block(quilt_block::BlockError::NoSpace { .. }) => {
+                    tracing::warn!("{e}");
+                    FsError::NoSpace
+                }
+                e => Self::io(e),
+            })?;
             let freed = st.freed.get(&blk).copied();
             let p = self.flip_bit(bitmap, bit, &freed.into_iter().collect::<Vec<_>>())?;
             st.gd[g as usize].free_blocks -= 1;

@@ -302,6 +302,24 @@ impl Ext2 {
             }
         }
         if !fs.read_only {
+            // Host storage behind every group's fixed metadata (superblock copies,
+            // descriptors, bitmaps, inode table: holes in a fresh sparse image), so
+            // writing an inode can never fail for a full host disk; data, directory and
+            // map blocks are reserved as they are allocated.
+            let st = fs.lock();
+            for (g, d) in st.gd.iter().enumerate() {
+                let first = fs.geo.group_first_block(g as u32) as u64;
+                let end = (d.inode_table + fs.geo.itb) as u64;
+                fs.engine
+                    .reserve(first, end.saturating_sub(first))
+                    .map_err(|e| match e {
+                        quilt_patch::PatchError::Block(
+                            e @ quilt_block::BlockError::NoSpace { .. },
+                        ) => FsError::Io(e.to_string()),
+                        e => Self::io(e),
+                    })?;
+            }
+            drop(st);
             let mut st = fs.lock();
             // Recompute the summary counts from the descriptors (cheap, and the kernel
             // does the same), then mark the image as in use until a clean unmount.

@@ -238,6 +238,15 @@ impl Engine {
     pub fn block_count(&self) -> u64 {
         self.sh.dev.block_count()
     }
+    /// Makes sure the device has storage behind blocks `first..first + count` (see
+    /// `BlockDevice::reserve`): a file system calls it as it allocates, so that a full
+    /// host disk fails the operation that needed the blocks, not a later write-back.
+    pub fn reserve(&self, first: u64, count: u64) -> Result<(), PatchError> {
+        self.device()
+            .reserve(first, count)
+            .map_err(PatchError::Block)
+    }
+
     pub fn device(&self) -> &Arc<dyn BlockDevice> {
         &self.sh.dev
     }
