@@ -110,6 +110,19 @@ pub const SYSTEMS: &[System] = &[
     ),
     quilt("quilt-full", "quiltfs full journal", "full-journal", false),
     quilt("quilt-async", "quiltfs asynchronous", "async", false),
+    // The kernel's writeback cache instead of write-through writes: what exact write(2)
+    // errors cost (with it, a full disk shows at fsync or close while space is ample).
+    System {
+        name: "quilt-su-wbcache",
+        what: "quiltfs soft updates, kernel writeback cache",
+        kind: Kind::Quilt {
+            mode: "soft-updates",
+            unsafe_: false,
+            options: "wbcache",
+        },
+        safe: true,
+        opt: None,
+    },
     quilt(
         "quilt-su-unsafe",
         "quiltfs soft updates, no flushes",
