@@ -18,6 +18,8 @@ if [ "$(id -u)" = 0 ]; then
   # Errors reach the caller, nothing acknowledged is lost, one writer per image, mkfs
   # protects data (kernel ext2 loop mounts and e2fsck as oracles).
   tests/no-silent-loss.sh ./target/release/quiltfs
+  # Parity with the kernel's ext2 driver, call by call (the kernel as the oracle).
+  tests/kernel-parity.sh ./target/release/quiltfs
   tests/journal-oracle.sh ./target/release/quiltfs
   # Patchgroups for programs: the C library and the LD_PRELOAD library on a mount.
   tests/patchgroups.sh ./target/release
@@ -25,7 +27,7 @@ if [ "$(id -u)" = 0 ]; then
   # (timings are not checked: they come from the full run, never from here).
   tests/bench-featherstitch.sh ./target/release/quiltfs
 else
-  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/journal-oracle.sh, tests/patchgroups.sh and tests/bench-featherstitch.sh (need root)" >&2
+  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/kernel-parity.sh, tests/journal-oracle.sh, tests/patchgroups.sh and tests/bench-featherstitch.sh (need root)" >&2
 fi
 # The crash explorer on every mode (e2fsck as the oracle; no root needed).
 tests/crashtest.sh ./target/release/quiltfs

@@ -828,6 +828,11 @@ impl FileSystem for Ext2 {
         r
     }
 
+    fn seek_data(&self, ino: Ino, offset: u64, data: bool) -> Result<u64> {
+        let st = self.lock();
+        self.do_seek_data(&st, Self::to_ino(ino)?, offset, data)
+    }
+
     fn readdir(&self, ino: Ino, offset: u64, emit: &mut dyn FnMut(DirEntry) -> bool) -> Result<()> {
         let st = self.lock();
         self.do_readdir(&st, Self::to_ino(ino)?, offset, emit)

@@ -238,6 +238,67 @@ impl Ext2 {
         Ok(ptr)
     }
 
+    /// Like [`Ext2::bmap`], and for a hole also how many blocks from `lblk` on are
+    /// holes for the same reason (a missing map block covers a whole subtree), so that
+    /// scans skip them in one step.
+    fn bmap_span(&self, inode: &Inode, lblk: u64) -> Result<(u32, u64)> {
+        let p = self.ptrs();
+        let path = self.path(lblk)?;
+        let (base, mut span) = match path.top {
+            IND_BLOCK => (NDIR_BLOCKS as u64, p),
+            DIND_BLOCK => (NDIR_BLOCKS as u64 + p, p * p),
+            TIND_BLOCK => (NDIR_BLOCKS as u64 + p + p * p, p * p * p),
+            _ => (lblk, 1),
+        };
+        let within = lblk - base;
+        let mut ptr = inode.block[path.top];
+        if ptr == 0 {
+            return Ok((0, span - within % span));
+        }
+        for &slot in &path.rest {
+            span /= p;
+            ptr = self.read_ptr(ptr, slot)?;
+            if ptr == 0 {
+                return Ok((0, span - within % span));
+            }
+        }
+        self.check_data_block(ptr)?;
+        Ok((ptr, 1))
+    }
+
+    /// SEEK_DATA (`data`) and SEEK_HOLE over the block map: a block is data when it
+    /// is mapped, as for the kernel's block-mapped files.
+    pub(crate) fn do_seek_data(
+        &self,
+        st: &State,
+        ino: u32,
+        offset: u64,
+        data: bool,
+    ) -> Result<u64> {
+        let inode = self.read_live_inode(st, ino)?;
+        if offset >= inode.size {
+            return Err(FsError::NoData);
+        }
+        if !inode.is_reg() || !inode.has_block_map() {
+            return Ok(if data { offset } else { inode.size });
+        }
+        let bs = self.geo.bs as u64;
+        let last = (inode.size - 1) / bs;
+        let mut l = offset / bs;
+        while l <= last {
+            let (phys, span) = self.bmap_span(&inode, l)?;
+            if (phys != 0) == data {
+                return Ok((l * bs).max(offset).min(inode.size));
+            }
+            l += span.max(1);
+        }
+        if data {
+            Err(FsError::NoData)
+        } else {
+            Ok(inode.size)
+        }
+    }
+
     /// Maps `lblk` to a new block holding `content`, which waits for `content_befores`.
     /// Missing indirect blocks are created on the way. Writes the inode (new block count,
     /// and whatever the caller changed in `inode`) and returns the block and the patch

@@ -675,3 +675,44 @@ fn reserved_blocks_are_roots() {
     let g = fs.mknod(r, b"root", REG, 0, &c()).unwrap().ino;
     assert_eq!(fs.write(g, 0, &chunk, &c()), Ok(chunk.len() as u32));
 }
+
+#[test]
+fn seek_data_and_hole_follow_the_block_map() {
+    let (_dev, fs) = fresh_with(16384, 4096, Mode::SoftUpdates);
+    let f = fs.mknod(fs.root(), b"f", REG, 0, &c()).unwrap().ino;
+    let m = 1u64 << 20;
+    fs.write(f, 0, &[1; 5000], &c()).unwrap(); // blocks 0 and 1
+    fs.write(f, 10 * m, b"x", &c()).unwrap(); // under the double-indirect block
+    fs.write(f, 3 << 30, b"tail", &c()).unwrap(); // under the triple-indirect block
+    let size = (3u64 << 30) + 4;
+    let seek = |off, data| fs.seek_data(f, off, data);
+    assert_eq!(seek(0, true), Ok(0));
+    assert_eq!(seek(100, false), Ok(8192), "blocks 0-1 are data");
+    assert_eq!(
+        seek(8192, true),
+        Ok(10 * m),
+        "whole missing subtrees skipped"
+    );
+    assert_eq!(
+        seek(10 * m + 7, true),
+        Ok(10 * m + 7),
+        "inside a data block"
+    );
+    assert_eq!(seek(10 * m + 7, false), Ok(10 * m + 4096));
+    assert_eq!(seek(10 * m + 4096, true), Ok(3 << 30));
+    assert_eq!(seek(size - 1, false), Ok(size), "the end is a hole");
+    assert_eq!(seek(size, true), Err(FsError::NoData));
+    assert_eq!(seek(size, false), Err(FsError::NoData));
+    let g = fs.mknod(fs.root(), b"g", REG, 0, &c()).unwrap().ino;
+    fs.setattr(
+        g,
+        SetAttr {
+            size: Some(1 << 40),
+            ..Default::default()
+        },
+        &c(),
+    )
+    .unwrap();
+    assert_eq!(fs.seek_data(g, 0, true), Err(FsError::NoData), "all hole");
+    assert_eq!(fs.seek_data(g, 5, false), Ok(5));
+}

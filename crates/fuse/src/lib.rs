@@ -711,8 +711,26 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                     Err(e) => reply.error(e),
                 }
             }
+            Op::Lseek { offset, whence, .. } => {
+                let _t = self.stats.time(Stat::Lseek);
+                // The kernel asks only for SEEK_DATA and SEEK_HOLE.
+                let data = match *whence as i32 {
+                    libc::SEEK_DATA => true,
+                    libc::SEEK_HOLE => false,
+                    _ => return reply.error(libc::EINVAL),
+                };
+                if ino == CONTROL_INO {
+                    return reply.error(libc::ENXIO);
+                }
+                match self.fs.seek_data(fs_ino(ino), *offset, data) {
+                    Ok(o) => reply.lseek(o),
+                    // The kernel then treats the file as all data, and stops asking.
+                    Err(FsError::NotSupported) => reply.error(libc::ENOSYS),
+                    Err(e) => reply.error(errno(e)),
+                }
+            }
             // Not served yet: ENOSYS makes the kernel answer EOPNOTSUPP (fallocate,
-            // O_TMPFILE) or fall back to its own (lseek), and stop asking.
+            // O_TMPFILE), and stop asking.
             _ => reply.error(libc::ENOSYS),
         }
     }

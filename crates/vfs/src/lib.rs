@@ -198,6 +198,9 @@ pub enum FsError {
     CrossDevice,
     #[error("device busy")]
     Busy,
+    /// SEEK_DATA or SEEK_HOLE at or past the end of the file (ENXIO).
+    #[error("no data at or after that offset")]
+    NoData,
     /// The image is damaged where this operation looked; the message says where.
     #[error("file system corrupted: {0}")]
     Corrupt(String),
@@ -230,6 +233,7 @@ impl FsError {
             FsError::NotSupported => libc::EOPNOTSUPP,
             FsError::CrossDevice => libc::EXDEV,
             FsError::Busy => libc::EBUSY,
+            FsError::NoData => libc::ENXIO,
             FsError::Corrupt(_) => libc::EIO,
             FsError::Io(_) => libc::EIO,
             FsError::Patchgroup { errno, .. } => *errno,
@@ -260,6 +264,7 @@ impl FsError {
             libc::EOPNOTSUPP => FsError::NotSupported,
             libc::EXDEV => FsError::CrossDevice,
             libc::EBUSY => FsError::Busy,
+            libc::ENXIO => FsError::NoData,
             libc::EIO => FsError::Io("EIO".into()),
             other => FsError::Io(format!("errno {other}")),
         }
@@ -358,6 +363,13 @@ pub trait FileSystem: Send + Sync {
     fn release(&self, _ino: Ino) -> Result<()> {
         Ok(())
     }
+    /// lseek(2)'s SEEK_DATA (`data`) or SEEK_HOLE: the first offset at or after
+    /// `offset` inside data (a hole), as the kernel's block-mapped file systems answer:
+    /// `NoData` (ENXIO) at or past the end, and the end counts as a hole. Modules that
+    /// cannot tell answer `NotSupported`, and callers treat the file as all data.
+    fn seek_data(&self, _ino: Ino, _offset: u64, _data: bool) -> Result<u64> {
+        Err(FsError::NotSupported)
+    }
     fn counters(&self) -> Counters {
         Vec::new()
     }
@@ -447,6 +459,7 @@ mod errno_tests {
             FsError::NotSupported,
             FsError::CrossDevice,
             FsError::Busy,
+            FsError::NoData,
             FsError::Corrupt("x".into()),
             FsError::Io("x".into()),
         ];

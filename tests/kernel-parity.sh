@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Parity with the kernel's ext2 driver (served by its ext4 driver here), the kernel as the
+# oracle: the same operations on a kernel loop mount and on a quiltfs mount of the same
+# kind of image must give the same results and errno values.
+#  1. SEEK_DATA and SEEK_HOLE over files with holes (data first, hole first, all hole,
+#     empty, a hole at the end, dense, blocks at the edges of the map's levels); cp of a
+#     sparse file keeps its holes.
+# Needs root. Usage: tests/kernel-parity.sh [QUILTFS_BINARY]
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+q="${1:-$here/../target/release/quiltfs}"
+work="$(mktemp -d /tmp/quiltfs-parity.XXXXXX)"
+m="$work/m"; k="$work/k"; mkdir -p "$m" "$k"
+cleanup() {
+  for d in "$m" "$k"; do mountpoint -q "$d" && { umount "$d" || umount -l "$d" || true; }; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fail() { echo "kernel-parity: FAIL: $*" >&2; exit 1; }
+fsck_clean() { e2fsck -fn "$1" >"$work/fsck.out" 2>&1 || { cat "$work/fsck.out"; fail "e2fsck -fn reports problems on $1"; }; }
+
+echo "kernel-parity: SEEK_DATA and SEEK_HOLE"
+truncate -s 256M "$work/k.img"; mkfs.ext2 -F -q -b 4096 "$work/k.img"
+mount -o loop -t ext2 "$work/k.img" "$k"
+python3 "$here/seekholes.py" write "$k"
+python3 "$here/seekholes.py" probe "$k" >"$work/seek.kernel"
+umount "$k"
+"$q" mkfs "$work/q.img" --size 256M >/dev/null
+"$q" mount "$work/q.img" "$m" >/dev/null
+python3 "$here/seekholes.py" write "$m"
+python3 "$here/seekholes.py" probe "$m" >"$work/seek.ours"
+diff -u "$work/seek.kernel" "$work/seek.ours" || fail "SEEK_DATA/SEEK_HOLE differ from the kernel's"
+[ "$(wc -l <"$work/seek.ours")" -gt 100 ] || fail "too few seek probes"
+cp --sparse=auto "$m/sparse" "$m/copy"
+cmp "$m/sparse" "$m/copy" || fail "cp of a sparse file changed it"
+[ "$(stat -c %b "$m/copy")" -le "$(stat -c %b "$m/sparse")" ] ||
+  fail "cp filled the holes: $(stat -c %b "$m/copy") blocks against $(stat -c %b "$m/sparse")"
+umount "$m"
+fsck_clean "$work/q.img"
+
+echo "kernel-parity: all checks passed"
