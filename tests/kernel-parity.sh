@@ -5,6 +5,8 @@
 #  1. SEEK_DATA and SEEK_HOLE over files with holes (data first, hole first, all hole,
 #     empty, a hole at the end, dense, blocks at the edges of the map's levels); cp of a
 #     sparse file keeps its holes.
+#  2. O_TMPFILE: an unnamed file linked into the tree (linkat), O_EXCL ones that may not
+#     be, an unlinked one freed at close (tests/tmpfile.py); remount, e2fsck.
 # Needs root. Usage: tests/kernel-parity.sh [QUILTFS_BINARY]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -35,6 +37,22 @@ cp --sparse=auto "$m/sparse" "$m/copy"
 cmp "$m/sparse" "$m/copy" || fail "cp of a sparse file changed it"
 [ "$(stat -c %b "$m/copy")" -le "$(stat -c %b "$m/sparse")" ] ||
   fail "cp filled the holes: $(stat -c %b "$m/copy") blocks against $(stat -c %b "$m/sparse")"
+umount "$m"
+fsck_clean "$work/q.img"
+
+echo "kernel-parity: O_TMPFILE and linkat"
+mount -o loop -t ext2 "$work/k.img" "$k"
+mkdir "$k/t"; python3 "$here/tmpfile.py" "$k/t" >"$work/tmp.kernel" 2>&1 || true
+umount "$k"
+"$q" mount "$work/q.img" "$m" >/dev/null
+mkdir "$m/t"; python3 "$here/tmpfile.py" "$m/t" >"$work/tmp.ours" 2>&1 || true
+grep -q "^named data: b'made without a name'" "$work/tmp.kernel" ||
+  fail "the kernel does not behave as this test expects: $(cat "$work/tmp.kernel")"
+diff -u "$work/tmp.kernel" "$work/tmp.ours" || fail "O_TMPFILE differs from the kernel's"
+umount "$m"
+fsck_clean "$work/q.img"
+"$q" mount "$work/q.img" "$m" >/dev/null
+[ "$(cat "$m/t/named")" = "made without a name" ] || fail "the linked O_TMPFILE file is gone after a remount"
 umount "$m"
 fsck_clean "$work/q.img"
 

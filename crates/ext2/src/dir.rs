@@ -377,6 +377,37 @@ impl Ext2 {
         self.attr(st, ino)
     }
 
+    /// Creates a regular file with no name (open(2)'s O_TMPFILE): it lives as an orphan,
+    /// freed at its last release, unless `do_link` gives it a name first.
+    pub(crate) fn create_tmpfile(
+        &self,
+        st: &mut State,
+        parent: u32,
+        mode: u32,
+        ctx: &Ctx,
+    ) -> Result<Attr> {
+        let dir = self.read_live_inode(st, parent)?;
+        if !dir.is_dir() {
+            return Err(FsError::NotDir);
+        }
+        if dir.links == 0 {
+            return Err(FsError::NotFound);
+        }
+        let gid = if dir.mode as u32 & libc::S_ISGID != 0 {
+            dir.gid
+        } else {
+            ctx.gid
+        };
+        let (ino, bit) = self.alloc_inode(st, parent, false)?;
+        let mut inode = self.new_inode(libc::S_IFREG | (mode & 0o7777), ctx.uid, gid);
+        inode.links = 0;
+        st.orphans.insert(ino);
+        let n = self.init_inode(st, ino, &inode, &[bit])?;
+        self.track(st, ino, Some(n));
+        st.counters.inodes_created += 1;
+        self.attr(st, ino)
+    }
+
     pub(crate) fn remove_name(
         &self,
         st: &mut State,
@@ -483,6 +514,9 @@ impl Ext2 {
             i.links += 1;
             Self::touch_times(i, false, true);
         })?;
+        // An O_TMPFILE file given its first name is no longer an orphan (the kernel
+        // lets only those, and no other unnamed inode, be linked).
+        st.orphans.remove(&ino);
         let e = self.add_entry(
             st,
             parent,

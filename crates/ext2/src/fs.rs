@@ -727,6 +727,19 @@ impl FileSystem for Ext2 {
         r
     }
 
+    fn tmpfile(&self, parent: Ino, mode: u32, ctx: &Ctx) -> Result<Attr> {
+        self.check_writable()?;
+        let mut st = self.lock_for(ctx);
+        let r = self.create_tmpfile(
+            &mut st,
+            Self::to_ino(parent)?,
+            mode & !(ctx.umask & 0o777),
+            ctx,
+        );
+        self.flush_groups(&mut st)?;
+        r
+    }
+
     fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
         self.check_writable()?;
         let mut st = self.lock_for(ctx);

@@ -716,3 +716,29 @@ fn seek_data_and_hole_follow_the_block_map() {
     assert_eq!(fs.seek_data(g, 0, true), Err(FsError::NoData), "all hole");
     assert_eq!(fs.seek_data(g, 5, false), Ok(5));
 }
+
+#[test]
+fn tmpfile_lives_unnamed_until_linked_or_released() {
+    let (dev, fs) = fresh_with(4096, 4096, Mode::SoftUpdates);
+    let r = fs.root();
+    let free = fs.statfs().unwrap().files_free;
+    let t = fs.tmpfile(r, 0o640, &c()).unwrap();
+    fs.open(t.ino).unwrap();
+    assert_eq!((t.nlink, t.kind), (0, FileType::Regular));
+    fs.write(t.ino, 0, b"unnamed", &c()).unwrap();
+    assert!(names(&fs, r).iter().all(|n| n != "kept"));
+    fs.link(t.ino, r, b"kept", &c()).unwrap();
+    assert_eq!(fs.getattr(t.ino).unwrap().nlink, 1);
+    fs.release(t.ino).unwrap();
+    // One never named is freed at its last release.
+    let u = fs.tmpfile(r, 0o600, &c()).unwrap().ino;
+    fs.open(u).unwrap();
+    fs.write(u, 0, &[7; 9000], &c()).unwrap();
+    fs.release(u).unwrap();
+    assert_eq!(fs.statfs().unwrap().files_free, free - 1);
+    assert!(fs.getattr(u).is_err(), "freed");
+    let (_dev, fs) = remount(&dev, fs);
+    let k = fs.lookup(fs.root(), b"kept").unwrap();
+    assert_eq!(fs.read(k.ino, 0, 100).unwrap(), b"unnamed");
+    assert_eq!(fs.statfs().unwrap().files_free, free - 1);
+}

@@ -711,6 +711,29 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                     Err(e) => reply.error(e),
                 }
             }
+            Op::Tmpfile { flags, mode, umask } => {
+                let _t = self.stats.time(Stat::Create);
+                if ino == CONTROL_INO {
+                    return reply.error(libc::ENOTDIR);
+                }
+                let mut c = self.ctx(req);
+                c.umask = *umask;
+                let r = self
+                    .fs
+                    .tmpfile(fs_ino(ino), *mode, &c)
+                    .and_then(|a| self.fs.open(a.ino).map(|()| a))
+                    .and_then(|a| self.remember(&a).map(|()| a));
+                match r {
+                    Ok(a) => reply.created(
+                        &entry(&wire_attr(&a)),
+                        c.pid as u64,
+                        self.open_flags(*flags),
+                    ),
+                    // The kernel then answers EOPNOTSUPP, so callers fall back.
+                    Err(FsError::NotSupported) => reply.error(libc::ENOSYS),
+                    Err(e) => reply.error(errno(e)),
+                }
+            }
             Op::Lseek { offset, whence, .. } => {
                 let _t = self.stats.time(Stat::Lseek);
                 // The kernel asks only for SEEK_DATA and SEEK_HOLE.
@@ -729,8 +752,8 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                     Err(e) => reply.error(errno(e)),
                 }
             }
-            // Not served yet: ENOSYS makes the kernel answer EOPNOTSUPP (fallocate,
-            // O_TMPFILE), and stop asking.
+            // Not served yet: ENOSYS makes the kernel answer EOPNOTSUPP (fallocate),
+            // and stop asking.
             _ => reply.error(libc::ENOSYS),
         }
     }

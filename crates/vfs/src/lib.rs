@@ -363,6 +363,11 @@ pub trait FileSystem: Send + Sync {
     fn release(&self, _ino: Ino) -> Result<()> {
         Ok(())
     }
+    /// A regular file with no name in directory `parent` (open(2)'s O_TMPFILE): it is
+    /// freed at its last `release` unless `link` names it first.
+    fn tmpfile(&self, _parent: Ino, _mode: u32, _ctx: &Ctx) -> Result<Attr> {
+        Err(FsError::NotSupported)
+    }
     /// lseek(2)'s SEEK_DATA (`data`) or SEEK_HOLE: the first offset at or after
     /// `offset` inside data (a hole), as the kernel's block-mapped file systems answer:
     /// `NoData` (ENXIO) at or past the end, and the end counts as a hole. Modules that
