@@ -7,6 +7,9 @@
 #     sparse file keeps its holes.
 #  2. O_TMPFILE: an unnamed file linked into the tree (linkat), O_EXCL ones that may not
 #     be, an unlinked one freed at close (tests/tmpfile.py); remount, e2fsck.
+#  3. statfs (total blocks without the metadata overhead, free, available, inodes, block
+#     size, name length) on the same images: Debian mkfs.ext2 (resize_inode), ours, and
+#     Debian mkfs.ext3 in a journal mode.
 # Needs root. Usage: tests/kernel-parity.sh [QUILTFS_BINARY]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -55,5 +58,20 @@ fsck_clean "$work/q.img"
 [ "$(cat "$m/t/named")" = "made without a name" ] || fail "the linked O_TMPFILE file is gone after a remount"
 umount "$m"
 fsck_clean "$work/q.img"
+
+echo "kernel-parity: statfs"
+truncate -s 256M "$work/d.img"; mkfs.ext2 -F -q "$work/d.img"
+truncate -s 256M "$work/j.img"; mkfs.ext3 -F -q "$work/j.img"
+"$q" mkfs "$work/s.img" --size 256M >/dev/null
+for img in d s j; do
+  mode=soft-updates; [ "$img" = j ] && mode=meta-journal
+  mount -o loop "$work/$img.img" "$k"
+  kernel="$(stat -f -c '%b %f %a %c %d %S %l' "$k")"
+  umount "$k"
+  "$q" mount "$work/$img.img" "$m" --mode "$mode" >/dev/null
+  ours="$(stat -f -c '%b %f %a %c %d %S %l' "$m")"
+  umount "$m"
+  [ "$ours" = "$kernel" ] || fail "statfs of $img.img: kernel '$kernel', quiltfs '$ours' (blocks free avail files ffree bsize namelen)"
+done
 
 echo "kernel-parity: all checks passed"

@@ -82,6 +82,9 @@ pub struct Superblock {
     pub feature_compat: u32,
     pub feature_incompat: u32,
     pub feature_ro_compat: u32,
+    /// Group-descriptor blocks reserved for growth after each copy of the table
+    /// (`resize_inode`, as Debian's mke2fs makes): overhead, not free space.
+    pub reserved_gdt_blocks: u16,
     /// Who may use the reserved blocks (`r_blocks_count`) besides root.
     pub def_resuid: u16,
     pub def_resgid: u16,
@@ -138,6 +141,7 @@ impl Superblock {
             feature_compat: if rev_level == 0 { 0 } else { le32(b, 0x5C) },
             feature_incompat: if rev_level == 0 { 0 } else { le32(b, 0x60) },
             feature_ro_compat: if rev_level == 0 { 0 } else { le32(b, 0x64) },
+            reserved_gdt_blocks: if rev_level == 0 { 0 } else { le16(b, 0xCE) },
             def_resuid: le16(b, 0x50),
             def_resgid: le16(b, 0x52),
             uuid,

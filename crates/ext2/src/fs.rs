@@ -441,6 +441,31 @@ impl Ext2 {
         }
     }
 
+    /// Blocks that can never hold data, which statfs leaves out of the total as the
+    /// kernel does: the boot block, each superblock copy with its descriptor table and
+    /// the table's reserved growth, the bitmaps and inode tables, and a journal in use.
+    fn overhead(&self, st: &State) -> u64 {
+        let g = &self.geo;
+        let resv = if st.sb.feature_compat & COMPAT_RESIZE_INODE != 0 {
+            st.sb.reserved_gdt_blocks as u64
+        } else {
+            0
+        };
+        let mut o = g.first_data_block as u64;
+        for grp in 0..g.groups {
+            if g.group_has_super(grp) {
+                o += 1 + g.gdt_blocks as u64 + resv;
+            }
+            o += 2 + g.itb as u64;
+        }
+        if self.journal.is_some() && st.sb.journal_inum != 0 {
+            if let Ok(j) = self.read_inode(st, st.sb.journal_inum) {
+                o += j.size / g.bs as u64;
+            }
+        }
+        o
+    }
+
     pub(crate) fn check_writable(&self) -> Result<()> {
         if self.read_only {
             Err(FsError::ReadOnly)
@@ -856,7 +881,7 @@ impl FileSystem for Ext2 {
         let free = st.sb.free_blocks_count as u64;
         Ok(StatFs {
             block_size: self.geo.bs,
-            blocks: self.geo.blocks_count as u64,
+            blocks: (self.geo.blocks_count as u64).saturating_sub(self.overhead(&st)),
             blocks_free: free,
             blocks_avail: free.saturating_sub(st.sb.r_blocks_count as u64),
             files: self.geo.inodes_count as u64,

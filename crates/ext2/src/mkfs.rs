@@ -73,6 +73,7 @@ fn layout(blocks: u64, bs: u32, opts: &MkfsOptions, uuid: [u8; 16]) -> Result<La
             feature_compat: COMPAT_EXT_ATTR,
             feature_incompat: INCOMPAT_FILETYPE,
             feature_ro_compat: RO_COMPAT_SPARSE_SUPER | RO_COMPAT_LARGE_FILE,
+            reserved_gdt_blocks: 0,
             def_resuid: 0,
             def_resgid: 0,
             uuid,
