@@ -10,6 +10,8 @@
 #  3. statfs (total blocks without the metadata overhead, free, available, inodes, block
 #     size, name length) on the same images: Debian mkfs.ext2 (resize_inode), ours, and
 #     Debian mkfs.ext3 in a journal mode.
+#  4. Hard links: as many names for one file as the kernel allows (65,000), then EMLINK
+#     (tests/links.py); e2fsck accepts the count.
 # Needs root. Usage: tests/kernel-parity.sh [QUILTFS_BINARY]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -73,5 +75,16 @@ for img in d s j; do
   umount "$m"
   [ "$ours" = "$kernel" ] || fail "statfs of $img.img: kernel '$kernel', quiltfs '$ours' (blocks free avail files ffree bsize namelen)"
 done
+
+echo "kernel-parity: the hard-link limit"
+mount -o loop "$work/d.img" "$k"
+python3 "$here/links.py" "$k" >"$work/links.kernel"
+umount "$k"
+"$q" mount "$work/s.img" "$m" >/dev/null
+python3 "$here/links.py" "$m" >"$work/links.ours"
+umount "$m"
+grep -q "^links: 65000 then EMLINK" "$work/links.kernel" || fail "the kernel does not behave as expected: $(cat "$work/links.kernel")"
+diff -u "$work/links.kernel" "$work/links.ours" || fail "the link limit differs from the kernel's"
+fsck_clean "$work/s.img"
 
 echo "kernel-parity: all checks passed"

@@ -19,7 +19,9 @@ pub const N_BLOCKS: usize = 15;
 pub const NAME_MAX: usize = 255;
 /// Fast symlinks keep their target in `i_block` when it is shorter than this.
 pub const FAST_SYMLINK_MAX: usize = 60;
-pub const LINK_MAX: u16 = 32000;
+/// Hard links to a file, and subdirectories of a directory (by its link count): the
+/// kernel's limit for ext2 images (its ext4 driver, which serves them, allows 65,000).
+pub const LINK_MAX: u16 = 65000;
 
 pub const STATE_VALID: u16 = 1;
 pub const STATE_ERROR: u16 = 2;

@@ -742,3 +742,27 @@ fn tmpfile_lives_unnamed_until_linked_or_released() {
     assert_eq!(fs.read(k.ino, 0, 100).unwrap(), b"unnamed");
     assert_eq!(fs.statfs().unwrap().files_free, free - 1);
 }
+
+#[test]
+fn a_file_takes_65000_links_as_on_the_kernel() {
+    let (_dev, fs) = fresh_with(65536, 1024, Mode::Async);
+    let r = fs.root();
+    let f = fs.mknod(r, b"f", REG, 0, &c()).unwrap().ino;
+    // Spread over directories: names in one directory are found by a linear scan.
+    let dirs: Vec<u64> = (0..100)
+        .map(|d| {
+            fs.mkdir(r, format!("d{d}").as_bytes(), 0o755, &c())
+                .unwrap()
+                .ino
+        })
+        .collect();
+    for i in 1..65000u32 {
+        let d = dirs[(i % 100) as usize];
+        fs.link(f, d, format!("l{i}").as_bytes(), &c()).unwrap();
+    }
+    assert_eq!(fs.getattr(f).unwrap().nlink, 65000);
+    assert_eq!(
+        fs.link(f, r, b"one-too-many", &c()),
+        Err(FsError::TooManyLinks)
+    );
+}
