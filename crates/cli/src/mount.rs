@@ -33,6 +33,8 @@ pub struct MountArgs {
     #[arg(long, default_value_t = 128)]
     pub cache_mib: usize,
     /// Comma-separated options: ro, rw, allow_other, mode=M, unsafe, cache_mib=N,
+    /// flusher_ms=N (background write-back every N ms, 1000 by default; 0: only when
+    /// memory, fsync, sync or unmount ask),
     /// wbcache (the kernel's writeback cache: fewer, larger writes, but errors such as
     /// no space surface only at fsync or close while free space is plentiful; nowbcache,
     /// the default, fails write(2) itself), threads=N, nohard and nomerge (the patch
@@ -76,6 +78,12 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
             ("nomerge", None) => settings.overlap_merge = false,
             ("mode", Some(m)) => settings.mode = m.parse().map_err(anyhow::Error::msg)?,
             ("cache_mib", Some(n)) => settings.cache_mib = n.parse().context("cache_mib=N")?,
+            ("flusher_ms", Some(n)) => {
+                let ms: u64 = n
+                    .parse()
+                    .context("flusher_ms=N (milliseconds, 0 for none)")?;
+                settings.flush_interval_ms = (ms > 0).then_some(ms);
+            }
             ("threads", Some(n)) => fuse.threads = n.parse().context("threads=N")?,
             // fstab and mount(8) bookkeeping.
             (
