@@ -69,7 +69,9 @@ impl Channel {
             match e.raw_os_error() {
                 // Interrupted, or the request was answered/aborted before we read it.
                 Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::ENOENT) => continue,
-                Some(libc::ENODEV) => return Ok(Received::Closed),
+                // Unmounted (ENODEV), or the connection aborted on the way out
+                // (ECONNABORTED, seen once at umount under load): the session is over.
+                Some(libc::ENODEV) | Some(libc::ECONNABORTED) => return Ok(Received::Closed),
                 _ => return Err(e),
             }
         }
