@@ -12,6 +12,8 @@
 #     Debian mkfs.ext3 in a journal mode.
 #  4. Hard links: as many names for one file as the kernel allows (65,000), then EMLINK
 #     (tests/links.py); e2fsck accepts the count.
+#  5. renameat2(RENAME_WHITEOUT): the old name left a whiteout, over a target, refused
+#     with EXCHANGE (tests/whiteout.py); remount, e2fsck.
 # Needs root. Usage: tests/kernel-parity.sh [QUILTFS_BINARY]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -86,5 +88,23 @@ umount "$m"
 grep -q "^links: 65000 then EMLINK" "$work/links.kernel" || fail "the kernel does not behave as expected: $(cat "$work/links.kernel")"
 diff -u "$work/links.kernel" "$work/links.ours" || fail "the link limit differs from the kernel's"
 fsck_clean "$work/s.img"
+
+echo "kernel-parity: RENAME_WHITEOUT"
+mount -o loop "$work/d.img" "$k"
+mkdir "$k/w"; python3 "$here/whiteout.py" "$k/w" >"$work/wo.kernel" 2>&1 || true
+umount "$k"
+"$q" mount "$work/s.img" "$m" >/dev/null
+mkdir "$m/w"; python3 "$here/whiteout.py" "$m/w" >"$work/wo.ours" 2>&1 || true
+umount "$m"
+grep -q "^a: chr mode 0o0 rdev 0" "$work/wo.kernel" || fail "the kernel does not behave as expected: $(cat "$work/wo.kernel")"
+diff -u "$work/wo.kernel" "$work/wo.ours" || fail "RENAME_WHITEOUT differs from the kernel's"
+fsck_clean "$work/s.img"
+"$q" mount "$work/s.img" "$m" >/dev/null
+python3 - "$m/w" <<'PY' || fail "the whiteout did not survive a remount"
+import os, stat, sys
+st = os.lstat(os.path.join(sys.argv[1], "a"))
+assert stat.S_ISCHR(st.st_mode) and st.st_rdev == 0, st
+PY
+umount "$m"
 
 echo "kernel-parity: all checks passed"

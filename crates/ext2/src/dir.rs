@@ -567,7 +567,11 @@ impl Ext2 {
         new_parent: u32,
         new_name: &[u8],
         flags: RenameFlags,
+        ctx: &Ctx,
     ) -> Result<()> {
+        if flags.whiteout && flags.exchange {
+            return Err(FsError::Invalid("RENAME_WHITEOUT with RENAME_EXCHANGE"));
+        }
         for n in [name, new_name] {
             if n == b"." || n == b".." {
                 return Err(FsError::Invalid("cannot rename '.' or '..'"));
@@ -627,6 +631,20 @@ impl Ext2 {
             return Err(FsError::TooManyLinks);
         }
         let ftype = self.ftype(child.mode as u32);
+        // RENAME_WHITEOUT: the whiteout inode exists (initialized, linked once) before
+        // the old entry is pointed at it in place in step (5), so no crash state lacks
+        // the old name.
+        let whiteout = if flags.whiteout {
+            let (w, bit) = self.alloc_inode(st, parent, false)?;
+            let mut wi = self.new_inode(libc::S_IFCHR, ctx.uid, ctx.gid);
+            wi.links = 1;
+            wi.set_rdev(0);
+            let init = self.init_inode(st, w, &wi, &[bit])?;
+            st.counters.inodes_created += 1;
+            Some((w, init))
+        } else {
+            None
+        };
         // (1) The moving inode gains a link, then the new name points at it.
         let up = self.modify_inode(st, src.inode, &[], |i| {
             i.links += 1;
@@ -643,6 +661,9 @@ impl Ext2 {
                 Ok(e) => e,
                 Err(err) => {
                     self.modify_inode(st, src.inode, &[], |i| i.links -= 1)?;
+                    if let Some((w, _)) = whiteout {
+                        self.destroy_inode(st, w, None)?;
+                    }
                     return Err(err);
                 }
             },
@@ -674,7 +695,16 @@ impl Ext2 {
         let src = self
             .find_entry(&pdir, name)?
             .ok_or_else(|| corrupt("renamed entry vanished"))?;
-        let removal = self.remove_entry(&src, &before_removal)?;
+        let removal = match whiteout {
+            None => self.remove_entry(&src, &before_removal)?,
+            Some((w, init)) => {
+                before_removal.push(init);
+                let r = self.retarget_entry(&src, w, self.ftype(libc::S_IFCHR), &before_removal)?;
+                self.track(st, w, Some(r));
+                st.parents.insert(w, parent);
+                r
+            }
+        };
         let h = self.modify_inode(st, parent, &[], |i| {
             Self::touch_times(i, true, true);
             i.flags &= !INDEX_FL;

@@ -835,6 +835,7 @@ impl FileSystem for Ext2 {
             Self::to_ino(new_parent)?,
             new_name,
             flags,
+            ctx,
         );
         self.flush_groups(&mut st)?;
         r

@@ -1229,6 +1229,7 @@ impl Harness {
                 let flags = RenameFlags {
                     noreplace: *flags == RFlags::NoReplace,
                     exchange: *flags == RFlags::Exchange,
+                    whiteout: false,
                 };
                 self.fs.rename(op, from.name(), np, to.name(), flags, &root)
             }

@@ -766,3 +766,44 @@ fn a_file_takes_65000_links_as_on_the_kernel() {
         Err(FsError::TooManyLinks)
     );
 }
+
+#[test]
+fn rename_whiteout_leaves_a_whiteout_behind() {
+    let (dev, fs) = fresh_with(4096, 4096, Mode::SoftUpdates);
+    let r = fs.root();
+    let user = Ctx {
+        uid: 1000,
+        gid: 100,
+        ..Ctx::default()
+    };
+    let f = fs.mknod(r, b"a", REG, 0, &c()).unwrap().ino;
+    fs.write(f, 0, b"upper", &c()).unwrap();
+    let wo = RenameFlags {
+        whiteout: true,
+        ..Default::default()
+    };
+    fs.rename(r, b"a", r, b"b", wo, &user).unwrap();
+    assert_eq!(fs.lookup(r, b"b").unwrap().ino, f);
+    let w = fs.lookup(r, b"a").unwrap();
+    assert_eq!(
+        (w.kind, w.perm, w.rdev, w.nlink, w.uid, w.gid),
+        (FileType::CharDevice, 0, 0, 1, 1000, 100)
+    );
+    let both = RenameFlags {
+        whiteout: true,
+        exchange: true,
+        ..Default::default()
+    };
+    assert!(matches!(
+        fs.rename(r, b"b", r, b"a", both, &c()),
+        Err(FsError::Invalid(_))
+    ));
+    let (_dev, fs) = remount(&dev, fs);
+    let w = fs.lookup(fs.root(), b"a").unwrap();
+    assert_eq!((w.kind, w.rdev), (FileType::CharDevice, 0));
+    assert_eq!(
+        fs.read(fs.lookup(fs.root(), b"b").unwrap().ino, 0, 9)
+            .unwrap(),
+        b"upper"
+    );
+}

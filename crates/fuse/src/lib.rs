@@ -520,14 +520,15 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 if is_control(ino, name) || is_control(*newdir, newname) {
                     return reply.error(libc::EPERM);
                 }
-                let known = libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE;
+                let known = libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE | libc::RENAME_WHITEOUT;
                 if flags & !known != 0 {
-                    // RENAME_WHITEOUT and anything newer: callers fall back on this.
+                    // Anything newer: callers fall back on this.
                     return reply.error(libc::EOPNOTSUPP);
                 }
                 let f = RenameFlags {
                     noreplace: flags & libc::RENAME_NOREPLACE != 0,
                     exchange: flags & libc::RENAME_EXCHANGE != 0,
+                    whiteout: flags & libc::RENAME_WHITEOUT != 0,
                 };
                 let r = self.fs.rename(
                     fs_ino(ino),

@@ -137,6 +137,9 @@ pub struct RenameFlags {
     pub noreplace: bool,
     /// RENAME_EXCHANGE: swap the two names atomically.
     pub exchange: bool,
+    /// RENAME_WHITEOUT: the old name is left naming a whiteout (a character device
+    /// 0:0, owned by the caller), as overlayfs upper directories need.
+    pub whiteout: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
