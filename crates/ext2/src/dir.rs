@@ -559,6 +559,7 @@ impl Ext2 {
         Err(corrupt("directory parents form a loop"))
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn do_rename(
         &self,
         st: &mut State,
