@@ -393,19 +393,36 @@ impl Ext2 {
         if dir.links == 0 {
             return Err(FsError::NotFound);
         }
+        let (ino, n) =
+            self.unnamed_inode(st, parent, &dir, libc::S_IFREG | (mode & 0o7777), 0, ctx)?;
+        st.orphans.insert(ino);
+        self.track(st, ino, Some(n));
+        self.attr(st, ino)
+    }
+
+    /// Allocates and initializes an inode that no entry names yet, with `links` links
+    /// (the caller names it, or keeps it as an orphan), owned as a new file in `dir`
+    /// would be. Returns it and the patch that initialized it.
+    fn unnamed_inode(
+        &self,
+        st: &mut State,
+        parent: u32,
+        dir: &Inode,
+        mode: u32,
+        links: u16,
+        ctx: &Ctx,
+    ) -> Result<(u32, PatchId)> {
         let gid = if dir.mode as u32 & libc::S_ISGID != 0 {
             dir.gid
         } else {
             ctx.gid
         };
         let (ino, bit) = self.alloc_inode(st, parent, false)?;
-        let mut inode = self.new_inode(libc::S_IFREG | (mode & 0o7777), ctx.uid, gid);
-        inode.links = 0;
-        st.orphans.insert(ino);
-        let n = self.init_inode(st, ino, &inode, &[bit])?;
-        self.track(st, ino, Some(n));
+        let mut inode = self.new_inode(mode, ctx.uid, gid);
+        inode.links = links;
+        let init = self.init_inode(st, ino, &inode, &[bit])?;
         st.counters.inodes_created += 1;
-        self.attr(st, ino)
+        Ok((ino, init))
     }
 
     pub(crate) fn remove_name(
@@ -635,14 +652,9 @@ impl Ext2 {
         // RENAME_WHITEOUT: the whiteout inode exists (initialized, linked once) before
         // the old entry is pointed at it in place in step (5), so no crash state lacks
         // the old name.
+        // A device number of 0:0 is what a new inode carries already.
         let whiteout = if flags.whiteout {
-            let (w, bit) = self.alloc_inode(st, parent, false)?;
-            let mut wi = self.new_inode(libc::S_IFCHR, ctx.uid, ctx.gid);
-            wi.links = 1;
-            wi.set_rdev(0);
-            let init = self.init_inode(st, w, &wi, &[bit])?;
-            st.counters.inodes_created += 1;
-            Some((w, init))
+            Some(self.unnamed_inode(st, parent, &pdir, libc::S_IFCHR, 1, ctx)?)
         } else {
             None
         };

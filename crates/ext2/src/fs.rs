@@ -84,6 +84,9 @@ pub(crate) struct Geo {
     pub groups: u32,
     pub gdt_blocks: u32,
     pub itb: u32,
+    /// Blocks that can never hold data (see `Geo::meta_overhead`); statfs leaves them
+    /// out of the total, as the kernel does.
+    pub overhead: u64,
     pub filetype: bool,
     pub ext_attr: bool,
     /// Block and byte offset of the primary superblock.
@@ -100,6 +103,23 @@ impl Geo {
     }
     pub fn group_has_super(&self, g: u32) -> bool {
         self.sb.group_has_super(g)
+    }
+    /// The boot block, each superblock copy with its descriptor table and the table's
+    /// reserved growth (`resize_inode`), the bitmaps and inode tables.
+    fn meta_overhead(&self) -> u64 {
+        let resv = if self.sb.feature_compat & COMPAT_RESIZE_INODE != 0 {
+            self.sb.reserved_gdt_blocks as u64
+        } else {
+            0
+        };
+        let mut o = self.first_data_block as u64;
+        for g in 0..self.groups {
+            if self.group_has_super(g) {
+                o += 1 + self.gdt_blocks as u64 + resv;
+            }
+            o += 2 + self.itb as u64;
+        }
+        o
     }
 }
 
@@ -240,6 +260,11 @@ impl Ext2 {
             sb_block,
             sb_off,
             sb: sb.clone(),
+            overhead: 0,
+        };
+        let geo = Geo {
+            overhead: geo.meta_overhead(),
+            ..geo
         };
         let mut gd = Vec::with_capacity(geo.groups as usize);
         let per_block = bs as usize / GDESC_SIZE;
@@ -442,25 +467,12 @@ impl Ext2 {
     }
 
     /// Blocks that can never hold data, which statfs leaves out of the total as the
-    /// kernel does: the boot block, each superblock copy with its descriptor table and
-    /// the table's reserved growth, the bitmaps and inode tables, and a journal in use.
+    /// kernel does: the fixed metadata, and a journal in use.
     fn overhead(&self, st: &State) -> u64 {
-        let g = &self.geo;
-        let resv = if st.sb.feature_compat & COMPAT_RESIZE_INODE != 0 {
-            st.sb.reserved_gdt_blocks as u64
-        } else {
-            0
-        };
-        let mut o = g.first_data_block as u64;
-        for grp in 0..g.groups {
-            if g.group_has_super(grp) {
-                o += 1 + g.gdt_blocks as u64 + resv;
-            }
-            o += 2 + g.itb as u64;
-        }
+        let mut o = self.geo.overhead;
         if self.journal.is_some() && st.sb.journal_inum != 0 {
             if let Ok(j) = self.read_inode(st, st.sb.journal_inum) {
-                o += j.size / g.bs as u64;
+                o += j.size / self.geo.bs as u64;
             }
         }
         o

@@ -224,24 +224,13 @@ impl Ext2 {
 
     /// The physical block of logical block `lblk`, or 0 for a hole.
     pub(crate) fn bmap(&self, inode: &Inode, lblk: u64) -> Result<u32> {
-        let path = self.path(lblk)?;
-        let mut ptr = inode.block[path.top];
-        for &slot in &path.rest {
-            if ptr == 0 {
-                return Ok(0);
-            }
-            ptr = self.read_ptr(ptr, slot)?;
-        }
-        if ptr != 0 {
-            self.check_data_block(ptr)?;
-        }
-        Ok(ptr)
+        Ok(self.bmap_span(inode, lblk)?.0)
     }
 
     /// Like [`Ext2::bmap`], and for a hole also how many blocks from `lblk` on are
     /// holes for the same reason (a missing map block covers a whole subtree), so that
     /// scans skip them in one step.
-    fn bmap_span(&self, inode: &Inode, lblk: u64) -> Result<(u32, u64)> {
+    pub(crate) fn bmap_span(&self, inode: &Inode, lblk: u64) -> Result<(u32, u64)> {
         let p = self.ptrs();
         let path = self.path(lblk)?;
         let (base, mut span) = match path.top {
