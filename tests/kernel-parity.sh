@@ -14,6 +14,10 @@
 #     (tests/links.py); e2fsck accepts the count.
 #  5. renameat2(RENAME_WHITEOUT): the old name left a whiteout, over a target, refused
 #     with EXCHANGE (tests/whiteout.py); remount, e2fsck.
+#  6. Inode flags: chattr/lsattr, immutable and append-only files and directories against
+#     every operation they govern, as root and as another user, inheritance, who may set
+#     which flag (tests/flags.py); set by the kernel and enforced by quiltfs, and the
+#     reverse; e2fsck.
 # Needs root. Usage: tests/kernel-parity.sh [QUILTFS_BINARY]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -106,5 +110,32 @@ st = os.lstat(os.path.join(sys.argv[1], "a"))
 assert stat.S_ISCHR(st.st_mode) and st.st_rdev == 0, st
 PY
 umount "$m"
+
+echo "kernel-parity: inode flags"
+flags_setup() { mkdir "$1/f"; python3 "$here/flags.py" setup "$1/f"; lsattr -R "$1/f" 2>&1 | sed "s#$1##" | sort; }
+flags_probe() { python3 "$here/flags.py" probe "$1/f" 2>&1; }
+truncate -s 64M "$work/fk.img"; mkfs.ext2 -F -q "$work/fk.img"
+"$q" mkfs "$work/fq.img" --size 64M >/dev/null
+mount -o loop "$work/fk.img" "$k"; flags_setup "$k" >"$work/lsattr.kernel"; umount "$k"
+cp --sparse=always "$work/fk.img" "$work/fk2.img"
+mount -o loop "$work/fk.img" "$k"; flags_probe "$k" >"$work/flags.kernel"; umount "$k"
+"$q" mount "$work/fq.img" "$m" -o allow_other >/dev/null
+flags_setup "$m" >"$work/lsattr.ours"
+flags_probe "$m" >"$work/flags.ours"; umount "$m"
+grep -q "^i: open O_WRONLY: EPERM" "$work/flags.kernel" || fail "the kernel does not behave as expected: $(head -20 "$work/flags.kernel")"
+diff -u "$work/lsattr.kernel" "$work/lsattr.ours" || fail "lsattr differs from the kernel's"
+diff -u "$work/flags.kernel" "$work/flags.ours" || fail "inode flags differ from the kernel's"
+fsck_clean "$work/fq.img"
+# Flags the kernel set, enforced by quiltfs.
+"$q" mount "$work/fk2.img" "$m" -o allow_other >/dev/null
+flags_probe "$m" >"$work/flags.cross"; umount "$m"
+diff -u "$work/flags.kernel" "$work/flags.cross" || fail "quiltfs does not enforce flags the kernel set as the kernel does"
+fsck_clean "$work/fk2.img"
+# Flags quiltfs set, enforced by the kernel: set them again on a clean image.
+"$q" mount "$work/fq.img" "$m" -o allow_other >/dev/null
+rm -rf "$m/f"; flags_setup "$m" >/dev/null; umount "$m"
+mount -o loop "$work/fq.img" "$k"; flags_probe "$k" >"$work/flags.reverse"; umount "$k"
+diff -u "$work/flags.kernel" "$work/flags.reverse" || fail "the kernel does not find the flags quiltfs set"
+fsck_clean "$work/fq.img"
 
 echo "kernel-parity: all checks passed"

@@ -8,6 +8,7 @@
 //! - rename: link count up → new entry → old entry removed → link count down; for a
 //!   directory moving between parents, the new parent's count and ".." in between.
 
+use crate::flags;
 use crate::format::*;
 use crate::fs::{check_name, Ext2, Head, State};
 use quilt_patch::PatchId;
@@ -285,6 +286,7 @@ impl Ext2 {
         if self.find_entry(&dir, name)?.is_some() {
             return Err(FsError::Exists);
         }
+        flags::refuse_new_entry(&dir)?;
         let is_dir = mode & libc::S_IFMT == libc::S_IFDIR;
         if is_dir && dir.links >= LINK_MAX {
             return Err(FsError::TooManyLinks);
@@ -301,6 +303,7 @@ impl Ext2 {
         let (ino, bit) = self.alloc_inode(st, parent, is_dir)?;
         let mut inode = self.new_inode(mode, ctx.uid, gid);
         inode.links = 1;
+        inode.flags = flags::inherited(dir.flags, mode);
         let mut befores = vec![bit];
         let bs = self.geo.bs;
         let goal = {
@@ -393,6 +396,7 @@ impl Ext2 {
         if dir.links == 0 {
             return Err(FsError::NotFound);
         }
+        flags::refuse_new_entry(&dir)?;
         let (ino, n) =
             self.unnamed_inode(st, parent, &dir, libc::S_IFREG | (mode & 0o7777), 0, ctx)?;
         st.orphans.insert(ino);
@@ -420,6 +424,7 @@ impl Ext2 {
         let (ino, bit) = self.alloc_inode(st, parent, false)?;
         let mut inode = self.new_inode(mode, ctx.uid, gid);
         inode.links = links;
+        inode.flags = flags::inherited(dir.flags, mode);
         let init = self.init_inode(st, ino, &inode, &[bit])?;
         st.counters.inodes_created += 1;
         Ok((ino, init))
@@ -449,6 +454,7 @@ impl Ext2 {
         }
         let f = self.find_entry(&dir, name)?.ok_or(FsError::NotFound)?;
         let child = self.read_live_inode(st, f.inode)?;
+        flags::refuse_removal(&dir, &child)?;
         if rmdir {
             if !child.is_dir() {
                 return Err(FsError::NotDir);
@@ -521,6 +527,8 @@ impl Ext2 {
         if self.find_entry(&dir, name)?.is_some() {
             return Err(FsError::Exists);
         }
+        flags::refuse_new_entry(&dir)?;
+        flags::refuse_if_frozen(&inode)?;
         if inode.is_dir() {
             return Err(FsError::Perm);
         }
@@ -607,6 +615,14 @@ impl Ext2 {
         let src = self.find_entry(&pdir, name)?.ok_or(FsError::NotFound)?;
         let dst = self.find_entry(&ndir, new_name)?;
         let child = self.read_live_inode(st, src.inode)?;
+        flags::refuse_removal(&pdir, &child)?;
+        match &dst {
+            Some(d) if d.inode != src.inode => {
+                flags::refuse_removal(&ndir, &self.read_live_inode(st, d.inode)?)?
+            }
+            Some(_) => {}
+            None => flags::refuse_new_entry(&ndir)?,
+        }
         if flags.exchange {
             let dst = dst.ok_or(FsError::NotFound)?;
             return self.exchange(st, parent, &src, new_parent, &dst);

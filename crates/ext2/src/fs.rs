@@ -700,6 +700,22 @@ impl Ext2 {
     }
 }
 
+impl Ext2 {
+    /// After a successful change to the entries of `dirs`: makes it durable before the
+    /// call returns where a directory asks for that (DIRSYNC or SYNC).
+    fn sync_dirs<T>(&self, r: &Result<T>, dirs: &[Ino]) -> Result<()> {
+        if r.is_err() {
+            return Ok(());
+        }
+        for &d in dirs {
+            if self.wants_sync(Self::to_ino(d)?, true) {
+                self.fsync(d, false)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 pub(crate) fn check_name(name: &[u8]) -> Result<()> {
     if name.is_empty() || name.contains(&b'/') || name.contains(&0) {
         return Err(FsError::Invalid("bad file name"));
@@ -761,6 +777,8 @@ impl FileSystem for Ext2 {
             ctx,
         );
         self.flush_groups(&mut st)?;
+        drop(st);
+        self.sync_dirs(&r, &[parent])?;
         r
     }
 
@@ -774,6 +792,8 @@ impl FileSystem for Ext2 {
             ctx,
         );
         self.flush_groups(&mut st)?;
+        drop(st);
+        self.sync_dirs(&r, &[parent])?;
         r
     }
 
@@ -783,6 +803,8 @@ impl FileSystem for Ext2 {
         let mode = libc::S_IFDIR | (mode & 0o7777 & !(ctx.umask & 0o777));
         let r = self.create_node(&mut st, Self::to_ino(parent)?, name, mode, 0, None, ctx);
         self.flush_groups(&mut st)?;
+        drop(st);
+        self.sync_dirs(&r, &[parent])?;
         r
     }
 
@@ -791,6 +813,8 @@ impl FileSystem for Ext2 {
         let mut st = self.lock_for(ctx);
         let r = self.remove_name(&mut st, Self::to_ino(parent)?, name, false);
         self.flush_groups(&mut st)?;
+        drop(st);
+        self.sync_dirs(&r, &[parent])?;
         r
     }
 
@@ -799,6 +823,8 @@ impl FileSystem for Ext2 {
         let mut st = self.lock_for(ctx);
         let r = self.remove_name(&mut st, Self::to_ino(parent)?, name, true);
         self.flush_groups(&mut st)?;
+        drop(st);
+        self.sync_dirs(&r, &[parent])?;
         r
     }
 
@@ -821,6 +847,8 @@ impl FileSystem for Ext2 {
             ctx,
         );
         self.flush_groups(&mut st)?;
+        drop(st);
+        self.sync_dirs(&r, &[parent])?;
         r
     }
 
@@ -850,6 +878,8 @@ impl FileSystem for Ext2 {
             ctx,
         );
         self.flush_groups(&mut st)?;
+        drop(st);
+        self.sync_dirs(&r, &[parent, new_parent])?;
         r
     }
 
@@ -863,6 +893,8 @@ impl FileSystem for Ext2 {
             new_name,
         );
         self.flush_groups(&mut st)?;
+        drop(st);
+        self.sync_dirs(&r, &[new_parent])?;
         r
     }
 
@@ -876,7 +908,29 @@ impl FileSystem for Ext2 {
         let mut st = self.lock_for(ctx);
         let r = self.do_write(&mut st, Self::to_ino(ino)?, offset, data);
         self.flush_groups(&mut st)?;
+        drop(st);
+        if r.is_ok() && self.wants_sync(Self::to_ino(ino)?, false) {
+            self.fsync(ino, false)?;
+        }
         r
+    }
+
+    fn get_flags(&self, ino: Ino) -> Result<u32> {
+        let st = self.lock();
+        self.do_get_flags(&st, Self::to_ino(ino)?)
+    }
+
+    fn set_flags(&self, ino: Ino, flags: u32, ctx: &Ctx) -> Result<()> {
+        self.check_writable()?;
+        let mut st = self.lock_for(ctx);
+        let r = self.do_set_flags(&mut st, Self::to_ino(ino)?, flags, ctx);
+        self.flush_groups(&mut st)?;
+        r
+    }
+
+    fn check_open(&self, ino: Ino, open_flags: i32, _ctx: &Ctx) -> Result<()> {
+        let st = self.lock();
+        self.do_check_open(&st, Self::to_ino(ino)?, open_flags)
     }
 
     fn seek_data(&self, ino: Ino, offset: u64, data: bool) -> Result<u64> {

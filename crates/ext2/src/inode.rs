@@ -9,7 +9,7 @@
 use crate::format::*;
 use crate::fs::{Ext2, Head, State};
 use quilt_patch::PatchId;
-use quilt_vfs::{FsError, Result, SetAttr, Timespec};
+use quilt_vfs::{FsError, Result, SetAttr, TimeOrNow, Timespec};
 
 /// Where a logical block's pointer lives: the slot in `i_block`, then the slots in each
 /// indirect level.
@@ -413,6 +413,12 @@ impl Ext2 {
         if !inode.is_reg() {
             return Err(FsError::Invalid("write to a non-regular file"));
         }
+        // Handles opened before the flag was set are held to it too.
+        if inode.flags & quilt_vfs::flags::IMMUTABLE != 0
+            || (inode.flags & quilt_vfs::flags::APPEND != 0 && offset < inode.size)
+        {
+            return Err(FsError::Perm);
+        }
         // As the kernel does: nothing at or past the maximum size, a short write up to it.
         let max = self.max_file_size();
         if offset >= max && !data.is_empty() {
@@ -701,6 +707,21 @@ impl Ext2 {
         set: SetAttr,
     ) -> Result<quilt_vfs::Attr> {
         let mut inode = self.read_live_inode(st, ino)?;
+        // The kernel's notify_change: owner, mode, explicit times and size are frozen on
+        // immutable and append-only inodes; "now" times only on immutable ones.
+        let explicit = |t: Option<TimeOrNow>| matches!(t, Some(TimeOrNow::At(_)));
+        if set.mode.is_some()
+            || set.uid.is_some()
+            || set.gid.is_some()
+            || set.size.is_some()
+            || explicit(set.atime)
+            || explicit(set.mtime)
+        {
+            crate::flags::refuse_if_frozen(&inode)?;
+        }
+        if inode.flags & quilt_vfs::flags::IMMUTABLE != 0 {
+            return Err(FsError::Perm);
+        }
         let now = Inode::split_time(Timespec::now());
         if let Some(mode) = set.mode {
             inode.mode = (inode.mode & libc::S_IFMT as u16) | (mode & 0o7777) as u16;

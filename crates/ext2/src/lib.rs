@@ -19,6 +19,7 @@ pub mod mkfs;
 
 mod alloc;
 mod dir;
+mod flags;
 mod fs;
 mod inode;
 mod xattr;

@@ -213,6 +213,7 @@ impl Ext2 {
             return Err(FsError::NotSupported);
         }
         let (mut inode, mut attrs) = self.read_attrs(st, ino)?;
+        crate::flags::refuse_if_frozen(&inode)?;
         let (inline, _) = self.inline_attrs(st, ino, &inode)?;
         let pos = attrs.iter().position(|(i, n, _)| *i == idx && n == short);
         match (value, pos) {

@@ -807,3 +807,80 @@ fn rename_whiteout_leaves_a_whiteout_behind() {
         b"upper"
     );
 }
+
+#[test]
+fn immutable_and_append_only_flags_refuse_changes_and_persist() {
+    use quilt_vfs::flags::{APPEND, IMMUTABLE, NODUMP, SYNC};
+    let (dev, fs) = fresh_with(8192, 4096, Mode::SoftUpdates);
+    let r = fs.root();
+    let user = Ctx {
+        uid: 1000,
+        gid: 100,
+        ..c()
+    };
+    let i = fs.mknod(r, b"i", REG, 0, &c()).unwrap().ino;
+    let a = fs.mknod(r, b"a", REG, 0, &c()).unwrap().ino;
+    fs.write(a, 0, b"0123", &c()).unwrap();
+    // Only root changes immutable and append-only; the owner may change the others.
+    fs.setattr(
+        i,
+        SetAttr {
+            uid: Some(1000),
+            ..Default::default()
+        },
+        &c(),
+    )
+    .unwrap();
+    assert_eq!(fs.set_flags(i, IMMUTABLE, &user), Err(FsError::Perm));
+    fs.set_flags(i, NODUMP, &user).unwrap();
+    fs.set_flags(i, IMMUTABLE | NODUMP, &c()).unwrap();
+    fs.set_flags(a, APPEND, &c()).unwrap();
+    assert_eq!(fs.get_flags(i).unwrap(), IMMUTABLE | NODUMP);
+    // While immutable, only that flag may change.
+    assert_eq!(fs.set_flags(i, IMMUTABLE, &c()), Err(FsError::Perm));
+    assert!(matches!(
+        fs.set_flags(i, 0x8000_0000, &c()),
+        Err(FsError::NotSupported)
+    ));
+    assert_eq!(fs.write(i, 0, b"x", &c()), Err(FsError::Perm));
+    assert_eq!(fs.check_open(i, libc::O_WRONLY, &c()), Err(FsError::Perm));
+    assert_eq!(fs.unlink(r, b"i", &c()), Err(FsError::Perm));
+    assert!(matches!(fs.link(i, r, b"i2", &c()), Err(FsError::Perm)));
+    let chmod = SetAttr {
+        mode: Some(0o600),
+        ..Default::default()
+    };
+    assert!(matches!(fs.setattr(i, chmod, &c()), Err(FsError::Perm)));
+    assert_eq!(
+        fs.setxattr(i, b"user.k", b"v", XattrFlags::default(), &c()),
+        Err(FsError::Perm)
+    );
+    // Append-only: writes at the end only, no truncation, no removal.
+    assert_eq!(fs.write(a, 0, b"x", &c()), Err(FsError::Perm));
+    assert_eq!(fs.write(a, 4, b"45", &c()), Ok(2));
+    assert_eq!(fs.check_open(a, libc::O_WRONLY, &c()), Err(FsError::Perm));
+    assert_eq!(
+        fs.check_open(a, libc::O_WRONLY | libc::O_APPEND, &c()),
+        Ok(())
+    );
+    let trunc = SetAttr {
+        size: Some(0),
+        ..Default::default()
+    };
+    assert!(matches!(fs.setattr(a, trunc, &c()), Err(FsError::Perm)));
+    // New files inherit SYNC from their directory, never IMMUTABLE.
+    let d = fs.mkdir(r, b"d", 0o755, &c()).unwrap().ino;
+    fs.set_flags(d, SYNC | IMMUTABLE, &c()).unwrap();
+    assert!(matches!(
+        fs.mknod(d, b"f", REG, 0, &c()),
+        Err(FsError::Perm)
+    ));
+    fs.set_flags(d, SYNC, &c()).unwrap();
+    let f = fs.mknod(d, b"f", REG, 0, &c()).unwrap().ino;
+    assert_eq!(fs.get_flags(f).unwrap(), SYNC);
+    let (_dev, fs) = remount(&dev, fs);
+    let i = fs.lookup(fs.root(), b"i").unwrap().ino;
+    assert_eq!(fs.get_flags(i).unwrap(), IMMUTABLE | NODUMP);
+    fs.set_flags(i, 0, &c()).unwrap();
+    fs.unlink(fs.root(), b"i", &c()).unwrap();
+}

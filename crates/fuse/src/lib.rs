@@ -20,6 +20,7 @@ use std::time::Duration;
 
 mod callers;
 mod control;
+mod fileattr;
 mod stats;
 use callers::Callers;
 use control::{is_control, CONTROL_INO};
@@ -558,6 +559,12 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 // The handle remembers who opened the file: the kernel's writeback of
                 // its pages comes with no process id, and is done for the opener.
                 let opener = self.ctx(req).pid as u64;
+                if let Err(e) = self
+                    .fs
+                    .check_open(fs_ino(ino), *flags as i32, &self.ctx(req))
+                {
+                    return reply.error(errno(e));
+                }
                 match self.fs.open(fs_ino(ino)) {
                     Ok(()) => reply.open(opener, self.open_flags(*flags)),
                     Err(e) => reply.error(errno(e)),
@@ -698,7 +705,19 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
             } => {
                 let _t = self.stats.time(Stat::Ioctl);
                 if ino != CONTROL_INO {
-                    return reply.error(libc::ENOTTY);
+                    if !fileattr::is_fileattr(*cmd) {
+                        return reply.error(libc::ENOTTY);
+                    }
+                    return match fileattr::ioctl(
+                        self.fs.as_ref(),
+                        fs_ino(ino),
+                        *cmd,
+                        input,
+                        &self.ctx(req),
+                    ) {
+                        Ok(out) => reply.ioctl(0, &out[..out.len().min(*out_size as usize)]),
+                        Err(e) => reply.error(errno(e)),
+                    };
                 }
                 match control::ioctl(
                     self.fs.as_ref(),

@@ -305,6 +305,33 @@ pub fn check_access(attr: &Attr, mask: u32, ctx: &Ctx) -> Result<()> {
     }
 }
 
+/// Inode flags as FS_IOC_GETFLAGS/SETFLAGS carry them (the bits are ext2's on-disk
+/// ones, which the kernel's interface kept).
+pub mod flags {
+    pub const SECRM: u32 = 0x0000_0001;
+    pub const UNRM: u32 = 0x0000_0002;
+    pub const COMPR: u32 = 0x0000_0004;
+    /// Writes are synchronous.
+    pub const SYNC: u32 = 0x0000_0008;
+    /// No change at all: not its data, attributes, names or links.
+    pub const IMMUTABLE: u32 = 0x0000_0010;
+    /// Data only appended; no other change.
+    pub const APPEND: u32 = 0x0000_0020;
+    pub const NODUMP: u32 = 0x0000_0040;
+    pub const NOATIME: u32 = 0x0000_0080;
+    pub const NOCOMPR: u32 = 0x0000_0400;
+    /// Hashed-tree directory (ext3's htree): set by the file system, cleared by ext2.
+    pub const INDEX: u32 = 0x0000_1000;
+    pub const JOURNAL_DATA: u32 = 0x0000_4000;
+    pub const NOTAIL: u32 = 0x0000_8000;
+    /// Directory changes are synchronous.
+    pub const DIRSYNC: u32 = 0x0001_0000;
+    pub const TOPDIR: u32 = 0x0002_0000;
+    pub const EXTENTS: u32 = 0x0008_0000;
+    pub const PROJINHERIT: u32 = 0x2000_0000;
+    pub const CASEFOLD: u32 = 0x4000_0000;
+}
+
 /// Counters a module exposes; printed by `quiltfs stats` as text or JSON.
 pub type Counters = Vec<(String, u64)>;
 
@@ -376,6 +403,34 @@ pub trait FileSystem: Send + Sync {
     /// `NoData` (ENXIO) at or past the end, and the end counts as a hole. Modules that
     /// cannot tell answer `NotSupported`, and callers treat the file as all data.
     fn seek_data(&self, _ino: Ino, _offset: u64, _data: bool) -> Result<u64> {
+        Err(FsError::NotSupported)
+    }
+    /// The inode's flags ([`flags`]: FS_IOC_GETFLAGS's bits, which are ext2's).
+    fn get_flags(&self, _ino: Ino) -> Result<u32> {
+        Err(FsError::NotSupported)
+    }
+    /// FS_IOC_SETFLAGS: the module checks who may set what ([`FsError::Perm`]) and which
+    /// flags it knows ([`FsError::NotSupported`] for the rest).
+    fn set_flags(&self, _ino: Ino, _flags: u32, _ctx: &Ctx) -> Result<()> {
+        Err(FsError::NotSupported)
+    }
+    /// An open(2) of `ino` with these flags (O_ACCMODE, O_APPEND, O_TRUNC, ...) is about
+    /// to succeed: the module refuses what the inode's flags forbid (writing an immutable
+    /// file, or an append-only one other than by appending).
+    fn check_open(&self, _ino: Ino, _open_flags: i32, _ctx: &Ctx) -> Result<()> {
+        Ok(())
+    }
+    /// fallocate(2) with `mode` (FALLOC_FL_* bits): preallocation (0, KEEP_SIZE) or
+    /// PUNCH_HOLE|KEEP_SIZE. `NotSupported` for modes the module cannot do, so callers
+    /// fall back.
+    fn fallocate(
+        &self,
+        _ino: Ino,
+        _offset: u64,
+        _length: u64,
+        _mode: i32,
+        _ctx: &Ctx,
+    ) -> Result<()> {
         Err(FsError::NotSupported)
     }
     fn counters(&self) -> Counters {
