@@ -561,7 +561,7 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 let opener = self.ctx(req).pid as u64;
                 if let Err(e) = self
                     .fs
-                    .check_open(fs_ino(ino), *flags as i32, &self.ctx(req))
+                    .check_open(fs_ino(ino), *flags, &self.ctx(req))
                 {
                     return reply.error(errno(e));
                 }
