@@ -7,8 +7,9 @@
 #   scripts/fuzz.sh [TARGET|all] [SECONDS]     default: all targets, 3600 s each
 #
 # Targets: superblock, inodes, dirs, xattrs, journal (see fuzz/src/lib.rs). The corpus
-# grows in fuzz/corpus/<target> (not committed); a crash lands in fuzz/artifacts/<target>:
-# copy it to fuzz/regressions/<target>/ so `cargo test` in fuzz/ replays it forever.
+# grows in fuzz/corpus/<target> (not committed). Runs go on past crashes and timeouts
+# (libFuzzer's fork mode); each lands in fuzz/artifacts/<target>: once fixed, copy it to
+# fuzz/regressions/<target>/ so `cargo test` in fuzz/ replays it forever.
 # A summary line per target (executions, coverage, corpus size) goes to fuzz/runs.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,11 +30,15 @@ for t in "${targets[@]}"; do
   rc=0
   (cd fuzz && cargo +nightly fuzz run -O -s none "$t" "corpus/$t" -- \
       -max_total_time="$secs" -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 \
+      -fork=1 -ignore_crashes=1 -ignore_timeouts=1 -ignore_ooms=1 \
       -artifact_prefix="artifacts/$t/") >"$log" 2>&1 || rc=$?
+  crashes=$(find "fuzz/artifacts/$t" -type f | wc -l)
+  [ "$crashes" = 0 ] || rc=1
   stats=$(grep -E '^stat::(number_of_executed_units|average_exec_per_sec|new_units_added|peak_rss_mb)' "$log" \
           | sed 's/^stat:://' | tr -s ' ' | tr '\n' ' ')
   cov=$(grep -oE 'cov: [0-9]+ ft: [0-9]+ corp: [0-9]+/[^ ]+' "$log" | tail -1)
-  line="$(date -u +%FT%TZ) $t ${secs}s rc=$rc $cov $stats"
+  execs=$(grep -oE '^#[0-9]+' "$log" | tail -1)
+  line="$(date -u +%FT%TZ) $t ${secs}s rc=$rc crashes=$crashes execs=${execs#\#} $cov $stats"
   echo "$line" | tee -a fuzz/runs.log
   if [ "$rc" != 0 ]; then
     echo "fuzz: $t found a crash; see $log and fuzz/artifacts/$t/" >&2

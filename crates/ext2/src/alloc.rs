@@ -166,7 +166,8 @@ impl Ext2 {
             })?;
             let freed = st.freed.get(&blk).copied();
             let p = self.flip_bit(bitmap, bit, &freed.into_iter().collect::<Vec<_>>())?;
-            st.gd[g as usize].free_blocks -= 1;
+            // Saturating: a damaged descriptor may count fewer free blocks than its bitmap.
+            st.gd[g as usize].free_blocks = st.gd[g as usize].free_blocks.saturating_sub(1);
             st.sb.free_blocks_count = st.sb.free_blocks_count.saturating_sub(1);
             self.write_gd(st, g)?;
             st.counters.blocks_allocated += 1;
@@ -196,8 +197,8 @@ impl Ext2 {
             }
             st.freed.insert(blk, b);
         }
-        st.gd[g as usize].free_blocks += 1;
-        st.sb.free_blocks_count += 1;
+        st.gd[g as usize].free_blocks = st.gd[g as usize].free_blocks.saturating_add(1);
+        st.sb.free_blocks_count = st.sb.free_blocks_count.saturating_add(1);
         self.write_gd(st, g)?;
         st.counters.blocks_freed += 1;
         Ok(())
@@ -253,9 +254,9 @@ impl Ext2 {
             }
             let ino = g * self.geo.ipg + bit + 1;
             let p = self.flip_bit(bitmap, bit, &[])?;
-            st.gd[g as usize].free_inodes -= 1;
+            st.gd[g as usize].free_inodes = st.gd[g as usize].free_inodes.saturating_sub(1);
             if dir {
-                st.gd[g as usize].used_dirs += 1;
+                st.gd[g as usize].used_dirs = st.gd[g as usize].used_dirs.saturating_add(1);
             }
             st.sb.free_inodes_count = st.sb.free_inodes_count.saturating_sub(1);
             self.write_gd(st, g)?;
@@ -284,11 +285,11 @@ impl Ext2 {
             self.prune(st);
         }
         st.freed_inodes.insert(ino, p);
-        st.gd[g as usize].free_inodes += 1;
+        st.gd[g as usize].free_inodes = st.gd[g as usize].free_inodes.saturating_add(1);
         if dir {
             st.gd[g as usize].used_dirs = st.gd[g as usize].used_dirs.saturating_sub(1);
         }
-        st.sb.free_inodes_count += 1;
+        st.sb.free_inodes_count = st.sb.free_inodes_count.saturating_add(1);
         self.write_gd(st, g)?;
         Ok(())
     }

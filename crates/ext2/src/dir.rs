@@ -358,7 +358,7 @@ impl Ext2 {
             return Err(e);
         }
         if is_dir {
-            let p = self.modify_inode(st, parent, &[], |d| d.links += 1)?;
+            let p = self.modify_inode(st, parent, &[], |d| d.links = d.links.saturating_add(1))?;
             befores.extend(p);
         }
         let n = self.init_inode(st, ino, &inode, &befores)?;
@@ -367,7 +367,7 @@ impl Ext2 {
             Err(e) => {
                 // No room for the entry: take the inode back.
                 if is_dir {
-                    self.modify_inode(st, parent, &[], |d| d.links -= 1)?;
+                    self.modify_inode(st, parent, &[], |d| d.links = d.links.saturating_sub(1))?;
                 }
                 self.destroy_inode(st, ino, None)?;
                 return Err(e);
@@ -536,7 +536,7 @@ impl Ext2 {
             return Err(FsError::TooManyLinks);
         }
         let l = self.modify_inode(st, ino, &[], |i| {
-            i.links += 1;
+            i.links = i.links.saturating_add(1);
             Self::touch_times(i, false, true);
         })?;
         // An O_TMPFILE file given its first name is no longer an orphan (the kernel
@@ -553,7 +553,7 @@ impl Ext2 {
         let e = match e {
             Ok(e) => e,
             Err(err) => {
-                self.modify_inode(st, ino, &[], |i| i.links -= 1)?;
+                self.modify_inode(st, ino, &[], |i| i.links = i.links.saturating_sub(1))?;
                 return Err(err);
             }
         };
@@ -676,7 +676,7 @@ impl Ext2 {
         };
         // (1) The moving inode gains a link, then the new name points at it.
         let up = self.modify_inode(st, src.inode, &[], |i| {
-            i.links += 1;
+            i.links = i.links.saturating_add(1);
             Self::touch_times(i, false, true);
         })?;
         let up: Vec<PatchId> = up.into_iter().collect();
@@ -689,7 +689,7 @@ impl Ext2 {
             None => match self.add_entry(st, new_parent, new_name, src.inode, ftype, &up) {
                 Ok(e) => e,
                 Err(err) => {
-                    self.modify_inode(st, src.inode, &[], |i| i.links -= 1)?;
+                    self.modify_inode(st, src.inode, &[], |i| i.links = i.links.saturating_sub(1))?;
                     if let Some((w, _)) = whiteout {
                         self.destroy_inode(st, w, None)?;
                     }
@@ -705,7 +705,7 @@ impl Ext2 {
             // moves, (4) the old parent stops counting it.
             let mut dd_befores = vec![new_entry];
             if victim.is_none() {
-                let p = self.modify_inode(st, new_parent, &[], |i| i.links += 1)?;
+                let p = self.modify_inode(st, new_parent, &[], |i| i.links = i.links.saturating_add(1))?;
                 dd_befores.extend(p);
             }
             let dd = self.dotdot(st, src.inode)?;
@@ -779,14 +779,14 @@ impl Ext2 {
         // high, never too low.
         let up_a: Vec<PatchId> = self
             .modify_inode(st, a.inode, &[], |i| {
-                i.links += 1;
+                i.links = i.links.saturating_add(1);
                 Self::touch_times(i, false, true);
             })?
             .into_iter()
             .collect();
         let up_b: Vec<PatchId> = self
             .modify_inode(st, b.inode, &[], |i| {
-                i.links += 1;
+                i.links = i.links.saturating_add(1);
                 Self::touch_times(i, false, true);
             })?
             .into_iter()
@@ -796,7 +796,7 @@ impl Ext2 {
         if pa != pb && delta != 0 {
             // The parent gaining a subdirectory counts it before the entry points there.
             let gainer = if delta > 0 { pb } else { pa };
-            parent_up.extend(self.modify_inode(st, gainer, &[], |i| i.links += 1)?);
+            parent_up.extend(self.modify_inode(st, gainer, &[], |i| i.links = i.links.saturating_add(1))?);
         }
         let mut eb_befores = up_a.clone();
         eb_befores.extend(&parent_up);

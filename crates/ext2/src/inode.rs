@@ -345,7 +345,7 @@ impl Ext2 {
             let init = self.put_block(ind, &b, &befores, false)?;
             child = (ind, vec![alloc, init]);
         }
-        inode.blocks += levels as u32 * (self.geo.bs / 512);
+        inode.blocks = inode.blocks.saturating_add(levels as u32 * (self.geo.bs / 512));
         let head = if let (0, Some(d)) = (depth, defer.as_deref_mut()) {
             // The caller writes the inode once for many blocks, after all their befores.
             inode.block[path.top] = child.0;

@@ -263,7 +263,7 @@ impl Ext2 {
         let init = self.put_block(blk, &img, &freed, false)?;
         inode.file_acl = blk;
         if old == 0 {
-            inode.blocks += sectors;
+            inode.blocks = inode.blocks.saturating_add(sectors);
         }
         let h = self.write_inode_xattr(st, ino, &inode, inline, &[alloc, init])?;
         self.track(st, ino, h);
