@@ -29,6 +29,9 @@ if [ "$(id -u)" = 0 ]; then
 else
   echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/kernel-parity.sh, tests/journal-oracle.sh, tests/patchgroups.sh and tests/bench-featherstitch.sh (need root)" >&2
 fi
+# Fuzzing smoke: every input a fuzzer ever crashed on, and random damage to each region
+# of a seed image (the coverage-guided hour-long runs are scripts/fuzz.sh's).
+(cd fuzz && cargo test --release --quiet)
 # The crash explorer on every mode (e2fsck as the oracle; no root needed).
 tests/crashtest.sh ./target/release/quiltfs
 # Each benchmark once, as a smoke test (timings come from `cargo bench`, never from here).

@@ -31,8 +31,8 @@ pub enum Region {
     Inodes,
     /// Every block of the root directory and of a directory of 300 entries.
     Dirs,
-    /// The attribute blocks of three files (one block shared by two of them), then the
-    /// spare space at the end of their inodes.
+    /// The attribute blocks of five files, then the spare space at the end of their
+    /// inodes (attributes and POSIX ACLs in both places).
     Xattrs,
     /// The first 48 blocks of the journal of an ext3 image cut off mid-run (the superblock
     /// asks for recovery), then recovery, a mount in meta-journal mode and the walk.
@@ -272,6 +272,22 @@ fn build(journal: bool) -> (Vec<u8>, Locations) {
     }
     fs.setxattr(small[2], b"user.a", b"one", XattrFlags::default(), &c)
         .expect("setxattr");
+    // POSIX ACLs: an access ACL with named entries (in the inode), a default ACL on the
+    // directory, and a long one that goes to the block.
+    let acl = |named: u32| {
+        use quilt_vfs::acl::*;
+        let e = |tag, perm, id| Entry { tag, perm, id };
+        let mut v = vec![e(USER_OBJ, 6, 0), e(GROUP_OBJ, 4, 0), e(MASK, 6, 0), e(OTHER, 0, 0)];
+        v.extend((0..named).map(|i| e(USER, 4, 1000 + i)));
+        Acl::new(v).expect("valid ACL").to_xattr()
+    };
+    let set = |ino, name: &[u8], v: Vec<u8>| {
+        fs.setxattr(ino, name, &v, XattrFlags::default(), &c)
+            .expect("set ACL")
+    };
+    set(small[3], quilt_vfs::acl::ACCESS, acl(2));
+    set(small[4], quilt_vfs::acl::ACCESS, acl(30));
+    set(dir, quilt_vfs::acl::DEFAULT, acl(1));
     if journal {
         // Cut off with the log holding committed transactions the home blocks may not
         // have yet: the image asks for recovery.
@@ -284,7 +300,7 @@ fn build(journal: bool) -> (Vec<u8>, Locations) {
     }
     let image = dev.to_vec();
     drop(fs);
-    let loc = locate(&image, dir, big, &[big, small[0], small[1], small[2]]);
+    let loc = locate(&image, dir, big, &[big, small[0], small[1], small[2], small[3], small[4]]);
     (image, loc)
 }
 

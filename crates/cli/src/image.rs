@@ -302,6 +302,8 @@ pub struct OpenSettings {
     /// The patch engine's two optimizations (on unless a benchmark compares them).
     pub hard_patches: bool,
     pub overlap_merge: bool,
+    /// POSIX ACLs (`acl`, the default; `noacl`).
+    pub acl: bool,
 }
 
 impl Default for OpenSettings {
@@ -314,6 +316,7 @@ impl Default for OpenSettings {
             flush_interval_ms: Some(1000),
             hard_patches: true,
             overlap_merge: true,
+            acl: true,
         }
     }
 }
@@ -354,6 +357,7 @@ pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
         MountOptions {
             mode: s.mode,
             read_only: s.read_only,
+            acl: s.acl,
         },
     )
     .with_context(|| format!("cannot mount {}", image.display()))?;

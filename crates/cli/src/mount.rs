@@ -33,6 +33,7 @@ pub struct MountArgs {
     #[arg(long, default_value_t = 128)]
     pub cache_mib: usize,
     /// Comma-separated options: ro, rw, allow_other, mode=M, unsafe, cache_mib=N,
+    /// acl (POSIX ACLs, the default) or noacl,
     /// flusher_ms=N (background write-back every N ms, 1000 by default; 0: only when
     /// memory, fsync, sync or unmount ask),
     /// wbcache (the kernel's writeback cache: fewer, larger writes, but errors such as
@@ -76,6 +77,8 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
             ("wbcache", None) => fuse.writeback_cache = true,
             ("nohard", None) => settings.hard_patches = false,
             ("nomerge", None) => settings.overlap_merge = false,
+            ("acl", None) => settings.acl = true,
+            ("noacl", None) => settings.acl = false,
             ("mode", Some(m)) => settings.mode = m.parse().map_err(anyhow::Error::msg)?,
             ("cache_mib", Some(n)) => settings.cache_mib = n.parse().context("cache_mib=N")?,
             ("flusher_ms", Some(n)) => {
@@ -99,6 +102,7 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
         bail!("cache_mib must be at least 4");
     }
     fuse.read_only = settings.read_only;
+    fuse.posix_acl = settings.acl;
     Ok(Parsed { settings, fuse })
 }
 

@@ -117,7 +117,11 @@ fn mount(img: &[u8], mode: Mode, read_only: bool) -> Result<(Arc<MemDevice>, Ext
     let dev = Arc::new(MemDevice::from_bytes(4096, img).map_err(|e| e.to_string())?);
     let fs = Ext2::open(
         Engine::new(dev.clone(), EngineOptions::default()),
-        MountOptions { mode, read_only },
+        MountOptions {
+            mode,
+            read_only,
+            ..Default::default()
+        },
     )
     .map_err(|e| e.to_string())?;
     Ok((dev, fs))

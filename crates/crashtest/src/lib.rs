@@ -266,6 +266,7 @@ fn record(mode: Mode, spec: &RunSpec) -> Result<Recorded, String> {
         MountOptions {
             mode,
             read_only: false,
+            ..Default::default()
         },
     )
     .map_err(|e| format!("mount: {e}"))?;

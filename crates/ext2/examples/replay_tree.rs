@@ -86,6 +86,7 @@ fn main() {
         MountOptions {
             mode,
             read_only: false,
+            ..Default::default()
         },
     )
     .expect("mount");

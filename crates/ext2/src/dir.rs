@@ -288,6 +288,8 @@ impl Ext2 {
         }
         flags::refuse_new_entry(&dir)?;
         let is_dir = mode & libc::S_IFMT == libc::S_IFDIR;
+        // The umask, or the directory's default ACL in its place.
+        let (mode, acls) = self.acl_for_new(st, parent, mode, ctx.umask)?;
         if is_dir && dir.links >= LINK_MAX {
             return Err(FsError::TooManyLinks);
         }
@@ -361,7 +363,13 @@ impl Ext2 {
             let p = self.modify_inode(st, parent, &[], |d| d.links = d.links.saturating_add(1))?;
             befores.extend(p);
         }
-        let n = self.init_inode(st, ino, &inode, &befores)?;
+        let mut n = self.init_inode(st, ino, &inode, &befores)?;
+        if !acls.is_empty() {
+            // The ACLs are in place before any name leads to the inode.
+            n = self
+                .apply_xattrs(st, ino, &mut inode, &acls, &[n])?
+                .unwrap_or(n);
+        }
         let entry = match self.add_entry(st, parent, name, ino, self.ftype(mode), &[n]) {
             Ok(e) => e,
             Err(e) => {
@@ -421,11 +429,17 @@ impl Ext2 {
         } else {
             ctx.gid
         };
+        let (mode, acls) = self.acl_for_new(st, parent, mode, ctx.umask)?;
         let (ino, bit) = self.alloc_inode(st, parent, false)?;
         let mut inode = self.new_inode(mode, ctx.uid, gid);
         inode.links = links;
         inode.flags = flags::inherited(dir.flags, mode);
-        let init = self.init_inode(st, ino, &inode, &[bit])?;
+        let mut init = self.init_inode(st, ino, &inode, &[bit])?;
+        if !acls.is_empty() {
+            init = self
+                .apply_xattrs(st, ino, &mut inode, &acls, &[init])?
+                .unwrap_or(init);
+        }
         st.counters.inodes_created += 1;
         Ok((ino, init))
     }
@@ -705,7 +719,8 @@ impl Ext2 {
             // moves, (4) the old parent stops counting it.
             let mut dd_befores = vec![new_entry];
             if victim.is_none() {
-                let p = self.modify_inode(st, new_parent, &[], |i| i.links = i.links.saturating_add(1))?;
+                let p = self
+                    .modify_inode(st, new_parent, &[], |i| i.links = i.links.saturating_add(1))?;
                 dd_befores.extend(p);
             }
             let dd = self.dotdot(st, src.inode)?;
@@ -796,7 +811,9 @@ impl Ext2 {
         if pa != pb && delta != 0 {
             // The parent gaining a subdirectory counts it before the entry points there.
             let gainer = if delta > 0 { pb } else { pa };
-            parent_up.extend(self.modify_inode(st, gainer, &[], |i| i.links = i.links.saturating_add(1))?);
+            parent_up.extend(
+                self.modify_inode(st, gainer, &[], |i| i.links = i.links.saturating_add(1))?,
+            );
         }
         let mut eb_befores = up_a.clone();
         eb_befores.extend(&parent_up);

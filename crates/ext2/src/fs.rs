@@ -60,10 +60,23 @@ impl std::fmt::Display for Mode {
     }
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct MountOptions {
     pub mode: Mode,
     pub read_only: bool,
+    /// POSIX ACLs (the `acl` mount option, on by default as for the kernel; `noacl`
+    /// makes `system.posix_acl_*` answer "not supported" and ignores default ACLs).
+    pub acl: bool,
+}
+
+impl Default for MountOptions {
+    fn default() -> Self {
+        MountOptions {
+            mode: Mode::default(),
+            read_only: false,
+            acl: true,
+        }
+    }
 }
 
 /// The patch that made a change, or None when the change altered nothing on disk.
@@ -166,6 +179,8 @@ pub struct Ext2 {
     pub(crate) geo: Geo,
     pub(crate) mode: Mode,
     pub(crate) read_only: bool,
+    /// POSIX ACLs on (see `MountOptions::acl`).
+    pub(crate) acl: bool,
     pub(crate) st: Mutex<State>,
     /// The running ext3 journal in the journal modes (read-write).
     pub(crate) journal: Option<quilt_journal::Journal>,
@@ -298,6 +313,7 @@ impl Ext2 {
             engine,
             mode: opts.mode,
             read_only,
+            acl: opts.acl,
             st: Mutex::new(State {
                 sb: sb.clone(),
                 gd,
@@ -767,15 +783,7 @@ impl FileSystem for Ext2 {
             ));
         }
         let mut st = self.lock_for(ctx);
-        let r = self.create_node(
-            &mut st,
-            Self::to_ino(parent)?,
-            name,
-            mode & !(ctx.umask & 0o777),
-            rdev,
-            None,
-            ctx,
-        );
+        let r = self.create_node(&mut st, Self::to_ino(parent)?, name, mode, rdev, None, ctx);
         self.flush_groups(&mut st)?;
         drop(st);
         self.sync_dirs(&r, &[parent])?;
@@ -785,12 +793,7 @@ impl FileSystem for Ext2 {
     fn tmpfile(&self, parent: Ino, mode: u32, ctx: &Ctx) -> Result<Attr> {
         self.check_writable()?;
         let mut st = self.lock_for(ctx);
-        let r = self.create_tmpfile(
-            &mut st,
-            Self::to_ino(parent)?,
-            mode & !(ctx.umask & 0o777),
-            ctx,
-        );
+        let r = self.create_tmpfile(&mut st, Self::to_ino(parent)?, mode, ctx);
         self.flush_groups(&mut st)?;
         drop(st);
         self.sync_dirs(&r, &[parent])?;
@@ -800,7 +803,7 @@ impl FileSystem for Ext2 {
     fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
         self.check_writable()?;
         let mut st = self.lock_for(ctx);
-        let mode = libc::S_IFDIR | (mode & 0o7777 & !(ctx.umask & 0o777));
+        let mode = libc::S_IFDIR | (mode & 0o7777);
         let r = self.create_node(&mut st, Self::to_ino(parent)?, name, mode, 0, None, ctx);
         self.flush_groups(&mut st)?;
         drop(st);
@@ -1031,7 +1034,7 @@ impl FileSystem for Ext2 {
     ) -> Result<()> {
         self.check_writable()?;
         let mut st = self.lock_for(ctx);
-        let r = self.do_setxattr(&mut st, Self::to_ino(ino)?, name, Some(value), flags);
+        let r = self.do_setxattr(&mut st, Self::to_ino(ino)?, name, Some(value), flags, ctx);
         self.flush_groups(&mut st)?;
         r
     }
@@ -1055,6 +1058,7 @@ impl FileSystem for Ext2 {
             name,
             None,
             XattrFlags::default(),
+            ctx,
         );
         self.flush_groups(&mut st)?;
         r

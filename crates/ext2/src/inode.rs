@@ -345,7 +345,9 @@ impl Ext2 {
             let init = self.put_block(ind, &b, &befores, false)?;
             child = (ind, vec![alloc, init]);
         }
-        inode.blocks = inode.blocks.saturating_add(levels as u32 * (self.geo.bs / 512));
+        inode.blocks = inode
+            .blocks
+            .saturating_add(levels as u32 * (self.geo.bs / 512));
         let head = if let (0, Some(d)) = (depth, defer.as_deref_mut()) {
             // The caller writes the inode once for many blocks, after all their befores.
             inode.block[path.top] = child.0;
@@ -745,6 +747,16 @@ impl Ext2 {
             Some(t) => Inode::split_time(t),
             None => now,
         };
+        if set.mode.is_some() {
+            // chmod rewrites the access ACL's base entries with the mode, in the same
+            // inode write where the ACL lives in the inode.
+            if let Some(c) = self.acl_chmod(st, ino, &inode)? {
+                self.apply_xattrs(st, ino, &mut inode, &[c], &[])?;
+                if set.size.is_none() {
+                    return self.attr(st, ino);
+                }
+            }
+        }
         if let Some(size) = set.size {
             if inode.is_dir() {
                 return Err(FsError::IsDir);

@@ -17,6 +17,7 @@ pub mod format;
 pub mod journal;
 pub mod mkfs;
 
+mod acl;
 mod alloc;
 mod dir;
 mod flags;

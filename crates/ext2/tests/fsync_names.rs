@@ -29,6 +29,7 @@ fn an_fsynced_file_in_new_directories_survives_a_crash() {
             MountOptions {
                 mode,
                 read_only: false,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -54,6 +55,7 @@ fn an_fsynced_file_in_new_directories_survives_a_crash() {
             MountOptions {
                 mode: Mode::Async,
                 read_only: true,
+                ..Default::default()
             },
         )
         .unwrap();

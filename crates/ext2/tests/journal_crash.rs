@@ -49,7 +49,11 @@ fn base_image() -> Vec<u8> {
 fn open(dev: Arc<dyn BlockDevice>, mode: Mode, read_only: bool) -> Result<Ext2, String> {
     Ext2::open(
         Engine::new(dev, EngineOptions::default()),
-        MountOptions { mode, read_only },
+        MountOptions {
+            mode,
+            read_only,
+            ..Default::default()
+        },
     )
     .map_err(|e| e.to_string())
 }

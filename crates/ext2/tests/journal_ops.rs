@@ -32,6 +32,7 @@ fn mount(dev: &Arc<MemDevice>, mode: Mode) -> Result<Ext2, FsError> {
         MountOptions {
             mode,
             read_only: false,
+            ..Default::default()
         },
     )
 }
@@ -87,6 +88,7 @@ fn concurrent_fsyncs_share_commits() {
             MountOptions {
                 mode: Mode::MetaJournal,
                 read_only: false,
+                ..Default::default()
             },
         )
         .unwrap(),

@@ -1078,6 +1078,7 @@ impl Harness {
             MountOptions {
                 mode,
                 read_only: false,
+                ..Default::default()
             },
         )
         .map_err(|e| format!("mount: {e}"))?;
@@ -1121,6 +1122,7 @@ impl Harness {
             MountOptions {
                 mode: self.mode,
                 read_only: false,
+                ..Default::default()
             },
         )
         .map_err(|e| format!("remount: {e}"))?;
@@ -1302,6 +1304,7 @@ impl Harness {
                 let flags = XattrFlags {
                     create: *flag == XFlag::Create,
                     replace: *flag == XFlag::Replace,
+                    ..Default::default()
                 };
                 self.fs.setxattr(
                     ino,

@@ -24,6 +24,7 @@ fn fresh_with(blocks: u64, bs: usize, mode: Mode) -> (Arc<MemDevice>, Ext2) {
         MountOptions {
             mode,
             read_only: false,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -391,8 +392,12 @@ fn xattrs() {
         Err(FsError::NoAttr)
     );
     assert_eq!(fs.getxattr(f, b"user.zz"), Err(FsError::NoAttr));
-    assert_eq!(
+    assert!(matches!(
         fs.setxattr(f, b"system.posix_acl_access", b"", none, &Ctx::root()),
+        Err(FsError::Invalid(_))
+    ));
+    assert_eq!(
+        fs.setxattr(f, b"system.other", b"", none, &Ctx::root()),
         Err(FsError::NotSupported)
     );
     assert_eq!(

@@ -63,6 +63,11 @@ pub struct FuseOptions {
     /// request reaches the file system unchecked: tests use that to drive it as any
     /// user without modelling permissions.
     pub default_permissions: bool,
+    /// POSIX ACLs (FUSE_POSIX_ACL): the kernel enforces the file system's ACLs, which
+    /// it reads as `system.posix_acl_*` attributes, and leaves the umask to the file
+    /// system (which applies it only where no default ACL is inherited). Needs
+    /// `default_permissions`. Off, the kernel applies the umask and the mode bits only.
+    pub posix_acl: bool,
     /// Options passed through to the kernel as they are.
     pub extra: Vec<String>,
     /// Mount as fuseblk over this (root only; plain FUSE otherwise).
@@ -82,6 +87,7 @@ impl Default for FuseOptions {
             threads: 4,
             writeback_cache: false,
             default_permissions: true,
+            posix_acl: false,
             extra: Vec::new(),
             block: None,
             block_size: 4096,
@@ -97,6 +103,7 @@ struct Adapter<F: FileSystem> {
     fs: Arc<F>,
     writeback_cache: bool,
     read_only: bool,
+    posix_acl: bool,
     on_unmount: Mutex<Option<OnUnmount>>,
     stats: Arc<RequestStats>,
     /// Set once the session exists: tells the kernel when we changed attributes it has
@@ -401,7 +408,15 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
         // once it has seen they carry no privileges, instead of asking for
         // security.capability on every write(2) and for fresh attributes before every
         // chown.
-        let mut flags = init::ASYNC_READ | init::PARALLEL_DIROPS | init::HANDLE_KILLPRIV_V2;
+        let mut flags = init::ASYNC_READ
+            | init::PARALLEL_DIROPS
+            | init::HANDLE_KILLPRIV_V2
+            | init::SETXATTR_EXT;
+        if self.posix_acl {
+            // DONT_MASK too: FUSE applies the umask itself unless told not to, and with a
+            // default ACL it must not apply (the file system applies it where none is).
+            flags |= init::POSIX_ACL | init::DONT_MASK;
+        }
         if self.writeback_cache && !self.read_only {
             flags |= init::WRITEBACK_CACHE;
         }
@@ -559,10 +574,7 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 // The handle remembers who opened the file: the kernel's writeback of
                 // its pages comes with no process id, and is done for the opener.
                 let opener = self.ctx(req).pid as u64;
-                if let Err(e) = self
-                    .fs
-                    .check_open(fs_ino(ino), *flags, &self.ctx(req))
-                {
+                if let Err(e) = self.fs.check_open(fs_ino(ino), *flags, &self.ctx(req)) {
                     return reply.error(errno(e));
                 }
                 match self.fs.open(fs_ino(ino)) {
@@ -651,7 +663,12 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                     Err(e) => reply.error(errno(e)),
                 }
             }
-            Op::Setxattr { name, value, flags } => {
+            Op::Setxattr {
+                name,
+                value,
+                flags,
+                setxattr_flags,
+            } => {
                 let _t = self.stats.time(Stat::Setxattr);
                 if ino == CONTROL_INO {
                     return reply.error(libc::EPERM);
@@ -659,6 +676,7 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 let f = XattrFlags {
                     create: flags & libc::XATTR_CREATE != 0,
                     replace: flags & libc::XATTR_REPLACE != 0,
+                    kill_sgid: setxattr_flags & quilt_fusewire::abi::SETXATTR_ACL_KILL_SGID != 0,
                 };
                 let r = self
                     .fs
@@ -791,6 +809,7 @@ fn adapter<F: FileSystem + 'static>(
         fs,
         writeback_cache: opts.writeback_cache,
         read_only: opts.read_only,
+        posix_acl: opts.posix_acl && opts.default_permissions,
         on_unmount: Mutex::new(Some(on_unmount)),
         stats: opts.stats.clone(),
         notifier: OnceLock::new(),

@@ -123,6 +123,8 @@ pub const GETATTR_FH: u32 = 1 << 0;
 pub const FSYNC_FDATASYNC: u32 = 1 << 0;
 pub const WRITE_CACHE: u32 = 1 << 0;
 pub const WRITE_KILL_SUIDGID: u32 = 1 << 2;
+/// `fuse_setxattr_in.setxattr_flags`: the caller may not keep set-group-ID.
+pub const SETXATTR_ACL_KILL_SGID: u32 = 1 << 0;
 pub const IOCTL_UNRESTRICTED: u32 = 1 << 1;
 
 /// Notification codes (sent with `unique` 0 and the code as `error`).

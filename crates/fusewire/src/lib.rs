@@ -21,5 +21,5 @@ pub use channel::Channel;
 pub use mount::{mount, unmount, BlockSource, MountKind, MountOptions, Mounted};
 pub use notify::Notifier;
 pub use reply::{DirBuf, Reply, Statfs};
-pub use request::{Header, Op, Request, SetattrIn};
+pub use request::{Header, Op, Proto, Request, SetattrIn};
 pub use session::{Handler, InitReply, KernelInit, Session};

@@ -111,6 +111,8 @@ pub enum Op<'a> {
         name: &'a [u8],
         value: &'a [u8],
         flags: i32,
+        /// `abi::SETXATTR_ACL_KILL_SGID` (with SETXATTR_EXT negotiated).
+        setxattr_flags: u32,
     },
     Getxattr {
         name: &'a [u8],
@@ -194,9 +196,22 @@ pub struct Request<'a> {
     pub op: Op<'a>,
 }
 
+/// What the INIT handshake settled that changes how requests are laid out.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Proto {
+    /// SETXATTR_EXT: setxattr carries a second flags word.
+    pub setxattr_ext: bool,
+}
+
 impl<'a> Request<'a> {
-    /// Parses one request as read from /dev/fuse (exactly the bytes the read returned).
+    /// Parses one request as read from /dev/fuse (exactly the bytes the read returned),
+    /// before any capability is negotiated.
     pub fn parse(buf: &'a [u8]) -> Result<Request<'a>, Malformed> {
+        Request::parse_with(buf, Proto::default())
+    }
+
+    /// Parses one request of a session that negotiated `proto`.
+    pub fn parse_with(buf: &'a [u8], proto: Proto) -> Result<Request<'a>, Malformed> {
         let mut r = Reader::new(buf);
         let header = Header {
             len: r.u32("header")?,
@@ -221,12 +236,12 @@ impl<'a> Request<'a> {
             .checked_sub(abi::IN_HEADER_LEN + extlen)
             .ok_or(Malformed("extensions longer than the request"))?;
         let body = &buf[abi::IN_HEADER_LEN..abi::IN_HEADER_LEN + body_len];
-        let op = parse_op(header.opcode, Reader::new(body))?;
+        let op = parse_op(header.opcode, Reader::new(body), proto)?;
         Ok(Request { header, op })
     }
 }
 
-fn parse_op(opc: u32, mut r: Reader<'_>) -> Result<Op<'_>, Malformed> {
+fn parse_op(opc: u32, mut r: Reader<'_>, proto: Proto) -> Result<Op<'_>, Malformed> {
     Ok(match opc {
         opcode::INIT => {
             let major = r.u32("init")?;
@@ -404,12 +419,21 @@ fn parse_op(opc: u32, mut r: Reader<'_>) -> Result<Op<'_>, Malformed> {
             }
         }
         opcode::SETXATTR => {
-            // The short form: SETXATTR_EXT is not negotiated.
             let size = r.u32("setxattr")? as usize;
             let flags = r.u32("setxattr")? as i32;
+            let mut setxattr_flags = 0;
+            if proto.setxattr_ext {
+                setxattr_flags = r.u32("setxattr")?;
+                r.skip(4, "setxattr")?;
+            }
             let name = r.cstr("setxattr name")?;
             let value = r.bytes(size, "setxattr value")?;
-            Op::Setxattr { name, value, flags }
+            Op::Setxattr {
+                name,
+                value,
+                flags,
+                setxattr_flags,
+            }
         }
         opcode::GETXATTR => {
             let size = r.u32("getxattr")?;

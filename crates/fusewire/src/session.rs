@@ -5,7 +5,7 @@ use crate::abi::{self, init, opcode, Writer};
 use crate::channel::{Channel, Received};
 use crate::notify::Notifier;
 use crate::reply::Reply;
-use crate::request::{Op, Request};
+use crate::request::{Op, Proto, Request};
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -78,8 +78,8 @@ impl Session {
 
     /// Serves until the file system is unmounted.
     pub fn run<H: Handler>(self, handler: Arc<H>) -> io::Result<()> {
-        let max_write = self.handshake(&*handler)?;
-        let Some(max_write) = max_write else {
+        let settled = self.handshake(&*handler)?;
+        let Some((max_write, proto)) = settled else {
             finish(&*handler, &AtomicBool::new(false));
             return Ok(());
         };
@@ -100,10 +100,10 @@ impl Session {
             workers.push(
                 std::thread::Builder::new()
                     .name(format!("fuse-{i}"))
-                    .spawn(move || serve_loop(&chan, &*h, &d, bufsize))?,
+                    .spawn(move || serve_loop(&chan, &*h, &d, bufsize, proto))?,
             );
         }
-        let r = serve_loop(&self.master, &*handler, &destroyed, bufsize);
+        let r = serve_loop(&self.master, &*handler, &destroyed, bufsize, proto);
         for w in workers {
             if let Ok(Err(e)) = w.join() {
                 tracing::error!("FUSE worker: {e}");
@@ -113,8 +113,9 @@ impl Session {
         r
     }
 
-    /// Reads INIT and answers it. None when the connection closed first.
-    fn handshake(&self, handler: &dyn Handler) -> io::Result<Option<u32>> {
+    /// Reads INIT and answers it: the largest write and the request layout settled.
+    /// None when the connection closed first.
+    fn handshake(&self, handler: &dyn Handler) -> io::Result<Option<(u32, Proto)>> {
         let mut buf = vec![0u8; abi::MIN_READ_BUFFER * 2];
         loop {
             let n = match self.master.receive(&mut buf)? {
@@ -173,7 +174,10 @@ impl Session {
                 .u32((flags >> 32) as u32)
                 .zeros(28);
             reply.raw(&w.buf);
-            return Ok(Some(max_write));
+            let proto = Proto {
+                setxattr_ext: flags & init::SETXATTR_EXT != 0,
+            };
+            return Ok(Some((max_write, proto)));
         }
     }
 }
@@ -189,6 +193,7 @@ fn serve_loop(
     handler: &dyn Handler,
     destroyed: &AtomicBool,
     bufsize: usize,
+    proto: Proto,
 ) -> io::Result<()> {
     let mut buf = vec![0u8; bufsize];
     loop {
@@ -196,7 +201,7 @@ fn serve_loop(
             Received::Request(n) => n,
             Received::Closed => return Ok(()),
         };
-        let req = match Request::parse(&buf[..n]) {
+        let req = match Request::parse_with(&buf[..n], proto) {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!("{e}");

@@ -45,6 +45,7 @@ impl Mounted {
             MountOptions {
                 mode: Mode::Async,
                 read_only: false,
+                ..Default::default()
             },
         )
         .unwrap()
@@ -83,6 +84,7 @@ fn mount(mode: Mode) -> Mounted {
             MountOptions {
                 mode,
                 read_only: false,
+                ..Default::default()
             },
         )
         .unwrap(),
@@ -228,6 +230,7 @@ fn a_group_reaches_the_disk_only_after_the_groups_before_it() {
                 MountOptions {
                     mode: Mode::Async,
                     read_only: false,
+                    ..Default::default()
                 },
             )
             .unwrap();

@@ -8,6 +8,8 @@
 
 use std::fmt;
 
+pub mod acl;
+
 pub type Ino = u64;
 
 /// Seconds and nanoseconds since the epoch.
@@ -489,6 +491,9 @@ pub struct XattrFlags {
     pub create: bool,
     /// XATTR_REPLACE: fail if it does not.
     pub replace: bool,
+    /// Setting an access ACL: the caller is neither in the file's group nor privileged,
+    /// so the set-group-ID bit goes (FUSE_SETXATTR_ACL_KILL_SGID).
+    pub kill_sgid: bool,
 }
 
 impl fmt::Display for FileType {
