@@ -132,7 +132,7 @@ impl Ext2 {
         let lblk = dir.size / bs;
         let mut content = vec![0u8; bs as usize];
         encode_dirent(&mut content, child, bs as usize, name, ftype);
-        dir.size += bs;
+        dir.size = dir.size.saturating_add(bs);
         let goal = if lblk > 0 {
             self.bmap(&dir, lblk - 1)? + 1
         } else {

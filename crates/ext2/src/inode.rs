@@ -379,7 +379,7 @@ impl Ext2 {
         if offset >= inode.size {
             return Ok(Vec::new());
         }
-        let end = inode.size.min(offset + size as u64);
+        let end = inode.size.min(offset.saturating_add(size as u64));
         let bs = self.geo.bs as u64;
         let mut out = vec![0u8; (end - offset) as usize];
         let mut pos = offset;
