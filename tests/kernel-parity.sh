@@ -24,6 +24,9 @@
 #     quiltfs, and the reverse; a noacl mount ignoring them; e2fsck.
 #  8. Extended-attribute space: attributes in the spare space of 256-byte inodes as
 #     well as the block, so the same sets of attributes fit (tests/xattr_space.py).
+#  9. fallocate: PUNCH_HOLE|KEEP_SIZE in every shape, the refused modes and descriptors
+#     (tests/fallocate.py punch); preallocation, which the kernel refuses on ext2 and
+#     quiltfs does, checked against its own expectations; remount, e2fsck.
 # Needs root. Usage: tests/kernel-parity.sh [QUILTFS_BINARY]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -208,5 +211,21 @@ for bs in 4096 1024; do
   diff -u "$work/xd.kernel" "$work/xd.cross" || fail "quiltfs reads the kernel's attributes differently"
   diff -u "$work/xd.kernel" "$work/xd.reverse" || fail "the kernel reads quiltfs's attributes differently"
 done
+
+echo "kernel-parity: fallocate"
+rm -f "$work/fk.img" "$work/fq.img"
+truncate -s 256M "$work/fk.img"; mkfs.ext2 -F -q -b 4096 -I 256 "$work/fk.img"
+"$q" mkfs "$work/fq.img" --size 256M >/dev/null
+mount -o loop "$work/fk.img" "$k"; mkdir "$k/f"; python3 "$here/fallocate.py" punch "$k/f" >"$work/fa.kernel" 2>&1; umount "$k"
+"$q" mount "$work/fq.img" "$m" >/dev/null; mkdir "$m/f"
+python3 "$here/fallocate.py" punch "$m/f" >"$work/fa.ours" 2>&1
+python3 "$here/fallocate.py" prealloc "$m/f" >"$work/pre.ours" 2>&1 || { cat "$work/pre.ours"; fail "preallocation"; }
+sha=$(sha256sum <"$m/f/p"); umount "$m"
+grep -q "^big mode 0x3 49152+4194304: ok: size 5324804 blocks 2232 " "$work/fa.kernel" || fail "the kernel does not behave as expected: $(cat "$work/fa.kernel")"
+diff -u "$work/fa.kernel" "$work/fa.ours" || fail "fallocate differs from the kernel's"
+fsck_clean "$work/fq.img"
+"$q" mount "$work/fq.img" "$m" >/dev/null
+[ "$(sha256sum <"$m/f/p")" = "$sha" ] || fail "a preallocated file changed across a remount"
+umount "$m"
 
 echo "kernel-parity: all checks passed"

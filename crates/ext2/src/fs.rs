@@ -918,6 +918,18 @@ impl FileSystem for Ext2 {
         r
     }
 
+    fn fallocate(&self, ino: Ino, offset: u64, length: u64, mode: i32, ctx: &Ctx) -> Result<()> {
+        self.check_writable()?;
+        let mut st = self.lock_for(ctx);
+        let r = self.do_fallocate(&mut st, Self::to_ino(ino)?, offset, length, mode);
+        self.flush_groups(&mut st)?;
+        drop(st);
+        if r.is_ok() && self.wants_sync(Self::to_ino(ino)?, false) {
+            self.fsync(ino, false)?;
+        }
+        r
+    }
+
     fn get_flags(&self, ino: Ino) -> Result<u32> {
         let st = self.lock();
         self.do_get_flags(&st, Self::to_ino(ino)?)

@@ -516,20 +516,21 @@ impl Ext2 {
         st.gd[g as usize].inode_table + self.geo.itb
     }
 
-    /// Frees every block at or past logical block `from`. Pointers inside indirect blocks
-    /// that stay are cleared first; `inode` gets its cleared slots, and
-    /// the caller writes it after the cleared pointers (`clears`) and frees `frees` after
-    /// both.
+    /// Frees every block of logical blocks `from..to`, and each indirect block whose whole
+    /// range lies inside (indirect blocks only partly inside stay, as the kernel leaves
+    /// them). Pointers inside indirect blocks that stay are cleared first; `inode` gets its
+    /// cleared slots, and the caller writes it after the cleared pointers (`clears`) and
+    /// frees `frees` after both.
     fn cut_tree(
         &self,
         inode: &mut Inode,
-        from: u64,
+        (from, to): (u64, u64),
         frees: &mut Vec<u32>,
         clears: &mut Vec<PatchId>,
     ) -> Result<()> {
         let p = self.ptrs();
         for slot in 0..NDIR_BLOCKS {
-            if slot as u64 >= from && inode.block[slot] != 0 {
+            if (from..to).contains(&(slot as u64)) && inode.block[slot] != 0 {
                 frees.push(inode.block[slot]);
                 inode.block[slot] = 0;
             }
@@ -541,15 +542,15 @@ impl Ext2 {
         ];
         for (slot, level, start, span) in spans {
             let blk = inode.block[slot];
-            if blk == 0 || start + span <= from {
+            if blk == 0 || start + span <= from || start >= to {
                 continue;
             }
             self.check_data_block(blk)?;
-            if from <= start {
+            if from <= start && start + span <= to {
                 self.collect_subtree(blk, level, frees)?;
                 inode.block[slot] = 0;
             } else {
-                self.cut_subtree(blk, level, start, from, frees, clears)?;
+                self.cut_subtree(blk, level, start, (from, to), frees, clears)?;
             }
         }
         Ok(())
@@ -579,14 +580,14 @@ impl Ext2 {
         Ok(())
     }
 
-    /// Cuts the part of the subtree at `blk` (covering logical blocks from `start`) at or
-    /// past `from`, clearing the pointers in `blk` itself.
+    /// Cuts the part of the subtree at `blk` (covering logical blocks from `start`) inside
+    /// `from..to`, clearing the pointers in `blk` itself.
     fn cut_subtree(
         &self,
         blk: u32,
         level: u32,
         start: u64,
-        from: u64,
+        (from, to): (u64, u64),
         frees: &mut Vec<u32>,
         clears: &mut Vec<PatchId>,
     ) -> Result<()> {
@@ -597,11 +598,11 @@ impl Ext2 {
         for i in 0..p as usize {
             let c = le32(&img, i * 4);
             let cstart = start + i as u64 * child_span;
-            if c == 0 || cstart + child_span <= from {
+            if c == 0 || cstart + child_span <= from || cstart >= to {
                 continue;
             }
             self.check_data_block(c)?;
-            if from <= cstart {
+            if from <= cstart && cstart + child_span <= to {
                 if level > 1 {
                     self.collect_subtree(c, level - 1, frees)?;
                 } else {
@@ -610,7 +611,7 @@ impl Ext2 {
                 put32(&mut img, i * 4, 0);
                 changed = true;
             } else {
-                self.cut_subtree(c, level - 1, cstart, from, frees, clears)?;
+                self.cut_subtree(c, level - 1, cstart, (from, to), frees, clears)?;
             }
         }
         if changed {
@@ -619,6 +620,167 @@ impl Ext2 {
             }
         }
         Ok(())
+    }
+
+    /// Frees logical blocks `range` of `ino` and writes the inode (with `inode`'s other
+    /// changes) after the cleared pointers; the blocks are freed after both.
+    fn free_range(
+        &self,
+        st: &mut State,
+        ino: u32,
+        inode: &mut Inode,
+        range: (u64, u64),
+    ) -> Result<Head> {
+        let bs = self.geo.bs;
+        let mut frees = Vec::new();
+        let mut clears = Vec::new();
+        self.cut_tree(inode, range, &mut frees, &mut clears)?;
+        inode.blocks = inode.blocks.saturating_sub(frees.len() as u32 * (bs / 512));
+        let head = self.write_inode(st, ino, inode, &clears)?;
+        for h in &clears {
+            self.track(st, ino, Some(*h));
+        }
+        // The blocks are unreachable once the inode (and the cleared pointers) are on
+        // disk.
+        let mut all = clears.clone();
+        all.extend(head);
+        let after = self.join(&all.iter().map(|&x| Some(x)).collect::<Vec<_>>());
+        for b in frees {
+            self.free_block(st, b, after)?;
+        }
+        self.track(st, ino, head);
+        Ok(head)
+    }
+
+    /// fallocate(2): PUNCH_HOLE|KEEP_SIZE frees the blocks inside the range and zeroes
+    /// the partial ones at its edges, as the kernel does for block-mapped files;
+    /// preallocation (mode 0, or KEEP_SIZE inside the file) allocates zeroed blocks for
+    /// the holes in the range — beyond the kernel, which refuses it on such files — so
+    /// later writes there cannot fail for space. ext2 has no unwritten blocks, so the
+    /// zeros are written, and no blocks may lie past the size (e2fsck would object):
+    /// KEEP_SIZE past the end is refused. Other modes are not supported.
+    pub(crate) fn do_fallocate(
+        &self,
+        st: &mut State,
+        ino: u32,
+        offset: u64,
+        length: u64,
+        mode: i32,
+    ) -> Result<()> {
+        const KEEP_SIZE: i32 = libc::FALLOC_FL_KEEP_SIZE;
+        const PUNCH: i32 = libc::FALLOC_FL_PUNCH_HOLE;
+        if mode & !(KEEP_SIZE | PUNCH) != 0 || mode == PUNCH {
+            return Err(FsError::NotSupported);
+        }
+        if length == 0 {
+            return Err(FsError::Invalid("fallocate of zero bytes"));
+        }
+        let mut inode = self.read_live_inode(st, ino)?;
+        if inode.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        if !inode.is_reg() {
+            return Err(FsError::NoDevice);
+        }
+        let flags = inode.flags;
+        if flags & quilt_vfs::flags::IMMUTABLE != 0
+            || (flags & quilt_vfs::flags::APPEND != 0 && mode & PUNCH != 0)
+        {
+            return Err(FsError::Perm);
+        }
+        let bs = self.geo.bs as u64;
+        let end = offset.saturating_add(length);
+        if mode & PUNCH != 0 {
+            // Past the size, up to the end of the last block (its bytes past the size are
+            // zeros already), as the kernel rounds.
+            let end = end.min(inode.size.div_ceil(bs) * bs);
+            if offset >= end {
+                return Ok(());
+            }
+            // Whole blocks inside are freed; the partial ones at the edges keep their
+            // other bytes.
+            let (first_full, last_full) = (offset.div_ceil(bs), end / bs);
+            let partial = if first_full > last_full {
+                vec![(offset, end)]
+            } else {
+                [(offset, first_full * bs), (last_full * bs, end)]
+                    .into_iter()
+                    .filter(|(a, b)| a < b)
+                    .collect()
+            };
+            for (from, to) in partial {
+                let phys = self.bmap(&inode, from / bs)?;
+                if phys != 0 {
+                    let zeros = vec![0u8; (to - from) as usize];
+                    let h = self.put(phys, (from % bs) as usize, &zeros, &[], true)?;
+                    self.track(st, ino, h);
+                }
+            }
+            Self::touch_times(&mut inode, true, true);
+            self.free_range(st, ino, &mut inode, (first_full, last_full.max(first_full)))?;
+            return Ok(());
+        }
+        if end > self.max_file_size() {
+            return Err(FsError::TooBig);
+        }
+        if mode & KEEP_SIZE != 0 && end > inode.size.div_ceil(bs) * bs {
+            return Err(FsError::NotSupported);
+        }
+        let zeros = vec![0u8; bs as usize];
+        let mut goal = self.goal_for(st, ino, &inode, offset / bs);
+        let mut deferred: Vec<PatchId> = Vec::new();
+        let mut result = Ok(());
+        // Logical blocks below this are mapped (from `offset` on).
+        let mut reached = offset / bs;
+        for lblk in offset / bs..end.div_ceil(bs) {
+            match self.bmap(&inode, lblk) {
+                Ok(0) => {}
+                Ok(p) => {
+                    goal = p + 1;
+                    reached = lblk + 1;
+                    continue;
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+            match self.bmap_alloc(
+                st,
+                ino,
+                &mut inode,
+                lblk,
+                &zeros,
+                &[],
+                true,
+                goal,
+                Some(&mut deferred),
+            ) {
+                Ok((b, h)) => {
+                    goal = b + 1;
+                    reached = lblk + 1;
+                    self.track(st, ino, Some(h));
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        if mode & KEEP_SIZE == 0 {
+            // On failure what was allocated stays, and the size covers it: blocks past
+            // the size would make the inode invalid.
+            let covered = if result.is_ok() {
+                end
+            } else {
+                (reached * bs).min(end)
+            };
+            inode.size = inode.size.max(covered);
+        }
+        Self::touch_times(&mut inode, false, true);
+        let h = self.write_inode(st, ino, &inode, &deferred)?;
+        self.track(st, ino, h);
+        result
     }
 
     /// Shrinks or grows `ino` to `size`; writes the inode (with `inode`'s other changes).
@@ -645,27 +807,8 @@ impl Ext2 {
                 }
             }
             let from = size.div_ceil(bs);
-            let mut frees = Vec::new();
-            let mut clears = Vec::new();
-            self.cut_tree(inode, from, &mut frees, &mut clears)?;
-            inode.blocks = inode
-                .blocks
-                .saturating_sub(frees.len() as u32 * (bs as u32 / 512));
             inode.size = size;
-            let head = self.write_inode(st, ino, inode, &clears)?;
-            for h in &clears {
-                self.track(st, ino, Some(*h));
-            }
-            // The blocks are unreachable once the inode (and the cleared pointers) are
-            // on disk.
-            let mut all = clears.clone();
-            all.extend(head);
-            let after = self.join(&all.iter().map(|&x| Some(x)).collect::<Vec<_>>());
-            for b in frees {
-                self.free_block(st, b, after)?;
-            }
-            self.track(st, ino, head);
-            return Ok(head);
+            return self.free_range(st, ino, inode, (from, u64::MAX));
         }
         inode.size = size;
         let h = self.write_inode(st, ino, inode, &[])?;
@@ -683,7 +826,7 @@ impl Ext2 {
         if inode.has_block_map() {
             let mut copy = inode.clone();
             let mut clears = Vec::new();
-            self.cut_tree(&mut copy, 0, &mut frees, &mut clears)?;
+            self.cut_tree(&mut copy, (0, u64::MAX), &mut frees, &mut clears)?;
         }
         if inode.file_acl != 0 {
             frees.push(inode.file_acl);

@@ -889,3 +889,50 @@ fn immutable_and_append_only_flags_refuse_changes_and_persist() {
     fs.set_flags(i, 0, &c()).unwrap();
     fs.unlink(fs.root(), b"i", &c()).unwrap();
 }
+
+#[test]
+fn fallocate_punches_holes_and_preallocates_zeroed_blocks() {
+    const KEEP: i32 = libc::FALLOC_FL_KEEP_SIZE;
+    const PUNCH: i32 = libc::FALLOC_FL_PUNCH_HOLE;
+    let (dev, fs) = fresh_with(8192, 4096, Mode::SoftUpdates);
+    let r = fs.root();
+    let f = fs.mknod(r, b"f", REG, 0, &c()).unwrap().ino;
+    fs.write(f, 0, &vec![7u8; 1100 * 4096], &c()).unwrap();
+    let before = fs.getattr(f).unwrap().blocks;
+    // The whole single-indirect range: 1024 data blocks and the indirect block go.
+    fs.fallocate(f, 12 * 4096, 1024 * 4096, PUNCH | KEEP, &c())
+        .unwrap();
+    assert_eq!(before - fs.getattr(f).unwrap().blocks, 1025 * 8);
+    assert_eq!(fs.seek_data(f, 12 * 4096, true).unwrap(), 1036 * 4096);
+    // Inside one block: zeros there, the rest kept.
+    fs.fallocate(f, 100, 200, PUNCH | KEEP, &c()).unwrap();
+    let head = fs.read(f, 0, 400).unwrap();
+    assert!(head[..100].iter().all(|&b| b == 7) && head[100..300].iter().all(|&b| b == 0));
+    assert!(head[300..].iter().all(|&b| b == 7));
+    assert_eq!(
+        fs.fallocate(f, 0, 4096, PUNCH, &c()),
+        Err(FsError::NotSupported)
+    );
+    // Preallocation: zeroed blocks, the size grows with mode 0 only.
+    let p = fs.mknod(r, b"p", REG, 0, &c()).unwrap().ino;
+    fs.fallocate(p, 0, 10 * 4096 + 1, 0, &c()).unwrap();
+    let a = fs.getattr(p).unwrap();
+    assert_eq!((a.size, a.blocks), (10 * 4096 + 1, 11 * 8));
+    assert!(fs.read(p, 0, 50_000).unwrap().iter().all(|&b| b == 0));
+    assert_eq!(
+        fs.fallocate(p, 10 * 4096, 8 * 4096, KEEP, &c()),
+        Err(FsError::NotSupported),
+        "no blocks past the size on ext2"
+    );
+    // No room: what was allocated is covered by the size, so the image stays valid.
+    let big = fs.mknod(r, b"big", REG, 0, &c()).unwrap().ino;
+    assert_eq!(
+        fs.fallocate(big, 0, 64 << 20, 0, &c()),
+        Err(FsError::NoSpace)
+    );
+    let a = fs.getattr(big).unwrap();
+    assert!(a.size > 0 && a.size.div_ceil(4096) * 8 <= a.blocks, "{a:?}");
+    let (_dev, fs) = remount(&dev, fs);
+    let p = fs.lookup(fs.root(), b"p").unwrap().ino;
+    assert_eq!(fs.getattr(p).unwrap().size, 10 * 4096 + 1);
+}

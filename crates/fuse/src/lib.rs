@@ -790,8 +790,22 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                     Err(e) => reply.error(errno(e)),
                 }
             }
-            // Not served yet: ENOSYS makes the kernel answer EOPNOTSUPP (fallocate),
-            // and stop asking.
+            Op::Fallocate {
+                offset,
+                length,
+                mode,
+                ..
+            } => {
+                let _t = self.stats.time(Stat::Fallocate);
+                if ino == CONTROL_INO {
+                    return reply.error(libc::EPERM);
+                }
+                let r =
+                    self.fs
+                        .fallocate(fs_ino(ino), *offset, *length, *mode as i32, &self.ctx(req));
+                self.reply_unit(r, reply);
+            }
+            // Not served: ENOSYS makes the kernel answer EOPNOTSUPP and stop asking.
             _ => reply.error(libc::ENOSYS),
         }
     }

@@ -23,7 +23,7 @@ ops! {
     Fsync => "fsync", Readdir => "readdir", Fsyncdir => "fsyncdir", Statfs => "statfs",
     Setxattr => "setxattr", Getxattr => "getxattr", Listxattr => "listxattr",
     Removexattr => "removexattr", Access => "access", Create => "create", Ioctl => "ioctl",
-    Syncfs => "syncfs", Lseek => "lseek",
+    Syncfs => "syncfs", Lseek => "lseek", Fallocate => "fallocate",
 }
 
 /// Counts and server time per request kind; shared with whoever reports them.

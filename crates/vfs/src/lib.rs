@@ -203,6 +203,9 @@ pub enum FsError {
     CrossDevice,
     #[error("device busy")]
     Busy,
+    /// fallocate of something that is not a regular file (ENODEV).
+    #[error("not a regular file")]
+    NoDevice,
     /// SEEK_DATA or SEEK_HOLE at or past the end of the file (ENXIO).
     #[error("no data at or after that offset")]
     NoData,
@@ -238,6 +241,7 @@ impl FsError {
             FsError::NotSupported => libc::EOPNOTSUPP,
             FsError::CrossDevice => libc::EXDEV,
             FsError::Busy => libc::EBUSY,
+            FsError::NoDevice => libc::ENODEV,
             FsError::NoData => libc::ENXIO,
             FsError::Corrupt(_) => libc::EIO,
             FsError::Io(_) => libc::EIO,
@@ -269,6 +273,7 @@ impl FsError {
             libc::EOPNOTSUPP => FsError::NotSupported,
             libc::EXDEV => FsError::CrossDevice,
             libc::EBUSY => FsError::Busy,
+            libc::ENODEV => FsError::NoDevice,
             libc::ENXIO => FsError::NoData,
             libc::EIO => FsError::Io("EIO".into()),
             other => FsError::Io(format!("errno {other}")),
