@@ -27,6 +27,10 @@
 #  9. fallocate: PUNCH_HOLE|KEEP_SIZE in every shape, the refused modes and descriptors
 #     (tests/fallocate.py punch); preallocation, which the kernel refuses on ext2 and
 #     quiltfs does, checked against its own expectations; remount, e2fsck.
+# 10. Damage found while mounted (a garbage directory block): EIO, the superblock marked
+#     with errors and the kernel's error record (count, block), then errors=continue
+#     going on and errors=remount-ro (the default) refusing changes, as the kernel's
+#     driver does with the same option; e2fsck -p then checks the image.
 # Needs root. Usage: tests/kernel-parity.sh [QUILTFS_BINARY]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -227,5 +231,36 @@ fsck_clean "$work/fq.img"
 "$q" mount "$work/fq.img" "$m" >/dev/null
 [ "$(sha256sum <"$m/f/p")" = "$sha" ] || fail "a preallocated file changed across a remount"
 umount "$m"
+
+echo "kernel-parity: errors on disk"
+rm -f "$work/e.img"
+"$q" mkfs "$work/e.img" --size 64M >/dev/null
+"$q" mount "$work/e.img" "$m" >/dev/null
+mkdir "$m/d"; for i in $(seq 1 30); do echo "$i" >"$m/d/f$i"; done; echo data >"$m/f"; umount "$m"
+blk=$(debugfs -R "bmap /d 0" "$work/e.img" 2>/dev/null)
+[ -n "$blk" ] && [ "$blk" -gt 0 ] || fail "no directory block found"
+printf '\377%.0s' $(seq 1 64) | dd of="$work/e.img" bs=1 seek=$((blk * 4096)) conv=notrunc status=none
+errstate() { dumpe2fs -h "$1" 2>/dev/null | grep -E "^(Filesystem state|FS Error count|First error block #|Last error block #):" | tr -s ' '; }
+for opt in continue remount-ro default; do
+  cp --sparse=always "$work/e.img" "$work/ek.img"; cp --sparse=always "$work/e.img" "$work/eq.img"
+  kopt=$opt; [ "$opt" = default ] && kopt=remount-ro   # the kernel's default follows the superblock (continue)
+  mount -o "loop,errors=$kopt" "$work/ek.img" "$k"
+  ls "$k/d" >/dev/null 2>&1 || true
+  kt=0; touch "$k/new" 2>/dev/null || kt=$?
+  umount "$k"
+  o=(); [ "$opt" = default ] || o=(-o "errors=$opt")
+  "$q" mount "$work/eq.img" "$m" "${o[@]}" >/dev/null
+  ls "$m/d" >/dev/null 2>"$work/ls.err" && fail "errors=$opt: a damaged directory listed without error"
+  grep -q "Input/output error" "$work/ls.err" || fail "errors=$opt: not EIO: $(cat "$work/ls.err")"
+  [ "$(cat "$m/f")" = data ] || fail "errors=$opt: an undamaged file is unreadable"
+  qt=0; touch "$m/new" 2>/dev/null || qt=$?
+  umount "$m"
+  [ "$kt" = "$qt" ] || fail "errors=$opt: creating a file after the error: kernel rc $kt, quiltfs rc $qt"
+  errstate "$work/ek.img" >"$work/es.kernel"; errstate "$work/eq.img" >"$work/es.ours"
+  grep -q "with errors" "$work/es.kernel" || fail "the kernel did not mark the error: $(cat "$work/es.kernel")"
+  diff -u "$work/es.kernel" "$work/es.ours" || fail "errors=$opt: the superblock's error record differs from the kernel's"
+  e2fsck -p "$work/eq.img" >"$work/fsck.out" 2>&1 && fail "e2fsck -p finds nothing to check: $(cat "$work/fsck.out")"
+  grep -q "contains a file system with errors, check forced" "$work/fsck.out" || fail "e2fsck -p did not check: $(cat "$work/fsck.out")"
+done
 
 echo "kernel-parity: all checks passed"

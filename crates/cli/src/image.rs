@@ -304,6 +304,8 @@ pub struct OpenSettings {
     pub overlap_merge: bool,
     /// POSIX ACLs (`acl`, the default; `noacl`).
     pub acl: bool,
+    /// After damage is found: `errors=remount-ro` (the default) or `continue`.
+    pub errors: quilt_ext2::Errors,
 }
 
 impl Default for OpenSettings {
@@ -317,6 +319,7 @@ impl Default for OpenSettings {
             hard_patches: true,
             overlap_merge: true,
             acl: true,
+            errors: quilt_ext2::Errors::default(),
         }
     }
 }
@@ -358,6 +361,7 @@ pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
             mode: s.mode,
             read_only: s.read_only,
             acl: s.acl,
+            errors: s.errors,
         },
     )
     .with_context(|| format!("cannot mount {}", image.display()))?;

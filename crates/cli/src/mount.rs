@@ -33,7 +33,8 @@ pub struct MountArgs {
     #[arg(long, default_value_t = 128)]
     pub cache_mib: usize,
     /// Comma-separated options: ro, rw, allow_other, mode=M, unsafe, cache_mib=N,
-    /// acl (POSIX ACLs, the default) or noacl,
+    /// acl (POSIX ACLs, the default) or noacl, errors=remount-ro (the default: after
+    /// damage is found, marked in the superblock, no more changes) or errors=continue,
     /// flusher_ms=N (background write-back every N ms, 1000 by default; 0: only when
     /// memory, fsync, sync or unmount ask),
     /// wbcache (the kernel's writeback cache: fewer, larger writes, but errors such as
@@ -79,6 +80,7 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
             ("nomerge", None) => settings.overlap_merge = false,
             ("acl", None) => settings.acl = true,
             ("noacl", None) => settings.acl = false,
+            ("errors", Some(e)) => settings.errors = e.parse().map_err(anyhow::Error::msg)?,
             ("mode", Some(m)) => settings.mode = m.parse().map_err(anyhow::Error::msg)?,
             ("cache_mib", Some(n)) => settings.cache_mib = n.parse().context("cache_mib=N")?,
             ("flusher_ms", Some(n)) => {

@@ -14,6 +14,15 @@ use crate::fs::{check_name, Ext2, Head, State};
 use quilt_patch::PatchId;
 use quilt_vfs::{Attr, Ctx, DirEntry, FileType, FsError, Ino, RenameFlags, Result};
 
+/// A directory block's entries; damage is reported with the block's number (the
+/// superblock's error record and the log name it).
+fn parse_dir(phys: u32, d: &[u8], filetype: bool) -> Result<Vec<RawDirent<'_>>> {
+    parse_dir_block(d, filetype).map_err(|e| match e {
+        FsError::Corrupt(m) => corrupt(format!("directory block {phys}: {m}")),
+        e => e,
+    })
+}
+
 /// A directory entry found by name.
 #[derive(Debug, Clone)]
 pub(crate) struct Found {
@@ -49,7 +58,7 @@ impl Ext2 {
                 .engine
                 .with_block(phys as u64, |d| -> Result<Option<Found>> {
                     let mut prev = None;
-                    for e in parse_dir_block(d, self.geo.filetype)? {
+                    for e in parse_dir(phys, d, self.geo.filetype)? {
                         if e.inode != 0 && e.name == name {
                             return Ok(Some(Found {
                                 phys,
@@ -96,7 +105,7 @@ impl Ext2 {
             let slot = self
                 .engine
                 .with_block(phys as u64, |d| -> Result<Option<(usize, usize, usize)>> {
-                    for e in parse_dir_block(d, self.geo.filetype)? {
+                    for e in parse_dir(phys, d, self.geo.filetype)? {
                         let used = if e.inode == 0 {
                             0
                         } else {
@@ -193,7 +202,7 @@ impl Ext2 {
             let empty = self
                 .engine
                 .with_block(phys as u64, |d| -> Result<bool> {
-                    Ok(parse_dir_block(d, self.geo.filetype)?
+                    Ok(parse_dir(phys, d, self.geo.filetype)?
                         .iter()
                         .all(|e| e.inode == 0 || e.name == b"." || e.name == b".."))
                 })
@@ -225,7 +234,7 @@ impl Ext2 {
             let entries: Vec<(usize, u32, usize, u8, Vec<u8>)> = self
                 .engine
                 .with_block(phys as u64, |d| -> Result<_> {
-                    Ok(parse_dir_block(d, self.geo.filetype)?
+                    Ok(parse_dir(phys, d, self.geo.filetype)?
                         .into_iter()
                         .map(|e| (e.offset, e.inode, e.rec_len, e.file_type, e.name.to_vec()))
                         .collect())

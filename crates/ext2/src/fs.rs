@@ -67,6 +67,31 @@ pub struct MountOptions {
     /// POSIX ACLs (the `acl` mount option, on by default as for the kernel; `noacl`
     /// makes `system.posix_acl_*` answer "not supported" and ignores default ACLs).
     pub acl: bool,
+    /// What follows the discovery of damage on the image (`errors=`).
+    pub errors: Errors,
+}
+
+/// The `errors=` mount option: after an operation finds the image damaged (and fails
+/// with EIO), the superblock is marked as having errors, so the next boot's `e2fsck -p`
+/// checks it; then the mount goes on (`Continue`) or takes no more changes (`RemountRo`,
+/// the default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Errors {
+    Continue,
+    #[default]
+    RemountRo,
+}
+
+impl std::str::FromStr for Errors {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Errors, String> {
+        match s {
+            "continue" => Ok(Errors::Continue),
+            "remount-ro" => Ok(Errors::RemountRo),
+            "panic" => Err("errors=panic is not supported (continue or remount-ro)".into()),
+            _ => Err(format!("unknown errors={s} (continue or remount-ro)")),
+        }
+    }
 }
 
 impl Default for MountOptions {
@@ -75,6 +100,7 @@ impl Default for MountOptions {
             mode: Mode::default(),
             read_only: false,
             acl: true,
+            errors: Errors::default(),
         }
     }
 }
@@ -181,6 +207,12 @@ pub struct Ext2 {
     pub(crate) read_only: bool,
     /// POSIX ACLs on (see `MountOptions::acl`).
     pub(crate) acl: bool,
+    /// What to do after finding the image damaged (see `MountOptions::errors`).
+    pub(crate) errors: Errors,
+    /// Damage found that the superblock does not record yet (`checked`).
+    pub(crate) pending_error: Mutex<Option<String>>,
+    /// Damage was found under `Errors::RemountRo`: no more changes.
+    pub(crate) errored: std::sync::atomic::AtomicBool,
     pub(crate) st: Mutex<State>,
     /// The running ext3 journal in the journal modes (read-write).
     pub(crate) journal: Option<quilt_journal::Journal>,
@@ -314,6 +346,9 @@ impl Ext2 {
             mode: opts.mode,
             read_only,
             acl: opts.acl,
+            errors: opts.errors,
+            pending_error: Mutex::new(None),
+            errored: std::sync::atomic::AtomicBool::new(false),
             st: Mutex::new(State {
                 sb: sb.clone(),
                 gd,
@@ -400,6 +435,16 @@ impl Ext2 {
         if self.read_only {
             return Ok(());
         }
+        if self.errored.load(Relaxed) {
+            // Read-only after errors: what was acknowledged goes to disk, and the image
+            // stays marked as not clean, with errors, for e2fsck.
+            let st = self.lock();
+            drop(st);
+            if let Some(j) = &self.journal {
+                j.commit().map_err(crate::journal::jerr)?;
+            }
+            return self.engine.sync().map_err(Self::io);
+        }
         let mut st = self.lock();
         let orphans: Vec<u32> = st.orphans.drain().collect();
         for ino in orphans {
@@ -423,16 +468,89 @@ impl Ext2 {
 
     /// Locks the state for an operation made on no process's behalf.
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        let st = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self.st.lock().unwrap_or_else(|e| e.into_inner());
         self.caller.store(0, Relaxed);
         self.privileged.store(true, Relaxed);
+        self.record_pending_error(&mut st);
         st
+    }
+
+    /// An operation's result on its way out: damage it found is logged and recorded in
+    /// the superblock (now if the state is free, else by the next operation to lock it),
+    /// and under `errors=remount-ro` the mount takes no more changes.
+    pub(crate) fn checked<T>(&self, r: Result<T>) -> Result<T> {
+        let Err(FsError::Corrupt(msg)) = &r else {
+            return r;
+        };
+        tracing::error!("file system error: {msg}");
+        if self.read_only {
+            return r;
+        }
+        self.pending_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(|| msg.clone());
+        if self.errors == Errors::RemountRo && !self.errored.swap(true, Relaxed) {
+            tracing::error!("remounting read-only (errors=remount-ro)");
+        }
+        if let Ok(mut st) = self.st.try_lock() {
+            self.caller.store(0, Relaxed);
+            self.record_pending_error(&mut st);
+        }
+        r
+    }
+
+    /// Marks the superblock as having errors, with the kernel's error record (count,
+    /// first and last time, inode and block), and makes it durable.
+    fn record_pending_error(&self, st: &mut State) {
+        let Some(msg) = self
+            .pending_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        else {
+            return;
+        };
+        st.sb.state |= STATE_ERROR;
+        let r = self.write_super(st).and_then(|()| {
+            let (ino, blk) = error_subject(&msg);
+            let now = quilt_vfs::Timespec::now().sec as u32;
+            let mut raw = self
+                .engine
+                .with_block(self.geo.sb_block as u64, |d| {
+                    d[self.geo.sb_off..self.geo.sb_off + SUPERBLOCK_SIZE].to_vec()
+                })
+                .map_err(Self::io)?;
+            let count = le32(&raw, 0x194);
+            put32(&mut raw, 0x194, count.saturating_add(1));
+            let func = |b: &mut [u8], at: usize| {
+                b[at..at + 32].fill(0);
+                b[at..at + 7].copy_from_slice(b"quiltfs");
+            };
+            if count == 0 {
+                put32(&mut raw, 0x198, now);
+                put32(&mut raw, 0x19C, ino);
+                raw[0x1A0..0x1A8].copy_from_slice(&blk.to_le_bytes());
+                func(&mut raw, 0x1A8);
+            }
+            put32(&mut raw, 0x1CC, now);
+            put32(&mut raw, 0x1D0, ino);
+            raw[0x1D8..0x1E0].copy_from_slice(&blk.to_le_bytes());
+            func(&mut raw, 0x1E0);
+            self.put(self.geo.sb_block, self.geo.sb_off, &raw, &[], false)?;
+            self.engine.sync().map_err(Self::io)
+        });
+        if let Err(e) = r {
+            tracing::error!("could not mark the superblock as having errors: {e}");
+        }
     }
 
     /// Locks the state for an operation made for `ctx`'s process: its changes join the
     /// patchgroups that process has engaged.
     pub(crate) fn lock_for(&self, ctx: &Ctx) -> MutexGuard<'_, State> {
-        let st = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        self.caller.store(0, Relaxed);
+        self.record_pending_error(&mut st);
         self.caller.store(ctx.pid as u64, Relaxed);
         let (resuid, resgid) = (st.sb.def_resuid as u32, st.sb.def_resgid as u32);
         let privileged = ctx.uid == 0 || ctx.uid == resuid || (resgid != 0 && ctx.gid == resgid);
@@ -495,7 +613,7 @@ impl Ext2 {
     }
 
     pub(crate) fn check_writable(&self) -> Result<()> {
-        if self.read_only {
+        if self.read_only || self.errored.load(Relaxed) {
             Err(FsError::ReadOnly)
         } else {
             Ok(())
@@ -732,6 +850,21 @@ impl Ext2 {
     }
 }
 
+/// The inode and block a damage report names ("inode N", "block N"), 0 where it names
+/// none: for the superblock's error record.
+fn error_subject(msg: &str) -> (u32, u64) {
+    let after = |word: &str| -> u64 {
+        msg.split(word)
+            .nth(1)
+            .and_then(|rest| {
+                let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+                digits.parse().ok()
+            })
+            .unwrap_or(0)
+    };
+    (after("inode ") as u32, after("block "))
+}
+
 pub(crate) fn check_name(name: &[u8]) -> Result<()> {
     if name.is_empty() || name.contains(&b'/') || name.contains(&0) {
         return Err(FsError::Invalid("bad file name"));
@@ -752,17 +885,23 @@ impl FileSystem for Ext2 {
             return Err(FsError::NameTooLong);
         }
         let st = self.lock();
-        let dir = self.read_live_inode(&st, Self::to_ino(parent)?)?;
-        if !dir.is_dir() {
-            return Err(FsError::NotDir);
-        }
-        let e = self.find_entry(&dir, name)?.ok_or(FsError::NotFound)?;
-        self.attr(&st, e.inode)
+        let r = (|| {
+            let dir = self.read_live_inode(&st, Self::to_ino(parent)?)?;
+            if !dir.is_dir() {
+                return Err(FsError::NotDir);
+            }
+            let e = self.find_entry(&dir, name)?.ok_or(FsError::NotFound)?;
+            self.attr(&st, e.inode)
+        })();
+        drop(st);
+        self.checked(r)
     }
 
     fn getattr(&self, ino: Ino) -> Result<Attr> {
         let st = self.lock();
-        self.attr(&st, Self::to_ino(ino)?)
+        let r = self.attr(&st, Self::to_ino(ino)?);
+        drop(st);
+        self.checked(r)
     }
 
     fn setattr(&self, ino: Ino, set: SetAttr, ctx: &Ctx) -> Result<Attr> {
@@ -770,7 +909,8 @@ impl FileSystem for Ext2 {
         let mut st = self.lock_for(ctx);
         let r = self.do_setattr(&mut st, Self::to_ino(ino)?, set);
         self.flush_groups(&mut st)?;
-        r
+        drop(st);
+        self.checked(r)
     }
 
     fn mknod(&self, parent: Ino, name: &[u8], mode: u32, rdev: u32, ctx: &Ctx) -> Result<Attr> {
@@ -787,7 +927,7 @@ impl FileSystem for Ext2 {
         self.flush_groups(&mut st)?;
         drop(st);
         self.sync_dirs(&r, &[parent])?;
-        r
+        self.checked(r)
     }
 
     fn tmpfile(&self, parent: Ino, mode: u32, ctx: &Ctx) -> Result<Attr> {
@@ -797,7 +937,7 @@ impl FileSystem for Ext2 {
         self.flush_groups(&mut st)?;
         drop(st);
         self.sync_dirs(&r, &[parent])?;
-        r
+        self.checked(r)
     }
 
     fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
@@ -808,7 +948,7 @@ impl FileSystem for Ext2 {
         self.flush_groups(&mut st)?;
         drop(st);
         self.sync_dirs(&r, &[parent])?;
-        r
+        self.checked(r)
     }
 
     fn unlink(&self, parent: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
@@ -818,7 +958,7 @@ impl FileSystem for Ext2 {
         self.flush_groups(&mut st)?;
         drop(st);
         self.sync_dirs(&r, &[parent])?;
-        r
+        self.checked(r)
     }
 
     fn rmdir(&self, parent: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
@@ -828,7 +968,7 @@ impl FileSystem for Ext2 {
         self.flush_groups(&mut st)?;
         drop(st);
         self.sync_dirs(&r, &[parent])?;
-        r
+        self.checked(r)
     }
 
     fn symlink(&self, parent: Ino, name: &[u8], target: &[u8], ctx: &Ctx) -> Result<Attr> {
@@ -852,12 +992,14 @@ impl FileSystem for Ext2 {
         self.flush_groups(&mut st)?;
         drop(st);
         self.sync_dirs(&r, &[parent])?;
-        r
+        self.checked(r)
     }
 
     fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {
         let st = self.lock();
-        self.do_readlink(&st, Self::to_ino(ino)?)
+        let r = self.do_readlink(&st, Self::to_ino(ino)?);
+        drop(st);
+        self.checked(r)
     }
 
     fn rename(
@@ -883,7 +1025,7 @@ impl FileSystem for Ext2 {
         self.flush_groups(&mut st)?;
         drop(st);
         self.sync_dirs(&r, &[parent, new_parent])?;
-        r
+        self.checked(r)
     }
 
     fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8], ctx: &Ctx) -> Result<Attr> {
@@ -898,12 +1040,14 @@ impl FileSystem for Ext2 {
         self.flush_groups(&mut st)?;
         drop(st);
         self.sync_dirs(&r, &[new_parent])?;
-        r
+        self.checked(r)
     }
 
     fn read(&self, ino: Ino, offset: u64, size: u32) -> Result<Vec<u8>> {
         let st = self.lock();
-        self.do_read(&st, Self::to_ino(ino)?, offset, size)
+        let r = self.do_read(&st, Self::to_ino(ino)?, offset, size);
+        drop(st);
+        self.checked(r)
     }
 
     fn write(&self, ino: Ino, offset: u64, data: &[u8], ctx: &Ctx) -> Result<u32> {
@@ -915,7 +1059,7 @@ impl FileSystem for Ext2 {
         if r.is_ok() && self.wants_sync(Self::to_ino(ino)?, false) {
             self.fsync(ino, false)?;
         }
-        r
+        self.checked(r)
     }
 
     fn fallocate(&self, ino: Ino, offset: u64, length: u64, mode: i32, ctx: &Ctx) -> Result<()> {
@@ -927,12 +1071,14 @@ impl FileSystem for Ext2 {
         if r.is_ok() && self.wants_sync(Self::to_ino(ino)?, false) {
             self.fsync(ino, false)?;
         }
-        r
+        self.checked(r)
     }
 
     fn get_flags(&self, ino: Ino) -> Result<u32> {
         let st = self.lock();
-        self.do_get_flags(&st, Self::to_ino(ino)?)
+        let r = self.do_get_flags(&st, Self::to_ino(ino)?);
+        drop(st);
+        self.checked(r)
     }
 
     fn set_flags(&self, ino: Ino, flags: u32, ctx: &Ctx) -> Result<()> {
@@ -940,7 +1086,8 @@ impl FileSystem for Ext2 {
         let mut st = self.lock_for(ctx);
         let r = self.do_set_flags(&mut st, Self::to_ino(ino)?, flags, ctx);
         self.flush_groups(&mut st)?;
-        r
+        drop(st);
+        self.checked(r)
     }
 
     fn check_open(&self, ino: Ino, open_flags: i32, _ctx: &Ctx) -> Result<()> {
@@ -950,12 +1097,16 @@ impl FileSystem for Ext2 {
 
     fn seek_data(&self, ino: Ino, offset: u64, data: bool) -> Result<u64> {
         let st = self.lock();
-        self.do_seek_data(&st, Self::to_ino(ino)?, offset, data)
+        let r = self.do_seek_data(&st, Self::to_ino(ino)?, offset, data);
+        drop(st);
+        self.checked(r)
     }
 
     fn readdir(&self, ino: Ino, offset: u64, emit: &mut dyn FnMut(DirEntry) -> bool) -> Result<()> {
         let st = self.lock();
-        self.do_readdir(&st, Self::to_ino(ino)?, offset, emit)
+        let r = self.do_readdir(&st, Self::to_ino(ino)?, offset, emit);
+        drop(st);
+        self.checked(r)
     }
 
     fn statfs(&self) -> Result<StatFs> {
@@ -1048,17 +1199,22 @@ impl FileSystem for Ext2 {
         let mut st = self.lock_for(ctx);
         let r = self.do_setxattr(&mut st, Self::to_ino(ino)?, name, Some(value), flags, ctx);
         self.flush_groups(&mut st)?;
-        r
+        drop(st);
+        self.checked(r)
     }
 
     fn getxattr(&self, ino: Ino, name: &[u8]) -> Result<Vec<u8>> {
         let st = self.lock();
-        self.do_getxattr(&st, Self::to_ino(ino)?, name)
+        let r = self.do_getxattr(&st, Self::to_ino(ino)?, name);
+        drop(st);
+        self.checked(r)
     }
 
     fn listxattr(&self, ino: Ino) -> Result<Vec<u8>> {
         let st = self.lock();
-        self.do_listxattr(&st, Self::to_ino(ino)?)
+        let r = self.do_listxattr(&st, Self::to_ino(ino)?);
+        drop(st);
+        self.checked(r)
     }
 
     fn removexattr(&self, ino: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
@@ -1073,7 +1229,8 @@ impl FileSystem for Ext2 {
             ctx,
         );
         self.flush_groups(&mut st)?;
-        r
+        drop(st);
+        self.checked(r)
     }
 
     fn open(&self, ino: Ino) -> Result<()> {

@@ -25,5 +25,5 @@ mod fs;
 mod inode;
 mod xattr;
 
-pub use fs::{Ext2, Mode, MountOptions};
+pub use fs::{Errors, Ext2, Mode, MountOptions};
 pub use mkfs::{mkfs, MkfsOptions};

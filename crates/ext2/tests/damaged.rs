@@ -217,3 +217,55 @@ fn clear_errors_for_wrong_images() {
     assert!(err.to_string().contains("image holds only"), "{err}");
     let _ = MemDevice::block_size;
 }
+
+#[test]
+fn damage_found_while_mounted_marks_the_superblock_and_follows_errors_option() {
+    use quilt_ext2::format::{Superblock, STATE_ERROR};
+    use quilt_ext2::Errors;
+    let clean = populated();
+    // The root directory's first block, from inode 2 of group 0's table.
+    let le32 = |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap()) as usize;
+    let it = le32(&clean, 2 * BS + 8);
+    let dir_block = le32(&clean, it * BS + 256 + 0x28);
+    for errors in [Errors::RemountRo, Errors::Continue] {
+        let mut img = clean.clone();
+        img[dir_block * BS..dir_block * BS + 64].fill(0xff);
+        let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
+        let engine = Engine::new(dev.clone(), EngineOptions::default());
+        let opts = MountOptions {
+            errors,
+            ..Default::default()
+        };
+        let fs = Ext2::open(engine, opts).unwrap();
+        let err = fs.readdir(fs.root(), 0, &mut |_| true).unwrap_err();
+        assert!(
+            matches!(&err, FsError::Corrupt(m) if m.contains(&format!("block {dir_block}"))),
+            "{err}"
+        );
+        let made = fs.mkdir(fs.root(), b"after", 0o755, &Ctx::root());
+        match errors {
+            Errors::RemountRo => assert_eq!(made.unwrap_err(), FsError::ReadOnly),
+            Errors::Continue => assert!(!matches!(made, Err(FsError::ReadOnly))),
+        }
+        fs.unmount().unwrap();
+        let sb = Superblock::decode(&dev.to_vec()[1024..2048]).unwrap();
+        assert_ne!(
+            sb.state & STATE_ERROR,
+            0,
+            "{errors:?}: the superblock records the error"
+        );
+        let raw = dev.to_vec();
+        // Under continue the mkdir met the damage too: each error is counted.
+        let count = if errors == Errors::Continue { 2 } else { 1 };
+        assert_eq!(
+            le32(&raw, 1024 + 0x194),
+            count,
+            "{errors:?}: errors counted"
+        );
+        assert_eq!(
+            le32(&raw, 1024 + 0x1D8),
+            dir_block,
+            "the damaged block recorded"
+        );
+    }
+}
