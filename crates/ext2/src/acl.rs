@@ -91,11 +91,12 @@ impl Ext2 {
         crate::flags::refuse_if_frozen(&inode)?;
         let parsed = value.map(Acl::from_xattr).transpose()?;
         if idx == ACL_DEFAULT && !inode.is_dir() {
-            return Err(if parsed.is_some() {
-                FsError::Access
+            // As the kernel: refused to set, and nothing to remove.
+            return if parsed.is_some() {
+                Err(FsError::Access)
             } else {
-                FsError::NoAttr
-            });
+                Ok(())
+            };
         }
         let exists = self.find_attr(st, ino, idx, b"")?.is_some();
         if flags.create && exists && parsed.is_some() {
