@@ -209,8 +209,10 @@ pub struct Ext2 {
     pub(crate) acl: bool,
     /// What to do after finding the image damaged (see `MountOptions::errors`).
     pub(crate) errors: Errors,
-    /// Damage found that the superblock does not record yet (`checked`).
+    /// Damage found that the superblock does not record yet (`checked`), and whether
+    /// there is any.
     pub(crate) pending_error: Mutex<Option<String>>,
+    pub(crate) error_waiting: std::sync::atomic::AtomicBool,
     /// Damage was found under `Errors::RemountRo`: no more changes.
     pub(crate) errored: std::sync::atomic::AtomicBool,
     pub(crate) st: Mutex<State>,
@@ -348,6 +350,7 @@ impl Ext2 {
             acl: opts.acl,
             errors: opts.errors,
             pending_error: Mutex::new(None),
+            error_waiting: std::sync::atomic::AtomicBool::new(false),
             errored: std::sync::atomic::AtomicBool::new(false),
             st: Mutex::new(State {
                 sb: sb.clone(),
@@ -490,6 +493,7 @@ impl Ext2 {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get_or_insert_with(|| msg.clone());
+        self.error_waiting.store(true, Relaxed);
         if self.errors == Errors::RemountRo && !self.errored.swap(true, Relaxed) {
             tracing::error!("remounting read-only (errors=remount-ro)");
         }
@@ -503,6 +507,10 @@ impl Ext2 {
     /// Marks the superblock as having errors, with the kernel's error record (count,
     /// first and last time, inode and block), and makes it durable.
     fn record_pending_error(&self, st: &mut State) {
+        // Every operation passes here: only a set flag costs a lock.
+        if !self.error_waiting.swap(false, Relaxed) {
+            return;
+        }
         let Some(msg) = self
             .pending_error
             .lock()
