@@ -32,16 +32,16 @@ for t in "${targets[@]}"; do
       -max_total_time="$secs" -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 \
       -fork=1 -ignore_crashes=1 -ignore_timeouts=1 -ignore_ooms=1 \
       -artifact_prefix="artifacts/$t/") >"$log" 2>&1 || rc=$?
-  crashes=$(find "fuzz/artifacts/$t" -type f | wc -l)
+  crashes=$(find "fuzz/artifacts/$t" -type f -name 'crash-*' | wc -l)
+  timeouts=$(find "fuzz/artifacts/$t" -type f \( -name 'timeout-*' -o -name 'slow-unit-*' \) | wc -l)
   [ "$crashes" = 0 ] || rc=1
-  stats=$(grep -E '^stat::(number_of_executed_units|average_exec_per_sec|new_units_added|peak_rss_mb)' "$log" \
-          | sed 's/^stat:://' | tr -s ' ' | tr '\n' ' ')
-  cov=$(grep -oE 'cov: [0-9]+ ft: [0-9]+ corp: [0-9]+/[^ ]+' "$log" | tail -1)
-  execs=$(grep -oE '^#[0-9]+' "$log" | tail -1)
-  line="$(date -u +%FT%TZ) $t ${secs}s rc=$rc crashes=$crashes execs=${execs#\#} $cov $stats"
+  # Fork mode's progress lines: "#N: cov: C ft: F corp: K exec/s: E oom/timeout/crash: ...".
+  last=$(grep -E '^#[0-9]+: cov:' "$log" | tail -1 || true)
+  line="$(date -u +%FT%TZ) $t ${secs}s rc=$rc crashes=$crashes slow_or_timeouts=$timeouts execs=${last%%:*} ${last#*: }"
   echo "$line" | tee -a fuzz/runs.log
   if [ "$rc" != 0 ]; then
     echo "fuzz: $t found a crash; see $log and fuzz/artifacts/$t/" >&2
-    exit "$rc"
+    failed=1
   fi
 done
+exit "${failed:-0}"
