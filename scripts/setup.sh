@@ -6,12 +6,13 @@ cd "$(dirname "$0")/.."
 
 # Debian packages the stack and its tests use: e2fsprogs (mkfs/e2fsck/debugfs oracles),
 # fuse3 (fusermount3 for the FUSE mount), attr (getfattr/setfattr in the kernel-oracle
-# test), acl (setfacl/getfacl in the kernel-parity test), gcc (the C patchgroup example), fuse2fs and xz-utils/linux-source (the untar
+# test), acl (setfacl/getfacl in the kernel-parity test), gcc (the C patchgroup example),
+# g++ (libFuzzer, built for the fuzz smoke), fuse2fs and xz-utils/linux-source (the untar
 # benchmark, installed by it), dovecot-imapd (the mail benchmark, installed by it),
 # make and fonts-dejavu-core (the Featherstitch suite's build and plots; postmark and
 # fuse2fs are installed by it).
 need=()
-for pkg in e2fsprogs fuse3 attr acl python3 bc gcc make fonts-dejavu-core; do
+for pkg in e2fsprogs fuse3 attr acl python3 bc gcc g++ make fonts-dejavu-core; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
