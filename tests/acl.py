@@ -15,19 +15,12 @@ import os
 import subprocess
 import sys
 
+from userops import as_user, attempt, name
+
 U1, U2, G = 1234, 1235, 50
 
 
-def name(e):
-    return errno.errorcode.get(e, str(e))
 
-
-def attempt(f, *a):
-    try:
-        r = f(*a)
-        return "ok" if r is None else f"ok {r}"
-    except OSError as e:
-        return name(e.errno)
 
 
 def getfacl(p):
@@ -42,28 +35,6 @@ def setfacl(*args):
     return "ok" if r.returncode == 0 else "setfacl: " + r.stderr.strip().split(":")[-1].strip()
 
 
-def as_user(uid, groups, f, *a):
-    """f(*a) in a child running as uid with groups (the first is its gid)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            os.setgroups(groups)
-            os.setresgid(groups[0], groups[0], groups[0])
-            os.setresuid(uid, uid, uid)
-            out = attempt(f, *a)
-        except BaseException as e:  # noqa: BLE001 - reported, never raised in the child
-            out = f"child failed: {e}"
-        os.write(w, out.encode())
-        os._exit(0)
-    os.close(w)
-    out = b""
-    while chunk := os.read(r, 4096):
-        out += chunk
-    os.waitpid(pid, 0)
-    os.close(r)
-    return out.decode()
 
 
 def read(p):

@@ -16,6 +16,9 @@ import os
 import struct
 import sys
 
+import userops
+from userops import attempt, name
+
 GETFLAGS, SETFLAGS = 0x80086601, 0x40086602
 FSGETXATTR, FSSETXATTR = 0x801C581F, 0x401C5820
 SYNC, IMMUTABLE, APPEND, NODUMP, NOATIME = 0x8, 0x10, 0x20, 0x40, 0x80
@@ -23,16 +26,11 @@ DIRSYNC, EXTENTS, TOPDIR = 0x10000, 0x80000, 0x20000
 USER = 1234
 
 
-def name(e):
-    return errno.errorcode.get(e, str(e))
+def as_user(f, *a):
+    return userops.as_user(USER, [USER], f, *a)
 
 
-def attempt(f, *a):
-    try:
-        r = f(*a)
-        return "ok" if r is None else f"ok {r}"
-    except OSError as e:
-        return name(e.errno)
+
 
 
 def get_flags(p):
@@ -59,28 +57,6 @@ def xflags(p):
         os.close(fd)
 
 
-def as_user(f, *a):
-    """f(*a) in a child running as uid/gid USER: its result line."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            os.setgroups([])
-            os.setresgid(USER, USER, USER)
-            os.setresuid(USER, USER, USER)
-            out = attempt(f, *a)
-        except BaseException as e:  # noqa: BLE001 - reported, never raised in the child
-            out = f"child failed: {e}"
-        os.write(w, out.encode())
-        os._exit(0)
-    os.close(w)
-    out = b""
-    while chunk := os.read(r, 4096):
-        out += chunk
-    os.waitpid(pid, 0)
-    os.close(r)
-    return out.decode()
 
 
 def write_file(p, data, flags=os.O_WRONLY):
