@@ -10,14 +10,13 @@ ext2. Run as root, on a mount other users may enter.
 
 setup and probe may run on different mounts of one image (flags set by the kernel
 enforced by quiltfs, and the reverse)."""
-import errno
 import fcntl
 import os
 import struct
 import sys
 
 import userops
-from userops import attempt, name
+from userops import attempt
 
 GETFLAGS, SETFLAGS = 0x80086601, 0x40086602
 FSGETXATTR, FSSETXATTR = 0x801C581F, 0x401C5820
