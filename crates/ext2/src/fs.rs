@@ -899,7 +899,14 @@ impl FileSystem for Ext2 {
                 return Err(FsError::NotDir);
             }
             let e = self.find_entry(&dir, name)?.ok_or(FsError::NotFound)?;
-            self.attr(&st, e.inode)
+            self.attr(&st, e.inode).map_err(|err| match err {
+                FsError::Stale => corrupt(format!(
+                    "directory {parent}: entry '{}' names inode {}, which is not in use",
+                    String::from_utf8_lossy(name),
+                    e.inode
+                )),
+                err => err,
+            })
         })();
         drop(st);
         self.checked(r)

@@ -38,14 +38,16 @@ impl Ext2 {
             .map_err(Self::io)
     }
 
-    /// An inode that must be in use (named by an entry, or open).
+    /// An inode that must be in use (named by an entry, or open). A free one is `Stale`
+    /// for a number the caller gave; where an entry names it, that is damage, which
+    /// `lookup` reports as such.
     pub(crate) fn read_live_inode(&self, st: &State, ino: u32) -> Result<Inode> {
         if ino != ROOT_INO && ino < self.geo.first_ino {
             return Err(FsError::NotFound);
         }
         let inode = self.read_inode(st, ino)?;
         if inode.mode == 0 || (inode.links == 0 && !st.orphans.contains(&ino)) {
-            return Err(corrupt(format!("inode {ino} is in use but not allocated")));
+            return Err(FsError::Stale);
         }
         if quilt_vfs::FileType::from_mode(inode.mode as u32).is_none() {
             return Err(corrupt(format!(

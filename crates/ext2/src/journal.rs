@@ -79,12 +79,13 @@ pub fn journal_map(dev: &dyn BlockDevice, sb: &Superblock) -> Result<JournalMap>
     let g = idx / sb.inodes_per_group;
     let gdt_first = sb.first_data_block + 1;
     let per_block = bs / GDESC_SIZE as u32;
-    let gdb = read(gdt_first + g / per_block)?;
+    // Saturating: a damaged value lands outside the file system, which `read` refuses.
+    let gdb = read(gdt_first.saturating_add(g / per_block))?;
     let o = (g % per_block) as usize * GDESC_SIZE;
     let gd = GroupDesc::decode(&gdb[o..o + GDESC_SIZE]);
     let isz = sb.inode_size as u64;
     let pos = (idx % sb.inodes_per_group) as u64 * isz;
-    let it = read(gd.inode_table + (pos / bs as u64) as u32)?;
+    let it = read(gd.inode_table.saturating_add((pos / bs as u64) as u32))?;
     let io = (pos % bs as u64) as usize;
     let inode = Inode::decode(&it[io..io + sb.inode_size as usize]);
     if inode.mode & 0xF000 != 0x8000 {

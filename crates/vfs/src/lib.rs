@@ -203,6 +203,9 @@ pub enum FsError {
     CrossDevice,
     #[error("device busy")]
     Busy,
+    /// The inode number names no file (any more): a stale handle (ESTALE).
+    #[error("stale file handle")]
+    Stale,
     /// fallocate of something that is not a regular file (ENODEV).
     #[error("not a regular file")]
     NoDevice,
@@ -242,6 +245,7 @@ impl FsError {
             FsError::CrossDevice => libc::EXDEV,
             FsError::Busy => libc::EBUSY,
             FsError::NoDevice => libc::ENODEV,
+            FsError::Stale => libc::ESTALE,
             FsError::NoData => libc::ENXIO,
             FsError::Corrupt(_) => libc::EIO,
             FsError::Io(_) => libc::EIO,
@@ -274,6 +278,7 @@ impl FsError {
             libc::EXDEV => FsError::CrossDevice,
             libc::EBUSY => FsError::Busy,
             libc::ENODEV => FsError::NoDevice,
+            libc::ESTALE => FsError::Stale,
             libc::ENXIO => FsError::NoData,
             libc::EIO => FsError::Io("EIO".into()),
             other => FsError::Io(format!("errno {other}")),
@@ -532,6 +537,8 @@ mod errno_tests {
             FsError::NotSupported,
             FsError::CrossDevice,
             FsError::Busy,
+            FsError::Stale,
+            FsError::NoDevice,
             FsError::NoData,
             FsError::Corrupt("x".into()),
             FsError::Io("x".into()),
