@@ -37,7 +37,8 @@ for t in "${targets[@]}"; do
   [ "$crashes" = 0 ] || rc=1
   # Fork mode's progress lines: "#N: cov: C ft: F corp: K exec/s: E oom/timeout/crash: ...".
   last=$(grep -E '^#[0-9]+: cov:' "$log" | tail -1 || true)
-  line="$(date -u +%FT%TZ) $t ${secs}s rc=$rc crashes=$crashes slow_or_timeouts=$timeouts execs=${last%%:*} ${last#*: }"
+  execs=${last%%:*}
+  line="$(date -u +%FT%TZ) $t ${secs}s rc=$rc crashes=$crashes slow_or_timeouts=$timeouts execs=${execs#\#} ${last#*: }"
   echo "$line" | tee -a fuzz/runs.log
   if [ "$rc" != 0 ]; then
     echo "fuzz: $t found a crash; see $log and fuzz/artifacts/$t/" >&2
