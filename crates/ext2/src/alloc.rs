@@ -192,10 +192,7 @@ impl Ext2 {
         // A journal must not replay an old copy of this block over its next owner's data.
         self.engine.capture_revoke(blk as u64);
         if let Some(b) = befores {
-            if st.freed.len() >= 65536 {
-                self.prune(st);
-            }
-            st.freed.insert(blk, b);
+            self.note_freed_block(st, blk, b);
         }
         st.gd[g as usize].free_blocks = st.gd[g as usize].free_blocks.saturating_add(1);
         st.sb.free_blocks_count = st.sb.free_blocks_count.saturating_add(1);
@@ -281,10 +278,7 @@ impl Ext2 {
             )));
         }
         let p = self.flip_bit(bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
-        if st.freed_inodes.len() >= 65536 {
-            self.prune(st);
-        }
-        st.freed_inodes.insert(ino, p);
+        self.note_freed_inode(st, ino, p);
         st.gd[g as usize].free_inodes = st.gd[g as usize].free_inodes.saturating_add(1);
         if dir {
             st.gd[g as usize].used_dirs = st.gd[g as usize].used_dirs.saturating_sub(1);

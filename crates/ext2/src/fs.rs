@@ -171,6 +171,9 @@ pub(crate) struct Counters {
     pub fsyncs: u64,
 }
 
+/// The least size at which the maps of pending frees are pruned.
+const FREED_PRUNE_MIN: usize = 65536;
+
 pub(crate) struct State {
     pub sb: Superblock,
     pub gd: Vec<GroupDesc>,
@@ -196,6 +199,11 @@ pub(crate) struct State {
     pub sb_dirty: bool,
     /// `heads` is pruned of durable patches when it reaches this many inodes.
     pub heads_prune_at: usize,
+    /// `freed` and `freed_inodes` are pruned when one of them reaches this many entries,
+    /// and the mark then moves to twice what stays: in the journal modes a whole
+    /// transaction's frees stay pending, and a fixed mark made every free past it pay a
+    /// scan of the map. Each prune is paid for by the inserts since the last one.
+    pub freed_prune_at: usize,
     /// Group descriptors changed by the current operation.
     pub dirty_groups: std::collections::BTreeSet<u32>,
 }
@@ -366,6 +374,7 @@ impl Ext2 {
                 sb_dirty: false,
                 dirty_groups: Default::default(),
                 heads_prune_at: 4096,
+                freed_prune_at: FREED_PRUNE_MIN,
             }),
             geo,
             journal: None,
@@ -702,7 +711,7 @@ impl Ext2 {
     pub(crate) fn track(&self, st: &mut State, ino: u32, head: Head) {
         let Some(h) = head else { return };
         if st.heads.len() >= st.heads_prune_at {
-            self.prune(st);
+            self.prune_heads(st);
         }
         let list = st.heads.entry(ino).or_default();
         list.push(h);
@@ -713,24 +722,47 @@ impl Ext2 {
         }
     }
 
-    /// Notes that group `g`'s descriptor changed; `flush_groups` writes it once per
-    /// operation.
-    /// Forgets bookkeeping whose patches are durable, so memory stays bounded by what
+    /// Forgets fsync heads whose patches are durable, so memory stays bounded by what
     /// is pending rather than by everything ever touched.
-    pub(crate) fn prune(&self, st: &mut State) {
+    pub(crate) fn prune_heads(&self, st: &mut State) {
         let e = &self.engine;
         st.heads.retain(|_, l| {
             l.retain(|&p| !e.is_durable(p));
             !l.is_empty()
         });
-        st.freed.retain(|_, p| !e.is_durable(*p));
-        st.freed_inodes.retain(|_, p| !e.is_durable(*p));
         let heads = &st.heads;
         st.parents.retain(|ino, _| heads.contains_key(ino));
         // Whatever is still pending stays; look again when the map has doubled.
         st.heads_prune_at = (st.heads.len() * 2).max(4096);
     }
 
+    /// Records that `blk`'s next contents must wait for `freed_by`.
+    pub(crate) fn note_freed_block(&self, st: &mut State, blk: u32, freed_by: PatchId) {
+        st.freed.insert(blk, freed_by);
+        if st.freed.len() >= st.freed_prune_at {
+            self.prune_freed(st);
+        }
+    }
+
+    /// Records that inode `ino` stays unused until `freed_by` is durable.
+    pub(crate) fn note_freed_inode(&self, st: &mut State, ino: u32, freed_by: PatchId) {
+        st.freed_inodes.insert(ino, freed_by);
+        if st.freed_inodes.len() >= st.freed_prune_at {
+            self.prune_freed(st);
+        }
+    }
+
+    /// Forgets frees whose patches are durable (`Engine::is_durable` is O(1)).
+    fn prune_freed(&self, st: &mut State) {
+        let e = &self.engine;
+        st.freed.retain(|_, p| !e.is_durable(*p));
+        st.freed_inodes.retain(|_, p| !e.is_durable(*p));
+        let stays = st.freed.len().max(st.freed_inodes.len());
+        st.freed_prune_at = (stays * 2).max(FREED_PRUNE_MIN);
+    }
+
+    /// Notes that group `g`'s descriptor changed; `flush_groups` writes it once per
+    /// operation.
     pub(crate) fn write_gd(&self, st: &mut State, g: u32) -> Result<()> {
         st.dirty_groups.insert(g);
         st.sb_dirty = true;

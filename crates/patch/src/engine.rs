@@ -7,7 +7,7 @@ use crate::patchgroup::{CallerId, Patchgroups};
 use crate::stats::EngineStats;
 use crate::{PatchError, Result};
 use quilt_block::{BlockDevice, BlockNo};
-use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use rustc_hash::FxHashMap as HashMap;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -73,6 +73,12 @@ pub struct ChangeOpts {
 /// Bounds the reachability search that guards merges: past it a merge is refused, which
 /// costs a patch but never correctness.
 const MERGE_CYCLE_SEARCH_LIMIT: usize = 64;
+
+/// An edge onto an unheld empty patch with at most this many pending befores becomes edges
+/// onto them (`State::add_edge`). Joins of a few heads are the common case; an empty with
+/// many befores (a transaction's "done", a patchgroup's head) keeps one edge, so that
+/// depending on it costs O(1).
+const LOOKTHROUGH_MAX: usize = 8;
 
 #[derive(Debug)]
 pub(crate) struct CachedBlock {
@@ -158,9 +164,14 @@ pub(crate) struct State {
     pub cached_bytes: usize,
     pub stats: EngineStats,
     pub pgs: Patchgroups,
-    /// Blocks holding afters of patches made durable since the last look: the only blocks
-    /// on which something can have become ready.
-    pub woken: HashSet<BlockNo>,
+    /// Blocks that may carry a ready patch: every block holding a pending patch whose
+    /// waits are 0 is here (checked by `check_invariants`). An epoch looks only at these,
+    /// and takes out each block it looks at; a patch whose waits drop to 0 puts its block
+    /// back. So an epoch's cost follows the blocks it can write, not the dirty set.
+    pub candidates: BTreeSet<BlockNo>,
+    /// For an unheld empty patch: the patches that were given its befores instead of an
+    /// edge onto it (see `add_edge`). A before added to the empty later must reach them.
+    pub lookthrough: HashMap<PatchId, Vec<PatchId>>,
     /// Set by a failed write-back; every later change or epoch is refused.
     pub failed: Option<String>,
     /// The open transaction capture, if a journal is above (`capture.rs`).
@@ -210,7 +221,8 @@ impl Engine {
                     cached_bytes: 0,
                     stats: EngineStats::default(),
                     pgs: Patchgroups::default(),
-                    woken: HashSet::default(),
+                    candidates: BTreeSet::new(),
+                    lookthrough: HashMap::default(),
                     failed: None,
                     capture: None,
                 }),
@@ -329,10 +341,20 @@ impl Engine {
         let Some(b) = st.g.resolve(before) else {
             return Ok(());
         };
-        if a == b || st.g.reaches(b, a, usize::MAX) == Some(true) {
-            return Err(PatchError::Cycle);
+        // An unheld empty patch hands its befores to the patches that depend on it
+        // (`add_edge`), so they must take the new before too.
+        let takers = st.lookthrough_closure(a);
+        for &t in &takers {
+            if t == b || st.g.reaches(b, t, usize::MAX) == Some(true) {
+                return Err(PatchError::Cycle);
+            }
+            if st.g.get(t).in_flight {
+                return Err(PatchError::NotPending);
+            }
         }
-        st.add_edge(a, b);
+        for t in takers {
+            st.add_edge(t, b);
+        }
         st.debug_check();
         Ok(())
     }
@@ -396,9 +418,11 @@ impl Engine {
             st.evict(max);
             let live = st.g.live();
             let dirty_bytes = st.dirty.len() * self.sh.block_size;
+            // Over the patch limit with nothing ready (a journal's running transaction
+            // holds them all), write-back would find nothing to write: skip it.
             (
                 st.cached_bytes > max,
-                live > live_max,
+                live > live_max && !st.candidates.is_empty(),
                 live > live_max / 2 || dirty_bytes > max / 2,
             )
         };
@@ -558,13 +582,43 @@ impl State {
     }
 
     /// Adds the edge "after waits for before" (both live). Keeps the block's count of
-    /// off-block afters, which decides whether its changes need undo bytes.
+    /// off-block afters, which decides whether its changes need undo bytes, and `after`'s
+    /// wait count.
+    ///
+    /// An edge onto an unheld empty patch with few befores (a join of a few heads) becomes
+    /// edges onto those befores instead: `after` may then travel with those of them that
+    /// are on its own block, where a wait on the empty would hold it back an epoch. The
+    /// empty remembers `after` (`lookthrough`) for a before added to it later.
     pub fn add_edge(&mut self, after: PatchId, before: PatchId) {
         if after == before {
             return;
         }
+        if self.g.get(before).is_empty() && !self.g.get(before).is_held() {
+            let live: Vec<PatchId> = self
+                .g
+                .get(before)
+                .befores
+                .iter()
+                .filter_map(|&b| self.g.resolve(b))
+                .filter(|&b| b != before)
+                .take(LOOKTHROUGH_MAX + 1)
+                .collect();
+            if live.len() <= LOOKTHROUGH_MAX && !live.contains(&after) {
+                let list = self.lookthrough.entry(before).or_default();
+                if list.last() != Some(&after) {
+                    list.push(after);
+                }
+                for b in live {
+                    self.add_edge(after, b);
+                }
+                return;
+            }
+        }
         let after_block = self.g.get(after).block;
-        let before_block = self.g.get(before).block;
+        let (before_block, wait) = {
+            let b = self.g.get(before);
+            (b.block, is_wait(after_block, b))
+        };
         {
             let a = self.g.get_mut(after);
             // Cheap duplicate check: consecutive changes often name the same before.
@@ -572,6 +626,9 @@ impl State {
                 return;
             }
             a.befores.push(before);
+            if wait {
+                a.waits += 1;
+            }
         }
         self.g.get_mut(before).afters.push(after);
         if let Some(bb) = before_block {
@@ -579,6 +636,36 @@ impl State {
                 if let Some(blk) = self.blocks.get_mut(&bb) {
                     blk.extern_afters += 1;
                 }
+            }
+        }
+    }
+
+    /// `p` and, if it is an unheld empty patch, every pending patch that took its befores
+    /// in place of an edge onto it (transitively).
+    pub fn lookthrough_closure(&self, p: PatchId) -> Vec<PatchId> {
+        let mut out = vec![p];
+        let mut i = 0;
+        while i < out.len() {
+            if let Some(list) = self.lookthrough.get(&out[i]) {
+                for &a in list {
+                    if let Some(a) = self.g.resolve(a) {
+                        if !out.contains(&a) {
+                            out.push(a);
+                        }
+                    }
+                }
+            }
+            i += 1;
+        }
+        out
+    }
+
+    /// Puts `p`'s block among the epoch candidates if `p` waits for nothing off it.
+    pub fn note_if_unblocked(&mut self, p: PatchId) {
+        let patch = self.g.get(p);
+        if patch.waits == 0 {
+            if let Some(b) = patch.block {
+                self.candidates.insert(b);
             }
         }
     }
@@ -610,7 +697,7 @@ impl State {
         for b in befores {
             self.add_edge(id, b);
         }
-        if holds == 0 && befores_durable(&self.g, id) {
+        if holds == 0 && self.g.get(id).waits == 0 {
             self.satisfy(id);
         }
         id
@@ -621,7 +708,7 @@ impl State {
         let Some(id) = self.g.resolve(id) else { return };
         if let Kind::Empty { holds } = &mut self.g.get_mut(id).kind {
             *holds = holds.saturating_sub(1);
-            if *holds == 0 && befores_durable(&self.g, id) {
+            if *holds == 0 && self.g.get(id).waits == 0 {
                 self.satisfy(id);
             }
         }
@@ -716,6 +803,7 @@ impl State {
         // leave the group's committed metadata naming data that never arrived.
         let engaged = opts.caller.is_some_and(|c| self.pgs.is_engaged(c));
         self.capture_change(id, block, opts.data && !engaged);
+        self.note_if_unblocked(id);
         Ok(id)
     }
 
@@ -802,6 +890,9 @@ impl State {
         let old = self.g.forward(m, survivor);
         self.stats.undo_bytes_now -= old.undo_len() as u64;
         let s = self.g.get_mut(survivor);
+        // Same block, so each moved edge keeps its kind; edges between the two become
+        // self-edges, which were never waits.
+        s.waits += old.waits;
         s.befores.extend(old.befores);
         s.afters.extend(old.afters);
     }
@@ -991,15 +1082,15 @@ impl State {
                     }
                 }
             }
-            for a in p.afters {
+            if p.is_empty() {
+                self.lookthrough.remove(&id);
+            }
+            for &a in &p.afters {
                 let Some(a) = self.g.resolve(a) else { continue };
                 if a == id {
                     continue;
                 }
-                let ap = self.g.get(a);
-                if let Some(ab) = ap.block {
-                    self.woken.insert(ab);
-                }
+                let ap = self.g.get_mut(a);
                 if let Some(b) = p.block {
                     if ap.block != Some(b) {
                         if let Some(blk) = self.blocks.get_mut(&b) {
@@ -1007,8 +1098,18 @@ impl State {
                         }
                     }
                 }
-                if ap.is_empty() && !ap.is_held() && befores_durable(&self.g, a) {
-                    work.push(a);
+                let ap = self.g.get_mut(a);
+                if is_wait(ap.block, &p) {
+                    ap.waits -= 1;
+                    if ap.waits == 0 {
+                        match ap.block {
+                            Some(ab) => {
+                                self.candidates.insert(ab);
+                            }
+                            None if !ap.is_held() => work.push(a),
+                            None => {}
+                        }
+                    }
                 }
             }
         }
@@ -1023,6 +1124,12 @@ impl State {
             }
         }
     }
+}
+
+/// Is an edge from a patch on `after_block` onto `before` a wait (see `Patch::waits`)?
+/// Fixed for the edge's life: neither end changes block or kind.
+pub(crate) fn is_wait(after_block: Option<BlockNo>, before: &Patch) -> bool {
+    before.block.is_none() || before.block != after_block
 }
 
 /// Are all of `id`'s befores durable?

@@ -7,7 +7,7 @@
 //! is durable only once it returns, and only then may its afters be written. Epochs are
 //! serialised, so no patch is in flight outside step (2).
 
-use crate::engine::{befores_durable, xor_word, Durability, Engine, State};
+use crate::engine::{is_wait, xor_word, Durability, Engine, State};
 use crate::graph::{Kind, PatchId};
 use crate::{PatchError, Result};
 use quilt_block::BlockNo;
@@ -24,67 +24,76 @@ pub struct EpochReport {
 }
 
 /// Which blocks an epoch considers.
-enum Target {
+enum Target<'a> {
+    /// Every candidate block.
     All,
-    Blocks(HashSet<BlockNo>),
-    /// The blocks of this patch's pending closure.
-    Until(PatchId),
+    /// The candidates among the blocks of `p`'s pending closure. `blocks` caches that
+    /// closure across the epochs of one `flush_until`: patches leave the closure but only
+    /// a merge adds to it, so it is recomputed only when an epoch finds nothing to write.
+    Until {
+        p: PatchId,
+        blocks: &'a mut Option<HashSet<BlockNo>>,
+    },
 }
 
 struct BlockImage {
     block: BlockNo,
     image: Arc<[u8]>,
+    /// The patches written, each after its befores on the block.
     ready: Vec<PatchId>,
 }
 
 impl Engine {
-    /// One epoch over every dirty block.
+    /// One epoch: writes every block that carries a ready patch.
     pub fn epoch(&self) -> Result<EpochReport> {
         self.epoch_on(Target::All).map(|r| r.unwrap_or_default())
     }
 
-    /// One epoch over the blocks holding `p`'s pending transitive befores. The blocks are
-    /// chosen under the epoch lock, so a concurrent epoch cannot make the choice stale.
-    /// None when `p` is already durable; `Pinned` when it waits for a held patch.
-    fn epoch_until(&self, p: PatchId) -> Result<Option<EpochReport>> {
-        self.epoch_on(Target::Until(p))
-    }
-
-    fn epoch_on(&self, target: Target) -> Result<Option<EpochReport>> {
-        let until = match target {
-            Target::Until(p) => Some(p),
-            _ => None,
-        };
+    fn epoch_on(&self, target: Target<'_>) -> Result<Option<EpochReport>> {
+        let until = matches!(target, Target::Until { .. });
         let _epoch = self.sh.epoch.lock().unwrap_or_else(|e| e.into_inner());
         let (batch, rolled_back) = {
             let mut st = self.lock();
             st.check_failed()?;
-            let only = match target {
-                Target::All => None,
-                Target::Blocks(set) => Some(set),
-                Target::Until(p) => {
+            let chosen = match target {
+                Target::All => std::mem::take(&mut st.candidates).into_iter().collect(),
+                Target::Until { p, blocks } => {
                     let Some(p) = st.g.resolve(p) else {
                         return Ok(None);
                     };
-                    let (blocks, pinned) = st.closure(p);
-                    if blocks.is_empty() {
-                        // Only empty patches are left: either held ones, or p itself is a
-                        // held empty whose befores are all durable.
-                        return if pinned {
-                            Err(PatchError::Pinned)
-                        } else {
-                            Ok(None)
-                        };
+                    let mut fresh = blocks.is_none();
+                    loop {
+                        if blocks.is_none() {
+                            let (set, pinned) = st.closure(p);
+                            if set.is_empty() {
+                                // Only empty patches are left: either held ones, or p
+                                // itself is a held empty whose befores are all durable.
+                                return if pinned {
+                                    Err(PatchError::Pinned)
+                                } else {
+                                    Ok(None)
+                                };
+                            }
+                            *blocks = Some(set);
+                        }
+                        let set = blocks.as_ref().expect("just computed");
+                        let chosen = st.take_candidates_in(set);
+                        if !chosen.is_empty() || fresh {
+                            break chosen;
+                        }
+                        // Nothing ready in the closure as last computed: a merge may
+                        // have given it new befores. Look once more before giving up.
+                        *blocks = None;
+                        fresh = true;
                     }
-                    Some(blocks)
                 }
             };
-            st.prepare_epoch(only.as_ref())
+            st.prepare_epoch(chosen)
         };
         if batch.is_empty() {
             // With the epoch lock held nothing else can be writing: what is left waits
             // for a patch no epoch can write.
-            return if until.is_some() {
+            return if until {
                 Err(PatchError::Pinned)
             } else {
                 Ok(Some(EpochReport::default()))
@@ -120,20 +129,12 @@ impl Engine {
     }
 
     /// Writes back until nothing that can be written is left (blocks held back by
-    /// unreleased patchgroups stay dirty). Returns the number of epochs run.
+    /// unreleased patchgroups or a journal's running transaction stay dirty). Returns the
+    /// number of epochs that wrote something.
     pub fn write_back_ready(&self) -> Result<usize> {
-        // The first epoch looks at every dirty block; later ones only at blocks holding
-        // afters of what the previous epoch made durable, since nothing else can have
-        // become ready. (Rescanning stuck blocks made deep chains quadratic.)
-        let mut r = self.epoch()?;
         let mut epochs = 0;
-        while r.patches_written > 0 {
+        while self.epoch()?.blocks_written > 0 {
             epochs += 1;
-            let woken = std::mem::take(&mut self.lock().woken);
-            if woken.is_empty() {
-                break;
-            }
-            r = self.epoch_on(Target::Blocks(woken))?.unwrap_or_default();
         }
         Ok(epochs)
     }
@@ -147,7 +148,7 @@ impl Engine {
                 return Ok(());
             }
             if epochs == 0 {
-                // An epoch over every dirty block wrote nothing.
+                // An epoch over every candidate block wrote nothing.
                 return Err(PatchError::Pinned);
             }
         }
@@ -157,7 +158,14 @@ impl Engine {
     /// (this is what fsync uses). For a held empty patch (a patchgroup's head), makes its
     /// befores durable.
     pub fn flush_until(&self, p: PatchId) -> Result<()> {
-        while self.epoch_until(p)?.is_some() {}
+        let mut blocks = None;
+        while self
+            .epoch_on(Target::Until {
+                p,
+                blocks: &mut blocks,
+            })?
+            .is_some()
+        {}
         Ok(())
     }
 
@@ -174,7 +182,8 @@ impl Engine {
 
 impl State {
     /// The blocks holding `p`'s pending transitive befores (and `p`'s own block), and
-    /// whether some of them wait for a held empty patch.
+    /// whether some of them wait for a held empty patch. O(patches and edges in the
+    /// closure); prunes durable ids from the lists it walks.
     fn closure(&mut self, p: PatchId) -> (HashSet<BlockNo>, bool) {
         let mut blocks = HashSet::default();
         let mut pinned = false;
@@ -191,88 +200,124 @@ impl State {
                 pinned = true;
                 continue;
             }
-            stack.extend(self.g.live_befores(id));
+            self.g.prune_befores(id);
+            for &b in &self.g.get(id).befores {
+                let b = self.g.resolve(b).expect("pruned");
+                if !seen.contains(&b) {
+                    stack.push(b);
+                }
+            }
         }
         (blocks, pinned)
     }
 
-    /// The patches on `block` that can be written now: the greatest subset whose every
-    /// before is durable, in the subset, or an unheld empty patch satisfying the same.
-    fn ready_set(&mut self, block: BlockNo) -> Vec<PatchId> {
-        let pending = self.blocks[&block].pending.clone();
-        // Prune stale befores once, so the fixpoint below only reads.
-        let befores: HashMap<PatchId, Vec<PatchId>> = pending
-            .iter()
-            .map(|&p| (p, self.g.live_befores(p)))
-            .collect();
-        let mut cand: HashSet<PatchId> = pending.iter().copied().collect();
-        loop {
-            let mut memo: HashMap<PatchId, bool> = HashMap::default();
-            let mut removed = false;
-            for &p in &pending {
-                if !cand.contains(&p) {
-                    continue;
-                }
-                let ok = befores[&p]
-                    .iter()
-                    .all(|&b| self.before_ok(b, block, &cand, &mut memo));
-                if !ok {
-                    cand.remove(&p);
-                    removed = true;
-                }
-            }
-            if !removed {
-                break;
-            }
-        }
-        pending.into_iter().filter(|p| cand.contains(p)).collect()
-    }
-
-    fn before_ok(
-        &self,
-        b: PatchId,
-        block: BlockNo,
-        cand: &HashSet<PatchId>,
-        memo: &mut HashMap<PatchId, bool>,
-    ) -> bool {
-        let Some(b) = self.g.resolve(b) else {
-            return true;
-        };
-        let p = self.g.get(b);
-        match p.block {
-            Some(bb) => bb == block && cand.contains(&b),
-            None if p.is_held() => false,
-            None => {
-                if let Some(&v) = memo.get(&b) {
-                    return v;
-                }
-                // Provisionally false: the graph is acyclic, so this only guards against a
-                // broken invariant turning into endless recursion.
-                memo.insert(b, false);
-                let v = p
-                    .befores
-                    .iter()
-                    .all(|&x| self.before_ok(x, block, cand, memo));
-                memo.insert(b, v);
-                v
-            }
-        }
-    }
-
-    fn prepare_epoch(&mut self, only: Option<&HashSet<BlockNo>>) -> (Vec<BlockImage>, usize) {
-        let dirty: Vec<BlockNo> = match only {
-            Some(set) => self
-                .dirty
+    /// Takes out of the candidates those in `set`, walking the smaller of the two.
+    fn take_candidates_in(&mut self, set: &HashSet<BlockNo>) -> Vec<BlockNo> {
+        let mut chosen: Vec<BlockNo> = if set.len() < self.candidates.len() {
+            let mut v: Vec<BlockNo> = set
+                .iter()
+                .copied()
+                .filter(|b| self.candidates.contains(b))
+                .collect();
+            v.sort_unstable();
+            v
+        } else {
+            self.candidates
                 .iter()
                 .copied()
                 .filter(|b| set.contains(b))
-                .collect(),
-            None => self.dirty.iter().copied().collect(),
+                .collect()
         };
+        chosen.dedup();
+        for b in &chosen {
+            self.candidates.remove(b);
+        }
+        chosen
+    }
+
+    /// The patches on `block` that can be written now, each after its befores on the
+    /// block: those with no waits whose befores on the block are ready too. A depth-first
+    /// walk over the block's pending patches and their same-block edges, so its cost is
+    /// the block's own share of the graph. (A patch with no waits has only durable or
+    /// same-block befores.)
+    pub(crate) fn ready_on(&mut self, block: BlockNo) -> Vec<PatchId> {
+        const VISITING: u8 = 1;
+        const READY: u8 = 2;
+        const NOT: u8 = 3;
+        let pending = self.blocks[&block].pending.clone();
+        let mut mark: HashMap<PatchId, u8> = HashMap::default();
+        let mut order = Vec::new();
+        for root in pending {
+            if mark.contains_key(&root) {
+                continue;
+            }
+            mark.insert(root, VISITING);
+            // (patch, next index into its befores, first visit done)
+            let mut stack: Vec<(PatchId, usize, bool)> = vec![(root, 0, false)];
+            while let Some(&(id, i, visited)) = stack.last() {
+                if !visited {
+                    if self.g.get(id).waits > 0 {
+                        mark.insert(id, NOT);
+                        stack.pop();
+                        continue;
+                    }
+                    self.g.prune_befores(id);
+                }
+                let befores = &self.g.get(id).befores;
+                let mut next = i;
+                // None: every before is ready; Some(Some(b)): visit b first;
+                // Some(None): some before is not ready.
+                let mut verdict: Option<Option<PatchId>> = None;
+                while next < befores.len() {
+                    let b = self.g.resolve(befores[next]).expect("pruned");
+                    debug_assert_eq!(
+                        self.g.get(b).block,
+                        Some(block),
+                        "{id} has no waits but waits for {b} off its block"
+                    );
+                    match mark.get(&b) {
+                        Some(&READY) => next += 1,
+                        // NOT, or VISITING (a cycle): never ready.
+                        Some(_) => {
+                            verdict = Some(None);
+                            break;
+                        }
+                        None => {
+                            verdict = Some(Some(b));
+                            break;
+                        }
+                    }
+                }
+                *stack.last_mut().expect("non-empty") = (id, next, true);
+                match verdict {
+                    Some(Some(b)) => {
+                        mark.insert(b, VISITING);
+                        stack.push((b, 0, false));
+                    }
+                    Some(None) => {
+                        mark.insert(id, NOT);
+                        stack.pop();
+                    }
+                    None => {
+                        mark.insert(id, READY);
+                        order.push(id);
+                        stack.pop();
+                    }
+                }
+            }
+        }
+        order
+    }
+
+    fn prepare_epoch(&mut self, chosen: Vec<BlockNo>) -> (Vec<BlockImage>, usize) {
         let mut batch = Vec::new();
         let mut rolled_back = 0;
-        for block in dirty {
-            let ready = self.ready_set(block);
+        for block in chosen {
+            if !self.dirty.contains(&block) {
+                continue;
+            }
+            self.stats.blocks_examined += 1;
+            let ready = self.ready_on(block);
             if ready.is_empty() {
                 continue;
             }
@@ -344,25 +389,16 @@ impl State {
             patches_rolled_back: rolled_back,
             ..Default::default()
         };
-        // All patches of the epoch are durable together (one flush), so their edges among
-        // themselves need no order; satisfy befores first to keep the debug check honest.
-        let mut all: Vec<PatchId> = batch.iter().flat_map(|b| b.ready.iter().copied()).collect();
+        // All patches of the epoch are durable together (one flush). Their edges among
+        // themselves are all on one block (a ready patch has no waits), and each block's
+        // list puts befores first, so satisfying in list order keeps every patch's befores
+        // durable before it (as `satisfy`'s debug check asserts).
         let mut done: HashSet<PatchId> = HashSet::default();
-        while !all.is_empty() {
-            let before = done.len();
-            all.retain(|&p| {
-                if befores_durable(&self.g, p) {
-                    self.satisfy(p);
-                    done.insert(p);
-                    false
-                } else {
-                    true
-                }
-            });
-            assert!(
-                done.len() > before || all.is_empty(),
-                "epoch wrote patches whose befores are not durable: {all:?}"
-            );
+        for b in batch {
+            for &p in &b.ready {
+                self.satisfy(p);
+                done.insert(p);
+            }
         }
         report.patches_written = done.len();
         for b in batch {
@@ -390,6 +426,23 @@ impl State {
         let mut extern_count: HashMap<BlockNo, u64> = HashMap::default();
         for (id, p) in self.g.iter_live() {
             undo += p.undo_len() as u64;
+            let waits = p
+                .befores
+                .iter()
+                .filter_map(|&b| self.g.resolve(b))
+                .filter(|&b| b != id && is_wait(p.block, self.g.get(b)))
+                .count();
+            if waits != p.waits as usize {
+                return Err(format!(
+                    "{id} counts {} waits but its befores hold {waits}",
+                    p.waits
+                ));
+            }
+            if waits == 0 && p.is_empty() && !p.is_held() {
+                return Err(format!(
+                    "{id} is an unheld empty patch with nothing to wait for"
+                ));
+            }
             for &b in &p.befores {
                 let Some(b) = self.g.resolve(b) else { continue };
                 if b == id {
@@ -448,6 +501,13 @@ impl State {
             if blk.pending.is_empty() == self.dirty.contains(&b) {
                 return Err(format!("block {b}: dirty set disagrees with pending list"));
             }
+            if !self.candidates.contains(&b) {
+                if let Some(p) = self.some_ready_on(b) {
+                    return Err(format!(
+                        "block {b} carries ready patch {p} but is not an epoch candidate"
+                    ));
+                }
+            }
             for &p in &blk.pending {
                 if self.g.resolve(p) != Some(p) || self.g.get(p).block != Some(b) {
                     return Err(format!(
@@ -475,6 +535,45 @@ impl State {
             }
         }
         self.check_acyclic()
+    }
+
+    /// A ready patch on `block` that is not being written, found from scratch by a
+    /// fixpoint (the check's own computation, independent of `ready_on`'s walk). Patches
+    /// being written count as durable: they are by the next epoch.
+    fn some_ready_on(&self, block: BlockNo) -> Option<PatchId> {
+        let pending = &self.blocks[&block].pending;
+        let mut ready: HashSet<PatchId> = pending
+            .iter()
+            .copied()
+            .filter(|&p| self.g.get(p).waits == 0)
+            .collect();
+        loop {
+            let not: Vec<PatchId> = ready
+                .iter()
+                .copied()
+                .filter(|&p| {
+                    !self
+                        .g
+                        .get(p)
+                        .befores
+                        .iter()
+                        .all(|&b| match self.g.resolve(b) {
+                            None => true,
+                            Some(b) => b == p || ready.contains(&b),
+                        })
+                })
+                .collect();
+            if not.is_empty() {
+                break;
+            }
+            for p in not {
+                ready.remove(&p);
+            }
+        }
+        ready
+            .into_iter()
+            .filter(|&p| !self.g.get(p).in_flight)
+            .min()
     }
 
     fn check_acyclic(&self) -> Result<(), String> {

@@ -53,6 +53,11 @@ pub(crate) struct Patch {
     pub data: bool,
     /// Slots of patches merged into this one; they forward here and die with it.
     pub absorbed: Vec<u32>,
+    /// Edge instances in `befores` that are *waits*: onto a pending patch on another block
+    /// or onto an empty patch. Kept equal to a recount by every edge change, so that
+    /// readiness is a counter test (`epoch.rs`): a patch whose waits are 0 can be written
+    /// together with the ready patches on its own block.
+    pub waits: u32,
 }
 
 impl Patch {
@@ -67,6 +72,7 @@ impl Patch {
             in_flight: false,
             data,
             absorbed: Vec::new(),
+            waits: 0,
         }
     }
 
@@ -220,32 +226,31 @@ impl Graph {
     }
 
     /// Turns live patch `from` into a forward to `to`, returning its contents. The caller
-    /// moves its edges.
+    /// moves its edges. Every slot that forwarded to `from` now forwards to `to` directly,
+    /// so resolving an id takes at most one hop and `is_durable` is O(1).
     pub fn forward(&mut self, from: PatchId, to: PatchId) -> Patch {
         let slot = &mut self.slots[from.idx as usize];
-        let SlotState::Live(p) = std::mem::replace(&mut slot.state, SlotState::Forward(to)) else {
+        let SlotState::Live(mut p) = std::mem::replace(&mut slot.state, SlotState::Forward(to))
+        else {
             panic!("forwarding patch {from} that is not live");
         };
         self.live -= 1;
-        let mut absorbed = p.absorbed.clone();
+        let mut absorbed = std::mem::take(&mut p.absorbed);
+        for &idx in &absorbed {
+            self.slots[idx as usize].state = SlotState::Forward(to);
+        }
         absorbed.push(from.idx);
         self.get_mut(to).absorbed.extend(absorbed);
         p
     }
 
-    /// Pending befores of `id`, pruning durable ones from its list as a side effect.
-    pub fn live_befores(&mut self, id: PatchId) -> Vec<PatchId> {
-        let befores = std::mem::take(&mut self.get_mut(id).befores);
-        let mut live: Vec<PatchId> = Vec::with_capacity(befores.len());
-        for b in befores {
-            if let Some(r) = self.resolve(b) {
-                if r != id && !live.contains(&r) {
-                    live.push(r);
-                }
-            }
-        }
-        self.get_mut(id).befores = live.clone();
-        live
+    /// Drops durable ids and self-edges from `id`'s befores list. Duplicates stay: each
+    /// entry is one edge instance, matched by one entry in the before's afters list, and
+    /// the wait counts count instances.
+    pub fn prune_befores(&mut self, id: PatchId) {
+        let mut befores = std::mem::take(&mut self.get_mut(id).befores);
+        befores.retain(|&b| self.resolve(b).is_some_and(|r| r != id));
+        self.get_mut(id).befores = befores;
     }
 
     /// Is `target` reachable from `start` by following befores? Visits at most

@@ -26,6 +26,9 @@ pub struct EngineStats {
     pub epochs: u64,
     /// Flushes issued by write-back.
     pub flushes: u64,
+    /// Blocks whose ready patches an epoch looked for: the work of choosing what to write,
+    /// which follows the candidates, not the dirty set.
+    pub blocks_examined: u64,
     pub cache_hits: u64,
     pub cache_misses: u64,
     pub evictions: u64,
@@ -48,6 +51,7 @@ impl EngineStats {
             ("blocks_written", self.blocks_written),
             ("epochs", self.epochs),
             ("flushes", self.flushes),
+            ("blocks_examined", self.blocks_examined),
             ("cache_hits", self.cache_hits),
             ("cache_misses", self.cache_misses),
             ("evictions", self.evictions),

@@ -353,3 +353,77 @@ fn concurrent_writers_and_flusher_end_in_the_expected_image() {
     }
     assert_eq!(e.stats().patches_live, 0);
 }
+
+#[test]
+fn an_epoch_looks_only_at_blocks_that_can_be_written() {
+    // 200 dirty blocks whose patches wait for a held empty patch (a journal's running
+    // transaction): an epoch writing one other block must not examine them.
+    let dev = Arc::new(MemDevice::new(BS, 512).unwrap());
+    let e = Engine::new(dev.clone(), opts(false, false));
+    e.capture_start(false).unwrap();
+    for b in 0..200 {
+        e.write(b, 0, &[1; 4], &[], NONE).unwrap();
+    }
+    let txn = e.capture_rotate(false).unwrap().unwrap();
+    assert_eq!(e.epoch().unwrap().blocks_written, 0, "all held");
+    let before = e.stats().blocks_examined;
+    let free = e.write(300, 0, &[2; 4], &[], NONE).unwrap();
+    let r = e.epoch().unwrap();
+    assert_eq!(r.blocks_written, 1);
+    assert!(e.is_durable(free));
+    assert_eq!(
+        e.stats().blocks_examined - before,
+        1,
+        "the epoch examined only the writable block"
+    );
+    // Releasing the hold makes all 200 writable at once.
+    e.release_hold(txn.hold);
+    let r = e.epoch().unwrap();
+    assert_eq!(r.blocks_written, 200);
+    assert!(e.is_durable(txn.done));
+    assert_eq!(disk(&dev, 199)[..4], [1; 4]);
+    e.check_invariants().unwrap();
+}
+
+#[test]
+fn a_patch_depending_on_a_small_join_travels_with_its_befores_on_its_block() {
+    // c on block 1 waits for a join of a and a2, both on block 1: it is written with them
+    // in one epoch, as if it named them directly, not an epoch after the join.
+    let (e, dev) = setup(opts(false, false));
+    let a = e.write(1, 0, &[1], &[], NONE).unwrap();
+    let a2 = e.write(1, 4, &[2], &[], NONE).unwrap();
+    let join = e.empty(&[a, a2]);
+    let c = e.write(1, 8, &[4], &[join], NONE).unwrap();
+    let r = e.epoch().unwrap();
+    assert_eq!((r.blocks_written, r.patches_written), (1, 3));
+    assert!(e.is_durable(join) && e.is_durable(c));
+    assert_eq!(
+        [disk(&dev, 1)[0], disk(&dev, 1)[4], disk(&dev, 1)[8]],
+        [1, 2, 4]
+    );
+
+    // A before added to the join later reaches c, which took the join's befores.
+    let a = e.write(1, 0, &[5], &[], NONE).unwrap();
+    let x = e.write(3, 0, &[6], &[], NONE).unwrap();
+    let join = e.empty(&[a]);
+    let c = e.write(4, 0, &[7], &[join], NONE).unwrap();
+    assert!(matches!(e.add_depend(join, c), Err(PatchError::Cycle)));
+    let y = e.write(5, 0, &[8], &[], NONE).unwrap();
+    e.add_depend(join, y).unwrap();
+    e.add_depend(y, x).unwrap();
+    e.check_invariants().unwrap();
+    // c waits for a and y, y for x: three epochs, in order.
+    let mut order = Vec::new();
+    while !e.is_durable(c) {
+        e.epoch().unwrap();
+        order.push([a, x, y, c].map(|p| e.is_durable(p)));
+    }
+    assert_eq!(
+        order,
+        vec![
+            [true, true, false, false],
+            [true, true, true, false],
+            [true, true, true, true]
+        ]
+    );
+}
