@@ -677,10 +677,23 @@ impl State {
         let engaged = caller
             .map(|c| self.pgs.engaged_tails(c))
             .unwrap_or_default();
-        for &b in befores.iter().chain(engaged.iter()) {
-            if let Some(r) = self.g.resolve(b) {
-                if !out.contains(&r) {
-                    out.push(r);
+        let all = befores.iter().chain(engaged.iter());
+        if befores.len() + engaged.len() <= 16 {
+            for &b in all {
+                if let Some(r) = self.g.resolve(b) {
+                    if !out.contains(&r) {
+                        out.push(r);
+                    }
+                }
+            }
+        } else {
+            // A transaction's done patch joins every patch it captured.
+            let mut seen = rustc_hash::FxHashSet::default();
+            for &b in all {
+                if let Some(r) = self.g.resolve(b) {
+                    if seen.insert(r) {
+                        out.push(r);
+                    }
                 }
             }
         }
