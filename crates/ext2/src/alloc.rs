@@ -16,35 +16,40 @@ const FRESH_SKIPS: usize = 64;
 const FRESH_SKIPS_JOURNAL: usize = 1024;
 
 impl Ext2 {
-    /// Finds a zero bit in `bitmap` among the first `limit` bits, starting at `start` and
-    /// wrapping.
-    fn find_zero(&self, bitmap: u32, start: u32, limit: u32) -> Result<Option<u32>> {
+    /// Finds up to `want` zero bits in `bitmap` among the first `limit` bits, in order
+    /// from `start`, wrapping. One look at the block for all of them: an allocation that
+    /// passes over many pending bits must not pay a cache lookup (and its budget check)
+    /// for each.
+    fn find_zeros(&self, bitmap: u32, start: u32, limit: u32, want: usize) -> Result<Vec<u32>> {
         self.engine
             .with_block(bitmap as u64, |d| {
                 let limit = limit.min(d.len() as u32 * 8);
-                let scan = |from: u32, to: u32| -> Option<u32> {
+                let mut out = Vec::new();
+                let scan = |from: u32, to: u32, out: &mut Vec<u32>| {
                     let mut i = from;
-                    while i < to {
+                    while i < to && out.len() < want {
                         if i % 64 == 0 && i + 64 <= to {
                             let at = (i / 8) as usize;
                             let mut w = [0u8; 8];
                             w.copy_from_slice(&d[at..at + 8]);
-                            let w = u64::from_le_bytes(w);
-                            if w == u64::MAX {
-                                i += 64;
-                                continue;
+                            let mut free = !u64::from_le_bytes(w);
+                            while free != 0 && out.len() < want {
+                                out.push(i + free.trailing_zeros());
+                                free &= free - 1;
                             }
-                            return Some(i + (!w).trailing_zeros());
+                            i += 64;
+                            continue;
                         }
                         if d[(i / 8) as usize] & (1 << (i % 8)) == 0 {
-                            return Some(i);
+                            out.push(i);
                         }
                         i += 1;
                     }
-                    None
                 };
                 let start = start.min(limit);
-                scan(start, limit).or_else(|| scan(0, start))
+                scan(start, limit, &mut out);
+                scan(0, start, &mut out);
+                out
             })
             .map_err(Self::io)
     }
@@ -64,27 +69,23 @@ impl Ext2 {
         limit: u32,
         pending: impl Fn(u32) -> bool,
     ) -> Result<Option<u32>> {
-        let mut first: Option<u32> = None;
-        let mut from = start;
         let skips = if self.mode.is_journal() {
             FRESH_SKIPS_JOURNAL
         } else {
             FRESH_SKIPS
         };
-        for _ in 0..skips {
-            let Some(bit) = self.find_zero(bitmap, from, limit)? else {
-                return Ok(None);
-            };
-            if first == Some(bit) {
-                break;
+        // Small batches first: the first free bit is nearly always fresh.
+        let mut want = 8;
+        loop {
+            let bits = self.find_zeros(bitmap, start, limit, want)?;
+            if let Some(&b) = bits.iter().find(|&&b| !pending(b)) {
+                return Ok(Some(b));
             }
-            if !pending(bit) {
-                return Ok(Some(bit));
+            if bits.len() < want || want >= skips {
+                return Ok(bits.first().copied());
             }
-            first.get_or_insert(bit);
-            from = if bit + 1 >= limit { 0 } else { bit + 1 };
+            want = (want * 8).min(skips);
         }
-        Ok(first)
     }
 
     fn bit_is_set(&self, bitmap: u32, bit: u32) -> Result<bool> {

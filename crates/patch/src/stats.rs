@@ -29,6 +29,10 @@ pub struct EngineStats {
     /// Blocks whose ready patches an epoch looked for: the work of choosing what to write,
     /// which follows the candidates, not the dirty set.
     pub blocks_examined: u64,
+    /// Write-backs run by a change that found the cache or the graph over its limit.
+    pub throttled_writebacks: u64,
+    /// Rounds of the background flusher (on its interval or woken early).
+    pub flusher_rounds: u64,
     pub cache_hits: u64,
     pub cache_misses: u64,
     pub evictions: u64,
@@ -52,6 +56,8 @@ impl EngineStats {
             ("epochs", self.epochs),
             ("flushes", self.flushes),
             ("blocks_examined", self.blocks_examined),
+            ("throttled_writebacks", self.throttled_writebacks),
+            ("flusher_rounds", self.flusher_rounds),
             ("cache_hits", self.cache_hits),
             ("cache_misses", self.cache_misses),
             ("evictions", self.evictions),

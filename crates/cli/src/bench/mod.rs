@@ -110,6 +110,8 @@ pub struct Reaped {
     pub status: i32,
     pub user: f64,
     pub sys: f64,
+    /// Peak resident set size over the process's life, MiB.
+    pub peak_rss_mib: f64,
 }
 
 impl Reaped {
@@ -140,6 +142,8 @@ pub fn reap(child: &std::process::Child) -> Result<Reaped> {
         status,
         user: secs(ru.ru_utime),
         sys: secs(ru.ru_stime),
+        // Linux reports ru_maxrss in KiB.
+        peak_rss_mib: ru.ru_maxrss as f64 / 1024.0,
     })
 }
 

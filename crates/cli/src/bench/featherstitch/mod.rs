@@ -76,6 +76,8 @@ pub struct Sample {
     pub patches_merged: Option<u64>,
     pub patches_made_hard: Option<u64>,
     pub patches_rolled_back: Option<u64>,
+    /// Peak RSS of the FUSE server over the phase (it is started per phase), MiB.
+    pub server_peak_rss_mib: Option<f64>,
 }
 
 impl Sample {
@@ -300,6 +302,7 @@ fn one_phase(
         patches_merged: delta("patch.patches_merged"),
         patches_made_hard: delta("patch.patches_made_hard"),
         patches_rolled_back: delta("patch.patches_rolled_back"),
+        server_peak_rss_mib: un.server.as_ref().map(|r| r.peak_rss_mib),
     })
 }
 
