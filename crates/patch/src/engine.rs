@@ -1132,7 +1132,7 @@ impl State {
                 if a == id {
                     continue;
                 }
-                let ap = self.g.get_mut(a);
+                let ap = self.g.get(a);
                 if let Some(b) = p.block {
                     if ap.block != Some(b) {
                         if let Some(blk) = self.blocks.get_mut(&b) {
