@@ -291,6 +291,9 @@ pub fn probe_block_size(image: &Path) -> Result<usize> {
     Ok(sb.block_size() as usize)
 }
 
+/// The block cache a mount gets unless told otherwise, MiB.
+pub const DEFAULT_CACHE_MIB: usize = 128;
+
 #[derive(Debug, Clone)]
 pub struct OpenSettings {
     pub mode: Mode,
@@ -314,7 +317,7 @@ impl Default for OpenSettings {
             mode: Mode::SoftUpdates,
             read_only: false,
             unsafe_durability: false,
-            cache_mib: 128,
+            cache_mib: DEFAULT_CACHE_MIB,
             flush_interval_ms: Some(1000),
             hard_patches: true,
             overlap_merge: true,

@@ -30,7 +30,7 @@ pub struct MountArgs {
     #[arg(long)]
     pub r#unsafe: bool,
     /// Block-cache budget in MiB.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = crate::image::DEFAULT_CACHE_MIB)]
     pub cache_mib: usize,
     /// Comma-separated options: ro, rw, allow_other, mode=M, unsafe, cache_mib=N,
     /// acl (POSIX ACLs, the default) or noacl, errors=remount-ro (the default: after
@@ -417,7 +417,7 @@ pub fn helper_main(args: Vec<String>) -> Result<()> {
         mode: Mode::SoftUpdates,
         foreground: false,
         r#unsafe: false,
-        cache_mib: 128,
+        cache_mib: crate::image::DEFAULT_CACHE_MIB,
         options: opts,
         notify_ready: false,
     };

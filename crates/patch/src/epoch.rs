@@ -233,7 +233,7 @@ impl State {
 
     /// Takes out of the candidates those in `set`, walking the smaller of the two.
     fn take_candidates_in(&mut self, set: &HashSet<BlockNo>) -> Vec<BlockNo> {
-        let mut chosen: Vec<BlockNo> = if set.len() < self.candidates.len() {
+        let chosen: Vec<BlockNo> = if set.len() < self.candidates.len() {
             let mut v: Vec<BlockNo> = set
                 .iter()
                 .copied()
@@ -248,7 +248,6 @@ impl State {
                 .filter(|b| set.contains(b))
                 .collect()
         };
-        chosen.dedup();
         for b in &chosen {
             self.candidates.remove(b);
         }
@@ -260,7 +259,7 @@ impl State {
     /// walk over the block's pending patches and their same-block edges, so its cost is
     /// the block's own share of the graph. (A patch with no waits has only durable or
     /// same-block befores.)
-    pub(crate) fn ready_on(&mut self, block: BlockNo) -> Vec<PatchId> {
+    fn ready_on(&mut self, block: BlockNo) -> Vec<PatchId> {
         const VISITING: u8 = 1;
         const READY: u8 = 2;
         const NOT: u8 = 3;

@@ -286,7 +286,7 @@ fn verdict(ok: bool) -> &'static str {
 }
 
 /// The block cache the bench's quiltfs servers run with (`quiltfs mount`'s default).
-const CACHE_MIB: f64 = 128.0;
+const CACHE_MIB: f64 = crate::image::DEFAULT_CACHE_MIB as f64;
 
 /// One "A within k× of B" goal line.
 fn within(g: &mut Vec<String>, samples: &[Sample], w: Workload, (q, k): (&str, &str), factor: f64) {
