@@ -8,7 +8,7 @@
 //! The kernel enforces ACLs (FUSE_POSIX_ACL); the module keeps them consistent.
 
 use crate::format::{le16, le32, Inode};
-use crate::fs::{Ext2, State};
+use crate::fs::{Ext2, Op, State};
 use crate::xattr::{Change, ACL_ACCESS, ACL_DEFAULT};
 use quilt_vfs::acl::{self, Acl, Entry};
 use quilt_vfs::{Ctx, FsError, Result, XattrFlags};
@@ -72,8 +72,10 @@ impl Ext2 {
     /// setxattr/removexattr of an ACL (the kernel has checked the caller owns the file
     /// or is privileged, and that a default ACL goes on a directory; they are checked
     /// again here for callers of the library).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn set_acl_xattr(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         ino: u32,
         idx: u8,
@@ -127,7 +129,7 @@ impl Ext2 {
             name: b"",
             value: store.as_ref().map(to_disk),
         };
-        self.apply_xattrs(st, ino, &mut inode, &[change], &[])?;
+        self.apply_xattrs(op, st, ino, &mut inode, &[change], &[])?;
         Ok(())
     }
 

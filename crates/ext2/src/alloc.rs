@@ -4,7 +4,7 @@
 //! summaries e2fsck recomputes, as in Featherstitch).
 
 use crate::format::*;
-use crate::fs::{Ext2, Head, State};
+use crate::fs::{Ext2, Head, Op, State};
 use quilt_patch::{PatchError, PatchId};
 use quilt_vfs::{FsError, Result};
 
@@ -21,7 +21,7 @@ impl Ext2 {
     /// passes over many pending bits must not pay a cache lookup (and its budget check)
     /// for each.
     fn find_zeros(&self, bitmap: u32, start: u32, limit: u32, want: usize) -> Result<Vec<u32>> {
-        self.engine
+        self.engine()
             .with_block(bitmap as u64, |d| {
                 let limit = limit.min(d.len() as u32 * 8);
                 let mut out = Vec::new();
@@ -89,35 +89,33 @@ impl Ext2 {
     }
 
     fn bit_is_set(&self, bitmap: u32, bit: u32) -> Result<bool> {
-        self.engine
+        self.engine()
             .with_block(bitmap as u64, |d| {
                 d[(bit / 8) as usize] & (1 << (bit % 8)) != 0
             })
             .map_err(Self::io)
     }
 
-    fn flip_bit(&self, bitmap: u32, bit: u32, befores: &[PatchId]) -> Result<PatchId> {
+    fn flip_bit(&self, op: &Op<'_>, bitmap: u32, bit: u32, befores: &[PatchId]) -> Result<PatchId> {
         let word = (bit / 32) * 4;
         let befores = self.cross(befores);
-        self.engine
-            .xor_bits(
-                bitmap as u64,
-                word as usize,
-                1 << (bit % 32),
-                &befores,
-                self.meta(),
-            )
+        op.tx
+            .xor_bits(bitmap as u64, word as usize, 1 << (bit % 32), &befores)
             .map_err(Self::io)
     }
 
     /// Allocates a block, preferring `goal` and its group. Returns the block and the
     /// bitmap patch.
-    pub(crate) fn alloc_block(&self, st: &mut State, goal: u32) -> Result<(u32, PatchId)> {
+    pub(crate) fn alloc_block(
+        &self,
+        op: &Op<'_>,
+
+        st: &mut State,
+        goal: u32,
+    ) -> Result<(u32, PatchId)> {
         // The last r_blocks_count free blocks are root's (kernel ext2's rule), so a full
         // disk still leaves root room to log in and clean up.
-        if st.sb.free_blocks_count <= st.sb.r_blocks_count
-            && !self.privileged.load(std::sync::atomic::Ordering::Relaxed)
-        {
+        if st.sb.free_blocks_count <= st.sb.r_blocks_count && !op.privileged {
             return Err(FsError::NoSpace);
         }
         let g0 =
@@ -139,7 +137,7 @@ impl Ext2 {
             let pending = |bit: u32| {
                 st.freed
                     .get(&(first + bit))
-                    .is_some_and(|&p| !self.engine.is_durable(p))
+                    .is_some_and(|&p| !self.engine().is_durable(p))
             };
             let Some(bit) = self.find_fresh(bitmap, start, count, pending)? else {
                 // The descriptor said free blocks exist; the bitmap disagrees.
@@ -158,7 +156,7 @@ impl Ext2 {
             }
             // Storage behind the block before it is ours: a sparse image on a full host
             // disk fails this operation, not the write-back after it returned.
-            self.engine.reserve(blk as u64, 1).map_err(|e| match e {
+            self.engine().reserve(blk as u64, 1).map_err(|e| match e {
                 PatchError::Block(quilt_block::BlockError::NoSpace { .. }) => {
                     tracing::warn!("{e}");
                     FsError::NoSpace
@@ -166,7 +164,7 @@ impl Ext2 {
                 e => Self::io(e),
             })?;
             let freed = st.freed.get(&blk).copied();
-            let p = self.flip_bit(bitmap, bit, &freed.into_iter().collect::<Vec<_>>())?;
+            let p = self.flip_bit(op, bitmap, bit, &freed.into_iter().collect::<Vec<_>>())?;
             // Saturating: a damaged descriptor may count fewer free blocks than its bitmap.
             st.gd[g as usize].free_blocks = st.gd[g as usize].free_blocks.saturating_sub(1);
             st.sb.free_blocks_count = st.sb.free_blocks_count.saturating_sub(1);
@@ -179,7 +177,14 @@ impl Ext2 {
 
     /// Frees `blk` after `befores` (the patch that removed the last pointer to it), and
     /// remembers that patch: the block's next contents must wait for it.
-    pub(crate) fn free_block(&self, st: &mut State, blk: u32, befores: Head) -> Result<()> {
+    pub(crate) fn free_block(
+        &self,
+        op: &Op<'_>,
+
+        st: &mut State,
+        blk: u32,
+        befores: Head,
+    ) -> Result<()> {
         self.check_data_block(blk)?;
         let g = self.group_of_block(blk);
         let bit = blk - self.geo.group_first_block(g);
@@ -189,9 +194,9 @@ impl Ext2 {
                 "freeing block {blk}, which is already free"
             )));
         }
-        self.flip_bit(bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
+        self.flip_bit(op, bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
         // A journal must not replay an old copy of this block over its next owner's data.
-        self.engine.capture_revoke(blk as u64);
+        self.engine().capture_revoke(blk as u64);
         if let Some(b) = befores {
             self.note_freed_block(st, blk, b);
         }
@@ -206,6 +211,8 @@ impl Ext2 {
     /// spare, files to their parent's group.
     pub(crate) fn alloc_inode(
         &self,
+        op: &Op<'_>,
+
         st: &mut State,
         parent: u32,
         dir: bool,
@@ -241,7 +248,7 @@ impl Ext2 {
             let pending = |bit: u32| {
                 st.freed_inodes
                     .get(&(base + bit))
-                    .is_some_and(|&p| !self.engine.is_durable(p))
+                    .is_some_and(|&p| !self.engine().is_durable(p))
             };
             let Some(bit) = self.find_fresh(bitmap, from, self.geo.ipg, pending)? else {
                 st.gd[g as usize].free_inodes = 0;
@@ -251,7 +258,7 @@ impl Ext2 {
                 continue;
             }
             let ino = g * self.geo.ipg + bit + 1;
-            let p = self.flip_bit(bitmap, bit, &[])?;
+            let p = self.flip_bit(op, bitmap, bit, &[])?;
             st.gd[g as usize].free_inodes = st.gd[g as usize].free_inodes.saturating_sub(1);
             if dir {
                 st.gd[g as usize].used_dirs = st.gd[g as usize].used_dirs.saturating_add(1);
@@ -265,6 +272,8 @@ impl Ext2 {
 
     pub(crate) fn free_inode(
         &self,
+        op: &Op<'_>,
+
         st: &mut State,
         ino: u32,
         dir: bool,
@@ -278,7 +287,7 @@ impl Ext2 {
                 "freeing inode {ino}, which is already free"
             )));
         }
-        let p = self.flip_bit(bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
+        let p = self.flip_bit(op, bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
         self.note_freed_inode(st, ino, p);
         st.gd[g as usize].free_inodes = st.gd[g as usize].free_inodes.saturating_add(1);
         if dir {

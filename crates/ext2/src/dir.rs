@@ -10,7 +10,7 @@
 
 use crate::flags;
 use crate::format::*;
-use crate::fs::{check_name, Ext2, Head, State};
+use crate::fs::{check_name, Ext2, Head, Op, State};
 use quilt_patch::PatchId;
 use quilt_vfs::{Attr, Ctx, DirEntry, FileType, FsError, Ino, RenameFlags, Result};
 
@@ -55,7 +55,7 @@ impl Ext2 {
         for lblk in 0..dir.size / bs {
             let phys = self.dir_block(dir, lblk)?;
             let found = self
-                .engine
+                .engine()
                 .with_block(phys as u64, |d| -> Result<Option<Found>> {
                     let mut prev = None;
                     for e in parse_dir(phys, d, self.geo.filetype)? {
@@ -86,8 +86,10 @@ impl Ext2 {
     }
 
     /// Adds `name → child` to directory `dir_ino`; the entry waits for `befores`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn add_entry(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         dir_ino: u32,
         name: &[u8],
@@ -103,7 +105,7 @@ impl Ext2 {
         for lblk in 0..dir.size / bs {
             let phys = self.dir_block(&dir, lblk)?;
             let slot = self
-                .engine
+                .engine()
                 .with_block(phys as u64, |d| -> Result<Option<(usize, usize, usize)>> {
                     for e in parse_dir(phys, d, self.geo.filetype)? {
                         let used = if e.inode == 0 {
@@ -122,7 +124,7 @@ impl Ext2 {
                 // The previous record's length (if split) and the new entry, one patch.
                 let mut buf = vec![0u8; used + 8 + name.len()];
                 if used > 0 {
-                    self.engine
+                    self.engine()
                         .with_block(phys as u64, |d| {
                             buf[..used].copy_from_slice(&d[off..off + used])
                         })
@@ -131,8 +133,8 @@ impl Ext2 {
                 }
                 encode_dirent(&mut buf[used..], child, rec_len - used, name, ftype);
                 let start = if used > 0 { 4 } else { 0 };
-                let head = self.put_exact(phys, off + start, &buf[start..], befores)?;
-                let h = self.write_inode(st, dir_ino, &dir, &[])?;
+                let head = self.put_exact(op, phys, off + start, &buf[start..], befores)?;
+                let h = self.write_inode(op, st, dir_ino, &dir, &[])?;
                 self.track(st, dir_ino, h);
                 return Ok(head);
             }
@@ -148,14 +150,19 @@ impl Ext2 {
             0
         };
         let (_, head) = self.bmap_alloc(
-            st, dir_ino, &mut dir, lblk, &content, befores, false, goal, None,
+            op, st, dir_ino, &mut dir, lblk, &content, befores, false, goal, None,
         )?;
         Ok(head)
     }
 
     /// Removes the entry `f` (merging it into the previous record, or zeroing its inode
     /// field when it leads its block).
-    pub(crate) fn remove_entry(&self, f: &Found, befores: &[PatchId]) -> Result<PatchId> {
+    pub(crate) fn remove_entry(
+        &self,
+        op: &Op<'_>,
+        f: &Found,
+        befores: &[PatchId],
+    ) -> Result<PatchId> {
         match f.prev {
             Some(prev) => {
                 // The new length is computed from both records' lengths, which pending
@@ -166,33 +173,34 @@ impl Ext2 {
                 // it relied on was rolled back, exposing a stale entry (the crash
                 // explorer found a name pointing at a freed inode that way).
                 let mut b = self
-                    .engine
+                    .engine()
                     .with_block(f.phys as u64, |d| d[prev + 4..f.offset + 6].to_vec())
                     .map_err(Self::io)?;
                 let len = le16(&b, f.offset + 4 - (prev + 4));
                 let prev_len = le16(&b, 0);
                 put16(&mut b, 0, prev_len + len);
-                self.put_exact(f.phys, prev + 4, &b, befores)
+                self.put_exact(op, f.phys, prev + 4, &b, befores)
             }
-            None => self.put_exact(f.phys, f.offset, &[0; 4], befores),
+            None => self.put_exact(op, f.phys, f.offset, &[0; 4], befores),
         }
     }
 
     /// Points an existing entry at another inode.
     fn retarget_entry(
         &self,
+        op: &Op<'_>,
         f: &Found,
         ino: u32,
         ftype: u8,
         befores: &[PatchId],
     ) -> Result<PatchId> {
         let mut head = self
-            .engine
+            .engine()
             .with_block(f.phys as u64, |d| d[f.offset..f.offset + 8].to_vec())
             .map_err(Self::io)?;
         put32(&mut head, 0, ino);
         head[7] = ftype;
-        self.put_exact(f.phys, f.offset, &head, befores)
+        self.put_exact(op, f.phys, f.offset, &head, befores)
     }
 
     fn is_empty_dir(&self, dir: &Inode) -> Result<bool> {
@@ -200,7 +208,7 @@ impl Ext2 {
         for lblk in 0..dir.size / bs {
             let phys = self.dir_block(dir, lblk)?;
             let empty = self
-                .engine
+                .engine()
                 .with_block(phys as u64, |d| -> Result<bool> {
                     Ok(parse_dir(phys, d, self.geo.filetype)?
                         .iter()
@@ -232,7 +240,7 @@ impl Ext2 {
         for lblk in cookie / bs..dir.size / bs {
             let phys = self.dir_block(&dir, lblk)?;
             let entries: Vec<(usize, u32, usize, u8, Vec<u8>)> = self
-                .engine
+                .engine()
                 .with_block(phys as u64, |d| -> Result<_> {
                     Ok(parse_dir(phys, d, self.geo.filetype)?
                         .into_iter()
@@ -276,6 +284,7 @@ impl Ext2 {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn create_node(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         parent: u32,
         name: &[u8],
@@ -311,7 +320,7 @@ impl Ext2 {
         } else {
             ctx.gid
         };
-        let (ino, bit) = self.alloc_inode(st, parent, is_dir)?;
+        let (ino, bit) = self.alloc_inode(op, st, parent, is_dir)?;
         let mut inode = self.new_inode(mode, ctx.uid, gid);
         inode.links = 1;
         inode.flags = flags::inherited(dir.flags, mode);
@@ -322,9 +331,9 @@ impl Ext2 {
             st.gd[g as usize].inode_table + self.geo.itb
         };
         let mut block_with = |st: &mut State, inode: &mut Inode, content: &[u8]| -> Result<()> {
-            let (blk, alloc) = self.alloc_block(st, goal)?;
+            let (blk, alloc) = self.alloc_block(op, st, goal)?;
             let freed: Vec<_> = st.freed.get(&blk).copied().into_iter().collect();
-            let init = self.put_block(blk, content, &freed, false)?;
+            let init = self.put_block(op, blk, content, &freed, false)?;
             befores.push(alloc);
             befores.push(init);
             inode.block[0] = blk;
@@ -365,28 +374,31 @@ impl Ext2 {
         })();
         if let Err(e) = made {
             // Undo the inode allocation (nothing names it yet).
-            self.free_inode(st, ino, is_dir, None)?;
+            self.free_inode(op, st, ino, is_dir, None)?;
             return Err(e);
         }
         if is_dir {
-            let p = self.modify_inode(st, parent, &[], |d| d.links = d.links.saturating_add(1))?;
+            let p =
+                self.modify_inode(op, st, parent, &[], |d| d.links = d.links.saturating_add(1))?;
             befores.extend(p);
         }
-        let mut n = self.init_inode(st, ino, &inode, &befores)?;
+        let mut n = self.init_inode(op, st, ino, &inode, &befores)?;
         if !acls.is_empty() {
             // The ACLs are in place before any name leads to the inode.
             n = self
-                .apply_xattrs(st, ino, &mut inode, &acls, &[n])?
+                .apply_xattrs(op, st, ino, &mut inode, &acls, &[n])?
                 .unwrap_or(n);
         }
-        let entry = match self.add_entry(st, parent, name, ino, self.ftype(mode), &[n]) {
+        let entry = match self.add_entry(op, st, parent, name, ino, self.ftype(mode), &[n]) {
             Ok(e) => e,
             Err(e) => {
                 // No room for the entry: take the inode back.
                 if is_dir {
-                    self.modify_inode(st, parent, &[], |d| d.links = d.links.saturating_sub(1))?;
+                    self.modify_inode(op, st, parent, &[], |d| {
+                        d.links = d.links.saturating_sub(1)
+                    })?;
                 }
-                self.destroy_inode(st, ino, None)?;
+                self.destroy_inode(op, st, ino, None)?;
                 return Err(e);
             }
         };
@@ -401,6 +413,7 @@ impl Ext2 {
     /// freed at its last release, unless `do_link` gives it a name first.
     pub(crate) fn create_tmpfile(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         parent: u32,
         mode: u32,
@@ -414,8 +427,15 @@ impl Ext2 {
             return Err(FsError::NotFound);
         }
         flags::refuse_new_entry(&dir)?;
-        let (ino, n) =
-            self.unnamed_inode(st, parent, &dir, libc::S_IFREG | (mode & 0o7777), 0, ctx)?;
+        let (ino, n) = self.unnamed_inode(
+            op,
+            st,
+            parent,
+            &dir,
+            libc::S_IFREG | (mode & 0o7777),
+            0,
+            ctx,
+        )?;
         st.orphans.insert(ino);
         self.track(st, ino, Some(n));
         self.attr(st, ino)
@@ -424,8 +444,10 @@ impl Ext2 {
     /// Allocates and initializes an inode that no entry names yet, with `links` links
     /// (the caller names it, or keeps it as an orphan), owned as a new file in `dir`
     /// would be. Returns it and the patch that initialized it.
+    #[allow(clippy::too_many_arguments)]
     fn unnamed_inode(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         parent: u32,
         dir: &Inode,
@@ -439,14 +461,14 @@ impl Ext2 {
             ctx.gid
         };
         let (mode, acls) = self.acl_for_new(st, parent, mode, ctx.umask)?;
-        let (ino, bit) = self.alloc_inode(st, parent, false)?;
+        let (ino, bit) = self.alloc_inode(op, st, parent, false)?;
         let mut inode = self.new_inode(mode, ctx.uid, gid);
         inode.links = links;
         inode.flags = flags::inherited(dir.flags, mode);
-        let mut init = self.init_inode(st, ino, &inode, &[bit])?;
+        let mut init = self.init_inode(op, st, ino, &inode, &[bit])?;
         if !acls.is_empty() {
             init = self
-                .apply_xattrs(st, ino, &mut inode, &acls, &[init])?
+                .apply_xattrs(op, st, ino, &mut inode, &acls, &[init])?
                 .unwrap_or(init);
         }
         st.counters.inodes_created += 1;
@@ -455,6 +477,7 @@ impl Ext2 {
 
     pub(crate) fn remove_name(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         parent: u32,
         name: &[u8],
@@ -488,21 +511,22 @@ impl Ext2 {
         } else if child.is_dir() {
             return Err(FsError::IsDir);
         }
-        let r = self.remove_entry(&f, &[])?;
-        let h = self.modify_inode(st, parent, &[r], |d| {
+        let r = self.remove_entry(op, &f, &[])?;
+        let h = self.modify_inode(op, st, parent, &[r], |d| {
             Self::touch_times(d, true, true);
             d.flags &= !INDEX_FL;
         })?;
         self.track(st, parent, Some(r));
         self.track(st, parent, h);
-        let gone = self.drop_link(st, f.inode, rmdir, Some(r))?;
+        let gone = self.drop_link(op, st, f.inode, rmdir, Some(r))?;
         if rmdir {
             // The parent counts the child's ".." until the child is cleared: count it
             // down only after that (the crash explorer found the parent's link count
             // too low when this waited only for the entry's removal).
             let after: Vec<PatchId> = gone.into_iter().chain([r]).collect();
-            let d =
-                self.modify_inode(st, parent, &after, |d| d.links = d.links.saturating_sub(1))?;
+            let d = self.modify_inode(op, st, parent, &after, |d| {
+                d.links = d.links.saturating_sub(1)
+            })?;
             self.track(st, parent, d);
         }
         Ok(())
@@ -511,7 +535,14 @@ impl Ext2 {
     /// One name of `ino` is gone (after `removal`): count it down, and free the inode
     /// when no name and no open handle is left. Returns the patch that wrote the inode's
     /// new state (cleared, when freed).
-    fn drop_link(&self, st: &mut State, ino: u32, whole_dir: bool, removal: Head) -> Result<Head> {
+    fn drop_link(
+        &self,
+        op: &Op<'_>,
+        st: &mut State,
+        ino: u32,
+        whole_dir: bool,
+        removal: Head,
+    ) -> Result<Head> {
         let mut inode = self.read_inode(st, ino)?;
         inode.links = if whole_dir {
             0
@@ -520,22 +551,35 @@ impl Ext2 {
         };
         Self::touch_times(&mut inode, false, true);
         if inode.links > 0 {
-            let h = self.write_inode(st, ino, &inode, &removal.into_iter().collect::<Vec<_>>())?;
+            let h = self.write_inode(
+                op,
+                st,
+                ino,
+                &inode,
+                &removal.into_iter().collect::<Vec<_>>(),
+            )?;
             self.track(st, ino, h);
             return Ok(h);
         }
         if st.open.get(&ino).copied().unwrap_or(0) > 0 {
             // Still open: it lives, nameless, until the last release.
             st.orphans.insert(ino);
-            let h = self.write_inode(st, ino, &inode, &removal.into_iter().collect::<Vec<_>>())?;
+            let h = self.write_inode(
+                op,
+                st,
+                ino,
+                &inode,
+                &removal.into_iter().collect::<Vec<_>>(),
+            )?;
             self.track(st, ino, h);
             return Ok(h);
         }
-        self.destroy_inode(st, ino, removal)
+        self.destroy_inode(op, st, ino, removal)
     }
 
     pub(crate) fn do_link(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         ino: u32,
         parent: u32,
@@ -558,7 +602,7 @@ impl Ext2 {
         if inode.links >= LINK_MAX {
             return Err(FsError::TooManyLinks);
         }
-        let l = self.modify_inode(st, ino, &[], |i| {
+        let l = self.modify_inode(op, st, ino, &[], |i| {
             i.links = i.links.saturating_add(1);
             Self::touch_times(i, false, true);
         })?;
@@ -566,6 +610,7 @@ impl Ext2 {
         // lets only those, and no other unnamed inode, be linked).
         st.orphans.remove(&ino);
         let e = self.add_entry(
+            op,
             st,
             parent,
             name,
@@ -576,7 +621,7 @@ impl Ext2 {
         let e = match e {
             Ok(e) => e,
             Err(err) => {
-                self.modify_inode(st, ino, &[], |i| i.links = i.links.saturating_sub(1))?;
+                self.modify_inode(op, st, ino, &[], |i| i.links = i.links.saturating_sub(1))?;
                 return Err(err);
             }
         };
@@ -610,6 +655,7 @@ impl Ext2 {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn do_rename(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         parent: u32,
         name: &[u8],
@@ -648,7 +694,7 @@ impl Ext2 {
         }
         if flags.exchange {
             let dst = dst.ok_or(FsError::NotFound)?;
-            return self.exchange(st, parent, &src, new_parent, &dst);
+            return self.exchange(op, st, parent, &src, new_parent, &dst);
         }
         if let Some(d) = &dst {
             if flags.noreplace {
@@ -693,28 +739,32 @@ impl Ext2 {
         // the old name.
         // A device number of 0:0 is what a new inode carries already.
         let whiteout = if flags.whiteout {
-            Some(self.unnamed_inode(st, parent, &pdir, libc::S_IFCHR, 1, ctx)?)
+            Some(self.unnamed_inode(op, st, parent, &pdir, libc::S_IFCHR, 1, ctx)?)
         } else {
             None
         };
         // (1) The moving inode gains a link, then the new name points at it.
-        let up = self.modify_inode(st, src.inode, &[], |i| {
+        let up = self.modify_inode(op, st, src.inode, &[], |i| {
             i.links = i.links.saturating_add(1);
             Self::touch_times(i, false, true);
         })?;
         let up: Vec<PatchId> = up.into_iter().collect();
         let new_entry = match &victim {
             Some((d, _)) => {
-                let e = self.retarget_entry(d, src.inode, ftype, &up)?;
-                self.modify_inode(st, new_parent, &[], |i| Self::touch_times(i, true, true))?;
+                let e = self.retarget_entry(op, d, src.inode, ftype, &up)?;
+                self.modify_inode(op, st, new_parent, &[], |i| {
+                    Self::touch_times(i, true, true)
+                })?;
                 e
             }
-            None => match self.add_entry(st, new_parent, new_name, src.inode, ftype, &up) {
+            None => match self.add_entry(op, st, new_parent, new_name, src.inode, ftype, &up) {
                 Ok(e) => e,
                 Err(err) => {
-                    self.modify_inode(st, src.inode, &[], |i| i.links = i.links.saturating_sub(1))?;
+                    self.modify_inode(op, st, src.inode, &[], |i| {
+                        i.links = i.links.saturating_sub(1)
+                    })?;
                     if let Some((w, _)) = whiteout {
-                        self.destroy_inode(st, w, None)?;
+                        self.destroy_inode(op, st, w, None)?;
                     }
                     return Err(err);
                 }
@@ -728,15 +778,16 @@ impl Ext2 {
             // moves, (4) the old parent stops counting it.
             let mut dd_befores = vec![new_entry];
             if victim.is_none() {
-                let p = self
-                    .modify_inode(st, new_parent, &[], |i| i.links = i.links.saturating_add(1))?;
+                let p = self.modify_inode(op, st, new_parent, &[], |i| {
+                    i.links = i.links.saturating_add(1)
+                })?;
                 dd_befores.extend(p);
             }
             let dd = self.dotdot(st, src.inode)?;
             let moved =
-                self.retarget_entry(&dd, new_parent, self.ftype(libc::S_IFDIR), &dd_befores)?;
+                self.retarget_entry(op, &dd, new_parent, self.ftype(libc::S_IFDIR), &dd_befores)?;
             self.track(st, src.inode, Some(moved));
-            let down = self.modify_inode(st, parent, &[moved], |i| {
+            let down = self.modify_inode(op, st, parent, &[moved], |i| {
                 i.links = i.links.saturating_sub(1)
             })?;
             self.track(st, parent, down);
@@ -749,22 +800,23 @@ impl Ext2 {
             .find_entry(&pdir, name)?
             .ok_or_else(|| corrupt("renamed entry vanished"))?;
         let removal = match whiteout {
-            None => self.remove_entry(&src, &before_removal)?,
+            None => self.remove_entry(op, &src, &before_removal)?,
             Some((w, init)) => {
                 before_removal.push(init);
-                let r = self.retarget_entry(&src, w, self.ftype(libc::S_IFCHR), &before_removal)?;
+                let r =
+                    self.retarget_entry(op, &src, w, self.ftype(libc::S_IFCHR), &before_removal)?;
                 self.track(st, w, Some(r));
                 st.parents.insert(w, parent);
                 r
             }
         };
-        let h = self.modify_inode(st, parent, &[], |i| {
+        let h = self.modify_inode(op, st, parent, &[], |i| {
             Self::touch_times(i, true, true);
             i.flags &= !INDEX_FL;
         })?;
         self.track(st, parent, Some(removal));
         self.track(st, parent, h);
-        let down = self.modify_inode(st, src.inode, &[removal], |i| {
+        let down = self.modify_inode(op, st, src.inode, &[removal], |i| {
             i.links = i.links.saturating_sub(1)
         })?;
         self.track(st, src.inode, down);
@@ -774,18 +826,26 @@ impl Ext2 {
             if v.is_dir() {
                 // Its ".." counted in the new parent; the moved directory now does.
                 if !moving_dir || parent == new_parent {
-                    self.modify_inode(st, new_parent, &[new_entry], |i| {
+                    self.modify_inode(op, st, new_parent, &[new_entry], |i| {
                         i.links = i.links.saturating_sub(1)
                     })?;
                 }
             }
-            self.drop_link(st, d.inode, v.is_dir(), Some(new_entry))?;
+            self.drop_link(op, st, d.inode, v.is_dir(), Some(new_entry))?;
         }
         Ok(())
     }
 
     /// RENAME_EXCHANGE: both names stay, pointing at each other's inode.
-    fn exchange(&self, st: &mut State, pa: u32, a: &Found, pb: u32, b: &Found) -> Result<()> {
+    fn exchange(
+        &self,
+        op: &Op<'_>,
+        st: &mut State,
+        pa: u32,
+        a: &Found,
+        pb: u32,
+        b: &Found,
+    ) -> Result<()> {
         if a.inode == b.inode {
             return Ok(());
         }
@@ -802,14 +862,14 @@ impl Ext2 {
         // Counts up first, entries next, counts down last: a crash leaves counts too
         // high, never too low.
         let up_a: Vec<PatchId> = self
-            .modify_inode(st, a.inode, &[], |i| {
+            .modify_inode(op, st, a.inode, &[], |i| {
                 i.links = i.links.saturating_add(1);
                 Self::touch_times(i, false, true);
             })?
             .into_iter()
             .collect();
         let up_b: Vec<PatchId> = self
-            .modify_inode(st, b.inode, &[], |i| {
+            .modify_inode(op, st, b.inode, &[], |i| {
                 i.links = i.links.saturating_add(1);
                 Self::touch_times(i, false, true);
             })?
@@ -821,36 +881,39 @@ impl Ext2 {
             // The parent gaining a subdirectory counts it before the entry points there.
             let gainer = if delta > 0 { pb } else { pa };
             parent_up.extend(
-                self.modify_inode(st, gainer, &[], |i| i.links = i.links.saturating_add(1))?,
+                self.modify_inode(op, st, gainer, &[], |i| i.links = i.links.saturating_add(1))?,
             );
         }
         let mut eb_befores = up_a.clone();
         eb_befores.extend(&parent_up);
         let mut ea_befores = up_b.clone();
         ea_befores.extend(&parent_up);
-        let ea = self.retarget_entry(a, b.inode, self.ftype(ib.mode as u32), &ea_befores)?;
-        let eb = self.retarget_entry(b, a.inode, self.ftype(ia.mode as u32), &eb_befores)?;
+        let ea = self.retarget_entry(op, a, b.inode, self.ftype(ib.mode as u32), &ea_befores)?;
+        let eb = self.retarget_entry(op, b, a.inode, self.ftype(ia.mode as u32), &eb_befores)?;
         let mut after = vec![ea, eb];
         if pa != pb {
             if ia.is_dir() {
                 let dd = self.dotdot(st, a.inode)?;
-                after.push(self.retarget_entry(&dd, pb, self.ftype(libc::S_IFDIR), &[eb])?);
+                after.push(self.retarget_entry(op, &dd, pb, self.ftype(libc::S_IFDIR), &[eb])?);
             }
             if ib.is_dir() {
                 let dd = self.dotdot(st, b.inode)?;
-                after.push(self.retarget_entry(&dd, pa, self.ftype(libc::S_IFDIR), &[ea])?);
+                after.push(self.retarget_entry(op, &dd, pa, self.ftype(libc::S_IFDIR), &[ea])?);
             }
             if delta != 0 {
                 let loser = if delta > 0 { pa } else { pb };
-                self.modify_inode(st, loser, &after, |i| i.links = i.links.saturating_sub(1))?;
+                self.modify_inode(op, st, loser, &after, |i| {
+                    i.links = i.links.saturating_sub(1)
+                })?;
             }
         }
         for p in [pa, pb] {
-            let h = self.modify_inode(st, p, &[], |i| Self::touch_times(i, true, true))?;
+            let h = self.modify_inode(op, st, p, &[], |i| Self::touch_times(i, true, true))?;
             self.track(st, p, h);
         }
         for (ino, e) in [(a.inode, ea), (b.inode, eb)] {
-            let h = self.modify_inode(st, ino, &after, |i| i.links = i.links.saturating_sub(1))?;
+            let h =
+                self.modify_inode(op, st, ino, &after, |i| i.links = i.links.saturating_sub(1))?;
             self.track(st, ino, h);
             self.track(st, ino, Some(e));
         }

@@ -5,7 +5,7 @@
 //! directory, and which operations answer EPERM.
 
 use crate::format::Inode;
-use crate::fs::{Ext2, State};
+use crate::fs::{Ext2, Op, State};
 use quilt_vfs::flags::*;
 use quilt_vfs::{Ctx, FsError, Result};
 
@@ -69,6 +69,7 @@ impl Ext2 {
 
     pub(crate) fn do_set_flags(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         ino: u32,
         flags: u32,
@@ -105,7 +106,7 @@ impl Ext2 {
         }
         inode.flags = (old & !MODIFIABLE) | flags;
         Self::touch_times(&mut inode, false, true);
-        let h = self.write_inode(st, ino, &inode, &[])?;
+        let h = self.write_inode(op, st, ino, &inode, &[])?;
         self.track(st, ino, h);
         Ok(())
     }

@@ -3,10 +3,10 @@
 //! the `FileSystem` trait implementation.
 
 use crate::format::*;
-use quilt_patch::{ChangeOpts, Engine, PatchError, PatchId, PatchgroupId};
+use quilt_patch::{Engine, PatchError, PatchId, Services};
 use quilt_vfs::{
-    Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, PgId, RenameFlags, Result, SetAttr,
-    StatFs, XattrFlags,
+    Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, RenameFlags, Result, SetAttr, StatFs,
+    XattrFlags,
 };
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::atomic::Ordering::Relaxed;
@@ -107,6 +107,17 @@ impl Default for MountOptions {
 
 /// The patch that made a change, or None when the change altered nothing on disk.
 pub(crate) type Head = Option<PatchId>;
+
+/// One operation of the module: the patch layer's operation (its caller's engaged
+/// patchgroups order every change, and no transaction closes in its middle) and whether
+/// the caller may use the blocks reserved for root (`r_blocks_count`): root, the
+/// superblock's `def_resuid`, or a member of a non-root `def_resgid` — the kernel's rule
+/// (its CAP_SYS_RESOURCE is uid 0 here). Every change is made through one, passed
+/// explicitly, so concurrent operations never share a caller by accident.
+pub(crate) struct Op<'a> {
+    pub tx: quilt_patch::Op<'a>,
+    pub privileged: bool,
+}
 
 /// Geometry: fixed at mount.
 #[derive(Debug, Clone)]
@@ -209,7 +220,10 @@ pub(crate) struct State {
 }
 
 pub struct Ext2 {
-    pub(crate) engine: Engine,
+    /// The patch layer below: the engine, the operation boundary, the transaction
+    /// service (the ext3 journal in the journal modes, attached at open; this module
+    /// never holds it), patchgroups.
+    pub(crate) svc: Services,
     pub(crate) geo: Geo,
     pub(crate) mode: Mode,
     pub(crate) read_only: bool,
@@ -224,16 +238,6 @@ pub struct Ext2 {
     /// Damage was found under `Errors::RemountRo`: no more changes.
     pub(crate) errored: std::sync::atomic::AtomicBool,
     pub(crate) st: Mutex<State>,
-    /// The running ext3 journal in the journal modes (read-write).
-    pub(crate) journal: Option<quilt_journal::Journal>,
-    /// The process the operation under way works for (0: none). Its engaged patchgroups
-    /// order every change the operation makes. Set with `st` locked and read only by
-    /// the operation holding it, so the lock is what protects it.
-    pub(crate) caller: std::sync::atomic::AtomicU64,
-    /// The current operation's caller may use the blocks reserved for root
-    /// (`r_blocks_count`): root, the superblock's `def_resuid`, or a member of a non-root
-    /// `def_resgid` — the kernel's rule (its CAP_SYS_RESOURCE is uid 0 here).
-    pub(crate) privileged: std::sync::atomic::AtomicBool,
 }
 
 /// Fsync lists longer than this fold into one empty patch.
@@ -241,8 +245,16 @@ const HEADS_FOLD: usize = 32;
 
 impl Ext2 {
     /// Opens the file system on `engine`'s device: validates the superblock and the group
-    /// descriptors, and (read-write) marks the image as mounted.
+    /// descriptors, and (read-write) marks the image as mounted. In the journal modes the
+    /// image's journal is replayed if it needs it and then attached to the patch layer's
+    /// services as their transaction service.
     pub fn open(engine: Engine, opts: MountOptions) -> Result<Ext2> {
+        Ext2::open_on(Services::new(engine), opts)
+    }
+
+    /// [`Ext2::open`] on services that may be shared with other users of the engine.
+    pub fn open_on(svc: Services, opts: MountOptions) -> Result<Ext2> {
+        let engine = svc.engine().clone();
         // A journal left needing recovery is replayed first, on the device itself: the
         // engine must not have cached any block yet, or it would serve stale copies.
         if !opts.read_only && engine.stats().blocks_cached == 0 {
@@ -352,7 +364,7 @@ impl Ext2 {
             gd.push(d);
         }
         let fs = Ext2 {
-            engine,
+            svc,
             mode: opts.mode,
             read_only,
             acl: opts.acl,
@@ -377,9 +389,6 @@ impl Ext2 {
                 freed_prune_at: FREED_PRUNE_MIN,
             }),
             geo,
-            journal: None,
-            caller: std::sync::atomic::AtomicU64::new(0),
-            privileged: std::sync::atomic::AtomicBool::new(true),
         };
         // The root must be a directory.
         {
@@ -398,7 +407,7 @@ impl Ext2 {
             for (g, d) in st.gd.iter().enumerate() {
                 let first = fs.geo.group_first_block(g as u32) as u64;
                 let end = (d.inode_table + fs.geo.itb) as u64;
-                fs.engine
+                fs.engine()
                     .reserve(first, end.saturating_sub(first))
                     .map_err(|e| match e {
                         quilt_patch::PatchError::Block(
@@ -408,6 +417,7 @@ impl Ext2 {
                     })?;
             }
             drop(st);
+            let op = fs.begin_internal();
             let mut st = fs.lock();
             // Recompute the summary counts from the descriptors (cheap, and the kernel
             // does the same), then mark the image as in use until a clean unmount.
@@ -421,19 +431,23 @@ impl Ext2 {
                 // the first transaction.
                 st.sb.feature_incompat |= INCOMPAT_RECOVER;
             }
-            fs.write_super(&mut st)?;
+            fs.write_super(&op, &mut st)?;
             drop(st);
-            fs.engine.sync().map_err(Self::io)?;
+            op.tx.end()?;
+            fs.engine().sync().map_err(Self::io)?;
         }
-        let mut fs = fs;
         if opts.mode.is_journal() && !fs.read_only {
-            fs.journal = Some(fs.start_journal(opts.mode)?);
+            let journal = fs.start_journal(opts.mode)?;
+            fs.svc.attach(std::sync::Arc::new(journal))?;
         }
         Ok(fs)
     }
 
     pub fn engine(&self) -> &Engine {
-        &self.engine
+        self.svc.engine()
+    }
+    pub fn services(&self) -> &Services {
+        &self.svc
     }
     pub fn mode(&self) -> Mode {
         self.mode
@@ -450,41 +464,92 @@ impl Ext2 {
         if self.errored.load(Relaxed) {
             // Read-only after errors: what was acknowledged goes to disk, and the image
             // stays marked as not clean, with errors, for e2fsck.
-            let st = self.lock();
-            drop(st);
-            if let Some(j) = &self.journal {
-                j.commit().map_err(crate::journal::jerr)?;
-            }
-            return self.engine.sync().map_err(Self::io);
+            self.svc.sync()?;
+            return self.engine().sync().map_err(Self::io);
         }
+        let op = self.begin_internal();
         let mut st = self.lock();
         let orphans: Vec<u32> = st.orphans.drain().collect();
         for ino in orphans {
             st.open.remove(&ino);
-            self.destroy_inode(&mut st, ino, None)?;
+            self.destroy_inode(&op, &mut st, ino, None)?;
         }
-        self.flush_groups(&mut st)?;
+        self.write_groups(&op, &mut st)?;
         st.sb.state |= STATE_VALID;
         st.sb.wtime = quilt_vfs::Timespec::now().sec as u32;
-        self.write_super(&mut st)?;
-        if let Some(j) = &self.journal {
-            // Commit, put everything home, mark the journal empty; then the superblock
-            // no longer asks for recovery.
-            j.shutdown().map_err(crate::journal::jerr)?;
-            st.sb.feature_incompat &= !INCOMPAT_RECOVER;
-            self.write_super(&mut st)?;
-        }
+        self.write_super(&op, &mut st)?;
         drop(st);
-        self.engine.sync().map_err(Self::io)
+        op.tx.end()?;
+        // The transaction service (the journal) commits, puts everything home and marks
+        // its log empty; then the superblock no longer asks for recovery.
+        let journaled = self.svc.transactional();
+        self.svc.shutdown()?;
+        if journaled {
+            let op = self.begin_internal();
+            let mut st = self.lock();
+            st.sb.feature_incompat &= !INCOMPAT_RECOVER;
+            self.write_super(&op, &mut st)?;
+            drop(st);
+            op.tx.end()?;
+        }
+        self.engine().sync().map_err(Self::io)
     }
 
-    /// Locks the state for an operation made on no process's behalf.
+    /// Locks the state. A change needs an op begun first (`begin`): an op waits at the
+    /// boundary while a transaction closes, so it must not wait there holding the lock
+    /// that the ops in flight need to finish.
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        let mut st = self.st.lock().unwrap_or_else(|e| e.into_inner());
-        self.caller.store(0, Relaxed);
-        self.privileged.store(true, Relaxed);
-        self.record_pending_error(&mut st);
-        st
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Begins an operation for `ctx`'s process: its changes join the patchgroups that
+    /// process has engaged.
+    pub(crate) fn begin(&self, ctx: &Ctx) -> Op<'_> {
+        let (resuid, resgid) = (self.geo.sb.def_resuid as u32, self.geo.sb.def_resgid as u32);
+        let privileged = ctx.uid == 0 || ctx.uid == resuid || (resgid != 0 && ctx.gid == resgid);
+        let caller = (ctx.pid != 0).then_some(ctx.pid as u64);
+        Op {
+            tx: self.svc.begin(caller),
+            privileged,
+        }
+    }
+
+    /// Begins an operation made on no process's behalf (mount, unmount, the last
+    /// release of an unlinked file, fsync's summary counts).
+    pub(crate) fn begin_internal(&self) -> Op<'_> {
+        Op {
+            tx: self.svc.begin(None),
+            privileged: true,
+        }
+    }
+
+    /// Runs a change for `ctx`: begins the op, locks the state, runs `f`, writes the
+    /// group descriptors it changed, unlocks, and ends the op (the boundary where a
+    /// transaction service may commit). Damage `f` found is recorded (`checked`).
+    pub(crate) fn change<T>(
+        &self,
+        ctx: &Ctx,
+        f: impl FnOnce(&Op<'_>, &mut State) -> Result<T>,
+    ) -> Result<T> {
+        self.check_writable()?;
+        let op = self.begin(ctx);
+        let r = self.change_in(&op, f);
+        op.tx.end()?;
+        r
+    }
+
+    /// The body of `change`, inside an op the caller ends.
+    fn change_in<T>(
+        &self,
+        op: &Op<'_>,
+        f: impl FnOnce(&Op<'_>, &mut State) -> Result<T>,
+    ) -> Result<T> {
+        let mut st = self.lock();
+        let r = f(op, &mut st);
+        let w = self.write_groups(op, &mut st);
+        drop(st);
+        w?;
+        self.checked(r)
     }
 
     /// An operation's result on its way out: damage it found is logged and recorded in
@@ -506,34 +571,46 @@ impl Ext2 {
         if self.errors == Errors::RemountRo && !self.errored.swap(true, Relaxed) {
             tracing::error!("remounting read-only (errors=remount-ro)");
         }
-        if let Ok(mut st) = self.st.try_lock() {
-            self.caller.store(0, Relaxed);
-            self.record_pending_error(&mut st);
-        }
+        // Recorded now unless this thread is inside an op (then by the next `change`).
+        self.record_pending_error();
         r
     }
 
     /// Marks the superblock as having errors, with the kernel's error record (count,
-    /// first and last time, inode and block), and makes it durable.
-    fn record_pending_error(&self, st: &mut State) {
+    /// first and last time, inode and block), and makes it durable. Called with no op
+    /// open and the state unlocked (it begins its own op, and syncs).
+    fn record_pending_error(&self) {
         // Every operation passes here: only a set flag costs a lock.
         if !self.error_waiting.swap(false, Relaxed) {
             return;
         }
+        let op = self.begin_internal();
+        let mut st = self.lock();
+        let recorded = self.record_error_in(&op, &mut st);
+        drop(st);
+        let r = recorded
+            .and_then(|()| op.tx.end().map_err(Self::io))
+            .and_then(|()| self.svc.sync().map_err(Self::io));
+        if let Err(e) = r {
+            tracing::error!("could not mark the superblock as having errors: {e}");
+        }
+    }
+
+    fn record_error_in(&self, op: &Op<'_>, st: &mut State) -> Result<()> {
         let Some(msg) = self
             .pending_error
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
         else {
-            return;
+            return Ok(());
         };
         st.sb.state |= STATE_ERROR;
-        let r = self.write_super(st).and_then(|()| {
+        self.write_super(op, st).and_then(|()| {
             let (ino, blk) = error_subject(&msg);
             let now = quilt_vfs::Timespec::now().sec as u32;
             let mut raw = self
-                .engine
+                .engine()
                 .with_block(self.geo.sb_block as u64, |d| {
                     d[self.geo.sb_off..self.geo.sb_off + SUPERBLOCK_SIZE].to_vec()
                 })
@@ -554,55 +631,13 @@ impl Ext2 {
             put32(&mut raw, 0x1D0, ino);
             raw[0x1D8..0x1E0].copy_from_slice(&blk.to_le_bytes());
             func(&mut raw, 0x1E0);
-            self.put(self.geo.sb_block, self.geo.sb_off, &raw, &[], false)?;
-            self.engine.sync().map_err(Self::io)
-        });
-        if let Err(e) = r {
-            tracing::error!("could not mark the superblock as having errors: {e}");
-        }
-    }
-
-    /// Locks the state for an operation made for `ctx`'s process: its changes join the
-    /// patchgroups that process has engaged.
-    pub(crate) fn lock_for(&self, ctx: &Ctx) -> MutexGuard<'_, State> {
-        let mut st = self.st.lock().unwrap_or_else(|e| e.into_inner());
-        self.caller.store(0, Relaxed);
-        self.record_pending_error(&mut st);
-        self.caller.store(ctx.pid as u64, Relaxed);
-        let (resuid, resgid) = (st.sb.def_resuid as u32, st.sb.def_resgid as u32);
-        let privileged = ctx.uid == 0 || ctx.uid == resuid || (resgid != 0 && ctx.gid == resgid);
-        self.privileged.store(privileged, Relaxed);
-        st
+            self.put(op, self.geo.sb_block, self.geo.sb_off, &raw, &[], false)?;
+            Ok(())
+        })
     }
 
     pub(crate) fn io(e: PatchError) -> FsError {
-        match e {
-            PatchError::Block(quilt_block::BlockError::OutOfRange { block, count }) => {
-                FsError::Corrupt(format!(
-                    "block {block} is beyond the device ({count} blocks)"
-                ))
-            }
-            e => FsError::Io(e.to_string()),
-        }
-    }
-
-    fn current_caller(&self) -> Option<quilt_patch::CallerId> {
-        match self.caller.load(Relaxed) {
-            0 => None,
-            c => Some(c),
-        }
-    }
-    pub(crate) fn meta(&self) -> ChangeOpts {
-        ChangeOpts {
-            caller: self.current_caller(),
-            data: false,
-        }
-    }
-    pub(crate) fn data(&self) -> ChangeOpts {
-        ChangeOpts {
-            caller: self.current_caller(),
-            data: true,
-        }
+        FsError::from(e)
     }
 
     /// The befores a change may declare across blocks in this mode: all of them in soft
@@ -621,7 +656,7 @@ impl Ext2 {
     /// kernel does: the fixed metadata, and a journal in use.
     fn overhead(&self, st: &State) -> u64 {
         let mut o = self.geo.overhead;
-        if self.journal.is_some() && st.sb.journal_inum != 0 {
+        if self.svc.transactional() && st.sb.journal_inum != 0 {
             if let Ok(j) = self.read_inode(st, st.sb.journal_inum) {
                 o += j.size / self.geo.bs as u64;
             }
@@ -640,6 +675,8 @@ impl Ext2 {
     /// Writes `new` at `off` of `blk`, as a patch covering only the bytes that change.
     pub(crate) fn put(
         &self,
+        op: &Op<'_>,
+
         blk: u32,
         off: usize,
         new: &[u8],
@@ -647,7 +684,7 @@ impl Ext2 {
         data: bool,
     ) -> Result<Head> {
         let span = self
-            .engine
+            .engine()
             .with_block(blk as u64, |d| {
                 let old = &d[off..off + new.len()];
                 let lo = old.iter().zip(new).position(|(a, b)| a != b)?;
@@ -659,9 +696,8 @@ impl Ext2 {
             return Ok(None);
         };
         let befores = self.cross(befores);
-        let opts = if data { self.data() } else { self.meta() };
-        self.engine
-            .write(blk as u64, off + lo, &new[lo..hi], &befores, opts)
+        op.tx
+            .write(blk as u64, off + lo, &new[lo..hi], &befores, data)
             .map(Some)
             .map_err(Self::io)
     }
@@ -671,29 +707,32 @@ impl Ext2 {
     /// initialized inode), so the patch depends on every pending patch it overlaps.
     pub(crate) fn put_exact(
         &self,
+        op: &Op<'_>,
+
         blk: u32,
         off: usize,
         bytes: &[u8],
         befores: &[PatchId],
     ) -> Result<PatchId> {
         let befores = self.cross(befores);
-        self.engine
-            .write(blk as u64, off, bytes, &befores, self.meta())
+        op.tx
+            .write(blk as u64, off, bytes, &befores, false)
             .map_err(Self::io)
     }
 
     /// Writes a whole block (new contents of a freshly allocated block).
     pub(crate) fn put_block(
         &self,
+        op: &Op<'_>,
+
         blk: u32,
         data: &[u8],
         befores: &[PatchId],
         is_data: bool,
     ) -> Result<PatchId> {
         let befores = self.cross(befores);
-        let opts = if is_data { self.data() } else { self.meta() };
-        self.engine
-            .write(blk as u64, 0, data, &befores, opts)
+        op.tx
+            .write(blk as u64, 0, data, &befores, is_data)
             .map_err(Self::io)
     }
 
@@ -703,7 +742,7 @@ impl Ext2 {
         match ids.len() {
             0 => None,
             1 => Some(ids[0]),
-            _ => Some(self.engine.empty(&self.cross(&ids))),
+            _ => Some(self.engine().empty(&self.cross(&ids))),
         }
     }
 
@@ -717,7 +756,7 @@ impl Ext2 {
         list.push(h);
         if list.len() > HEADS_FOLD {
             let all = std::mem::take(list);
-            let e = self.engine.empty(&all);
+            let e = self.engine().empty(&all);
             st.heads.insert(ino, vec![e]);
         }
     }
@@ -725,7 +764,7 @@ impl Ext2 {
     /// Forgets fsync heads whose patches are durable, so memory stays bounded by what
     /// is pending rather than by everything ever touched.
     pub(crate) fn prune_heads(&self, st: &mut State) {
-        let e = &self.engine;
+        let e = self.engine();
         st.heads.retain(|_, l| {
             l.retain(|&p| !e.is_durable(p));
             !l.is_empty()
@@ -754,7 +793,7 @@ impl Ext2 {
 
     /// Forgets frees whose patches are durable (`Engine::is_durable` is O(1)).
     fn prune_freed(&self, st: &mut State) {
-        let e = &self.engine;
+        let e = self.engine();
         st.freed.retain(|_, p| !e.is_durable(*p));
         st.freed_inodes.retain(|_, p| !e.is_durable(*p));
         let stays = st.freed.len().max(st.freed_inodes.len());
@@ -769,38 +808,35 @@ impl Ext2 {
         Ok(())
     }
 
-    /// Ends an operation: writes the group descriptors it changed, and in the journal
-    /// modes commits if the running transaction has grown past its size limit.
-    pub(crate) fn flush_groups(&self, st: &mut State) -> Result<()> {
+    /// Writes the group descriptors the operation changed (once per operation, however
+    /// many changes it made to them).
+    pub(crate) fn write_groups(&self, op: &Op<'_>, st: &mut State) -> Result<()> {
         let groups = std::mem::take(&mut st.dirty_groups);
         for g in groups {
-            self.write_gd_now(st, g)?;
-        }
-        if let Some(j) = &self.journal {
-            j.maybe_commit().map_err(crate::journal::jerr)?;
+            self.write_gd_now(op, st, g)?;
         }
         Ok(())
     }
 
-    fn write_gd_now(&self, st: &mut State, g: u32) -> Result<()> {
+    fn write_gd_now(&self, op: &Op<'_>, st: &mut State, g: u32) -> Result<()> {
         let per_block = self.geo.bs / GDESC_SIZE as u32;
         let blk = self.geo.sb_block + 1 + g / per_block;
         let off = (g % per_block) as usize * GDESC_SIZE;
         st.sb_dirty = true;
-        self.put(blk, off, &st.gd[g as usize].encode(), &[], false)?;
+        self.put(op, blk, off, &st.gd[g as usize].encode(), &[], false)?;
         Ok(())
     }
 
     /// Writes the in-memory superblock fields into the primary superblock.
-    pub(crate) fn write_super(&self, st: &mut State) -> Result<()> {
+    pub(crate) fn write_super(&self, op: &Op<'_>, st: &mut State) -> Result<()> {
         let mut raw = self
-            .engine
+            .engine()
             .with_block(self.geo.sb_block as u64, |d| {
                 d[self.geo.sb_off..self.geo.sb_off + SUPERBLOCK_SIZE].to_vec()
             })
             .map_err(Self::io)?;
         st.sb.encode_into(&mut raw);
-        self.put(self.geo.sb_block, self.geo.sb_off, &raw, &[], false)?;
+        self.put(op, self.geo.sb_block, self.geo.sb_off, &raw, &[], false)?;
         st.sb_dirty = false;
         Ok(())
     }
@@ -850,8 +886,6 @@ impl Ext2 {
 
     pub(crate) fn counters_list(&self) -> Vec<(String, u64)> {
         let c = self.lock().counters;
-        let e = self.engine.stats();
-        let d = self.engine.device().stats();
         let mut v: Vec<(String, u64)> = vec![
             ("fs.blocks_allocated".into(), c.blocks_allocated),
             ("fs.blocks_freed".into(), c.blocks_freed),
@@ -859,17 +893,7 @@ impl Ext2 {
             ("fs.inodes_freed".into(), c.inodes_freed),
             ("fs.fsyncs".into(), c.fsyncs),
         ];
-        for (k, val) in e.fields() {
-            v.push((format!("patch.{k}"), val));
-        }
-        if let Some(j) = &self.journal {
-            for (k, val) in j.stats().fields() {
-                v.push((format!("journal.{k}"), val));
-            }
-        }
-        for (k, val) in d.fields() {
-            v.push((format!("device.{k}"), val));
-        }
+        v.extend(self.svc.counters());
         v
     }
 }
@@ -877,16 +901,14 @@ impl Ext2 {
 impl Ext2 {
     /// After a successful change to the entries of `dirs`: makes it durable before the
     /// call returns where a directory asks for that (DIRSYNC or SYNC).
-    fn sync_dirs<T>(&self, r: &Result<T>, dirs: &[Ino]) -> Result<()> {
-        if r.is_err() {
-            return Ok(());
-        }
+    fn sync_dirs<T>(&self, r: Result<T>, dirs: &[Ino]) -> Result<T> {
+        let v = r?;
         for &d in dirs {
             if self.wants_sync(Self::to_ino(d)?, true) {
                 self.fsync(d, false)?;
             }
         }
-        Ok(())
+        Ok(v)
     }
 }
 
@@ -918,6 +940,14 @@ pub(crate) fn check_name(name: &[u8]) -> Result<()> {
 impl FileSystem for Ext2 {
     fn root(&self) -> Ino {
         ROOT_INO as Ino
+    }
+
+    fn services(&self) -> Option<&Services> {
+        Some(&self.svc)
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        Ext2::check_writable(self)
     }
 
     fn lookup(&self, parent: Ino, name: &[u8]) -> Result<Attr> {
@@ -952,12 +982,9 @@ impl FileSystem for Ext2 {
     }
 
     fn setattr(&self, ino: Ino, set: SetAttr, ctx: &Ctx) -> Result<Attr> {
-        self.check_writable()?;
-        let mut st = self.lock_for(ctx);
-        let r = self.do_setattr(&mut st, Self::to_ino(ino)?, set);
-        self.flush_groups(&mut st)?;
-        drop(st);
-        self.checked(r)
+        self.change(ctx, |op, st| {
+            self.do_setattr(op, st, Self::to_ino(ino)?, set)
+        })
     }
 
     fn mknod(&self, parent: Ino, name: &[u8], mode: u32, rdev: u32, ctx: &Ctx) -> Result<Attr> {
@@ -969,53 +996,39 @@ impl FileSystem for Ext2 {
                 "mknod makes files, devices, fifos and sockets",
             ));
         }
-        let mut st = self.lock_for(ctx);
-        let r = self.create_node(&mut st, Self::to_ino(parent)?, name, mode, rdev, None, ctx);
-        self.flush_groups(&mut st)?;
-        drop(st);
-        self.sync_dirs(&r, &[parent])?;
-        self.checked(r)
+        let r = self.change(ctx, |op, st| {
+            self.create_node(op, st, Self::to_ino(parent)?, name, mode, rdev, None, ctx)
+        });
+        self.sync_dirs(r, &[parent])
     }
 
     fn tmpfile(&self, parent: Ino, mode: u32, ctx: &Ctx) -> Result<Attr> {
-        self.check_writable()?;
-        let mut st = self.lock_for(ctx);
-        let r = self.create_tmpfile(&mut st, Self::to_ino(parent)?, mode, ctx);
-        self.flush_groups(&mut st)?;
-        drop(st);
-        self.sync_dirs(&r, &[parent])?;
-        self.checked(r)
+        let r = self.change(ctx, |op, st| {
+            self.create_tmpfile(op, st, Self::to_ino(parent)?, mode, ctx)
+        });
+        self.sync_dirs(r, &[parent])
     }
 
     fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
-        self.check_writable()?;
-        let mut st = self.lock_for(ctx);
         let mode = libc::S_IFDIR | (mode & 0o7777);
-        let r = self.create_node(&mut st, Self::to_ino(parent)?, name, mode, 0, None, ctx);
-        self.flush_groups(&mut st)?;
-        drop(st);
-        self.sync_dirs(&r, &[parent])?;
-        self.checked(r)
+        let r = self.change(ctx, |op, st| {
+            self.create_node(op, st, Self::to_ino(parent)?, name, mode, 0, None, ctx)
+        });
+        self.sync_dirs(r, &[parent])
     }
 
     fn unlink(&self, parent: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
-        self.check_writable()?;
-        let mut st = self.lock_for(ctx);
-        let r = self.remove_name(&mut st, Self::to_ino(parent)?, name, false);
-        self.flush_groups(&mut st)?;
-        drop(st);
-        self.sync_dirs(&r, &[parent])?;
-        self.checked(r)
+        let r = self.change(ctx, |op, st| {
+            self.remove_name(op, st, Self::to_ino(parent)?, name, false)
+        });
+        self.sync_dirs(r, &[parent])
     }
 
     fn rmdir(&self, parent: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
-        self.check_writable()?;
-        let mut st = self.lock_for(ctx);
-        let r = self.remove_name(&mut st, Self::to_ino(parent)?, name, true);
-        self.flush_groups(&mut st)?;
-        drop(st);
-        self.sync_dirs(&r, &[parent])?;
-        self.checked(r)
+        let r = self.change(ctx, |op, st| {
+            self.remove_name(op, st, Self::to_ino(parent)?, name, true)
+        });
+        self.sync_dirs(r, &[parent])
     }
 
     fn symlink(&self, parent: Ino, name: &[u8], target: &[u8], ctx: &Ctx) -> Result<Attr> {
@@ -1026,20 +1039,19 @@ impl FileSystem for Ext2 {
         if target.len() >= self.geo.bs as usize {
             return Err(FsError::NameTooLong);
         }
-        let mut st = self.lock_for(ctx);
-        let r = self.create_node(
-            &mut st,
-            Self::to_ino(parent)?,
-            name,
-            libc::S_IFLNK | 0o777,
-            0,
-            Some(target),
-            ctx,
-        );
-        self.flush_groups(&mut st)?;
-        drop(st);
-        self.sync_dirs(&r, &[parent])?;
-        self.checked(r)
+        let r = self.change(ctx, |op, st| {
+            self.create_node(
+                op,
+                st,
+                Self::to_ino(parent)?,
+                name,
+                libc::S_IFLNK | 0o777,
+                0,
+                Some(target),
+                ctx,
+            )
+        });
+        self.sync_dirs(r, &[parent])
     }
 
     fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {
@@ -1058,36 +1070,32 @@ impl FileSystem for Ext2 {
         flags: RenameFlags,
         ctx: &Ctx,
     ) -> Result<()> {
-        self.check_writable()?;
-        let mut st = self.lock_for(ctx);
-        let r = self.do_rename(
-            &mut st,
-            Self::to_ino(parent)?,
-            name,
-            Self::to_ino(new_parent)?,
-            new_name,
-            flags,
-            ctx,
-        );
-        self.flush_groups(&mut st)?;
-        drop(st);
-        self.sync_dirs(&r, &[parent, new_parent])?;
-        self.checked(r)
+        let r = self.change(ctx, |op, st| {
+            self.do_rename(
+                op,
+                st,
+                Self::to_ino(parent)?,
+                name,
+                Self::to_ino(new_parent)?,
+                new_name,
+                flags,
+                ctx,
+            )
+        });
+        self.sync_dirs(r, &[parent, new_parent])
     }
 
     fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8], ctx: &Ctx) -> Result<Attr> {
-        self.check_writable()?;
-        let mut st = self.lock_for(ctx);
-        let r = self.do_link(
-            &mut st,
-            Self::to_ino(ino)?,
-            Self::to_ino(new_parent)?,
-            new_name,
-        );
-        self.flush_groups(&mut st)?;
-        drop(st);
-        self.sync_dirs(&r, &[new_parent])?;
-        self.checked(r)
+        let r = self.change(ctx, |op, st| {
+            self.do_link(
+                op,
+                st,
+                Self::to_ino(ino)?,
+                Self::to_ino(new_parent)?,
+                new_name,
+            )
+        });
+        self.sync_dirs(r, &[new_parent])
     }
 
     fn read(&self, ino: Ino, offset: u64, size: u32) -> Result<Vec<u8>> {
@@ -1098,27 +1106,23 @@ impl FileSystem for Ext2 {
     }
 
     fn write(&self, ino: Ino, offset: u64, data: &[u8], ctx: &Ctx) -> Result<u32> {
-        self.check_writable()?;
-        let mut st = self.lock_for(ctx);
-        let r = self.do_write(&mut st, Self::to_ino(ino)?, offset, data);
-        self.flush_groups(&mut st)?;
-        drop(st);
-        if r.is_ok() && self.wants_sync(Self::to_ino(ino)?, false) {
+        let n = self.change(ctx, |op, st| {
+            self.do_write(op, st, Self::to_ino(ino)?, offset, data)
+        })?;
+        if self.wants_sync(Self::to_ino(ino)?, false) {
             self.fsync(ino, false)?;
         }
-        self.checked(r)
+        Ok(n)
     }
 
     fn fallocate(&self, ino: Ino, offset: u64, length: u64, mode: i32, ctx: &Ctx) -> Result<()> {
-        self.check_writable()?;
-        let mut st = self.lock_for(ctx);
-        let r = self.do_fallocate(&mut st, Self::to_ino(ino)?, offset, length, mode);
-        self.flush_groups(&mut st)?;
-        drop(st);
-        if r.is_ok() && self.wants_sync(Self::to_ino(ino)?, false) {
+        self.change(ctx, |op, st| {
+            self.do_fallocate(op, st, Self::to_ino(ino)?, offset, length, mode)
+        })?;
+        if self.wants_sync(Self::to_ino(ino)?, false) {
             self.fsync(ino, false)?;
         }
-        self.checked(r)
+        Ok(())
     }
 
     fn get_flags(&self, ino: Ino) -> Result<u32> {
@@ -1129,12 +1133,9 @@ impl FileSystem for Ext2 {
     }
 
     fn set_flags(&self, ino: Ino, flags: u32, ctx: &Ctx) -> Result<()> {
-        self.check_writable()?;
-        let mut st = self.lock_for(ctx);
-        let r = self.do_set_flags(&mut st, Self::to_ino(ino)?, flags, ctx);
-        self.flush_groups(&mut st)?;
-        drop(st);
-        self.checked(r)
+        self.change(ctx, |op, st| {
+            self.do_set_flags(op, st, Self::to_ino(ino)?, flags, ctx)
+        })
     }
 
     fn check_open(&self, ino: Ino, open_flags: i32, _ctx: &Ctx) -> Result<()> {
@@ -1172,26 +1173,20 @@ impl FileSystem for Ext2 {
 
     fn fsync(&self, ino: Ino, _datasync: bool) -> Result<()> {
         let ino = Self::to_ino(ino)?;
-        if let Some(j) = &self.journal {
-            // A commit makes every change so far durable (file data is written before
-            // it); concurrent fsyncs share one.
-            {
-                let mut st = self.lock();
-                st.counters.fsyncs += 1;
-                st.heads.remove(&ino);
-                if st.sb_dirty && !self.read_only {
-                    self.write_super(&mut st)?;
-                }
-            }
-            return j.commit().map_err(crate::journal::jerr);
-        }
-        let target = {
+        let journaled = self.svc.transactional();
+        let op = self.begin_internal();
+        let heads = {
             let mut st = self.lock();
             st.counters.fsyncs += 1;
             let mut heads = st.heads.remove(&ino).unwrap_or_default();
             // The names leading to it: each directory up the chain whose own name may
-            // not be durable yet contributes its pending changes.
-            let mut cur = st.parents.get(&ino).copied();
+            // not be durable yet contributes its pending changes. (Under a transaction
+            // service the commit covers everything: no need to look.)
+            let mut cur = if journaled {
+                None
+            } else {
+                st.parents.get(&ino).copied()
+            };
             let mut steps = 0;
             while let Some(d) = cur {
                 steps += 1;
@@ -1206,32 +1201,26 @@ impl FileSystem for Ext2 {
             }
             if st.sb_dirty && !self.read_only {
                 // Counts are summaries; writing them here keeps a crash's fsck quieter.
-                self.write_super(&mut st)?;
+                self.write_super(&op, &mut st)?;
             }
-            match heads.len() {
-                0 => None,
-                1 => Some(heads[0]),
-                _ => Some(self.engine.empty(&heads)),
-            }
+            heads
         };
-        if let Some(t) = target {
-            self.engine.flush_until(t).map_err(Self::io)?;
-        }
+        op.tx.end()?;
+        self.svc.make_durable(&heads)?;
         Ok(())
     }
 
     fn sync_all(&self) -> Result<()> {
+        let op = self.begin_internal();
         {
             let mut st = self.lock();
             if st.sb_dirty && !self.read_only {
-                self.write_super(&mut st)?;
+                self.write_super(&op, &mut st)?;
             }
             st.heads.clear();
         }
-        if let Some(j) = &self.journal {
-            return j.commit().map_err(crate::journal::jerr);
-        }
-        self.engine.sync().map_err(Self::io)
+        op.tx.end()?;
+        Ok(self.svc.sync()?)
     }
 
     fn setxattr(
@@ -1242,12 +1231,9 @@ impl FileSystem for Ext2 {
         flags: XattrFlags,
         ctx: &Ctx,
     ) -> Result<()> {
-        self.check_writable()?;
-        let mut st = self.lock_for(ctx);
-        let r = self.do_setxattr(&mut st, Self::to_ino(ino)?, name, Some(value), flags, ctx);
-        self.flush_groups(&mut st)?;
-        drop(st);
-        self.checked(r)
+        self.change(ctx, |op, st| {
+            self.do_setxattr(op, st, Self::to_ino(ino)?, name, Some(value), flags, ctx)
+        })
     }
 
     fn getxattr(&self, ino: Ino, name: &[u8]) -> Result<Vec<u8>> {
@@ -1265,19 +1251,17 @@ impl FileSystem for Ext2 {
     }
 
     fn removexattr(&self, ino: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
-        self.check_writable()?;
-        let mut st = self.lock_for(ctx);
-        let r = self.do_setxattr(
-            &mut st,
-            Self::to_ino(ino)?,
-            name,
-            None,
-            XattrFlags::default(),
-            ctx,
-        );
-        self.flush_groups(&mut st)?;
-        drop(st);
-        self.checked(r)
+        self.change(ctx, |op, st| {
+            self.do_setxattr(
+                op,
+                st,
+                Self::to_ino(ino)?,
+                name,
+                None,
+                XattrFlags::default(),
+                ctx,
+            )
+        })
     }
 
     fn open(&self, ino: Ino) -> Result<()> {
@@ -1290,85 +1274,24 @@ impl FileSystem for Ext2 {
 
     fn release(&self, ino: Ino) -> Result<()> {
         let ino = Self::to_ino(ino)?;
-        let mut st = self.lock();
-        let n = st.open.entry(ino).or_default();
-        *n = n.saturating_sub(1);
-        if *n == 0 {
-            st.open.remove(&ino);
-            if st.orphans.remove(&ino) && !self.read_only {
-                self.destroy_inode(&mut st, ino, None)?;
-                self.flush_groups(&mut st)?;
+        // The last release of an unlinked file frees it: a change, so it is an op.
+        let op = self.begin_internal();
+        let r = self.change_in(&op, |op, st| {
+            let n = st.open.entry(ino).or_default();
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                st.open.remove(&ino);
+                if st.orphans.remove(&ino) && !self.read_only {
+                    self.destroy_inode(op, st, ino, None)?;
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        });
+        op.tx.end()?;
+        r
     }
 
     fn counters(&self) -> Vec<(String, u64)> {
         self.counters_list()
-    }
-
-    fn pg_create(&self) -> Result<PgId> {
-        self.check_writable()?;
-        Ok(self.engine.pg_create().0)
-    }
-
-    fn pg_depend(&self, after: PgId, before: PgId) -> Result<()> {
-        self.engine
-            .pg_add_depend(PatchgroupId(after), PatchgroupId(before))
-            .map_err(pg_err)
-    }
-
-    fn pg_release(&self, pg: PgId) -> Result<()> {
-        self.engine.pg_release(PatchgroupId(pg)).map_err(pg_err)
-    }
-
-    fn pg_engage(&self, pg: PgId, caller: u64) -> Result<()> {
-        self.engine
-            .pg_engage(PatchgroupId(pg), caller)
-            .map_err(pg_err)
-    }
-
-    fn pg_disengage(&self, pg: PgId, caller: u64) -> Result<()> {
-        self.engine
-            .pg_disengage(PatchgroupId(pg), caller)
-            .map_err(pg_err)
-    }
-
-    fn pg_sync(&self, pg: PgId) -> Result<()> {
-        if let Some(j) = &self.journal {
-            // A commit makes every change made so far durable, the group's among them.
-            self.engine.pg_exists(PatchgroupId(pg)).map_err(pg_err)?;
-            j.commit().map_err(crate::journal::jerr)?;
-            self.engine.mark(&format!("pg-sync {pg}"));
-            return Ok(());
-        }
-        self.engine.pg_sync(PatchgroupId(pg)).map_err(pg_err)
-    }
-
-    fn pg_abandon(&self, pg: PgId) -> Result<()> {
-        self.engine.pg_abandon(PatchgroupId(pg)).map_err(pg_err)
-    }
-
-    fn pg_inherit(&self, parent: u64, child: u64) {
-        self.engine.pg_inherit(parent, child)
-    }
-
-    fn pg_forget_caller(&self, caller: u64) {
-        self.engine.pg_forget_caller(caller)
-    }
-}
-
-/// A patchgroup call's failure as the caller sees it.
-fn pg_err(e: PatchError) -> FsError {
-    match e {
-        PatchError::Patchgroup(g) => FsError::Patchgroup {
-            errno: g.errno(),
-            what: g.to_string(),
-        },
-        PatchError::Pinned => FsError::Patchgroup {
-            errno: libc::EDEADLK,
-            what: "the group waits for a group that is not released yet: it cannot become durable until that group is released".into(),
-        },
-        e => Ext2::io(e),
     }
 }

@@ -7,7 +7,7 @@
 //! pointers are cleared on truncation, for the same reason.
 
 use crate::format::*;
-use crate::fs::{Ext2, Head, State};
+use crate::fs::{Ext2, Head, Op, State};
 use quilt_patch::PatchId;
 use quilt_vfs::{FsError, Result, SetAttr, TimeOrNow, Timespec};
 
@@ -33,7 +33,7 @@ impl Ext2 {
     pub(crate) fn read_inode(&self, st: &State, ino: u32) -> Result<Inode> {
         let (blk, off) = self.inode_loc(st, ino)?;
         let isz = self.geo.inode_size as usize;
-        self.engine
+        self.engine()
             .with_block(blk as u64, |d| Inode::decode(&d[off..off + isz]))
             .map_err(Self::io)
     }
@@ -66,18 +66,22 @@ impl Ext2 {
 
     pub(crate) fn write_inode(
         &self,
+        op: &Op<'_>,
+
         st: &State,
         ino: u32,
         inode: &Inode,
         befores: &[PatchId],
     ) -> Result<Head> {
-        self.write_inode_with(st, ino, inode, befores, |_| {})
+        self.write_inode_with(op, st, ino, inode, befores, |_| {})
     }
 
     /// Writes an inode over its current slot bytes, after `edit` has changed the raw slot
     /// further (bytes past the fields `Inode` knows).
     pub(crate) fn write_inode_with(
         &self,
+        op: &Op<'_>,
+
         st: &State,
         ino: u32,
         inode: &Inode,
@@ -87,25 +91,34 @@ impl Ext2 {
         let (blk, off) = self.inode_loc(st, ino)?;
         let isz = self.geo.inode_size as usize;
         let mut raw = self
-            .engine
+            .engine()
             .with_block(blk as u64, |d| d[off..off + isz].to_vec())
             .map_err(Self::io)?;
         inode.encode_into(&mut raw);
         edit(&mut raw);
-        self.put(blk, off, &raw, befores, false)
+        self.put(op, blk, off, &raw, befores, false)
     }
 
     /// Zeroes the inode's slot (keeping a deletion time), as a freed inode.
-    pub(crate) fn clear_inode(&self, st: &State, ino: u32, befores: &[PatchId]) -> Result<Head> {
+    pub(crate) fn clear_inode(
+        &self,
+        op: &Op<'_>,
+
+        st: &State,
+        ino: u32,
+        befores: &[PatchId],
+    ) -> Result<Head> {
         let (blk, off) = self.inode_loc(st, ino)?;
         let mut raw = vec![0u8; self.geo.inode_size as usize];
         put32(&mut raw, 0x14, Timespec::now().sec as u32);
-        self.put_exact(blk, off, &raw, befores).map(Some)
+        self.put_exact(op, blk, off, &raw, befores).map(Some)
     }
 
     /// Writes a new inode's whole slot (see `put_exact`).
     pub(crate) fn init_inode(
         &self,
+        op: &Op<'_>,
+
         st: &State,
         ino: u32,
         inode: &Inode,
@@ -114,12 +127,14 @@ impl Ext2 {
         let (blk, off) = self.inode_loc(st, ino)?;
         let mut raw = vec![0u8; self.geo.inode_size as usize];
         inode.encode_into(&mut raw);
-        self.put_exact(blk, off, &raw, befores)
+        self.put_exact(op, blk, off, &raw, befores)
     }
 
     /// Reads, changes and writes an inode.
     pub(crate) fn modify_inode(
         &self,
+        op: &Op<'_>,
+
         st: &State,
         ino: u32,
         befores: &[PatchId],
@@ -127,7 +142,7 @@ impl Ext2 {
     ) -> Result<Head> {
         let mut inode = self.read_inode(st, ino)?;
         f(&mut inode);
-        self.write_inode(st, ino, &inode, befores)
+        self.write_inode(op, st, ino, &inode, befores)
     }
 
     pub(crate) fn new_inode(&self, mode: u32, uid: u32, gid: u32) -> Inode {
@@ -219,7 +234,7 @@ impl Ext2 {
 
     fn read_ptr(&self, blk: u32, slot: usize) -> Result<u32> {
         self.check_data_block(blk)?;
-        self.engine
+        self.engine()
             .with_block(blk as u64, |d| le32(d, slot * 4))
             .map_err(Self::io)
     }
@@ -297,6 +312,7 @@ impl Ext2 {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn bmap_alloc(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         ino: u32,
         inode: &mut Inode,
@@ -331,20 +347,20 @@ impl Ext2 {
         let mut goal = goal;
         // Bottom up: the data block first, then each new indirect block holding the
         // pointer to the one below.
-        let (blk, alloc) = self.alloc_block(st, goal)?;
+        let (blk, alloc) = self.alloc_block(op, st, goal)?;
         goal = blk;
         let mut befores: Vec<PatchId> = content_befores.to_vec();
         befores.extend(st.freed.get(&blk).copied());
-        let init = self.put_block(blk, content, &befores, is_data)?;
+        let init = self.put_block(op, blk, content, &befores, is_data)?;
         let data_blk = blk;
         let mut child = (blk, vec![alloc, init]);
         for level in (depth + 1..=path.rest.len()).rev() {
-            let (ind, alloc) = self.alloc_block(st, goal)?;
+            let (ind, alloc) = self.alloc_block(op, st, goal)?;
             let mut b = vec![0u8; self.geo.bs as usize];
             put32(&mut b, slots[level] * 4, child.0);
             let mut befores = child.1.clone();
             befores.extend(st.freed.get(&ind).copied());
-            let init = self.put_block(ind, &b, &befores, false)?;
+            let init = self.put_block(op, ind, &b, &befores, false)?;
             child = (ind, vec![alloc, init]);
         }
         inode.blocks = inode
@@ -357,17 +373,17 @@ impl Ext2 {
             init
         } else if depth == 0 {
             inode.block[path.top] = child.0;
-            self.write_inode(st, ino, inode, &child.1)?
+            self.write_inode(op, st, ino, inode, &child.1)?
                 .ok_or_else(|| corrupt("inode write changed nothing"))?
         } else {
             // Pointers this request deferred are in `inode` too: their befores come along.
             let pending: Vec<PatchId> = defer.map(|d| d.clone()).unwrap_or_default();
-            let i = self.write_inode(st, ino, inode, &pending)?;
+            let i = self.write_inode(op, st, ino, inode, &pending)?;
             let mut befores = child.1.clone();
             befores.extend(i);
             let mut b = [0u8; 4];
             put32(&mut b, 0, child.0);
-            self.put(nodes[depth], slots[depth] * 4, &b, &befores, false)?
+            self.put(op, nodes[depth], slots[depth] * 4, &b, &befores, false)?
                 .ok_or_else(|| corrupt("pointer write changed nothing"))?
         };
         Ok((data_blk, head))
@@ -392,7 +408,7 @@ impl Ext2 {
             let phys = self.bmap(&inode, lblk)?;
             let dst = (pos - offset) as usize;
             if phys != 0 {
-                self.engine
+                self.engine()
                     .with_block(phys as u64, |d| {
                         out[dst..dst + n].copy_from_slice(&d[in_off..in_off + n])
                     })
@@ -405,6 +421,7 @@ impl Ext2 {
 
     pub(crate) fn do_write(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         ino: u32,
         offset: u64,
@@ -458,13 +475,14 @@ impl Ext2 {
             };
             let head = if phys != 0 {
                 goal = phys + 1;
-                self.engine
-                    .write(phys as u64, in_off, src, &[], self.data())
+                op.tx
+                    .write(phys as u64, in_off, src, &[], true)
                     .map_err(Self::io)
             } else {
                 let mut content = vec![0u8; bs as usize];
                 content[in_off..in_off + n].copy_from_slice(src);
                 match self.bmap_alloc(
+                    op,
                     st,
                     ino,
                     &mut inode,
@@ -496,7 +514,7 @@ impl Ext2 {
         if written < data.len() {
             inode.size = old_size.max(offset + written as u64);
         }
-        let h = self.write_inode(st, ino, &inode, &deferred)?;
+        let h = self.write_inode(op, st, ino, &inode, &deferred)?;
         self.track(st, ino, h);
         if written == 0 {
             result?;
@@ -525,6 +543,7 @@ impl Ext2 {
     /// frees `frees` after both.
     fn cut_tree(
         &self,
+        op: &Op<'_>,
         inode: &mut Inode,
         (from, to): (u64, u64),
         frees: &mut Vec<u32>,
@@ -552,7 +571,7 @@ impl Ext2 {
                 self.collect_subtree(blk, level, frees)?;
                 inode.block[slot] = 0;
             } else {
-                self.cut_subtree(blk, level, start, (from, to), frees, clears)?;
+                self.cut_subtree(op, blk, level, start, (from, to), frees, clears)?;
             }
         }
         Ok(())
@@ -562,7 +581,7 @@ impl Ext2 {
     fn collect_subtree(&self, blk: u32, level: u32, frees: &mut Vec<u32>) -> Result<()> {
         self.check_data_block(blk)?;
         let ptrs: Vec<u32> = self
-            .engine
+            .engine()
             .with_block(blk as u64, |d| {
                 (0..d.len() / 4)
                     .map(|i| le32(d, i * 4))
@@ -584,8 +603,10 @@ impl Ext2 {
 
     /// Cuts the part of the subtree at `blk` (covering logical blocks from `start`) inside
     /// `from..to`, clearing the pointers in `blk` itself.
+    #[allow(clippy::too_many_arguments)]
     fn cut_subtree(
         &self,
+        op: &Op<'_>,
         blk: u32,
         level: u32,
         start: u64,
@@ -595,7 +616,7 @@ impl Ext2 {
     ) -> Result<()> {
         let p = self.ptrs();
         let child_span = p.pow(level - 1);
-        let mut img = self.engine.read(blk as u64).map_err(Self::io)?;
+        let mut img = self.engine().read(blk as u64).map_err(Self::io)?;
         let mut changed = false;
         for i in 0..p as usize {
             let c = le32(&img, i * 4);
@@ -613,11 +634,11 @@ impl Ext2 {
                 put32(&mut img, i * 4, 0);
                 changed = true;
             } else {
-                self.cut_subtree(c, level - 1, cstart, (from, to), frees, clears)?;
+                self.cut_subtree(op, c, level - 1, cstart, (from, to), frees, clears)?;
             }
         }
         if changed {
-            if let Some(h) = self.put(blk, 0, &img, &[], false)? {
+            if let Some(h) = self.put(op, blk, 0, &img, &[], false)? {
                 clears.push(h);
             }
         }
@@ -628,6 +649,7 @@ impl Ext2 {
     /// changes) after the cleared pointers; the blocks are freed after both.
     fn free_range(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         ino: u32,
         inode: &mut Inode,
@@ -636,9 +658,9 @@ impl Ext2 {
         let bs = self.geo.bs;
         let mut frees = Vec::new();
         let mut clears = Vec::new();
-        self.cut_tree(inode, range, &mut frees, &mut clears)?;
+        self.cut_tree(op, inode, range, &mut frees, &mut clears)?;
         inode.blocks = inode.blocks.saturating_sub(frees.len() as u32 * (bs / 512));
-        let head = self.write_inode(st, ino, inode, &clears)?;
+        let head = self.write_inode(op, st, ino, inode, &clears)?;
         for h in &clears {
             self.track(st, ino, Some(*h));
         }
@@ -648,7 +670,7 @@ impl Ext2 {
         all.extend(head);
         let after = self.join(&all.iter().map(|&x| Some(x)).collect::<Vec<_>>());
         for b in frees {
-            self.free_block(st, b, after)?;
+            self.free_block(op, st, b, after)?;
         }
         self.track(st, ino, head);
         Ok(head)
@@ -663,6 +685,7 @@ impl Ext2 {
     /// KEEP_SIZE past the end is refused. Other modes are not supported.
     pub(crate) fn do_fallocate(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         ino: u32,
         offset: u64,
@@ -714,12 +737,18 @@ impl Ext2 {
                 let phys = self.bmap(&inode, from / bs)?;
                 if phys != 0 {
                     let zeros = vec![0u8; (to - from) as usize];
-                    let h = self.put(phys, (from % bs) as usize, &zeros, &[], true)?;
+                    let h = self.put(op, phys, (from % bs) as usize, &zeros, &[], true)?;
                     self.track(st, ino, h);
                 }
             }
             Self::touch_times(&mut inode, true, true);
-            self.free_range(st, ino, &mut inode, (first_full, last_full.max(first_full)))?;
+            self.free_range(
+                op,
+                st,
+                ino,
+                &mut inode,
+                (first_full, last_full.max(first_full)),
+            )?;
             return Ok(());
         }
         if end > self.max_file_size() {
@@ -748,6 +777,7 @@ impl Ext2 {
                 }
             }
             match self.bmap_alloc(
+                op,
                 st,
                 ino,
                 &mut inode,
@@ -780,7 +810,7 @@ impl Ext2 {
             inode.size = inode.size.max(covered);
         }
         Self::touch_times(&mut inode, false, true);
-        let h = self.write_inode(st, ino, &inode, &deferred)?;
+        let h = self.write_inode(op, st, ino, &inode, &deferred)?;
         self.track(st, ino, h);
         result
     }
@@ -788,6 +818,7 @@ impl Ext2 {
     /// Shrinks or grows `ino` to `size`; writes the inode (with `inode`'s other changes).
     pub(crate) fn truncate(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         ino: u32,
         inode: &mut Inode,
@@ -804,16 +835,16 @@ impl Ext2 {
                 if phys != 0 {
                     let off = (size % bs) as usize;
                     let zeros = vec![0u8; bs as usize - off];
-                    let h = self.put(phys, off, &zeros, &[], true)?;
+                    let h = self.put(op, phys, off, &zeros, &[], true)?;
                     self.track(st, ino, h);
                 }
             }
             let from = size.div_ceil(bs);
             inode.size = size;
-            return self.free_range(st, ino, inode, (from, u64::MAX));
+            return self.free_range(op, st, ino, inode, (from, u64::MAX));
         }
         inode.size = size;
-        let h = self.write_inode(st, ino, inode, &[])?;
+        let h = self.write_inode(op, st, ino, inode, &[])?;
         self.track(st, ino, h);
         Ok(h)
     }
@@ -822,23 +853,29 @@ impl Ext2 {
     /// its entry): the cleared inode waits for the removal, the bitmap frees wait for the
     /// cleared inode.
     /// Frees an inode and its blocks after `removal`; returns the patch clearing it.
-    pub(crate) fn destroy_inode(&self, st: &mut State, ino: u32, removal: Head) -> Result<Head> {
+    pub(crate) fn destroy_inode(
+        &self,
+        op: &Op<'_>,
+        st: &mut State,
+        ino: u32,
+        removal: Head,
+    ) -> Result<Head> {
         let inode = self.read_inode(st, ino)?;
         let mut frees = Vec::new();
         if inode.has_block_map() {
             let mut copy = inode.clone();
             let mut clears = Vec::new();
-            self.cut_tree(&mut copy, (0, u64::MAX), &mut frees, &mut clears)?;
+            self.cut_tree(op, &mut copy, (0, u64::MAX), &mut frees, &mut clears)?;
         }
         if inode.file_acl != 0 {
             frees.push(inode.file_acl);
         }
-        let cleared = self.clear_inode(st, ino, &removal.into_iter().collect::<Vec<_>>())?;
+        let cleared = self.clear_inode(op, st, ino, &removal.into_iter().collect::<Vec<_>>())?;
         let after = cleared.or(removal);
         for b in frees {
-            self.free_block(st, b, after)?;
+            self.free_block(op, st, b, after)?;
         }
-        self.free_inode(st, ino, inode.is_dir(), after)?;
+        self.free_inode(op, st, ino, inode.is_dir(), after)?;
         st.heads.remove(&ino);
         st.counters.inodes_freed += 1;
         Ok(after)
@@ -849,6 +886,7 @@ impl Ext2 {
     /// FUSE adapter relies on this: it tells the kernel the file system kills them).
     pub(crate) fn do_setattr(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         ino: u32,
         set: SetAttr,
@@ -896,7 +934,7 @@ impl Ext2 {
             // chmod rewrites the access ACL's base entries with the mode, in the same
             // inode write where the ACL lives in the inode.
             if let Some(c) = self.acl_chmod(st, ino, &inode)? {
-                self.apply_xattrs(st, ino, &mut inode, &[c], &[])?;
+                self.apply_xattrs(op, st, ino, &mut inode, &[c], &[])?;
                 if set.size.is_none() {
                     return self.attr(st, ino);
                 }
@@ -912,9 +950,9 @@ impl Ext2 {
             if size != inode.size && set.mtime.is_none() {
                 (inode.mtime, inode.mtime_extra) = now;
             }
-            self.truncate(st, ino, &mut inode, size)?;
+            self.truncate(op, st, ino, &mut inode, size)?;
         } else {
-            let h = self.write_inode(st, ino, &inode, &[])?;
+            let h = self.write_inode(op, st, ino, &inode, &[])?;
             self.track(st, ino, h);
         }
         self.attr(st, ino)
@@ -940,7 +978,7 @@ impl Ext2 {
         if phys == 0 {
             return Err(corrupt(format!("slow symlink {ino} has no block")));
         }
-        self.engine
+        self.engine()
             .with_block(phys as u64, |d| d[..len].to_vec())
             .map_err(Self::io)
     }

@@ -188,6 +188,7 @@ impl Ext2 {
         if blocks < quilt_journal::format::MIN_BLOCKS {
             return Err(FsError::Invalid("a journal needs at least 1024 blocks"));
         }
+        let op = &self.begin_internal();
         let mut st = self.lock();
         if st.sb.feature_compat & COMPAT_HAS_JOURNAL != 0 {
             return Err(FsError::Exists);
@@ -210,6 +211,7 @@ impl Ext2 {
                 zero.clone()
             };
             let (b, _) = self.bmap_alloc(
+                op,
                 &mut st,
                 ino,
                 &mut inode,
@@ -223,7 +225,7 @@ impl Ext2 {
             goal = b + 1;
         }
         inode.size = blocks as u64 * bs as u64;
-        let h = self.write_inode(&st, ino, &inode, &deferred)?;
+        let h = self.write_inode(op, &st, ino, &inode, &deferred)?;
         self.track(&mut st, ino, h);
         st.sb.feature_compat |= COMPAT_HAS_JOURNAL;
         st.sb.journal_inum = ino;
@@ -233,20 +235,20 @@ impl Ext2 {
         st.sb.jnl_blocks[15] = (inode.size >> 32) as u32;
         st.sb.jnl_blocks[16] = inode.size as u32;
         st.sb.jnl_backup_type = 1;
-        self.flush_groups(&mut st)?;
-        self.write_super(&mut st)?;
+        self.write_groups(op, &mut st)?;
+        self.write_super(op, &mut st)?;
         drop(st);
-        self.engine.sync().map_err(Self::io)
+        self.engine().sync().map_err(Self::io)
     }
 
     /// Takes over the image's journal for the journal modes (after recovery at open).
     pub(crate) fn start_journal(&self, mode: crate::Mode) -> Result<quilt_journal::Journal> {
         let sb = self.lock().sb.clone();
-        let map = journal_map(self.engine.device().as_ref(), &sb)?;
+        let map = journal_map(self.engine().device().as_ref(), &sb)?;
         let opts = quilt_journal::JournalOptions {
             data: mode == crate::Mode::FullJournal,
             ..Default::default()
         };
-        quilt_journal::Journal::start(self.engine.clone(), map, opts).map_err(jerr)
+        quilt_journal::Journal::start(self.engine().clone(), map, opts).map_err(jerr)
     }
 }

@@ -5,7 +5,7 @@
 //! other inodes (refcount > 1, as the kernel's mbcache makes) is copied before it changes.
 
 use crate::format::*;
-use crate::fs::{Ext2, Head, State};
+use crate::fs::{Ext2, Head, Op, State};
 use quilt_patch::PatchId;
 use quilt_vfs::{FsError, Result, XattrFlags};
 
@@ -134,7 +134,7 @@ fn layout(attrs: &Attrs, len: usize, first: usize, value_base: usize) -> Option<
 impl Ext2 {
     fn parse_ea_block(&self, blk: u32) -> Result<(u32, Attrs)> {
         self.check_data_block(blk)?;
-        self.engine
+        self.engine()
             .with_block(blk as u64, |d| -> Result<(u32, Attrs)> {
                 if le32(d, 0) != EA_MAGIC || le32(d, 8) != 1 {
                     return Err(corrupt(format!(
@@ -175,7 +175,7 @@ impl Ext2 {
             return Ok(Vec::new());
         };
         let (blk, off) = self.inode_loc(st, ino)?;
-        self.engine
+        self.engine()
             .with_block(blk as u64, |d| -> Result<Attrs> {
                 let area = &d[off + start..off + start + len];
                 if le32(area, 0) != EA_MAGIC {
@@ -243,8 +243,10 @@ impl Ext2 {
     }
 
     /// Sets (`Some`) or removes (`None`) one attribute, for `ctx`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn do_setxattr(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         ino: u32,
         name: &[u8],
@@ -257,7 +259,7 @@ impl Ext2 {
             return Err(FsError::NotSupported);
         }
         if matches!(idx, ACL_ACCESS | ACL_DEFAULT) {
-            return self.set_acl_xattr(st, ino, idx, value, flags, ctx);
+            return self.set_acl_xattr(op, st, ino, idx, value, flags, ctx);
         }
         let mut inode = self.read_live_inode(st, ino)?;
         crate::flags::refuse_if_frozen(&inode)?;
@@ -274,7 +276,7 @@ impl Ext2 {
             name: short,
             value: value.map(<[u8]>::to_vec),
         };
-        self.apply_xattrs(st, ino, &mut inode, &[change], &[])?;
+        self.apply_xattrs(op, st, ino, &mut inode, &[change], &[])?;
         Ok(())
     }
 
@@ -285,6 +287,7 @@ impl Ext2 {
     /// that wrote the inode.
     pub(crate) fn apply_xattrs(
         &self,
+        op: &Op<'_>,
         st: &mut State,
         ino: u32,
         inode: &mut Inode,
@@ -330,15 +333,15 @@ impl Ext2 {
             } else {
                 let img = self.build_ea_block(&block)?;
                 if old != 0 && !shared {
-                    let h = self.put_exact(old, 0, &img, &[])?;
+                    let h = self.put_exact(op, old, 0, &img, &[])?;
                     self.track(st, ino, Some(h));
                     before.push(h);
                 } else {
                     let goal =
                         st.gd[((ino - 1) / self.geo.ipg) as usize].inode_table + self.geo.itb;
-                    let (blk, alloc) = self.alloc_block(st, goal)?;
+                    let (blk, alloc) = self.alloc_block(op, st, goal)?;
                     let freed: Vec<_> = st.freed.get(&blk).copied().into_iter().collect();
-                    let init = self.put_block(blk, &img, &freed, false)?;
+                    let init = self.put_block(op, blk, &img, &freed, false)?;
                     inode.file_acl = blk;
                     if old == 0 {
                         inode.blocks = inode.blocks.saturating_add(sectors);
@@ -357,31 +360,31 @@ impl Ext2 {
                     let body = layout(&inline, len - 4, 0, 0).expect("checked to fit");
                     bytes[4..].copy_from_slice(&body);
                 }
-                self.write_inode_with(st, ino, inode, &before, |raw| {
+                self.write_inode_with(op, st, ino, inode, &before, |raw| {
                     raw[start..start + len].copy_from_slice(&bytes)
                 })?
             }
-            _ => self.write_inode(st, ino, inode, &before)?,
+            _ => self.write_inode(op, st, ino, inode, &before)?,
         };
         self.track(st, ino, h);
         if let Some(old) = release {
             if shared {
-                self.drop_ea_ref(old, h)?;
+                self.drop_ea_ref(op, old, h)?;
             } else {
-                self.free_block(st, old, h)?;
+                self.free_block(op, st, old, h)?;
             }
         }
         Ok(h)
     }
 
-    fn drop_ea_ref(&self, blk: u32, after: Head) -> Result<()> {
+    fn drop_ea_ref(&self, op: &Op<'_>, blk: u32, after: Head) -> Result<()> {
         let rc = self
-            .engine
+            .engine()
             .with_block(blk as u64, |d| le32(d, 4))
             .map_err(Self::io)?;
         let mut b = [0u8; 4];
         put32(&mut b, 0, rc.saturating_sub(1));
-        self.put_exact(blk, 4, &b, &after.into_iter().collect::<Vec<_>>())?;
+        self.put_exact(op, blk, 4, &b, &after.into_iter().collect::<Vec<_>>())?;
         Ok(())
     }
 }

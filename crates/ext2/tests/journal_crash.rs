@@ -332,3 +332,103 @@ fn full_journal_crash_states_recover_like_e2fsck() {
         crash_states(Mode::FullJournal);
     }
 }
+
+/// A transaction never ends in the middle of an operation: one thread commits over and
+/// over (as the journal's timer does every 5 s) while another renames, links and
+/// creates across directories. Every crash state at a flush must then recover to an
+/// image e2fsck finds clean: a commit that split a rename between adding the new entry
+/// and removing the old one would leave a state with both names and a link count one
+/// too low.
+#[test]
+fn commits_from_another_thread_never_split_an_operation() {
+    if !e2fsck_available() {
+        return;
+    }
+    let base0 = base_image_cached();
+    let mem = Arc::new(MemDevice::from_bytes(BS, &base0).unwrap());
+    let rec = Arc::new(RecordingDevice::new(mem, 1 << 30));
+    let fs = open(rec.clone(), Mode::MetaJournal, false).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let commits = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                fs.services().sync().unwrap();
+                commits.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        });
+        let c = Ctx::root();
+        let root = fs.root();
+        let a = fs.mkdir(root, b"a", 0o755, &c).unwrap().ino;
+        let b = fs.mkdir(root, b"b", 0o755, &c).unwrap().ino;
+        for i in 0..150u32 {
+            let name = format!("f{i}");
+            let f = fs
+                .mknod(a, name.as_bytes(), libc::S_IFREG | 0o644, 0, &c)
+                .unwrap()
+                .ino;
+            fs.write(f, 0, &pattern(i, 5000), &c).unwrap();
+            fs.link(f, b, format!("l{i}").as_bytes(), &c).unwrap();
+            fs.rename(
+                a,
+                name.as_bytes(),
+                b,
+                name.as_bytes(),
+                Default::default(),
+                &c,
+            )
+            .unwrap();
+            let d = fs
+                .mkdir(b, format!("d{i}").as_bytes(), 0o755, &c)
+                .unwrap()
+                .ino;
+            fs.rename(
+                b,
+                format!("d{i}").as_bytes(),
+                a,
+                b"sub",
+                Default::default(),
+                &c,
+            )
+            .unwrap();
+            if i % 3 == 0 {
+                fs.rmdir(a, b"sub", &c).unwrap();
+            }
+            let _ = d;
+        }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
+    fs.services().sync().unwrap();
+    let log = rec.take_log();
+    std::mem::forget(fs);
+    let points: Vec<usize> = log
+        .entries
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| matches!(e, quilt_block::LogEntry::Flush))
+        .map(|(i, _)| i + 1)
+        .collect();
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    let want = if ci { 30 } else { 120 };
+    let step = (points.len() / want).max(1);
+    let mut checked = 0;
+    for (n, &len) in points.iter().enumerate() {
+        if n % step != 0 {
+            continue;
+        }
+        let dev = MemDevice::from_bytes(BS, &base0).unwrap();
+        log.replay_subset(len, &dev, |_| true).unwrap();
+        let label = format!("crash after flush at {len}/{}", log.entries.len());
+        if let Err(e) = check_state(&label, dev.to_vec(), &[]) {
+            panic!("{e}");
+        }
+        checked += 1;
+    }
+    let commits = commits.load(std::sync::atomic::Ordering::SeqCst);
+    eprintln!("{commits} commits raced the operations; {checked} crash states checked");
+    assert!(
+        commits > 20,
+        "the committer must have run during the workload"
+    );
+    assert!(checked > 10);
+}

@@ -578,3 +578,35 @@ impl Drop for Inner {
         self.stop.1.notify_all();
     }
 }
+
+impl From<JournalError> for quilt_patch::PatchError {
+    fn from(e: JournalError) -> Self {
+        match e {
+            JournalError::Patch(p) => p,
+            JournalError::Block(b) => quilt_patch::PatchError::Block(b),
+            e @ (JournalError::Corrupt(_) | JournalError::Unsupported(_)) => {
+                quilt_patch::PatchError::Damaged(e.to_string())
+            }
+        }
+    }
+}
+
+/// The journal as the patch layer's transaction service: file-system modules reach it
+/// only through `quilt_patch::Services`.
+impl quilt_patch::Transactions for Journal {
+    fn op_end(&self) -> quilt_patch::Result<()> {
+        Ok(self.maybe_commit()?)
+    }
+    fn commit(&self) -> quilt_patch::Result<()> {
+        Ok(Journal::commit(self)?)
+    }
+    fn shutdown(&self) -> quilt_patch::Result<()> {
+        Ok(Journal::shutdown(self)?)
+    }
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        self.stats().fields()
+    }
+    fn kind(&self) -> &'static str {
+        "journal"
+    }
+}

@@ -89,8 +89,13 @@ impl Engine {
     }
 
     /// Closes the open capture and returns it (None if none is open); with `reopen`, a
-    /// new one opens atomically.
+    /// new one opens atomically. Waits until no operation (`Services::begin`) is in
+    /// flight, and holds new ones back meanwhile, so a transaction never splits one.
     pub fn capture_rotate(&self, reopen: bool) -> Result<Option<CapturedTxn>> {
+        self.quiesced(|| self.capture_rotate_now(reopen))
+    }
+
+    fn capture_rotate_now(&self, reopen: bool) -> Result<Option<CapturedTxn>> {
         let mut st = self.lock();
         let Some(c) = st.capture.take() else {
             return Ok(None);

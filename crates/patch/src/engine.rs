@@ -196,6 +196,22 @@ pub(crate) struct Shared {
     /// Set by a change that found the cache or the graph past half its limit: the
     /// flusher starts an early round instead of waiting for its interval.
     pub kicked: AtomicBool,
+    /// Operations in flight, and whether a transaction is closing (`services.rs`).
+    pub gate: Mutex<Gate>,
+    pub gate_cv: Condvar,
+}
+
+/// The operation boundary: a transaction closes only while no operation is in flight.
+#[derive(Debug, Default)]
+pub(crate) struct Gate {
+    pub in_flight: usize,
+    pub closing: bool,
+}
+
+thread_local! {
+    /// Ops this thread has open (on any engine): a nested op must not wait for a close
+    /// that its outer op holds up.
+    static OPS_HELD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// The patch engine: block cache, patch graph, write-back and patchgroups.
@@ -241,6 +257,8 @@ impl Engine {
                 stop: (Mutex::new(false), Condvar::new()),
                 flusher_running: AtomicBool::new(false),
                 kicked: AtomicBool::new(false),
+                gate: Mutex::new(Gate::default()),
+                gate_cv: Condvar::new(),
             }),
         };
         if let Some(ms) = engine.sh.opts.flush_interval_ms {
@@ -273,6 +291,64 @@ impl Engine {
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.sh.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn gate(&self) -> MutexGuard<'_, Gate> {
+        self.sh.gate.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An operation starts: waits while a transaction is closing, unless this thread
+    /// already has an op open (it would wait for itself).
+    pub(crate) fn op_enter(&self) {
+        let nested = OPS_HELD.with(|n| {
+            let held = n.get();
+            n.set(held + 1);
+            held > 0
+        });
+        let mut g = self.gate();
+        while g.closing && !nested {
+            g = self.sh.gate_cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        g.in_flight += 1;
+    }
+
+    /// An operation ends. Returns whether it was the thread's outermost one.
+    pub(crate) fn op_leave(&self) -> bool {
+        let outermost = OPS_HELD.with(|n| {
+            let held = n.get().saturating_sub(1);
+            n.set(held);
+            held == 0
+        });
+        let mut g = self.gate();
+        debug_assert!(g.in_flight > 0, "op_leave without op_enter");
+        g.in_flight = g.in_flight.saturating_sub(1);
+        if g.in_flight == 0 && g.closing {
+            self.sh.gate_cv.notify_all();
+        }
+        outermost
+    }
+
+    /// Runs `f` with no operation in flight and new ones held back: a transaction closed
+    /// in `f` holds whole operations. Must not be called from inside an op.
+    pub(crate) fn quiesced<R>(&self, f: impl FnOnce() -> R) -> R {
+        debug_assert_eq!(
+            OPS_HELD.with(|n| n.get()),
+            0,
+            "a transaction closed from inside an operation would wait for itself"
+        );
+        let mut g = self.gate();
+        while g.closing {
+            g = self.sh.gate_cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        g.closing = true;
+        while g.in_flight > 0 {
+            g = self.sh.gate_cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(g);
+        let r = f();
+        self.gate().closing = false;
+        self.sh.gate_cv.notify_all();
+        r
     }
 
     /// The newest contents of `block` (pending patches included).
@@ -885,6 +961,9 @@ impl State {
             None => {
                 self.stats.patches_created += 1;
                 self.stats.patches_made_hard += 1;
+                if all_data {
+                    self.stats.data_patches_created += 1;
+                }
                 self.g.insert(Patch::new(
                     Some(block),
                     Kind::Byte {
@@ -1076,6 +1155,12 @@ impl State {
             *undo = Some(saved.into_boxed_slice());
         }
         self.stats.patches_created += 1;
+        if matches!(probe.kind, Kind::Bit { .. }) {
+            self.stats.bit_patches_created += 1;
+        }
+        if probe.data {
+            self.stats.data_patches_created += 1;
+        }
         let id = self.g.insert(probe);
         for o in over {
             self.add_edge(id, o);

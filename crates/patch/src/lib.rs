@@ -46,6 +46,7 @@ mod engine;
 mod epoch;
 mod graph;
 mod patchgroup;
+mod services;
 mod stats;
 pub mod synth;
 
@@ -53,7 +54,8 @@ pub use capture::CapturedTxn;
 pub use engine::{ChangeOpts, Durability, Engine, EngineOptions};
 pub use epoch::EpochReport;
 pub use graph::PatchId;
-pub use patchgroup::{CallerId, PatchgroupId};
+pub use patchgroup::{CallerId, PatchgroupError, PatchgroupId};
+pub use services::{Op, Services, Transactions};
 pub use stats::EngineStats;
 
 pub use quilt_block::{BlockDevice, BlockError, BlockNo};
@@ -83,6 +85,9 @@ pub enum PatchError {
     Patchgroup(#[from] patchgroup::PatchgroupError),
     #[error("invalid request: {0}")]
     Invalid(&'static str),
+    /// A transaction service found its log damaged, or stopped after a failure.
+    #[error("{0}")]
+    Damaged(String),
 }
 
 impl PatchError {
@@ -97,6 +102,7 @@ impl PatchError {
             PatchError::Failed(_) => libc_errno::EIO,
             PatchError::Patchgroup(e) => e.errno(),
             PatchError::Invalid(_) => libc_errno::EINVAL,
+            PatchError::Damaged(_) => libc_errno::EIO,
         }
     }
 }

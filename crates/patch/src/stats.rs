@@ -14,6 +14,10 @@ pub struct EngineStats {
     pub patches_rolled_back: u64,
     /// Empty patches allocated (included in `patches_created`).
     pub empties_created: u64,
+    /// Bit patches allocated (bitmap changes; included in `patches_created`).
+    pub bit_patches_created: u64,
+    /// Patches allocated for file data (included in `patches_created`).
+    pub data_patches_created: u64,
     /// Undo bytes held right now.
     pub undo_bytes_now: u64,
     /// Undo bytes ever allocated.
@@ -49,6 +53,8 @@ impl EngineStats {
             ("patches_made_hard", self.patches_made_hard),
             ("patches_rolled_back", self.patches_rolled_back),
             ("empties_created", self.empties_created),
+            ("bit_patches_created", self.bit_patches_created),
+            ("data_patches_created", self.data_patches_created),
             ("undo_bytes_now", self.undo_bytes_now),
             ("undo_bytes_total", self.undo_bytes_total),
             ("patches_live", self.patches_live),

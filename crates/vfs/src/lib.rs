@@ -6,6 +6,7 @@
 //! names are raw bytes; times are nanoseconds-resolution [`Timespec`]s; errors are
 //! [`FsError`]s that map to one errno each at the FUSE boundary.
 
+use quilt_patch::{PatchError, PatchgroupId};
 use std::fmt;
 
 pub mod acl;
@@ -449,47 +450,106 @@ pub trait FileSystem: Send + Sync {
         Vec::new()
     }
 
+    /// The patch layer's services this module stands on (operation boundary,
+    /// transactions, patchgroups, durability). A module on them gets the patchgroup
+    /// calls below for free; one without write ordering answers `NotSupported`.
+    fn services(&self) -> Option<&quilt_patch::Services> {
+        None
+    }
+    /// Refuses changes on a read-only mount (or one that stopped after damage).
+    fn check_writable(&self) -> Result<()> {
+        Ok(())
+    }
+
     // Patchgroups (Featherstitch): application-defined write ordering. A group's changes
     // reach the disk only after the changes of every group it depends on. `caller`
     // identifies a process (through FUSE, its thread-group id): the changes an operation
-    // makes for a caller (`Ctx::pid`) join the groups that caller has engaged. Modules
-    // without write ordering answer `NotSupported`.
+    // makes for a caller (`Ctx::pid`) join the groups that caller has engaged. They are
+    // the patch layer's (`Services`), the same for every module.
 
     /// Creates a group: not released, not engaged, depending on nothing.
     fn pg_create(&self) -> Result<PgId> {
-        Err(FsError::NotSupported)
+        let s = self.services().ok_or(FsError::NotSupported)?;
+        self.check_writable()?;
+        Ok(s.pg_create().0)
     }
     /// Group `after`'s changes wait for group `before`'s (only before `after` is
     /// released, and never on a group that is engaged).
-    fn pg_depend(&self, _after: PgId, _before: PgId) -> Result<()> {
-        Err(FsError::NotSupported)
+    fn pg_depend(&self, after: PgId, before: PgId) -> Result<()> {
+        let s = self.services().ok_or(FsError::NotSupported)?;
+        s.pg_depend(PatchgroupId(after), PatchgroupId(before))
+            .map_err(pg_error)
     }
     /// Ends the group's dependencies; it may now be engaged.
-    fn pg_release(&self, _pg: PgId) -> Result<()> {
-        Err(FsError::NotSupported)
+    fn pg_release(&self, pg: PgId) -> Result<()> {
+        let s = self.services().ok_or(FsError::NotSupported)?;
+        s.pg_release(PatchgroupId(pg)).map_err(pg_error)
     }
     /// `caller`'s following changes join the group (released, and with no group yet
     /// depending on it).
-    fn pg_engage(&self, _pg: PgId, _caller: u64) -> Result<()> {
-        Err(FsError::NotSupported)
+    fn pg_engage(&self, pg: PgId, caller: u64) -> Result<()> {
+        let s = self.services().ok_or(FsError::NotSupported)?;
+        s.pg_engage(PatchgroupId(pg), caller).map_err(pg_error)
     }
-    fn pg_disengage(&self, _pg: PgId, _caller: u64) -> Result<()> {
-        Err(FsError::NotSupported)
+    fn pg_disengage(&self, pg: PgId, caller: u64) -> Result<()> {
+        let s = self.services().ok_or(FsError::NotSupported)?;
+        s.pg_disengage(PatchgroupId(pg), caller).map_err(pg_error)
     }
     /// Waits until every change of the group, and so of every group before it, is
     /// durable.
-    fn pg_sync(&self, _pg: PgId) -> Result<()> {
-        Err(FsError::NotSupported)
+    fn pg_sync(&self, pg: PgId) -> Result<()> {
+        let s = self.services().ok_or(FsError::NotSupported)?;
+        s.pg_sync(PatchgroupId(pg)).map_err(pg_error)
     }
     /// Drops the handle: the group keeps its place in the order, is disengaged
     /// everywhere and can take no groups after it.
-    fn pg_abandon(&self, _pg: PgId) -> Result<()> {
-        Err(FsError::NotSupported)
+    fn pg_abandon(&self, pg: PgId) -> Result<()> {
+        let s = self.services().ok_or(FsError::NotSupported)?;
+        s.pg_abandon(PatchgroupId(pg)).map_err(pg_error)
     }
     /// `child` (a new process) starts with `parent`'s engagements.
-    fn pg_inherit(&self, _parent: u64, _child: u64) {}
+    fn pg_inherit(&self, parent: u64, child: u64) {
+        if let Some(s) = self.services() {
+            s.pg_inherit(parent, child)
+        }
+    }
     /// `caller` is gone: disengages it everywhere.
-    fn pg_forget_caller(&self, _caller: u64) {}
+    fn pg_forget_caller(&self, caller: u64) {
+        if let Some(s) = self.services() {
+            s.pg_forget_caller(caller)
+        }
+    }
+}
+
+/// A patchgroup call's failure as the caller sees it.
+pub fn pg_error(e: PatchError) -> FsError {
+    match e {
+        PatchError::Patchgroup(g) => FsError::Patchgroup {
+            errno: g.errno(),
+            what: g.to_string(),
+        },
+        PatchError::Pinned => FsError::Patchgroup {
+            errno: libc::EDEADLK,
+            what: "the group waits for a group that is not released yet: it cannot become durable until that group is released".into(),
+        },
+        e => FsError::from(e),
+    }
+}
+
+/// A patch-layer failure as a file-system error: a request outside the device or a
+/// damaged log is damage (`Corrupt`); anything else is an I/O error.
+impl From<PatchError> for FsError {
+    fn from(e: PatchError) -> FsError {
+        match e {
+            PatchError::Block(quilt_patch::BlockError::OutOfRange { block, count }) => {
+                FsError::Corrupt(format!(
+                    "block {block} is beyond the device ({count} blocks)"
+                ))
+            }
+            PatchError::Damaged(m) => FsError::Corrupt(m),
+            e => FsError::Io(e.to_string()),
+        }
+    }
 }
 
 /// A patchgroup handle.
