@@ -11,6 +11,10 @@ use crate::fs::{Ext2, Head, Op, State};
 use quilt_patch::PatchId;
 use quilt_vfs::{FsError, Result, SetAttr, TimeOrNow, Timespec};
 
+/// The most blocks one write allocates before it writes them (a write of up to 1 MiB of
+/// 4 KiB blocks: the FUSE adapter's largest).
+const STRETCH_BLOCKS_MAX: u64 = 256;
+
 /// Where a logical block's pointer lives: the slot in `i_block`, then the slots in each
 /// indirect level.
 struct Path {
@@ -321,10 +325,46 @@ impl Ext2 {
         content_befores: &[PatchId],
         is_data: bool,
         goal: u32,
-        mut defer: Option<&mut Vec<PatchId>>,
+        defer: Option<&mut Vec<PatchId>>,
     ) -> Result<(u32, PatchId)> {
+        // Mapped already (damage)? Refused before anything is allocated.
+        self.empty_slot(ino, inode, lblk)?;
+        let (blk, alloc) = self.alloc_block(op, st, goal)?;
+        let mut befores: Vec<PatchId> = content_befores.to_vec();
+        befores.extend(st.freed.get(&blk).copied());
+        let init = self.put_block(op, blk, content, &befores, is_data)?;
+        let head = self.bmap_map(
+            op,
+            st,
+            ino,
+            inode,
+            lblk,
+            blk,
+            &[alloc, init],
+            &mut Vec::new(),
+            defer,
+        )?;
+        Ok((blk, head))
+    }
+
+    /// How many map blocks the mapping of hole `lblk` would create, and the key of the
+    /// map block its pointer would go in (None: the inode), as the file is mapped now.
+    fn new_map_blocks(&self, ino: u32, inode: &Inode, lblk: u64) -> Result<(usize, Vec<usize>)> {
+        let (path, slots, _, depth) = self.empty_slot(ino, inode, lblk)?;
+        Ok((path.rest.len() - depth, slots[..slots.len() - 1].to_vec()))
+    }
+
+    /// The path to `lblk`'s slot and how much of it exists: `nodes[i]` is the block
+    /// holding slot `slots[i]` (`nodes[0]` = 0: the inode itself); the slot at `depth` is
+    /// empty. Damage (a pointer outside the file system, the block mapped already) is an
+    /// error.
+    fn empty_slot(
+        &self,
+        ino: u32,
+        inode: &Inode,
+        lblk: u64,
+    ) -> Result<(Path, Vec<usize>, Vec<u32>, usize)> {
         let path = self.path(lblk)?;
-        // nodes[i] = block holding slot i of the path (0 = the inode itself).
         let slots: Vec<usize> = std::iter::once(path.top)
             .chain(path.rest.iter().copied())
             .collect();
@@ -342,30 +382,55 @@ impl Ext2 {
                 "inode {ino}: block {lblk} is already mapped"
             )));
         }
-        // Slot `slots[depth]` of node `nodes[depth]` is empty: allocate levels depth+1..
+        Ok((path, slots, nodes, depth))
+    }
+
+    /// Maps `lblk` to block `blk`, allocated and initialized already (`child_befores`:
+    /// its bitmap bit and its contents, which the pointer must follow). Missing indirect
+    /// blocks are created on the way, each placed after the one below. Writes the inode
+    /// (new block count, and whatever the caller changed in `inode`) and returns the
+    /// patch that makes the block reachable. With `defer`, a pointer in the inode itself
+    /// is left for the caller's one inode write, and its befores are added to `defer`.
+    /// New map blocks come from `pre` (allocated by the caller, popped from the end)
+    /// before the allocator.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn bmap_map(
+        &self,
+        op: &Op<'_>,
+        st: &mut State,
+        ino: u32,
+        inode: &mut Inode,
+        lblk: u64,
+        blk: u32,
+        child_befores: &[PatchId],
+        pre: &mut Vec<(u32, PatchId)>,
+        defer: Option<&mut Vec<PatchId>>,
+    ) -> Result<PatchId> {
+        let (path, slots, nodes, depth) = self.empty_slot(ino, inode, lblk)?;
+        // Slot `slots[depth]` of node `nodes[depth]` is empty: levels depth+1.. are new.
         let levels = path.rest.len() - depth + 1;
-        let mut goal = goal;
-        // Bottom up: the data block first, then each new indirect block holding the
-        // pointer to the one below.
-        let (blk, alloc) = self.alloc_block(op, st, goal)?;
-        goal = blk;
-        let mut befores: Vec<PatchId> = content_befores.to_vec();
-        befores.extend(st.freed.get(&blk).copied());
-        let init = self.put_block(op, blk, content, &befores, is_data)?;
-        let data_blk = blk;
-        let mut child = (blk, vec![alloc, init]);
+        let mut goal = blk;
+        let init = *child_befores
+            .last()
+            .ok_or_else(|| corrupt("no initialization patch"))?;
+        let mut child = (blk, child_befores.to_vec());
         for level in (depth + 1..=path.rest.len()).rev() {
-            let (ind, alloc) = self.alloc_block(op, st, goal)?;
+            let (ind, alloc) = match pre.pop() {
+                Some(p) => p,
+                None => self.alloc_block(op, st, goal)?,
+            };
             let mut b = vec![0u8; self.geo.bs as usize];
             put32(&mut b, slots[level] * 4, child.0);
             let mut befores = child.1.clone();
             befores.extend(st.freed.get(&ind).copied());
             let init = self.put_block(op, ind, &b, &befores, false)?;
             child = (ind, vec![alloc, init]);
+            goal = ind;
         }
         inode.blocks = inode
             .blocks
             .saturating_add(levels as u32 * (self.geo.bs / 512));
+        let mut defer = defer;
         let head = if let (0, Some(d)) = (depth, defer.as_deref_mut()) {
             // The caller writes the inode once for many blocks, after all their befores.
             inode.block[path.top] = child.0;
@@ -386,7 +451,7 @@ impl Ext2 {
             self.put(op, nodes[depth], slots[depth] * 4, &b, &befores, false)?
                 .ok_or_else(|| corrupt("pointer write changed nothing"))?
         };
-        Ok((data_blk, head))
+        Ok(head)
     }
 
     pub(crate) fn do_read(&self, st: &State, ino: u32, offset: u64, size: u32) -> Result<Vec<u8>> {
@@ -473,42 +538,43 @@ impl Ext2 {
                     break;
                 }
             };
-            let head = if phys != 0 {
+            if phys != 0 {
                 goal = phys + 1;
-                op.tx
+                let head = op
+                    .tx
                     .write(phys as u64, in_off, src, &[], true)
-                    .map_err(Self::io)
-            } else {
-                let mut content = vec![0u8; bs as usize];
-                content[in_off..in_off + n].copy_from_slice(src);
-                match self.bmap_alloc(
-                    op,
-                    st,
-                    ino,
-                    &mut inode,
-                    lblk,
-                    &content,
-                    &[],
-                    true,
-                    goal,
-                    Some(&mut deferred),
-                ) {
-                    Ok((b, h)) => {
-                        goal = b + 1;
-                        Ok(h)
+                    .map_err(Self::io);
+                match head {
+                    Ok(h) => self.track(st, ino, Some(h)),
+                    Err(e) => {
+                        result = Err(e);
+                        break;
                     }
-                    Err(e) => Err(e),
                 }
-            };
-            match head {
-                Ok(h) => self.track(st, ino, Some(h)),
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
+                pos += n as u64;
+                written += n;
+                continue;
             }
-            pos += n as u64;
-            written += n;
+            // A stretch of holes: allocated together, their contents written as runs
+            // (one patch per stretch of consecutive blocks, grown across writes while
+            // pending), then mapped.
+            let (done, r) = self.write_new_blocks(
+                op,
+                st,
+                ino,
+                &mut inode,
+                offset,
+                data,
+                pos,
+                &mut goal,
+                &mut deferred,
+            );
+            pos += done as u64;
+            written += done;
+            if let Err(e) = r {
+                result = Err(e);
+                break;
+            }
         }
         // A short write (ENOSPC midway) still reports what was written.
         if written < data.len() {
@@ -520,6 +586,162 @@ impl Ext2 {
             result?;
         }
         Ok(written as u32)
+    }
+
+    /// Allocates the holes of a write from `pos` on (up to the write's end, the next
+    /// mapped block or `STRETCH_BLOCKS_MAX`), writes their contents as runs of
+    /// consecutive blocks, and maps them. Returns the bytes of `data` now stored and the
+    /// error that stopped it, if any (a short write). Blocks allocated but not mapped
+    /// when an error strikes are freed again.
+    #[allow(clippy::too_many_arguments)]
+    fn write_new_blocks(
+        &self,
+        op: &Op<'_>,
+        st: &mut State,
+        ino: u32,
+        inode: &mut Inode,
+        offset: u64,
+        data: &[u8],
+        pos: u64,
+        goal: &mut u32,
+        deferred: &mut Vec<PatchId>,
+    ) -> (usize, Result<()>) {
+        let bs = self.geo.bs as u64;
+        let end = offset + data.len() as u64;
+        let first = pos / bs;
+        let last = (end - 1) / bs;
+        // (logical block, physical block, bitmap patch)
+        let mut stretch: Vec<(u64, u32, PatchId)> = Vec::new();
+        // Map blocks the first block's mapping creates, allocated before its data (where
+        // the kernel puts them); the stretch stops before a block that would need map
+        // blocks of its own, so a full disk fails a branch whole (data and map blocks),
+        // as the kernel's does, instead of filling up with data it cannot map.
+        let mut pre: Vec<(u32, PatchId)> = Vec::new();
+        let mut leaf: Option<Vec<usize>> = None;
+        let mut result = Ok(());
+        for lblk in first..=last.min(first + STRETCH_BLOCKS_MAX - 1) {
+            if lblk != first {
+                match self.bmap(inode, lblk) {
+                    Ok(0) => {}
+                    Ok(_) => break,
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+            let (need, key) = match self.new_map_blocks(ino, inode, lblk) {
+                Ok(n) => n,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            };
+            if lblk == first {
+                for _ in 0..need {
+                    match self.alloc_block(op, st, *goal) {
+                        Ok((b, a)) => {
+                            *goal = b + 1;
+                            pre.insert(0, (b, a));
+                        }
+                        Err(e) => {
+                            result = Err(e);
+                            break;
+                        }
+                    }
+                }
+                if result.is_err() {
+                    break;
+                }
+                leaf = Some(key);
+            } else if need > 0 && leaf.as_ref() != Some(&key) {
+                break;
+            }
+            match self.alloc_block(op, st, *goal) {
+                Ok((b, a)) => {
+                    *goal = b + 1;
+                    stretch.push((lblk, b, a));
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        // The bytes of `data` that land in logical block `lblk`, and where.
+        let piece = |lblk: u64| -> (usize, &[u8]) {
+            let b0 = (lblk * bs).max(pos);
+            let b1 = ((lblk + 1) * bs).min(end);
+            (
+                (b0 - lblk * bs) as usize,
+                &data[(b0 - offset) as usize..(b1 - offset) as usize],
+            )
+        };
+        // An allocation that failed (a full disk) ends the stretch; what was allocated
+        // before it is still written (a short write), and the error reported after.
+        let stop = std::mem::replace(&mut result, Ok(()));
+        let mut mapped = 0;
+        let mut done = 0usize;
+        let mut i = 0;
+        while i < stretch.len() && result.is_ok() {
+            let mut j = i + 1;
+            while j < stretch.len() && stretch[j].1 == stretch[j - 1].1 + 1 {
+                j += 1;
+            }
+            let mut bytes = vec![0u8; (j - i) * bs as usize];
+            let mut befores = Vec::new();
+            for (k, &(lblk, blk, _)) in stretch[i..j].iter().enumerate() {
+                let (at, src) = piece(lblk);
+                let o = k * bs as usize + at;
+                bytes[o..o + src.len()].copy_from_slice(src);
+                befores.extend(st.freed.get(&blk).copied());
+            }
+            let heads = match op
+                .tx
+                .write_run(stretch[i].1 as u64, &bytes, &befores, true)
+                .map_err(Self::io)
+            {
+                Ok(r) => r,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            };
+            for (&(lblk, blk, alloc), &init) in stretch[i..j].iter().zip(&heads) {
+                let mapped_now = self.bmap_map(
+                    op,
+                    st,
+                    ino,
+                    inode,
+                    lblk,
+                    blk,
+                    &[alloc, init],
+                    &mut pre,
+                    Some(deferred),
+                );
+                match mapped_now {
+                    Ok(h) => self.track(st, ino, Some(h)),
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+                mapped += 1;
+                done += piece(lblk).1.len();
+            }
+            i = j;
+        }
+        if result.is_ok() {
+            result = stop;
+        }
+        // Allocated but never mapped (an error above): not ours after all.
+        let unused = pre.iter().map(|&(b, _)| b);
+        for blk in stretch[mapped..].iter().map(|&(_, b, _)| b).chain(unused) {
+            if let Err(e) = self.free_block(op, st, blk, None) {
+                tracing::warn!("freeing unmapped block {blk} after an error: {e}");
+            }
+        }
+        (done, result)
     }
 
     /// Where to put logical block `lblk`: after the previous block of the file, or at the

@@ -64,6 +64,24 @@ impl State {
         }
     }
 
+    /// May run `run` grow over `n` blocks from `first` under the open capture? Only if
+    /// the capture takes none of them, or the run is already this capture's newest
+    /// change: a run of an older transaction taking blocks of the running one would
+    /// tie the older one's checkpoint to the newer one's commit.
+    pub(crate) fn capture_may_grow(
+        &self,
+        run: PatchId,
+        first: BlockNo,
+        n: u64,
+        data: bool,
+    ) -> bool {
+        let Some(c) = &self.capture else {
+            return true;
+        };
+        let takes = (first..first + n).any(|b| !data || c.data || c.revoked.contains(&b));
+        !takes || c.patches.last() == Some(&run)
+    }
+
     fn open_capture(&mut self, data: bool) {
         let hold = self.new_empty(&[], 1);
         self.capture = Some(Capture {

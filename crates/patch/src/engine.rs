@@ -74,6 +74,10 @@ pub struct ChangeOpts {
 /// costs a patch but never correctness.
 const MERGE_CYCLE_SEARCH_LIMIT: usize = 64;
 
+/// The most blocks one run patch covers (`Engine::write_run`): 4 MiB of 4 KiB blocks. A
+/// run is written in one epoch, so this bounds the images one epoch holds for it.
+pub const RUN_BLOCKS_MAX: u32 = 1024;
+
 /// An edge onto an unheld empty patch with at most this many pending befores becomes edges
 /// onto them (`State::add_edge`). Joins of a few heads are the common case; an empty with
 /// many befores (a transaction's "done", a patchgroup's head) keeps one edge, so that
@@ -378,6 +382,48 @@ impl Engine {
         opts: ChangeOpts,
     ) -> Result<PatchId> {
         self.change(block, Change::Bytes { offset, bytes }, befores, opts)
+    }
+
+    /// Writes whole blocks `first..first + data.len() / block_size` (fresh contents: file
+    /// data, a new directory or map block) as **one** hard patch, a *run*, when none of
+    /// them has a pending patch; a run still pending and not being written grows over the
+    /// blocks that follow it, so consecutive writes of a file (and of files allocated one
+    /// after another) share one patch until write-back takes it. Otherwise each block is
+    /// one change. Returns the patch that carries each block (the same one for a run).
+    ///
+    /// Later changes to a run's blocks merge into it when that closes no cycle, or become
+    /// rollbackable patches after it; the run is always written whole, in one epoch.
+    pub fn write_run(
+        &self,
+        first: BlockNo,
+        data: &[u8],
+        befores: &[PatchId],
+        opts: ChangeOpts,
+    ) -> Result<Vec<PatchId>> {
+        let bs = self.sh.block_size;
+        if data.is_empty() || data.len() % bs != 0 {
+            return Err(PatchError::Invalid(
+                "a run is a whole number of blocks, at least one",
+            ));
+        }
+        let n = (data.len() / bs) as u64;
+        let count = self.sh.dev.block_count();
+        if first.checked_add(n).is_none_or(|end| end > count) {
+            return Err(quilt_block::BlockError::OutOfRange {
+                block: first.saturating_add(n - 1),
+                count,
+            }
+            .into());
+        }
+        let id = {
+            let mut st = self.lock();
+            st.check_failed()?;
+            let id = st.write_run(&self.sh, first, data, befores, opts)?;
+            st.debug_check();
+            id
+        };
+        self.keep_budget()?;
+        Ok(id)
     }
 
     /// Zeroes the whole block without reading it first (a freshly allocated block).
@@ -843,10 +889,15 @@ impl State {
     }
 
     /// Can `befores` be added to `target` without a cycle? (Is `target` unreachable from
-    /// each of them?) A search that gives up answers no.
+    /// each of them?) A search that gives up answers no. A change that depends on a run
+    /// never joins it: the run's blocks are written together, in no order, so the change
+    /// could reach the disk before the block it depends on.
     fn merge_is_acyclic(&self, target: PatchId, befores: &[PatchId]) -> bool {
+        let run = self.g.get(target).run;
         befores.iter().all(|&b| {
-            b == target || self.g.reaches(b, target, MERGE_CYCLE_SEARCH_LIMIT) == Some(false)
+            (b == target && !run)
+                || (b != target
+                    && self.g.reaches(b, target, MERGE_CYCLE_SEARCH_LIMIT) == Some(false))
         })
     }
 
@@ -899,7 +950,11 @@ impl State {
             opts.data,
         );
 
-        let id = if sh.opts.hard_patches && self.blocks[&block].extern_afters == 0 {
+        // A run's blocks never fold: only its first block counts the edges from other
+        // blocks onto it, so "no afters elsewhere" cannot be read off the others. Changes
+        // there merge into the run (`merge_target`, with a cycle check) or follow it.
+        let on_run = self.blocks[&block].hard.is_some_and(|h| self.g.get(h).run);
+        let id = if sh.opts.hard_patches && !on_run && self.blocks[&block].extern_afters == 0 {
             self.fold_block_into_hard(block, change, &befores, opts.data)
         } else if let Some(target) = self.merge_target(sh, block, &probe, &befores) {
             self.merge_into(target, block, change, &befores, opts.data);
@@ -923,6 +978,117 @@ impl State {
         self.capture_change(id, block, opts.data && !engaged);
         self.note_if_unblocked(id);
         Ok(id)
+    }
+
+    /// See [`Engine::write_run`]. The blocks' range is checked by the caller.
+    pub fn write_run(
+        &mut self,
+        sh: &Shared,
+        first: BlockNo,
+        data: &[u8],
+        befores: &[PatchId],
+        opts: ChangeOpts,
+    ) -> Result<Vec<PatchId>> {
+        let bs = sh.block_size;
+        let n = (data.len() / bs) as u64;
+        let fresh = sh.opts.hard_patches && (first..first + n).all(|b| !self.dirty.contains(&b));
+        if !fresh || n > RUN_BLOCKS_MAX as u64 {
+            // Some block has pending patches (or runs are off): one change per block.
+            let mut ids = Vec::with_capacity(n as usize);
+            for (i, chunk) in data.chunks(bs).enumerate() {
+                let b = first + i as u64;
+                let change = Change::Bytes {
+                    offset: 0,
+                    bytes: chunk,
+                };
+                ids.push(self.change(sh, b, change, befores, opts)?);
+            }
+            return Ok(ids);
+        }
+        for (i, chunk) in data.chunks(bs).enumerate() {
+            let b = first + i as u64;
+            let cached = self.blocks.contains_key(&b);
+            let blk = self.load(sh, b, Init::Bytes(chunk))?;
+            if cached {
+                blk.data_mut().copy_from_slice(chunk);
+            }
+        }
+        let ordering_caller = if self.capture.is_some() {
+            None
+        } else {
+            opts.caller
+        };
+        let befores = self.gather_befores(befores, ordering_caller);
+        let engaged = opts.caller.is_some_and(|c| self.pgs.is_engaged(c));
+        let captured = opts.data && !engaged;
+        // Grow the run that ends where this one begins, if it is pending, not being
+        // written, of the same kind, and would not close a cycle.
+        let grow = first
+            .checked_sub(1)
+            .and_then(|prev| self.blocks.get(&prev))
+            .and_then(|b| b.hard)
+            .filter(|&h| {
+                let p = self.g.get(h);
+                p.run
+                    && !p.in_flight
+                    && p.data == opts.data
+                    && p.block.is_some_and(|b| b + p.span as u64 == first)
+                    && p.span as u64 + n <= RUN_BLOCKS_MAX as u64
+            })
+            .filter(|&h| self.capture_may_grow(h, first, n, captured))
+            .filter(|&h| self.merge_is_acyclic(h, &befores));
+        let id = match grow {
+            Some(h) => {
+                self.stats.patches_merged += 1;
+                self.g.get_mut(h).span += n as u32;
+                h
+            }
+            None => {
+                self.seq += 1;
+                self.stats.patches_created += 1;
+                self.stats.patches_made_hard += 1;
+                if opts.data {
+                    self.stats.data_patches_created += 1;
+                }
+                let mut p = Patch::new(
+                    Some(first),
+                    Kind::Byte {
+                        offset: 0,
+                        len: bs as u32,
+                        undo: None,
+                    },
+                    self.seq,
+                    opts.data,
+                );
+                p.span = n as u32;
+                p.run = true;
+                self.g.insert(p)
+            }
+        };
+        for &b in &befores {
+            if let Some(b) = self.g.resolve(b) {
+                self.add_edge(id, b);
+            }
+        }
+        for b in first..first + n {
+            let blk = self.blocks.get_mut(&b).expect("loaded above");
+            blk.pending = vec![id];
+            blk.overlap_index = vec![id];
+            blk.hard = Some(id);
+            self.dirty.insert(b);
+        }
+        if let Some(c) = ordering_caller {
+            for head in self.pgs.engaged_heads(c) {
+                if let Some(h) = self.g.resolve(head) {
+                    self.add_edge(h, id);
+                }
+            }
+        }
+        for b in first..first + n {
+            self.capture_change(id, b, captured);
+        }
+        self.note_if_unblocked(id);
+        Ok(vec![id; n as usize])
     }
 
     /// Hard-patch path: no other block depends on `block`, so every pending patch on it
@@ -1069,16 +1235,44 @@ impl State {
                     _ => return None,
                 }
             }
-            _ => match over[..] {
-                [t] if matches!(self.g.get(t).kind, Kind::Byte { undo: Some(_), .. }) => t,
-                _ => return None,
-            },
+            _ => {
+                // The hard patch (older than everything else on the block, which all
+                // depends on it) does not stand in the way of merging into a newer patch.
+                let over: Vec<PatchId> =
+                    over.into_iter().filter(|&p| Some(p) != blk.hard).collect();
+                match over[..] {
+                    [t] if matches!(self.g.get(t).kind, Kind::Byte { undo: Some(_), .. }) => t,
+                    // Touching nothing else pending: grow a patch that ends where the change
+                    // begins, or begins where it ends (consecutive pointers in a map block,
+                    // entries appended to a directory block). It only adds dependencies.
+                    [] => self.adjacent_patch(block, probe)?,
+                    _ => return None,
+                }
+            }
         };
         let t = self.g.get(target);
         if t.in_flight || !self.merge_is_acyclic(target, befores) {
             return None;
         }
         Some(target)
+    }
+
+    /// The newest rollbackable byte patch on `block`, not being written, whose bytes end
+    /// where `probe`'s begin or begin where they end.
+    fn adjacent_patch(&self, block: BlockNo, probe: &Patch) -> Option<PatchId> {
+        let (p0, p1) = probe.range();
+        self.blocks[&block]
+            .overlap_index
+            .iter()
+            .copied()
+            .filter(|&id| {
+                let p = self.g.get(id);
+                let (a0, a1) = p.range();
+                matches!(p.kind, Kind::Byte { undo: Some(_), .. })
+                    && !p.in_flight
+                    && (a1 == p0 || a0 == p1)
+            })
+            .max_by_key(|&id| self.g.get(id).seq)
     }
 
     fn merge_into(
@@ -1202,7 +1396,7 @@ impl State {
             );
             let p = self.g.remove(id);
             self.stats.undo_bytes_now -= p.undo_len() as u64;
-            if let Some(b) = p.block {
+            for b in p.blocks() {
                 if let Some(blk) = self.blocks.get_mut(&b) {
                     if blk.hard == Some(id) {
                         blk.hard = None;
@@ -1255,9 +1449,12 @@ impl State {
 }
 
 /// Is an edge from a patch on `after_block` onto `before` a wait (see `Patch::waits`)?
-/// Fixed for the edge's life: neither end changes block or kind.
+/// Fixed for the edge's life: neither end changes block or kind, and a run is a run from
+/// its birth (its span may grow). An edge onto a run is always a wait: the dependency may
+/// be on any of the run's blocks, and those are written together with no order among
+/// them, so only the run's durability satisfies it.
 pub(crate) fn is_wait(after_block: Option<BlockNo>, before: &Patch) -> bool {
-    before.block.is_none() || before.block != after_block
+    before.block.is_none() || before.run || before.block != after_block
 }
 
 /// Are all of `id`'s befores durable?

@@ -289,10 +289,9 @@ impl State {
                 let mut verdict: Option<Option<PatchId>> = None;
                 while next < befores.len() {
                     let b = self.g.resolve(befores[next]).expect("pruned");
-                    debug_assert_eq!(
-                        self.g.get(b).block,
-                        Some(block),
-                        "{id} has no waits but waits for {b} off its block"
+                    debug_assert!(
+                        self.g.get(b).block == Some(block) && !self.g.get(b).run,
+                        "{id} has no waits but waits for {b} off its block or on a run"
                     );
                     match mark.get(&b) {
                         Some(&READY) => next += 1,
@@ -331,7 +330,14 @@ impl State {
     fn prepare_epoch(&mut self, chosen: Vec<BlockNo>) -> (Vec<BlockImage>, usize) {
         let mut batch = Vec::new();
         let mut rolled_back = 0;
-        for block in chosen {
+        // A ready run is written whole: its other blocks join the epoch (each is dirty,
+        // and the run is ready on each of them).
+        let mut work = chosen;
+        let mut taken: HashSet<BlockNo> = work.iter().copied().collect();
+        let mut next = 0;
+        while next < work.len() {
+            let block = work[next];
+            next += 1;
             if !self.dirty.contains(&block) {
                 continue;
             }
@@ -360,7 +366,15 @@ impl State {
                 image.into()
             };
             for &p in &ready {
-                self.g.get_mut(p).in_flight = true;
+                let patch = self.g.get_mut(p);
+                patch.in_flight = true;
+                if patch.span > 1 {
+                    for b in patch.blocks() {
+                        if taken.insert(b) {
+                            work.push(b);
+                        }
+                    }
+                }
             }
             if let Some(h) = self.blocks[&block].hard {
                 if ready_set.contains(&h) {
@@ -494,13 +508,16 @@ impl State {
                     }
                 }
             }
-            if let Some(b) = p.block {
+            for b in p.blocks() {
                 let Some(blk) = self.blocks.get(&b) else {
                     return Err(format!("{id} is on block {b}, which is not cached"));
                 };
                 if !blk.pending.contains(&id) {
                     return Err(format!("{id} is missing from block {b}'s pending list"));
                 }
+            }
+            if p.span > 1 && (!p.run || !p.is_hard()) {
+                return Err(format!("{id} spans {} blocks but is no hard run", p.span));
             }
         }
         if undo != self.stats.undo_bytes_now {
@@ -528,7 +545,7 @@ impl State {
                 }
             }
             for &p in &blk.pending {
-                if self.g.resolve(p) != Some(p) || self.g.get(p).block != Some(b) {
+                if self.g.resolve(p) != Some(p) || !self.g.get(p).on_block(b) {
                     return Err(format!(
                         "block {b} lists {p}, which is not a live patch on it"
                     ));
@@ -589,9 +606,10 @@ impl State {
                 ready.remove(&p);
             }
         }
+        // A run is a candidate through its first block only.
         ready
             .into_iter()
-            .filter(|&p| !self.g.get(p).in_flight)
+            .filter(|&p| !self.g.get(p).in_flight && self.g.get(p).block == Some(block))
             .min()
     }
 

@@ -38,7 +38,13 @@ pub(crate) enum Kind {
 
 #[derive(Debug)]
 pub(crate) struct Patch {
+    /// The block it changes; for a run, its first block.
     pub block: Option<BlockNo>,
+    /// Blocks covered from `block` on: 1, or more for a *run* (a hard patch over fresh
+    /// consecutive blocks written whole, see `Engine::write_run`).
+    pub span: u32,
+    /// Made by `write_run`: may grow over the blocks that follow it while pending.
+    pub run: bool,
     pub kind: Kind,
     /// Patches that must be durable first. May hold stale (durable) ids: they are pruned
     /// lazily, because an aggregator with thousands of befores would otherwise pay a scan
@@ -65,6 +71,8 @@ impl Patch {
     pub fn new(block: Option<BlockNo>, kind: Kind, seq: u64, data: bool) -> Patch {
         Patch {
             block,
+            span: 1,
+            run: false,
             kind,
             befores: Vec::new(),
             afters: Vec::new(),
@@ -82,6 +90,18 @@ impl Patch {
             Kind::Byte { offset, len, .. } => (offset, offset + len),
             Kind::Bit { offset, .. } => (offset, offset + 4),
             Kind::Empty { .. } => (0, 0),
+        }
+    }
+    /// Is `b` one of the blocks this patch changes?
+    pub fn on_block(&self, b: BlockNo) -> bool {
+        self.block
+            .is_some_and(|first| b >= first && b - first < self.span as u64)
+    }
+    /// The blocks this patch changes (none for an empty patch).
+    pub fn blocks(&self) -> std::ops::Range<BlockNo> {
+        match self.block {
+            Some(first) => first..first + self.span as u64,
+            None => 0..0,
         }
     }
     pub fn is_empty(&self) -> bool {

@@ -276,6 +276,18 @@ impl<'s> Op<'s> {
             .write(block, offset, bytes, befores, self.opts(data))
     }
 
+    /// [`Engine::write_run`] for this operation's caller.
+    pub fn write_run(
+        &self,
+        first: BlockNo,
+        data: &[u8],
+        befores: &[PatchId],
+        is_data: bool,
+    ) -> Result<Vec<PatchId>> {
+        self.engine()
+            .write_run(first, data, befores, self.opts(is_data))
+    }
+
     /// [`Engine::zero_block`] for this operation's caller.
     pub fn zero_block(&self, block: BlockNo, befores: &[PatchId], data: bool) -> Result<PatchId> {
         self.engine().zero_block(block, befores, self.opts(data))

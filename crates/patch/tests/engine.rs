@@ -427,3 +427,130 @@ fn a_patch_depending_on_a_small_join_travels_with_its_befores_on_its_block() {
         ]
     );
 }
+
+const DATA: ChangeOpts = ChangeOpts {
+    caller: None,
+    data: true,
+};
+
+fn blocks_of(n: usize, byte: u8) -> Vec<u8> {
+    vec![byte; n * BS]
+}
+
+#[test]
+fn a_run_of_fresh_blocks_is_one_patch_written_in_one_epoch() {
+    let (e, dev) = setup(opts(true, true));
+    let r = e.write_run(10, &blocks_of(3, 7), &[], DATA).unwrap()[0];
+    assert_eq!(e.stats().patches_created, 1);
+    assert_eq!(e.stats().data_patches_created, 1);
+    let pointer = e.write(1, 0, &[1; 4], &[r], NONE).unwrap();
+    // The pointer waits for the whole run: one epoch writes the three blocks, the next
+    // the pointer.
+    let first = e.epoch().unwrap();
+    assert_eq!((first.blocks_written, first.patches_written), (3, 1));
+    assert!(e.is_durable(r) && !e.is_durable(pointer));
+    for b in 10..13 {
+        assert_eq!(disk(&dev, b), vec![7; BS]);
+    }
+    e.epoch().unwrap();
+    assert!(e.is_durable(pointer));
+    e.check_invariants().unwrap();
+}
+
+#[test]
+fn a_pending_run_grows_over_the_blocks_that_follow_it() {
+    let (e, dev) = setup(opts(true, true));
+    let a = e.write_run(20, &blocks_of(2, 1), &[], DATA).unwrap()[0];
+    let b = e.write_run(22, &blocks_of(1, 2), &[], DATA).unwrap()[0];
+    let c = e.write_run(23, &blocks_of(3, 3), &[], DATA).unwrap()[2];
+    assert_eq!((a, b), (a, c), "one patch for the three writes");
+    assert_eq!(e.stats().patches_created, 1);
+    // A change to a middle block joins the run.
+    e.write(21, 100, &[9; 8], &[], DATA).unwrap();
+    assert_eq!(e.stats().patches_created, 1);
+    let r = e.epoch().unwrap();
+    assert_eq!(r.blocks_written, 6);
+    assert_eq!(&disk(&dev, 21)[100..108], &[9; 8]);
+    assert_eq!(disk(&dev, 25), vec![3; BS]);
+    // Once written, the next run starts afresh.
+    let d = e.write_run(26, &blocks_of(1, 4), &[], DATA).unwrap()[0];
+    assert_ne!(d, a);
+    e.check_invariants().unwrap();
+}
+
+#[test]
+fn a_change_that_depends_on_a_run_follows_it_even_on_its_own_blocks() {
+    // The run's blocks go out together with no order among them: a change to one of them
+    // that depends on the run (on another of its blocks) must wait for the run's flush.
+    let (e, dev) = setup(opts(true, true));
+    let r = e.write_run(30, &blocks_of(2, 5), &[], DATA).unwrap()[1];
+    let later = e.write(31, 0, &[6; 4], &[r], NONE).unwrap();
+    assert_ne!(later, r, "it must not merge into the run");
+    let first = e.epoch().unwrap();
+    assert_eq!(first.blocks_written, 2);
+    assert_eq!(
+        &disk(&dev, 31)[..4],
+        &[5; 4],
+        "rolled back in the run's epoch"
+    );
+    assert!(e.is_durable(r) && !e.is_durable(later));
+    e.epoch().unwrap();
+    assert_eq!(&disk(&dev, 31)[..4], &[6; 4]);
+    // Nor does a run grow with a dependency on itself.
+    let s = e.write_run(40, &blocks_of(1, 1), &[], DATA).unwrap()[0];
+    let t = e.write_run(41, &blocks_of(1, 2), &[s], DATA).unwrap()[0];
+    assert_ne!(s, t);
+    e.sync().unwrap();
+    e.check_invariants().unwrap();
+}
+
+#[test]
+fn a_run_over_blocks_with_pending_patches_falls_back_to_one_change_per_block() {
+    let (e, dev) = setup(opts(true, true));
+    e.write(51, 0, &[1; 4], &[], NONE).unwrap();
+    let before = e.stats().patches_created;
+    let heads = e.write_run(50, &blocks_of(3, 8), &[], DATA).unwrap();
+    // Block 51 is pending: no run; one change per block (51's folds into its hard
+    // patch), no empty joining them.
+    assert_eq!(heads.len(), 3);
+    assert_eq!(e.stats().patches_created, before + 2);
+    assert_eq!(e.stats().empties_created, 0);
+    for h in heads {
+        e.flush_until(h).unwrap();
+    }
+    for b in 50..53 {
+        assert_eq!(disk(&dev, b), vec![8; BS]);
+    }
+    // Without hard patches there are no runs either.
+    let (e, _) = setup(opts(false, true));
+    e.write_run(5, &blocks_of(2, 1), &[], DATA).unwrap();
+    assert_eq!(e.stats().patches_made_hard, 0);
+    // Bad requests are errors.
+    assert!(matches!(
+        e.write_run(5, &[0; 100], &[], DATA),
+        Err(PatchError::Invalid(_))
+    ));
+    assert!(matches!(
+        e.write_run(63, &blocks_of(2, 0), &[], DATA),
+        Err(PatchError::Block(BlockError::OutOfRange { .. }))
+    ));
+}
+
+#[test]
+fn consecutive_pointer_writes_merge_into_one_patch_even_behind_a_hard_patch() {
+    // A map block: initialized (hard) before the inode that names it; pointers added
+    // later must follow the inode, so they cannot join the hard patch, but they join
+    // each other.
+    let (e, _) = setup(opts(true, true));
+    let init = e.write(60, 0, &[0; BS], &[], NONE).unwrap();
+    let inode = e.write(61, 0, &[1; 8], &[init], NONE).unwrap();
+    let before = e.stats().patches_created;
+    let p1 = e.write(60, 4, &[2; 4], &[inode], NONE).unwrap();
+    let p2 = e.write(60, 8, &[3; 4], &[inode], NONE).unwrap();
+    let p3 = e.write(60, 12, &[4; 4], &[inode], NONE).unwrap();
+    assert_ne!(p1, init);
+    assert_eq!((p1, p1), (p2, p3));
+    assert_eq!(e.stats().patches_created, before + 1);
+    e.sync().unwrap();
+    e.check_invariants().unwrap();
+}

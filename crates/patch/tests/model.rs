@@ -48,6 +48,12 @@ enum Op {
         block: u64,
         befores: Vec<usize>,
     },
+    /// Whole blocks `block..block + n` in one `write_run`.
+    Run {
+        block: u64,
+        n: u64,
+        befores: Vec<usize>,
+    },
     Bit {
         block: u64,
         befores: Vec<usize>,
@@ -70,6 +76,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => (0..BLOCKS, 0..SLOTS, 1..6usize, befores.clone()).prop_map(|(block, slot, nslots, befores)| Op::Write { block, slot, nslots, befores }),
         1 => (0..BLOCKS, befores.clone()).prop_map(|(block, befores)| Op::WholeBlock { block, befores }),
+        2 => (0..BLOCKS, 1..4u64, befores.clone()).prop_map(|(block, n, befores)| Op::Run { block, n: n.min(BLOCKS - block), befores }),
         3 => (0..BLOCKS, befores.clone()).prop_map(|(block, befores)| Op::Bit { block, befores }),
         1 => befores.prop_map(|befores| Op::Empty { befores }),
         1 => (any::<usize>(), any::<usize>()).prop_map(|(empty, before)| Op::AddDepend { empty, before }),
@@ -261,6 +268,11 @@ impl BlockDevice for OracleDevice {
     }
 }
 
+/// Index of the next model change (one per entry of `ids`).
+fn n_before_run(ids: &[PatchId]) -> usize {
+    ids.len()
+}
+
 fn pick(sel: usize, n: usize) -> Option<usize> {
     (n > 0).then(|| sel % n)
 }
@@ -332,6 +344,40 @@ fn run_case(ops: &[Op], hard: bool, merge: bool, cache_blocks: usize) -> Result<
                 }
                 let bids: Vec<PatchId> = bf.iter().map(|&i| ids[i]).collect();
                 ids.push(engine.write(*block, offset, &bytes, &bids, opts).unwrap());
+            }
+            Op::Run { block, n, befores } => {
+                // One model change per block (each with its own token), one engine call.
+                let bf = befores_of(befores);
+                let mut data = Vec::new();
+                {
+                    let mut m = model.lock().unwrap();
+                    for (i, b) in (*block..block + n).enumerate() {
+                        let token = (n_before_run(&ids) + i) as u32 + 1;
+                        // Tokens everywhere, bits as they are now (so no bit is lost).
+                        let mut bytes = engine.read(b).unwrap();
+                        for s in 0..SLOTS {
+                            bytes[s * 4..s * 4 + 4].copy_from_slice(&token.to_le_bytes());
+                        }
+                        data.extend_from_slice(&bytes);
+                        m.changes.push(Change {
+                            block: Some(b),
+                            what: What::Bytes {
+                                offset: 0,
+                                bytes,
+                                token,
+                            },
+                            befores: bf.clone(),
+                        });
+                        m.by_block
+                            .entry(b)
+                            .or_default()
+                            .push(n_before_run(&ids) + i);
+                    }
+                }
+                let bids: Vec<PatchId> = bf.iter().map(|&i| ids[i]).collect();
+                let heads = engine.write_run(*block, &data, &bids, opts).unwrap();
+                assert_eq!(heads.len() as u64, *n);
+                ids.extend(heads);
             }
             Op::Bit { block, befores } => {
                 let bf = befores_of(befores);
