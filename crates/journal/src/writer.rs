@@ -10,7 +10,10 @@
 //! Log space comes back when a transaction is *checkpointed*: normally when the engine's
 //! write-back has put every one of its changes in place (its `done` patch is durable);
 //! when a commit needs space that is not free, the oldest transactions are checkpointed
-//! by writing their committed images in place (`Engine::write_through`). The journal
+//! by writing their committed images in place (`Engine::write_through`), read back from
+//! the log: a committed transaction remembers where each block's copy lies, not its
+//! contents, so the journal holds no block data beyond the cache's budget (it held a
+//! log's worth of images before, which the server's peak memory showed). The journal
 //! superblock's tail (`start`, `sequence`) moves, durably, before any freed log block is
 //! reused; recovery from an older tail replays a few transactions twice, harmlessly.
 //!
@@ -24,7 +27,7 @@ use crate::format::{
 };
 use crate::{JournalError, JournalMap, Result};
 use quilt_block::{BlockDevice, BlockNo};
-use quilt_patch::{Engine, PatchId};
+use quilt_patch::{block_buf, BlockBuf, Engine, PatchId};
 use rustc_hash::FxHashMap as HashMap;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::SeqCst};
@@ -38,7 +41,7 @@ pub struct JournalOptions {
     /// Commit at least this often while changes are pending.
     pub commit_interval: Duration,
     /// Commit once the running transaction holds this many blocks (None: a quarter of
-    /// the log).
+    /// the log or an eighth of the engine's cache, whichever is less).
     pub max_txn_blocks: Option<usize>,
 }
 
@@ -87,7 +90,9 @@ struct Live {
     start: u32,
     len: u32,
     done: PatchId,
-    images: Vec<(BlockNo, Arc<[u8]>)>,
+    /// Each block this transaction logged: where its copy lies in the log, and whether
+    /// the copy is escaped (its first four bytes were the JBD2 magic, zeroed in the log).
+    images: Vec<(BlockNo, u32, bool)>,
     /// Blocks this transaction revoked (freed while the log held a copy).
     revoked: Vec<BlockNo>,
 }
@@ -158,9 +163,14 @@ impl Journal {
             ));
         }
         let ring = sb.maxlen - sb.first;
+        // A quarter of the log, as JBD2; and an eighth of the cache, because the running
+        // transaction's blocks stay dirty in the cache, unwritable, until it commits
+        // (with a 128 MiB cache and a 128 MiB log, a quarter of the log pinned 32 MiB
+        // and the server's peak memory went past the cache by 80 MiB).
+        let cache_blocks = engine.options().cache_bytes_max / bs;
         let max_txn = opts
             .max_txn_blocks
-            .unwrap_or(ring as usize / 4)
+            .unwrap_or((ring as usize / 4).min(cache_blocks / 8))
             .clamp(1, ring as usize / 2);
         // The log starts at its first block with the next sequence number; recovery from
         // here finds nothing until the first commit.
@@ -293,8 +303,10 @@ impl Journal {
         // The log records, in order.
         let start = st.head;
         let mut pos = start;
-        let mut writes: Vec<(u32, Vec<u8>)> = Vec::with_capacity(need as usize);
-        let mut push = |st: &State, data: Vec<u8>, pos: &mut u32| {
+        // Block images are shared with the capture (no copy), except escaped ones.
+        let mut writes: Vec<(u32, BlockBuf)> = Vec::with_capacity(need as usize);
+        let mut images: Vec<(BlockNo, u32, bool)> = Vec::with_capacity(txn.blocks.len());
+        let mut push = |st: &State, data: BlockBuf, pos: &mut u32| {
             writes.push((*pos, data));
             *pos = if *pos + 1 >= st.sb.maxlen {
                 st.sb.first
@@ -312,20 +324,25 @@ impl Journal {
                 .collect();
             push(
                 st,
-                encode_descriptor(inner.bs, seq, &st.sb.uuid, &tags),
+                block_buf(encode_descriptor(inner.bs, seq, &st.sb.uuid, &tags)),
                 &mut pos,
             );
-            for (_, d) in chunk {
-                let mut copy = d.to_vec();
-                if needs_escape(&copy) {
-                    copy[0..4].fill(0);
-                }
+            for (b, d) in chunk {
+                let escaped = needs_escape(d);
+                let copy: BlockBuf = if escaped {
+                    let mut c = d.to_vec();
+                    c[0..4].fill(0);
+                    block_buf(c)
+                } else {
+                    d.clone()
+                };
+                images.push((*b, pos, escaped));
                 push(st, copy, &mut pos);
             }
         }
         let data_records = n.div_ceil(dcap) + n;
         for chunk in revokes.chunks(rcap) {
-            push(st, encode_revoke(inner.bs, seq, chunk), &mut pos);
+            push(st, block_buf(encode_revoke(inner.bs, seq, chunk)), &mut pos);
         }
         let commit_pos = pos;
         let now = std::time::SystemTime::now()
@@ -371,7 +388,7 @@ impl Journal {
             start,
             len: need,
             done: txn.done,
-            images: txn.blocks,
+            images,
             revoked: revokes.iter().map(|&b| b as BlockNo).collect(),
         });
         inner.committed.store(seq, SeqCst);
@@ -417,12 +434,12 @@ impl Journal {
         let Some(t) = st.live.front() else {
             return Ok(());
         };
-        let mut latest: HashMap<BlockNo, Option<Arc<[u8]>>> =
-            t.images.iter().map(|(b, _)| (*b, None)).collect();
+        let mut latest: HashMap<BlockNo, Option<(u32, bool)>> =
+            t.images.iter().map(|(b, _, _)| (*b, None)).collect();
         for l in &st.live {
-            for (b, img) in &l.images {
+            for (b, at, escaped) in &l.images {
                 if let Some(slot) = latest.get_mut(b) {
-                    *slot = Some(img.clone());
+                    *slot = Some((*at, *escaped));
                 }
             }
             for b in &l.revoked {
@@ -431,11 +448,23 @@ impl Journal {
                 }
             }
         }
-        let mut home: Vec<(BlockNo, Arc<[u8]>)> = latest
+        let mut copies: Vec<(BlockNo, u32, bool)> = latest
             .into_iter()
-            .filter_map(|(b, img)| img.map(|i| (b, i)))
+            .filter_map(|(b, c)| c.map(|(at, esc)| (b, at, esc)))
             .collect();
-        home.sort_unstable_by_key(|(b, _)| *b);
+        copies.sort_unstable_by_key(|(b, _, _)| *b);
+        // The copies are in the log, which no live transaction's space is reused from.
+        let mut home: Vec<(BlockNo, BlockBuf)> = Vec::with_capacity(copies.len());
+        for (b, at, escaped) in copies {
+            let mut data = vec![0u8; self.inner.bs];
+            self.inner
+                .dev
+                .read(self.inner.map.device_block(at)?, &mut data)?;
+            if escaped {
+                data[0..4].copy_from_slice(&crate::format::MAGIC.to_be_bytes());
+            }
+            home.push((b, block_buf(data)));
+        }
         self.inner.engine.write_through(&home)?;
         self.inner.stats.forced_checkpoints.fetch_add(1, SeqCst);
         self.pop_oldest(st);
@@ -445,7 +474,7 @@ impl Journal {
     fn pop_oldest(&self, st: &mut State) {
         if let Some(t) = st.live.pop_front() {
             st.used -= t.len;
-            for (b, _) in &t.images {
+            for (b, _, _) in &t.images {
                 if let Some(c) = st.logged.get_mut(b) {
                     *c -= 1;
                     if *c == 0 {

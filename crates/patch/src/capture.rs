@@ -14,7 +14,6 @@ use crate::{PatchError, Result};
 use quilt_block::BlockNo;
 use rustc_hash::FxHashSet as HashSet;
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
 pub(crate) struct Capture {
     hold: PatchId,
@@ -33,7 +32,7 @@ pub struct CapturedTxn {
     /// Durable once every captured change is written in place.
     pub done: PatchId,
     /// Each captured block and its contents at the close.
-    pub blocks: Vec<(BlockNo, Arc<[u8]>)>,
+    pub blocks: Vec<(BlockNo, crate::BlockBuf)>,
     /// Blocks freed in this transaction and not changed since.
     pub revoked: Vec<BlockNo>,
 }
@@ -163,7 +162,7 @@ impl Engine {
     /// write-back (no epoch is in flight meanwhile), then flushes if the engine is in
     /// safe mode. For a journal's checkpoint: the images must be no older than what the
     /// cache would write.
-    pub fn write_through(&self, blocks: &[(BlockNo, Arc<[u8]>)]) -> Result<()> {
+    pub fn write_through(&self, blocks: &[(BlockNo, crate::BlockBuf)]) -> Result<()> {
         let _epoch = self.sh.epoch.lock().unwrap_or_else(|e| e.into_inner());
         self.lock().check_failed()?;
         for (b, data) in blocks {

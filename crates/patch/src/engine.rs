@@ -89,7 +89,7 @@ pub(crate) struct CachedBlock {
     /// Shared with an epoch's image while the block is being written, so that writing a
     /// block whose image needs no rollback copies nothing; a change made meanwhile copies
     /// it first (see `data_mut`).
-    pub data: Arc<[u8]>,
+    pub data: crate::BlockBuf,
     /// Pending patches on this block in creation order (in-flight ones included).
     pub pending: Vec<PatchId>,
     /// The pending patches an overlap search must look at: a patch fully covered by a
@@ -126,7 +126,7 @@ impl CachedBlock {
     /// The block's bytes for changing, copied first if an epoch still holds them.
     pub fn data_mut(&mut self) -> &mut [u8] {
         if Arc::get_mut(&mut self.data).is_none() {
-            self.data = Arc::from(&self.data[..]);
+            self.data = crate::block_buf(self.data.to_vec());
         }
         Arc::get_mut(&mut self.data).expect("just made unique")
     }
@@ -663,14 +663,14 @@ impl State {
             if block >= count {
                 return Err(quilt_block::BlockError::OutOfRange { block, count }.into());
             }
-            let data: Arc<[u8]> = match init {
+            let data: crate::BlockBuf = match init {
                 Init::Read => {
                     let mut data = vec![0u8; sh.block_size];
                     sh.dev.read(block, &mut data)?;
-                    data.into()
+                    crate::block_buf(data)
                 }
-                Init::Zero => vec![0u8; sh.block_size].into(),
-                Init::Bytes(b) => Arc::from(b),
+                Init::Zero => crate::block_buf(vec![0u8; sh.block_size]),
+                Init::Bytes(b) => crate::block_buf(b.to_vec()),
             };
             self.stats.cache_misses += 1;
             self.cached_bytes += sh.block_size;

@@ -13,7 +13,6 @@ use crate::{PatchError, Result};
 use quilt_block::BlockNo;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::fmt::Write as _;
-use std::sync::Arc;
 
 /// What one epoch did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -41,7 +40,7 @@ enum Target<'a> {
 
 struct BlockImage {
     block: BlockNo,
-    image: Arc<[u8]>,
+    image: crate::BlockBuf,
     /// The patches written, each after its befores on the block.
     ready: Vec<PatchId>,
 }
@@ -357,13 +356,13 @@ impl State {
             // Newest first: each rollback restores the bytes its patch found.
             not_ready.sort_by_key(|&p| std::cmp::Reverse(self.g.get(p).seq));
             // Nothing to roll back (the common case): the image is the cached data itself.
-            let image: Arc<[u8]> = if not_ready.is_empty() {
+            let image: crate::BlockBuf = if not_ready.is_empty() {
                 blk.data.clone()
             } else {
                 let mut image = blk.data.to_vec();
                 self.roll_back(block, &not_ready, &mut image);
                 rolled_back += not_ready.len();
-                image.into()
+                crate::block_buf(image)
             };
             for &p in &ready {
                 let patch = self.g.get_mut(p);
