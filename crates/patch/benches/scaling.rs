@@ -16,6 +16,9 @@ use std::time::Instant;
 const BS: usize = 1024;
 /// Pending patches per stuck block: 16-byte records, as inodes or entries in a table block.
 const PER_BLOCK: u64 = 16;
+/// Records sit this far apart, so that none touches another (touching ones would merge
+/// into one patch, and the point is many patches).
+const STRIDE: u64 = 32;
 /// Blocks written by each measured epoch.
 const EPOCH_BLOCKS: u64 = 64;
 
@@ -57,7 +60,7 @@ fn stuck_engine(n: u64, patches_live_max: usize) -> (Engine, u64) {
             let p = e
                 .write(
                     b,
-                    (k * 16) as usize,
+                    (k * STRIDE) as usize,
                     &[k as u8 + 1; 16],
                     &[],
                     ChangeOpts::default(),
