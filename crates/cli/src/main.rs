@@ -67,6 +67,22 @@ enum BenchCommand {
     Featherstitch(bench::featherstitch::FeatherstitchArgs),
 }
 
+/// `mi_option_purge_delay` of mimalloc 2.1 and later (the Rust bindings list only the
+/// options of older versions); the library's version is checked before it is used.
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+fn set_allocator_purge_delay_zero() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+        return; // the user's choice stands
+    }
+    // SAFETY: both calls take and return plain integers.
+    unsafe {
+        if libmimalloc_sys::mi_version() >= 20100 {
+            libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0);
+        }
+    }
+}
+
 fn main() {
     // Output piped into `head` ends quietly, as for other command-line tools.
     // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
@@ -80,6 +96,11 @@ fn main() {
     // SAFETY: PR_SET_THP_DISABLE takes plain integer arguments and touches no memory
     // of ours.
     unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) };
+    // Freed pages go back to the system at once rather than after a delay: the cache
+    // evicts and the journal releases memory in bursts, and a delay let those bursts
+    // pile up (meta-journal PostMark peaked at 185-189 MiB with the 128 MiB cache, 159-
+    // 169 MiB this way, no slower within the noise).
+    set_allocator_purge_delay_zero();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("QUILTFS_LOG"))
         .with_writer(std::io::stderr)

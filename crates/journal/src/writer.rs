@@ -453,19 +453,23 @@ impl Journal {
             .filter_map(|(b, c)| c.map(|(at, esc)| (b, at, esc)))
             .collect();
         copies.sort_unstable_by_key(|(b, _, _)| *b);
-        // The copies are in the log, which no live transaction's space is reused from.
-        let mut home: Vec<(BlockNo, BlockBuf)> = Vec::with_capacity(copies.len());
-        for (b, at, escaped) in copies {
-            let mut data = vec![0u8; self.inner.bs];
-            self.inner
-                .dev
-                .read(self.inner.map.device_block(at)?, &mut data)?;
+        // The copies are in the log, from which no live transaction's space is reused;
+        // each is read into the engine's one buffer just before it goes home.
+        let homes: Vec<BlockNo> = copies.iter().map(|&(b, _, _)| b).collect();
+        let mut next = copies.iter();
+        let inner = &self.inner;
+        inner.engine.write_through(&homes, |_, buf| {
+            let &(_, at, escaped) = next.next().expect("one copy per block");
+            let at = inner
+                .map
+                .device_block(at)
+                .map_err(quilt_patch::PatchError::from)?;
+            inner.dev.read(at, buf)?;
             if escaped {
-                data[0..4].copy_from_slice(&crate::format::MAGIC.to_be_bytes());
+                buf[0..4].copy_from_slice(&crate::format::MAGIC.to_be_bytes());
             }
-            home.push((b, block_buf(data)));
-        }
-        self.inner.engine.write_through(&home)?;
+            Ok(())
+        })?;
         self.inner.stats.forced_checkpoints.fetch_add(1, SeqCst);
         self.pop_oldest(st);
         self.write_tail(st)

@@ -162,11 +162,20 @@ impl Engine {
     /// write-back (no epoch is in flight meanwhile), then flushes if the engine is in
     /// safe mode. For a journal's checkpoint: the images must be no older than what the
     /// cache would write.
-    pub fn write_through(&self, blocks: &[(BlockNo, crate::BlockBuf)]) -> Result<()> {
+    ///
+    /// Each block's bytes come from `fill`, into one buffer used again for the next, so a
+    /// checkpoint of a whole transaction holds one block in memory, not all of them.
+    pub fn write_through(
+        &self,
+        blocks: &[BlockNo],
+        mut fill: impl FnMut(BlockNo, &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
         let _epoch = self.sh.epoch.lock().unwrap_or_else(|e| e.into_inner());
         self.lock().check_failed()?;
-        for (b, data) in blocks {
-            self.sh.dev.write(*b, data)?;
+        let mut buf = vec![0u8; self.sh.block_size];
+        for &b in blocks {
+            fill(b, &mut buf)?;
+            self.sh.dev.write(b, &buf)?;
         }
         if self.sh.opts.durability == crate::Durability::Safe {
             self.sh.dev.flush()?;
