@@ -78,6 +78,8 @@ pub struct Sample {
     pub patches_rolled_back: Option<u64>,
     /// Peak RSS of the FUSE server over the phase (it is started per phase), MiB.
     pub server_peak_rss_mib: Option<f64>,
+    /// FUSE requests the quiltfs server answered over the workload and sync, by type.
+    pub requests: Option<std::collections::BTreeMap<String, u64>>,
 }
 
 impl Sample {
@@ -97,6 +99,9 @@ fn ensure_prerequisites(systems: &[System], workloads: &[Workload]) -> Result<()
     let mut pkgs = vec!["e2fsprogs", "fonts-dejavu-core", "xz-utils", "make", "gcc"];
     if systems.iter().any(|s| s.name == "fuse2fs") {
         pkgs.push("fuse2fs");
+    }
+    if systems.iter().any(|s| s.name == "bindfs") {
+        pkgs.push("bindfs");
     }
     if workloads.contains(&Workload::Postmark) {
         pkgs.push("postmark");
@@ -303,7 +308,26 @@ fn one_phase(
         patches_made_hard: delta("patch.patches_made_hard"),
         patches_rolled_back: delta("patch.patches_rolled_back"),
         server_peak_rss_mib: un.server.as_ref().map(|r| r.peak_rss_mib),
+        requests: request_counts(stats0.as_ref(), stats1.as_ref()),
     })
+}
+
+/// The FUSE requests between two counter snapshots, by type (`fuse.<type>.count`).
+fn request_counts(
+    a: Option<&serde_json::Value>,
+    b: Option<&serde_json::Value>,
+) -> Option<std::collections::BTreeMap<String, u64>> {
+    let (a, b) = (a?.as_object()?, b?.as_object()?);
+    let counts = b
+        .iter()
+        .filter_map(|(k, v)| {
+            let t = k.strip_prefix("fuse.")?.strip_suffix(".count")?;
+            let before = a.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+            let n = v.as_u64()?.saturating_sub(before);
+            (n > 0).then(|| (t.to_string(), n))
+        })
+        .collect();
+    Some(counts)
 }
 
 /// The quiltfs server's counters (None for other systems).

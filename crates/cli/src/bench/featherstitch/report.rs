@@ -57,6 +57,8 @@ pub struct Cell {
     pub undo: Option<f64>,
     /// The largest peak RSS of the server over the runs, MiB.
     pub rss: Option<f64>,
+    /// FUSE requests answered by the quiltfs server, by type (medians over the runs).
+    pub requests: Option<std::collections::BTreeMap<String, f64>>,
 }
 
 pub fn cell(samples: &[Sample], system: &str, w: Workload) -> Option<Cell> {
@@ -86,7 +88,38 @@ pub fn cell(samples: &[Sample], system: &str, w: Workload) -> Option<Cell> {
             .iter()
             .filter_map(|s| s.server_peak_rss_mib)
             .reduce(f64::max),
+        requests: requests_median(&v),
     })
+}
+
+/// Median count of each request type over the runs that counted requests.
+fn requests_median(v: &[&Sample]) -> Option<std::collections::BTreeMap<String, f64>> {
+    let counted: Vec<&std::collections::BTreeMap<String, u64>> =
+        v.iter().filter_map(|s| s.requests.as_ref()).collect();
+    if counted.is_empty() {
+        return None;
+    }
+    let types: std::collections::BTreeSet<&String> =
+        counted.iter().flat_map(|m| m.keys()).collect();
+    Some(
+        types
+            .into_iter()
+            .map(|t| {
+                let xs = counted
+                    .iter()
+                    .map(|m| m.get(t).copied().unwrap_or(0) as f64)
+                    .collect();
+                (t.clone(), median(xs).0)
+            })
+            .collect(),
+    )
+}
+
+impl Cell {
+    /// All FUSE requests (median of each type, summed).
+    pub fn total_requests(&self) -> Option<f64> {
+        self.requests.as_ref().map(|m| m.values().sum())
+    }
 }
 
 fn ratio(a: f64, b: Option<f64>) -> String {
@@ -194,9 +227,10 @@ pub fn markdown(meta: &Meta, systems: &[System], ws: &[Workload], samples: &[Sam
 
     for &w in ws {
         let ext2 = cell(samples, "ext2", w).map(|c| c.wall.0);
+        let floor = cell(samples, "bindfs", w).map(|c| c.wall.0);
         let _ = writeln!(
             t,
-            "\n## {}\n\n| system | wall s (min–max) | CPU s (min–max) | user s | sys s | of which fs process s | vs ext2 | vs ext3 (same guarantee) | device writes | device flushes | server peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|",
+            "\n## {}\n\n| system | wall s (min–max) | CPU s (min–max) | user s | sys s | of which fs process s | vs ext2 | vs ext3 (same guarantee) | vs FUSE floor | device writes | device flushes | server peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|",
             w.name()
         );
         for s in &main {
@@ -207,7 +241,7 @@ pub fn markdown(meta: &Meta, systems: &[System], ws: &[Workload], samples: &[Sam
             let ext3 = cell(samples, peer, w).map(|c| c.wall.0);
             let _ = writeln!(
                 t,
-                "| `{}` | {:.2} ({:.2}–{:.2}) | {:.2} ({:.2}–{:.2}) | {:.2} | {:.2} | {:.2} | {} | {} {} | {:.0} | {:.0} | {} |",
+                "| `{}` | {:.2} ({:.2}–{:.2}) | {:.2} ({:.2}–{:.2}) | {:.2} | {:.2} | {:.2} | {} | {} {} | {} | {:.0} | {:.0} | {} |",
                 s.name,
                 c.wall.0,
                 c.wall.1,
@@ -221,9 +255,54 @@ pub fn markdown(meta: &Meta, systems: &[System], ws: &[Workload], samples: &[Sam
                 ratio(c.wall.0, ext2),
                 ratio(c.wall.0, ext3),
                 peer.trim_start_matches("ext3-"),
+                ratio(c.wall.0, floor),
                 c.writes,
                 c.flushes,
                 c.rss.map_or("–".into(), |r| format!("{r:.0}"))
+            );
+        }
+    }
+
+    // FUSE requests per workload, for every quiltfs system that counted them.
+    for &w in ws {
+        let rows: Vec<(&str, Cell)> = main
+            .iter()
+            .filter_map(|s| Some((s.name, cell(samples, s.name, w)?)))
+            .filter(|(_, c)| c.requests.is_some())
+            .collect();
+        if rows.is_empty() {
+            continue;
+        }
+        let entries = match w {
+            Workload::Untar | Workload::Delete => Some(i.tarball_entries as f64),
+            _ => None,
+        };
+        let _ = writeln!(
+            t,
+            "\n## FUSE requests: {}\n\nRequests the quiltfs server answered over the workload \
+             and its sync (medians){}.\n\n| system | requests | per entry | by type |\n|---|---|---|---|",
+            w.name(),
+            if entries.is_some() {
+                "; per entry of the tarball"
+            } else {
+                ""
+            }
+        );
+        for (name, c) in rows {
+            let reqs = c.requests.as_ref().expect("filtered");
+            let mut by: Vec<(&String, &f64)> = reqs.iter().collect();
+            by.sort_by(|a, b| b.1.total_cmp(a.1));
+            let types: Vec<String> = by
+                .iter()
+                .filter(|(_, n)| **n >= 1.0)
+                .map(|(k, n)| format!("{k} {n:.0}"))
+                .collect();
+            let total = c.total_requests().unwrap_or(0.0);
+            let _ = writeln!(
+                t,
+                "| `{name}` | {total:.0} | {} | {} |",
+                entries.map_or("–".into(), |e| format!("{:.2}", total / e)),
+                types.join(", ")
             );
         }
     }
@@ -266,11 +345,54 @@ pub fn markdown(meta: &Meta, systems: &[System], ws: &[Workload], samples: &[Sam
         }
     }
 
-    t.push_str("\n## Goals\n\n");
+    t.push_str("\n## Goals\n\nThe engine issue (17):\n\n");
     for g in goals(samples) {
         let _ = writeln!(t, "- {g}");
     }
+    t.push_str("\nThe FUSE path issue (18):\n\n");
+    for g in fuse_goals(samples, i.tarball_entries as f64) {
+        let _ = writeln!(t, "- {g}");
+    }
     t
+}
+
+/// The FUSE path issue's goals: soft updates within 2× of kernel ext2 and at most the
+/// passthrough floor on untar and delete, every mode at least 3× faster than fuse2fs
+/// there, and few requests per entry.
+pub fn fuse_goals(samples: &[Sample], entries: f64) -> Vec<String> {
+    let mut g = Vec::new();
+    for w in [Workload::Untar, Workload::Delete] {
+        within(&mut g, samples, w, ("quilt-su", "ext2"), 2.0);
+        within(&mut g, samples, w, ("quilt-su", "bindfs"), 1.0);
+        for q in ["quilt-su", "quilt-meta", "quilt-full", "quilt-async"] {
+            match (med(samples, q, w), med(samples, "fuse2fs", w)) {
+                (Some(a), Some(b)) => g.push(format!(
+                    "{}: `{q}` at least 3× faster than `fuse2fs`: {:.2}× ({a:.2} s against {b:.2} s) {}.",
+                    w.name(),
+                    b / a,
+                    verdict(b >= 3.0 * a)
+                )),
+                _ => g.push(format!(
+                    "{}: `{q}` against `fuse2fs`: not measured.",
+                    w.name()
+                )),
+            }
+        }
+        let limit = if w == Workload::Untar { 3.0 } else { 2.0 };
+        match cell(samples, "quilt-su", w).and_then(|c| c.total_requests()) {
+            Some(n) if entries > 0.0 => g.push(format!(
+                "{}: FUSE requests per entry (`quilt-su`) ≤ {limit}: {:.2} ({n:.0} for {entries:.0} entries) {}.",
+                w.name(),
+                n / entries,
+                verdict(n / entries <= limit)
+            )),
+            _ => g.push(format!(
+                "{}: FUSE requests per entry: not measured.",
+                w.name()
+            )),
+        }
+    }
+    g
 }
 
 fn med(samples: &[Sample], system: &str, w: Workload) -> Option<f64> {
@@ -410,6 +532,7 @@ mod tests {
             patches_made_hard: None,
             patches_rolled_back: None,
             server_peak_rss_mib: None,
+            requests: None,
         }
     }
 
@@ -427,6 +550,50 @@ mod tests {
         assert!((c.fs - 0.7).abs() < 1e-9);
         assert!(cell(&s, "ext2", Workload::Postmark).is_none());
         assert!(cell(&s, "quilt-su", Workload::Untar).is_none());
+    }
+
+    #[test]
+    fn fuse_goals_use_the_floor_fuse2fs_and_request_medians() {
+        let mut s = vec![
+            sample("ext2", Workload::Untar, 0, 10.0),
+            sample("bindfs", Workload::Untar, 0, 15.0),
+            sample("fuse2fs", Workload::Untar, 0, 60.0),
+            sample("quilt-su", Workload::Untar, 0, 18.0),
+            sample("quilt-su", Workload::Untar, 1, 19.0),
+            sample("quilt-meta", Workload::Untar, 0, 25.0),
+        ];
+        let reqs = |w: u64, c: u64| -> Option<std::collections::BTreeMap<String, u64>> {
+            Some([("write".to_string(), w), ("create".to_string(), c)].into())
+        };
+        s[3].requests = reqs(200, 100);
+        s[4].requests = reqs(400, 100);
+        let c = cell(&s, "quilt-su", Workload::Untar).expect("cell");
+        assert_eq!(
+            c.total_requests(),
+            Some(400.0),
+            "medians of 300 writes + 100 creates"
+        );
+        let g = fuse_goals(&s, 100.0);
+        let find = |needle: &str| {
+            g.iter()
+                .find(|l| l.contains(needle))
+                .unwrap_or_else(|| panic!("no goal line with {needle:?} in {g:#?}"))
+                .clone()
+        };
+        let e2 = find("untar: `quilt-su` within 2× of `ext2`");
+        assert!(e2.contains("1.85×") && e2.contains("**met**"), "{e2}");
+        let floor = find("untar: `quilt-su` within 1× of `bindfs`");
+        assert!(floor.contains("**missed**"), "{floor}");
+        let f2 = find("untar: `quilt-su` at least 3× faster than `fuse2fs`");
+        assert!(f2.contains("3.24×") && f2.contains("**met**"), "{f2}");
+        let meta = find("untar: `quilt-meta` at least 3× faster");
+        assert!(
+            meta.contains("2.40×") && meta.contains("**missed**"),
+            "{meta}"
+        );
+        let per = find("untar: FUSE requests per entry");
+        assert!(per.contains("4.00") && per.contains("**missed**"), "{per}");
+        assert!(find("delete: `quilt-su` against `ext2`").contains("not measured"));
     }
 
     #[test]

@@ -17,6 +17,9 @@ pub enum Kind {
     },
     /// fuse2fs (e2fsprogs' FUSE ext2/3/4) on an ext2 image.
     Fuse2fs,
+    /// A FUSE passthrough (Debian's bindfs) over a kernel ext4 on the same kind of
+    /// image: what any FUSE file system pays for the transport alone, the floor.
+    Passthrough,
     /// quiltfs in a consistency mode; `options` are extra mount options.
     Quilt {
         mode: &'static str,
@@ -198,6 +201,13 @@ pub const SYSTEMS: &[System] = &[
         safe: false,
         opt: None,
     },
+    System {
+        name: "bindfs",
+        what: "bindfs (FUSE passthrough) over ext4: the FUSE floor",
+        kind: Kind::Passthrough,
+        safe: true,
+        opt: None,
+    },
     opt("quilt-su-opt-none", "nohard,nomerge", "none"),
     opt("quilt-su-opt-hard", "nomerge", "hard"),
     opt("quilt-su-opt-merge", "nohard", "merge"),
@@ -258,6 +268,19 @@ impl Disk {
                     .arg(&image))
                 .map_err(remove)?;
             }
+            Kind::Passthrough => {
+                sh(Command::new("mkfs.ext4")
+                    .args([
+                        "-F",
+                        "-q",
+                        "-b",
+                        "4096",
+                        "-E",
+                        "lazy_itable_init=0,lazy_journal_init=0",
+                    ])
+                    .arg(&image))
+                .map_err(remove)?;
+            }
             Kind::Quilt { mode, .. } => {
                 crate::bench::quilt_mkfs(&image, size_mib, mode.contains("journal"))
                     .map_err(remove)?;
@@ -289,6 +312,8 @@ impl Drop for Disk {
 pub struct Mounted {
     pub sys: System,
     pub mnt: PathBuf,
+    /// The kernel file system a passthrough serves (mounted beside `mnt`).
+    lower: Option<PathBuf>,
     dev: String,
     server: Option<Child>,
     mounted: bool,
@@ -313,6 +338,7 @@ impl Mounted {
         let mut m = Mounted {
             sys: *sys,
             mnt: mnt.to_path_buf(),
+            lower: None,
             dev: disk.dev.clone(),
             server: None,
             mounted: false,
@@ -334,6 +360,18 @@ impl Mounted {
             Kind::Fuse2fs => {
                 let mut c = Command::new("fuse2fs");
                 c.arg(&disk.dev).arg(mnt).arg("-f");
+                c
+            }
+            Kind::Passthrough => {
+                let lower = mnt.with_extension("lower");
+                std::fs::create_dir_all(&lower)?;
+                sh(Command::new("mount")
+                    .args(["-t", "ext4"])
+                    .arg(&disk.dev)
+                    .arg(&lower))?;
+                m.lower = Some(lower.clone());
+                let mut c = Command::new("bindfs");
+                c.arg("-f").arg(&lower).arg(mnt);
                 c
             }
             Kind::Quilt {
@@ -403,6 +441,10 @@ impl Mounted {
     pub fn sync(&self) -> Result<()> {
         if self.sys.is_quilt() {
             crate::mount::sync_mount(&self.mnt)
+        } else if let Some(lower) = &self.lower {
+            // A passthrough passes every change on at once: durable once its kernel
+            // file system is synced.
+            sh(Command::new("sync").arg("-f").arg(lower)).map(|_| ())
         } else {
             sh(Command::new("sync").arg("-f").arg(&self.mnt)).map(|_| ())
         }
@@ -429,6 +471,11 @@ impl Mounted {
             }
             None => None,
         };
+        if let Some(lower) = self.lower.take() {
+            sh(Command::new("umount").arg(&lower))
+                .with_context(|| format!("unmounting the ext4 under {}", self.sys.name))?;
+            let _ = std::fs::remove_dir(&lower);
+        }
         Ok(Unmounted { server })
     }
 }
@@ -447,14 +494,28 @@ impl Drop for Mounted {
             // The server exits once the kernel lets go of the mount; give it time to
             // write back, then stop it (it is our child).
             let start = Instant::now();
+            let mut exited = false;
             while start.elapsed() < Duration::from_secs(120) {
                 if let Ok(Some(_)) = c.try_wait() {
-                    return;
+                    exited = true;
+                    break;
                 }
                 std::thread::sleep(Duration::from_millis(50));
             }
-            let _ = c.kill();
-            let _ = c.wait();
+            if !exited {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+        if let Some(lower) = self.lower.take() {
+            if !Command::new("umount")
+                .arg(&lower)
+                .status()
+                .is_ok_and(|s| s.success())
+            {
+                let _ = Command::new("umount").arg("-l").arg(&lower).status();
+            }
+            let _ = std::fs::remove_dir(&lower);
         }
     }
 }
