@@ -39,8 +39,12 @@ pub struct MountArgs {
     /// memory, fsync, sync or unmount ask),
     /// wbcache (the kernel's writeback cache: fewer, larger writes, but errors such as
     /// no space surface only at fsync or close while free space is plentiful; nowbcache,
-    /// the default, fails write(2) itself), threads=N, nohard and nomerge (the patch
-    /// engine's optimizations off, for comparing them); fstab-only options are ignored.
+    /// the default, fails write(2) itself), threads=N, uring (the default: requests
+    /// over io_uring, each served on its caller's CPU, where the kernel offers it, that
+    /// is when /sys/module/fuse/parameters/enable_uring is Y; /dev/fuse otherwise) or
+    /// nouring (always /dev/fuse), ring_threads=N (workers per CPU, 2 by default),
+    /// nohard and nomerge (the patch engine's optimizations off, for comparing them);
+    /// fstab-only options are ignored.
     #[arg(short = 'o', value_delimiter = ',')]
     pub options: Vec<String>,
     /// Internal: the background parent waits for this process to say it is ready.
@@ -90,6 +94,17 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
                 settings.flush_interval_ms = (ms > 0).then_some(ms);
             }
             ("threads", Some(n)) => fuse.threads = n.parse().context("threads=N")?,
+            ("uring", None) => fuse.ring = Some(fuse.ring.unwrap_or_default()),
+            ("nouring", None) => fuse.ring = None,
+            ("ring_threads", Some(n)) => {
+                let n: usize = n.parse().context("ring_threads=N")?;
+                if n == 0 {
+                    bail!("ring_threads=N needs N of at least 1 (nouring turns the ring off)");
+                }
+                fuse.ring = Some(quilt_fuse::RingOptions {
+                    threads_per_queue: n,
+                });
+            }
             // fstab and mount(8) bookkeeping.
             (
                 "defaults" | "auto" | "noauto" | "user" | "nouser" | "users" | "_netdev" | "nofail"

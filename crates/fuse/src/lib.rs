@@ -9,7 +9,7 @@
 use quilt_fusewire::abi::{fattr, fopen, init};
 use quilt_fusewire::{
     Attr as WireAttr, DirBuf, Entry, Handler, InitReply, KernelInit, Notifier, Op, Reply, Request,
-    Session,
+    Session, Transport,
 };
 use quilt_vfs::{
     Attr, Ctx, FileSystem, FsError, RenameFlags, SetAttr, TimeOrNow, Timespec, XattrFlags,
@@ -24,7 +24,7 @@ mod fileattr;
 mod stats;
 use callers::Callers;
 use control::{is_control, CONTROL_INO};
-pub use quilt_fusewire::MountKind;
+pub use quilt_fusewire::{MountKind, RingOptions};
 use stats::Op as Stat;
 pub use stats::RequestStats;
 
@@ -53,6 +53,9 @@ pub struct FuseOptions {
     /// Let other users in (needed for services running as another user).
     pub allow_other: bool,
     pub threads: usize,
+    /// Serve over io_uring when the kernel offers it (the fuse module's `enable_uring`
+    /// is set), with this many workers per CPU; /dev/fuse otherwise, or when None.
+    pub ring: Option<RingOptions>,
     /// Kernel writeback cache. Off (the default), every write(2) reaches the server
     /// before it returns, so no space, too large and I/O errors fail the write itself.
     /// On, the kernel gathers writes in its page cache and sends them later: errors then
@@ -85,6 +88,7 @@ impl Default for FuseOptions {
             read_only: false,
             allow_other: false,
             threads: 4,
+            ring: Some(RingOptions::default()),
             writeback_cache: false,
             default_permissions: true,
             posix_acl: false,
@@ -871,10 +875,13 @@ pub fn serve<F: FileSystem + 'static>(
 ) -> std::io::Result<()> {
     let adapter = adapter(fs, opts, on_unmount);
     let mounted = mount(mountpoint, opts)?;
-    let session = Session::new(mounted.channel, opts.threads);
+    let session = Session::new(mounted.channel, opts.threads).with_ring(opts.ring);
     let _ = adapter.notifier.set(session.notifier());
     ready(mounted.kind);
-    session.run(Arc::new(adapter))
+    let stats = opts.stats.clone();
+    session.run_reporting(Arc::new(adapter), &move |t| {
+        stats.set_ring(t == Transport::Ring)
+    })
 }
 
 /// A mount served by a background thread (for tests); dropping it unmounts.
@@ -922,12 +929,15 @@ pub fn spawn<F: FileSystem + 'static>(
 ) -> std::io::Result<BackgroundSession> {
     let adapter = adapter(fs, opts, on_unmount);
     let mounted = mount(mountpoint, opts)?;
-    let session = Session::new(mounted.channel, opts.threads);
+    let session = Session::new(mounted.channel, opts.threads).with_ring(opts.ring);
     let _ = adapter.notifier.set(session.notifier());
     let adapter = Arc::new(adapter);
+    let stats = opts.stats.clone();
     let thread = std::thread::Builder::new()
         .name("fuse-session".into())
-        .spawn(move || session.run(adapter))?;
+        .spawn(move || {
+            session.run_reporting(adapter, &move |t| stats.set_ring(t == Transport::Ring))
+        })?;
     Ok(BackgroundSession {
         mountpoint: mountpoint.to_path_buf(),
         thread: Some(thread),

@@ -31,6 +31,8 @@ ops! {
 pub struct RequestStats {
     count: Vec<AtomicU64>,
     nanos: Vec<AtomicU64>,
+    /// 1 once the session serves over io_uring, 0 on /dev/fuse.
+    ring: AtomicU64,
 }
 
 impl Default for RequestStats {
@@ -38,6 +40,7 @@ impl Default for RequestStats {
         RequestStats {
             count: NAMES.iter().map(|_| AtomicU64::new(0)).collect(),
             nanos: NAMES.iter().map(|_| AtomicU64::new(0)).collect(),
+            ring: AtomicU64::new(0),
         }
     }
 }
@@ -52,9 +55,19 @@ impl RequestStats {
         }
     }
 
-    /// `fuse.<op>.count` and `fuse.<op>.us` for every kind seen at least once.
+    pub(crate) fn set_ring(&self, on: bool) {
+        self.ring.store(on as u64, Relaxed);
+    }
+
+    /// Whether the session serves over io_uring.
+    pub fn ring(&self) -> bool {
+        self.ring.load(Relaxed) == 1
+    }
+
+    /// `fuse.io_uring` (1 when served over io_uring), then `fuse.<op>.count` and
+    /// `fuse.<op>.us` for every kind seen at least once.
     pub fn fields(&self) -> Vec<(String, u64)> {
-        let mut v = Vec::new();
+        let mut v = vec![("fuse.io_uring".to_string(), self.ring.load(Relaxed))];
         for (i, name) in NAMES.iter().enumerate() {
             let c = self.count[i].load(Relaxed);
             if c > 0 {

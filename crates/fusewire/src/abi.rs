@@ -91,6 +91,8 @@ pub mod init {
     pub const HANDLE_KILLPRIV_V2: u64 = 1 << 28;
     pub const SETXATTR_EXT: u64 = 1 << 29;
     pub const INIT_EXT: u64 = 1 << 30;
+    /// FUSE over io_uring (kernel 6.14+, with the fuse module's `enable_uring` set).
+    pub const OVER_IO_URING: u64 = 1 << 41;
 }
 
 /// `fuse_open_out.open_flags`.

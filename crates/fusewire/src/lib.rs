@@ -14,6 +14,7 @@ pub mod mount;
 mod notify;
 mod reply;
 mod request;
+mod ring;
 mod session;
 
 pub use abi::{Attr, Entry};
@@ -22,4 +23,4 @@ pub use mount::{mount, unmount, BlockSource, MountKind, MountOptions, Mounted};
 pub use notify::Notifier;
 pub use reply::{DirBuf, Reply, Statfs};
 pub use request::{Header, Op, Proto, Request, SetattrIn};
-pub use session::{Handler, InitReply, KernelInit, Session};
+pub use session::{Handler, InitReply, KernelInit, RingOptions, Session, Transport};

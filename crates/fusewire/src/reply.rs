@@ -5,9 +5,20 @@ use crate::abi::{self, Attr, Entry, Writer};
 use crate::channel::Channel;
 use std::time::Duration;
 
+/// Where a reply goes.
+#[derive(Clone, Copy)]
+pub(crate) enum Sink<'c> {
+    /// Written to /dev/fuse at once.
+    Dev(&'c Channel),
+    /// Staged (header and body) for the ring entry that carried the request; the ring
+    /// worker copies it into the entry's buffers once the request is no longer borrowed
+    /// from them, and commits it.
+    Ring(&'c std::cell::RefCell<Vec<u8>>),
+}
+
 /// The answer to one request.
 pub struct Reply<'c> {
-    chan: &'c Channel,
+    sink: Sink<'c>,
     unique: u64,
     done: bool,
 }
@@ -27,8 +38,12 @@ pub struct Statfs {
 
 impl<'c> Reply<'c> {
     pub fn new(chan: &'c Channel, unique: u64) -> Self {
+        Reply::to(Sink::Dev(chan), unique)
+    }
+
+    pub(crate) fn to(sink: Sink<'c>, unique: u64) -> Self {
         Reply {
-            chan,
+            sink,
             unique,
             done: false,
         }
@@ -42,8 +57,18 @@ impl<'c> Reply<'c> {
         let len = (abi::OUT_HEADER_LEN + body.len()) as u32;
         let mut h = Writer::with_capacity(abi::OUT_HEADER_LEN);
         h.u32(len).i32(error).u64(self.unique);
-        if let Err(e) = self.chan.send(&[&h.buf, body]) {
-            tracing::warn!("replying to FUSE request {}: {e}", self.unique);
+        match self.sink {
+            Sink::Dev(chan) => {
+                if let Err(e) = chan.send(&[&h.buf, body]) {
+                    tracing::warn!("replying to FUSE request {}: {e}", self.unique);
+                }
+            }
+            Sink::Ring(staged) => {
+                let mut st = staged.borrow_mut();
+                st.clear();
+                st.extend_from_slice(&h.buf);
+                st.extend_from_slice(body);
+            }
         }
     }
 
@@ -134,11 +159,7 @@ impl Drop for Reply<'_> {
     fn drop(&mut self) {
         if !self.done {
             tracing::error!("FUSE request {} left unanswered: EIO", self.unique);
-            let r = Reply {
-                chan: self.chan,
-                unique: self.unique,
-                done: false,
-            };
+            let r = Reply::to(self.sink, self.unique);
             r.error(libc::EIO);
         }
     }

@@ -62,6 +62,31 @@ pub trait Handler: Send + Sync + 'static {
 pub struct Session {
     master: Arc<Channel>,
     threads: usize,
+    ring: Option<RingOptions>,
+}
+
+/// FUSE over io_uring (see `ring`): asked for at INIT when set; used when the kernel
+/// offers it and every queue's entries register, /dev/fuse otherwise.
+#[derive(Debug, Clone, Copy)]
+pub struct RingOptions {
+    /// Workers per CPU queue, each pinned to the queue's CPU with one entry (a worker
+    /// busy with a slow request, an fsync, leaves the others of its CPU to serve).
+    pub threads_per_queue: usize,
+}
+
+impl Default for RingOptions {
+    fn default() -> Self {
+        RingOptions {
+            threads_per_queue: 2,
+        }
+    }
+}
+
+/// Which transport a session ended up serving on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    Device,
+    Ring,
 }
 
 impl Session {
@@ -69,24 +94,60 @@ impl Session {
         Session {
             master: Arc::new(chan),
             threads: threads.max(1),
+            ring: None,
         }
+    }
+
+    /// Serve over io_uring where the kernel offers it.
+    pub fn with_ring(mut self, ring: Option<RingOptions>) -> Session {
+        self.ring = ring;
+        self
     }
 
     pub fn notifier(&self) -> Notifier {
         Notifier::new(self.master.clone())
     }
 
-    /// Serves until the file system is unmounted.
+    /// Serves until the file system is unmounted. `on_transport` learns which
+    /// transport serves (once the handshake is done).
     pub fn run<H: Handler>(self, handler: Arc<H>) -> io::Result<()> {
+        self.run_reporting(handler, &|_| {})
+    }
+
+    /// [`Session::run`], telling `on_transport` which transport serves once known.
+    pub fn run_reporting<H: Handler>(
+        self,
+        handler: Arc<H>,
+        on_transport: &dyn Fn(Transport),
+    ) -> io::Result<()> {
         let settled = self.handshake(&*handler)?;
-        let Some((max_write, proto)) = settled else {
+        let Some((max_write, proto, flags)) = settled else {
             finish(&*handler, &AtomicBool::new(false));
             return Ok(());
         };
         let bufsize = (max_write as usize + 4096).max(abi::MIN_READ_BUFFER);
         let destroyed = Arc::new(AtomicBool::new(false));
         let mut workers = Vec::new();
-        for i in 1..self.threads {
+        let mut legacy = self.threads;
+        if let (Some(opts), true) = (self.ring, flags & init::OVER_IO_URING != 0) {
+            let payload = (max_write.div_ceil(4096) as usize * 4096).max(abi::MIN_READ_BUFFER);
+            match self.start_ring(opts, payload, proto, &handler, &destroyed) {
+                Ok(ws) => {
+                    workers.extend(ws);
+                    // FORGET and INTERRUPT still come on /dev/fuse.
+                    legacy = 1;
+                    on_transport(Transport::Ring);
+                }
+                Err((e, ws)) => {
+                    tracing::warn!("FUSE over io_uring: {e}; serving on /dev/fuse");
+                    workers.extend(ws);
+                    on_transport(Transport::Device);
+                }
+            }
+        } else {
+            on_transport(Transport::Device);
+        }
+        for i in 1..legacy {
             let chan = match self.master.clone_channel() {
                 Ok(c) => Arc::new(c),
                 Err(e) => {
@@ -113,9 +174,65 @@ impl Session {
         r
     }
 
-    /// Reads INIT and answers it: the largest write and the request layout settled.
-    /// None when the connection closed first.
-    fn handshake(&self, handler: &dyn Handler) -> io::Result<Option<(u32, Proto)>> {
+    /// Starts the ring workers, one set per CPU queue, each registered before this
+    /// returns. On failure, the workers already started are returned too: their
+    /// entries stay registered (the kernel, seeing the failure, stays on /dev/fuse) and
+    /// they end with the connection.
+    #[allow(clippy::type_complexity)]
+    fn start_ring<H: Handler>(
+        &self,
+        opts: RingOptions,
+        payload: usize,
+        proto: Proto,
+        handler: &Arc<H>,
+        destroyed: &Arc<AtomicBool>,
+    ) -> Result<Vec<std::thread::JoinHandle<io::Result<()>>>, (io::Error, Vec<std::thread::JoinHandle<io::Result<()>>>)>
+    {
+        let queues = crate::ring::possible_cpus();
+        let mut started = Vec::new();
+        let (tx, rx) = std::sync::mpsc::channel::<io::Result<()>>();
+        for q in 0..queues {
+            for t in 0..opts.threads_per_queue.max(1) {
+                let (h, d, tx) = (handler.clone(), destroyed.clone(), tx.clone());
+                let fd = self.master.raw();
+                let spawned = std::thread::Builder::new()
+                    .name(format!("fuse-ring-{q}.{t}"))
+                    .spawn(move || {
+                        let w = match crate::ring::Worker::register(fd, q as u16, 1, payload) {
+                            Ok(w) => {
+                                let _ = tx.send(Ok(()));
+                                w
+                            }
+                            Err(e) => {
+                                let _ = tx.send(Err(io::Error::new(
+                                    e.kind(),
+                                    format!("registering queue {q}: {e}"),
+                                )));
+                                return Ok(());
+                            }
+                        };
+                        w.run(proto, &|req, reply| dispatch(&*h, &d, req, reply))
+                    });
+                match spawned {
+                    Ok(j) => started.push(j),
+                    Err(e) => return Err((e, started)),
+                }
+            }
+        }
+        drop(tx);
+        for _ in 0..started.len() {
+            match rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err((e, started)),
+                Err(_) => break,
+            }
+        }
+        Ok(started)
+    }
+
+    /// Reads INIT and answers it: the largest write, the request layout and the
+    /// capabilities settled. None when the connection closed first.
+    fn handshake(&self, handler: &dyn Handler) -> io::Result<Option<(u32, Proto, u64)>> {
         let mut buf = vec![0u8; abi::MIN_READ_BUFFER * 2];
         loop {
             let n = match self.master.receive(&mut buf)? {
@@ -152,7 +269,11 @@ impl Session {
                 flags,
             };
             let want = handler.init(&kernel);
-            let mut flags = want.flags & flags;
+            let mut asked = want.flags;
+            if self.ring.is_some() {
+                asked |= init::OVER_IO_URING;
+            }
+            let mut flags = asked & flags;
             let max_write = want.max_write.max(4096);
             if max_write > 4096 {
                 flags |= init::BIG_WRITES | (init::MAX_PAGES & kernel.flags);
@@ -177,7 +298,7 @@ impl Session {
             let proto = Proto {
                 setxattr_ext: flags & init::SETXATTR_EXT != 0,
             };
-            return Ok(Some((max_write, proto)));
+            return Ok(Some((max_write, proto, flags)));
         }
     }
 }
@@ -213,22 +334,27 @@ fn serve_loop(
                 continue;
             }
         };
-        let reply = Reply::new(chan, req.header.unique);
-        match &req.op {
-            Op::Forget { .. } | Op::BatchForget(_) => handler.request(&req, reply.noreply()),
-            // We answer every request promptly; the interrupted one gets its reply.
-            Op::Interrupt { .. } => reply.none(),
-            Op::Init { .. } => reply.error(libc::EIO),
-            Op::Destroy => {
-                finish(handler, destroyed);
-                reply.ok();
-            }
-            Op::Unsupported(opc) => {
-                tracing::debug!("FUSE opcode {opc} not served");
-                reply.error(libc::ENOSYS);
-            }
-            _ if req.header.opcode == opcode::INIT => reply.error(libc::EIO),
-            _ => handler.request(&req, reply),
+        dispatch(handler, destroyed, &req, Reply::new(chan, req.header.unique));
+    }
+}
+
+/// Hands one request to the handler, or answers it here (INIT again, DESTROY,
+/// INTERRUPT, opcodes we do not serve).
+fn dispatch(handler: &dyn Handler, destroyed: &AtomicBool, req: &Request<'_>, reply: Reply<'_>) {
+    match &req.op {
+        Op::Forget { .. } | Op::BatchForget(_) => handler.request(req, reply.noreply()),
+        // We answer every request promptly; the interrupted one gets its reply.
+        Op::Interrupt { .. } => reply.none(),
+        Op::Init { .. } => reply.error(libc::EIO),
+        Op::Destroy => {
+            finish(handler, destroyed);
+            reply.ok();
         }
+        Op::Unsupported(opc) => {
+            tracing::debug!("FUSE opcode {opc} not served");
+            reply.error(libc::ENOSYS);
+        }
+        _ if req.header.opcode == opcode::INIT => reply.error(libc::EIO),
+        _ => handler.request(req, reply),
     }
 }
