@@ -77,6 +77,34 @@ impl Channel {
         }
     }
 
+    /// Makes reads return at once when nothing is pending ([`Channel::try_receive`]).
+    pub fn set_nonblocking(&self) -> io::Result<()> {
+        // SAFETY: fcntl on a descriptor we own.
+        let flags = unsafe { libc::fcntl(self.raw(), libc::F_GETFL) };
+        if flags < 0 || unsafe { libc::fcntl(self.raw(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Reads one request if one is pending (a non-blocking channel); None if none is.
+    pub fn try_receive(&self, buf: &mut [u8]) -> io::Result<Option<Received>> {
+        loop {
+            // SAFETY: reads at most buf.len() bytes into buf.
+            let n = unsafe { libc::read(self.raw(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n >= 0 {
+                return Ok(Some(Received::Request(n as usize)));
+            }
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EAGAIN) => return Ok(None),
+                Some(libc::EINTR) | Some(libc::ENOENT) => continue,
+                Some(libc::ENODEV) | Some(libc::ECONNABORTED) => return Ok(Some(Received::Closed)),
+                _ => return Err(e),
+            }
+        }
+    }
+
     /// Writes one message (header and body parts) in a single write.
     pub fn send(&self, parts: &[&[u8]]) -> io::Result<()> {
         let iov: Vec<libc::iovec> = parts

@@ -214,6 +214,29 @@ impl DirBuf {
         true
     }
 
+    /// Adds one entry of a READDIRPLUS listing without attributes (node 0: the kernel
+    /// links nothing and counts no lookup), as for `.` and `..`.
+    pub fn add_plus_bare(&mut self, ino: u64, next: u64, mode: u32, name: &[u8]) -> bool {
+        let len = abi::ENTRY_OUT_LEN + (24 + name.len()).div_ceil(8) * 8;
+        if self.w.buf.len() + len > self.max {
+            return false;
+        }
+        self.w.zeros(abi::ENTRY_OUT_LEN);
+        self.w
+            .u64(ino)
+            .u64(next)
+            .u32(name.len() as u32)
+            .u32(abi::dirent_type(mode))
+            .bytes(name)
+            .align8();
+        true
+    }
+
+    /// The bytes a READDIRPLUS entry with this name takes.
+    pub fn plus_len(name: &[u8]) -> usize {
+        abi::ENTRY_OUT_LEN + (24 + name.len()).div_ceil(8) * 8
+    }
+
     pub fn is_empty(&self) -> bool {
         self.w.buf.is_empty()
     }

@@ -21,9 +21,11 @@
 //! entry. The kernel switches to the ring once every CPU's queue has an entry; until
 //! then, and for FORGET and INTERRUPT always, requests come on /dev/fuse.
 
+use crate::abi::opcode;
+use crate::channel::{Channel, Received};
 use crate::reply::{Reply, Sink};
 use crate::request::{Proto, Request};
-use io_uring::{cqueue, opcode, squeue, types, IoUring};
+use io_uring::{cqueue, squeue, types, IoUring};
 use std::cell::RefCell;
 use std::io;
 use std::os::fd::RawFd;
@@ -138,7 +140,7 @@ fn command(fd: RawFd, op: u32, qid: u16, commit_id: u64, slot: &Slot, tag: u64) 
     let mut cmd = [0u8; 80];
     cmd[8..16].copy_from_slice(&commit_id.to_le_bytes());
     cmd[16..18].copy_from_slice(&qid.to_le_bytes());
-    let e = opcode::UringCmd80::new(types::Fd(fd), op)
+    let e = io_uring::opcode::UringCmd80::new(types::Fd(fd), op)
         .cmd(cmd)
         .addr(Some(slot.iov.as_ptr() as u64))
         .build()
@@ -171,6 +173,32 @@ fn pin_to(cpu: usize) -> bool {
     }
 }
 
+/// Whether a request must wait for the FORGETs queued before it. The kernel queues a
+/// FORGET on /dev/fuse when it drops an inode (an unlinked file's last name: before
+/// unlink(2) returns) but sends the next request over the ring, which can overtake it;
+/// the inode's space is freed only at its FORGET. Requests that report or allocate
+/// space see it freed, as on a kernel file system, by draining /dev/fuse first.
+fn after_forgets(opc: u32) -> bool {
+    !matches!(
+        opc,
+        opcode::LOOKUP
+            | opcode::GETATTR
+            | opcode::READ
+            | opcode::READDIR
+            | opcode::READDIRPLUS
+            | opcode::READLINK
+            | opcode::GETXATTR
+            | opcode::LISTXATTR
+            | opcode::OPEN
+            | opcode::OPENDIR
+            | opcode::RELEASE
+            | opcode::RELEASEDIR
+            | opcode::FLUSH
+            | opcode::ACCESS
+            | opcode::LSEEK
+    )
+}
+
 /// A worker's ring, set up and registered (so the caller learns of failure before it
 /// decides how many /dev/fuse workers it needs).
 pub(crate) struct Worker {
@@ -178,13 +206,25 @@ pub(crate) struct Worker {
     slots: Vec<Slot>,
     fd: RawFd,
     qid: u16,
+    /// A non-blocking clone of /dev/fuse, drained before requests that must see the
+    /// FORGETs queued before them ([`after_forgets`]).
+    dev: Channel,
+    dev_buf: Vec<u8>,
 }
 
 impl Worker {
     /// Makes a ring for queue `qid` with `entries` entries of `payload` bytes and
     /// registers them. Runs on the worker's own thread (the ring is single-issuer).
-    pub(crate) fn register(fd: RawFd, qid: u16, entries: usize, payload: usize) -> io::Result<Worker> {
+    pub(crate) fn register(
+        master: &Channel,
+        qid: u16,
+        entries: usize,
+        payload: usize,
+    ) -> io::Result<Worker> {
         pin_to(qid as usize);
+        let fd = master.raw();
+        let dev = master.clone_channel()?;
+        dev.set_nonblocking()?;
         let depth = (entries * 2).next_power_of_two() as u32;
         let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
             .setup_single_issuer()
@@ -192,7 +232,14 @@ impl Worker {
             .build(depth)
             .or_else(|_| IoUring::<squeue::Entry128, cqueue::Entry>::builder().build(depth))?;
         let slots: Vec<Slot> = (0..entries).map(|_| Slot::new(payload)).collect();
-        let mut w = Worker { ring, slots, fd, qid };
+        let mut w = Worker {
+            ring,
+            slots,
+            fd,
+            qid,
+            dev,
+            dev_buf: vec![0u8; payload + 4096],
+        };
         for i in 0..w.slots.len() {
             w.push(CMD_REGISTER, 0, i)?;
         }
@@ -226,6 +273,15 @@ impl Worker {
         proto: Proto,
         serve: &dyn Fn(&Request<'_>, Reply<'_>),
     ) -> io::Result<()> {
+        let drain = |dev: &Channel, buf: &mut Vec<u8>| -> io::Result<()> {
+            while let Some(Received::Request(n)) = dev.try_receive(buf)? {
+                match Request::parse_with(&buf[..n], proto) {
+                    Ok(req) => serve(&req, Reply::new(dev, req.header.unique)),
+                    Err(e) => tracing::error!("{e}"),
+                }
+            }
+            Ok(())
+        };
         let staged = RefCell::new(Vec::with_capacity(4096));
         let mut live = self.slots.len();
         let mut done: Vec<(usize, i32)> = Vec::new();
@@ -250,6 +306,10 @@ impl Worker {
                     continue;
                 }
                 let unique = self.slots[i].unique();
+                let opc = u32::from_le_bytes(self.slots[i].headers[4..8].try_into().unwrap());
+                if after_forgets(opc) {
+                    drain(&self.dev, &mut self.dev_buf)?;
+                }
                 staged.borrow_mut().clear();
                 match self.slots[i].request_range() {
                     Ok(range) => {

@@ -194,11 +194,11 @@ impl Session {
         for q in 0..queues {
             for t in 0..opts.threads_per_queue.max(1) {
                 let (h, d, tx) = (handler.clone(), destroyed.clone(), tx.clone());
-                let fd = self.master.raw();
+                let master = self.master.clone();
                 let spawned = std::thread::Builder::new()
                     .name(format!("fuse-ring-{q}.{t}"))
                     .spawn(move || {
-                        let w = match crate::ring::Worker::register(fd, q as u16, 1, payload) {
+                        let w = match crate::ring::Worker::register(&master, q as u16, 1, payload) {
                             Ok(w) => {
                                 let _ = tx.send(Ok(()));
                                 w
