@@ -259,6 +259,61 @@ impl<F: FileSystem> Adapter<F> {
         }
     }
 
+    /// READDIRPLUS: names with their attributes, so that `rm -rf`, `find` and `ls -l`
+    /// need no LOOKUP per name. Each entry given with attributes counts as a lookup
+    /// (the kernel FORGETs it later), except `.` and `..`, sent bare. The names are
+    /// listed first and their attributes read after, outside the file system's listing.
+    fn readdirplus(&self, dir: u64, offset: u64, size: u32, reply: Reply<'_>) {
+        let mut names = Vec::new();
+        let mut room = size as usize;
+        let r = self.fs.readdir(dir, offset, &mut |e| {
+            let need = DirBuf::plus_len(&e.name);
+            if need > room {
+                return false;
+            }
+            room -= need;
+            names.push(e);
+            true
+        });
+        if let Err(e) = r {
+            return reply.error(errno(e));
+        }
+        let mut buf = DirBuf::new(size);
+        for e in names {
+            let bare = e.name == b"." || e.name == b"..";
+            let attr = if bare {
+                None
+            } else {
+                self.fs.getattr(e.ino).ok()
+            };
+            let added = match attr {
+                Some(a) => match self.remember(&a) {
+                    Ok(()) => {
+                        let added = buf.add_plus(&entry(&wire_attr(&a)), e.next_offset, &e.name);
+                        if !added {
+                            self.forget_n(a.ino, 1);
+                        }
+                        added
+                    }
+                    Err(_) => buf.add_plus_bare(
+                        fuse_ino(e.ino),
+                        e.next_offset,
+                        e.kind.mode_bits(),
+                        &e.name,
+                    ),
+                },
+                // `.`/`..`, or a name removed since it was listed: no attributes.
+                None => {
+                    buf.add_plus_bare(fuse_ino(e.ino), e.next_offset, e.kind.mode_bits(), &e.name)
+                }
+            };
+            if !added {
+                break;
+            }
+        }
+        buf.send(reply)
+    }
+
     fn reply_unit(&self, r: Result<(), FsError>, reply: Reply<'_>) {
         match r {
             Ok(()) => reply.ok(),
@@ -412,7 +467,11 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
         // once it has seen they carry no privileges, instead of asking for
         // security.capability on every write(2) and for fresh attributes before every
         // chown.
+        // DO_READDIRPLUS: every listing carries attributes (with READDIRPLUS_AUTO the
+        // kernel listed the rest of a large directory without them and then looked up
+        // names one by one: 438 LOOKUPs in a 3,000-entry rm -rf instead of none).
         let mut flags = init::ASYNC_READ
+            | init::DO_READDIRPLUS
             | init::PARALLEL_DIROPS
             | init::HANDLE_KILLPRIV_V2
             | init::SETXATTR_EXT;
@@ -650,6 +709,10 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                     Ok(()) => buf.send(reply),
                     Err(e) => reply.error(errno(e)),
                 }
+            }
+            Op::Readdirplus { offset, size, .. } => {
+                let _t = self.stats.time(Stat::Readdirplus);
+                self.readdirplus(fs_ino(ino), *offset, *size, reply);
             }
             Op::Statfs => {
                 let _t = self.stats.time(Stat::Statfs);

@@ -20,7 +20,7 @@ ops! {
     Mknod => "mknod", Mkdir => "mkdir", Unlink => "unlink", Rmdir => "rmdir",
     Symlink => "symlink", Rename => "rename", Link => "link", Open => "open",
     Read => "read", Write => "write", Flush => "flush", Release => "release",
-    Fsync => "fsync", Readdir => "readdir", Fsyncdir => "fsyncdir", Statfs => "statfs",
+    Fsync => "fsync", Readdir => "readdir", Readdirplus => "readdirplus", Fsyncdir => "fsyncdir", Statfs => "statfs",
     Setxattr => "setxattr", Getxattr => "getxattr", Listxattr => "listxattr",
     Removexattr => "removexattr", Access => "access", Create => "create", Ioctl => "ioctl",
     Syncfs => "syncfs", Lseek => "lseek", Fallocate => "fallocate",

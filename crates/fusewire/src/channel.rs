@@ -81,7 +81,9 @@ impl Channel {
     pub fn set_nonblocking(&self) -> io::Result<()> {
         // SAFETY: fcntl on a descriptor we own.
         let flags = unsafe { libc::fcntl(self.raw(), libc::F_GETFL) };
-        if flags < 0 || unsafe { libc::fcntl(self.raw(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        if flags < 0
+            || unsafe { libc::fcntl(self.raw(), libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0
+        {
             return Err(io::Error::last_os_error());
         }
         Ok(())

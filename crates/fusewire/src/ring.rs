@@ -29,6 +29,7 @@ use io_uring::{cqueue, squeue, types, IoUring};
 use std::cell::RefCell;
 use std::io;
 use std::os::fd::RawFd;
+use std::sync::{Arc, Mutex};
 
 const CMD_REGISTER: u32 = 1;
 const CMD_COMMIT_AND_FETCH: u32 = 2;
@@ -98,7 +99,8 @@ impl Slot {
     fn request_range(&mut self) -> Result<std::ops::Range<usize>, &'static str> {
         let h = &self.headers;
         let len = u32::from_le_bytes(h[0..4].try_into().unwrap()) as usize;
-        let payload = u32::from_le_bytes(h[PAYLOAD_SZ..PAYLOAD_SZ + 4].try_into().unwrap()) as usize;
+        let payload =
+            u32::from_le_bytes(h[PAYLOAD_SZ..PAYLOAD_SZ + 4].try_into().unwrap()) as usize;
         if payload > self.payload_cap() {
             return Err("ring payload larger than its buffer");
         }
@@ -131,11 +133,19 @@ impl Slot {
             body = &[];
         }
         self.buf[PREFIX..PREFIX + body.len()].copy_from_slice(body);
-        self.headers[PAYLOAD_SZ..PAYLOAD_SZ + 4].copy_from_slice(&(body.len() as u32).to_le_bytes());
+        self.headers[PAYLOAD_SZ..PAYLOAD_SZ + 4]
+            .copy_from_slice(&(body.len() as u32).to_le_bytes());
     }
 }
 
-fn command(fd: RawFd, op: u32, qid: u16, commit_id: u64, slot: &Slot, tag: u64) -> squeue::Entry128 {
+fn command(
+    fd: RawFd,
+    op: u32,
+    qid: u16,
+    commit_id: u64,
+    slot: &Slot,
+    tag: u64,
+) -> squeue::Entry128 {
     // struct fuse_uring_cmd_req: flags, commit_id, qid.
     let mut cmd = [0u8; 80];
     cmd[8..16].copy_from_slice(&commit_id.to_le_bytes());
@@ -206,10 +216,80 @@ pub(crate) struct Worker {
     slots: Vec<Slot>,
     fd: RawFd,
     qid: u16,
-    /// A non-blocking clone of /dev/fuse, drained before requests that must see the
-    /// FORGETs queued before them ([`after_forgets`]).
-    dev: Channel,
-    dev_buf: Vec<u8>,
+    /// /dev/fuse, drained before requests that must see the FORGETs queued before
+    /// them ([`after_forgets`]).
+    dev: Arc<Drainer>,
+}
+
+/// The one way /dev/fuse is read while the ring serves: a non-blocking descriptor read
+/// under a lock until it is empty, by the session's /dev/fuse thread when it polls
+/// readable and by ring workers before requests that must follow queued FORGETs.
+/// Reading and serving under one lock is what makes the drain a barrier: when a
+/// drainer gets the lock, every request queued before is either still in the kernel
+/// (it reads it) or was read and served by whoever held the lock before.
+pub(crate) struct Drainer {
+    chan: Channel,
+    buf: Mutex<Vec<u8>>,
+}
+
+impl Drainer {
+    pub(crate) fn new(master: &Channel, bufsize: usize) -> io::Result<Drainer> {
+        let chan = master.clone_channel()?;
+        chan.set_nonblocking()?;
+        Ok(Drainer {
+            chan,
+            buf: Mutex::new(vec![0u8; bufsize]),
+        })
+    }
+
+    /// Serves what is pending; false once the connection is gone.
+    pub(crate) fn drain(
+        &self,
+        proto: Proto,
+        serve: &dyn Fn(&Request<'_>, Reply<'_>),
+    ) -> io::Result<bool> {
+        let mut buf = self.buf.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match self.chan.try_receive(&mut buf)? {
+                None => return Ok(true),
+                Some(Received::Closed) => return Ok(false),
+                Some(Received::Request(n)) => match Request::parse_with(&buf[..n], proto) {
+                    Ok(req) => serve(&req, Reply::new(&self.chan, req.header.unique)),
+                    Err(e) => tracing::error!("{e}"),
+                },
+            }
+        }
+    }
+
+    /// Serves /dev/fuse until the connection ends: waits until it is readable, drains.
+    pub(crate) fn serve(
+        &self,
+        proto: Proto,
+        serve: &dyn Fn(&Request<'_>, Reply<'_>),
+    ) -> io::Result<()> {
+        loop {
+            let mut p = libc::pollfd {
+                fd: self.chan.raw(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd.
+            let r = unsafe { libc::poll(&mut p, 1, -1) };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                return Err(e);
+            }
+            if !self.drain(proto, serve)? {
+                return Ok(());
+            }
+            if p.revents & (libc::POLLERR | libc::POLLHUP) != 0 && p.revents & libc::POLLIN == 0 {
+                return Ok(());
+            }
+        }
+    }
 }
 
 impl Worker {
@@ -217,14 +297,13 @@ impl Worker {
     /// registers them. Runs on the worker's own thread (the ring is single-issuer).
     pub(crate) fn register(
         master: &Channel,
+        dev: Arc<Drainer>,
         qid: u16,
         entries: usize,
         payload: usize,
     ) -> io::Result<Worker> {
         pin_to(qid as usize);
         let fd = master.raw();
-        let dev = master.clone_channel()?;
-        dev.set_nonblocking()?;
         let depth = (entries * 2).next_power_of_two() as u32;
         let ring = IoUring::<squeue::Entry128, cqueue::Entry>::builder()
             .setup_single_issuer()
@@ -238,7 +317,6 @@ impl Worker {
             fd,
             qid,
             dev,
-            dev_buf: vec![0u8; payload + 4096],
         };
         for i in 0..w.slots.len() {
             w.push(CMD_REGISTER, 0, i)?;
@@ -273,15 +351,6 @@ impl Worker {
         proto: Proto,
         serve: &dyn Fn(&Request<'_>, Reply<'_>),
     ) -> io::Result<()> {
-        let drain = |dev: &Channel, buf: &mut Vec<u8>| -> io::Result<()> {
-            while let Some(Received::Request(n)) = dev.try_receive(buf)? {
-                match Request::parse_with(&buf[..n], proto) {
-                    Ok(req) => serve(&req, Reply::new(dev, req.header.unique)),
-                    Err(e) => tracing::error!("{e}"),
-                }
-            }
-            Ok(())
-        };
         let staged = RefCell::new(Vec::with_capacity(4096));
         let mut live = self.slots.len();
         let mut done: Vec<(usize, i32)> = Vec::new();
@@ -292,15 +361,26 @@ impl Worker {
                 Err(e) => return Err(e),
             }
             done.clear();
-            done.extend(self.ring.completion().map(|c| (c.user_data() as usize, c.result())));
+            done.extend(
+                self.ring
+                    .completion()
+                    .map(|c| (c.user_data() as usize, c.result())),
+            );
             for &(i, res) in &done {
                 if i >= self.slots.len() {
                     continue;
                 }
                 if res < 0 {
                     // ENOTCONN/ECANCELED/ECONNABORTED: the connection is going away.
-                    if !matches!(-res, libc::ENOTCONN | libc::ECANCELED | libc::ECONNABORTED | libc::ENODEV) {
-                        tracing::warn!("FUSE ring entry {i} of queue {}: {}", self.qid, io::Error::from_raw_os_error(-res));
+                    if !matches!(
+                        -res,
+                        libc::ENOTCONN | libc::ECANCELED | libc::ECONNABORTED | libc::ENODEV
+                    ) {
+                        tracing::warn!(
+                            "FUSE ring entry {i} of queue {}: {}",
+                            self.qid,
+                            io::Error::from_raw_os_error(-res)
+                        );
                     }
                     live -= 1;
                     continue;
@@ -308,7 +388,7 @@ impl Worker {
                 let unique = self.slots[i].unique();
                 let opc = u32::from_le_bytes(self.slots[i].headers[4..8].try_into().unwrap());
                 if after_forgets(opc) {
-                    drain(&self.dev, &mut self.dev_buf)?;
+                    self.dev.drain(proto, serve)?;
                 }
                 staged.borrow_mut().clear();
                 match self.slots[i].request_range() {

@@ -129,13 +129,21 @@ impl Session {
         let destroyed = Arc::new(AtomicBool::new(false));
         let mut workers = Vec::new();
         let mut legacy = self.threads;
+        let mut drainer = None;
         if let (Some(opts), true) = (self.ring, flags & init::OVER_IO_URING != 0) {
             let payload = (max_write.div_ceil(4096) as usize * 4096).max(abi::MIN_READ_BUFFER);
-            match self.start_ring(opts, payload, proto, &handler, &destroyed) {
-                Ok(ws) => {
+            let started = crate::ring::Drainer::new(&self.master, bufsize)
+                .map(Arc::new)
+                .map_err(|e| (e, Vec::new()))
+                .and_then(|d| {
+                    self.start_ring(opts, payload, proto, &handler, &destroyed, &d)
+                        .map(|ws| (d, ws))
+                });
+            match started {
+                Ok((d, ws)) => {
                     workers.extend(ws);
-                    // FORGET and INTERRUPT still come on /dev/fuse.
-                    legacy = 1;
+                    drainer = Some(d);
+                    legacy = 0;
                     on_transport(Transport::Ring);
                 }
                 Err((e, ws)) => {
@@ -164,7 +172,14 @@ impl Session {
                     .spawn(move || serve_loop(&chan, &*h, &d, bufsize, proto))?,
             );
         }
-        let r = serve_loop(&self.master, &*handler, &destroyed, bufsize, proto);
+        let r = match &drainer {
+            // INIT done, the ring serves; /dev/fuse carries FORGET, INTERRUPT and what
+            // came before the ring was ready, read only through the drainer.
+            Some(d) => d.serve(proto, &|req, reply| {
+                dispatch(&*handler, &destroyed, req, reply)
+            }),
+            None => serve_loop(&self.master, &*handler, &destroyed, bufsize, proto),
+        };
         for w in workers {
             if let Ok(Err(e)) = w.join() {
                 tracing::error!("FUSE worker: {e}");
@@ -186,8 +201,11 @@ impl Session {
         proto: Proto,
         handler: &Arc<H>,
         destroyed: &Arc<AtomicBool>,
-    ) -> Result<Vec<std::thread::JoinHandle<io::Result<()>>>, (io::Error, Vec<std::thread::JoinHandle<io::Result<()>>>)>
-    {
+        drainer: &Arc<crate::ring::Drainer>,
+    ) -> Result<
+        Vec<std::thread::JoinHandle<io::Result<()>>>,
+        (io::Error, Vec<std::thread::JoinHandle<io::Result<()>>>),
+    > {
         let queues = crate::ring::possible_cpus();
         let mut started = Vec::new();
         let (tx, rx) = std::sync::mpsc::channel::<io::Result<()>>();
@@ -195,22 +213,25 @@ impl Session {
             for t in 0..opts.threads_per_queue.max(1) {
                 let (h, d, tx) = (handler.clone(), destroyed.clone(), tx.clone());
                 let master = self.master.clone();
+                let dev = drainer.clone();
                 let spawned = std::thread::Builder::new()
                     .name(format!("fuse-ring-{q}.{t}"))
                     .spawn(move || {
-                        let w = match crate::ring::Worker::register(&master, q as u16, 1, payload) {
-                            Ok(w) => {
-                                let _ = tx.send(Ok(()));
-                                w
-                            }
-                            Err(e) => {
-                                let _ = tx.send(Err(io::Error::new(
-                                    e.kind(),
-                                    format!("registering queue {q}: {e}"),
-                                )));
-                                return Ok(());
-                            }
-                        };
+                        let w =
+                            match crate::ring::Worker::register(&master, dev, q as u16, 1, payload)
+                            {
+                                Ok(w) => {
+                                    let _ = tx.send(Ok(()));
+                                    w
+                                }
+                                Err(e) => {
+                                    let _ = tx.send(Err(io::Error::new(
+                                        e.kind(),
+                                        format!("registering queue {q}: {e}"),
+                                    )));
+                                    return Ok(());
+                                }
+                            };
                         w.run(proto, &|req, reply| dispatch(&*h, &d, req, reply))
                     });
                 match spawned {
@@ -334,7 +355,12 @@ fn serve_loop(
                 continue;
             }
         };
-        dispatch(handler, destroyed, &req, Reply::new(chan, req.header.unique));
+        dispatch(
+            handler,
+            destroyed,
+            &req,
+            Reply::new(chan, req.header.unique),
+        );
     }
 }
 

@@ -80,6 +80,9 @@ pub struct Sample {
     pub server_peak_rss_mib: Option<f64>,
     /// FUSE requests the quiltfs server answered over the workload and sync, by type.
     pub requests: Option<std::collections::BTreeMap<String, u64>>,
+    /// Whether the quiltfs server answered over io_uring (None for other systems).
+    #[serde(default)]
+    pub io_uring: Option<bool>,
 }
 
 impl Sample {
@@ -112,7 +115,27 @@ fn ensure_prerequisites(systems: &[System], workloads: &[Workload]) -> Result<()
             bail!("bench featherstitch needs {tool}");
         }
     }
+    enable_fuse_uring();
     Ok(())
+}
+
+/// quiltfs mounts serve over io_uring when the fuse module allows it (as scripts/setup.sh
+/// leaves it); `quilt-su-dev` measures the same over /dev/fuse. The report says which
+/// transport each run used (the server's `fuse.io_uring`).
+fn enable_fuse_uring() {
+    let p = std::path::Path::new("/sys/module/fuse/parameters/enable_uring");
+    match std::fs::read_to_string(p) {
+        Ok(v) if v.trim() != "Y" => match std::fs::write(p, "Y") {
+            Ok(()) => eprintln!("bench: enabled FUSE over io_uring ({})", p.display()),
+            Err(e) => eprintln!(
+                "bench: cannot enable FUSE over io_uring: {e}; quiltfs serves on /dev/fuse"
+            ),
+        },
+        Ok(_) => {}
+        Err(_) => {
+            eprintln!("bench: this kernel has no FUSE over io_uring; quiltfs serves on /dev/fuse")
+        }
+    }
 }
 
 fn select<T: Copy>(
@@ -309,6 +332,11 @@ fn one_phase(
         patches_rolled_back: delta("patch.patches_rolled_back"),
         server_peak_rss_mib: un.server.as_ref().map(|r| r.peak_rss_mib),
         requests: request_counts(stats0.as_ref(), stats1.as_ref()),
+        io_uring: stats1
+            .as_ref()
+            .and_then(|j| j.get("fuse.io_uring"))
+            .and_then(|v| v.as_u64())
+            .map(|v| v == 1),
     })
 }
 

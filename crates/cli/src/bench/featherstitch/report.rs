@@ -59,6 +59,8 @@ pub struct Cell {
     pub rss: Option<f64>,
     /// FUSE requests answered by the quiltfs server, by type (medians over the runs).
     pub requests: Option<std::collections::BTreeMap<String, f64>>,
+    /// The FUSE transport of the runs: "io_uring", "/dev/fuse" or "mixed".
+    pub transport: Option<&'static str>,
 }
 
 pub fn cell(samples: &[Sample], system: &str, w: Workload) -> Option<Cell> {
@@ -89,6 +91,15 @@ pub fn cell(samples: &[Sample], system: &str, w: Workload) -> Option<Cell> {
             .filter_map(|s| s.server_peak_rss_mib)
             .reduce(f64::max),
         requests: requests_median(&v),
+        transport: {
+            let t: Vec<bool> = v.iter().filter_map(|s| s.io_uring).collect();
+            match (t.iter().all(|&x| x), t.iter().any(|&x| x)) {
+                _ if t.is_empty() => None,
+                (true, _) => Some("io_uring"),
+                (false, false) => Some("/dev/fuse"),
+                (false, true) => Some("mixed"),
+            }
+        },
     })
 }
 
@@ -230,7 +241,7 @@ pub fn markdown(meta: &Meta, systems: &[System], ws: &[Workload], samples: &[Sam
         let floor = cell(samples, "bindfs", w).map(|c| c.wall.0);
         let _ = writeln!(
             t,
-            "\n## {}\n\n| system | wall s (min–max) | CPU s (min–max) | user s | sys s | of which fs process s | vs ext2 | vs ext3 (same guarantee) | vs FUSE floor | device writes | device flushes | server peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "\n## {}\n\n| system | wall s (min–max) | CPU s (min–max) | user s | sys s | of which fs process s | vs ext2 | vs ext3 (same guarantee) | vs FUSE floor | device writes | device flushes | server peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             w.name()
         );
         for s in &main {
@@ -280,7 +291,7 @@ pub fn markdown(meta: &Meta, systems: &[System], ws: &[Workload], samples: &[Sam
         let _ = writeln!(
             t,
             "\n## FUSE requests: {}\n\nRequests the quiltfs server answered over the workload \
-             and its sync (medians){}.\n\n| system | requests | per entry | by type |\n|---|---|---|---|",
+             and its sync (medians){}.\n\n| system | transport | requests | per entry | by type |\n|---|---|---|---|---|",
             w.name(),
             if entries.is_some() {
                 "; per entry of the tarball"
@@ -300,7 +311,8 @@ pub fn markdown(meta: &Meta, systems: &[System], ws: &[Workload], samples: &[Sam
             let total = c.total_requests().unwrap_or(0.0);
             let _ = writeln!(
                 t,
-                "| `{name}` | {total:.0} | {} | {} |",
+                "| `{name}` | {} | {total:.0} | {} | {} |",
+                c.transport.unwrap_or("–"),
                 entries.map_or("–".into(), |e| format!("{:.2}", total / e)),
                 types.join(", ")
             );
@@ -533,6 +545,7 @@ mod tests {
             patches_rolled_back: None,
             server_peak_rss_mib: None,
             requests: None,
+            io_uring: None,
         }
     }
 

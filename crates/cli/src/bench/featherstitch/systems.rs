@@ -126,6 +126,18 @@ pub const SYSTEMS: &[System] = &[
         safe: true,
         opt: None,
     },
+    // The same over /dev/fuse instead of io_uring: what the ring transport buys.
+    System {
+        name: "quilt-su-dev",
+        what: "quiltfs soft updates over /dev/fuse (no io_uring)",
+        kind: Kind::Quilt {
+            mode: "soft-updates",
+            unsafe_: false,
+            options: "nouring",
+        },
+        safe: true,
+        opt: None,
+    },
     quilt(
         "quilt-su-unsafe",
         "quiltfs soft updates, no flushes",
