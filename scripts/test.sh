@@ -20,6 +20,9 @@ if [ "$(id -u)" = 0 ]; then
   tests/no-silent-loss.sh ./target/release/quiltfs
   # Parity with the kernel's ext2 driver, call by call (the kernel as the oracle).
   tests/kernel-parity.sh ./target/release/quiltfs
+  # Several processes creating and renaming in one directory at once, over io_uring and
+  # /dev/fuse (e2fsck and the kernel's view as oracles).
+  tests/concurrent.sh ./target/release/quiltfs
   tests/journal-oracle.sh ./target/release/quiltfs
   # Patchgroups for programs: the C library and the LD_PRELOAD library on a mount.
   tests/patchgroups.sh ./target/release
@@ -27,7 +30,7 @@ if [ "$(id -u)" = 0 ]; then
   # (timings are not checked: they come from the full run, never from here).
   tests/bench-featherstitch.sh ./target/release/quiltfs
 else
-  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/kernel-parity.sh, tests/journal-oracle.sh, tests/patchgroups.sh and tests/bench-featherstitch.sh (need root)" >&2
+  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh and tests/bench-featherstitch.sh (need root)" >&2
 fi
 # Fuzzing smoke: every input a fuzzer ever crashed on, and random damage to each region
 # of a seed image (the coverage-guided hour-long runs are scripts/fuzz.sh's).
