@@ -947,13 +947,51 @@ pub fn serve<F: FileSystem + 'static>(
     })
 }
 
+/// Tells the kernel that the file system changed under its mount by another way than
+/// the mount: a program that links the file system and serves it in the same process
+/// calls these after changing it natively, so names and attributes the kernel cached
+/// (for up to the entry and attribute timeouts) are asked for again. Changes made
+/// through the mount, and patchgroup calls (which change order, not files), need none.
+#[derive(Clone)]
+pub struct Invalidator {
+    notifier: Notifier,
+}
+
+impl Invalidator {
+    /// The inode's attributes and cached data changed.
+    pub fn inode(&self, ino: u64) -> std::io::Result<()> {
+        known(self.notifier.inval_inode(fuse_ino(ino), 0, 0))
+    }
+
+    /// `name` in directory `parent` was added, removed or now names another inode.
+    pub fn entry(&self, parent: u64, name: &[u8]) -> std::io::Result<()> {
+        known(self.notifier.inval_entry(fuse_ino(parent), name))?;
+        // The directory's own attributes (size, times, link count) changed too.
+        self.inode(parent)
+    }
+}
+
+/// The kernel answers ENOENT for what it holds no copy of: nothing to drop.
+fn known(r: std::io::Result<()>) -> std::io::Result<()> {
+    match r {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        r => r,
+    }
+}
+
 /// A mount served by a background thread (for tests); dropping it unmounts.
 pub struct BackgroundSession {
     mountpoint: PathBuf,
     thread: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+    invalidator: Invalidator,
 }
 
 impl BackgroundSession {
+    /// Where to report native changes to the file system while it is mounted.
+    pub fn invalidator(&self) -> Invalidator {
+        self.invalidator.clone()
+    }
+
     /// Unmounts and waits until the session has ended.
     pub fn umount_and_join(mut self) -> std::io::Result<()> {
         self.finish()
@@ -994,6 +1032,9 @@ pub fn spawn<F: FileSystem + 'static>(
     let mounted = mount(mountpoint, opts)?;
     let session = Session::new(mounted.channel, opts.threads).with_ring(opts.ring);
     let _ = adapter.notifier.set(session.notifier());
+    let invalidator = Invalidator {
+        notifier: session.notifier(),
+    };
     let adapter = Arc::new(adapter);
     let stats = opts.stats.clone();
     let thread = std::thread::Builder::new()
@@ -1004,5 +1045,6 @@ pub fn spawn<F: FileSystem + 'static>(
     Ok(BackgroundSession {
         mountpoint: mountpoint.to_path_buf(),
         thread: Some(thread),
+        invalidator,
     })
 }

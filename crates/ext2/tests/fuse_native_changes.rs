@@ -1,0 +1,166 @@
+//! The kernel caches names and attributes of a quiltfs mount; a program that links the
+//! file system and changes it natively while it is mounted reports the change through
+//! the session's `Invalidator`, and the mount then shows it at once, not after the
+//! cache times out. Also what the mount itself does to cached state: renames over an
+//! existing name and unlinks of open files as the kernel's ext2 shows them. Skipped
+//! without root and /dev/fuse unless QUILT_REQUIRE_FUSE=1.
+
+use quilt_block::MemDevice;
+use quilt_ext2::{mkfs, Ext2, MkfsOptions, MountOptions};
+use quilt_patch::{Engine, EngineOptions};
+use quilt_vfs::{Ctx, FileSystem, SetAttr};
+use std::io::{Read, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::Arc;
+
+fn fuse_available() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let ok = unsafe { libc::geteuid() } == 0 && Path::new("/dev/fuse").exists();
+    if !ok {
+        assert!(
+            std::env::var("QUILT_REQUIRE_FUSE").map_or(true, |v| v != "1"),
+            "QUILT_REQUIRE_FUSE=1 but this process cannot mount FUSE (needs root and /dev/fuse)"
+        );
+        eprintln!("SKIPPED: needs root and /dev/fuse");
+    }
+    ok
+}
+
+fn mounted(ring: bool) -> (tempfile::TempDir, Arc<Ext2>, quilt_fuse::BackgroundSession) {
+    let dev = Arc::new(MemDevice::new(4096, 4096).unwrap());
+    let engine = Engine::new(dev.clone(), EngineOptions::default());
+    let zeroed = MkfsOptions {
+        device_is_zeroed: true,
+        ..Default::default()
+    };
+    mkfs(&engine, &zeroed).unwrap();
+    let fs = Arc::new(
+        Ext2::open(
+            Engine::new(dev, EngineOptions::default()),
+            MountOptions::default(),
+        )
+        .unwrap(),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = quilt_fuse::FuseOptions::default();
+    if !ring {
+        opts.ring = None;
+    }
+    let s = quilt_fuse::spawn(fs.clone(), dir.path(), &opts, Box::new(|| {})).unwrap();
+    (dir, fs, s)
+}
+
+fn root() -> Ctx {
+    Ctx {
+        uid: 0,
+        gid: 0,
+        ..Default::default()
+    }
+}
+
+fn native_changes_are_seen_through_the_mount(ring: bool) {
+    let (dir, fs, s) = mounted(ring);
+    let inv = s.invalidator();
+    let p = dir.path().join("f");
+    std::fs::write(&p, b"hello").unwrap();
+    // The kernel now holds the name and the attributes.
+    let before = std::fs::metadata(&p).unwrap();
+    assert_eq!(before.len(), 5);
+    assert_eq!(before.mode() & 0o7777, 0o644);
+
+    let root_ino = fs.root();
+    let a = fs.lookup(root_ino, b"f").unwrap();
+    let set = SetAttr {
+        mode: Some(0o600),
+        size: Some(2),
+        ..Default::default()
+    };
+    fs.setattr(a.ino, set, &root()).unwrap();
+    inv.inode(a.ino).unwrap();
+    let after = std::fs::metadata(&p).unwrap();
+    assert_eq!(after.len(), 2, "size changed natively");
+    assert_eq!(after.mode() & 0o7777, 0o600, "mode changed natively");
+    let mut got = Vec::new();
+    std::fs::File::open(&p)
+        .unwrap()
+        .read_to_end(&mut got)
+        .unwrap();
+    assert_eq!(got, b"he", "cached data dropped");
+
+    // A name removed natively disappears; one created natively appears.
+    fs.unlink(root_ino, b"f", &root()).unwrap();
+    inv.entry(root_ino, b"f").unwrap();
+    assert!(
+        !p.exists(),
+        "a natively removed name is gone through the mount"
+    );
+    fs.mknod(root_ino, b"g", libc::S_IFREG | 0o640, 0, &root())
+        .unwrap();
+    inv.entry(root_ino, b"g").unwrap();
+    let g = std::fs::metadata(dir.path().join("g")).unwrap();
+    assert_eq!(g.mode() & 0o7777, 0o640);
+    // An invalidation of something the kernel never saw is no error.
+    inv.entry(root_ino, b"never-looked-up").unwrap();
+    drop(s);
+}
+
+#[test]
+fn native_changes_are_seen_at_once_over_the_ring() {
+    if fuse_available() {
+        native_changes_are_seen_through_the_mount(true);
+    }
+}
+
+#[test]
+fn native_changes_are_seen_at_once_over_dev_fuse() {
+    if fuse_available() {
+        native_changes_are_seen_through_the_mount(false);
+    }
+}
+
+#[test]
+fn renames_over_names_and_unlinks_of_open_files_show_at_once() {
+    if !fuse_available() {
+        return;
+    }
+    let (dir, _fs, s) = mounted(true);
+    let d = dir.path();
+    std::fs::write(d.join("a"), b"new").unwrap();
+    std::fs::write(d.join("b"), b"old!").unwrap();
+    let b_ino = std::fs::metadata(d.join("b")).unwrap().ino();
+    let mut held = std::fs::File::open(d.join("b")).unwrap();
+    std::fs::hard_link(d.join("b"), d.join("b2")).unwrap();
+    assert_eq!(std::fs::metadata(d.join("b2")).unwrap().nlink(), 2);
+    // rename over an existing name: the name now shows the new file, the old one lost a
+    // link, and an open descriptor of it still reads its data.
+    std::fs::rename(d.join("a"), d.join("b")).unwrap();
+    assert_eq!(std::fs::read(d.join("b")).unwrap(), b"new");
+    assert_ne!(std::fs::metadata(d.join("b")).unwrap().ino(), b_ino);
+    assert_eq!(std::fs::metadata(d.join("b2")).unwrap().nlink(), 1);
+    assert!(!d.join("a").exists());
+    // Unlink of the last name while open: fstat shows no links, data still reads.
+    std::fs::remove_file(d.join("b2")).unwrap();
+    assert_eq!(held.metadata().unwrap().nlink(), 0);
+    let mut got = Vec::new();
+    held.read_to_end(&mut got).unwrap();
+    assert_eq!(got, b"old!");
+    let free_before = nix_free_inodes(d);
+    drop(held);
+    // Closed: the inode is freed, and statfs says so at once.
+    assert_eq!(nix_free_inodes(d), free_before + 1);
+    let mut f = std::fs::File::create(d.join("c")).unwrap();
+    f.write_all(b"x").unwrap();
+    drop(f);
+    drop(s);
+}
+
+fn nix_free_inodes(p: &Path) -> u64 {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: statvfs fills the struct it is given; the path is NUL-terminated.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        assert_eq!(libc::statvfs(c.as_ptr(), &mut st), 0);
+        st.f_ffree as u64
+    }
+}
