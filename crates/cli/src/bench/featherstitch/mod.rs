@@ -35,8 +35,10 @@ pub struct FeatherstitchArgs {
     #[arg(long, default_value = "featherstitch-results")]
     pub out: PathBuf,
     /// Comma-separated systems (default: all). quiltfs: quilt-su, quilt-meta, quilt-full,
-    /// quilt-async and their -unsafe twins; the optimization table's quilt-su-opt-none,
-    /// -opt-hard, -opt-merge; kernel: ext2, ext3-writeback, ext3-journal, ext4; fuse2fs.
+    /// quilt-async and their -unsafe twins, quilt-su-wbcache (kernel writeback cache),
+    /// quilt-su-dev (over /dev/fuse, not io_uring); the optimization table's
+    /// quilt-su-opt-none, -opt-hard, -opt-merge; kernel: ext2, ext3-writeback,
+    /// ext3-journal, ext4; FUSE peers: fuse2fs, bindfs (passthrough over ext4: the floor).
     #[arg(long)]
     pub systems: Option<String>,
     /// Comma-separated workloads: untar, delete, postmark, andrew (default: all).
