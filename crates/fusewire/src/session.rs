@@ -108,8 +108,7 @@ impl Session {
         Notifier::new(self.master.clone())
     }
 
-    /// Serves until the file system is unmounted. `on_transport` learns which
-    /// transport serves (once the handshake is done).
+    /// Serves until the file system is unmounted.
     pub fn run<H: Handler>(self, handler: Arc<H>) -> io::Result<()> {
         self.run_reporting(handler, &|_| {})
     }
