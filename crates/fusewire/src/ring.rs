@@ -219,6 +219,9 @@ pub(crate) struct Worker {
     /// /dev/fuse, drained before requests that must see the FORGETs queued before
     /// them ([`after_forgets`]).
     dev: Arc<Drainer>,
+    /// Completions seen while registering that carry requests (a queue can become
+    /// ready, and an entry filled, before `register` returns): served first by `run`.
+    early: Vec<(usize, i32)>,
 }
 
 /// The one way /dev/fuse is read while the ring serves: a non-blocking descriptor read
@@ -317,18 +320,24 @@ impl Worker {
             fd,
             qid,
             dev,
+            early: Vec::new(),
         };
         for i in 0..w.slots.len() {
             w.push(CMD_REGISTER, 0, i)?;
         }
         w.ring.submit()?;
         // A registration fails at once (an error completion) or stays pending until a
-        // request arrives; look for the failures now.
-        if let Some(e) = w.ring.completion().next() {
-            let res = e.result();
+        // request arrives; look for the failures now, and keep any request that came.
+        let seen: Vec<(usize, i32)> = w
+            .ring
+            .completion()
+            .map(|c| (c.user_data() as usize, c.result()))
+            .collect();
+        for (i, res) in seen {
             if res < 0 {
                 return Err(io::Error::from_raw_os_error(-res));
             }
+            w.early.push((i, res));
         }
         Ok(w)
     }
@@ -353,19 +362,20 @@ impl Worker {
     ) -> io::Result<()> {
         let staged = RefCell::new(Vec::with_capacity(4096));
         let mut live = self.slots.len();
-        let mut done: Vec<(usize, i32)> = Vec::new();
+        let mut done: Vec<(usize, i32)> = std::mem::take(&mut self.early);
         while live > 0 {
-            match self.ring.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e) => return Err(e),
+            if done.is_empty() {
+                match self.ring.submit_and_wait(1) {
+                    Ok(_) => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                    Err(e) => return Err(e),
+                }
+                done.extend(
+                    self.ring
+                        .completion()
+                        .map(|c| (c.user_data() as usize, c.result())),
+                );
             }
-            done.clear();
-            done.extend(
-                self.ring
-                    .completion()
-                    .map(|c| (c.user_data() as usize, c.result())),
-            );
             for &(i, res) in &done {
                 if i >= self.slots.len() {
                     continue;
@@ -415,6 +425,7 @@ impl Worker {
                 self.slots[i].stage_answer(&staged.borrow());
                 self.push(CMD_COMMIT_AND_FETCH, unique, i)?;
             }
+            done.clear();
         }
         Ok(())
     }
