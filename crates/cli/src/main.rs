@@ -44,8 +44,9 @@ enum Command {
         #[arg(long, short = 'l')]
         lazy: bool,
     },
-    /// Make everything written to a mount durable. `sync` and syncfs(2) do not reach
-    /// the server (the FUSE library in use does not pass FUSE_SYNCFS on); fsync does.
+    /// Make everything written to a mount durable. On mounts made as root (fuseblk),
+    /// sync(1) and syncfs(2) do the same; on plain FUSE mounts (made by other users)
+    /// the kernel does not pass them on, and this or fsync is the way.
     Sync { mountpoint: std::path::PathBuf },
     /// Print the counters of a mounted file system, or a summary of an image.
     Stats(stats::StatsArgs),

@@ -171,8 +171,8 @@ pub fn markdown(meta: &Meta, systems: &[System], ws: &[Workload], samples: &[Sam
          - **andrew**: make the directory hierarchy of {} ({} files, {:.1} MB), copy the \
          files, stat every file, read every file, `make -j1 {}`, then sync.\n\
          - Every timing runs until the data is durable and the file system unmounted: \
-         the workload, a sync (`sync -f`; for quiltfs its own sync request, as FUSE_SYNCFS \
-         does not reach FUSE servers here), and the unmount, which for a FUSE server \
+         the workload, a sync (`sync -f`; for quiltfs its own sync request, which does what \
+         syncfs(2) does on its fuseblk mounts), and the unmount, which for a FUSE server \
          lasts until it has written back and exited. The page cache is dropped before \
          each workload. Each run starts from a fresh image.\n\
          - **CPU** is user + system seconds of the workload's processes plus the file \
