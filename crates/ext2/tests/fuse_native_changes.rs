@@ -5,43 +5,19 @@
 //! existing name and unlinks of open files as the kernel's ext2 shows them. Skipped
 //! without root and /dev/fuse unless QUILT_REQUIRE_FUSE=1.
 
-use quilt_block::MemDevice;
-use quilt_ext2::{mkfs, Ext2, MkfsOptions, MountOptions};
-use quilt_patch::{Engine, EngineOptions};
+#[path = "support/fuse_env.rs"]
+mod fuse_env;
+
+use fuse_env::{fresh_ext2, fuse_available};
+use quilt_ext2::Ext2;
 use quilt_vfs::{Ctx, FileSystem, SetAttr};
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
 
-fn fuse_available() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let ok = unsafe { libc::geteuid() } == 0 && Path::new("/dev/fuse").exists();
-    if !ok {
-        assert!(
-            std::env::var("QUILT_REQUIRE_FUSE").map_or(true, |v| v != "1"),
-            "QUILT_REQUIRE_FUSE=1 but this process cannot mount FUSE (needs root and /dev/fuse)"
-        );
-        eprintln!("SKIPPED: needs root and /dev/fuse");
-    }
-    ok
-}
-
 fn mounted(ring: bool) -> (tempfile::TempDir, Arc<Ext2>, quilt_fuse::BackgroundSession) {
-    let dev = Arc::new(MemDevice::new(4096, 4096).unwrap());
-    let engine = Engine::new(dev.clone(), EngineOptions::default());
-    let zeroed = MkfsOptions {
-        device_is_zeroed: true,
-        ..Default::default()
-    };
-    mkfs(&engine, &zeroed).unwrap();
-    let fs = Arc::new(
-        Ext2::open(
-            Engine::new(dev, EngineOptions::default()),
-            MountOptions::default(),
-        )
-        .unwrap(),
-    );
+    let fs = fresh_ext2();
     let dir = tempfile::tempdir().unwrap();
     let mut opts = quilt_fuse::FuseOptions::default();
     if !ring {

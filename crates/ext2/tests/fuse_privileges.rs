@@ -5,49 +5,19 @@
 //! once. Skipped without root and /dev/fuse unless QUILT_REQUIRE_FUSE=1.
 
 // Only `as_ctx` is used here.
+#[path = "support/fuse_env.rs"]
+mod fuse_env;
 #[allow(dead_code)]
 #[path = "support/mount_fs.rs"]
 mod mount_fs;
 
-use quilt_block::MemDevice;
-use quilt_ext2::{mkfs, Ext2, MkfsOptions, MountOptions};
-use quilt_patch::{Engine, EngineOptions};
+use fuse_env::{fresh_ext2, fuse_available};
 use quilt_vfs::Ctx;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
-use std::sync::Arc;
-
-fn fuse_available() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let ok = unsafe { libc::geteuid() } == 0 && Path::new("/dev/fuse").exists();
-    if !ok {
-        assert!(
-            std::env::var("QUILT_REQUIRE_FUSE").map_or(true, |v| v != "1"),
-            "QUILT_REQUIRE_FUSE=1 but this process cannot mount FUSE (needs root and /dev/fuse)"
-        );
-        eprintln!("SKIPPED: needs root and /dev/fuse");
-    }
-    ok
-}
 
 fn mounted() -> (tempfile::TempDir, quilt_fuse::BackgroundSession) {
-    let dev = Arc::new(MemDevice::new(4096, 4096).unwrap());
-    let engine = Engine::new(dev.clone(), EngineOptions::default());
-    mkfs(
-        &engine,
-        &MkfsOptions {
-            device_is_zeroed: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let fs = Arc::new(
-        Ext2::open(
-            Engine::new(dev, EngineOptions::default()),
-            MountOptions::default(),
-        )
-        .unwrap(),
-    );
+    let fs = fresh_ext2();
     let dir = tempfile::tempdir().unwrap();
     // The production settings (kernel permission checks on), open to other users.
     let opts = quilt_fuse::FuseOptions {

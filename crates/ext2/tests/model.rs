@@ -53,8 +53,12 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::sync::Arc;
 
+#[path = "support/fuse_env.rs"]
+#[allow(dead_code)]
+mod fuse_env;
 #[path = "support/mount_fs.rs"]
 mod mount_fs;
+use fuse_env::fuse_available;
 use mount_fs::MountFs;
 
 const BS: u64 = 4096;
@@ -2000,23 +2004,6 @@ fn minimize(
         chunk /= 2;
     }
     ops
-}
-
-/// Can this process mount FUSE file systems? Without it the FUSE replay is skipped,
-/// unless `QUILT_REQUIRE_FUSE=1` (set by scripts/test.sh when run as root) makes that a
-/// failure.
-fn fuse_available() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let ok = unsafe { libc::geteuid() } == 0 && std::path::Path::new("/dev/fuse").exists();
-    if !ok {
-        assert!(
-            std::env::var("QUILT_REQUIRE_FUSE").is_err_and(|_| true)
-                || std::env::var("QUILT_REQUIRE_FUSE").is_ok_and(|v| v != "1"),
-            "QUILT_REQUIRE_FUSE=1 but this process cannot mount FUSE (needs root and /dev/fuse)"
-        );
-        eprintln!("SKIPPED: the FUSE replay needs root and /dev/fuse");
-    }
-    ok
 }
 
 /// The seeded sequence of `thousands_of_random_operations`, replayed through the FUSE

@@ -165,6 +165,15 @@ impl Drop for Reply<'_> {
     }
 }
 
+/// What precedes a listing entry: nothing (READDIR), or for READDIRPLUS its attributes
+/// or zeros (no attributes: the kernel links nothing).
+#[derive(Clone, Copy)]
+enum Attrs<'e> {
+    None,
+    Zeros,
+    Entry(&'e Entry),
+}
+
 /// Directory listings for READDIR (and READDIRPLUS), filled up to the size the kernel
 /// asked for.
 pub struct DirBuf {
@@ -183,45 +192,45 @@ impl DirBuf {
     /// Adds one entry; false (and nothing added) when it does not fit. `next` is the
     /// offset to resume after this entry.
     pub fn add(&mut self, ino: u64, next: u64, mode: u32, name: &[u8]) -> bool {
-        let len = (24 + name.len()).div_ceil(8) * 8;
-        if self.w.buf.len() + len > self.max {
-            return false;
-        }
-        self.w
-            .u64(ino)
-            .u64(next)
-            .u32(name.len() as u32)
-            .u32(abi::dirent_type(mode))
-            .bytes(name)
-            .align8();
-        true
+        self.push(Attrs::None, ino, next, mode, name)
     }
 
     /// Adds one entry with its attributes (READDIRPLUS).
     pub fn add_plus(&mut self, e: &Entry, next: u64, name: &[u8]) -> bool {
-        let len = abi::ENTRY_OUT_LEN + (24 + name.len()).div_ceil(8) * 8;
-        if self.w.buf.len() + len > self.max {
-            return false;
-        }
-        e.encode(&mut self.w);
-        self.w
-            .u64(e.attr.ino)
-            .u64(next)
-            .u32(name.len() as u32)
-            .u32(abi::dirent_type(e.attr.mode))
-            .bytes(name)
-            .align8();
-        true
+        self.push(Attrs::Entry(e), e.attr.ino, next, e.attr.mode, name)
     }
 
     /// Adds one entry of a READDIRPLUS listing without attributes (node 0: the kernel
     /// links nothing and counts no lookup), as for `.` and `..`.
     pub fn add_plus_bare(&mut self, ino: u64, next: u64, mode: u32, name: &[u8]) -> bool {
-        let len = abi::ENTRY_OUT_LEN + (24 + name.len()).div_ceil(8) * 8;
+        self.push(Attrs::Zeros, ino, next, mode, name)
+    }
+
+    /// The bytes a READDIRPLUS entry with this name takes.
+    pub fn plus_len(name: &[u8]) -> usize {
+        abi::ENTRY_OUT_LEN + Self::dirent_len(name)
+    }
+
+    fn dirent_len(name: &[u8]) -> usize {
+        (24 + name.len()).div_ceil(8) * 8
+    }
+
+    /// One `fuse_dirent`, preceded for READDIRPLUS by its `fuse_entry_out`.
+    fn push(&mut self, plus: Attrs<'_>, ino: u64, next: u64, mode: u32, name: &[u8]) -> bool {
+        let len = match plus {
+            Attrs::None => Self::dirent_len(name),
+            _ => Self::plus_len(name),
+        };
         if self.w.buf.len() + len > self.max {
             return false;
         }
-        self.w.zeros(abi::ENTRY_OUT_LEN);
+        match plus {
+            Attrs::Entry(e) => e.encode(&mut self.w),
+            Attrs::Zeros => {
+                self.w.zeros(abi::ENTRY_OUT_LEN);
+            }
+            Attrs::None => {}
+        }
         self.w
             .u64(ino)
             .u64(next)
@@ -230,11 +239,6 @@ impl DirBuf {
             .bytes(name)
             .align8();
         true
-    }
-
-    /// The bytes a READDIRPLUS entry with this name takes.
-    pub fn plus_len(name: &[u8]) -> usize {
-        abi::ENTRY_OUT_LEN + (24 + name.len()).div_ceil(8) * 8
     }
 
     pub fn is_empty(&self) -> bool {
