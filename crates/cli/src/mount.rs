@@ -43,6 +43,9 @@ pub struct MountArgs {
     /// over io_uring, each served on its caller's CPU, where the kernel offers it, that
     /// is when /sys/module/fuse/parameters/enable_uring is Y; /dev/fuse otherwise) or
     /// nouring (always /dev/fuse), ring_threads=N (workers per CPU, 2 by default),
+    /// handoff (the default) or nohandoff (ring workers wait under SCHED_IDLE while
+    /// some CPU is idle, so an answer wakes its caller on the worker's CPU, not on an
+    /// idle one),
     /// nohard and nomerge (the patch engine's optimizations off, for comparing them);
     /// fstab-only options are ignored.
     #[arg(short = 'o', value_delimiter = ',')]
@@ -103,6 +106,13 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
                 }
                 fuse.ring = Some(quilt_fuse::RingOptions {
                     threads_per_queue: n,
+                    ..fuse.ring.unwrap_or_default()
+                });
+            }
+            ("handoff" | "nohandoff", None) => {
+                fuse.ring = fuse.ring.map(|r| quilt_fuse::RingOptions {
+                    handoff: k == "handoff",
+                    ..r
                 });
             }
             // fstab and mount(8) bookkeeping.

@@ -940,6 +940,7 @@ pub fn serve<F: FileSystem + 'static>(
     let mounted = mount(mountpoint, opts)?;
     let session = Session::new(mounted.channel, opts.threads).with_ring(opts.ring);
     let _ = adapter.notifier.set(session.notifier());
+    opts.stats.set_ring_stats(session.ring_stats());
     ready(mounted.kind);
     let stats = opts.stats.clone();
     session.run_reporting(Arc::new(adapter), &move |t| {
@@ -1032,6 +1033,7 @@ pub fn spawn<F: FileSystem + 'static>(
     let mounted = mount(mountpoint, opts)?;
     let session = Session::new(mounted.channel, opts.threads).with_ring(opts.ring);
     let _ = adapter.notifier.set(session.notifier());
+    opts.stats.set_ring_stats(session.ring_stats());
     let invalidator = Invalidator {
         notifier: session.notifier(),
     };

@@ -33,6 +33,8 @@ pub struct RequestStats {
     nanos: Vec<AtomicU64>,
     /// 1 once the session serves over io_uring, 0 on /dev/fuse.
     ring: AtomicU64,
+    /// How ring workers waited, once the session has started.
+    ring_waits: std::sync::OnceLock<std::sync::Arc<quilt_fusewire::RingStats>>,
 }
 
 impl Default for RequestStats {
@@ -41,6 +43,7 @@ impl Default for RequestStats {
             count: NAMES.iter().map(|_| AtomicU64::new(0)).collect(),
             nanos: NAMES.iter().map(|_| AtomicU64::new(0)).collect(),
             ring: AtomicU64::new(0),
+            ring_waits: Default::default(),
         }
     }
 }
@@ -59,6 +62,10 @@ impl RequestStats {
         self.ring.store(on as u64, Relaxed);
     }
 
+    pub(crate) fn set_ring_stats(&self, s: std::sync::Arc<quilt_fusewire::RingStats>) {
+        let _ = self.ring_waits.set(s);
+    }
+
     /// Whether the session serves over io_uring.
     pub fn ring(&self) -> bool {
         self.ring.load(Relaxed) == 1
@@ -68,6 +75,10 @@ impl RequestStats {
     /// `fuse.<op>.us` for every kind seen at least once.
     pub fn fields(&self) -> Vec<(String, u64)> {
         let mut v = vec![("fuse.io_uring".to_string(), self.ring.load(Relaxed))];
+        if let (Some(w), true) = (self.ring_waits.get(), self.ring()) {
+            v.push(("fuse.ring.waits".to_string(), w.waits()));
+            v.push(("fuse.ring.handoffs".to_string(), w.handed_off()));
+        }
         for (i, name) in NAMES.iter().enumerate() {
             let c = self.count[i].load(Relaxed);
             if c > 0 {

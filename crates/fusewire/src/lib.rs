@@ -10,6 +10,7 @@
 
 pub mod abi;
 mod channel;
+mod handoff;
 pub mod mount;
 mod notify;
 mod reply;
@@ -19,6 +20,7 @@ mod session;
 
 pub use abi::{Attr, Entry};
 pub use channel::Channel;
+pub use handoff::RingStats;
 pub use mount::{mount, unmount, BlockSource, MountKind, MountOptions, Mounted};
 pub use notify::Notifier;
 pub use reply::{DirBuf, Reply, Statfs};

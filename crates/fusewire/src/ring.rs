@@ -222,6 +222,8 @@ pub(crate) struct Worker {
     /// Completions seen while registering that carry requests (a queue can become
     /// ready, and an entry filled, before `register` returns): served first by `run`.
     early: Vec<(usize, i32)>,
+    /// Whether waits hand the CPU to the caller (`handoff.rs`).
+    handoff: Arc<crate::handoff::Handoff>,
 }
 
 /// The one way /dev/fuse is read while the ring serves: a non-blocking descriptor read
@@ -301,6 +303,7 @@ impl Worker {
     pub(crate) fn register(
         master: &Channel,
         dev: Arc<Drainer>,
+        handoff: Arc<crate::handoff::Handoff>,
         qid: u16,
         entries: usize,
         payload: usize,
@@ -321,6 +324,7 @@ impl Worker {
             qid,
             dev,
             early: Vec::new(),
+            handoff,
         };
         for i in 0..w.slots.len() {
             w.push(CMD_REGISTER, 0, i)?;
@@ -365,7 +369,9 @@ impl Worker {
         let mut done: Vec<(usize, i32)> = std::mem::take(&mut self.early);
         while live > 0 {
             if done.is_empty() {
-                match self.ring.submit_and_wait(1) {
+                // The answers staged below are submitted by this same call.
+                let ring = &mut self.ring;
+                match self.handoff.wait(|| ring.submit_and_wait(1)) {
                     Ok(_) => {}
                     Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
                     Err(e) => return Err(e),

@@ -63,6 +63,7 @@ pub struct Session {
     master: Arc<Channel>,
     threads: usize,
     ring: Option<RingOptions>,
+    ring_stats: Arc<crate::handoff::RingStats>,
 }
 
 /// FUSE over io_uring (see `ring`): asked for at INIT when set; used when the kernel
@@ -72,12 +73,16 @@ pub struct RingOptions {
     /// Workers per CPU queue, each pinned to the queue's CPU with one entry (a worker
     /// busy with a slow request, an fsync, leaves the others of its CPU to serve).
     pub threads_per_queue: usize,
+    /// Workers wait under `SCHED_IDLE` while some CPU is idle, so that an answer wakes
+    /// its caller on the worker's CPU instead of an idle one (see `handoff.rs`).
+    pub handoff: bool,
 }
 
 impl Default for RingOptions {
     fn default() -> Self {
         RingOptions {
             threads_per_queue: 2,
+            handoff: true,
         }
     }
 }
@@ -95,7 +100,13 @@ impl Session {
             master: Arc::new(chan),
             threads: threads.max(1),
             ring: None,
+            ring_stats: Arc::default(),
         }
+    }
+
+    /// How the ring workers waited (shared; read it while the session runs).
+    pub fn ring_stats(&self) -> Arc<crate::handoff::RingStats> {
+        self.ring_stats.clone()
     }
 
     /// Serve over io_uring where the kernel offers it.
@@ -206,6 +217,10 @@ impl Session {
         (io::Error, Vec<std::thread::JoinHandle<io::Result<()>>>),
     > {
         let queues = crate::ring::possible_cpus();
+        let handoff = Arc::new(crate::handoff::Handoff::new(
+            opts.handoff,
+            self.ring_stats.clone(),
+        ));
         let mut started = Vec::new();
         let (tx, rx) = std::sync::mpsc::channel::<io::Result<()>>();
         for q in 0..queues {
@@ -213,11 +228,14 @@ impl Session {
                 let (h, d, tx) = (handler.clone(), destroyed.clone(), tx.clone());
                 let master = self.master.clone();
                 let dev = drainer.clone();
+                let handoff = handoff.clone();
                 let spawned = std::thread::Builder::new()
                     .name(format!("fuse-ring-{q}.{t}"))
                     .spawn(move || {
                         let w =
-                            match crate::ring::Worker::register(&master, dev, q as u16, 1, payload)
+                            match crate::ring::Worker::register(
+                            &master, dev, handoff, q as u16, 1, payload,
+                        )
                             {
                                 Ok(w) => {
                                     let _ = tx.send(Ok(()));

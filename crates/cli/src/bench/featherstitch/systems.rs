@@ -138,6 +138,19 @@ pub const SYSTEMS: &[System] = &[
         safe: true,
         opt: None,
     },
+    // The ring without handing the CPU to the caller at each answer (fusewire's
+    // handoff.rs): what keeping caller and worker on one CPU buys on an idle machine.
+    System {
+        name: "quilt-su-nohandoff",
+        what: "quiltfs soft updates over io_uring, no CPU handoff",
+        kind: Kind::Quilt {
+            mode: "soft-updates",
+            unsafe_: false,
+            options: "nohandoff",
+        },
+        safe: true,
+        opt: None,
+    },
     quilt(
         "quilt-su-unsafe",
         "quiltfs soft updates, no flushes",
