@@ -43,9 +43,9 @@ pub struct MountArgs {
     /// over io_uring, each served on its caller's CPU, where the kernel offers it, that
     /// is when /sys/module/fuse/parameters/enable_uring is Y; /dev/fuse otherwise) or
     /// nouring (always /dev/fuse), ring_threads=N (workers per CPU, 2 by default),
-    /// handoff (the default) or nohandoff (ring workers wait under SCHED_IDLE while
-    /// some CPU is idle, so an answer wakes its caller on the worker's CPU, not on an
-    /// idle one),
+    /// handoff (ring workers wait under SCHED_IDLE while some CPU is idle, so an
+    /// answer wakes its caller on the worker's CPU, not on an idle one; off by default,
+    /// nohandoff),
     /// nohard and nomerge (the patch engine's optimizations off, for comparing them);
     /// fstab-only options are ignored.
     #[arg(short = 'o', value_delimiter = ',')]

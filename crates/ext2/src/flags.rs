@@ -130,8 +130,8 @@ impl Ext2 {
     /// Whether changes to `ino` (its data with `SYNC`, its entries with `DIRSYNC` too)
     /// are to be durable before the call returns.
     pub(crate) fn wants_sync(&self, ino: u32, entries: bool) -> bool {
-        let st = self.lock();
         let mask = if entries { SYNC | DIRSYNC } else { SYNC };
-        self.read_inode(&st, ino).is_ok_and(|i| i.flags & mask != 0)
+        self.reading(1, |st| self.read_inode(st, ino))
+            .is_ok_and(|i| i.flags & mask != 0)
     }
 }

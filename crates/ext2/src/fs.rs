@@ -10,7 +10,7 @@ use quilt_vfs::{
 };
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// The consistency mode, chosen at mount.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -180,6 +180,9 @@ pub(crate) struct Counters {
     pub inodes_created: u64,
     pub inodes_freed: u64,
     pub fsyncs: u64,
+    /// Device reads made by changes while holding the state lock alone (misses the
+    /// warm-up did not foresee).
+    pub reads_under_lock: u64,
 }
 
 /// The least size at which the maps of pending frees are pruned.
@@ -237,8 +240,18 @@ pub struct Ext2 {
     pub(crate) error_waiting: std::sync::atomic::AtomicBool,
     /// Damage was found under `Errors::RemountRo`: no more changes.
     pub(crate) errored: std::sync::atomic::AtomicBool,
-    pub(crate) st: Mutex<State>,
+    /// The module's in-memory state. Requests that change nothing share it (several run
+    /// at once); a change holds it alone. Neither holds it across device I/O: reads
+    /// run `without_io` and retry after reading a missed block unlocked (`reading`),
+    /// changes first warm the cache with the blocks they will read (`warm_*`).
+    pub(crate) st: RwLock<State>,
+    /// Device reads made by read-only requests under the shared lock (`reading`).
+    pub(crate) reads_under_shared_lock: std::sync::atomic::AtomicU64,
 }
+
+/// Attempts of a read-only request without device I/O (`reading`) before it reads
+/// under the shared lock.
+const MISS_RETRIES: usize = 8;
 
 /// Fsync lists longer than this fold into one empty patch.
 const HEADS_FOLD: usize = 32;
@@ -372,7 +385,8 @@ impl Ext2 {
             pending_error: Mutex::new(None),
             error_waiting: std::sync::atomic::AtomicBool::new(false),
             errored: std::sync::atomic::AtomicBool::new(false),
-            st: Mutex::new(State {
+            reads_under_shared_lock: Default::default(),
+            st: RwLock::new(State {
                 sb: sb.clone(),
                 gd,
                 freed: HashMap::default(),
@@ -498,8 +512,85 @@ impl Ext2 {
     /// Locks the state. A change needs an op begun first (`begin`): an op waits at the
     /// boundary while a transaction closes, so it must not wait there holding the lock
     /// that the ops in flight need to finish.
-    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    pub(crate) fn lock(&self) -> RwLockWriteGuard<'_, State> {
+        self.st.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Shares the state with other readers (see `reading`).
+    pub(crate) fn read_lock(&self) -> RwLockReadGuard<'_, State> {
+        self.st.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs the read-only `f` under the shared lock without device I/O: when it needs a
+    /// block that is not cached, the lock is let go, the block (and up to `ahead - 1`
+    /// after it: the rest of a file read) is read, and `f` runs again. So a cache miss
+    /// never holds up a change, and other readers never wait for it. `f` must have no
+    /// effects outside its result, as it may run several times.
+    pub(crate) fn reading<T>(
+        &self,
+        ahead: u64,
+        mut f: impl FnMut(&State) -> Result<T>,
+    ) -> Result<T> {
+        let engine = self.engine();
+        for _ in 0..MISS_RETRIES {
+            let (r, missed) = engine.without_io(|| f(&self.read_lock()));
+            match missed {
+                None => return r,
+                Some(b) => engine.prefetch(b, ahead).map_err(Self::io)?,
+            }
+        }
+        // Many blocks missed one after another (a cold directory of many blocks: each
+        // attempt would walk it again): the rest is read under the shared lock.
+        let reads = Engine::thread_reads();
+        let r = f(&self.read_lock());
+        self.reads_under_shared_lock
+            .fetch_add(Engine::thread_reads() - reads, Relaxed);
+        r
+    }
+
+    /// Brings into the cache what a change of `(parent, name)` reads first: the parent's
+    /// inode, its entries up to the name, and the inode it names. The change then holds
+    /// the lock alone without waiting for the device (mostly: what it reads next, a
+    /// bitmap or a map block, may still miss; `fs.reads_under_lock` counts those).
+    pub(crate) fn warm_name(&self, parent: Ino, name: &[u8]) {
+        let _ = self.reading(1, |st| {
+            let p = Self::to_ino(parent)?;
+            let dir = self.read_live_inode(st, p)?;
+            self.warm_bitmaps(st, p)?;
+            if dir.is_dir() {
+                if let Some(e) = self.find_entry(&dir, name)? {
+                    self.read_inode(st, e.inode)?;
+                }
+            }
+            Ok(())
+        });
+    }
+
+    /// [`Ext2::warm_name`] for a change of one inode, and its map around `offset`.
+    pub(crate) fn warm_inode(&self, ino: Ino, offset: Option<u64>) {
+        let _ = self.reading(1, |st| {
+            let i = Self::to_ino(ino)?;
+            let inode = self.read_inode(st, i)?;
+            if let Some(off) = offset {
+                self.bmap(&inode, off / self.geo.bs as u64)?;
+                self.warm_bitmaps(st, i)?;
+            }
+            Ok(())
+        });
+    }
+
+    /// The bitmaps of `ino`'s group, where its new blocks (and a new inode in a
+    /// directory) are looked for first.
+    fn warm_bitmaps(&self, st: &State, ino: u32) -> Result<()> {
+        let g = (ino.saturating_sub(1) / self.geo.ipg) as usize;
+        if let Some(d) = st.gd.get(g) {
+            for b in [d.block_bitmap, d.inode_bitmap] {
+                self.engine()
+                    .with_block(b as u64, |_| ())
+                    .map_err(Self::io)?;
+            }
+        }
+        Ok(())
     }
 
     /// Begins an operation for `ctx`'s process: its changes join the patchgroups that
@@ -545,8 +636,10 @@ impl Ext2 {
         f: impl FnOnce(&Op<'_>, &mut State) -> Result<T>,
     ) -> Result<T> {
         let mut st = self.lock();
+        let reads = Engine::thread_reads();
         let r = f(op, &mut st);
         let w = self.write_groups(op, &mut st);
+        st.counters.reads_under_lock += Engine::thread_reads() - reads;
         drop(st);
         w?;
         self.checked(r)
@@ -885,13 +978,18 @@ impl Ext2 {
     }
 
     pub(crate) fn counters_list(&self) -> Vec<(String, u64)> {
-        let c = self.lock().counters;
+        let c = self.read_lock().counters;
         let mut v: Vec<(String, u64)> = vec![
             ("fs.blocks_allocated".into(), c.blocks_allocated),
             ("fs.blocks_freed".into(), c.blocks_freed),
             ("fs.inodes_created".into(), c.inodes_created),
             ("fs.inodes_freed".into(), c.inodes_freed),
             ("fs.fsyncs".into(), c.fsyncs),
+            ("fs.reads_under_lock".into(), c.reads_under_lock),
+            (
+                "fs.reads_under_shared_lock".into(),
+                self.reads_under_shared_lock.load(Relaxed),
+            ),
         ];
         v.extend(self.svc.counters());
         v
@@ -954,14 +1052,13 @@ impl FileSystem for Ext2 {
         if name.len() > NAME_MAX {
             return Err(FsError::NameTooLong);
         }
-        let st = self.lock();
-        let r = (|| {
-            let dir = self.read_live_inode(&st, Self::to_ino(parent)?)?;
+        let r = self.reading(1, |st| {
+            let dir = self.read_live_inode(st, Self::to_ino(parent)?)?;
             if !dir.is_dir() {
                 return Err(FsError::NotDir);
             }
             let e = self.find_entry(&dir, name)?.ok_or(FsError::NotFound)?;
-            self.attr(&st, e.inode).map_err(|err| match err {
+            self.attr(st, e.inode).map_err(|err| match err {
                 FsError::Stale => corrupt(format!(
                     "directory {parent}: entry '{}' names inode {}, which is not in use",
                     String::from_utf8_lossy(name),
@@ -969,19 +1066,17 @@ impl FileSystem for Ext2 {
                 )),
                 err => err,
             })
-        })();
-        drop(st);
+        });
         self.checked(r)
     }
 
     fn getattr(&self, ino: Ino) -> Result<Attr> {
-        let st = self.lock();
-        let r = self.attr(&st, Self::to_ino(ino)?);
-        drop(st);
+        let r = self.reading(1, |st| self.attr(st, Self::to_ino(ino)?));
         self.checked(r)
     }
 
     fn setattr(&self, ino: Ino, set: SetAttr, ctx: &Ctx) -> Result<Attr> {
+        self.warm_inode(ino, None);
         self.change(ctx, |op, st| {
             self.do_setattr(op, st, Self::to_ino(ino)?, set)
         })
@@ -996,6 +1091,7 @@ impl FileSystem for Ext2 {
                 "mknod makes files, devices, fifos and sockets",
             ));
         }
+        self.warm_name(parent, name);
         let r = self.change(ctx, |op, st| {
             self.create_node(op, st, Self::to_ino(parent)?, name, mode, rdev, None, ctx)
         });
@@ -1003,6 +1099,7 @@ impl FileSystem for Ext2 {
     }
 
     fn tmpfile(&self, parent: Ino, mode: u32, ctx: &Ctx) -> Result<Attr> {
+        self.warm_inode(parent, None);
         let r = self.change(ctx, |op, st| {
             self.create_tmpfile(op, st, Self::to_ino(parent)?, mode, ctx)
         });
@@ -1011,6 +1108,7 @@ impl FileSystem for Ext2 {
 
     fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
         let mode = libc::S_IFDIR | (mode & 0o7777);
+        self.warm_name(parent, name);
         let r = self.change(ctx, |op, st| {
             self.create_node(op, st, Self::to_ino(parent)?, name, mode, 0, None, ctx)
         });
@@ -1018,6 +1116,7 @@ impl FileSystem for Ext2 {
     }
 
     fn unlink(&self, parent: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
+        self.warm_name(parent, name);
         let r = self.change(ctx, |op, st| {
             self.remove_name(op, st, Self::to_ino(parent)?, name, false)
         });
@@ -1025,6 +1124,7 @@ impl FileSystem for Ext2 {
     }
 
     fn rmdir(&self, parent: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
+        self.warm_name(parent, name);
         let r = self.change(ctx, |op, st| {
             self.remove_name(op, st, Self::to_ino(parent)?, name, true)
         });
@@ -1039,6 +1139,7 @@ impl FileSystem for Ext2 {
         if target.len() >= self.geo.bs as usize {
             return Err(FsError::NameTooLong);
         }
+        self.warm_name(parent, name);
         let r = self.change(ctx, |op, st| {
             self.create_node(
                 op,
@@ -1055,9 +1156,7 @@ impl FileSystem for Ext2 {
     }
 
     fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {
-        let st = self.lock();
-        let r = self.do_readlink(&st, Self::to_ino(ino)?);
-        drop(st);
+        let r = self.reading(1, |st| self.do_readlink(st, Self::to_ino(ino)?));
         self.checked(r)
     }
 
@@ -1070,6 +1169,8 @@ impl FileSystem for Ext2 {
         flags: RenameFlags,
         ctx: &Ctx,
     ) -> Result<()> {
+        self.warm_name(parent, name);
+        self.warm_name(new_parent, new_name);
         let r = self.change(ctx, |op, st| {
             self.do_rename(
                 op,
@@ -1086,6 +1187,8 @@ impl FileSystem for Ext2 {
     }
 
     fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8], ctx: &Ctx) -> Result<Attr> {
+        self.warm_inode(ino, None);
+        self.warm_name(new_parent, new_name);
         let r = self.change(ctx, |op, st| {
             self.do_link(
                 op,
@@ -1099,13 +1202,16 @@ impl FileSystem for Ext2 {
     }
 
     fn read(&self, ino: Ino, offset: u64, size: u32) -> Result<Vec<u8>> {
-        let st = self.lock();
-        let r = self.do_read(&st, Self::to_ino(ino)?, offset, size);
-        drop(st);
+        // A miss in the file's data reads ahead over the rest of the request.
+        let ahead = (size as u64).div_ceil(self.geo.bs as u64).clamp(1, 64);
+        let r = self.reading(ahead, |st| {
+            self.do_read(st, Self::to_ino(ino)?, offset, size)
+        });
         self.checked(r)
     }
 
     fn write(&self, ino: Ino, offset: u64, data: &[u8], ctx: &Ctx) -> Result<u32> {
+        self.warm_inode(ino, Some(offset));
         let n = self.change(ctx, |op, st| {
             self.do_write(op, st, Self::to_ino(ino)?, offset, data)
         })?;
@@ -1116,6 +1222,7 @@ impl FileSystem for Ext2 {
     }
 
     fn fallocate(&self, ino: Ino, offset: u64, length: u64, mode: i32, ctx: &Ctx) -> Result<()> {
+        self.warm_inode(ino, Some(offset));
         self.change(ctx, |op, st| {
             self.do_fallocate(op, st, Self::to_ino(ino)?, offset, length, mode)
         })?;
@@ -1126,39 +1233,46 @@ impl FileSystem for Ext2 {
     }
 
     fn get_flags(&self, ino: Ino) -> Result<u32> {
-        let st = self.lock();
-        let r = self.do_get_flags(&st, Self::to_ino(ino)?);
-        drop(st);
+        let r = self.reading(1, |st| self.do_get_flags(st, Self::to_ino(ino)?));
         self.checked(r)
     }
 
     fn set_flags(&self, ino: Ino, flags: u32, ctx: &Ctx) -> Result<()> {
+        self.warm_inode(ino, None);
         self.change(ctx, |op, st| {
             self.do_set_flags(op, st, Self::to_ino(ino)?, flags, ctx)
         })
     }
 
     fn check_open(&self, ino: Ino, open_flags: i32, _ctx: &Ctx) -> Result<()> {
-        let st = self.lock();
-        self.do_check_open(&st, Self::to_ino(ino)?, open_flags)
+        self.reading(1, |st| {
+            self.do_check_open(st, Self::to_ino(ino)?, open_flags)
+        })
     }
 
     fn seek_data(&self, ino: Ino, offset: u64, data: bool) -> Result<u64> {
-        let st = self.lock();
-        let r = self.do_seek_data(&st, Self::to_ino(ino)?, offset, data);
-        drop(st);
+        let r = self.reading(1, |st| {
+            self.do_seek_data(st, Self::to_ino(ino)?, offset, data)
+        });
         self.checked(r)
     }
 
     fn readdir(&self, ino: Ino, offset: u64, emit: &mut dyn FnMut(DirEntry) -> bool) -> Result<()> {
-        let st = self.lock();
-        let r = self.do_readdir(&st, Self::to_ino(ino)?, offset, emit);
-        drop(st);
+        // An attempt cut short by a miss resumes after the last entry it emitted.
+        let mut from = offset;
+        let r = self.reading(1, |st| {
+            self.do_readdir(st, Self::to_ino(ino)?, from, &mut |e: DirEntry| {
+                let next = e.next_offset;
+                let more = emit(e);
+                from = next;
+                more
+            })
+        });
         self.checked(r)
     }
 
     fn statfs(&self) -> Result<StatFs> {
-        let st = self.lock();
+        let st = self.read_lock();
         let free = st.sb.free_blocks_count as u64;
         Ok(StatFs {
             block_size: self.geo.bs,
@@ -1231,26 +1345,24 @@ impl FileSystem for Ext2 {
         flags: XattrFlags,
         ctx: &Ctx,
     ) -> Result<()> {
+        self.warm_inode(ino, None);
         self.change(ctx, |op, st| {
             self.do_setxattr(op, st, Self::to_ino(ino)?, name, Some(value), flags, ctx)
         })
     }
 
     fn getxattr(&self, ino: Ino, name: &[u8]) -> Result<Vec<u8>> {
-        let st = self.lock();
-        let r = self.do_getxattr(&st, Self::to_ino(ino)?, name);
-        drop(st);
+        let r = self.reading(1, |st| self.do_getxattr(st, Self::to_ino(ino)?, name));
         self.checked(r)
     }
 
     fn listxattr(&self, ino: Ino) -> Result<Vec<u8>> {
-        let st = self.lock();
-        let r = self.do_listxattr(&st, Self::to_ino(ino)?);
-        drop(st);
+        let r = self.reading(1, |st| self.do_listxattr(st, Self::to_ino(ino)?));
         self.checked(r)
     }
 
     fn removexattr(&self, ino: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
+        self.warm_inode(ino, None);
         self.change(ctx, |op, st| {
             self.do_setxattr(
                 op,
@@ -1266,6 +1378,7 @@ impl FileSystem for Ext2 {
 
     fn open(&self, ino: Ino) -> Result<()> {
         let ino = Self::to_ino(ino)?;
+        self.reading(1, |st| self.read_live_inode(st, ino))?;
         let mut st = self.lock();
         self.read_live_inode(&st, ino)?;
         *st.open.entry(ino).or_default() += 1;

@@ -243,7 +243,7 @@ impl Ext2 {
 
     /// Takes over the image's journal for the journal modes (after recovery at open).
     pub(crate) fn start_journal(&self, mode: crate::Mode) -> Result<quilt_journal::Journal> {
-        let sb = self.lock().sb.clone();
+        let sb = self.read_lock().sb.clone();
         let map = journal_map(self.engine().device().as_ref(), &sb)?;
         let opts = quilt_journal::JournalOptions {
             data: mode == crate::Mode::FullJournal,

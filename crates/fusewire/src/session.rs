@@ -74,7 +74,9 @@ pub struct RingOptions {
     /// busy with a slow request, an fsync, leaves the others of its CPU to serve).
     pub threads_per_queue: usize,
     /// Workers wait under `SCHED_IDLE` while some CPU is idle, so that an answer wakes
-    /// its caller on the worker's CPU instead of an idle one (see `handoff.rs`).
+    /// its caller on the worker's CPU instead of an idle one (see `handoff.rs`). Off by
+    /// default: it wins only while the server has little work of its own in the
+    /// background.
     pub handoff: bool,
 }
 
@@ -82,7 +84,7 @@ impl Default for RingOptions {
     fn default() -> Self {
         RingOptions {
             threads_per_queue: 2,
-            handoff: true,
+            handoff: false,
         }
     }
 }
@@ -232,23 +234,21 @@ impl Session {
                 let spawned = std::thread::Builder::new()
                     .name(format!("fuse-ring-{q}.{t}"))
                     .spawn(move || {
-                        let w =
-                            match crate::ring::Worker::register(
+                        let w = match crate::ring::Worker::register(
                             &master, dev, handoff, q as u16, 1, payload,
-                        )
-                            {
-                                Ok(w) => {
-                                    let _ = tx.send(Ok(()));
-                                    w
-                                }
-                                Err(e) => {
-                                    let _ = tx.send(Err(io::Error::new(
-                                        e.kind(),
-                                        format!("registering queue {q}: {e}"),
-                                    )));
-                                    return Ok(());
-                                }
-                            };
+                        ) {
+                            Ok(w) => {
+                                let _ = tx.send(Ok(()));
+                                w
+                            }
+                            Err(e) => {
+                                let _ = tx.send(Err(io::Error::new(
+                                    e.kind(),
+                                    format!("registering queue {q}: {e}"),
+                                )));
+                                return Ok(());
+                            }
+                        };
                         w.run(proto, &|req, reply| dispatch(&*h, &d, req, reply))
                     });
                 match spawned {

@@ -7,7 +7,7 @@ use crate::patchgroup::{CallerId, Patchgroups};
 use crate::stats::EngineStats;
 use crate::{PatchError, Result};
 use quilt_block::{BlockDevice, BlockNo};
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -140,6 +140,13 @@ impl Change<'_> {
             Change::Xor { offset, .. } => (offset, offset + 4),
         }
     }
+    /// Whether making this change on a block that is not cached reads it first (a
+    /// whole-block change with hard patches on needs no old contents; see `State::change`).
+    fn needs_old(&self, bs: usize, hard_patches: bool) -> bool {
+        let whole = matches!(self, Change::Zero)
+            || matches!(self, Change::Bytes { offset: 0, bytes } if bytes.len() == bs);
+        !(whole && hard_patches)
+    }
     fn apply(&self, data: &mut [u8]) {
         match *self {
             Change::Bytes { offset, bytes } => {
@@ -186,6 +193,9 @@ pub(crate) struct State {
     pub held_floor: (usize, usize),
     /// The open transaction capture, if a journal is above (`capture.rs`).
     pub(crate) capture: Option<crate::capture::Capture>,
+    /// Blocks some thread is reading from the device outside the lock (`lock_cached`):
+    /// others wanting them wait for that read instead of issuing their own.
+    pub reading: HashSet<BlockNo>,
 }
 
 pub(crate) struct Shared {
@@ -203,6 +213,8 @@ pub(crate) struct Shared {
     /// Operations in flight, and whether a transaction is closing (`services.rs`).
     pub gate: Mutex<Gate>,
     pub gate_cv: Condvar,
+    /// Signalled when a block read outside the state lock (`lock_cached`) is in.
+    pub read_cv: Condvar,
 }
 
 /// The operation boundary: a transaction closes only while no operation is in flight.
@@ -216,7 +228,21 @@ thread_local! {
     /// Ops this thread has open (on any engine): a nested op must not wait for a close
     /// that its outer op holds up.
     static OPS_HELD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Inside `without_io`: a block that is not cached is not read; the access fails
+    /// and the block is remembered in `MISSED`.
+    static NO_IO: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static MISSED: std::cell::Cell<Option<BlockNo>> = const { std::cell::Cell::new(None) };
+    /// A change inside an op found the cache or the graph over its limit: the
+    /// write-back is run when the thread's outermost op ends, with the module's locks
+    /// released (`Engine::throttle_due`).
+    static THROTTLE_DUE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Device reads made by this thread (a module counts those made under its locks).
+    static THREAD_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
+
+/// How many times a read outside the lock is retried when blocks were evicted while it
+/// ran (its copy might predate a write-back) before reading under the lock.
+const READ_RETRIES: usize = 3;
 
 /// The patch engine: block cache, patch graph, write-back and patchgroups.
 #[derive(Clone)]
@@ -253,6 +279,7 @@ impl Engine {
                     failed: None,
                     held_floor: (0, 0),
                     capture: None,
+                    reading: HashSet::default(),
                 }),
                 epoch: Mutex::new(()),
                 dev,
@@ -263,6 +290,7 @@ impl Engine {
                 kicked: AtomicBool::new(false),
                 gate: Mutex::new(Gate::default()),
                 gate_cv: Condvar::new(),
+                read_cv: Condvar::new(),
             }),
         };
         if let Some(ms) = engine.sh.opts.flush_interval_ms {
@@ -363,12 +391,93 @@ impl Engine {
     /// Runs `f` on the newest contents of `block` without copying it.
     pub fn with_block<R>(&self, block: BlockNo, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         let r = {
-            let mut st = self.lock();
+            let mut st = self.lock_cached(block)?;
             let b = st.load(&self.sh, block, Init::Read)?;
             f(&b.data)
         };
-        self.keep_budget()?;
+        // A read adds nothing dirty: it may evict clean blocks, never write back.
+        self.lock().evict(self.sh.opts.cache_bytes_max);
         Ok(r)
+    }
+
+    /// The state lock, with `block` in the cache. A block that is not cached is read from
+    /// the device *without* the lock held (a cache miss must not stall every other user
+    /// of the engine), by one thread at a time: others wanting it wait for that read.
+    /// Inside `without_io` a miss is not read: it fails with `PatchError::Miss`.
+    fn lock_cached(&self, block: BlockNo) -> Result<MutexGuard<'_, State>> {
+        let count = self.sh.dev.block_count();
+        let mut st = self.lock();
+        let mut retries = 0;
+        loop {
+            if st.blocks.contains_key(&block) || block >= count {
+                // (Out of range: `load` reports it.)
+                return Ok(st);
+            }
+            if NO_IO.with(|n| n.get()) {
+                MISSED.with(|m| m.set(Some(block)));
+                return Err(PatchError::Miss(block));
+            }
+            if retries >= READ_RETRIES {
+                // Evictions kept racing the read: `load` reads under the lock.
+                return Ok(st);
+            }
+            if st.reading.contains(&block) {
+                st = self.sh.read_cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                continue;
+            }
+            st.reading.insert(block);
+            let evictions = st.stats.evictions;
+            drop(st);
+            let mut data = vec![0u8; self.sh.block_size];
+            let read = self.sh.dev.read(block, &mut data);
+            THREAD_READS.with(|n| n.set(n.get() + 1));
+            st = self.lock();
+            st.reading.remove(&block);
+            self.sh.read_cv.notify_all();
+            read?;
+            // Someone may have cached it meanwhile (a whole-block write of a fresh block:
+            // theirs is newer). If blocks were evicted while the read ran, this one may
+            // have been cached, changed, written back and evicted meanwhile, and the copy
+            // read may predate that: read again.
+            if !st.blocks.contains_key(&block) {
+                if st.stats.evictions != evictions {
+                    retries += 1;
+                    continue;
+                }
+                st.insert_block(block, crate::block_buf(data));
+            }
+            return Ok(st);
+        }
+    }
+
+    /// Runs `f` with device reads forbidden on this thread: an access to a block that is
+    /// not cached fails (`PatchError::Miss`) instead of reading it. Returns `f`'s result
+    /// and the first block missed, if any; the caller, holding no lock, reads it with
+    /// [`Engine::prefetch`] and runs `f` again. A module holding a lock while it reads
+    /// its metadata uses this so the lock is never held across device I/O.
+    pub fn without_io<R>(&self, f: impl FnOnce() -> R) -> (R, Option<BlockNo>) {
+        let outer = NO_IO.with(|n| n.replace(true));
+        MISSED.with(|m| m.set(None));
+        let r = f();
+        NO_IO.with(|n| n.set(outer));
+        (r, MISSED.with(|m| m.take()))
+    }
+
+    /// Brings `block` and up to `count - 1` blocks after it into the cache (those not
+    /// cached yet), reading without the state lock.
+    pub fn prefetch(&self, block: BlockNo, count: u64) -> Result<()> {
+        let end = block
+            .saturating_add(count.max(1))
+            .min(self.sh.dev.block_count());
+        for b in block..end.max(block + 1) {
+            drop(self.lock_cached(b)?);
+        }
+        Ok(())
+    }
+
+    /// Device reads made so far by the calling thread (through any engine).
+    pub fn thread_reads() -> u64 {
+        THREAD_READS.with(|n| n.get())
     }
 
     /// Writes `bytes` at `offset` of `block`, after `befores`. Returns the patch that
@@ -525,7 +634,11 @@ impl Engine {
             });
         }
         let id = {
-            let mut st = self.lock();
+            let mut st = if change.needs_old(bs, self.sh.opts.hard_patches) {
+                self.lock_cached(block)?
+            } else {
+                self.lock()
+            };
             st.check_failed()?;
             let id = st.change(&self.sh, block, change, befores, opts)?;
             st.debug_check();
@@ -550,7 +663,7 @@ impl Engine {
         let max = self.sh.opts.cache_bytes_max;
         let live_max = self.sh.opts.patches_live_max;
         let bs = self.sh.block_size;
-        let (over_cache, over_patches, past_half) = {
+        let (over_cache, over_patches, past_half, far_over) = {
             let mut st = self.lock();
             st.evict(max);
             let (held_live, held_dirty) = st.held_floor;
@@ -561,17 +674,38 @@ impl Engine {
                 st.cached_bytes > max && dirty_bytes > max / 8 && ready,
                 live > live_max && ready,
                 live > live_max / 2 || dirty_bytes > max / 2,
+                // So far over that one long op (a huge truncate) must not wait for its end.
+                live > live_max.saturating_mul(4) || st.cached_bytes > max.saturating_mul(2),
             )
         };
         if past_half && self.sh.flusher_running.load(Ordering::Relaxed) {
             self.kick_flusher();
         }
         if over_patches || over_cache {
-            self.lock().stats.throttled_writebacks += 1;
-            self.write_back_ready()?;
+            if OPS_HELD.with(|n| n.get()) > 0 && !far_over {
+                // Inside an op the module may hold its locks: write back when the op
+                // ends (`throttle_due`), not across them.
+                THROTTLE_DUE.with(|t| t.set(true));
+                return Ok(());
+            }
+            self.throttle()?;
         }
-        if over_cache || over_patches {
-            self.lock().evict(max);
+        Ok(())
+    }
+
+    /// The throttling write-back: everything ready, then eviction.
+    fn throttle(&self) -> Result<()> {
+        self.lock().stats.throttled_writebacks += 1;
+        self.write_back_ready()?;
+        self.lock().evict(self.sh.opts.cache_bytes_max);
+        Ok(())
+    }
+
+    /// Runs the write-back a change inside the ending op found due (see `keep_budget`).
+    /// Called at the end of the thread's outermost op, with no module lock held.
+    pub(crate) fn throttle_due(&self) -> Result<()> {
+        if THROTTLE_DUE.with(|t| t.replace(false)) {
+            self.throttle()?;
         }
         Ok(())
     }
@@ -665,29 +799,38 @@ impl State {
             }
             let data: crate::BlockBuf = match init {
                 Init::Read => {
+                    // Engine calls bring the block in first, without the lock
+                    // (`lock_cached`); this is the fallback under it.
                     let mut data = vec![0u8; sh.block_size];
                     sh.dev.read(block, &mut data)?;
+                    THREAD_READS.with(|n| n.set(n.get() + 1));
                     crate::block_buf(data)
                 }
                 Init::Zero => crate::block_buf(vec![0u8; sh.block_size]),
                 Init::Bytes(b) => crate::block_buf(b.to_vec()),
             };
-            self.stats.cache_misses += 1;
-            self.cached_bytes += sh.block_size;
-            self.blocks.insert(
-                block,
-                CachedBlock {
-                    data,
-                    pending: Vec::new(),
-                    overlap_index: Vec::new(),
-                    extern_afters: 0,
-                    hard: None,
-                    last_use: 0,
-                },
-            );
+            self.insert_block(block, data);
         }
         self.touch(block);
         Ok(self.blocks.get_mut(&block).expect("just inserted"))
+    }
+
+    /// Caches `block` (not cached yet) with `data` and no pending patches.
+    pub fn insert_block(&mut self, block: BlockNo, data: crate::BlockBuf) {
+        self.stats.cache_misses += 1;
+        self.cached_bytes += data.len();
+        self.blocks.insert(
+            block,
+            CachedBlock {
+                data,
+                pending: Vec::new(),
+                overlap_index: Vec::new(),
+                extern_afters: 0,
+                hard: None,
+                last_use: 0,
+            },
+        );
+        self.touch(block);
     }
 
     /// Evicts least recently used clean blocks until the cache fits `max` bytes, and then
@@ -910,12 +1053,10 @@ impl State {
         opts: ChangeOpts,
     ) -> Result<PatchId> {
         let bs = sh.block_size;
-        let whole = matches!(change, Change::Zero)
-            || matches!(change, Change::Bytes { offset: 0, bytes } if bytes.len() == bs);
         // A block that is not cached has no pending patches, so a whole-block change can
         // become a hard patch without knowing the old contents.
         let init = match change {
-            _ if !(whole && sh.opts.hard_patches) => Init::Read,
+            _ if change.needs_old(bs, sh.opts.hard_patches) => Init::Read,
             Change::Bytes { bytes, .. } => Init::Bytes(bytes),
             _ => Init::Zero,
         };

@@ -100,6 +100,9 @@ pub enum PatchError {
     /// A transaction service found its log damaged, or stopped after a failure.
     #[error("{0}")]
     Damaged(String),
+    /// Inside `Engine::without_io`: the block is not cached and was not read.
+    #[error("block {0} is not cached (no device reads here)")]
+    Miss(BlockNo),
 }
 
 impl PatchError {
@@ -115,6 +118,7 @@ impl PatchError {
             PatchError::Patchgroup(e) => e.errno(),
             PatchError::Invalid(_) => libc_errno::EINVAL,
             PatchError::Damaged(_) => libc_errno::EIO,
+            PatchError::Miss(_) => libc_errno::EAGAIN,
         }
     }
 }

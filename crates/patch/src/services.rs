@@ -318,6 +318,9 @@ impl<'s> Op<'s> {
         if !self.svc.inner.engine.op_leave() {
             return Ok(());
         }
+        // Write-back that a change inside the op found due, now that the module's
+        // locks are released.
+        self.svc.inner.engine.throttle_due()?;
         match self.svc.txn() {
             Some(t) => t.op_end(),
             None => Ok(()),
@@ -329,8 +332,9 @@ impl Drop for Op<'_> {
     /// An op dropped without `end` (an early error return) still leaves the boundary,
     /// so a transaction waiting to close is not held up forever.
     fn drop(&mut self) {
-        if !self.ended {
-            self.svc.inner.engine.op_leave();
+        if !self.ended && self.svc.inner.engine.op_leave() {
+            // An error here is the engine's failure, which it keeps and reports.
+            let _ = self.svc.inner.engine.throttle_due();
         }
     }
 }

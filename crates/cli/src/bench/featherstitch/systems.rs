@@ -138,15 +138,15 @@ pub const SYSTEMS: &[System] = &[
         safe: true,
         opt: None,
     },
-    // The ring without handing the CPU to the caller at each answer (fusewire's
-    // handoff.rs): what keeping caller and worker on one CPU buys on an idle machine.
+    // The ring handing the CPU to the caller at each answer (fusewire's handoff.rs,
+    // off by default): what keeping caller and worker on one CPU buys.
     System {
-        name: "quilt-su-nohandoff",
-        what: "quiltfs soft updates over io_uring, no CPU handoff",
+        name: "quilt-su-handoff",
+        what: "quiltfs soft updates over io_uring, CPU handoff",
         kind: Kind::Quilt {
             mode: "soft-updates",
             unsafe_: false,
-            options: "nohandoff",
+            options: "handoff",
         },
         safe: true,
         opt: None,
