@@ -1263,9 +1263,11 @@ impl FileSystem for Ext2 {
         let r = self.reading(1, |st| {
             self.do_readdir(st, Self::to_ino(ino)?, from, &mut |e: DirEntry| {
                 let next = e.next_offset;
-                let more = emit(e);
-                from = next;
-                more
+                let taken = emit(e);
+                if taken {
+                    from = next;
+                }
+                taken
             })
         });
         self.checked(r)
