@@ -80,19 +80,28 @@ impl Handoff {
         }
     }
 
-    /// Runs `wait` (a worker's submit-and-wait) under `SCHED_IDLE` when handing off.
-    pub(crate) fn wait<R>(&self, wait: impl FnOnce() -> R) -> R {
+    /// A worker's submit-and-wait: `submit_and_wait` in one call, or when handing off,
+    /// `submit` (the answers, which wake their callers) under `SCHED_IDLE` and then
+    /// `submit_and_wait` (which has nothing left to submit) as a normal thread. Only the
+    /// submission is idle: a worker woken for its next request must not wait behind
+    /// other threads of its CPU (the server's flusher, the kernel's writeback).
+    pub(crate) fn wait<R>(
+        &self,
+        answers: bool,
+        submit: impl FnOnce() -> R,
+        submit_and_wait: impl FnOnce() -> R,
+    ) -> R {
         self.stats.waits.fetch_add(1, Relaxed);
-        if !self.active() {
-            return wait();
+        if !answers || !self.active() {
+            return submit_and_wait();
         }
         self.stats.handed.fetch_add(1, Relaxed);
         set_policy(libc::SCHED_IDLE);
-        let r = wait();
+        let _ = submit();
         if !set_policy(libc::SCHED_OTHER) {
             tracing::warn!("FUSE ring: could not leave SCHED_IDLE");
         }
-        r
+        submit_and_wait()
     }
 
     fn active(&self) -> bool {

@@ -369,9 +369,14 @@ impl Worker {
         let mut done: Vec<(usize, i32)> = std::mem::take(&mut self.early);
         while live > 0 {
             if done.is_empty() {
-                // The answers staged below are submitted by this same call.
-                let ring = &mut self.ring;
-                match self.handoff.wait(|| ring.submit_and_wait(1)) {
+                // The answers staged below are submitted here.
+                let answers = !self.ring.submission().is_empty();
+                let ring = std::cell::RefCell::new(&mut self.ring);
+                match self.handoff.wait(
+                    answers,
+                    || ring.borrow_mut().submit(),
+                    || ring.borrow_mut().submit_and_wait(1),
+                ) {
                     Ok(_) => {}
                     Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
                     Err(e) => return Err(e),
