@@ -7,21 +7,26 @@
 //! this machine a 20,000-file untar took 7.4-8.3 s that way, 3.1 s when the other CPU
 //! was busy with anything else (the caller then stays put). A CPU whose only runnable
 //! task has the `SCHED_IDLE` policy counts as idle to the wakeup placement, and a
-//! waking task preempts such a task at once: so a worker waits for its ring (the
-//! answer is submitted in the same call) under `SCHED_IDLE`, and the caller is woken
-//! on the worker's CPU, where its next request is served without a cross-CPU wakeup.
+//! waking task preempts such a task at once: so a worker submits its answers under
+//! `SCHED_IDLE`, the caller is woken on the worker's CPU, and its next request is
+//! served there without a cross-CPU wakeup. The worker then waits for that request as
+//! a normal thread.
 //!
-//! The cost: while it is `SCHED_IDLE`, a worker that other tasks compete with for its
-//! CPU waits longer to be picked (the same untar with two busy loops beside it: 4.4 s
-//! against 3.3 s; with four: 5.6 s against 3.8 s). So the policy is used only while
-//! the machine has at least half a CPU idle (sampled from /proc/stat at most every
-//! 100 ms): when every CPU is busy the caller stays on its CPU anyway. That is not
-//! enough to make it a default: in the full benchmark (83,731 entries, the server's
-//! own flusher writing back throughout) the untar was no faster (25.5 s against
-//! 25.0 s) and the delete slower (6.65 s against 5.49 s), the worker waiting behind
-//! the flusher and the kernel's writeback threads. So it is a mount option. Switching back from `SCHED_IDLE` needs CAP_SYS_NICE
-//! or an RLIMIT_NICE that allows nice 0, so it is probed once on a throwaway thread; an
-//! unprivileged server that may not switch back never switches.
+//! The cost: a `SCHED_IDLE` worker that other tasks compete with for its CPU waits
+//! longer to be picked (a first version that also waited under `SCHED_IDLE`: the same
+//! untar with two busy loops beside it 4.4 s against 3.3 s, with four 5.6 s against
+//! 3.8 s). So the policy is used only while the machine has at least half a CPU idle
+//! (sampled from /proc/stat at most every 100 ms): when every CPU is busy the caller
+//! stays on its CPU anyway. That is not enough to make it a default: in the full
+//! benchmark (83,731 entries, the server's own flusher writing back throughout) the
+//! untar was no faster (25.04 s against 23.91 s) and the delete slower (6.66 s against
+//! 6.04 s), the caller mostly staying put anyway and the worker waiting behind the
+//! flusher and the kernel's writeback threads; a 20,000-entry untar alone, with little
+//! write-back, took 4.0-4.2 s against 7.2-8.2 s. So it is a mount option.
+//!
+//! Switching back from `SCHED_IDLE` needs CAP_SYS_NICE or an RLIMIT_NICE that allows
+//! nice 0, so it is probed once on a throwaway thread; an unprivileged server that may
+//! not switch back never switches.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
