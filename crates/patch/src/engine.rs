@@ -1352,9 +1352,17 @@ impl State {
             return None;
         }
         let target = match probe.kind {
-            Kind::Bit { offset, .. } => {
+            Kind::Bit { offset, xor, .. } => {
                 // Merge with the one patch on this word, if it is a bit patch. (Any other
-                // patch touching the word would fix an order between them.)
+                // patch touching the word would fix an order between them.) Disjoint bits
+                // merge only when both wait for the same patches: neither depends on the
+                // other (XORs of disjoint bits commute), and whatever comes to depend on
+                // one would otherwise wait for the other's befores too. An inode
+                // allocated in the word of an inode just freed joined the free's patch,
+                // which waits for the freed inode's cleared record, and that for the
+                // entry's removal: a mail server creating and deleting a file per
+                // message chained every message behind the one before, an epoch and a
+                // flush per link.
                 let word = Patch::new(
                     Some(block),
                     Kind::Byte {
@@ -1372,7 +1380,14 @@ impl State {
                     .filter(|&p| self.g.get(p).overlaps(&word))
                     .collect();
                 match on_word[..] {
-                    [t] if matches!(self.g.get(t).kind, Kind::Bit { .. }) => t,
+                    [t] => match self.g.get(t).kind {
+                        Kind::Bit { xor: tx, .. }
+                            if tx & xor != 0 || self.same_befores(t, befores) =>
+                        {
+                            t
+                        }
+                        _ => return None,
+                    },
                     _ => return None,
                 }
             }
@@ -1396,6 +1411,17 @@ impl State {
             return None;
         }
         Some(target)
+    }
+
+    /// Whether the live befores of `t` are exactly `befores` (as sets).
+    fn same_befores(&self, t: PatchId, befores: &[PatchId]) -> bool {
+        let live = |ids: &[PatchId]| -> Vec<PatchId> {
+            let mut v: Vec<PatchId> = ids.iter().filter_map(|&b| self.g.resolve(b)).collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        live(&self.g.get(t).befores) == live(befores)
     }
 
     /// The newest rollbackable byte patch on `block`, not being written, whose bytes end

@@ -150,6 +150,32 @@ fn bit_patches_on_one_word_merge_and_commute() {
 }
 
 #[test]
+fn a_bit_does_not_merge_into_a_disjoint_bit_that_waits_for_another_block() {
+    let (e, dev) = setup(opts(false, true));
+    // A freed inode's bit waits for its cleared record (block 5); another inode of the
+    // same bitmap word is then allocated, which depends on nothing.
+    let cleared = e.write(5, 0, &[9], &[], NONE).unwrap();
+    let free = e.xor_bits(4, 0, 1 << 3, &[cleared], NONE).unwrap();
+    let alloc = e.xor_bits(4, 0, 1 << 4, &[], NONE).unwrap();
+    assert_ne!(free, alloc, "merged into the free's patch");
+    e.flush_until(alloc).unwrap();
+    assert!(e.is_durable(alloc));
+    assert!(
+        !e.is_durable(cleared) && !e.is_durable(free),
+        "the allocation waited for the free's record"
+    );
+    assert_eq!(disk(&dev, 4)[0], 1 << 4, "the free's bit was rolled back");
+    assert_eq!(disk(&dev, 5)[0], 0);
+    // Bits with the same befores still merge (the test above), and so do changes of a
+    // common bit (they depend on each other anyway).
+    let again = e.xor_bits(4, 0, 1 << 3, &[], NONE).unwrap();
+    assert_eq!(again, free, "a change of the same bit joins its patch");
+    e.sync().unwrap();
+    assert_eq!(disk(&dev, 4)[0], 1 << 4);
+    assert_eq!(disk(&dev, 5)[0], 9);
+}
+
+#[test]
 fn flush_until_writes_only_what_the_patch_needs() {
     let (e, dev) = setup(EngineOptions::default());
     let a = e.write(1, 0, &[1], &[], NONE).unwrap();
