@@ -19,7 +19,7 @@ use quilt_vfs::{FsError, Result};
 /// The candidates are found in one look at the bitmap block; the cost is a map lookup
 /// per pending one passed over.
 const FRESH_SKIPS: usize = 4096;
-const FRESH_SKIPS_JOURNAL: usize = 4096;
+const FRESH_SKIPS_JOURNAL: usize = 1024;
 
 impl Ext2 {
     /// Finds up to `want` zero bits in `bitmap` among the first `limit` bits, in order
