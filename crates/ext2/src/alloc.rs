@@ -224,7 +224,7 @@ impl Ext2 {
         dir: bool,
     ) -> Result<(u32, PatchId)> {
         let ng = self.geo.groups;
-        let pg = (parent.saturating_sub(1)) / self.geo.ipg;
+        let pg = self.group_of_inode(parent);
         let start = if dir {
             let avg_free = st.sb.free_inodes_count / ng;
             let mut best: Option<u32> = None;
@@ -285,7 +285,7 @@ impl Ext2 {
         dir: bool,
         befores: Head,
     ) -> Result<()> {
-        let g = (ino - 1) / self.geo.ipg;
+        let g = self.group_of_inode(ino);
         let bit = (ino - 1) % self.geo.ipg;
         let bitmap = st.gd[g as usize].inode_bitmap;
         if !self.bit_is_set(bitmap, bit)? {
@@ -302,6 +302,11 @@ impl Ext2 {
         st.sb.free_inodes_count = st.sb.free_inodes_count.saturating_add(1);
         self.write_gd(st, g)?;
         Ok(())
+    }
+
+    /// The block group holding inode `ino`'s slot.
+    pub(crate) fn group_of_inode(&self, ino: u32) -> u32 {
+        ino.saturating_sub(1) / self.geo.ipg
     }
 
     pub(crate) fn group_of_block(&self, blk: u32) -> u32 {

@@ -327,7 +327,7 @@ impl Ext2 {
         let mut befores = vec![bit];
         let bs = self.geo.bs;
         let goal = {
-            let g = (ino - 1) / self.geo.ipg;
+            let g = self.group_of_inode(ino);
             st.gd[g as usize].inode_table + self.geo.itb
         };
         let mut block_with = |st: &mut State, inode: &mut Inode, content: &[u8]| -> Result<()> {

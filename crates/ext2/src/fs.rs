@@ -582,7 +582,7 @@ impl Ext2 {
     /// The bitmaps of `ino`'s group, where its new blocks (and a new inode in a
     /// directory) are looked for first.
     fn warm_bitmaps(&self, st: &State, ino: u32) -> Result<()> {
-        let g = (ino.saturating_sub(1) / self.geo.ipg) as usize;
+        let g = self.group_of_inode(ino) as usize;
         if let Some(d) = st.gd.get(g) {
             for b in [d.block_bitmap, d.inode_bitmap] {
                 self.engine()

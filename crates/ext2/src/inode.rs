@@ -754,7 +754,7 @@ impl Ext2 {
                 }
             }
         }
-        let g = (ino - 1) / self.geo.ipg;
+        let g = self.group_of_inode(ino);
         st.gd[g as usize].inode_table + self.geo.itb
     }
 

@@ -28,6 +28,8 @@
 //! nice 0, so it is probed once on a throwaway thread; an unprivileged server that may
 //! not switch back never switches.
 
+use io_uring::{cqueue, squeue, IoUring};
+use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -85,28 +87,27 @@ impl Handoff {
         }
     }
 
-    /// A worker's submit-and-wait: `submit_and_wait` in one call, or when handing off,
-    /// `submit` (the answers, which wake their callers) under `SCHED_IDLE` and then
-    /// `submit_and_wait` (which has nothing left to submit) as a normal thread. Only the
-    /// submission is idle: a worker woken for its next request must not wait behind
-    /// other threads of its CPU (the server's flusher, the kernel's writeback).
-    pub(crate) fn wait<R>(
+    /// A worker's submit-and-wait on its ring: one call, or when handing off, the
+    /// answers (which wake their callers) submitted under `SCHED_IDLE` and then the wait
+    /// as a normal thread. Only the submission is idle: a worker woken for its next
+    /// request must not wait behind other threads of its CPU (the server's flusher, the
+    /// kernel's writeback).
+    pub(crate) fn submit_and_wait(
         &self,
-        answers: bool,
-        submit: impl FnOnce() -> R,
-        submit_and_wait: impl FnOnce() -> R,
-    ) -> R {
+        ring: &mut IoUring<squeue::Entry128, cqueue::Entry>,
+    ) -> io::Result<usize> {
         self.stats.waits.fetch_add(1, Relaxed);
-        if !answers || !self.active() {
-            return submit_and_wait();
+        if ring.submission().is_empty() || !self.active() {
+            return ring.submit_and_wait(1);
         }
         self.stats.handed.fetch_add(1, Relaxed);
         set_policy(libc::SCHED_IDLE);
-        let _ = submit();
+        // A failed submission is retried by the wait below.
+        let _ = ring.submit();
         if !set_policy(libc::SCHED_OTHER) {
             tracing::warn!("FUSE ring: could not leave SCHED_IDLE");
         }
-        submit_and_wait()
+        ring.submit_and_wait(1)
     }
 
     fn active(&self) -> bool {

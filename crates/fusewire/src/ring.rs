@@ -370,13 +370,7 @@ impl Worker {
         while live > 0 {
             if done.is_empty() {
                 // The answers staged below are submitted here.
-                let answers = !self.ring.submission().is_empty();
-                let ring = std::cell::RefCell::new(&mut self.ring);
-                match self.handoff.wait(
-                    answers,
-                    || ring.borrow_mut().submit(),
-                    || ring.borrow_mut().submit_and_wait(1),
-                ) {
+                match self.handoff.submit_and_wait(&mut self.ring) {
                     Ok(_) => {}
                     Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
                     Err(e) => return Err(e),

@@ -390,13 +390,10 @@ impl Engine {
 
     /// Runs `f` on the newest contents of `block` without copying it.
     pub fn with_block<R>(&self, block: BlockNo, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-        let r = {
-            let mut st = self.lock_cached(block)?;
-            let b = st.load(&self.sh, block, Init::Read)?;
-            f(&b.data)
-        };
+        let mut st = self.lock_cached(block)?;
+        let r = f(&st.load(&self.sh, block, Init::Read)?.data);
         // A read adds nothing dirty: it may evict clean blocks, never write back.
-        self.lock().evict(self.sh.opts.cache_bytes_max);
+        st.evict(self.sh.opts.cache_bytes_max);
         Ok(r)
     }
 
@@ -469,7 +466,8 @@ impl Engine {
         let end = block
             .saturating_add(count.max(1))
             .min(self.sh.dev.block_count());
-        for b in block..end.max(block + 1) {
+        // (A block past the end is not read here; the access itself reports it.)
+        for b in block..end {
             drop(self.lock_cached(b)?);
         }
         Ok(())
@@ -830,6 +828,7 @@ impl State {
                 last_use: 0,
             },
         );
+        // Into the LRU now: a block read ahead (`prefetch`) may never be accessed.
         self.touch(block);
     }
 
