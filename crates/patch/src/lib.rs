@@ -51,7 +51,7 @@ mod stats;
 pub mod synth;
 
 pub use capture::CapturedTxn;
-pub use engine::{ChangeOpts, Durability, Engine, EngineOptions};
+pub use engine::{ChangeOpts, Durability, Engine, EngineOptions, RUN_BLOCKS_MAX};
 pub use epoch::EpochReport;
 pub use graph::PatchId;
 pub use patchgroup::{CallerId, PatchgroupError, PatchgroupId};

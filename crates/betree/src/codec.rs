@@ -1,0 +1,111 @@
+//! Bounds-checked little-endian encoding, and the checksum every on-disk structure
+//! carries. Decoding never panics: a short or damaged buffer is a `Corrupt` error.
+
+use crate::Error;
+
+static CRC32C: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI);
+
+/// crc32c of `parts`, concatenated.
+pub fn crc32c(parts: &[&[u8]]) -> u32 {
+    let mut d = CRC32C.digest();
+    for p in parts {
+        d.update(p);
+    }
+    d.finalize()
+}
+
+/// Appends little-endian values to a byte vector.
+#[derive(Default)]
+pub struct Writer {
+    pub buf: Vec<u8>,
+}
+
+impl Writer {
+    pub fn with_capacity(n: usize) -> Writer {
+        Writer {
+            buf: Vec::with_capacity(n),
+        }
+    }
+    pub fn u8(&mut self, v: u8) {
+        self.buf.push(v);
+    }
+    pub fn u16(&mut self, v: u16) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn u32(&mut self, v: u32) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn u64(&mut self, v: u64) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+    /// A byte string with a 32-bit length.
+    pub fn bytes(&mut self, b: &[u8]) {
+        self.u32(b.len() as u32);
+        self.buf.extend_from_slice(b);
+    }
+    pub fn raw(&mut self, b: &[u8]) {
+        self.buf.extend_from_slice(b);
+    }
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+    /// Pads with zeros to a multiple of `align`.
+    pub fn pad_to(&mut self, align: usize) {
+        let n = self.buf.len().div_ceil(align) * align;
+        self.buf.resize(n, 0);
+    }
+    pub fn put_u32_at(&mut self, at: usize, v: u32) {
+        self.buf[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// Reads little-endian values; every read checks the bounds.
+pub struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(buf: &'a [u8], what: &'static str) -> Reader<'a> {
+        Reader { buf, pos: 0, what }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], Error> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| Error::Corrupt(format!("{}: truncated at byte {}", self.what, self.pos)))?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    pub fn u8(&mut self) -> Result<u8, Error> {
+        Ok(self.take(1)?[0])
+    }
+    pub fn u16(&mut self) -> Result<u16, Error> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2 bytes")))
+    }
+    pub fn u32(&mut self) -> Result<u32, Error> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    pub fn u64(&mut self) -> Result<u64, Error> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    pub fn bytes(&mut self) -> Result<&'a [u8], Error> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    pub fn skip(&mut self, n: usize) -> Result<(), Error> {
+        self.take(n).map(|_| ())
+    }
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+    pub fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+    pub fn corrupt(&self, why: impl std::fmt::Display) -> Error {
+        Error::Corrupt(format!("{}: {why}", self.what))
+    }
+}

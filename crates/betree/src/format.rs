@@ -1,0 +1,253 @@
+//! The image's fixed structures: the two alternating headers, the block translation
+//! table (node id → extent) and the log blocks. Each carries a magic, a version and a
+//! crc32c; a damaged one is a typed error.
+//!
+//! Layout: block 0 and block 1 are the header slots (checkpoint `g` writes slot `g % 2`);
+//! the log region follows; node and table extents fill the rest.
+
+use crate::codec::{crc32c, Reader, Writer};
+use crate::node::NodeId;
+use crate::{Error, Result};
+use quilt_block::BlockNo;
+
+const HEADER_MAGIC: u64 = u64::from_le_bytes(*b"QBETREE1");
+const TABLE_MAGIC: u32 = u32::from_le_bytes(*b"QBTT");
+const LOG_MAGIC: u32 = u32::from_le_bytes(*b"QBLG");
+pub const VERSION: u32 = 1;
+pub const HEADER_SLOTS: u64 = 2;
+
+/// A run of blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Extent {
+    pub start: BlockNo,
+    pub blocks: u64,
+}
+
+/// The tree's shape, fixed at creation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    pub block_size: usize,
+    pub node_bytes: usize,
+    pub basement_bytes: usize,
+    pub fanout: usize,
+    pub log_first: BlockNo,
+    pub log_blocks: u64,
+}
+
+impl Geometry {
+    pub fn data_first(&self) -> BlockNo {
+        self.log_first + self.log_blocks
+    }
+    pub fn max_key(&self) -> usize {
+        (self.node_bytes / (4 * self.fanout)).clamp(16, 4096)
+    }
+    pub fn max_value(&self) -> usize {
+        self.node_bytes / 4
+    }
+}
+
+/// One checkpoint's header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// Random at creation: log blocks of an older tree on the same device never match.
+    pub instance: u64,
+    pub generation: u64,
+    pub geo: Geometry,
+    pub root: NodeId,
+    pub table: Extent,
+    pub table_crc: u32,
+    pub next_node: NodeId,
+    /// The next message's sequence number: every message below it is in the tree.
+    pub next_msn: u64,
+    /// Where replay starts: this log block, whose data starts at this stream offset.
+    pub log_lsn: u64,
+    pub log_offset: u64,
+}
+
+impl Header {
+    pub fn slot(&self) -> BlockNo {
+        self.generation % HEADER_SLOTS
+    }
+
+    pub fn encode(&self, bs: usize) -> Vec<u8> {
+        let mut w = Writer::with_capacity(bs);
+        w.u64(HEADER_MAGIC);
+        w.u32(VERSION);
+        w.u32(0); // crc
+        w.u64(self.instance);
+        w.u64(self.generation);
+        w.u32(self.geo.block_size as u32);
+        w.u32(self.geo.node_bytes as u32);
+        w.u32(self.geo.basement_bytes as u32);
+        w.u32(self.geo.fanout as u32);
+        w.u64(self.geo.log_first);
+        w.u64(self.geo.log_blocks);
+        w.u64(self.root);
+        w.u64(self.table.start);
+        w.u64(self.table.blocks);
+        w.u32(self.table_crc);
+        w.u32(0);
+        w.u64(self.next_node);
+        w.u64(self.next_msn);
+        w.u64(self.log_lsn);
+        w.u64(self.log_offset);
+        let len = w.len();
+        w.buf.resize(bs, 0);
+        let crc = crc32c(&[&w.buf[..len]]);
+        w.put_u32_at(12, crc);
+        w.buf
+    }
+
+    /// `Ok(None)`: the slot holds no header at all (zeros, or another format).
+    pub fn decode(b: &[u8]) -> Result<Option<Header>> {
+        let mut r = Reader::new(b, "header");
+        if r.u64()? != HEADER_MAGIC {
+            return Ok(None);
+        }
+        let version = r.u32()?;
+        if version != VERSION {
+            return Err(Error::Corrupt(format!("header: unknown version {version}")));
+        }
+        let crc = r.u32()?;
+        let h = Header {
+            instance: r.u64()?,
+            generation: r.u64()?,
+            geo: Geometry {
+                block_size: r.u32()? as usize,
+                node_bytes: r.u32()? as usize,
+                basement_bytes: r.u32()? as usize,
+                fanout: r.u32()? as usize,
+                log_first: r.u64()?,
+                log_blocks: r.u64()?,
+            },
+            root: r.u64()?,
+            table: Extent {
+                start: r.u64()?,
+                blocks: r.u64()?,
+            },
+            table_crc: r.u32()?,
+            next_node: {
+                r.u32()?;
+                r.u64()?
+            },
+            next_msn: r.u64()?,
+            log_lsn: r.u64()?,
+            log_offset: r.u64()?,
+        };
+        let len = r.pos();
+        let mut copy = b[..len].to_vec();
+        copy[12..16].fill(0);
+        if crc32c(&[&copy]) != crc {
+            return Err(Error::Corrupt(format!(
+                "header of generation {}: checksum mismatch",
+                h.generation
+            )));
+        }
+        Ok(Some(h))
+    }
+}
+
+/// Encodes the block translation table into whole blocks; returns the bytes and the crc
+/// the header records.
+pub fn encode_table(entries: &[(NodeId, Extent)], bs: usize) -> (Vec<u8>, u32) {
+    let mut w = Writer::with_capacity(16 + entries.len() * 24);
+    w.u32(TABLE_MAGIC);
+    w.u32(VERSION);
+    w.u64(entries.len() as u64);
+    for (id, e) in entries {
+        w.u64(*id);
+        w.u64(e.start);
+        w.u64(e.blocks);
+    }
+    let crc = crc32c(&[&w.buf]);
+    w.pad_to(bs);
+    (w.buf, crc)
+}
+
+pub fn decode_table(b: &[u8], want_crc: u32) -> Result<Vec<(NodeId, Extent)>> {
+    let mut r = Reader::new(b, "block translation table");
+    if r.u32()? != TABLE_MAGIC {
+        return Err(Error::Corrupt("block translation table: bad magic".into()));
+    }
+    let version = r.u32()?;
+    if version != VERSION {
+        return Err(Error::Corrupt(format!("block translation table: unknown version {version}")));
+    }
+    let n = r.u64()? as usize;
+    if n > r.remaining() / 24 {
+        return Err(Error::Corrupt(format!("block translation table: {n} entries")));
+    }
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let id = r.u64()?;
+        out.push((
+            id,
+            Extent {
+                start: r.u64()?,
+                blocks: r.u64()?,
+            },
+        ));
+    }
+    if crc32c(&[&b[..r.pos()]]) != want_crc {
+        return Err(Error::Corrupt("block translation table: checksum mismatch".into()));
+    }
+    Ok(out)
+}
+
+/// Bytes of a log block before its data.
+pub const LOG_HDR: usize = 40;
+
+/// One block of the redo log: a piece of the log's byte stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogBlock<'a> {
+    pub instance: u64,
+    pub lsn: u64,
+    /// Offset of `data` in the log stream: replay accepts a block only if it continues
+    /// the stream exactly where the previous one ended.
+    pub offset: u64,
+    pub data: &'a [u8],
+}
+
+impl LogBlock<'_> {
+    pub fn encode(&self, bs: usize) -> Vec<u8> {
+        let mut w = Writer::with_capacity(bs);
+        w.u32(LOG_MAGIC);
+        w.u32(VERSION);
+        w.u64(self.instance);
+        w.u64(self.lsn);
+        w.u64(self.offset);
+        w.u32(self.data.len() as u32);
+        w.u32(0); // crc
+        debug_assert_eq!(w.len(), LOG_HDR);
+        w.raw(self.data);
+        let crc = crc32c(&[&w.buf]);
+        w.put_u32_at(36, crc);
+        w.buf.resize(bs, 0);
+        w.buf
+    }
+
+    /// `None` for anything but an intact log block.
+    pub fn decode(b: &[u8]) -> Option<LogBlock<'_>> {
+        let mut r = Reader::new(b, "log block");
+        if r.u32().ok()? != LOG_MAGIC || r.u32().ok()? != VERSION {
+            return None;
+        }
+        let instance = r.u64().ok()?;
+        let lsn = r.u64().ok()?;
+        let offset = r.u64().ok()?;
+        let used = r.u32().ok()? as usize;
+        let crc = r.u32().ok()?;
+        let end = LOG_HDR.checked_add(used).filter(|&e| e <= b.len())?;
+        let mut head = b[..LOG_HDR].to_vec();
+        head[36..40].fill(0);
+        if crc32c(&[&head, &b[LOG_HDR..end]]) != crc {
+            return None;
+        }
+        Some(LogBlock {
+            instance,
+            lsn,
+            offset,
+            data: &b[LOG_HDR..end],
+        })
+    }
+}

@@ -1,0 +1,462 @@
+//! quilt-betree: a write-optimized Bε-tree key-value store on the patch layer.
+//!
+//! Internal nodes buffer *messages* for their children; a full buffer is flushed, in one
+//! batch, to the child that would receive the most bytes, so a small random write costs a
+//! fraction of a node write instead of a read-modify-write of a leaf (BetrFS's tree).
+//! Queries apply the messages pending on their root-to-leaf path. Leaves are cut into
+//! *basements* that are read and decoded independently.
+//!
+//! Durability: every batch is a record in a redo log (`sync` makes the records so far
+//! durable, one device flush for all callers waiting together); nodes are written
+//! copy-on-write by *checkpoints*, which write every dirty node and the block translation
+//! table, then one of two alternating headers. The order "nodes and table before header,
+//! header before the log reuses its space" is a set of patch dependencies: the patch
+//! engine enforces it, and the crash explorer cuts states from what it wrote. Recovery is
+//! the newest valid header plus a replay of the log after it.
+//!
+//! # Example
+//!
+//! ```
+//! use quilt_betree::{Options, Tree, WRITE_AT, write_at_arg};
+//! use quilt_block::MemDevice;
+//! use std::sync::Arc;
+//!
+//! let dev = Arc::new(MemDevice::new(4096, 16384)?);
+//! let tree = Tree::create(dev.clone(), Options::default())?;
+//! tree.put(b"apple", b"red")?;
+//! tree.upsert(b"apple", WRITE_AT, &write_at_arg(0, b"R"))?;
+//! tree.delete_range(b"b", b"c")?;
+//! tree.sync()?;
+//! assert_eq!(tree.get(b"apple")?, Some(b"Red".to_vec()));
+//! drop(tree); // a crash: nothing is written at drop
+//! let tree = Tree::open(dev, Options::default())?; // recovery replays the log
+//! let all: Vec<_> = tree.range(b"", None).collect::<Result<_, _>>()?;
+//! assert_eq!(all, vec![(b"apple".to_vec(), b"Red".to_vec())]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod alloc;
+mod codec;
+mod format;
+mod log;
+mod msg;
+mod node;
+mod tree;
+
+pub use format::Geometry;
+pub use msg::{
+    truncate_arg, write_at_arg, UpsertFn, Upserts, FIRST_USER_UPSERT, TRUNCATE, WRITE_AT,
+};
+
+use quilt_block::BlockDevice;
+use quilt_patch::{Engine, EngineOptions, PatchError};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Errors of the tree.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Patch(#[from] PatchError),
+    /// An on-disk structure failed its checks (magic, version, checksum, bounds).
+    #[error("damaged tree image: {0}")]
+    Corrupt(String),
+    #[error("the device holds no Bε-tree (no header in block 0 or 1)")]
+    NotFormatted,
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("upsert function {0} is not registered")]
+    UnknownUpsert(u16),
+    #[error("the device is full: no run of {0} free blocks for a node")]
+    Full(u64),
+    /// An earlier failure left the in-memory tree unusable; reopen the device.
+    #[error("the tree stopped after an earlier failure ({0}); reopen it to recover")]
+    Failed(String),
+}
+
+impl From<quilt_block::BlockError> for Error {
+    fn from(e: quilt_block::BlockError) -> Error {
+        Error::Patch(e.into())
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// One operation of a batch (and of the log).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    Put { key: Vec<u8>, value: Vec<u8> },
+    Delete { key: Vec<u8> },
+    Upsert { key: Vec<u8>, func: u16, arg: Vec<u8> },
+    /// Deletes every key in `start..end` (end exclusive), as one message.
+    DeleteRange { start: Vec<u8>, end: Vec<u8> },
+}
+
+/// Operations applied atomically: after a crash, all of them or none.
+#[derive(Debug, Clone, Default)]
+pub struct Batch {
+    pub ops: Vec<Op>,
+}
+
+impl Batch {
+    pub fn new() -> Batch {
+        Batch::default()
+    }
+    pub fn put(&mut self, key: &[u8], value: &[u8]) -> &mut Batch {
+        self.ops.push(Op::Put {
+            key: key.to_vec(),
+            value: value.to_vec(),
+        });
+        self
+    }
+    pub fn delete(&mut self, key: &[u8]) -> &mut Batch {
+        self.ops.push(Op::Delete { key: key.to_vec() });
+        self
+    }
+    pub fn upsert(&mut self, key: &[u8], func: u16, arg: &[u8]) -> &mut Batch {
+        self.ops.push(Op::Upsert {
+            key: key.to_vec(),
+            func,
+            arg: arg.to_vec(),
+        });
+        self
+    }
+    pub fn delete_range(&mut self, start: &[u8], end: &[u8]) -> &mut Batch {
+        self.ops.push(Op::DeleteRange {
+            start: start.to_vec(),
+            end: end.to_vec(),
+        });
+        self
+    }
+}
+
+/// Settings. The geometry fields (`node_bytes` to `log_blocks`) are fixed when the tree
+/// is created and read from its header afterwards; the rest apply to each open.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Largest node on disk (a multiple of the block size, at most 4 MiB).
+    pub node_bytes: usize,
+    /// Target size of a leaf's basement (the unit a point query reads).
+    pub basement_bytes: usize,
+    /// Most children of an internal node.
+    pub fanout: usize,
+    /// Blocks of the redo log's ring.
+    pub log_blocks: u64,
+    /// Memory for cached nodes; clean nodes are evicted past it.
+    pub cache_bytes: usize,
+    /// Past this many bytes of dirty nodes, a checkpoint writes them.
+    pub dirty_bytes: usize,
+    /// The patch engine's block cache (node blocks in flight, log blocks).
+    pub engine_cache_bytes: usize,
+    /// Update functions for upserts (the built-ins are always there).
+    pub upserts: Upserts,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            node_bytes: 256 << 10,
+            basement_bytes: 16 << 10,
+            fanout: 16,
+            log_blocks: 4096,
+            cache_bytes: 64 << 20,
+            dirty_bytes: 32 << 20,
+            engine_cache_bytes: 16 << 20,
+            upserts: Upserts::default(),
+        }
+    }
+}
+
+impl Options {
+    /// Small nodes (8 blocks of 512 bytes), for tests that want many splits, merges and
+    /// flushes.
+    pub fn tiny() -> Options {
+        Options {
+            node_bytes: 4096,
+            basement_bytes: 1024,
+            fanout: 4,
+            log_blocks: 64,
+            cache_bytes: 64 << 10,
+            dirty_bytes: 32 << 10,
+            engine_cache_bytes: 1 << 20,
+            upserts: Upserts::default(),
+        }
+    }
+}
+
+/// Counters (see `Tree::stats`).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Stats {
+    pub puts: u64,
+    pub deletes: u64,
+    pub upserts: u64,
+    pub range_deletes: u64,
+    pub batches: u64,
+    pub gets: u64,
+    pub scans: u64,
+    /// Buffer flushes (parent → child), and the message bytes they moved.
+    pub flushes: u64,
+    pub flushed_bytes: u64,
+    pub leaf_splits: u64,
+    pub internal_splits: u64,
+    pub merges: u64,
+    /// Whole nodes read, and single basements read for point queries.
+    pub node_reads: u64,
+    pub basement_reads: u64,
+    pub node_writes: u64,
+    pub node_bytes_written: u64,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    pub evictions: u64,
+    pub checkpoints: u64,
+    pub syncs: u64,
+    pub log_blocks_written: u64,
+    pub log_bytes: u64,
+    /// Upserts whose function failed at apply time (the value was left unchanged).
+    pub upsert_failures: u64,
+    /// Key and value bytes the caller inserted (puts and upsert arguments).
+    pub user_bytes: u64,
+    /// What the device below wrote, and its flushes.
+    pub device_bytes_written: u64,
+    pub device_flushes: u64,
+    pub device_bytes_read: u64,
+    /// `device_bytes_written / user_bytes`.
+    pub write_amplification: f64,
+    pub height: u64,
+    pub nodes_cached: u64,
+    pub cache_bytes: u64,
+    pub dirty_bytes: u64,
+}
+
+impl Stats {
+    /// Counters as name/value pairs (for `quiltfs stats`).
+    pub fn counters(&self) -> Vec<(String, f64)> {
+        let v = serde_json::to_value(self).unwrap_or_default();
+        v.as_object()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| (format!("betree.{k}"), v.as_f64().unwrap_or(0.0)))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+/// A Bε-tree on a block device. Cheap operations take one internal lock; a checkpoint's
+/// and a sync's device flushes run without it.
+pub struct Tree {
+    inner: Mutex<tree::Inner>,
+    engine: Engine,
+}
+
+fn engine_for(dev: Arc<dyn BlockDevice>, opts: &Options) -> Engine {
+    Engine::new(
+        dev,
+        EngineOptions {
+            cache_bytes_max: opts.engine_cache_bytes.max(1 << 20),
+            flush_interval_ms: None,
+            ..EngineOptions::default()
+        },
+    )
+}
+
+impl Tree {
+    /// Makes a new, empty tree on `dev` (whatever it held is lost) and opens it.
+    pub fn create(dev: Arc<dyn BlockDevice>, opts: Options) -> Result<Tree> {
+        let engine = engine_for(dev, &opts);
+        let inner = tree::Inner::create(engine.clone(), opts)?;
+        Ok(Tree {
+            inner: Mutex::new(inner),
+            engine,
+        })
+    }
+
+    /// Opens the tree on `dev`: the newest valid header, then a replay of the log.
+    pub fn open(dev: Arc<dyn BlockDevice>, opts: Options) -> Result<Tree> {
+        let engine = engine_for(dev, &opts);
+        let inner = tree::Inner::open(engine.clone(), opts)?;
+        Ok(Tree {
+            inner: Mutex::new(inner),
+            engine,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, tree::Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The tree's geometry.
+    pub fn geometry(&self) -> Geometry {
+        self.lock().geo
+    }
+
+    pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let mut t = self.lock();
+        let r = t.get(key);
+        t.after_read();
+        r
+    }
+
+    pub fn put(&self, key: &[u8], value: &[u8]) -> Result<()> {
+        self.write(Batch {
+            ops: vec![Op::Put {
+                key: key.to_vec(),
+                value: value.to_vec(),
+            }],
+        })
+    }
+
+    pub fn delete(&self, key: &[u8]) -> Result<()> {
+        self.write(Batch {
+            ops: vec![Op::Delete { key: key.to_vec() }],
+        })
+    }
+
+    /// Applies the registered function `func` to the key's value, lazily: the message
+    /// travels down the tree and meets the value at its leaf (or at a query).
+    pub fn upsert(&self, key: &[u8], func: u16, arg: &[u8]) -> Result<()> {
+        self.write(Batch {
+            ops: vec![Op::Upsert {
+                key: key.to_vec(),
+                func,
+                arg: arg.to_vec(),
+            }],
+        })
+    }
+
+    /// Deletes every key in `start..end` with one message.
+    pub fn delete_range(&self, start: &[u8], end: &[u8]) -> Result<()> {
+        self.write(Batch {
+            ops: vec![Op::DeleteRange {
+                start: start.to_vec(),
+                end: end.to_vec(),
+            }],
+        })
+    }
+
+    /// Applies a batch atomically (one log record). Not durable until `sync`.
+    pub fn write(&self, batch: Batch) -> Result<()> {
+        let mut t = self.lock();
+        t.write(batch.ops)?;
+        if let Some(header) = t.maintain()? {
+            drop(t);
+            self.engine.flush_until(header)?;
+            self.lock().release_frees();
+        }
+        Ok(())
+    }
+
+    /// Makes every batch written so far durable. Callers syncing together share the
+    /// device flush (group commit).
+    pub fn sync(&self) -> Result<()> {
+        let join = self.lock().sync_point()?;
+        self.engine.flush_until(join)?;
+        Ok(())
+    }
+
+    /// Writes every dirty node, the table and a header, and waits until they are durable.
+    pub fn checkpoint(&self) -> Result<()> {
+        let header = self.lock().checkpoint()?;
+        self.engine.flush_until(header)?;
+        self.lock().release_frees();
+        Ok(())
+    }
+
+    /// A checkpoint, then the tree is closed.
+    pub fn close(self) -> Result<()> {
+        self.checkpoint()
+    }
+
+    /// Keys in `lo..hi` (`hi: None`: to the end) in ascending order. The iterator reads
+    /// the tree a leaf at a time; changes made meanwhile may or may not be seen.
+    pub fn range(&self, lo: &[u8], hi: Option<&[u8]>) -> Iter<'_> {
+        Iter::new(self, lo, hi, true)
+    }
+
+    /// Keys in `lo..hi` in descending order.
+    pub fn range_rev(&self, lo: &[u8], hi: Option<&[u8]>) -> Iter<'_> {
+        Iter::new(self, lo, hi, false)
+    }
+
+    pub fn stats(&self) -> Stats {
+        let t = self.lock();
+        t.stats()
+    }
+
+    /// Checks the whole tree's invariants (pivot order, keys within their node's range,
+    /// buffer rule, heights), reading every node. For tests.
+    pub fn check(&self) -> Result<()> {
+        self.lock().check()
+    }
+
+    /// The patch engine below (for the crash explorer's marks, and tests).
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+}
+
+/// Ordered iteration over a key range (see [`Tree::range`]).
+pub struct Iter<'a> {
+    tree: &'a Tree,
+    lo: Vec<u8>,
+    hi: Option<Vec<u8>>,
+    forward: bool,
+    /// Forward: the next key to read from. Backward: the bound (exclusive) to read
+    /// below; `None` with `started` means "from the top".
+    cursor: Option<Vec<u8>>,
+    started: bool,
+    done: bool,
+    chunk: VecDeque<(Vec<u8>, Vec<u8>)>,
+}
+
+impl<'a> Iter<'a> {
+    fn new(tree: &'a Tree, lo: &[u8], hi: Option<&[u8]>, forward: bool) -> Iter<'a> {
+        let empty = hi.is_some_and(|h| h <= lo);
+        Iter {
+            tree,
+            lo: lo.to_vec(),
+            hi: hi.map(<[u8]>::to_vec),
+            forward,
+            cursor: if forward { Some(lo.to_vec()) } else { hi.map(<[u8]>::to_vec) },
+            started: false,
+            done: empty,
+            chunk: VecDeque::new(),
+        }
+    }
+}
+
+impl Iterator for Iter<'_> {
+    type Item = Result<(Vec<u8>, Vec<u8>)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some(e) = self.chunk.pop_front() {
+                return Some(Ok(e));
+            }
+            if self.done {
+                return None;
+            }
+            let mut t = self.tree.lock();
+            if !self.started {
+                t.stats.scans += 1;
+                self.started = true;
+            }
+            let r = t.scan_chunk(&self.lo, self.hi.as_deref(), self.forward, self.cursor.as_deref());
+            t.after_read();
+            drop(t);
+            match r {
+                Err(e) => {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+                Ok((entries, next)) => {
+                    self.chunk = entries.into();
+                    match next {
+                        Some(c) => self.cursor = Some(c),
+                        None => self.done = true,
+                    }
+                }
+            }
+        }
+    }
+}

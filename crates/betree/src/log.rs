@@ -1,0 +1,245 @@
+//! The redo log: every batch is one record (length, crc32c, first MSN, operations) in a
+//! byte stream cut into log blocks. The region is a ring of blocks; a block's place is
+//! `log_first + lsn % log_blocks`. A checkpoint moves the replay start to the next fresh
+//! block, and every log block written after a checkpoint waits (a patch dependency) for
+//! that checkpoint's header: so a block that reuses the place of an old one never lands
+//! before the header that stopped replay from reading the old one, and no record of a
+//! later checkpoint interval can be replayed on top of an earlier checkpoint.
+
+use crate::codec::{crc32c, Reader, Writer};
+use crate::format::{LogBlock, LOG_HDR};
+use crate::msg::Msn;
+use crate::{Error, Op, Result};
+use quilt_block::BlockNo;
+use quilt_patch::{ChangeOpts, Engine, PatchId};
+
+pub fn encode_ops(w: &mut Writer, ops: &[Op]) {
+    for op in ops {
+        match op {
+            Op::Put { key, value } => {
+                w.u8(1);
+                w.bytes(key);
+                w.bytes(value);
+            }
+            Op::Delete { key } => {
+                w.u8(2);
+                w.bytes(key);
+            }
+            Op::Upsert { key, func, arg } => {
+                w.u8(3);
+                w.bytes(key);
+                w.u16(*func);
+                w.bytes(arg);
+            }
+            Op::DeleteRange { start, end } => {
+                w.u8(4);
+                w.bytes(start);
+                w.bytes(end);
+            }
+        }
+    }
+}
+
+fn decode_ops(r: &mut Reader, n: usize) -> Result<Vec<Op>> {
+    let mut ops = Vec::with_capacity(n.min(r.remaining()));
+    for _ in 0..n {
+        ops.push(match r.u8()? {
+            1 => Op::Put {
+                key: r.bytes()?.to_vec(),
+                value: r.bytes()?.to_vec(),
+            },
+            2 => Op::Delete {
+                key: r.bytes()?.to_vec(),
+            },
+            3 => {
+                let key = r.bytes()?.to_vec();
+                let func = r.u16()?;
+                Op::Upsert {
+                    key,
+                    func,
+                    arg: r.bytes()?.to_vec(),
+                }
+            }
+            4 => Op::DeleteRange {
+                start: r.bytes()?.to_vec(),
+                end: r.bytes()?.to_vec(),
+            },
+            k => return Err(r.corrupt(format!("unknown operation {k}"))),
+        });
+    }
+    Ok(ops)
+}
+
+/// One batch as a framed record.
+pub fn record(msn: Msn, ops: &[Op]) -> Vec<u8> {
+    let mut p = Writer::default();
+    p.u64(msn);
+    p.u32(ops.len() as u32);
+    encode_ops(&mut p, ops);
+    let mut w = Writer::with_capacity(p.len() + 8);
+    w.u32(p.len() as u32);
+    w.u32(crc32c(&[&p.buf]));
+    w.raw(&p.buf);
+    w.buf
+}
+
+/// The log as the running tree writes it.
+#[derive(Debug)]
+pub struct LogWriter {
+    pub instance: u64,
+    pub first: BlockNo,
+    pub blocks: u64,
+    /// Replay start of the newest checkpoint.
+    pub start_lsn: u64,
+    /// The block being filled, its stream offset and data.
+    pub tail_lsn: u64,
+    pub tail_offset: u64,
+    pub tail: Vec<u8>,
+    /// Bytes of `tail` already handed to the engine.
+    pub tail_written: usize,
+    /// Log block patches not yet known durable.
+    pub pending: Vec<PatchId>,
+    /// The newest checkpoint's header patch: every log block waits for it.
+    pub header: Option<PatchId>,
+    pub blocks_written: u64,
+    pub bytes: u64,
+}
+
+impl LogWriter {
+    pub fn cap(bs: usize) -> usize {
+        bs - LOG_HDR
+    }
+
+    /// Blocks the ring still has room for before a checkpoint must move the start.
+    pub fn room(&self) -> u64 {
+        // One block stays unused, so the ring never wraps onto its own start.
+        (self.blocks - 1).saturating_sub(self.tail_lsn - self.start_lsn + 1)
+    }
+
+    /// Blocks a record of `len` bytes needs past the tail.
+    pub fn blocks_for(&self, len: usize, bs: usize) -> u64 {
+        let cap = Self::cap(bs);
+        let free_in_tail = cap - self.tail.len();
+        if len <= free_in_tail {
+            0
+        } else {
+            (len - free_in_tail).div_ceil(cap) as u64
+        }
+    }
+
+    pub fn append(&mut self, engine: &Engine, rec: &[u8]) -> Result<()> {
+        let cap = Self::cap(engine.block_size());
+        let mut rest = rec;
+        while !rest.is_empty() {
+            let n = rest.len().min(cap - self.tail.len());
+            self.tail.extend_from_slice(&rest[..n]);
+            rest = &rest[n..];
+            if self.tail.len() == cap {
+                self.write_tail(engine)?;
+                self.tail_offset += cap as u64;
+                self.tail_lsn += 1;
+                self.tail.clear();
+                self.tail_written = 0;
+            }
+        }
+        self.bytes += rec.len() as u64;
+        Ok(())
+    }
+
+    /// Hands the tail block (as filled so far) to the engine.
+    pub fn write_tail(&mut self, engine: &Engine) -> Result<()> {
+        if self.tail.len() == self.tail_written {
+            return Ok(());
+        }
+        let bs = engine.block_size();
+        let block = LogBlock {
+            instance: self.instance,
+            lsn: self.tail_lsn,
+            offset: self.tail_offset,
+            data: &self.tail,
+        }
+        .encode(bs);
+        let befores: Vec<PatchId> = self.header.into_iter().collect();
+        let at = self.first + self.tail_lsn % self.blocks;
+        let p = engine.write(at, 0, &block, &befores, ChangeOpts::default())?;
+        self.pending.push(p);
+        self.tail_written = self.tail.len();
+        self.blocks_written += 1;
+        Ok(())
+    }
+
+    /// A checkpoint took everything logged so far: replay starts at the next fresh block.
+    pub fn restart(&mut self, header: PatchId) {
+        if !self.tail.is_empty() {
+            self.tail_offset += self.tail.len() as u64;
+            self.tail_lsn += 1;
+            self.tail.clear();
+            self.tail_written = 0;
+        }
+        self.start_lsn = self.tail_lsn;
+        self.header = Some(header);
+    }
+}
+
+/// A record found by replay.
+pub struct Replayed {
+    pub msn: Msn,
+    pub ops: Vec<Op>,
+}
+
+/// Reads the log from `lsn` (data at stream offset `offset`) and returns its complete
+/// records, in order. Stops at the first block that is missing, damaged, of another
+/// tree, or does not continue the stream; then at the first incomplete or damaged record.
+pub fn replay(
+    engine: &Engine,
+    instance: u64,
+    first: BlockNo,
+    blocks: u64,
+    mut lsn: u64,
+    mut offset: u64,
+) -> Result<(Vec<Replayed>, u64, u64)> {
+    // Returns the records and where the stream read ends (next block, its offset).
+    let cap = LogWriter::cap(engine.block_size());
+    let start = lsn;
+    let mut stream = Vec::new();
+    while lsn - start < blocks - 1 {
+        let raw = engine.read(first + lsn % blocks)?;
+        let Some(b) = LogBlock::decode(&raw) else {
+            break;
+        };
+        if b.instance != instance || b.lsn != lsn || b.offset != offset {
+            break;
+        }
+        stream.extend_from_slice(b.data);
+        lsn += 1;
+        offset += b.data.len() as u64;
+        if b.data.len() < cap {
+            break;
+        }
+    }
+    let mut out = Vec::new();
+    let mut r = Reader::new(&stream, "log record");
+    while r.remaining() >= 8 {
+        let len = r.u32()? as usize;
+        let crc = r.u32()?;
+        if len > r.remaining() {
+            break;
+        }
+        let at = r.pos();
+        let payload = &stream[at..at + len];
+        if crc32c(&[payload]) != crc {
+            break;
+        }
+        let mut p = Reader::new(payload, "log record");
+        let msn = p.u64()?;
+        let n = p.u32()? as usize;
+        let ops = match decode_ops(&mut p, n) {
+            Ok(ops) => ops,
+            Err(Error::Corrupt(_)) => break,
+            Err(e) => return Err(e),
+        };
+        out.push(Replayed { msn, ops });
+        r.skip(len)?;
+    }
+    Ok((out, lsn, offset))
+}

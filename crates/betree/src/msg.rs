@@ -1,0 +1,275 @@
+//! Messages: what a write becomes in the tree. A message travels down from the root
+//! buffer to the leaf that holds its key and is applied there; a query applies the
+//! messages still pending on its root-to-leaf path on top of the leaf's value.
+
+use crate::{Error, Result};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+/// Message sequence number: the order in which operations were issued.
+pub type Msn = u64;
+
+/// A message for one key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Msg {
+    Put(Vec<u8>),
+    Delete,
+    /// Apply the registered update function `func` with `arg` to the value.
+    Upsert { func: u16, arg: Vec<u8> },
+}
+
+impl Msg {
+    pub fn bytes(&self) -> usize {
+        match self {
+            Msg::Put(v) => v.len() + 16,
+            Msg::Delete => 16,
+            Msg::Upsert { arg, .. } => arg.len() + 18,
+        }
+    }
+}
+
+/// A range delete: every key in `start..end` (end exclusive).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RangeDel {
+    pub msn: Msn,
+    pub start: Vec<u8>,
+    pub end: Vec<u8>,
+}
+
+impl RangeDel {
+    pub fn covers(&self, key: &[u8]) -> bool {
+        self.start.as_slice() <= key && key < self.end.as_slice()
+    }
+}
+
+/// The messages a parent holds for one child.
+///
+/// Invariant: a point message inside a range delete of the same buffer is newer than it
+/// (a range delete arriving drops the older point messages it covers). So the buffer's
+/// effect on a key is: its range deletes first, then its point messages in MSN order.
+/// Messages in a buffer are newer than every message below it in the tree (a flush moves
+/// a child's whole buffer), so a query applies buffers from the deepest up.
+#[derive(Debug, Clone, Default)]
+pub struct Buffer {
+    pub points: BTreeMap<Vec<u8>, Vec<(Msn, Msg)>>,
+    pub ranges: Vec<RangeDel>,
+    pub bytes: usize,
+}
+
+pub fn point_bytes(key: &[u8], msg: &Msg) -> usize {
+    key.len() + msg.bytes()
+}
+
+impl Buffer {
+    pub fn is_empty(&self) -> bool {
+        self.points.is_empty() && self.ranges.is_empty()
+    }
+
+    /// Adds a point message. A put or delete supersedes what the buffer held for the key.
+    pub fn push(&mut self, key: Vec<u8>, msn: Msn, msg: Msg) {
+        let add = point_bytes(&key, &msg);
+        let supersedes = !matches!(msg, Msg::Upsert { .. });
+        match self.points.get_mut(&key) {
+            Some(list) => {
+                if supersedes {
+                    let old: usize = list.iter().map(|(_, m)| point_bytes(&key, m)).sum();
+                    self.bytes -= old;
+                    list.clear();
+                }
+                list.push((msn, msg));
+            }
+            None => {
+                self.points.insert(key, vec![(msn, msg)]);
+            }
+        }
+        self.bytes += add;
+    }
+
+    /// Adds a range delete (already clipped to this child's keys by the caller), dropping
+    /// the older point messages it covers.
+    pub fn push_range(&mut self, r: RangeDel) {
+        let doomed: Vec<Vec<u8>> = self
+            .points
+            .range(r.start.clone()..r.end.clone())
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in doomed {
+            if let Some(list) = self.points.remove(&k) {
+                self.bytes -= list.iter().map(|(_, m)| point_bytes(&k, m)).sum::<usize>();
+            }
+        }
+        // A range inside an older one of this buffer adds nothing.
+        if self
+            .ranges
+            .iter()
+            .any(|o| o.start <= r.start && r.end <= o.end)
+        {
+            return;
+        }
+        self.bytes += r.start.len() + r.end.len() + 16;
+        self.ranges.push(r);
+    }
+
+    pub fn covered(&self, key: &[u8]) -> bool {
+        self.ranges.iter().any(|r| r.covers(key))
+    }
+}
+
+/// An update function: the new value from the old one (`None`: absent) and the
+/// message's argument. Returning `None` deletes the key.
+pub type UpsertFn =
+    Arc<dyn Fn(Option<&[u8]>, &[u8]) -> std::result::Result<Option<Vec<u8>>, String> + Send + Sync>;
+
+/// Built-in upsert: write bytes at an offset of the value, zero-filling any gap
+/// (argument: [`write_at_arg`]).
+pub const WRITE_AT: u16 = 1;
+/// Built-in upsert: truncate (or zero-extend) the value to a length (argument:
+/// [`truncate_arg`]); an absent value stays absent.
+pub const TRUNCATE: u16 = 2;
+/// Ids below this are reserved for built-ins.
+pub const FIRST_USER_UPSERT: u16 = 16;
+
+pub fn write_at_arg(offset: u64, bytes: &[u8]) -> Vec<u8> {
+    let mut a = Vec::with_capacity(8 + bytes.len());
+    a.extend_from_slice(&offset.to_le_bytes());
+    a.extend_from_slice(bytes);
+    a
+}
+
+pub fn truncate_arg(len: u64) -> Vec<u8> {
+    len.to_le_bytes().to_vec()
+}
+
+fn arg_u64(arg: &[u8]) -> std::result::Result<(u64, &[u8]), String> {
+    if arg.len() < 8 {
+        return Err(format!("argument of {} bytes is shorter than 8", arg.len()));
+    }
+    let (n, rest) = arg.split_at(8);
+    Ok((u64::from_le_bytes(n.try_into().expect("8 bytes")), rest))
+}
+
+/// The update functions a tree knows, by id. Every tree opened on an image must register
+/// the functions its messages name; a message naming an unknown one is an error when it
+/// is applied, never a panic.
+#[derive(Clone)]
+pub struct Upserts {
+    fns: HashMap<u16, UpsertFn>,
+    /// Results longer than this are refused (a value must fit a leaf).
+    pub(crate) max_value: usize,
+    /// Applications that failed (the value was left unchanged).
+    pub(crate) failures: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl std::fmt::Debug for Upserts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut ids: Vec<_> = self.fns.keys().collect();
+        ids.sort();
+        f.debug_struct("Upserts").field("ids", &ids).finish()
+    }
+}
+
+impl Default for Upserts {
+    fn default() -> Self {
+        let mut fns: HashMap<u16, UpsertFn> = HashMap::new();
+        fns.insert(
+            WRITE_AT,
+            Arc::new(|old: Option<&[u8]>, arg: &[u8]| {
+                let (off, bytes) = arg_u64(arg)?;
+                let off = usize::try_from(off).map_err(|_| "offset too large".to_string())?;
+                let end = off
+                    .checked_add(bytes.len())
+                    .ok_or_else(|| "offset too large".to_string())?;
+                let mut v = old.map(<[u8]>::to_vec).unwrap_or_default();
+                if v.len() < end {
+                    v.resize(end, 0);
+                }
+                v[off..end].copy_from_slice(bytes);
+                Ok(Some(v))
+            }),
+        );
+        fns.insert(
+            TRUNCATE,
+            Arc::new(|old: Option<&[u8]>, arg: &[u8]| {
+                let (len, _) = arg_u64(arg)?;
+                let len = usize::try_from(len).map_err(|_| "length too large".to_string())?;
+                Ok(old.map(|o| {
+                    let mut v = o.to_vec();
+                    v.resize(len, 0);
+                    v
+                }))
+            }),
+        );
+        Upserts {
+            fns,
+            max_value: usize::MAX,
+            failures: Arc::default(),
+        }
+    }
+}
+
+impl Upserts {
+    /// Registers `f` under `id` (at least [`FIRST_USER_UPSERT`]).
+    pub fn register(&mut self, id: u16, f: UpsertFn) -> Result<()> {
+        if id < FIRST_USER_UPSERT {
+            return Err(Error::Invalid(format!(
+                "upsert id {id} is reserved for built-ins (use {FIRST_USER_UPSERT} or more)"
+            )));
+        }
+        self.fns.insert(id, f);
+        Ok(())
+    }
+
+    pub fn knows(&self, id: u16) -> bool {
+        self.fns.contains_key(&id)
+    }
+
+    /// Checks a new message's argument where the function's contract is known (the
+    /// built-ins), so that a bad one is refused when issued, not found at a flush.
+    pub fn check(&self, func: u16, arg: &[u8]) -> Result<()> {
+        if !self.knows(func) {
+            return Err(Error::UnknownUpsert(func));
+        }
+        let bad = |why: String| Err(Error::Invalid(format!("upsert {func}: {why}")));
+        match func {
+            WRITE_AT => match arg_u64(arg) {
+                Err(e) => bad(e),
+                Ok((off, bytes)) if off.saturating_add(bytes.len() as u64) > self.max_value as u64 => bad(
+                    format!("writing past byte {} of a value (limit {})", off.saturating_add(bytes.len() as u64), self.max_value),
+                ),
+                Ok(_) => Ok(()),
+            },
+            TRUNCATE => match arg_u64(arg) {
+                Err(e) => bad(e),
+                Ok((len, _)) if len > self.max_value as u64 => {
+                    bad(format!("length {len} exceeds the value limit {}", self.max_value))
+                }
+                Ok(_) => Ok(()),
+            },
+            _ => Ok(()),
+        }
+    }
+
+    /// Applies one message to a value.
+    pub fn apply(&self, old: Option<Vec<u8>>, msg: &Msg) -> Result<Option<Vec<u8>>> {
+        match msg {
+            Msg::Put(v) => Ok(Some(v.clone())),
+            Msg::Delete => Ok(None),
+            Msg::Upsert { func, arg } => {
+                let f = self.fns.get(func).ok_or(Error::UnknownUpsert(*func))?;
+                // The message was accepted and logged long ago: a function that fails on
+                // this value leaves it unchanged (and is counted) rather than wedging every
+                // later flush of the node.
+                let why = match f(old.as_deref(), arg) {
+                    Ok(Some(v)) if v.len() > self.max_value => {
+                        format!("result of {} bytes exceeds the value limit {}", v.len(), self.max_value)
+                    }
+                    Ok(new) => return Ok(new),
+                    Err(e) => e,
+                };
+                self.failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(func, "upsert left the value unchanged: {why}");
+                Ok(old)
+            }
+        }
+    }
+}

@@ -1,0 +1,558 @@
+//! Nodes in memory and on disk.
+//!
+//! On disk a node is one extent of whole blocks (copy-on-write: a changed node goes to a
+//! new extent at the next checkpoint). It starts with a 32-byte prefix
+//! (magic, version, kind, node id, height, section length, crc32c of the section):
+//!
+//! * an **internal** node's section is the whole node: child ids, pivots, and one message
+//!   buffer per child;
+//! * a **leaf**'s section is its basement index (first key, offset, length, entry count
+//!   and crc32c of each basement); the basements follow, each starting on a block
+//!   boundary, so a point query reads the index and one basement, not the whole leaf.
+
+use crate::codec::{crc32c, Reader, Writer};
+use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
+use crate::{Error, Result};
+
+pub type NodeId = u64;
+pub type Entry = (Vec<u8>, Vec<u8>);
+
+const MAGIC_INTERNAL: u32 = u32::from_le_bytes(*b"QBNI");
+const MAGIC_LEAF: u32 = u32::from_le_bytes(*b"QBNL");
+const VERSION: u16 = 1;
+pub const PREFIX: usize = 32;
+const CRC_AT: usize = 24;
+
+pub fn entry_bytes(k: &[u8], v: &[u8]) -> usize {
+    k.len() + v.len() + 8
+}
+
+#[derive(Debug, Clone)]
+pub struct Internal {
+    /// 1: the children are leaves.
+    pub height: u16,
+    /// `pivots[i]` separates child `i` (keys below it) from child `i + 1`.
+    pub pivots: Vec<Vec<u8>>,
+    pub children: Vec<NodeId>,
+    pub buffers: Vec<Buffer>,
+}
+
+impl Internal {
+    pub fn child_for(&self, key: &[u8]) -> usize {
+        self.pivots.partition_point(|p| p.as_slice() <= key)
+    }
+
+    /// Keys of child `i`: `lo..hi` (`None`: unbounded on that side, within this node).
+    pub fn child_range(&self, i: usize) -> (Option<&[u8]>, Option<&[u8]>) {
+        let lo = i.checked_sub(1).map(|j| self.pivots[j].as_slice());
+        let hi = self.pivots.get(i).map(|p| p.as_slice());
+        (lo, hi)
+    }
+
+    pub fn bytes(&self) -> usize {
+        PREFIX
+            + 4
+            + self.children.len() * 16
+            + self.pivots.iter().map(|p| p.len() + 4).sum::<usize>()
+            + self.buffers.iter().map(|b| b.bytes + 8).sum::<usize>()
+    }
+
+
+    /// The child whose buffer holds the most bytes (the flush target).
+    pub fn heaviest(&self) -> Option<usize> {
+        (0..self.buffers.len())
+            .filter(|&i| !self.buffers[i].is_empty())
+            .max_by_key(|&i| self.buffers[i].bytes)
+    }
+
+    pub fn route(&mut self, key: Vec<u8>, msn: Msn, msg: Msg) {
+        let i = self.child_for(&key);
+        self.buffers[i].push(key, msn, msg);
+    }
+
+    /// Gives each child whose keys meet the range its clipped piece.
+    pub fn route_range(&mut self, r: &RangeDel) {
+        let first = self.child_for(&r.start);
+        for i in first..self.children.len() {
+            let (lo, hi) = self.child_range(i);
+            if lo.is_some_and(|lo| lo >= r.end.as_slice()) {
+                break;
+            }
+            let start = match lo {
+                Some(lo) if lo > r.start.as_slice() => lo.to_vec(),
+                _ => r.start.clone(),
+            };
+            let end = match hi {
+                Some(hi) if hi < r.end.as_slice() => hi.to_vec(),
+                _ => r.end.clone(),
+            };
+            if start < end {
+                self.buffers[i].push_range(RangeDel {
+                    msn: r.msn,
+                    start,
+                    end,
+                });
+            }
+        }
+    }
+}
+
+/// One basement as the leaf's index describes it.
+#[derive(Debug, Clone)]
+pub struct BasementRef {
+    /// Its first key (the first basement's counts from the leaf's lower bound).
+    pub lo: Vec<u8>,
+    pub offset: u32,
+    pub len: u32,
+    pub count: u32,
+    pub crc: u32,
+}
+
+#[derive(Debug, Clone)]
+pub enum LeafData {
+    /// Every entry, sorted (a leaf being changed is always whole).
+    Full(Vec<Entry>),
+    /// A clean leaf read for queries: its index and the basements read so far.
+    Partial {
+        index: Vec<BasementRef>,
+        loaded: Vec<Option<Vec<Entry>>>,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct Leaf {
+    pub data: LeafData,
+    /// Entry bytes (`entry_bytes`) of a full leaf; the on-disk size of a partial one.
+    pub bytes: usize,
+}
+
+impl Leaf {
+    pub fn empty() -> Leaf {
+        Leaf {
+            data: LeafData::Full(Vec::new()),
+            bytes: 0,
+        }
+    }
+
+    pub fn full(entries: Vec<Entry>) -> Leaf {
+        let bytes = entries.iter().map(|(k, v)| entry_bytes(k, v)).sum();
+        Leaf {
+            data: LeafData::Full(entries),
+            bytes,
+        }
+    }
+
+    pub fn entries(&self) -> Option<&Vec<Entry>> {
+        match &self.data {
+            LeafData::Full(e) => Some(e),
+            LeafData::Partial { .. } => None,
+        }
+    }
+
+    /// Applies a flushed buffer to a full leaf: range deletes first, then point messages
+    /// (see `Buffer`), in one merge pass over the sorted entries.
+    pub fn apply(&mut self, buf: Buffer, up: &Upserts) -> Result<()> {
+        let LeafData::Full(entries) = &mut self.data else {
+            return Err(Error::Invalid("internal: applying messages to a partial leaf".into()));
+        };
+        let mut old = std::mem::take(entries);
+        if !buf.ranges.is_empty() {
+            old.retain(|(k, _)| !buf.ranges.iter().any(|r| r.covers(k)));
+        }
+        let mut out = Vec::with_capacity(old.len() + buf.points.len());
+        let mut it = old.into_iter().peekable();
+        for (k, msgs) in buf.points {
+            while it.peek().is_some_and(|(ek, _)| *ek < k) {
+                out.extend(it.next());
+            }
+            let mut v = if it.peek().is_some_and(|(ek, _)| *ek == k) {
+                it.next().map(|(_, v)| v)
+            } else {
+                None
+            };
+            for (_, m) in &msgs {
+                v = up.apply(v, m)?;
+            }
+            if let Some(v) = v {
+                out.push((k, v));
+            }
+        }
+        out.extend(it);
+        *self = Leaf::full(out);
+        Ok(())
+    }
+
+    /// Splits a full leaf into pieces of at most `max` bytes (each at least about half
+    /// full). Returns the pieces after the first, each with its first key as pivot.
+    pub fn split(&mut self, max: usize) -> Vec<(Vec<u8>, Leaf)> {
+        let LeafData::Full(entries) = &mut self.data else {
+            return Vec::new();
+        };
+        if self.bytes <= max || entries.len() < 2 {
+            return Vec::new();
+        }
+        let pieces = self.bytes.div_ceil(max).max(2);
+        let target = self.bytes / pieces;
+        let all = std::mem::take(entries);
+        let mut groups: Vec<Vec<Entry>> = vec![Vec::new()];
+        let mut acc = 0;
+        for e in all {
+            let b = entry_bytes(&e.0, &e.1);
+            let cur = groups.last_mut().expect("one group");
+            if acc + b > target && !cur.is_empty() {
+                groups.push(Vec::new());
+                acc = 0;
+            }
+            acc += b;
+            groups.last_mut().expect("one group").push(e);
+        }
+        let mut it = groups.into_iter();
+        *self = Leaf::full(it.next().unwrap_or_default());
+        it.filter(|g| !g.is_empty())
+            .map(|g| (g[0].0.clone(), Leaf::full(g)))
+            .collect()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub enum Node {
+    Internal(Internal),
+    Leaf(Leaf),
+}
+
+impl Node {
+    /// Memory the cache charges for the node (an estimate).
+    pub fn mem(&self) -> usize {
+        match self {
+            Node::Internal(n) => n.bytes() + n.buffers.iter().map(|b| b.points.len() * 48).sum::<usize>(),
+            Node::Leaf(l) => match &l.data {
+                LeafData::Full(e) => l.bytes + e.len() * 48,
+                LeafData::Partial { index, loaded } => {
+                    index.iter().map(|b| b.lo.len() + 64).sum::<usize>()
+                        + loaded
+                            .iter()
+                            .flatten()
+                            .map(|es| es.iter().map(|(k, v)| entry_bytes(k, v) + 48).sum::<usize>())
+                            .sum::<usize>()
+                }
+            },
+        }
+    }
+
+    pub fn height(&self) -> u16 {
+        match self {
+            Node::Internal(n) => n.height,
+            Node::Leaf(_) => 0,
+        }
+    }
+}
+
+// ---- encoding ----
+
+fn prefix(w: &mut Writer, magic: u32, id: NodeId, height: u16) {
+    w.u32(magic);
+    w.u16(VERSION);
+    w.u8(if magic == MAGIC_LEAF { 0 } else { 1 });
+    w.u8(0);
+    w.u64(id);
+    w.u16(height);
+    w.u16(0);
+    w.u32(0); // section length
+    w.u32(0); // crc
+    w.u32(0);
+    debug_assert_eq!(w.len(), PREFIX);
+}
+
+fn seal_section(w: &mut Writer, len: usize) {
+    w.put_u32_at(20, len as u32);
+    let crc = crc32c(&[&w.buf[..len]]);
+    w.put_u32_at(CRC_AT, crc);
+}
+
+fn put_msg(w: &mut Writer, msn: Msn, m: &Msg) {
+    w.u64(msn);
+    match m {
+        Msg::Put(v) => {
+            w.u8(1);
+            w.bytes(v);
+        }
+        Msg::Delete => w.u8(2),
+        Msg::Upsert { func, arg } => {
+            w.u8(3);
+            w.u16(*func);
+            w.bytes(arg);
+        }
+    }
+}
+
+fn get_msg(r: &mut Reader) -> Result<(Msn, Msg)> {
+    let msn = r.u64()?;
+    let m = match r.u8()? {
+        1 => Msg::Put(r.bytes()?.to_vec()),
+        2 => Msg::Delete,
+        3 => {
+            let func = r.u16()?;
+            Msg::Upsert {
+                func,
+                arg: r.bytes()?.to_vec(),
+            }
+        }
+        k => return Err(r.corrupt(format!("unknown message kind {k}"))),
+    };
+    Ok((msn, m))
+}
+
+/// Serializes a node into whole blocks of `bs` bytes.
+pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<u8> {
+    match node {
+        Node::Internal(n) => {
+            let mut w = Writer::with_capacity(n.bytes() + bs);
+            prefix(&mut w, MAGIC_INTERNAL, id, n.height);
+            w.u32(n.children.len() as u32);
+            for c in &n.children {
+                w.u64(*c);
+            }
+            for p in &n.pivots {
+                w.bytes(p);
+            }
+            for b in &n.buffers {
+                w.u32(b.ranges.len() as u32);
+                for r in &b.ranges {
+                    w.u64(r.msn);
+                    w.bytes(&r.start);
+                    w.bytes(&r.end);
+                }
+                w.u32(b.points.len() as u32);
+                for (k, msgs) in &b.points {
+                    w.bytes(k);
+                    w.u32(msgs.len() as u32);
+                    for (msn, m) in msgs {
+                        put_msg(&mut w, *msn, m);
+                    }
+                }
+            }
+            let len = w.len();
+            seal_section(&mut w, len);
+            w.pad_to(bs);
+            w.buf
+        }
+        Node::Leaf(l) => {
+            let entries: &[Entry] = l.entries().map(Vec::as_slice).unwrap_or(&[]);
+            debug_assert!(l.entries().is_some(), "only full leaves are written");
+            // Cut the entries into basements of about `basement_bytes`.
+            let mut cuts = vec![0usize];
+            let mut acc = 0;
+            for (i, (k, v)) in entries.iter().enumerate() {
+                let b = entry_bytes(k, v);
+                if acc > 0 && acc + b > basement_bytes {
+                    cuts.push(i);
+                    acc = 0;
+                }
+                acc += b;
+            }
+            cuts.push(entries.len());
+            let groups: Vec<&[Entry]> = cuts.windows(2).map(|c| &entries[c[0]..c[1]]).collect();
+            let bodies: Vec<Vec<u8>> = groups
+                .iter()
+                .map(|g| {
+                    let mut w = Writer::with_capacity(basement_bytes + 64);
+                    for (k, v) in *g {
+                        w.bytes(k);
+                        w.bytes(v);
+                    }
+                    w.buf
+                })
+                .collect();
+            let mut w = Writer::with_capacity(l.bytes + bs * (bodies.len() + 2));
+            prefix(&mut w, MAGIC_LEAF, id, 0);
+            w.u32(groups.len() as u32);
+            let index_len: usize = PREFIX
+                + 4
+                + groups
+                    .iter()
+                    .map(|g| g.first().map_or(0, |e| e.0.len()) + 4 + 16)
+                    .sum::<usize>();
+            let mut off = index_len.div_ceil(bs) * bs;
+            for (g, body) in groups.iter().zip(&bodies) {
+                w.bytes(g.first().map_or(&[][..], |e| e.0.as_slice()));
+                w.u32(off as u32);
+                w.u32(body.len() as u32);
+                w.u32(g.len() as u32);
+                w.u32(crc32c(&[body]));
+                off += body.len().div_ceil(bs).max(1) * bs;
+            }
+            debug_assert_eq!(w.len(), index_len);
+            seal_section(&mut w, index_len);
+            w.pad_to(bs);
+            for body in &bodies {
+                w.raw(body);
+                if body.is_empty() {
+                    w.raw(&vec![0u8; bs]);
+                }
+                w.pad_to(bs);
+            }
+            w.buf
+        }
+    }
+}
+
+/// What the first block of a node says about its section: (is leaf, section length).
+pub fn section_len(first: &[u8], id: NodeId) -> Result<(bool, usize)> {
+    let mut r = Reader::new(first, "node prefix");
+    let magic = r.u32()?;
+    let version = r.u16()?;
+    let leaf = match magic {
+        MAGIC_LEAF => true,
+        MAGIC_INTERNAL => false,
+        _ => return Err(Error::Corrupt(format!("node {id}: bad magic {magic:#010x}"))),
+    };
+    if version != VERSION {
+        return Err(Error::Corrupt(format!("node {id}: unknown version {version}")));
+    }
+    r.u8()?;
+    r.u8()?;
+    let got = r.u64()?;
+    if got != id {
+        return Err(Error::Corrupt(format!("node {id}: extent holds node {got}")));
+    }
+    r.u16()?;
+    r.u16()?;
+    let len = r.u32()? as usize;
+    if len < PREFIX {
+        return Err(Error::Corrupt(format!("node {id}: section length {len}")));
+    }
+    Ok((leaf, len))
+}
+
+fn check_section(sec: &[u8], id: NodeId) -> Result<()> {
+    let mut copy = sec.to_vec();
+    let want = u32::from_le_bytes(copy[CRC_AT..CRC_AT + 4].try_into().expect("4 bytes"));
+    copy[CRC_AT..CRC_AT + 4].fill(0);
+    if crc32c(&[&copy]) != want {
+        return Err(Error::Corrupt(format!("node {id}: checksum mismatch")));
+    }
+    Ok(())
+}
+
+/// Decodes an internal node from its section (checksum verified).
+pub fn decode_internal(sec: &[u8], id: NodeId, max_children: usize) -> Result<Internal> {
+    check_section(sec, id)?;
+    let mut r = Reader::new(sec, "internal node");
+    r.skip(16)?; // magic, version, kind, id: checked by `section_len`
+    let height = r.u16()?;
+    let mut r = Reader::new(&sec[PREFIX..], "internal node");
+    let n = r.u32()? as usize;
+    if n == 0 || n > max_children || height == 0 {
+        return Err(Error::Corrupt(format!("node {id}: {n} children at height {height}")));
+    }
+    let mut children = Vec::with_capacity(n);
+    for _ in 0..n {
+        children.push(r.u64()?);
+    }
+    let mut pivots: Vec<Vec<u8>> = Vec::with_capacity(n - 1);
+    for _ in 1..n {
+        let p = r.bytes()?.to_vec();
+        if pivots.last().is_some_and(|q| *q >= p) {
+            return Err(Error::Corrupt(format!("node {id}: pivots out of order")));
+        }
+        pivots.push(p);
+    }
+    let mut buffers = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut b = Buffer::default();
+        let nr = r.u32()? as usize;
+        if nr > r.remaining() {
+            return Err(r.corrupt("range count past the end"));
+        }
+        for _ in 0..nr {
+            let msn = r.u64()?;
+            let start = r.bytes()?.to_vec();
+            let end = r.bytes()?.to_vec();
+            b.bytes += start.len() + end.len() + 16;
+            b.ranges.push(RangeDel { msn, start, end });
+        }
+        let np = r.u32()? as usize;
+        if np > r.remaining() {
+            return Err(r.corrupt("message count past the end"));
+        }
+        for _ in 0..np {
+            let k = r.bytes()?.to_vec();
+            let nm = r.u32()? as usize;
+            if nm == 0 || nm > r.remaining() {
+                return Err(r.corrupt("message list length"));
+            }
+            let mut list = Vec::with_capacity(nm);
+            for _ in 0..nm {
+                let (msn, m) = get_msg(&mut r)?;
+                b.bytes += crate::msg::point_bytes(&k, &m);
+                list.push((msn, m));
+            }
+            b.points.insert(k, list);
+        }
+        buffers.push(b);
+    }
+    Ok(Internal {
+        height,
+        pivots,
+        children,
+        buffers,
+    })
+}
+
+/// Decodes a leaf's basement index from its section (checksum verified).
+pub fn decode_leaf_index(sec: &[u8], id: NodeId, extent_bytes: usize) -> Result<Vec<BasementRef>> {
+    check_section(sec, id)?;
+    let mut r = Reader::new(&sec[PREFIX..], "leaf index");
+    let nb = r.u32()? as usize;
+    if nb == 0 || nb > r.remaining() {
+        return Err(Error::Corrupt(format!("node {id}: {nb} basements")));
+    }
+    let mut index: Vec<BasementRef> = Vec::with_capacity(nb);
+    for _ in 0..nb {
+        let lo = r.bytes()?.to_vec();
+        let b = BasementRef {
+            lo,
+            offset: r.u32()?,
+            len: r.u32()?,
+            count: r.u32()?,
+            crc: r.u32()?,
+        };
+        if (b.offset as usize) < sec.len()
+            || (b.offset as usize).saturating_add(b.len as usize) > extent_bytes
+            || index.last().is_some_and(|p| p.lo > b.lo)
+        {
+            return Err(Error::Corrupt(format!("node {id}: basement index out of bounds or order")));
+        }
+        index.push(b);
+    }
+    Ok(index)
+}
+
+/// Decodes one basement's entries (checksum verified).
+pub fn decode_basement(body: &[u8], b: &BasementRef, id: NodeId) -> Result<Vec<Entry>> {
+    if crc32c(&[body]) != b.crc {
+        return Err(Error::Corrupt(format!("node {id}: basement checksum mismatch")));
+    }
+    let mut r = Reader::new(body, "basement");
+    let n = b.count as usize;
+    if n > body.len() {
+        return Err(Error::Corrupt(format!("node {id}: basement count {n}")));
+    }
+    let mut out: Vec<Entry> = Vec::with_capacity(n);
+    for _ in 0..n {
+        let k = r.bytes()?.to_vec();
+        let v = r.bytes()?.to_vec();
+        if out.last().is_some_and(|(p, _)| *p >= k) {
+            return Err(Error::Corrupt(format!("node {id}: basement keys out of order")));
+        }
+        out.push((k, v));
+    }
+    Ok(out)
+}
+
+/// The basement of `index` that holds `key`.
+pub fn basement_for(index: &[BasementRef], key: &[u8]) -> usize {
+    index
+        .partition_point(|b| b.lo.as_slice() <= key)
+        .saturating_sub(1)
+}

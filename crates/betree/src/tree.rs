@@ -1,0 +1,1213 @@
+//! The tree itself: the node cache, message flow (route, flush, split, merge), queries,
+//! checkpoints and recovery. Everything here runs under the `Tree`'s lock.
+
+use crate::alloc::Alloc;
+use crate::format::{self, Extent, Geometry, Header, HEADER_SLOTS};
+use crate::log::{self, LogWriter};
+use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
+use crate::node::{self, Entry, Internal, Leaf, LeafData, Node, NodeId};
+use crate::{Error, Op, Options, Result, Stats};
+use quilt_patch::{ChangeOpts, Engine, PatchId, RUN_BLOCKS_MAX};
+use std::collections::{BTreeMap, HashMap};
+
+struct Cached {
+    node: Node,
+    dirty: bool,
+    tick: u64,
+    mem: usize,
+}
+
+pub(crate) struct Inner {
+    engine: Engine,
+    pub geo: Geometry,
+    opts: Options,
+    upserts: Upserts,
+    cache: HashMap<NodeId, Cached>,
+    tick: u64,
+    mem: usize,
+    dirty_mem: usize,
+    /// Where each node written by a checkpoint lives.
+    btt: HashMap<NodeId, Extent>,
+    table: Extent,
+    root: NodeId,
+    next_node: NodeId,
+    next_msn: Msn,
+    generation: u64,
+    alloc: Alloc,
+    /// Extents the newest durable checkpoint still references, freed by the next one.
+    to_free: Vec<Extent>,
+    /// Extents that become free once their header patch is durable.
+    pending_free: Vec<(PatchId, Vec<Extent>)>,
+    log: LogWriter,
+    failed: Option<String>,
+    pub stats: Stats,
+}
+
+fn instance_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.write_u32(std::process::id());
+    h.finish() | 1
+}
+
+fn check_geometry(geo: &Geometry, block_count: u64) -> std::result::Result<(), String> {
+    let bs = geo.block_size;
+    if geo.node_bytes % bs != 0 || geo.node_bytes < 2 * bs {
+        return Err(format!(
+            "node size {} must be a multiple of the block size {bs}, at least two blocks",
+            geo.node_bytes
+        ));
+    }
+    if geo.node_bytes > RUN_BLOCKS_MAX as usize * bs || geo.node_bytes > 64 << 20 {
+        return Err(format!("node size {} is too large", geo.node_bytes));
+    }
+    if geo.basement_bytes < 256 || geo.basement_bytes > geo.node_bytes {
+        return Err(format!(
+            "basement size {} must be between 256 bytes and the node size",
+            geo.basement_bytes
+        ));
+    }
+    if !(3..=1024).contains(&geo.fanout) {
+        return Err(format!("fanout {} must be between 3 and 1024", geo.fanout));
+    }
+    if geo.log_first != HEADER_SLOTS || geo.log_blocks < 8 {
+        return Err(format!("log region {}+{} is invalid", geo.log_first, geo.log_blocks));
+    }
+    let node_blocks = (geo.node_bytes / bs) as u64;
+    if geo.data_first().saturating_add(8 * node_blocks) > block_count {
+        return Err(format!(
+            "a device of {block_count} blocks is too small for a log of {} blocks and nodes of {} bytes",
+            geo.log_blocks, geo.node_bytes
+        ));
+    }
+    Ok(())
+}
+
+/// Window of keys `lo..hi` (`None`: unbounded).
+fn in_window(k: &[u8], lo: &[u8], hi: Option<&[u8]>) -> bool {
+    k >= lo && hi.is_none_or(|h| k < h)
+}
+
+impl Inner {
+    fn new(engine: Engine, geo: Geometry, opts: Options, h: Option<&Header>) -> Inner {
+        let mut upserts = opts.upserts.clone();
+        upserts.max_value = geo.max_value();
+        Inner {
+            log: LogWriter {
+                instance: h.map_or_else(instance_id, |h| h.instance),
+                first: geo.log_first,
+                blocks: geo.log_blocks,
+                start_lsn: h.map_or(0, |h| h.log_lsn),
+                tail_lsn: h.map_or(0, |h| h.log_lsn),
+                tail_offset: h.map_or(0, |h| h.log_offset),
+                tail: Vec::new(),
+                tail_written: 0,
+                pending: Vec::new(),
+                header: None,
+                blocks_written: 0,
+                bytes: 0,
+            },
+            engine,
+            geo,
+            opts,
+            upserts,
+            cache: HashMap::new(),
+            tick: 0,
+            mem: 0,
+            dirty_mem: 0,
+            btt: HashMap::new(),
+            table: Extent { start: 0, blocks: 0 },
+            root: h.map_or(1, |h| h.root),
+            next_node: h.map_or(2, |h| h.next_node),
+            next_msn: h.map_or(1, |h| h.next_msn),
+            generation: h.map_or(0, |h| h.generation),
+            alloc: Alloc::default(),
+            to_free: Vec::new(),
+            pending_free: Vec::new(),
+            failed: None,
+            stats: Stats::default(),
+        }
+    }
+
+    pub fn create(engine: Engine, opts: Options) -> Result<Inner> {
+        let bs = engine.block_size();
+        let geo = Geometry {
+            block_size: bs,
+            node_bytes: opts.node_bytes,
+            basement_bytes: opts.basement_bytes,
+            fanout: opts.fanout,
+            log_first: HEADER_SLOTS,
+            log_blocks: opts.log_blocks,
+        };
+        check_geometry(&geo, engine.block_count()).map_err(Error::Invalid)?;
+        // Old headers go first, durably: a crash must never find an older tree's header
+        // (whatever its generation) beside this one's.
+        let zeros = vec![0u8; bs];
+        let mut wiped = Vec::new();
+        for slot in 0..HEADER_SLOTS {
+            wiped.push(engine.write(slot, 0, &zeros, &[], ChangeOpts::default())?);
+        }
+        let join = engine.empty(&wiped);
+        engine.flush_until(join)?;
+        let mut t = Inner::new(engine, geo, opts, None);
+        t.alloc = Alloc::new(geo.data_first(), t.engine.block_count(), &[]);
+        t.put_node(t.root, Node::Leaf(Leaf::empty()), true);
+        let h = t.checkpoint()?;
+        t.engine.flush_until(h)?;
+        t.release_frees();
+        Ok(t)
+    }
+
+    pub fn open(engine: Engine, opts: Options) -> Result<Inner> {
+        let mut found: Vec<Header> = Vec::new();
+        let mut damaged: Vec<String> = Vec::new();
+        for slot in 0..HEADER_SLOTS {
+            let raw = engine.read(slot)?;
+            match Header::decode(&raw) {
+                Ok(Some(h)) if h.slot() == slot => found.push(h),
+                Ok(Some(h)) => damaged.push(format!("slot {slot} holds generation {}", h.generation)),
+                Ok(None) => {}
+                Err(e) => damaged.push(e.to_string()),
+            }
+        }
+        // The newest header whose checkpoint is whole; an older one if it is not.
+        found.sort_by_key(|h| std::cmp::Reverse(h.generation));
+        if found.is_empty() {
+            return Err(if damaged.is_empty() {
+                Error::NotFormatted
+            } else {
+                Error::Corrupt(format!("no valid header: {}", damaged.join("; ")))
+            });
+        }
+        let mut last_err = None;
+        for h in found {
+            match Inner::open_at(engine.clone(), opts.clone(), &h) {
+                Ok(t) => return Ok(t),
+                Err(e @ Error::Corrupt(_)) => last_err = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last_err.unwrap_or(Error::NotFormatted))
+    }
+
+    fn open_at(engine: Engine, opts: Options, h: &Header) -> Result<Inner> {
+        let geo = h.geo;
+        if geo.block_size != engine.block_size() {
+            return Err(Error::Corrupt(format!(
+                "the tree has {}-byte blocks, the device {}",
+                geo.block_size,
+                engine.block_size()
+            )));
+        }
+        check_geometry(&geo, engine.block_count()).map_err(Error::Corrupt)?;
+        let count = engine.block_count();
+        let in_data = |e: &Extent| {
+            e.blocks > 0 && e.start >= geo.data_first() && e.start.checked_add(e.blocks).is_some_and(|end| end <= count)
+        };
+        if !in_data(&h.table) {
+            return Err(Error::Corrupt(format!("table extent {:?} out of bounds", h.table)));
+        }
+        let mut bytes = Vec::new();
+        for b in h.table.start..h.table.start + h.table.blocks {
+            bytes.extend_from_slice(&engine.read(b)?);
+        }
+        let entries = format::decode_table(&bytes, h.table_crc)?;
+        let mut used: Vec<Extent> = entries.iter().map(|(_, e)| *e).collect();
+        used.push(h.table);
+        used.sort();
+        for w in used.windows(2) {
+            if w[0].start + w[0].blocks > w[1].start {
+                return Err(Error::Corrupt(format!("extents {:?} and {:?} overlap", w[0], w[1])));
+            }
+        }
+        if let Some(bad) = used.iter().find(|e| !in_data(e)) {
+            return Err(Error::Corrupt(format!("extent {bad:?} out of bounds")));
+        }
+        if !entries.iter().any(|(id, _)| *id == h.root) {
+            return Err(Error::Corrupt(format!("root node {} has no extent", h.root)));
+        }
+        let mut t = Inner::new(engine, geo, opts, Some(h));
+        t.btt = entries.into_iter().collect();
+        t.table = h.table;
+        t.alloc = Alloc::new(geo.data_first(), count, &used);
+        // Redo what the log holds past the checkpoint.
+        let (records, next_lsn, next_offset) =
+            log::replay(&t.engine, h.instance, geo.log_first, geo.log_blocks, h.log_lsn, h.log_offset)?;
+        for rec in records {
+            if rec.msn != t.next_msn {
+                break; // a gap: nothing after it may be applied
+            }
+            for op in &rec.ops {
+                t.validate(op)?;
+            }
+            let n = rec.ops.len() as u64;
+            t.apply_ops(rec.msn, rec.ops)?;
+            t.next_msn += n;
+        }
+        if next_lsn != h.log_lsn {
+            // Start a clean log after what was replayed: a new record must never follow a
+            // torn one in the stream.
+            t.log.tail_lsn = next_lsn;
+            t.log.tail_offset = next_offset;
+            let hp = t.checkpoint()?;
+            t.engine.flush_until(hp)?;
+            t.release_frees();
+        }
+        Ok(t)
+    }
+
+    // ---- cache ----
+
+    fn put_node(&mut self, id: NodeId, node: Node, dirty: bool) {
+        let mem = node.mem();
+        self.tick += 1;
+        self.mem += mem;
+        if dirty {
+            self.dirty_mem += mem;
+        }
+        if let Some(old) = self.cache.insert(
+            id,
+            Cached {
+                node,
+                dirty,
+                tick: self.tick,
+                mem,
+            },
+        ) {
+            debug_assert!(false, "node {id} cached twice");
+            self.uncharge(&old);
+        }
+    }
+
+    fn uncharge(&mut self, c: &Cached) {
+        self.mem -= c.mem;
+        if c.dirty {
+            self.dirty_mem -= c.mem;
+        }
+    }
+
+    fn take_cached(&mut self, id: NodeId) -> Option<(Node, bool)> {
+        let c = self.cache.remove(&id)?;
+        self.uncharge(&c);
+        Some((c.node, c.dirty))
+    }
+
+    fn new_id(&mut self) -> NodeId {
+        let id = self.next_node;
+        self.next_node += 1;
+        id
+    }
+
+    fn extent_of(&self, id: NodeId) -> Result<Extent> {
+        self.btt
+            .get(&id)
+            .copied()
+            .ok_or_else(|| Error::Corrupt(format!("node {id} is referenced but has no extent")))
+    }
+
+    fn read_blocks(&self, start: u64, n: u64) -> Result<Vec<u8>> {
+        self.engine.prefetch(start, n)?;
+        let mut out = Vec::with_capacity(n as usize * self.geo.block_size);
+        for b in start..start + n {
+            self.engine.with_block(b, |d| out.extend_from_slice(d))?;
+        }
+        Ok(out)
+    }
+
+    fn max_children(&self) -> usize {
+        self.geo.fanout * 2 + 2
+    }
+
+    /// Reads a whole node from its extent.
+    fn read_node(&mut self, id: NodeId) -> Result<Node> {
+        let e = self.extent_of(id)?;
+        let bytes = self.read_blocks(e.start, e.blocks)?;
+        self.stats.node_reads += 1;
+        let (leaf, len) = node::section_len(&bytes, id)?;
+        if len > bytes.len() {
+            return Err(Error::Corrupt(format!("node {id}: section longer than its extent")));
+        }
+        if !leaf {
+            return Ok(Node::Internal(node::decode_internal(&bytes[..len], id, self.max_children())?));
+        }
+        let index = node::decode_leaf_index(&bytes[..len], id, bytes.len())?;
+        let mut all: Vec<Entry> = Vec::new();
+        for b in &index {
+            let at = b.offset as usize;
+            let es = node::decode_basement(&bytes[at..at + b.len as usize], b, id)?;
+            if all.last().zip(es.first()).is_some_and(|(p, f)| p.0 >= f.0) {
+                return Err(Error::Corrupt(format!("node {id}: basements out of order")));
+            }
+            all.extend(es);
+        }
+        Ok(Node::Leaf(Leaf::full(all)))
+    }
+
+    /// Reads a node's section only: an internal node whole, a leaf's basement index.
+    fn read_section(&mut self, id: NodeId) -> Result<Node> {
+        let e = self.extent_of(id)?;
+        let bs = self.geo.block_size;
+        let first = self.read_blocks(e.start, 1)?;
+        let (leaf, len) = node::section_len(&first, id)?;
+        let n = len.div_ceil(bs) as u64;
+        if n > e.blocks {
+            return Err(Error::Corrupt(format!("node {id}: section longer than its extent")));
+        }
+        let sec = if n == 1 { first } else { self.read_blocks(e.start, n)? };
+        if !leaf {
+            self.stats.node_reads += 1;
+            return Ok(Node::Internal(node::decode_internal(&sec[..len], id, self.max_children())?));
+        }
+        let index = node::decode_leaf_index(&sec[..len], id, e.blocks as usize * bs)?;
+        let loaded = vec![None; index.len()];
+        Ok(Node::Leaf(Leaf {
+            data: LeafData::Partial { index, loaded },
+            bytes: e.blocks as usize * bs,
+        }))
+    }
+
+    fn read_basement(&mut self, id: NodeId, b: &node::BasementRef) -> Result<Vec<Entry>> {
+        let e = self.extent_of(id)?;
+        let bs = self.geo.block_size;
+        let first = b.offset as u64 / bs as u64;
+        let n = (b.len as usize).div_ceil(bs).max(1) as u64;
+        let bytes = self.read_blocks(e.start + first, n)?;
+        self.stats.basement_reads += 1;
+        node::decode_basement(&bytes[..b.len as usize], b, id)
+    }
+
+    /// Takes a node out of the cache, whole (a partial leaf gets its other basements);
+    /// the caller puts it back.
+    fn take_full(&mut self, id: NodeId) -> Result<(Node, bool)> {
+        match self.take_cached(id) {
+            Some((Node::Leaf(Leaf { data: LeafData::Partial { index, mut loaded }, .. }), dirty)) => {
+                self.stats.cache_hits += 1;
+                let mut all = Vec::new();
+                for (i, b) in index.iter().enumerate() {
+                    let es = match loaded[i].take() {
+                        Some(es) => es,
+                        None => match self.read_basement(id, b) {
+                            Ok(es) => es,
+                            Err(e) => return Err(e),
+                        },
+                    };
+                    all.extend(es);
+                }
+                Ok((Node::Leaf(Leaf::full(all)), dirty))
+            }
+            Some(n) => {
+                self.stats.cache_hits += 1;
+                Ok(n)
+            }
+            None => {
+                self.stats.cache_misses += 1;
+                Ok((self.read_node(id)?, false))
+            }
+        }
+    }
+
+    /// Makes sure the node is cached (a leaf possibly partial) and marks it used.
+    fn ensure(&mut self, id: NodeId) -> Result<&mut Cached> {
+        if !self.cache.contains_key(&id) {
+            self.stats.cache_misses += 1;
+            let n = self.read_section(id)?;
+            self.put_node(id, n, false);
+        } else {
+            self.stats.cache_hits += 1;
+        }
+        self.tick += 1;
+        let tick = self.tick;
+        let c = self.cache.get_mut(&id).expect("just cached");
+        c.tick = tick;
+        Ok(c)
+    }
+
+    /// Makes sure the node is cached whole.
+    fn ensure_full(&mut self, id: NodeId) -> Result<()> {
+        let partial = matches!(
+            self.cache.get(&id),
+            None | Some(Cached { node: Node::Leaf(Leaf { data: LeafData::Partial { .. }, .. }), .. })
+        );
+        if partial {
+            let (n, dirty) = self.take_full(id)?;
+            self.put_node(id, n, dirty);
+        }
+        Ok(())
+    }
+
+    /// Drops a node that left the tree; its extent is freed by the next checkpoint.
+    fn free_node(&mut self, id: NodeId) {
+        if let Some(c) = self.cache.remove(&id) {
+            self.uncharge(&c);
+        }
+        if let Some(e) = self.btt.remove(&id) {
+            self.to_free.push(e);
+        }
+    }
+
+    // ---- writes ----
+
+    fn validate(&self, op: &Op) -> Result<()> {
+        let key_ok = |k: &[u8]| {
+            if k.len() > self.geo.max_key() {
+                Err(Error::Invalid(format!(
+                    "key of {} bytes is longer than the limit {}",
+                    k.len(),
+                    self.geo.max_key()
+                )))
+            } else {
+                Ok(())
+            }
+        };
+        match op {
+            Op::Put { key, value } => {
+                key_ok(key)?;
+                if value.len() > self.geo.max_value() {
+                    return Err(Error::Invalid(format!(
+                        "value of {} bytes is longer than the limit {}",
+                        value.len(),
+                        self.geo.max_value()
+                    )));
+                }
+            }
+            Op::Delete { key } => key_ok(key)?,
+            Op::Upsert { key, func, arg } => {
+                key_ok(key)?;
+                if arg.len() > self.geo.max_value() + 8 {
+                    return Err(Error::Invalid(format!("upsert argument of {} bytes is too long", arg.len())));
+                }
+                self.upserts.check(*func, arg)?;
+            }
+            Op::DeleteRange { start, end } => {
+                key_ok(start)?;
+                if end.len() > self.geo.max_key() + 1 {
+                    return Err(Error::Invalid("range end is too long".into()));
+                }
+                if start >= end {
+                    return Err(Error::Invalid("a range delete needs start < end".into()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_failed(&self) -> Result<()> {
+        match &self.failed {
+            Some(f) => Err(Error::Failed(f.clone())),
+            None => Ok(()),
+        }
+    }
+
+    pub fn write(&mut self, ops: Vec<Op>) -> Result<()> {
+        self.check_failed()?;
+        if ops.is_empty() {
+            return Ok(());
+        }
+        for op in &ops {
+            self.validate(op)?;
+        }
+        let rec = log::record(self.next_msn, &ops);
+        let bs = self.geo.block_size;
+        if self.log.blocks_for(rec.len(), bs) + 1 > self.geo.log_blocks / 4 {
+            return Err(Error::Invalid(format!(
+                "a batch of {} bytes is too large for the log ({} blocks)",
+                rec.len(),
+                self.geo.log_blocks
+            )));
+        }
+        if self.log.blocks_for(rec.len(), bs) >= self.log.room() {
+            // The ring is full: a checkpoint moves replay's start past everything.
+            self.checkpoint()?;
+        }
+        self.log.append(&self.engine, &rec)?;
+        for op in &ops {
+            match op {
+                Op::Put { key, value } => {
+                    self.stats.puts += 1;
+                    self.stats.user_bytes += (key.len() + value.len()) as u64;
+                }
+                Op::Delete { .. } => self.stats.deletes += 1,
+                Op::Upsert { key, arg, .. } => {
+                    self.stats.upserts += 1;
+                    self.stats.user_bytes += (key.len() + arg.len()) as u64;
+                }
+                Op::DeleteRange { .. } => self.stats.range_deletes += 1,
+            }
+        }
+        self.stats.batches += 1;
+        let msn = self.next_msn;
+        self.next_msn += ops.len() as u64;
+        if let Err(e) = self.apply_ops(msn, ops) {
+            // Logged but only partly applied: the in-memory tree cannot be trusted.
+            self.failed = Some(e.to_string());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Applies a batch to the tree: into the root buffer (or the root leaf), then flushes
+    /// and splits as needed.
+    fn apply_ops(&mut self, msn0: Msn, ops: Vec<Op>) -> Result<()> {
+        let (mut root, _) = self.take_full(self.root)?;
+        let r = self.apply_to_root(&mut root, msn0, ops);
+        let root_id = self.root;
+        self.put_node(root_id, root, true);
+        r?;
+        self.fix_root()
+    }
+
+    fn apply_to_root(&mut self, root: &mut Node, msn0: Msn, ops: Vec<Op>) -> Result<()> {
+        for (i, op) in ops.into_iter().enumerate() {
+            let msn = msn0 + i as u64;
+            match root {
+                Node::Internal(n) => match op {
+                    Op::Put { key, value } => n.route(key, msn, Msg::Put(value)),
+                    Op::Delete { key } => n.route(key, msn, Msg::Delete),
+                    Op::Upsert { key, func, arg } => n.route(key, msn, Msg::Upsert { func, arg }),
+                    Op::DeleteRange { start, end } => n.route_range(&RangeDel { msn, start, end }),
+                },
+                Node::Leaf(l) => {
+                    let mut b = Buffer::default();
+                    match op {
+                        Op::Put { key, value } => b.push(key, msn, Msg::Put(value)),
+                        Op::Delete { key } => b.push(key, msn, Msg::Delete),
+                        Op::Upsert { key, func, arg } => b.push(key, msn, Msg::Upsert { func, arg }),
+                        Op::DeleteRange { start, end } => b.push_range(RangeDel { msn, start, end }),
+                    }
+                    l.apply(b, &self.upserts)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Restores the root's bounds: flushes its buffers below the node size, splits it
+    /// (the tree grows a level), or drops a root with one child (it shrinks one).
+    fn fix_root(&mut self) -> Result<()> {
+        loop {
+            let (mut root, _) = self.take_full(self.root)?;
+            let r = self.shrink_buffers(&mut root);
+            let sibs = match r {
+                Ok(()) => self.split(&mut root),
+                Err(e) => {
+                    self.put_node(self.root, root, true);
+                    return Err(e);
+                }
+            };
+            if !sibs.is_empty() {
+                let height = root.height() + 1;
+                let old = self.root;
+                self.put_node(old, root, true);
+                let mut n = Internal {
+                    height,
+                    pivots: Vec::new(),
+                    children: vec![old],
+                    buffers: vec![Buffer::default()],
+                };
+                for (pivot, sib) in sibs {
+                    let id = self.new_id();
+                    self.put_node(id, sib, true);
+                    n.pivots.push(pivot);
+                    n.children.push(id);
+                    n.buffers.push(Buffer::default());
+                }
+                self.root = self.new_id();
+                self.put_node(self.root, Node::Internal(n), true);
+                continue; // a root of more than `fanout` children splits again
+            }
+            match root {
+                Node::Internal(n) if n.children.len() == 1 && n.buffers[0].is_empty() => {
+                    let old = self.root;
+                    self.root = n.children[0];
+                    self.free_node(old);
+                }
+                root => {
+                    self.put_node(self.root, root, true);
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    fn shrink_buffers(&mut self, node: &mut Node) -> Result<()> {
+        if let Node::Internal(n) = node {
+            while n.bytes() > self.geo.node_bytes {
+                let Some(i) = n.heaviest() else { break };
+                self.flush_child(n, i)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The pieces a node over its bounds splits into (after the first, with pivots).
+    fn split(&mut self, node: &mut Node) -> Vec<(Vec<u8>, Node)> {
+        match node {
+            Node::Leaf(l) => {
+                let s: Vec<(Vec<u8>, Node)> = l
+                    .split(self.geo.node_bytes)
+                    .into_iter()
+                    .map(|(k, l)| (k, Node::Leaf(l)))
+                    .collect();
+                self.stats.leaf_splits += s.len() as u64;
+                s
+            }
+            Node::Internal(n) => {
+                let len = n.children.len();
+                if len <= self.geo.fanout {
+                    return Vec::new();
+                }
+                let pieces = len.div_ceil(self.geo.fanout).max(2);
+                let mut out = Vec::new();
+                for k in (1..pieces).rev() {
+                    let at = len * k / pieces;
+                    let children = n.children.split_off(at);
+                    let buffers = n.buffers.split_off(at);
+                    let mut pivots = n.pivots.split_off(at - 1);
+                    let pivot = pivots.remove(0);
+                    let piece = Internal { height: n.height, pivots, children, buffers };
+                    out.push((pivot, Node::Internal(piece)));
+                }
+                out.reverse();
+                self.stats.internal_splits += out.len() as u64;
+                out
+            }
+        }
+    }
+
+    /// Moves the buffer for child `idx` of `parent` into the child, then restores the
+    /// child's bounds (its own flushes, a split into new siblings, or a merge).
+    fn flush_child(&mut self, parent: &mut Internal, idx: usize) -> Result<()> {
+        let buf = std::mem::take(&mut parent.buffers[idx]);
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let cid = parent.children[idx];
+        let (mut child, dirty) = match self.take_full(cid) {
+            Ok(c) => c,
+            Err(e) => {
+                parent.buffers[idx] = buf;
+                return Err(e);
+            }
+        };
+        self.stats.flushes += 1;
+        self.stats.flushed_bytes += buf.bytes as u64;
+        let r = match &mut child {
+            Node::Leaf(l) => l.apply(buf, &self.upserts),
+            Node::Internal(c) => {
+                for r in &buf.ranges {
+                    c.route_range(r);
+                }
+                for (k, msgs) in buf.points {
+                    for (msn, m) in msgs {
+                        c.route(k.clone(), msn, m);
+                    }
+                }
+                Ok(())
+            }
+        };
+        if let Err(e) = r {
+            self.put_node(cid, child, dirty);
+            return Err(e);
+        }
+        let r = self.shrink_buffers(&mut child);
+        let sibs = self.split(&mut child);
+        self.put_node(cid, child, true);
+        r?;
+        let grew = !sibs.is_empty();
+        for (k, (pivot, node)) in sibs.into_iter().enumerate() {
+            let id = self.new_id();
+            self.put_node(id, node, true);
+            parent.pivots.insert(idx + k, pivot);
+            parent.children.insert(idx + 1 + k, id);
+            parent.buffers.insert(idx + 1 + k, Buffer::default());
+        }
+        if !grew {
+            self.maybe_merge(parent, idx)?;
+        }
+        Ok(())
+    }
+
+    fn is_small(&self, id: NodeId) -> bool {
+        match self.cache.get(&id).map(|c| &c.node) {
+            Some(Node::Leaf(l)) => l.entries().is_some() && l.bytes < self.geo.node_bytes / 4,
+            Some(Node::Internal(n)) => n.children.len() < (self.geo.fanout / 4).max(2),
+            None => false,
+        }
+    }
+
+    /// Merges a small child with a neighbour when the two fit in one node.
+    fn maybe_merge(&mut self, parent: &mut Internal, idx: usize) -> Result<()> {
+        if parent.children.len() < 2 || !self.is_small(parent.children[idx]) {
+            return Ok(());
+        }
+        let j = if idx + 1 < parent.children.len() { idx + 1 } else { idx - 1 };
+        if !parent.buffers[j].is_empty() {
+            let before = parent.children.len();
+            self.flush_child(parent, j)?;
+            if parent.children.len() != before {
+                return Ok(());
+            }
+        }
+        let (a, b) = (idx.min(j), idx.max(j));
+        let (ida, idb) = (parent.children[a], parent.children[b]);
+        if !parent.buffers[a].is_empty() || !parent.buffers[b].is_empty() {
+            return Ok(());
+        }
+        self.ensure_full(ida)?;
+        self.ensure_full(idb)?;
+        let fits = match (&self.cache[&ida].node, &self.cache[&idb].node) {
+            (Node::Leaf(x), Node::Leaf(y)) => x.bytes + y.bytes <= self.geo.node_bytes * 3 / 4,
+            (Node::Internal(x), Node::Internal(y)) => {
+                x.children.len() + y.children.len() <= self.geo.fanout
+                    && x.bytes() + y.bytes() <= self.geo.node_bytes
+            }
+            _ => return Err(Error::Corrupt(format!("siblings {ida} and {idb} differ in height"))),
+        };
+        if !fits {
+            return Ok(());
+        }
+        let (na, _) = self.take_cached(ida).expect("cached");
+        let (nb, _) = self.take_cached(idb).expect("cached");
+        let merged = match (na, nb) {
+            (Node::Leaf(x), Node::Leaf(y)) => {
+                let mut e = x.entries().cloned().unwrap_or_default();
+                e.extend(y.entries().cloned().unwrap_or_default());
+                Node::Leaf(Leaf::full(e))
+            }
+            (Node::Internal(mut x), Node::Internal(y)) => {
+                x.pivots.push(parent.pivots[a].clone());
+                x.pivots.extend(y.pivots);
+                x.children.extend(y.children);
+                x.buffers.extend(y.buffers);
+                Node::Internal(x)
+            }
+            _ => unreachable!("heights checked above"),
+        };
+        self.put_node(ida, merged, true);
+        self.free_node(idb);
+        parent.pivots.remove(a);
+        parent.children.remove(b);
+        parent.buffers.remove(b);
+        self.stats.merges += 1;
+        Ok(())
+    }
+
+    // ---- reads ----
+
+    pub fn get(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.check_failed()?;
+        self.stats.gets += 1;
+        let mut levels: Vec<(bool, Vec<(Msn, Msg)>)> = Vec::new();
+        let mut id = self.root;
+        let leaf = loop {
+            let c = self.ensure(id)?;
+            match &c.node {
+                Node::Internal(n) => {
+                    let i = n.child_for(key);
+                    let b = &n.buffers[i];
+                    levels.push((b.covered(key), b.points.get(key).cloned().unwrap_or_default()));
+                    id = n.children[i];
+                }
+                Node::Leaf(_) => break id,
+            }
+        };
+        let mut v = self.leaf_get(leaf, key)?;
+        for (covered, msgs) in levels.into_iter().rev() {
+            if covered {
+                v = None;
+            }
+            for (_, m) in &msgs {
+                v = self.upserts.apply(v, m)?;
+            }
+        }
+        Ok(v)
+    }
+
+    fn leaf_get(&mut self, id: NodeId, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let want = match &self.cache[&id].node {
+            Node::Leaf(Leaf { data: LeafData::Full(es), .. }) => {
+                return Ok(es
+                    .binary_search_by(|(k, _)| k.as_slice().cmp(key))
+                    .ok()
+                    .map(|i| es[i].1.clone()));
+            }
+            Node::Leaf(Leaf { data: LeafData::Partial { index, loaded }, .. }) => {
+                let i = node::basement_for(index, key);
+                match &loaded[i] {
+                    Some(es) => {
+                        return Ok(es
+                            .binary_search_by(|(k, _)| k.as_slice().cmp(key))
+                            .ok()
+                            .map(|j| es[j].1.clone()));
+                    }
+                    None => (i, index[i].clone()),
+                }
+            }
+            Node::Internal(_) => return Err(Error::Corrupt(format!("node {id}: expected a leaf"))),
+        };
+        let es = self.read_basement(id, &want.1)?;
+        let v = es
+            .binary_search_by(|(k, _)| k.as_slice().cmp(key))
+            .ok()
+            .map(|j| es[j].1.clone());
+        let add: usize = es.iter().map(|(k, v)| node::entry_bytes(k, v) + 48).sum();
+        let c = self.cache.get_mut(&id).expect("cached");
+        if let Node::Leaf(Leaf { data: LeafData::Partial { loaded, .. }, .. }) = &mut c.node {
+            loaded[want.0] = Some(es);
+            c.mem += add;
+            self.mem += add;
+        }
+        Ok(v)
+    }
+
+    /// One leaf's worth of a range scan. Forward, `cursor` is the first key to return;
+    /// backward, the bound below which to return keys (`None`: from `hi`, or the top).
+    /// Returns the entries (in scan order) and where the next chunk starts, if anywhere.
+    pub fn scan_chunk(
+        &mut self,
+        lo: &[u8],
+        hi: Option<&[u8]>,
+        forward: bool,
+        cursor: Option<&[u8]>,
+    ) -> Result<(Vec<Entry>, Option<Vec<u8>>)> {
+        self.check_failed()?;
+        let mut id = self.root;
+        let mut node_lo: Option<Vec<u8>> = None;
+        let mut node_hi: Option<Vec<u8>> = None;
+        let mut path: Vec<(NodeId, usize)> = Vec::new();
+        loop {
+            let c = self.ensure(id)?;
+            let Node::Internal(n) = &c.node else { break };
+            let i = match (forward, cursor) {
+                (true, c) => n.child_for(c.unwrap_or(lo)),
+                (false, None) => n.children.len() - 1,
+                (false, Some(u)) => n.pivots.partition_point(|p| p.as_slice() < u),
+            };
+            let (clo, chi) = n.child_range(i);
+            if let Some(l) = clo {
+                node_lo = Some(l.to_vec());
+            }
+            if let Some(h) = chi {
+                node_hi = Some(h.to_vec());
+            }
+            path.push((id, i));
+            id = n.children[i];
+        }
+        self.ensure_full(id)?;
+        // The window of keys this chunk settles.
+        let (wlo, whi): (Vec<u8>, Option<Vec<u8>>) = if forward {
+            let start = cursor.unwrap_or(lo).to_vec();
+            let end = match (node_hi.as_deref(), hi) {
+                (Some(a), Some(b)) => Some(a.min(b).to_vec()),
+                (a, b) => a.or(b).map(<[u8]>::to_vec),
+            };
+            (start, end)
+        } else {
+            let start = match node_lo.as_deref() {
+                Some(l) if l > lo => l.to_vec(),
+                _ => lo.to_vec(),
+            };
+            (start, cursor.or(hi).map(<[u8]>::to_vec))
+        };
+        let mut map: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        if whi.as_deref().is_none_or(|h| wlo.as_slice() < h) {
+            if let Some(Node::Leaf(l)) = self.cache.get(&id).map(|c| &c.node) {
+                for (k, v) in l.entries().map(Vec::as_slice).unwrap_or(&[]) {
+                    if in_window(k, &wlo, whi.as_deref()) {
+                        map.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+            for &(pid, i) in path.iter().rev() {
+                let Some(Node::Internal(n)) = self.cache.get(&pid).map(|c| &c.node) else {
+                    return Err(Error::Invalid("internal: scan path evicted".into()));
+                };
+                let b = &n.buffers[i];
+                for r in &b.ranges {
+                    map.retain(|k, _| !r.covers(k));
+                }
+                let upper = match &whi {
+                    Some(h) => std::ops::Bound::Excluded(h.clone()),
+                    None => std::ops::Bound::Unbounded,
+                };
+                for (k, msgs) in b.points.range((std::ops::Bound::Included(wlo.clone()), upper)) {
+                    let mut v = map.remove(k);
+                    for (_, m) in msgs {
+                        v = self.upserts.apply(v, m)?;
+                    }
+                    if let Some(v) = v {
+                        map.insert(k.clone(), v);
+                    }
+                }
+            }
+        }
+        let next = if forward {
+            match node_hi {
+                Some(h) if hi.is_none_or(|hi| h.as_slice() < hi) => Some(h),
+                _ => None,
+            }
+        } else {
+            match node_lo {
+                Some(l) if l.as_slice() > lo => Some(l),
+                _ => None,
+            }
+        };
+        let entries: Vec<Entry> = if forward {
+            map.into_iter().collect()
+        } else {
+            map.into_iter().rev().collect()
+        };
+        Ok((entries, next))
+    }
+
+    // ---- durability ----
+
+    /// A patch that is durable once every batch written so far is.
+    pub fn sync_point(&mut self) -> Result<PatchId> {
+        self.check_failed()?;
+        self.log.write_tail(&self.engine)?;
+        let engine = self.engine.clone();
+        self.log.pending.retain(|p| !engine.is_durable(*p));
+        let mut befores = self.log.pending.clone();
+        // Records the last checkpoint took from the log's memory are durable with it.
+        befores.extend(self.log.header);
+        self.stats.syncs += 1;
+        Ok(self.engine.empty(&befores))
+    }
+
+    /// Writes every dirty node (to fresh extents), the table and the next header, as
+    /// patches: the header waits for the nodes and the table. Returns the header's patch.
+    pub fn checkpoint(&mut self) -> Result<PatchId> {
+        self.check_failed()?;
+        self.release_frees();
+        let bs = self.geo.block_size;
+        let opts = ChangeOpts::default();
+        let mut befores: Vec<PatchId> = Vec::new();
+        let mut freeing = std::mem::take(&mut self.to_free);
+        let mut dirty: Vec<NodeId> = self.cache.iter().filter(|(_, c)| c.dirty).map(|(id, _)| *id).collect();
+        dirty.sort_unstable();
+        let r = (|| -> Result<()> {
+            for id in dirty {
+                let c = &self.cache[&id];
+                let bytes = node::encode(id, &c.node, bs, self.geo.basement_bytes);
+                let blocks = (bytes.len() / bs) as u64;
+                let e = self.alloc.alloc(blocks).ok_or(Error::Full(blocks))?;
+                let ps = self.engine.write_run(e.start, &bytes, &[], opts)?;
+                befores.extend(ps);
+                befores.dedup();
+                if let Some(old) = self.btt.insert(id, e) {
+                    freeing.push(old);
+                }
+                let c = self.cache.get_mut(&id).expect("dirty node cached");
+                c.dirty = false;
+                self.dirty_mem -= c.mem;
+                self.stats.node_writes += 1;
+                self.stats.node_bytes_written += bytes.len() as u64;
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            self.to_free = freeing;
+            return Err(e);
+        }
+        let mut entries: Vec<(NodeId, Extent)> = self.btt.iter().map(|(k, v)| (*k, *v)).collect();
+        entries.sort_unstable();
+        let (bytes, table_crc) = format::encode_table(&entries, bs);
+        let blocks = (bytes.len() / bs) as u64;
+        let Some(table) = self.alloc.alloc(blocks) else {
+            self.to_free = freeing;
+            return Err(Error::Full(blocks));
+        };
+        befores.extend(self.engine.write_run(table.start, &bytes, &[], opts)?);
+        if self.table.blocks > 0 {
+            freeing.push(self.table);
+        }
+        self.table = table;
+        self.generation += 1;
+        let (log_lsn, log_offset) = if self.log.tail.is_empty() {
+            (self.log.tail_lsn, self.log.tail_offset)
+        } else {
+            (self.log.tail_lsn + 1, self.log.tail_offset + self.log.tail.len() as u64)
+        };
+        let h = Header {
+            instance: self.log.instance,
+            generation: self.generation,
+            geo: self.geo,
+            root: self.root,
+            table,
+            table_crc,
+            next_node: self.next_node,
+            next_msn: self.next_msn,
+            log_lsn,
+            log_offset,
+        };
+        befores.sort_unstable();
+        befores.dedup();
+        let hp = self.engine.write(h.slot(), 0, &h.encode(bs), &befores, opts)?;
+        self.pending_free.push((hp, freeing));
+        self.log.restart(hp);
+        debug_assert_eq!((self.log.tail_lsn, self.log.tail_offset), (log_lsn, log_offset));
+        self.stats.checkpoints += 1;
+        Ok(hp)
+    }
+
+    /// Frees the extents whose checkpoint header is durable.
+    pub fn release_frees(&mut self) {
+        let engine = self.engine.clone();
+        let mut freed = Vec::new();
+        self.pending_free.retain_mut(|(p, ex)| {
+            if engine.is_durable(*p) {
+                freed.append(ex);
+                false
+            } else {
+                true
+            }
+        });
+        for e in freed {
+            self.alloc.free(e);
+        }
+    }
+
+    /// After a write: a checkpoint when dirty nodes or the log pass their limits (its
+    /// header is returned, for the caller to wait on without the lock), and eviction.
+    pub fn maintain(&mut self) -> Result<Option<PatchId>> {
+        let log_low = self.log.room() < self.geo.log_blocks / 4;
+        let mut header = None;
+        if self.dirty_mem > self.opts.dirty_bytes || log_low {
+            header = Some(self.checkpoint()?);
+        }
+        self.evict();
+        if self.mem > self.opts.cache_bytes && header.is_none() && self.dirty_mem > self.opts.cache_bytes / 2 {
+            header = Some(self.checkpoint()?);
+            self.evict();
+        }
+        Ok(header)
+    }
+
+    pub fn after_read(&mut self) {
+        self.evict();
+    }
+
+    /// Evicts clean nodes, least recently used first, down to 90% of the budget.
+    fn evict(&mut self) {
+        if self.mem <= self.opts.cache_bytes {
+            return;
+        }
+        let target = self.opts.cache_bytes / 10 * 9;
+        let mut clean: Vec<(u64, NodeId)> = self
+            .cache
+            .iter()
+            .filter(|(id, c)| !c.dirty && **id != self.root)
+            .map(|(id, c)| (c.tick, *id))
+            .collect();
+        clean.sort_unstable();
+        for (_, id) in clean {
+            if self.mem <= target {
+                break;
+            }
+            if let Some(c) = self.cache.remove(&id) {
+                self.uncharge(&c);
+                self.stats.evictions += 1;
+            }
+        }
+    }
+
+    pub fn stats(&self) -> Stats {
+        let mut s = self.stats.clone();
+        s.log_blocks_written = self.log.blocks_written;
+        s.log_bytes = self.log.bytes;
+        s.upsert_failures = self.upserts.failures.load(std::sync::atomic::Ordering::Relaxed);
+        let io = self.engine.device().stats();
+        s.device_bytes_written = io.bytes_written;
+        s.device_bytes_read = io.bytes_read;
+        s.device_flushes = io.flushes;
+        s.write_amplification = if s.user_bytes > 0 {
+            io.bytes_written as f64 / s.user_bytes as f64
+        } else {
+            0.0
+        };
+        s.height = self.cache.get(&self.root).map_or(0, |c| c.node.height() as u64);
+        s.nodes_cached = self.cache.len() as u64;
+        s.cache_bytes = self.mem as u64;
+        s.dirty_bytes = self.dirty_mem as u64;
+        s
+    }
+
+    // ---- checking ----
+
+    /// Walks the whole tree and checks its invariants.
+    pub fn check(&mut self) -> Result<()> {
+        let root = self.root;
+        self.check_node(root, None, None, None)
+    }
+
+    fn check_node(
+        &mut self,
+        id: NodeId,
+        lo: Option<Vec<u8>>,
+        hi: Option<Vec<u8>>,
+        height: Option<u16>,
+    ) -> Result<()> {
+        self.ensure_full(id)?;
+        let bad = |why: String| Err(Error::Corrupt(format!("check: node {id}: {why}")));
+        let node = self.cache[&id].node.clone();
+        if let Some(h) = height {
+            if node.height() != h {
+                return bad(format!("height {} where {h} was expected", node.height()));
+            }
+        }
+        let within = |k: &[u8]| lo.as_deref().is_none_or(|l| k >= l) && hi.as_deref().is_none_or(|h| k < h);
+        match node {
+            Node::Leaf(l) => {
+                let es = l.entries().cloned().unwrap_or_default();
+                if es.windows(2).any(|w| w[0].0 >= w[1].0) {
+                    return bad("entries out of order".into());
+                }
+                if let Some((k, _)) = es.iter().find(|(k, _)| !within(k)) {
+                    return bad(format!("key {k:?} outside its range"));
+                }
+                if l.bytes > self.geo.node_bytes {
+                    return bad(format!("{} bytes in a leaf", l.bytes));
+                }
+            }
+            Node::Internal(n) => {
+                if n.children.len() > self.geo.fanout || n.children.len() != n.buffers.len() {
+                    return bad(format!("{} children", n.children.len()));
+                }
+                if n.pivots.len() + 1 != n.children.len() || n.pivots.windows(2).any(|w| w[0] >= w[1]) {
+                    return bad("pivots".into());
+                }
+                if n.pivots.iter().any(|p| !within(p)) {
+                    return bad("pivot outside the node's range".into());
+                }
+                for (i, b) in n.buffers.iter().enumerate() {
+                    let (clo, chi) = n.child_range(i);
+                    let cw = |k: &[u8]| clo.is_none_or(|l| k >= l) && chi.is_none_or(|h| k < h);
+                    for (k, msgs) in &b.points {
+                        if !cw(k) {
+                            return bad(format!("message for {k:?} in the wrong buffer"));
+                        }
+                        for r in &b.ranges {
+                            if r.covers(k) && msgs.iter().any(|(m, _)| *m < r.msn) {
+                                return bad("a point message older than a range delete covering it".into());
+                            }
+                        }
+                    }
+                }
+                for i in 0..n.children.len() {
+                    let (clo, chi) = n.child_range(i);
+                    let clo = clo.map(<[u8]>::to_vec).or(lo.clone());
+                    let chi = chi.map(<[u8]>::to_vec).or(hi.clone());
+                    self.check_node(n.children[i], clo, chi, Some(n.height - 1))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
