@@ -17,6 +17,11 @@ for mode in soft-updates meta-journal full-journal; do
 done
 "$q" crashtest --mode async --workload all --states "$states" --report "$work/async.json" \
   --keep-failures "$work/failures" >/dev/null
+# The Bε-tree: every crash state recovers to every synced batch and a prefix of the rest;
+# the control run (syncs claimed, not made) must show lost batches.
+"$q" crashtest --fs betree --states "$((states * 5))" --report "$work/betree.json" \
+  || { echo "crashtest: FAIL: the Bε-tree breaks its guarantees" >&2; exit 1; }
+"$q" crashtest --fs betree --lying --states 300 --report "$work/betree-lying.json" >/dev/null
 python3 - "$work" <<'PY'
 import json, os, sys
 w = sys.argv[1]
@@ -31,6 +36,10 @@ a = r["async"]
 assert a["with_violations"] > 0, "async shows no violation: the explorer would be blind"
 kept = os.listdir(f"{w}/failures")
 assert kept, "no failing image was kept"
+b, bl = (json.load(open(f"{w}/{n}.json")) for n in ["betree", "betree-lying"])
+assert b["states_checked"] > 0 and b["clean"] == b["states_checked"], "betree: every state must recover whole"
+assert bl["with_violations"] > 0, "betree control lost nothing: the oracle would be blind"
+print(f"crashtest: betree {b['states_checked']} states clean, control {bl['with_violations']} with violations")
 print(f"crashtest: soft updates {su['states_checked']} states ({su['allowed_only']} with allowed leaks), "
       f"journals {r['meta-journal']['states_checked']}+{r['full-journal']['states_checked']} clean, "
       f"async {a['with_violations']}/{a['states_checked']} with violations ({len(kept)} images kept)")

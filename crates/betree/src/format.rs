@@ -171,11 +171,15 @@ pub fn decode_table(b: &[u8], want_crc: u32) -> Result<Vec<(NodeId, Extent)>> {
     }
     let version = r.u32()?;
     if version != VERSION {
-        return Err(Error::Corrupt(format!("block translation table: unknown version {version}")));
+        return Err(Error::Corrupt(format!(
+            "block translation table: unknown version {version}"
+        )));
     }
     let n = r.u64()? as usize;
     if n > r.remaining() / 24 {
-        return Err(Error::Corrupt(format!("block translation table: {n} entries")));
+        return Err(Error::Corrupt(format!(
+            "block translation table: {n} entries"
+        )));
     }
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
@@ -189,7 +193,9 @@ pub fn decode_table(b: &[u8], want_crc: u32) -> Result<Vec<(NodeId, Extent)>> {
         ));
     }
     if crc32c(&[&b[..r.pos()]]) != want_crc {
-        return Err(Error::Corrupt("block translation table: checksum mismatch".into()));
+        return Err(Error::Corrupt(
+            "block translation table: checksum mismatch".into(),
+        ));
     }
     Ok(out)
 }

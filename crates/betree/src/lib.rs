@@ -85,11 +85,23 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// One operation of a batch (and of the log).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Op {
-    Put { key: Vec<u8>, value: Vec<u8> },
-    Delete { key: Vec<u8> },
-    Upsert { key: Vec<u8>, func: u16, arg: Vec<u8> },
+    Put {
+        key: Vec<u8>,
+        value: Vec<u8>,
+    },
+    Delete {
+        key: Vec<u8>,
+    },
+    Upsert {
+        key: Vec<u8>,
+        func: u16,
+        arg: Vec<u8>,
+    },
     /// Deletes every key in `start..end` (end exclusive), as one message.
-    DeleteRange { start: Vec<u8>, end: Vec<u8> },
+    DeleteRange {
+        start: Vec<u8>,
+        end: Vec<u8>,
+    },
 }
 
 /// Operations applied atomically: after a crash, all of them or none.
@@ -417,7 +429,11 @@ impl<'a> Iter<'a> {
             lo: lo.to_vec(),
             hi: hi.map(<[u8]>::to_vec),
             forward,
-            cursor: if forward { Some(lo.to_vec()) } else { hi.map(<[u8]>::to_vec) },
+            cursor: if forward {
+                Some(lo.to_vec())
+            } else {
+                hi.map(<[u8]>::to_vec)
+            },
             started: false,
             done: empty,
             chunk: VecDeque::new(),
@@ -441,7 +457,12 @@ impl Iterator for Iter<'_> {
                 t.stats.scans += 1;
                 self.started = true;
             }
-            let r = t.scan_chunk(&self.lo, self.hi.as_deref(), self.forward, self.cursor.as_deref());
+            let r = t.scan_chunk(
+                &self.lo,
+                self.hi.as_deref(),
+                self.forward,
+                self.cursor.as_deref(),
+            );
             t.after_read();
             drop(t);
             match r {

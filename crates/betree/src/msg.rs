@@ -15,7 +15,10 @@ pub enum Msg {
     Put(Vec<u8>),
     Delete,
     /// Apply the registered update function `func` with `arg` to the value.
-    Upsert { func: u16, arg: Vec<u8> },
+    Upsert {
+        func: u16,
+        arg: Vec<u8>,
+    },
 }
 
 impl Msg {
@@ -233,16 +236,23 @@ impl Upserts {
         match func {
             WRITE_AT => match arg_u64(arg) {
                 Err(e) => bad(e),
-                Ok((off, bytes)) if off.saturating_add(bytes.len() as u64) > self.max_value as u64 => bad(
-                    format!("writing past byte {} of a value (limit {})", off.saturating_add(bytes.len() as u64), self.max_value),
-                ),
+                Ok((off, bytes))
+                    if off.saturating_add(bytes.len() as u64) > self.max_value as u64 =>
+                {
+                    bad(format!(
+                        "writing past byte {} of a value (limit {})",
+                        off.saturating_add(bytes.len() as u64),
+                        self.max_value
+                    ))
+                }
                 Ok(_) => Ok(()),
             },
             TRUNCATE => match arg_u64(arg) {
                 Err(e) => bad(e),
-                Ok((len, _)) if len > self.max_value as u64 => {
-                    bad(format!("length {len} exceeds the value limit {}", self.max_value))
-                }
+                Ok((len, _)) if len > self.max_value as u64 => bad(format!(
+                    "length {len} exceeds the value limit {}",
+                    self.max_value
+                )),
                 Ok(_) => Ok(()),
             },
             _ => Ok(()),
@@ -261,12 +271,17 @@ impl Upserts {
                 // later flush of the node.
                 let why = match f(old.as_deref(), arg) {
                     Ok(Some(v)) if v.len() > self.max_value => {
-                        format!("result of {} bytes exceeds the value limit {}", v.len(), self.max_value)
+                        format!(
+                            "result of {} bytes exceeds the value limit {}",
+                            v.len(),
+                            self.max_value
+                        )
                     }
                     Ok(new) => return Ok(new),
                     Err(e) => e,
                 };
-                self.failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.failures
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tracing::warn!(func, "upsert left the value unchanged: {why}");
                 Ok(old)
             }

@@ -57,7 +57,6 @@ impl Internal {
             + self.buffers.iter().map(|b| b.bytes + 8).sum::<usize>()
     }
 
-
     /// The child whose buffer holds the most bytes (the flush target).
     pub fn heaviest(&self) -> Option<usize> {
         (0..self.buffers.len())
@@ -153,7 +152,9 @@ impl Leaf {
     /// (see `Buffer`), in one merge pass over the sorted entries.
     pub fn apply(&mut self, buf: Buffer, up: &Upserts) -> Result<()> {
         let LeafData::Full(entries) = &mut self.data else {
-            return Err(Error::Invalid("internal: applying messages to a partial leaf".into()));
+            return Err(Error::Invalid(
+                "internal: applying messages to a partial leaf".into(),
+            ));
         };
         let mut old = std::mem::take(entries);
         if !buf.ranges.is_empty() {
@@ -224,7 +225,9 @@ impl Node {
     /// Memory the cache charges for the node (an estimate).
     pub fn mem(&self) -> usize {
         match self {
-            Node::Internal(n) => n.bytes() + n.buffers.iter().map(|b| b.points.len() * 48).sum::<usize>(),
+            Node::Internal(n) => {
+                n.bytes() + n.buffers.iter().map(|b| b.points.len() * 48).sum::<usize>()
+            }
             Node::Leaf(l) => match &l.data {
                 LeafData::Full(e) => l.bytes + e.len() * 48,
                 LeafData::Partial { index, loaded } => {
@@ -232,7 +235,11 @@ impl Node {
                         + loaded
                             .iter()
                             .flatten()
-                            .map(|es| es.iter().map(|(k, v)| entry_bytes(k, v) + 48).sum::<usize>())
+                            .map(|es| {
+                                es.iter()
+                                    .map(|(k, v)| entry_bytes(k, v) + 48)
+                                    .sum::<usize>()
+                            })
                             .sum::<usize>()
                 }
             },
@@ -404,16 +411,24 @@ pub fn section_len(first: &[u8], id: NodeId) -> Result<(bool, usize)> {
     let leaf = match magic {
         MAGIC_LEAF => true,
         MAGIC_INTERNAL => false,
-        _ => return Err(Error::Corrupt(format!("node {id}: bad magic {magic:#010x}"))),
+        _ => {
+            return Err(Error::Corrupt(format!(
+                "node {id}: bad magic {magic:#010x}"
+            )))
+        }
     };
     if version != VERSION {
-        return Err(Error::Corrupt(format!("node {id}: unknown version {version}")));
+        return Err(Error::Corrupt(format!(
+            "node {id}: unknown version {version}"
+        )));
     }
     r.u8()?;
     r.u8()?;
     let got = r.u64()?;
     if got != id {
-        return Err(Error::Corrupt(format!("node {id}: extent holds node {got}")));
+        return Err(Error::Corrupt(format!(
+            "node {id}: extent holds node {got}"
+        )));
     }
     r.u16()?;
     r.u16()?;
@@ -443,7 +458,9 @@ pub fn decode_internal(sec: &[u8], id: NodeId, max_children: usize) -> Result<In
     let mut r = Reader::new(&sec[PREFIX..], "internal node");
     let n = r.u32()? as usize;
     if n == 0 || n > max_children || height == 0 {
-        return Err(Error::Corrupt(format!("node {id}: {n} children at height {height}")));
+        return Err(Error::Corrupt(format!(
+            "node {id}: {n} children at height {height}"
+        )));
     }
     let mut children = Vec::with_capacity(n);
     for _ in 0..n {
@@ -521,7 +538,9 @@ pub fn decode_leaf_index(sec: &[u8], id: NodeId, extent_bytes: usize) -> Result<
             || (b.offset as usize).saturating_add(b.len as usize) > extent_bytes
             || index.last().is_some_and(|p| p.lo > b.lo)
         {
-            return Err(Error::Corrupt(format!("node {id}: basement index out of bounds or order")));
+            return Err(Error::Corrupt(format!(
+                "node {id}: basement index out of bounds or order"
+            )));
         }
         index.push(b);
     }
@@ -531,7 +550,9 @@ pub fn decode_leaf_index(sec: &[u8], id: NodeId, extent_bytes: usize) -> Result<
 /// Decodes one basement's entries (checksum verified).
 pub fn decode_basement(body: &[u8], b: &BasementRef, id: NodeId) -> Result<Vec<Entry>> {
     if crc32c(&[body]) != b.crc {
-        return Err(Error::Corrupt(format!("node {id}: basement checksum mismatch")));
+        return Err(Error::Corrupt(format!(
+            "node {id}: basement checksum mismatch"
+        )));
     }
     let mut r = Reader::new(body, "basement");
     let n = b.count as usize;
@@ -543,7 +564,9 @@ pub fn decode_basement(body: &[u8], b: &BasementRef, id: NodeId) -> Result<Vec<E
         let k = r.bytes()?.to_vec();
         let v = r.bytes()?.to_vec();
         if out.last().is_some_and(|(p, _)| *p >= k) {
-            return Err(Error::Corrupt(format!("node {id}: basement keys out of order")));
+            return Err(Error::Corrupt(format!(
+                "node {id}: basement keys out of order"
+            )));
         }
         out.push((k, v));
     }

@@ -77,7 +77,10 @@ fn check_geometry(geo: &Geometry, block_count: u64) -> std::result::Result<(), S
         return Err(format!("fanout {} must be between 3 and 1024", geo.fanout));
     }
     if geo.log_first != HEADER_SLOTS || geo.log_blocks < 8 {
-        return Err(format!("log region {}+{} is invalid", geo.log_first, geo.log_blocks));
+        return Err(format!(
+            "log region {}+{} is invalid",
+            geo.log_first, geo.log_blocks
+        ));
     }
     let node_blocks = (geo.node_bytes / bs) as u64;
     if geo.data_first().saturating_add(8 * node_blocks) > block_count {
@@ -122,7 +125,10 @@ impl Inner {
             mem: 0,
             dirty_mem: 0,
             btt: HashMap::new(),
-            table: Extent { start: 0, blocks: 0 },
+            table: Extent {
+                start: 0,
+                blocks: 0,
+            },
             root: h.map_or(1, |h| h.root),
             next_node: h.map_or(2, |h| h.next_node),
             next_msn: h.map_or(1, |h| h.next_msn),
@@ -171,7 +177,9 @@ impl Inner {
             let raw = engine.read(slot)?;
             match Header::decode(&raw) {
                 Ok(Some(h)) if h.slot() == slot => found.push(h),
-                Ok(Some(h)) => damaged.push(format!("slot {slot} holds generation {}", h.generation)),
+                Ok(Some(h)) => {
+                    damaged.push(format!("slot {slot} holds generation {}", h.generation))
+                }
                 Ok(None) => {}
                 Err(e) => damaged.push(e.to_string()),
             }
@@ -208,10 +216,17 @@ impl Inner {
         check_geometry(&geo, engine.block_count()).map_err(Error::Corrupt)?;
         let count = engine.block_count();
         let in_data = |e: &Extent| {
-            e.blocks > 0 && e.start >= geo.data_first() && e.start.checked_add(e.blocks).is_some_and(|end| end <= count)
+            e.blocks > 0
+                && e.start >= geo.data_first()
+                && e.start
+                    .checked_add(e.blocks)
+                    .is_some_and(|end| end <= count)
         };
         if !in_data(&h.table) {
-            return Err(Error::Corrupt(format!("table extent {:?} out of bounds", h.table)));
+            return Err(Error::Corrupt(format!(
+                "table extent {:?} out of bounds",
+                h.table
+            )));
         }
         let mut bytes = Vec::new();
         for b in h.table.start..h.table.start + h.table.blocks {
@@ -223,22 +238,34 @@ impl Inner {
         used.sort();
         for w in used.windows(2) {
             if w[0].start + w[0].blocks > w[1].start {
-                return Err(Error::Corrupt(format!("extents {:?} and {:?} overlap", w[0], w[1])));
+                return Err(Error::Corrupt(format!(
+                    "extents {:?} and {:?} overlap",
+                    w[0], w[1]
+                )));
             }
         }
         if let Some(bad) = used.iter().find(|e| !in_data(e)) {
             return Err(Error::Corrupt(format!("extent {bad:?} out of bounds")));
         }
         if !entries.iter().any(|(id, _)| *id == h.root) {
-            return Err(Error::Corrupt(format!("root node {} has no extent", h.root)));
+            return Err(Error::Corrupt(format!(
+                "root node {} has no extent",
+                h.root
+            )));
         }
         let mut t = Inner::new(engine, geo, opts, Some(h));
         t.btt = entries.into_iter().collect();
         t.table = h.table;
         t.alloc = Alloc::new(geo.data_first(), count, &used);
         // Redo what the log holds past the checkpoint.
-        let (records, next_lsn, next_offset) =
-            log::replay(&t.engine, h.instance, geo.log_first, geo.log_blocks, h.log_lsn, h.log_offset)?;
+        let (records, next_lsn, next_offset) = log::replay(
+            &t.engine,
+            h.instance,
+            geo.log_first,
+            geo.log_blocks,
+            h.log_lsn,
+            h.log_offset,
+        )?;
         for rec in records {
             if rec.msn != t.next_msn {
                 break; // a gap: nothing after it may be applied
@@ -331,10 +358,16 @@ impl Inner {
         self.stats.node_reads += 1;
         let (leaf, len) = node::section_len(&bytes, id)?;
         if len > bytes.len() {
-            return Err(Error::Corrupt(format!("node {id}: section longer than its extent")));
+            return Err(Error::Corrupt(format!(
+                "node {id}: section longer than its extent"
+            )));
         }
         if !leaf {
-            return Ok(Node::Internal(node::decode_internal(&bytes[..len], id, self.max_children())?));
+            return Ok(Node::Internal(node::decode_internal(
+                &bytes[..len],
+                id,
+                self.max_children(),
+            )?));
         }
         let index = node::decode_leaf_index(&bytes[..len], id, bytes.len())?;
         let mut all: Vec<Entry> = Vec::new();
@@ -357,12 +390,22 @@ impl Inner {
         let (leaf, len) = node::section_len(&first, id)?;
         let n = len.div_ceil(bs) as u64;
         if n > e.blocks {
-            return Err(Error::Corrupt(format!("node {id}: section longer than its extent")));
+            return Err(Error::Corrupt(format!(
+                "node {id}: section longer than its extent"
+            )));
         }
-        let sec = if n == 1 { first } else { self.read_blocks(e.start, n)? };
+        let sec = if n == 1 {
+            first
+        } else {
+            self.read_blocks(e.start, n)?
+        };
         if !leaf {
             self.stats.node_reads += 1;
-            return Ok(Node::Internal(node::decode_internal(&sec[..len], id, self.max_children())?));
+            return Ok(Node::Internal(node::decode_internal(
+                &sec[..len],
+                id,
+                self.max_children(),
+            )?));
         }
         let index = node::decode_leaf_index(&sec[..len], id, e.blocks as usize * bs)?;
         let loaded = vec![None; index.len()];
@@ -386,16 +429,20 @@ impl Inner {
     /// the caller puts it back.
     fn take_full(&mut self, id: NodeId) -> Result<(Node, bool)> {
         match self.take_cached(id) {
-            Some((Node::Leaf(Leaf { data: LeafData::Partial { index, mut loaded }, .. }), dirty)) => {
+            Some((
+                Node::Leaf(Leaf {
+                    data: LeafData::Partial { index, mut loaded },
+                    ..
+                }),
+                dirty,
+            )) => {
                 self.stats.cache_hits += 1;
                 let mut all = Vec::new();
                 for (i, b) in index.iter().enumerate() {
                     let es = match loaded[i].take() {
                         Some(es) => es,
-                        None => match self.read_basement(id, b) {
-                            Ok(es) => es,
-                            Err(e) => return Err(e),
-                        },
+                        // (A partial leaf is clean: dropping it on an error loses nothing.)
+                        None => self.read_basement(id, b)?,
                     };
                     all.extend(es);
                 }
@@ -432,7 +479,13 @@ impl Inner {
     fn ensure_full(&mut self, id: NodeId) -> Result<()> {
         let partial = matches!(
             self.cache.get(&id),
-            None | Some(Cached { node: Node::Leaf(Leaf { data: LeafData::Partial { .. }, .. }), .. })
+            None | Some(Cached {
+                node: Node::Leaf(Leaf {
+                    data: LeafData::Partial { .. },
+                    ..
+                }),
+                ..
+            })
         );
         if partial {
             let (n, dirty) = self.take_full(id)?;
@@ -480,7 +533,10 @@ impl Inner {
             Op::Upsert { key, func, arg } => {
                 key_ok(key)?;
                 if arg.len() > self.geo.max_value() + 8 {
-                    return Err(Error::Invalid(format!("upsert argument of {} bytes is too long", arg.len())));
+                    return Err(Error::Invalid(format!(
+                        "upsert argument of {} bytes is too long",
+                        arg.len()
+                    )));
                 }
                 self.upserts.check(*func, arg)?;
             }
@@ -577,8 +633,12 @@ impl Inner {
                     match op {
                         Op::Put { key, value } => b.push(key, msn, Msg::Put(value)),
                         Op::Delete { key } => b.push(key, msn, Msg::Delete),
-                        Op::Upsert { key, func, arg } => b.push(key, msn, Msg::Upsert { func, arg }),
-                        Op::DeleteRange { start, end } => b.push_range(RangeDel { msn, start, end }),
+                        Op::Upsert { key, func, arg } => {
+                            b.push(key, msn, Msg::Upsert { func, arg })
+                        }
+                        Op::DeleteRange { start, end } => {
+                            b.push_range(RangeDel { msn, start, end })
+                        }
                     }
                     l.apply(b, &self.upserts)?;
                 }
@@ -670,7 +730,12 @@ impl Inner {
                     let buffers = n.buffers.split_off(at);
                     let mut pivots = n.pivots.split_off(at - 1);
                     let pivot = pivots.remove(0);
-                    let piece = Internal { height: n.height, pivots, children, buffers };
+                    let piece = Internal {
+                        height: n.height,
+                        pivots,
+                        children,
+                        buffers,
+                    };
                     out.push((pivot, Node::Internal(piece)));
                 }
                 out.reverse();
@@ -746,7 +811,11 @@ impl Inner {
         if parent.children.len() < 2 || !self.is_small(parent.children[idx]) {
             return Ok(());
         }
-        let j = if idx + 1 < parent.children.len() { idx + 1 } else { idx - 1 };
+        let j = if idx + 1 < parent.children.len() {
+            idx + 1
+        } else {
+            idx - 1
+        };
         if !parent.buffers[j].is_empty() {
             let before = parent.children.len();
             self.flush_child(parent, j)?;
@@ -767,7 +836,11 @@ impl Inner {
                 x.children.len() + y.children.len() <= self.geo.fanout
                     && x.bytes() + y.bytes() <= self.geo.node_bytes
             }
-            _ => return Err(Error::Corrupt(format!("siblings {ida} and {idb} differ in height"))),
+            _ => {
+                return Err(Error::Corrupt(format!(
+                    "siblings {ida} and {idb} differ in height"
+                )))
+            }
         };
         if !fits {
             return Ok(());
@@ -811,7 +884,10 @@ impl Inner {
                 Node::Internal(n) => {
                     let i = n.child_for(key);
                     let b = &n.buffers[i];
-                    levels.push((b.covered(key), b.points.get(key).cloned().unwrap_or_default()));
+                    levels.push((
+                        b.covered(key),
+                        b.points.get(key).cloned().unwrap_or_default(),
+                    ));
                     id = n.children[i];
                 }
                 Node::Leaf(_) => break id,
@@ -831,13 +907,19 @@ impl Inner {
 
     fn leaf_get(&mut self, id: NodeId, key: &[u8]) -> Result<Option<Vec<u8>>> {
         let want = match &self.cache[&id].node {
-            Node::Leaf(Leaf { data: LeafData::Full(es), .. }) => {
+            Node::Leaf(Leaf {
+                data: LeafData::Full(es),
+                ..
+            }) => {
                 return Ok(es
                     .binary_search_by(|(k, _)| k.as_slice().cmp(key))
                     .ok()
                     .map(|i| es[i].1.clone()));
             }
-            Node::Leaf(Leaf { data: LeafData::Partial { index, loaded }, .. }) => {
+            Node::Leaf(Leaf {
+                data: LeafData::Partial { index, loaded },
+                ..
+            }) => {
                 let i = node::basement_for(index, key);
                 match &loaded[i] {
                     Some(es) => {
@@ -858,7 +940,11 @@ impl Inner {
             .map(|j| es[j].1.clone());
         let add: usize = es.iter().map(|(k, v)| node::entry_bytes(k, v) + 48).sum();
         let c = self.cache.get_mut(&id).expect("cached");
-        if let Node::Leaf(Leaf { data: LeafData::Partial { loaded, .. }, .. }) = &mut c.node {
+        if let Node::Leaf(Leaf {
+            data: LeafData::Partial { loaded, .. },
+            ..
+        }) = &mut c.node
+        {
             loaded[want.0] = Some(es);
             c.mem += add;
             self.mem += add;
@@ -936,7 +1022,10 @@ impl Inner {
                     Some(h) => std::ops::Bound::Excluded(h.clone()),
                     None => std::ops::Bound::Unbounded,
                 };
-                for (k, msgs) in b.points.range((std::ops::Bound::Included(wlo.clone()), upper)) {
+                for (k, msgs) in b
+                    .points
+                    .range((std::ops::Bound::Included(wlo.clone()), upper))
+                {
                     let mut v = map.remove(k);
                     for (_, m) in msgs {
                         v = self.upserts.apply(v, m)?;
@@ -990,7 +1079,12 @@ impl Inner {
         let opts = ChangeOpts::default();
         let mut befores: Vec<PatchId> = Vec::new();
         let mut freeing = std::mem::take(&mut self.to_free);
-        let mut dirty: Vec<NodeId> = self.cache.iter().filter(|(_, c)| c.dirty).map(|(id, _)| *id).collect();
+        let mut dirty: Vec<NodeId> = self
+            .cache
+            .iter()
+            .filter(|(_, c)| c.dirty)
+            .map(|(id, _)| *id)
+            .collect();
         dirty.sort_unstable();
         let r = (|| -> Result<()> {
             for id in dirty {
@@ -1033,7 +1127,10 @@ impl Inner {
         let (log_lsn, log_offset) = if self.log.tail.is_empty() {
             (self.log.tail_lsn, self.log.tail_offset)
         } else {
-            (self.log.tail_lsn + 1, self.log.tail_offset + self.log.tail.len() as u64)
+            (
+                self.log.tail_lsn + 1,
+                self.log.tail_offset + self.log.tail.len() as u64,
+            )
         };
         let h = Header {
             instance: self.log.instance,
@@ -1049,10 +1146,15 @@ impl Inner {
         };
         befores.sort_unstable();
         befores.dedup();
-        let hp = self.engine.write(h.slot(), 0, &h.encode(bs), &befores, opts)?;
+        let hp = self
+            .engine
+            .write(h.slot(), 0, &h.encode(bs), &befores, opts)?;
         self.pending_free.push((hp, freeing));
         self.log.restart(hp);
-        debug_assert_eq!((self.log.tail_lsn, self.log.tail_offset), (log_lsn, log_offset));
+        debug_assert_eq!(
+            (self.log.tail_lsn, self.log.tail_offset),
+            (log_lsn, log_offset)
+        );
         self.stats.checkpoints += 1;
         Ok(hp)
     }
@@ -1083,7 +1185,10 @@ impl Inner {
             header = Some(self.checkpoint()?);
         }
         self.evict();
-        if self.mem > self.opts.cache_bytes && header.is_none() && self.dirty_mem > self.opts.cache_bytes / 2 {
+        if self.mem > self.opts.cache_bytes
+            && header.is_none()
+            && self.dirty_mem > self.opts.cache_bytes / 2
+        {
             header = Some(self.checkpoint()?);
             self.evict();
         }
@@ -1122,7 +1227,10 @@ impl Inner {
         let mut s = self.stats.clone();
         s.log_blocks_written = self.log.blocks_written;
         s.log_bytes = self.log.bytes;
-        s.upsert_failures = self.upserts.failures.load(std::sync::atomic::Ordering::Relaxed);
+        s.upsert_failures = self
+            .upserts
+            .failures
+            .load(std::sync::atomic::Ordering::Relaxed);
         let io = self.engine.device().stats();
         s.device_bytes_written = io.bytes_written;
         s.device_bytes_read = io.bytes_read;
@@ -1132,7 +1240,10 @@ impl Inner {
         } else {
             0.0
         };
-        s.height = self.cache.get(&self.root).map_or(0, |c| c.node.height() as u64);
+        s.height = self
+            .cache
+            .get(&self.root)
+            .map_or(0, |c| c.node.height() as u64);
         s.nodes_cached = self.cache.len() as u64;
         s.cache_bytes = self.mem as u64;
         s.dirty_bytes = self.dirty_mem as u64;
@@ -1162,7 +1273,8 @@ impl Inner {
                 return bad(format!("height {} where {h} was expected", node.height()));
             }
         }
-        let within = |k: &[u8]| lo.as_deref().is_none_or(|l| k >= l) && hi.as_deref().is_none_or(|h| k < h);
+        let within =
+            |k: &[u8]| lo.as_deref().is_none_or(|l| k >= l) && hi.as_deref().is_none_or(|h| k < h);
         match node {
             Node::Leaf(l) => {
                 let es = l.entries().cloned().unwrap_or_default();
@@ -1180,7 +1292,9 @@ impl Inner {
                 if n.children.len() > self.geo.fanout || n.children.len() != n.buffers.len() {
                     return bad(format!("{} children", n.children.len()));
                 }
-                if n.pivots.len() + 1 != n.children.len() || n.pivots.windows(2).any(|w| w[0] >= w[1]) {
+                if n.pivots.len() + 1 != n.children.len()
+                    || n.pivots.windows(2).any(|w| w[0] >= w[1])
+                {
                     return bad("pivots".into());
                 }
                 if n.pivots.iter().any(|p| !within(p)) {
@@ -1195,7 +1309,9 @@ impl Inner {
                         }
                         for r in &b.ranges {
                             if r.covers(k) && msgs.iter().any(|(m, _)| *m < r.msn) {
-                                return bad("a point message older than a range delete covering it".into());
+                                return bad(
+                                    "a point message older than a range delete covering it".into(),
+                                );
                             }
                         }
                     }

@@ -6,7 +6,9 @@
 //! Case count: 10,000 by default, 1,000 under `CI=true`, or `QUILT_PROPTEST_CASES`.
 
 use proptest::prelude::*;
-use quilt_betree::{truncate_arg, write_at_arg, Batch, Op as TOp, Options, Tree, TRUNCATE, WRITE_AT};
+use quilt_betree::{
+    truncate_arg, write_at_arg, Batch, Op as TOp, Options, Tree, TRUNCATE, WRITE_AT,
+};
 use quilt_block::MemDevice;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -17,7 +19,12 @@ type Model = BTreeMap<Vec<u8>, Vec<u8>>;
 enum Step {
     Write(Vec<TOp>),
     Get(Vec<u8>),
-    Scan { lo: Vec<u8>, hi: Option<Vec<u8>>, forward: bool, take: usize },
+    Scan {
+        lo: Vec<u8>,
+        hi: Option<Vec<u8>>,
+        forward: bool,
+        take: usize,
+    },
     Sync,
     Checkpoint,
     /// Sync, drop, open: everything must be there.
@@ -77,7 +84,10 @@ fn apply(m: &mut Model, op: &TOp) {
             }
         }
         TOp::DeleteRange { start, end } => {
-            let doomed: Vec<_> = m.range(start.clone()..end.clone()).map(|(k, _)| k.clone()).collect();
+            let doomed: Vec<_> = m
+                .range(start.clone()..end.clone())
+                .map(|(k, _)| k.clone())
+                .collect();
             for k in doomed {
                 m.remove(&k);
             }
@@ -107,22 +117,47 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
                 }
                 since_sync.push(model.clone());
             }
-            Step::Get(k) => prop_assert_eq!(t.get(&k).unwrap(), model.get(&k).cloned(), "get {:?}", k),
-            Step::Scan { lo, hi, forward, take } => {
+            Step::Get(k) => {
+                prop_assert_eq!(t.get(&k).unwrap(), model.get(&k).cloned(), "get {:?}", k)
+            }
+            Step::Scan {
+                lo,
+                hi,
+                forward,
+                take,
+            } => {
                 let got: Vec<_> = if forward {
-                    t.range(&lo, hi.as_deref()).take(take).map(|r| r.unwrap()).collect()
+                    t.range(&lo, hi.as_deref())
+                        .take(take)
+                        .map(|r| r.unwrap())
+                        .collect()
                 } else {
-                    t.range_rev(&lo, hi.as_deref()).take(take).map(|r| r.unwrap()).collect()
+                    t.range_rev(&lo, hi.as_deref())
+                        .take(take)
+                        .map(|r| r.unwrap())
+                        .collect()
                 };
                 let want: Vec<_> = match &hi {
                     Some(h) if *h <= lo => Vec::new(),
                     Some(h) => {
-                        let r = model.range(lo.clone()..h.clone()).map(|(k, v)| (k.clone(), v.clone()));
-                        if forward { r.take(take).collect() } else { r.rev().take(take).collect() }
+                        let r = model
+                            .range(lo.clone()..h.clone())
+                            .map(|(k, v)| (k.clone(), v.clone()));
+                        if forward {
+                            r.take(take).collect()
+                        } else {
+                            r.rev().take(take).collect()
+                        }
                     }
                     None => {
-                        let r = model.range(lo.clone()..).map(|(k, v)| (k.clone(), v.clone()));
-                        if forward { r.take(take).collect() } else { r.rev().take(take).collect() }
+                        let r = model
+                            .range(lo.clone()..)
+                            .map(|(k, v)| (k.clone(), v.clone()));
+                        if forward {
+                            r.take(take).collect()
+                        } else {
+                            r.rev().take(take).collect()
+                        }
                     }
                 };
                 prop_assert_eq!(got, want);
@@ -160,7 +195,14 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
     t.check().unwrap();
     prop_assert_eq!(contents(&t), model.clone());
     let rev: Vec<_> = t.range_rev(b"", None).map(|r| r.unwrap()).collect();
-    prop_assert_eq!(rev, model.iter().rev().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>());
+    prop_assert_eq!(
+        rev,
+        model
+            .iter()
+            .rev()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect::<Vec<_>>()
+    );
     t.sync().unwrap();
     drop(t);
     let t = Tree::open(dev, opts).unwrap();
@@ -196,15 +238,34 @@ fn a_deep_tree_matches_the_model() {
     let mut model = Model::new();
     let mut x: u64 = 7;
     for i in 0..20_000u64 {
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let k = format!("key{:06}", (x >> 33) % 5000).into_bytes();
         let o = match i % 10 {
-            0..=5 => TOp::Put { key: k, value: vec![(i % 251) as u8; (x % 60) as usize] },
+            0..=5 => TOp::Put {
+                key: k,
+                value: vec![(i % 251) as u8; (x % 60) as usize],
+            },
             6 => TOp::Delete { key: k },
-            7 => TOp::Upsert { key: k, func: WRITE_AT, arg: write_at_arg(x % 20, b"abcd") },
-            8 => TOp::Upsert { key: k, func: TRUNCATE, arg: truncate_arg(x % 10) },
-            _ if i % 100 == 9 => TOp::DeleteRange { start: k.clone(), end: [k, vec![b'9'; 2]].concat() },
-            _ => TOp::Put { key: k, value: b"v".to_vec() },
+            7 => TOp::Upsert {
+                key: k,
+                func: WRITE_AT,
+                arg: write_at_arg(x % 20, b"abcd"),
+            },
+            8 => TOp::Upsert {
+                key: k,
+                func: TRUNCATE,
+                arg: truncate_arg(x % 10),
+            },
+            _ if i % 100 == 9 => TOp::DeleteRange {
+                start: k.clone(),
+                end: [k, vec![b'9'; 2]].concat(),
+            },
+            _ => TOp::Put {
+                key: k,
+                value: b"v".to_vec(),
+            },
         };
         apply(&mut model, &o);
         t.write(Batch { ops: vec![o] }).unwrap();
@@ -214,8 +275,14 @@ fn a_deep_tree_matches_the_model() {
     }
     t.check().unwrap();
     let s = t.stats();
-    assert!(s.height >= 2, "a tree of 5,000 keys in 4 KiB nodes has internal levels: {s:?}");
-    assert!(s.flushes > 0 && s.leaf_splits > 0 && s.checkpoints > 1, "{s:?}");
+    assert!(
+        s.height >= 2,
+        "a tree of 5,000 keys in 4 KiB nodes has internal levels: {s:?}"
+    );
+    assert!(
+        s.flushes > 0 && s.leaf_splits > 0 && s.checkpoints > 1,
+        "{s:?}"
+    );
     assert_eq!(contents(&t), model);
     for (k, v) in model.iter().step_by(7) {
         assert_eq!(t.get(k).unwrap().as_ref(), Some(v));
@@ -226,13 +293,21 @@ fn a_deep_tree_matches_the_model() {
     assert_eq!(contents(&t), model);
     // Delete most of it, key by key (messages that fill buffers and reach the leaves):
     // merges shrink the tree again. Then one range delete over what is left.
-    let doomed: Vec<Vec<u8>> = model.keys().filter(|k| k[k.len() - 1] != b'7').cloned().collect();
+    let doomed: Vec<Vec<u8>> = model
+        .keys()
+        .filter(|k| k[k.len() - 1] != b'7')
+        .cloned()
+        .collect();
     for k in doomed {
         t.delete(&k).unwrap();
         model.remove(&k);
     }
     t.delete_range(b"key000500", b"key004900").unwrap();
-    for k in model.range(b"key000500".to_vec()..b"key004900".to_vec()).map(|(k, _)| k.clone()).collect::<Vec<_>>() {
+    for k in model
+        .range(b"key000500".to_vec()..b"key004900".to_vec())
+        .map(|(k, _)| k.clone())
+        .collect::<Vec<_>>()
+    {
         model.remove(&k);
     }
     for i in 0..3000u32 {

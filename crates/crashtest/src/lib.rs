@@ -16,6 +16,7 @@
 //! and directories, each followed by an fsync), `untar`, `rmrf`, `postmark`.
 
 pub mod check;
+pub mod kv;
 pub mod states;
 pub mod workload;
 
