@@ -391,8 +391,7 @@ impl Tree {
     }
 
     pub fn stats(&self) -> Stats {
-        let t = self.lock();
-        t.stats()
+        self.lock().stats()
     }
 
     /// Checks the whole tree's invariants (pivot order, keys within their node's range,
@@ -480,4 +479,21 @@ impl Iterator for Iter<'_> {
             }
         }
     }
+}
+
+/// The block size of the Bε-tree whose first 128 KiB are `prefix`, if it holds one (a
+/// valid header in slot 0 or slot 1, whatever the block size). For tools that must tell
+/// a tree image from other images.
+pub fn probe_block_size(prefix: &[u8]) -> Option<usize> {
+    let at = |off: usize| {
+        prefix
+            .get(off..)
+            .and_then(|b| format::Header::decode(b).ok().flatten())
+    };
+    if let Some(h) = at(0) {
+        return Some(h.geo.block_size);
+    }
+    (9..=16)
+        .map(|s| 1usize << s)
+        .find(|&bs| at(bs).is_some_and(|h| h.geo.block_size == bs))
 }

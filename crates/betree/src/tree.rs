@@ -1223,7 +1223,10 @@ impl Inner {
         }
     }
 
-    pub fn stats(&self) -> Stats {
+    pub fn stats(&mut self) -> Stats {
+        // The height is the root's (read if it is not cached yet).
+        let root = self.root;
+        let _ = self.ensure(root);
         let mut s = self.stats.clone();
         s.log_blocks_written = self.log.blocks_written;
         s.log_bytes = self.log.bytes;

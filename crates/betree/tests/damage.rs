@@ -70,7 +70,9 @@ fn corrupting_any_used_block_never_panics() {
     let (img, model) = image();
     assert_eq!(exercise(&img).unwrap(), model.len());
     let blocks = img.len() / BS;
-    let used: Vec<usize> = (0..blocks).filter(|&b| img[b * BS..(b + 1) * BS].iter().any(|&x| x != 0)).collect();
+    let used: Vec<usize> = (0..blocks)
+        .filter(|&b| img[b * BS..(b + 1) * BS].iter().any(|&x| x != 0))
+        .collect();
     assert!(used.len() > 50, "the image uses {} blocks", used.len());
     let mut rng = Rng(0x9e3779b97f4a7c15);
     let (mut errors, mut fine) = (0, 0);
@@ -131,7 +133,9 @@ fn a_torn_header_falls_back_to_the_other_one() {
         // Everything up to the header write, then half of the new header over the old.
         let crash = MemDevice::from_bytes(BS, &before).unwrap();
         log.replay_prefix(h, &crash).unwrap();
-        let LogEntry::Write { block, data } = &log.entries[h] else { unreachable!() };
+        let LogEntry::Write { block, data } = &log.entries[h] else {
+            unreachable!()
+        };
         let mut torn = vec![0u8; BS];
         crash.read(*block, &mut torn).unwrap();
         torn[..BS / 2].copy_from_slice(&data[..BS / 2]);

@@ -7,6 +7,7 @@ mod bench;
 mod crashtest;
 mod demo;
 mod image;
+mod kv;
 mod mkfs;
 mod mount;
 mod stats;
@@ -55,6 +56,10 @@ enum Command {
     /// Run a benchmark suite.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// The Bε-tree key-value store on an image file: create, put, get, delete,
+    /// delete-range, scan.
+    #[command(subcommand)]
+    Kv(kv::KvCommand),
 }
 
 #[derive(Subcommand)]
@@ -141,6 +146,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Sync { mountpoint } => mount::sync_mount(&mountpoint),
         Command::Umount { mountpoint, lazy } => mount::unmount_and_wait(&mountpoint, lazy),
         Command::Crashtest(a) => crashtest::run(a),
+        Command::Kv(c) => kv::run(c),
         Command::Bench(BenchCommand::Mail(a)) => bench::mail::run(a),
         Command::Bench(BenchCommand::Featherstitch(a)) => bench::featherstitch::run(a),
     }

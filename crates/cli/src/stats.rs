@@ -17,6 +17,8 @@ pub struct StatsArgs {
 pub fn run(a: StatsArgs) -> Result<()> {
     let v = if a.target.is_dir() {
         crate::mount::query_stats(&a.target)?
+    } else if let Some(v) = crate::kv::stats_json(&a.target)? {
+        v
     } else {
         let fs = open_fs(
             &a.target,
