@@ -37,6 +37,7 @@
 
 mod alloc;
 mod codec;
+mod entries;
 mod format;
 mod log;
 mod msg;

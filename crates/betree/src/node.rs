@@ -11,21 +11,17 @@
 //!   boundary, so a point query reads the index and one basement, not the whole leaf.
 
 use crate::codec::{crc32c, Reader, Writer};
+pub use crate::entries::{entry_bytes, Entries};
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
 use crate::{Error, Result};
 
 pub type NodeId = u64;
-pub type Entry = (Vec<u8>, Vec<u8>);
 
 const MAGIC_INTERNAL: u32 = u32::from_le_bytes(*b"QBNI");
 const MAGIC_LEAF: u32 = u32::from_le_bytes(*b"QBNL");
 const VERSION: u16 = 1;
 pub const PREFIX: usize = 32;
 const CRC_AT: usize = 24;
-
-pub fn entry_bytes(k: &[u8], v: &[u8]) -> usize {
-    k.len() + v.len() + 8
-}
 
 #[derive(Debug, Clone)]
 pub struct Internal {
@@ -110,11 +106,11 @@ pub struct BasementRef {
 #[derive(Debug, Clone)]
 pub enum LeafData {
     /// Every entry, sorted (a leaf being changed is always whole).
-    Full(Vec<Entry>),
+    Full(Entries),
     /// A clean leaf read for queries: its index and the basements read so far.
     Partial {
         index: Vec<BasementRef>,
-        loaded: Vec<Option<Vec<Entry>>>,
+        loaded: Vec<Option<Entries>>,
     },
 }
 
@@ -127,21 +123,17 @@ pub struct Leaf {
 
 impl Leaf {
     pub fn empty() -> Leaf {
-        Leaf {
-            data: LeafData::Full(Vec::new()),
-            bytes: 0,
-        }
+        Leaf::full(Entries::default())
     }
 
-    pub fn full(entries: Vec<Entry>) -> Leaf {
-        let bytes = entries.iter().map(|(k, v)| entry_bytes(k, v)).sum();
+    pub fn full(entries: Entries) -> Leaf {
         Leaf {
+            bytes: entries.bytes(),
             data: LeafData::Full(entries),
-            bytes,
         }
     }
 
-    pub fn entries(&self) -> Option<&Vec<Entry>> {
+    pub fn entries(&self) -> Option<&Entries> {
         match &self.data {
             LeafData::Full(e) => Some(e),
             LeafData::Partial { .. } => None,
@@ -151,34 +143,36 @@ impl Leaf {
     /// Applies a flushed buffer to a full leaf: range deletes first, then point messages
     /// (see `Buffer`), in one merge pass over the sorted entries.
     pub fn apply(&mut self, buf: Buffer, up: &Upserts) -> Result<()> {
-        let LeafData::Full(entries) = &mut self.data else {
+        let LeafData::Full(old) = &self.data else {
             return Err(Error::Invalid(
                 "internal: applying messages to a partial leaf".into(),
             ));
         };
-        let mut old = std::mem::take(entries);
-        if !buf.ranges.is_empty() {
-            old.retain(|(k, _)| !buf.ranges.iter().any(|r| r.covers(k)));
-        }
-        let mut out = Vec::with_capacity(old.len() + buf.points.len());
-        let mut it = old.into_iter().peekable();
-        for (k, msgs) in buf.points {
-            while it.peek().is_some_and(|(ek, _)| *ek < k) {
-                out.extend(it.next());
+        let mut out = Entries::with_capacity(old.bytes() + buf.bytes, old.len() + buf.points.len());
+        let kept = |k: &[u8]| !buf.ranges.iter().any(|r| r.covers(k));
+        let mut i = 0;
+        for (k, msgs) in &buf.points {
+            // Entries before this key: copied in runs.
+            let start = i;
+            while i < old.len() && old.key(i) < k.as_slice() {
+                i += 1;
             }
-            let mut v = if it.peek().is_some_and(|(ek, _)| *ek == k) {
-                it.next().map(|(_, v)| v)
+            copy_kept(&mut out, old, start, i, &buf.ranges, &kept);
+            let mut v = if i < old.len() && old.key(i) == k.as_slice() {
+                i += 1;
+                let (ek, ev) = old.get(i - 1);
+                kept(ek).then(|| ev.to_vec())
             } else {
                 None
             };
-            for (_, m) in &msgs {
+            for (_, m) in msgs {
                 v = up.apply(v, m)?;
             }
             if let Some(v) = v {
-                out.push((k, v));
+                out.push(k, &v);
             }
         }
-        out.extend(it);
+        copy_kept(&mut out, old, i, old.len(), &buf.ranges, &kept);
         *self = Leaf::full(out);
         Ok(())
     }
@@ -186,33 +180,67 @@ impl Leaf {
     /// Splits a full leaf into pieces of at most `max` bytes (each at least about half
     /// full). Returns the pieces after the first, each with its first key as pivot.
     pub fn split(&mut self, max: usize) -> Vec<(Vec<u8>, Leaf)> {
-        let LeafData::Full(entries) = &mut self.data else {
+        let LeafData::Full(all) = &self.data else {
             return Vec::new();
         };
-        if self.bytes <= max || entries.len() < 2 {
+        if self.bytes <= max || all.len() < 2 {
             return Vec::new();
         }
         let pieces = self.bytes.div_ceil(max).max(2);
         let target = self.bytes / pieces;
-        let all = std::mem::take(entries);
-        let mut groups: Vec<Vec<Entry>> = vec![Vec::new()];
+        let mut cuts = vec![0];
         let mut acc = 0;
-        for e in all {
-            let b = entry_bytes(&e.0, &e.1);
-            let cur = groups.last_mut().expect("one group");
-            if acc + b > target && !cur.is_empty() {
-                groups.push(Vec::new());
+        for i in 0..all.len() {
+            let b = all.size(i);
+            if acc + b > target && i > *cuts.last().expect("one cut") {
+                cuts.push(i);
                 acc = 0;
             }
             acc += b;
-            groups.last_mut().expect("one group").push(e);
         }
-        let mut it = groups.into_iter();
-        *self = Leaf::full(it.next().unwrap_or_default());
-        it.filter(|g| !g.is_empty())
-            .map(|g| (g[0].0.clone(), Leaf::full(g)))
+        cuts.push(all.len());
+        let mut leaves: Vec<Leaf> = cuts
+            .windows(2)
+            .map(|w| {
+                let mut e = Entries::with_capacity(all.body(w[0], w[1]).len(), w[1] - w[0]);
+                e.extend_from(all, w[0], w[1]);
+                Leaf::full(e)
+            })
+            .collect();
+        let rest = leaves.split_off(1);
+        *self = leaves.pop().expect("one piece");
+        rest.into_iter()
+            .map(|l| {
+                (
+                    l.entries().map(|e| e.key(0).to_vec()).unwrap_or_default(),
+                    l,
+                )
+            })
             .collect()
     }
+}
+
+/// Copies entries `from..to` of `old` that no range delete covers, in runs.
+fn copy_kept(
+    out: &mut Entries,
+    old: &Entries,
+    from: usize,
+    to: usize,
+    ranges: &[RangeDel],
+    kept: &impl Fn(&[u8]) -> bool,
+) {
+    if ranges.is_empty() {
+        out.extend_from(old, from, to);
+        return;
+    }
+    let mut run = from;
+    for i in from..to {
+        if !kept(old.key(i)) {
+            out.extend_from(old, run, i);
+            run = i + 1;
+        }
+    }
+    out.extend_from(old, run, to);
 }
 
 #[derive(Debug, Clone)]
@@ -344,13 +372,14 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
             w.buf
         }
         Node::Leaf(l) => {
-            let entries: &[Entry] = l.entries().map(Vec::as_slice).unwrap_or(&[]);
+            let empty = Entries::default();
             debug_assert!(l.entries().is_some(), "only full leaves are written");
+            let entries = l.entries().unwrap_or(&empty);
             // Cut the entries into basements of about `basement_bytes`.
             let mut cuts = vec![0usize];
             let mut acc = 0;
-            for (i, (k, v)) in entries.iter().enumerate() {
-                let b = entry_bytes(k, v);
+            for i in 0..entries.len() {
+                let b = entries.size(i);
                 if acc > 0 && acc + b > basement_bytes {
                     cuts.push(i);
                     acc = 0;
@@ -358,40 +387,32 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
                 acc += b;
             }
             cuts.push(entries.len());
-            let groups: Vec<&[Entry]> = cuts.windows(2).map(|c| &entries[c[0]..c[1]]).collect();
-            let bodies: Vec<Vec<u8>> = groups
-                .iter()
-                .map(|g| {
-                    let mut w = Writer::with_capacity(basement_bytes + 64);
-                    for (k, v) in *g {
-                        w.bytes(k);
-                        w.bytes(v);
-                    }
-                    w.buf
-                })
-                .collect();
-            let mut w = Writer::with_capacity(l.bytes + bs * (bodies.len() + 2));
+            let groups: Vec<(usize, usize)> = cuts.windows(2).map(|c| (c[0], c[1])).collect();
+            let mut w = Writer::with_capacity(l.bytes + bs * (groups.len() + 2));
             prefix(&mut w, MAGIC_LEAF, id, 0);
             w.u32(groups.len() as u32);
+            let first_key = |a: usize, b: usize| if a < b { entries.key(a) } else { &[][..] };
             let index_len: usize = PREFIX
                 + 4
                 + groups
                     .iter()
-                    .map(|g| g.first().map_or(0, |e| e.0.len()) + 4 + 16)
+                    .map(|&(a, b)| first_key(a, b).len() + 4 + 16)
                     .sum::<usize>();
             let mut off = index_len.div_ceil(bs) * bs;
-            for (g, body) in groups.iter().zip(&bodies) {
-                w.bytes(g.first().map_or(&[][..], |e| e.0.as_slice()));
+            for &(a, b) in &groups {
+                let body = entries.body(a, b);
+                w.bytes(first_key(a, b));
                 w.u32(off as u32);
                 w.u32(body.len() as u32);
-                w.u32(g.len() as u32);
+                w.u32((b - a) as u32);
                 w.u32(crc32c(&[body]));
                 off += body.len().div_ceil(bs).max(1) * bs;
             }
             debug_assert_eq!(w.len(), index_len);
             seal_section(&mut w, index_len);
             w.pad_to(bs);
-            for body in &bodies {
+            for &(a, b) in &groups {
+                let body = entries.body(a, b);
                 w.raw(body);
                 if body.is_empty() {
                     w.raw(&vec![0u8; bs]);
@@ -548,29 +569,16 @@ pub fn decode_leaf_index(sec: &[u8], id: NodeId, extent_bytes: usize) -> Result<
 }
 
 /// Decodes one basement's entries (checksum verified).
-pub fn decode_basement(body: &[u8], b: &BasementRef, id: NodeId) -> Result<Vec<Entry>> {
+pub fn decode_basement(body: &[u8], b: &BasementRef, id: NodeId) -> Result<Entries> {
     if crc32c(&[body]) != b.crc {
         return Err(Error::Corrupt(format!(
             "node {id}: basement checksum mismatch"
         )));
     }
-    let mut r = Reader::new(body, "basement");
-    let n = b.count as usize;
-    if n > body.len() {
-        return Err(Error::Corrupt(format!("node {id}: basement count {n}")));
-    }
-    let mut out: Vec<Entry> = Vec::with_capacity(n);
-    for _ in 0..n {
-        let k = r.bytes()?.to_vec();
-        let v = r.bytes()?.to_vec();
-        if out.last().is_some_and(|(p, _)| *p >= k) {
-            return Err(Error::Corrupt(format!(
-                "node {id}: basement keys out of order"
-            )));
-        }
-        out.push((k, v));
-    }
-    Ok(out)
+    Entries::from_body(body.to_vec(), b.count as usize).map_err(|e| match e {
+        Error::Corrupt(m) => Error::Corrupt(format!("node {id}: {m}")),
+        e => e,
+    })
 }
 
 /// The basement of `index` that holds `key`.

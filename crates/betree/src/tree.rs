@@ -5,7 +5,10 @@ use crate::alloc::Alloc;
 use crate::format::{self, Extent, Geometry, Header, HEADER_SLOTS};
 use crate::log::{self, LogWriter};
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
-use crate::node::{self, Entry, Internal, Leaf, LeafData, Node, NodeId};
+use crate::node::{self, Entries, Internal, Leaf, LeafData, Node, NodeId};
+
+/// A key and its value, as scans return them.
+pub type Entry = (Vec<u8>, Vec<u8>);
 use crate::{Error, Op, Options, Result, Stats};
 use quilt_patch::{ChangeOpts, Engine, PatchId, RUN_BLOCKS_MAX};
 use std::collections::{BTreeMap, HashMap};
@@ -92,9 +95,13 @@ fn check_geometry(geo: &Geometry, block_count: u64) -> std::result::Result<(), S
     Ok(())
 }
 
-/// Window of keys `lo..hi` (`None`: unbounded).
-fn in_window(k: &[u8], lo: &[u8], hi: Option<&[u8]>) -> bool {
-    k >= lo && hi.is_none_or(|h| k < h)
+/// Appends a basement's entries to the ones of the basements before it.
+fn append_basement(all: &mut Entries, es: &Entries, id: NodeId) -> Result<()> {
+    if !all.is_empty() && !es.is_empty() && all.key(all.len() - 1) >= es.key(0) {
+        return Err(Error::Corrupt(format!("node {id}: basements out of order")));
+    }
+    all.extend_from(es, 0, es.len());
+    Ok(())
 }
 
 impl Inner {
@@ -370,14 +377,12 @@ impl Inner {
             )?));
         }
         let index = node::decode_leaf_index(&bytes[..len], id, bytes.len())?;
-        let mut all: Vec<Entry> = Vec::new();
+        let total: usize = index.iter().map(|b| b.len as usize).sum();
+        let mut all = Entries::with_capacity(total, index.iter().map(|b| b.count as usize).sum());
         for b in &index {
             let at = b.offset as usize;
             let es = node::decode_basement(&bytes[at..at + b.len as usize], b, id)?;
-            if all.last().zip(es.first()).is_some_and(|(p, f)| p.0 >= f.0) {
-                return Err(Error::Corrupt(format!("node {id}: basements out of order")));
-            }
-            all.extend(es);
+            append_basement(&mut all, &es, id)?;
         }
         Ok(Node::Leaf(Leaf::full(all)))
     }
@@ -415,7 +420,7 @@ impl Inner {
         }))
     }
 
-    fn read_basement(&mut self, id: NodeId, b: &node::BasementRef) -> Result<Vec<Entry>> {
+    fn read_basement(&mut self, id: NodeId, b: &node::BasementRef) -> Result<Entries> {
         let e = self.extent_of(id)?;
         let bs = self.geo.block_size;
         let first = b.offset as u64 / bs as u64;
@@ -437,14 +442,14 @@ impl Inner {
                 dirty,
             )) => {
                 self.stats.cache_hits += 1;
-                let mut all = Vec::new();
+                let mut all = Entries::default();
                 for (i, b) in index.iter().enumerate() {
                     let es = match loaded[i].take() {
                         Some(es) => es,
                         // (A partial leaf is clean: dropping it on an error loses nothing.)
                         None => self.read_basement(id, b)?,
                     };
-                    all.extend(es);
+                    append_basement(&mut all, &es, id)?;
                 }
                 Ok((Node::Leaf(Leaf::full(all)), dirty))
             }
@@ -850,7 +855,9 @@ impl Inner {
         let merged = match (na, nb) {
             (Node::Leaf(x), Node::Leaf(y)) => {
                 let mut e = x.entries().cloned().unwrap_or_default();
-                e.extend(y.entries().cloned().unwrap_or_default());
+                if let Some(y) = y.entries() {
+                    e.extend_from(y, 0, y.len());
+                }
                 Node::Leaf(Leaf::full(e))
             }
             (Node::Internal(mut x), Node::Internal(y)) => {
@@ -911,10 +918,7 @@ impl Inner {
                 data: LeafData::Full(es),
                 ..
             }) => {
-                return Ok(es
-                    .binary_search_by(|(k, _)| k.as_slice().cmp(key))
-                    .ok()
-                    .map(|i| es[i].1.clone()));
+                return Ok(es.value_of(key).map(<[u8]>::to_vec));
             }
             Node::Leaf(Leaf {
                 data: LeafData::Partial { index, loaded },
@@ -922,23 +926,15 @@ impl Inner {
             }) => {
                 let i = node::basement_for(index, key);
                 match &loaded[i] {
-                    Some(es) => {
-                        return Ok(es
-                            .binary_search_by(|(k, _)| k.as_slice().cmp(key))
-                            .ok()
-                            .map(|j| es[j].1.clone()));
-                    }
+                    Some(es) => return Ok(es.value_of(key).map(<[u8]>::to_vec)),
                     None => (i, index[i].clone()),
                 }
             }
             Node::Internal(_) => return Err(Error::Corrupt(format!("node {id}: expected a leaf"))),
         };
         let es = self.read_basement(id, &want.1)?;
-        let v = es
-            .binary_search_by(|(k, _)| k.as_slice().cmp(key))
-            .ok()
-            .map(|j| es[j].1.clone());
-        let add: usize = es.iter().map(|(k, v)| node::entry_bytes(k, v) + 48).sum();
+        let v = es.value_of(key).map(<[u8]>::to_vec);
+        let add = es.bytes() + es.len() * 4 + 64;
         let c = self.cache.get_mut(&id).expect("cached");
         if let Node::Leaf(Leaf {
             data: LeafData::Partial { loaded, .. },
@@ -1001,39 +997,53 @@ impl Inner {
             };
             (start, cursor.or(hi).map(<[u8]>::to_vec))
         };
-        let mut map: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        let mut out: Vec<Entry> = Vec::new();
         if whi.as_deref().is_none_or(|h| wlo.as_slice() < h) {
             if let Some(Node::Leaf(l)) = self.cache.get(&id).map(|c| &c.node) {
-                for (k, v) in l.entries().map(Vec::as_slice).unwrap_or(&[]) {
-                    if in_window(k, &wlo, whi.as_deref()) {
-                        map.insert(k.clone(), v.clone());
-                    }
+                if let Some(es) = l.entries() {
+                    let from = es.search(&wlo).unwrap_or_else(|i| i);
+                    let to = match &whi {
+                        Some(h) => es.search(h).unwrap_or_else(|i| i),
+                        None => es.len(),
+                    };
+                    out.extend((from..to.max(from)).map(|i| {
+                        let (k, v) = es.get(i);
+                        (k.to_vec(), v.to_vec())
+                    }));
                 }
             }
+            // Pending messages for the window, from the deepest buffer up.
+            let upper = match &whi {
+                Some(h) => std::ops::Bound::Excluded(h.clone()),
+                None => std::ops::Bound::Unbounded,
+            };
+            let window = (std::ops::Bound::Included(wlo.clone()), upper);
+            let mut map: Option<BTreeMap<Vec<u8>, Vec<u8>>> = None;
             for &(pid, i) in path.iter().rev() {
                 let Some(Node::Internal(n)) = self.cache.get(&pid).map(|c| &c.node) else {
                     return Err(Error::Invalid("internal: scan path evicted".into()));
                 };
                 let b = &n.buffers[i];
-                for r in &b.ranges {
-                    map.retain(|k, _| !r.covers(k));
+                let mut points = b.points.range(window.clone()).peekable();
+                if b.ranges.is_empty() && points.peek().is_none() {
+                    continue;
                 }
-                let upper = match &whi {
-                    Some(h) => std::ops::Bound::Excluded(h.clone()),
-                    None => std::ops::Bound::Unbounded,
-                };
-                for (k, msgs) in b
-                    .points
-                    .range((std::ops::Bound::Included(wlo.clone()), upper))
-                {
-                    let mut v = map.remove(k);
-                    for (_, m) in msgs {
-                        v = self.upserts.apply(v, m)?;
+                let m = map.get_or_insert_with(|| std::mem::take(&mut out).into_iter().collect());
+                for r in &b.ranges {
+                    m.retain(|k, _| !r.covers(k));
+                }
+                for (k, msgs) in points {
+                    let mut v = m.remove(k);
+                    for (_, msg) in msgs {
+                        v = self.upserts.apply(v, msg)?;
                     }
                     if let Some(v) = v {
-                        map.insert(k.clone(), v);
+                        m.insert(k.clone(), v);
                     }
                 }
+            }
+            if let Some(m) = map {
+                out = m.into_iter().collect();
             }
         }
         let next = if forward {
@@ -1047,12 +1057,10 @@ impl Inner {
                 _ => None,
             }
         };
-        let entries: Vec<Entry> = if forward {
-            map.into_iter().collect()
-        } else {
-            map.into_iter().rev().collect()
-        };
-        Ok((entries, next))
+        if !forward {
+            out.reverse();
+        }
+        Ok((out, next))
     }
 
     // ---- durability ----
@@ -1199,20 +1207,23 @@ impl Inner {
         self.evict();
     }
 
-    /// Evicts clean nodes, least recently used first, down to 90% of the budget.
+    /// Evicts clean nodes, leaves before internal nodes, least recently used first, down
+    /// to 90% of the budget.
     fn evict(&mut self) {
         if self.mem <= self.opts.cache_bytes {
             return;
         }
         let target = self.opts.cache_bytes / 10 * 9;
-        let mut clean: Vec<(u64, NodeId)> = self
+        // Leaves first: every query passes through the internal nodes, which are few
+        // (about one in `fanout`) and costly to read (a whole node, buffers decoded).
+        let mut clean: Vec<(bool, u64, NodeId)> = self
             .cache
             .iter()
             .filter(|(id, c)| !c.dirty && **id != self.root)
-            .map(|(id, c)| (c.tick, *id))
+            .map(|(id, c)| (c.node.height() > 0, c.tick, *id))
             .collect();
         clean.sort_unstable();
-        for (_, id) in clean {
+        for (_, _, id) in clean {
             if self.mem <= target {
                 break;
             }
@@ -1281,7 +1292,7 @@ impl Inner {
         match node {
             Node::Leaf(l) => {
                 let es = l.entries().cloned().unwrap_or_default();
-                if es.windows(2).any(|w| w[0].0 >= w[1].0) {
+                if (1..es.len()).any(|i| es.key(i - 1) >= es.key(i)) {
                     return bad("entries out of order".into());
                 }
                 if let Some((k, _)) = es.iter().find(|(k, _)| !within(k)) {

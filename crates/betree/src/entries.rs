@@ -1,0 +1,156 @@
+//! A leaf's (or a basement's) sorted entries in one buffer: each entry is its on-disk
+//! encoding (key length, key, value length, value; lengths as u32 LE) and an offset
+//! table finds the i-th. A basement read from disk becomes one of these with one copy
+//! and no allocation per entry, and writing a basement is a copy of a slice.
+
+use crate::{Error, Result};
+
+#[derive(Debug, Clone, Default)]
+pub struct Entries {
+    buf: Vec<u8>,
+    offs: Vec<u32>,
+}
+
+/// Encoded size of one entry.
+pub fn entry_bytes(k: &[u8], v: &[u8]) -> usize {
+    k.len() + v.len() + 8
+}
+
+fn u32_at(b: &[u8], at: usize) -> usize {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes")) as usize
+}
+
+impl Entries {
+    pub fn with_capacity(bytes: usize, n: usize) -> Entries {
+        Entries {
+            buf: Vec::with_capacity(bytes),
+            offs: Vec::with_capacity(n),
+        }
+    }
+
+    /// Validates an encoded run of `count` entries (bounds, strictly ascending keys).
+    pub fn from_body(buf: Vec<u8>, count: usize) -> Result<Entries> {
+        let bad = |why: &str| Err(Error::Corrupt(format!("basement: {why}")));
+        if count > buf.len() / 8 {
+            return bad("entry count past the end");
+        }
+        let mut offs = Vec::with_capacity(count);
+        let mut at = 0usize;
+        let mut prev: Option<(usize, usize)> = None;
+        for _ in 0..count {
+            if at + 4 > buf.len() {
+                return bad("truncated");
+            }
+            let kl = u32_at(&buf, at);
+            let kend = at + 4 + kl;
+            if kend + 4 > buf.len() {
+                return bad("truncated key");
+            }
+            let vl = u32_at(&buf, kend);
+            let end = kend + 4 + vl;
+            if end > buf.len() {
+                return bad("truncated value");
+            }
+            if let Some((ps, pe)) = prev {
+                if buf[ps..pe] >= buf[at + 4..kend] {
+                    return bad("keys out of order");
+                }
+            }
+            prev = Some((at + 4, kend));
+            offs.push(at as u32);
+            at = end;
+        }
+        if at != buf.len() {
+            return bad("trailing bytes");
+        }
+        Ok(Entries { buf, offs })
+    }
+
+    pub fn len(&self) -> usize {
+        self.offs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.offs.is_empty()
+    }
+
+    /// Encoded bytes of all entries.
+    pub fn bytes(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub fn key(&self, i: usize) -> &[u8] {
+        let at = self.offs[i] as usize;
+        &self.buf[at + 4..at + 4 + u32_at(&self.buf, at)]
+    }
+
+    pub fn get(&self, i: usize) -> (&[u8], &[u8]) {
+        let at = self.offs[i] as usize;
+        let kend = at + 4 + u32_at(&self.buf, at);
+        let vl = u32_at(&self.buf, kend);
+        (&self.buf[at + 4..kend], &self.buf[kend + 4..kend + 4 + vl])
+    }
+
+    pub fn search(&self, key: &[u8]) -> std::result::Result<usize, usize> {
+        let (mut lo, mut hi) = (0, self.len());
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            match self.key(mid).cmp(key) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return Ok(mid),
+            }
+        }
+        Err(lo)
+    }
+
+    pub fn value_of(&self, key: &[u8]) -> Option<&[u8]> {
+        self.search(key).ok().map(|i| self.get(i).1)
+    }
+
+    /// Appends an entry (its key above every key so far).
+    pub fn push(&mut self, k: &[u8], v: &[u8]) {
+        debug_assert!(self.is_empty() || self.key(self.len() - 1) < k);
+        self.offs.push(self.buf.len() as u32);
+        self.buf.extend_from_slice(&(k.len() as u32).to_le_bytes());
+        self.buf.extend_from_slice(k);
+        self.buf.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        self.buf.extend_from_slice(v);
+    }
+
+    /// Appends entries `from..to` of `other`.
+    pub fn extend_from(&mut self, other: &Entries, from: usize, to: usize) {
+        if from >= to {
+            return;
+        }
+        let start = other.offs[from] as usize;
+        let end = other.offs.get(to).map_or(other.buf.len(), |&o| o as usize);
+        let base = self.buf.len() as u32;
+        self.buf.extend_from_slice(&other.buf[start..end]);
+        self.offs.extend(
+            other.offs[from..to]
+                .iter()
+                .map(|&o| o - start as u32 + base),
+        );
+    }
+
+    /// The encoding of entries `from..to` (a basement's body).
+    pub fn body(&self, from: usize, to: usize) -> &[u8] {
+        if from >= to {
+            return &[];
+        }
+        let start = self.offs[from] as usize;
+        let end = self.offs.get(to).map_or(self.buf.len(), |&o| o as usize);
+        &self.buf[start..end]
+    }
+
+    /// Encoded size of entry `i`.
+    pub fn size(&self, i: usize) -> usize {
+        let end = self.offs.get(i + 1).map_or(self.buf.len(), |&o| o as usize);
+        end - self.offs[i] as usize
+    }
+
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = (&[u8], &[u8])> + '_ {
+        (0..self.len()).map(move |i| self.get(i))
+    }
+}
