@@ -913,42 +913,68 @@ impl Inner {
     }
 
     fn leaf_get(&mut self, id: NodeId, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        let want = match &self.cache[&id].node {
+        let part = match &self.cache[&id].node {
             Node::Leaf(Leaf {
-                data: LeafData::Full(es),
+                data: LeafData::Partial { index, .. },
                 ..
-            }) => {
-                return Ok(es.value_of(key).map(<[u8]>::to_vec));
-            }
-            Node::Leaf(Leaf {
-                data: LeafData::Partial { index, loaded },
-                ..
-            }) => {
-                let i = node::basement_for(index, key);
-                match &loaded[i] {
-                    Some(es) => return Ok(es.value_of(key).map(<[u8]>::to_vec)),
-                    None => (i, index[i].clone()),
-                }
-            }
+            }) => Some(node::basement_for(index, key)),
+            Node::Leaf(_) => None,
             Node::Internal(_) => return Err(Error::Corrupt(format!("node {id}: expected a leaf"))),
         };
-        let es = self.read_basement(id, &want.1)?;
-        let v = es.value_of(key).map(<[u8]>::to_vec);
-        let add = es.bytes() + es.len() * 4 + 64;
-        let c = self.cache.get_mut(&id).expect("cached");
-        if let Node::Leaf(Leaf {
-            data: LeafData::Partial { loaded, .. },
-            ..
-        }) = &mut c.node
-        {
-            loaded[want.0] = Some(es);
-            c.mem += add;
-            self.mem += add;
-        }
-        Ok(v)
+        Ok(self
+            .leaf_entries(id, part)?
+            .and_then(|es| es.value_of(key))
+            .map(<[u8]>::to_vec))
     }
 
-    /// One leaf's worth of a range scan. Forward, `cursor` is the first key to return;
+    /// The entries of a cached leaf: all of them, or (`part`) those of one basement of a
+    /// partial leaf, which is read if it is not loaded yet.
+    fn leaf_entries(&mut self, id: NodeId, part: Option<usize>) -> Result<Option<&Entries>> {
+        let missing = match (&self.cache[&id].node, part) {
+            (
+                Node::Leaf(Leaf {
+                    data: LeafData::Partial { index, loaded },
+                    ..
+                }),
+                Some(i),
+            ) if loaded.get(i).is_some_and(Option::is_none) => Some(index[i].clone()),
+            _ => None,
+        };
+        if let Some(b) = missing {
+            let es = self.read_basement(id, &b)?;
+            let add = es.bytes() + es.len() * 4 + 64;
+            let c = self.cache.get_mut(&id).expect("cached");
+            if let Node::Leaf(Leaf {
+                data: LeafData::Partial { loaded, .. },
+                ..
+            }) = &mut c.node
+            {
+                loaded[part.expect("a part")] = Some(es);
+                c.mem += add;
+                self.mem += add;
+            }
+        }
+        Ok(match (&self.cache[&id].node, part) {
+            (
+                Node::Leaf(Leaf {
+                    data: LeafData::Full(es),
+                    ..
+                }),
+                _,
+            ) => Some(es),
+            (
+                Node::Leaf(Leaf {
+                    data: LeafData::Partial { loaded, .. },
+                    ..
+                }),
+                Some(i),
+            ) => loaded.get(i).and_then(Option::as_ref),
+            _ => None,
+        })
+    }
+
+    /// One leaf's worth of a range scan (one basement's, when the leaf is not cached
+    /// whole). Forward, `cursor` is the first key to return;
     /// backward, the bound below which to return keys (`None`: from `hi`, or the top).
     /// Returns the entries (in scan order) and where the next chunk starts, if anywhere.
     pub fn scan_chunk(
@@ -981,7 +1007,29 @@ impl Inner {
             path.push((id, i));
             id = n.children[i];
         }
-        self.ensure_full(id)?;
+        // A leaf not cached whole is read a basement at a time: the chunk narrows to it.
+        let part = match &self.ensure(id)?.node {
+            Node::Leaf(Leaf {
+                data: LeafData::Partial { index, .. },
+                ..
+            }) => {
+                let i = match (forward, cursor) {
+                    (true, c) => node::basement_for(index, c.unwrap_or(lo)),
+                    (false, None) => index.len() - 1,
+                    (false, Some(u)) => index
+                        .partition_point(|b| b.lo.as_slice() < u)
+                        .saturating_sub(1),
+                };
+                if i > 0 {
+                    node_lo = Some(index[i].lo.clone());
+                }
+                if let Some(next) = index.get(i + 1) {
+                    node_hi = Some(next.lo.clone());
+                }
+                Some(i)
+            }
+            _ => None,
+        };
         // The window of keys this chunk settles.
         let (wlo, whi): (Vec<u8>, Option<Vec<u8>>) = if forward {
             let start = cursor.unwrap_or(lo).to_vec();
@@ -999,8 +1047,8 @@ impl Inner {
         };
         let mut out: Vec<Entry> = Vec::new();
         if whi.as_deref().is_none_or(|h| wlo.as_slice() < h) {
-            if let Some(Node::Leaf(l)) = self.cache.get(&id).map(|c| &c.node) {
-                if let Some(es) = l.entries() {
+            {
+                if let Some(es) = self.leaf_entries(id, part)? {
                     let from = es.search(&wlo).unwrap_or_else(|i| i);
                     let to = match &whi {
                         Some(h) => es.search(h).unwrap_or_else(|i| i),
