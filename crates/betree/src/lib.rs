@@ -168,12 +168,14 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Options {
+            // Measured on this machine (docs/results/betree-2026-11-25): see
+            // ARCHITECTURE.md for why these and not the papers' 4 MiB / 128 KiB.
             node_bytes: 256 << 10,
-            basement_bytes: 16 << 10,
+            basement_bytes: 4 << 10,
             fanout: 16,
             log_blocks: 4096,
             cache_bytes: 64 << 20,
-            dirty_bytes: 32 << 20,
+            dirty_bytes: 48 << 20,
             engine_cache_bytes: 16 << 20,
             upserts: Upserts::default(),
         }

@@ -88,6 +88,37 @@ impl Buffer {
         self.bytes += add;
     }
 
+    /// Adds the messages of a parent's buffer (all newer than this buffer's), key by key
+    /// as `push` would; an empty buffer takes the map whole.
+    pub fn merge_points(&mut self, points: BTreeMap<Vec<u8>, Vec<(Msn, Msg)>>) {
+        let add: usize = points
+            .iter()
+            .map(|(k, l)| l.iter().map(|(_, m)| point_bytes(k, m)).sum::<usize>())
+            .sum();
+        if self.points.is_empty() {
+            self.points = points;
+            self.bytes += add;
+            return;
+        }
+        for (k, list) in points {
+            let supersedes = list.first().is_some_and(|(_, m)| !matches!(m, Msg::Upsert { .. }));
+            match self.points.get_mut(&k) {
+                Some(old) => {
+                    if supersedes {
+                        self.bytes -= old.iter().map(|(_, m)| point_bytes(&k, m)).sum::<usize>();
+                        *old = list;
+                    } else {
+                        old.extend(list);
+                    }
+                }
+                None => {
+                    self.points.insert(k, list);
+                }
+            }
+        }
+        self.bytes += add;
+    }
+
     /// Adds a range delete (already clipped to this child's keys by the caller), dropping
     /// the older point messages it covers.
     pub fn push_range(&mut self, r: RangeDel) {

@@ -65,6 +65,28 @@ impl Internal {
         self.buffers[i].push(key, msn, msg);
     }
 
+    /// Takes a whole buffer flushed from the parent: its range deletes first (they drop
+    /// older messages below), then its point messages, cut at the pivots with
+    /// `split_off` rather than routed one by one.
+    pub fn absorb(&mut self, buf: Buffer) {
+        for r in &buf.ranges {
+            self.route_range(r);
+        }
+        let mut rest = buf.points;
+        for i in (1..self.children.len()).rev() {
+            if rest.is_empty() {
+                return;
+            }
+            let piece = rest.split_off(&self.pivots[i - 1]);
+            if !piece.is_empty() {
+                self.buffers[i].merge_points(piece);
+            }
+        }
+        if !rest.is_empty() {
+            self.buffers[0].merge_points(rest);
+        }
+    }
+
     /// Gives each child whose keys meet the range its clipped piece.
     pub fn route_range(&mut self, r: &RangeDel) {
         let first = self.child_for(&r.start);

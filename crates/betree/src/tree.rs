@@ -770,14 +770,7 @@ impl Inner {
         let r = match &mut child {
             Node::Leaf(l) => l.apply(buf, &self.upserts),
             Node::Internal(c) => {
-                for r in &buf.ranges {
-                    c.route_range(r);
-                }
-                for (k, msgs) in buf.points {
-                    for (msn, m) in msgs {
-                        c.route(k.clone(), msn, m);
-                    }
-                }
+                c.absorb(buf);
                 Ok(())
             }
         };

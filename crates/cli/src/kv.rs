@@ -19,7 +19,7 @@ pub enum KvCommand {
         #[arg(long, default_value = "256K")]
         node_size: String,
         /// Basement size: what a point query reads of a leaf.
-        #[arg(long, default_value = "16K")]
+        #[arg(long, default_value = "4K")]
         basement_size: String,
         #[arg(long, default_value_t = 16)]
         fanout: usize,
