@@ -11,11 +11,6 @@ pub struct Entries {
     offs: Vec<u32>,
 }
 
-/// Encoded size of one entry.
-pub fn entry_bytes(k: &[u8], v: &[u8]) -> usize {
-    k.len() + v.len() + 8
-}
-
 fn u32_at(b: &[u8], at: usize) -> usize {
     u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes")) as usize
 }

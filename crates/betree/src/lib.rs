@@ -215,9 +215,11 @@ pub struct Stats {
     pub leaf_splits: u64,
     pub internal_splits: u64,
     pub merges: u64,
-    /// Whole nodes read, and single basements read for point queries.
+    /// Whole nodes read, and single basements read for queries.
     pub node_reads: u64,
     pub basement_reads: u64,
+    /// Single message buffers read from internal nodes for queries.
+    pub buffer_reads: u64,
     pub node_writes: u64,
     pub node_bytes_written: u64,
     pub cache_hits: u64,

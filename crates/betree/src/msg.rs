@@ -101,7 +101,9 @@ impl Buffer {
             return;
         }
         for (k, list) in points {
-            let supersedes = list.first().is_some_and(|(_, m)| !matches!(m, Msg::Upsert { .. }));
+            let supersedes = list
+                .first()
+                .is_some_and(|(_, m)| !matches!(m, Msg::Upsert { .. }));
             match self.points.get_mut(&k) {
                 Some(old) => {
                     if supersedes {

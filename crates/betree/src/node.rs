@@ -11,7 +11,7 @@
 //!   boundary, so a point query reads the index and one basement, not the whole leaf.
 
 use crate::codec::{crc32c, Reader, Writer};
-pub use crate::entries::{entry_bytes, Entries};
+pub use crate::entries::Entries;
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
 use crate::{Error, Result};
 
@@ -31,9 +31,40 @@ pub struct Internal {
     pub pivots: Vec<Vec<u8>>,
     pub children: Vec<NodeId>,
     pub buffers: Vec<Buffer>,
+    /// A node read for queries holds only the buffers read so far: `unread[i]` says
+    /// where buffer `i` lies in the extent (empty: every buffer is loaded). Only whole
+    /// nodes are changed.
+    pub unread: Vec<Option<BufferRef>>,
+}
+
+/// Where one buffer of an internal node lies in its extent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BufferRef {
+    pub offset: u32,
+    pub len: u32,
+    pub crc: u32,
 }
 
 impl Internal {
+    pub fn new(
+        height: u16,
+        pivots: Vec<Vec<u8>>,
+        children: Vec<NodeId>,
+        buffers: Vec<Buffer>,
+    ) -> Internal {
+        Internal {
+            height,
+            pivots,
+            children,
+            buffers,
+            unread: Vec::new(),
+        }
+    }
+
+    pub fn is_whole(&self) -> bool {
+        self.unread.iter().all(Option::is_none)
+    }
+
     pub fn child_for(&self, key: &[u8]) -> usize {
         self.pivots.partition_point(|p| p.as_slice() <= key)
     }
@@ -274,23 +305,18 @@ pub enum Node {
 impl Node {
     /// Memory the cache charges for the node (an estimate).
     pub fn mem(&self) -> usize {
+        let entries = |e: &Entries| e.bytes() + e.len() * 4 + 64;
         match self {
             Node::Internal(n) => {
-                n.bytes() + n.buffers.iter().map(|b| b.points.len() * 48).sum::<usize>()
+                n.bytes()
+                    + n.unread.len() * 16
+                    + n.buffers.iter().map(|b| b.points.len() * 48).sum::<usize>()
             }
             Node::Leaf(l) => match &l.data {
-                LeafData::Full(e) => l.bytes + e.len() * 48,
+                LeafData::Full(e) => entries(e),
                 LeafData::Partial { index, loaded } => {
                     index.iter().map(|b| b.lo.len() + 64).sum::<usize>()
-                        + loaded
-                            .iter()
-                            .flatten()
-                            .map(|es| {
-                                es.iter()
-                                    .map(|(k, v)| entry_bytes(k, v) + 48)
-                                    .sum::<usize>()
-                            })
-                            .sum::<usize>()
+                        + loaded.iter().flatten().map(entries).sum::<usize>()
                 }
             },
         }
@@ -359,10 +385,82 @@ fn get_msg(r: &mut Reader) -> Result<(Msn, Msg)> {
     Ok((msn, m))
 }
 
+fn encode_buffer(b: &Buffer) -> Vec<u8> {
+    let mut w = Writer::with_capacity(b.bytes + 16);
+    w.u32(b.ranges.len() as u32);
+    for r in &b.ranges {
+        w.u64(r.msn);
+        w.bytes(&r.start);
+        w.bytes(&r.end);
+    }
+    w.u32(b.points.len() as u32);
+    for (k, msgs) in &b.points {
+        w.bytes(k);
+        w.u32(msgs.len() as u32);
+        for (msn, m) in msgs {
+            put_msg(&mut w, *msn, m);
+        }
+    }
+    w.buf
+}
+
+/// Decodes one buffer of an internal node (checksum verified).
+pub fn decode_buffer(body: &[u8], at: &BufferRef, id: NodeId) -> Result<Buffer> {
+    if crc32c(&[body]) != at.crc {
+        return Err(Error::Corrupt(format!(
+            "node {id}: buffer checksum mismatch"
+        )));
+    }
+    let mut r = Reader::new(body, "message buffer");
+    let mut b = Buffer::default();
+    let nr = r.u32()? as usize;
+    if nr > r.remaining() {
+        return Err(r.corrupt("range count past the end"));
+    }
+    for _ in 0..nr {
+        let msn = r.u64()?;
+        let start = r.bytes()?.to_vec();
+        let end = r.bytes()?.to_vec();
+        b.bytes += start.len() + end.len() + 16;
+        b.ranges.push(RangeDel { msn, start, end });
+    }
+    let np = r.u32()? as usize;
+    if np > r.remaining() {
+        return Err(r.corrupt("message count past the end"));
+    }
+    let mut prev: Option<Vec<u8>> = None;
+    for _ in 0..np {
+        let k = r.bytes()?.to_vec();
+        if prev.as_ref().is_some_and(|p| *p >= k) {
+            return Err(r.corrupt("keys out of order"));
+        }
+        let nm = r.u32()? as usize;
+        if nm == 0 || nm > r.remaining() {
+            return Err(r.corrupt("message list length"));
+        }
+        let mut list = Vec::with_capacity(nm);
+        for _ in 0..nm {
+            let (msn, m) = get_msg(&mut r)?;
+            b.bytes += crate::msg::point_bytes(&k, &m);
+            list.push((msn, m));
+        }
+        b.points.insert(k.clone(), list);
+        prev = Some(k);
+    }
+    if r.remaining() != 0 {
+        return Err(r.corrupt("trailing bytes"));
+    }
+    Ok(b)
+}
+
 /// Serializes a node into whole blocks of `bs` bytes.
 pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<u8> {
     match node {
         Node::Internal(n) => {
+            debug_assert!(n.is_whole(), "only whole internal nodes are written");
+            // The section: children, pivots, and where each buffer lies; the buffers
+            // follow it, packed, each with its own checksum.
+            let bodies: Vec<Vec<u8>> = n.buffers.iter().map(encode_buffer).collect();
             let mut w = Writer::with_capacity(n.bytes() + bs);
             prefix(&mut w, MAGIC_INTERNAL, id, n.height);
             w.u32(n.children.len() as u32);
@@ -372,24 +470,19 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
             for p in &n.pivots {
                 w.bytes(p);
             }
-            for b in &n.buffers {
-                w.u32(b.ranges.len() as u32);
-                for r in &b.ranges {
-                    w.u64(r.msn);
-                    w.bytes(&r.start);
-                    w.bytes(&r.end);
-                }
-                w.u32(b.points.len() as u32);
-                for (k, msgs) in &b.points {
-                    w.bytes(k);
-                    w.u32(msgs.len() as u32);
-                    for (msn, m) in msgs {
-                        put_msg(&mut w, *msn, m);
-                    }
-                }
+            let section = w.len() + bodies.len() * 12;
+            let mut off = section;
+            for b in &bodies {
+                w.u32(off as u32);
+                w.u32(b.len() as u32);
+                w.u32(crc32c(&[b]));
+                off += b.len();
             }
-            let len = w.len();
-            seal_section(&mut w, len);
+            debug_assert_eq!(w.len(), section);
+            seal_section(&mut w, section);
+            for b in &bodies {
+                w.raw(b);
+            }
             w.pad_to(bs);
             w.buf
         }
@@ -492,8 +585,14 @@ fn check_section(sec: &[u8], id: NodeId) -> Result<()> {
     Ok(())
 }
 
-/// Decodes an internal node from its section (checksum verified).
-pub fn decode_internal(sec: &[u8], id: NodeId, max_children: usize) -> Result<Internal> {
+/// Decodes an internal node's section (checksum verified): children, pivots, and where
+/// its buffers lie; the buffers are left unread (`Internal::unread`).
+pub fn decode_internal(
+    sec: &[u8],
+    id: NodeId,
+    max_children: usize,
+    extent_bytes: usize,
+) -> Result<Internal> {
     check_section(sec, id)?;
     let mut r = Reader::new(sec, "internal node");
     r.skip(16)?; // magic, version, kind, id: checked by `section_len`
@@ -517,45 +616,31 @@ pub fn decode_internal(sec: &[u8], id: NodeId, max_children: usize) -> Result<In
         }
         pivots.push(p);
     }
-    let mut buffers = Vec::with_capacity(n);
+    let mut unread = Vec::with_capacity(n);
     for _ in 0..n {
-        let mut b = Buffer::default();
-        let nr = r.u32()? as usize;
-        if nr > r.remaining() {
-            return Err(r.corrupt("range count past the end"));
+        let at = BufferRef {
+            offset: r.u32()?,
+            len: r.u32()?,
+            crc: r.u32()?,
+        };
+        if (at.offset as usize) < sec.len()
+            || (at.offset as usize).saturating_add(at.len as usize) > extent_bytes
+        {
+            return Err(Error::Corrupt(format!("node {id}: buffer out of bounds")));
         }
-        for _ in 0..nr {
-            let msn = r.u64()?;
-            let start = r.bytes()?.to_vec();
-            let end = r.bytes()?.to_vec();
-            b.bytes += start.len() + end.len() + 16;
-            b.ranges.push(RangeDel { msn, start, end });
-        }
-        let np = r.u32()? as usize;
-        if np > r.remaining() {
-            return Err(r.corrupt("message count past the end"));
-        }
-        for _ in 0..np {
-            let k = r.bytes()?.to_vec();
-            let nm = r.u32()? as usize;
-            if nm == 0 || nm > r.remaining() {
-                return Err(r.corrupt("message list length"));
-            }
-            let mut list = Vec::with_capacity(nm);
-            for _ in 0..nm {
-                let (msn, m) = get_msg(&mut r)?;
-                b.bytes += crate::msg::point_bytes(&k, &m);
-                list.push((msn, m));
-            }
-            b.points.insert(k, list);
-        }
-        buffers.push(b);
+        unread.push(Some(at));
+    }
+    if r.remaining() != 0 {
+        return Err(Error::Corrupt(format!(
+            "node {id}: trailing bytes in the section"
+        )));
     }
     Ok(Internal {
         height,
         pivots,
         children,
-        buffers,
+        buffers: vec![Buffer::default(); n],
+        unread,
     })
 }
 

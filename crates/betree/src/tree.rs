@@ -95,6 +95,18 @@ fn check_geometry(geo: &Geometry, block_count: u64) -> std::result::Result<(), S
     Ok(())
 }
 
+/// Decodes the unread buffers of an internal node from its whole extent.
+fn load_buffers(n: &mut Internal, extent: &[u8], id: NodeId) -> Result<()> {
+    for (i, at) in n.unread.iter_mut().enumerate() {
+        if let Some(r) = at.take() {
+            let start = r.offset as usize;
+            n.buffers[i] = node::decode_buffer(&extent[start..start + r.len as usize], &r, id)?;
+        }
+    }
+    n.unread.clear();
+    Ok(())
+}
+
 /// Appends a basement's entries to the ones of the basements before it.
 fn append_basement(all: &mut Entries, es: &Entries, id: NodeId) -> Result<()> {
     if !all.is_empty() && !es.is_empty() && all.key(all.len() - 1) >= es.key(0) {
@@ -370,11 +382,9 @@ impl Inner {
             )));
         }
         if !leaf {
-            return Ok(Node::Internal(node::decode_internal(
-                &bytes[..len],
-                id,
-                self.max_children(),
-            )?));
+            let mut n = node::decode_internal(&bytes[..len], id, self.max_children(), bytes.len())?;
+            load_buffers(&mut n, &bytes, id)?;
+            return Ok(Node::Internal(n));
         }
         let index = node::decode_leaf_index(&bytes[..len], id, bytes.len())?;
         let total: usize = index.iter().map(|b| b.len as usize).sum();
@@ -405,11 +415,12 @@ impl Inner {
             self.read_blocks(e.start, n)?
         };
         if !leaf {
-            self.stats.node_reads += 1;
+            let bytes = e.blocks as usize * bs;
             return Ok(Node::Internal(node::decode_internal(
                 &sec[..len],
                 id,
                 self.max_children(),
+                bytes,
             )?));
         }
         let index = node::decode_leaf_index(&sec[..len], id, e.blocks as usize * bs)?;
@@ -453,6 +464,15 @@ impl Inner {
                 }
                 Ok((Node::Leaf(Leaf::full(all)), dirty))
             }
+            Some((Node::Internal(mut n), dirty)) if !n.is_whole() => {
+                // (A partial internal node is clean, like a partial leaf.)
+                self.stats.cache_hits += 1;
+                let e = self.extent_of(id)?;
+                let bytes = self.read_blocks(e.start, e.blocks)?;
+                self.stats.node_reads += 1;
+                load_buffers(&mut n, &bytes, id)?;
+                Ok((Node::Internal(n), dirty))
+            }
             Some(n) => {
                 self.stats.cache_hits += 1;
                 Ok(n)
@@ -480,18 +500,39 @@ impl Inner {
         Ok(c)
     }
 
+    /// Reads buffer `i` of a cached internal node if it is not loaded yet.
+    fn ensure_buffer(&mut self, id: NodeId, i: usize) -> Result<()> {
+        let at = match self.cache.get(&id).map(|c| &c.node) {
+            Some(Node::Internal(n)) => n.unread.get(i).copied().flatten(),
+            _ => None,
+        };
+        let Some(at) = at else { return Ok(()) };
+        let e = self.extent_of(id)?;
+        let bs = self.geo.block_size;
+        let (start, end) = (at.offset as usize, at.offset as usize + at.len as usize);
+        let first = start / bs;
+        let blocks = end.div_ceil(bs).max(first + 1) - first;
+        let bytes = self.read_blocks(e.start + first as u64, blocks as u64)?;
+        let b = node::decode_buffer(&bytes[start - first * bs..end - first * bs], &at, id)?;
+        self.stats.buffer_reads += 1;
+        let add = b.bytes + b.points.len() * 48;
+        let c = self.cache.get_mut(&id).expect("cached");
+        if let Node::Internal(n) = &mut c.node {
+            n.buffers[i] = b;
+            n.unread[i] = None;
+            c.mem += add;
+            self.mem += add;
+        }
+        Ok(())
+    }
+
     /// Makes sure the node is cached whole.
     fn ensure_full(&mut self, id: NodeId) -> Result<()> {
-        let partial = matches!(
-            self.cache.get(&id),
-            None | Some(Cached {
-                node: Node::Leaf(Leaf {
-                    data: LeafData::Partial { .. },
-                    ..
-                }),
-                ..
-            })
-        );
+        let partial = match self.cache.get(&id).map(|c| &c.node) {
+            None => true,
+            Some(Node::Leaf(l)) => l.entries().is_none(),
+            Some(Node::Internal(n)) => !n.is_whole(),
+        };
         if partial {
             let (n, dirty) = self.take_full(id)?;
             self.put_node(id, n, dirty);
@@ -669,12 +710,7 @@ impl Inner {
                 let height = root.height() + 1;
                 let old = self.root;
                 self.put_node(old, root, true);
-                let mut n = Internal {
-                    height,
-                    pivots: Vec::new(),
-                    children: vec![old],
-                    buffers: vec![Buffer::default()],
-                };
+                let mut n = Internal::new(height, Vec::new(), vec![old], vec![Buffer::default()]);
                 for (pivot, sib) in sibs {
                     let id = self.new_id();
                     self.put_node(id, sib, true);
@@ -735,12 +771,7 @@ impl Inner {
                     let buffers = n.buffers.split_off(at);
                     let mut pivots = n.pivots.split_off(at - 1);
                     let pivot = pivots.remove(0);
-                    let piece = Internal {
-                        height: n.height,
-                        pivots,
-                        children,
-                        buffers,
-                    };
+                    let piece = Internal::new(n.height, pivots, children, buffers);
                     out.push((pivot, Node::Internal(piece)));
                 }
                 out.reverse();
@@ -879,10 +910,13 @@ impl Inner {
         let mut levels: Vec<(bool, Vec<(Msn, Msg)>)> = Vec::new();
         let mut id = self.root;
         let leaf = loop {
-            let c = self.ensure(id)?;
-            match &c.node {
+            let i = match &self.ensure(id)?.node {
+                Node::Internal(n) => n.child_for(key),
+                Node::Leaf(_) => break id,
+            };
+            self.ensure_buffer(id, i)?;
+            match &self.cache[&id].node {
                 Node::Internal(n) => {
-                    let i = n.child_for(key);
                     let b = &n.buffers[i];
                     levels.push((
                         b.covered(key),
@@ -999,6 +1033,9 @@ impl Inner {
             }
             path.push((id, i));
             id = n.children[i];
+        }
+        for &(pid, i) in &path {
+            self.ensure_buffer(pid, i)?;
         }
         // A leaf not cached whole is read a basement at a time: the chunk narrows to it.
         let part = match &self.ensure(id)?.node {
