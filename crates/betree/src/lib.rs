@@ -218,8 +218,10 @@ pub struct Stats {
     /// Whole nodes read, and single basements read for queries.
     pub node_reads: u64,
     pub basement_reads: u64,
-    /// Single message buffers read from internal nodes for queries.
+    /// Single message buffers read from internal nodes for queries, and those a point
+    /// query did not need to read (their key filter ruled the key out).
     pub buffer_reads: u64,
+    pub buffers_skipped: u64,
     pub node_writes: u64,
     pub node_bytes_written: u64,
     pub cache_hits: u64,

@@ -37,12 +37,51 @@ pub struct Internal {
     pub unread: Vec<Option<BufferRef>>,
 }
 
-/// Where one buffer of an internal node lies in its extent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where one buffer of an internal node lies in its extent, and what a point query may
+/// skip it by: a buffer with no range delete whose filter rules the key out holds no
+/// message for it (most buffers, for most keys: they hold only recent changes).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BufferRef {
     pub offset: u32,
     pub len: u32,
     pub crc: u32,
+    pub ranges: u32,
+    /// A Bloom filter of the buffer's keys (`filter_probes`), ten bits per key.
+    pub filter: Vec<u64>,
+}
+
+impl BufferRef {
+    /// `false` only if the buffer surely holds no message for `key`.
+    pub fn may_hold(&self, key: &[u8]) -> bool {
+        self.ranges > 0
+            || filter_probes(key, self.filter.len() * 64)
+                .all(|b| self.filter[b / 64] & (1 << (b % 64)) != 0)
+    }
+}
+
+const FILTER_PROBES: u32 = 3;
+
+fn filter_probes(key: &[u8], bits: usize) -> impl Iterator<Item = usize> {
+    let h1 = crc32c::crc32c(key) as u64;
+    let h2 = (crc32c::crc32c_append(0x9e37_79b9, key) as u64) | 1;
+    (0..FILTER_PROBES as u64).map(move |j| {
+        if bits == 0 {
+            0
+        } else {
+            (h1.wrapping_add(j.wrapping_mul(h2)) % bits as u64) as usize
+        }
+    })
+}
+
+fn filter_for(b: &Buffer) -> Vec<u64> {
+    let words = (b.points.len() * 10).div_ceil(64).max(1);
+    let mut f = vec![0u64; words];
+    for k in b.points.keys() {
+        for bit in filter_probes(k, words * 64) {
+            f[bit / 64] |= 1 << (bit % 64);
+        }
+    }
+    f
 }
 
 impl Internal {
@@ -309,7 +348,11 @@ impl Node {
         match self {
             Node::Internal(n) => {
                 n.bytes()
-                    + n.unread.len() * 16
+                    + n.unread
+                        .iter()
+                        .flatten()
+                        .map(|r| r.filter.len() * 8 + 48)
+                        .sum::<usize>()
                     + n.buffers.iter().map(|b| b.points.len() * 48).sum::<usize>()
             }
             Node::Leaf(l) => match &l.data {
@@ -470,12 +513,18 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
             for p in &n.pivots {
                 w.bytes(p);
             }
-            let section = w.len() + bodies.len() * 12;
+            let filters: Vec<Vec<u64>> = n.buffers.iter().map(filter_for).collect();
+            let section = w.len() + filters.iter().map(|f| 20 + f.len() * 8).sum::<usize>();
             let mut off = section;
-            for b in &bodies {
+            for ((b, buf), f) in bodies.iter().zip(&n.buffers).zip(&filters) {
                 w.u32(off as u32);
                 w.u32(b.len() as u32);
                 w.u32(crc32c(&[b]));
+                w.u32(buf.ranges.len() as u32);
+                w.u32(f.len() as u32);
+                for word in f {
+                    w.u64(*word);
+                }
                 off += b.len();
             }
             debug_assert_eq!(w.len(), section);
@@ -618,10 +667,20 @@ pub fn decode_internal(
     }
     let mut unread = Vec::with_capacity(n);
     for _ in 0..n {
+        let (offset, len, crc, ranges) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
+        let words = r.u32()? as usize;
+        if words == 0 || words > r.remaining() / 8 {
+            return Err(Error::Corrupt(format!(
+                "node {id}: filter of {words} words"
+            )));
+        }
+        let filter = (0..words).map(|_| r.u64()).collect::<Result<Vec<u64>>>()?;
         let at = BufferRef {
-            offset: r.u32()?,
-            len: r.u32()?,
-            crc: r.u32()?,
+            offset,
+            len,
+            crc,
+            ranges,
+            filter,
         };
         if (at.offset as usize) < sec.len()
             || (at.offset as usize).saturating_add(at.len as usize) > extent_bytes

@@ -447,6 +447,46 @@ impl Engine {
         }
     }
 
+    /// Fills `out` with the newest contents of blocks `first..first + out.len() / block
+    /// size` without caching the ones that are not cached: those have no pending patch,
+    /// so the device holds their newest contents, and they are read from it without the
+    /// lock. For a module that caches what it decodes from the blocks (the Bε-tree's
+    /// nodes): caching the raw blocks too would only spend the cache twice. A block
+    /// changed by another thread meanwhile may be returned in either version; the caller
+    /// orders its reads and writes of a block itself.
+    pub fn read_uncached(&self, first: BlockNo, out: &mut [u8]) -> Result<()> {
+        let bs = self.sh.block_size;
+        if out.len() % bs != 0 {
+            return Err(PatchError::Invalid("a read is a whole number of blocks"));
+        }
+        let n = (out.len() / bs) as u64;
+        let count = self.sh.dev.block_count();
+        if first.checked_add(n).is_none_or(|end| end > count) {
+            return Err(quilt_block::BlockError::OutOfRange {
+                block: first.saturating_add(n.saturating_sub(1)),
+                count,
+            }
+            .into());
+        }
+        let mut missing = Vec::new();
+        {
+            let st = self.lock();
+            for (i, chunk) in out.chunks_mut(bs).enumerate() {
+                match st.blocks.get(&(first + i as u64)) {
+                    Some(c) => chunk.copy_from_slice(&c.data),
+                    None => missing.push(i),
+                }
+            }
+        }
+        for i in missing {
+            self.sh
+                .dev
+                .read(first + i as u64, &mut out[i * bs..(i + 1) * bs])?;
+            THREAD_READS.with(|n| n.set(n.get() + 1));
+        }
+        Ok(())
+    }
+
     /// Runs `f` with device reads forbidden on this thread: an access to a block that is
     /// not cached fails (`PatchError::Miss`) instead of reading it. Returns `f`'s result
     /// and the first block missed, if any; the caller, holding no lock, reads it with
