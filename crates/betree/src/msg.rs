@@ -100,6 +100,43 @@ impl Buffer {
             self.bytes += add;
             return;
         }
+        if points.len() * 8 >= self.points.len() {
+            // Comparable sizes: one merge of the two sorted maps and a bulk build beat a
+            // search per key.
+            let old = std::mem::take(&mut self.points);
+            let mut gone = 0;
+            let mut a = old.into_iter().peekable();
+            let mut b = points.into_iter().peekable();
+            let mut merged = Vec::with_capacity(a.len() + b.len());
+            loop {
+                let take_a = match (a.peek(), b.peek()) {
+                    (None, None) => break,
+                    (Some(_), None) => true,
+                    (None, Some(_)) => false,
+                    (Some((ka, _)), Some((kb, _))) if ka < kb => true,
+                    (Some((ka, _)), Some((kb, _))) if ka > kb => false,
+                    _ => {
+                        let (k, mut older) = a.next().expect("peeked");
+                        let (_, newer) = b.next().expect("peeked");
+                        if newer
+                            .first()
+                            .is_some_and(|(_, m)| !matches!(m, Msg::Upsert { .. }))
+                        {
+                            gone += older.iter().map(|(_, m)| point_bytes(&k, m)).sum::<usize>();
+                            merged.push((k, newer));
+                        } else {
+                            older.extend(newer);
+                            merged.push((k, older));
+                        }
+                        continue;
+                    }
+                };
+                merged.extend(if take_a { a.next() } else { b.next() });
+            }
+            self.points = merged.into_iter().collect();
+            self.bytes = self.bytes + add - gone;
+            return;
+        }
         for (k, list) in points {
             let supersedes = list
                 .first()

@@ -14,6 +14,7 @@ use crate::codec::{crc32c, Reader, Writer};
 pub use crate::entries::Entries;
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
 use crate::{Error, Result};
+use std::borrow::Cow;
 
 pub type NodeId = u64;
 
@@ -250,15 +251,20 @@ impl Leaf {
                 i += 1;
             }
             copy_kept(&mut out, old, start, i, &buf.ranges, &kept);
-            let mut v = if i < old.len() && old.key(i) == k.as_slice() {
+            // The value, borrowed until an upsert must compute a new one.
+            let mut v: Option<Cow<[u8]>> = if i < old.len() && old.key(i) == k.as_slice() {
                 i += 1;
                 let (ek, ev) = old.get(i - 1);
-                kept(ek).then(|| ev.to_vec())
+                kept(ek).then_some(Cow::Borrowed(ev))
             } else {
                 None
             };
             for (_, m) in msgs {
-                v = up.apply(v, m)?;
+                v = match m {
+                    Msg::Put(x) => Some(Cow::Borrowed(x.as_slice())),
+                    Msg::Delete => None,
+                    Msg::Upsert { .. } => up.apply(v.map(Cow::into_owned), m)?.map(Cow::Owned),
+                };
             }
             if let Some(v) = v {
                 out.push(k, &v);
