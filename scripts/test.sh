@@ -35,8 +35,11 @@ fi
 # Fuzzing smoke: every input a fuzzer ever crashed on, and random damage to each region
 # of a seed image (the coverage-guided hour-long runs are scripts/fuzz.sh's).
 (cd fuzz && cargo test --release --quiet)
-# The crash explorer on every mode (e2fsck as the oracle; no root needed).
+# The crash explorer on every mode (e2fsck as the oracle; no root needed), and on the
+# Bε-tree.
 tests/crashtest.sh ./target/release/quiltfs
+# The key-value benchmark, as a smoke test (betree, redb, fjall; no RocksDB build).
+tests/bench-kv.sh
 # Each benchmark once, as a smoke test (timings come from `cargo bench`, never from here).
 cargo test --release -p quilt-patch --benches --quiet
 # The engine demo, small.

@@ -121,7 +121,8 @@ trait Store {
 struct Betree(quilt_betree::Tree);
 
 fn betree_options(a: &Args) -> quilt_betree::Options {
-    let engine = (a.cache_mb << 20) / 4;
+    // The engine's cache holds only blocks being written: the nodes get the rest.
+    let engine = (a.cache_mb << 20) / 8;
     quilt_betree::Options {
         node_bytes: a.node_kb << 10,
         basement_bytes: a.basement_kb << 10,

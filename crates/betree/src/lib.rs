@@ -159,7 +159,8 @@ pub struct Options {
     pub cache_bytes: usize,
     /// Past this many bytes of dirty nodes, a checkpoint writes them.
     pub dirty_bytes: usize,
-    /// The patch engine's block cache (node blocks in flight, log blocks).
+    /// The patch engine's block cache: node blocks being written, log blocks (node reads
+    /// bypass it, the node cache holds what they decode to).
     pub engine_cache_bytes: usize,
     /// Update functions for upserts (the built-ins are always there).
     pub upserts: Upserts,
@@ -176,7 +177,7 @@ impl Default for Options {
             log_blocks: 4096,
             cache_bytes: 64 << 20,
             dirty_bytes: 48 << 20,
-            engine_cache_bytes: 16 << 20,
+            engine_cache_bytes: 8 << 20,
             upserts: Upserts::default(),
         }
     }
@@ -244,6 +245,8 @@ pub struct Stats {
     pub height: u64,
     pub nodes_cached: u64,
     pub cache_bytes: u64,
+    /// Of which internal nodes (the rest is leaves).
+    pub cache_internal_bytes: u64,
     pub dirty_bytes: u64,
 }
 

@@ -499,6 +499,22 @@ impl Inner {
         Ok(c)
     }
 
+    /// Bytes `offset..offset + len` of a node's extent (the blocks that hold them).
+    fn read_range(&self, id: NodeId, offset: u32, len: u32) -> Result<Vec<u8>> {
+        let e = self.extent_of(id)?;
+        let bs = self.geo.block_size;
+        let (start, end) = (offset as usize, offset as usize + len as usize);
+        let first = start / bs;
+        let blocks = end.div_ceil(bs).max(first + 1) - first;
+        if (first + blocks) as u64 > e.blocks {
+            return Err(Error::Corrupt(format!("node {id}: part past its extent")));
+        }
+        let mut bytes = self.read_blocks(e.start + first as u64, blocks as u64)?;
+        bytes.truncate(end - first * bs);
+        bytes.drain(..start - first * bs);
+        Ok(bytes)
+    }
+
     /// Reads buffer `i` of a cached internal node if it is not loaded yet.
     fn ensure_buffer(&mut self, id: NodeId, i: usize) -> Result<()> {
         let at = match self.cache.get(&id).map(|c| &c.node) {
@@ -506,13 +522,8 @@ impl Inner {
             _ => None,
         };
         let Some(at) = at else { return Ok(()) };
-        let e = self.extent_of(id)?;
-        let bs = self.geo.block_size;
-        let (start, end) = (at.offset as usize, at.offset as usize + at.len as usize);
-        let first = start / bs;
-        let blocks = end.div_ceil(bs).max(first + 1) - first;
-        let bytes = self.read_blocks(e.start + first as u64, blocks as u64)?;
-        let b = node::decode_buffer(&bytes[start - first * bs..end - first * bs], &at, id)?;
+        let body = self.read_range(id, at.offset, at.len)?;
+        let b = node::decode_buffer(&body, &at, id)?;
         self.stats.buffer_reads += 1;
         let add = b.bytes + b.points.len() * 48;
         let c = self.cache.get_mut(&id).expect("cached");
@@ -909,27 +920,30 @@ impl Inner {
         let mut levels: Vec<(bool, Vec<(Msn, Msg)>)> = Vec::new();
         let mut id = self.root;
         let leaf = loop {
-            let (i, skip) = match &self.ensure(id)?.node {
+            let (i, unread) = match &self.ensure(id)?.node {
                 Node::Internal(n) => {
                     let i = n.child_for(key);
-                    let skip = n
-                        .unread
-                        .get(i)
-                        .and_then(Option::as_ref)
-                        .is_some_and(|r| !r.may_hold(key));
-                    (i, skip)
+                    (i, n.unread.get(i).cloned().flatten())
                 }
                 Node::Leaf(_) => break id,
             };
-            if skip {
-                self.stats.buffers_skipped += 1;
+            if let Some(at) = unread {
+                // A buffer not read yet: skipped if its filter rules the key out, else
+                // searched where it lies, without decoding or caching it (a query
+                // needs one key's messages; whole buffers would crowd the leaves out).
+                if at.may_hold(key) {
+                    let body = self.read_range(id, at.offset, at.len)?;
+                    levels.push(node::buffer_lookup(&body, &at, id, key)?);
+                    self.stats.buffer_reads += 1;
+                } else {
+                    self.stats.buffers_skipped += 1;
+                }
                 let Node::Internal(n) = &self.cache[&id].node else {
                     unreachable!("internal")
                 };
                 id = n.children[i];
                 continue;
             }
-            self.ensure_buffer(id, i)?;
             match &self.cache[&id].node {
                 Node::Internal(n) => {
                     let b = &n.buffers[i];
@@ -1300,21 +1314,56 @@ impl Inner {
         self.evict();
     }
 
-    /// Evicts clean nodes, leaves before internal nodes, least recently used first, down
-    /// to 80% of the budget.
+    /// Evicts down to 80% of the budget, least recently used first within each kind:
+    /// basements of partial leaves (their index stays), then clean whole leaves, leaf
+    /// indexes, and clean internal nodes.
     fn evict(&mut self) {
         if self.mem <= self.opts.cache_bytes {
             return;
         }
-        // Down to 80%, so that the sort below runs once per many misses.
+        // Down to 80%, so that the sorts below run once per many misses.
         let target = self.opts.cache_bytes / 10 * 8;
-        // Leaves first: every query passes through the internal nodes, which are few
+        // First the basements of leaves read for queries, least recently used first: a
+        // leaf's index is a fraction of its basements' size and saves a read per query.
+        let mut partial: Vec<(u64, NodeId)> = self
+            .cache
+            .iter()
+            .filter(|(_, c)| matches!(&c.node, Node::Leaf(l) if l.entries().is_none()))
+            .map(|(id, c)| (c.tick, *id))
+            .collect();
+        partial.sort_unstable();
+        for (_, id) in partial {
+            if self.mem <= target {
+                return;
+            }
+            let c = self.cache.get_mut(&id).expect("listed");
+            if let Node::Leaf(Leaf {
+                data: LeafData::Partial { loaded, .. },
+                ..
+            }) = &mut c.node
+            {
+                let freed: usize = loaded
+                    .iter_mut()
+                    .filter_map(Option::take)
+                    .map(|es| es.bytes() + es.len() * 4 + 64)
+                    .sum();
+                c.mem -= freed;
+                self.mem -= freed;
+            }
+        }
+        // Then whole nodes: whole leaves (large; read again only by a flush or a scan),
+        // then leaf indexes, then internal nodes. every query passes through the internal nodes, which are few
         // (about one in `fanout`) and costly to read (a whole node, buffers decoded).
-        let mut clean: Vec<(bool, u64, NodeId)> = self
+        let kind = |n: &Node| match n {
+            Node::Leaf(l) if l.entries().is_some() => 0u8,
+            Node::Leaf(_) => 1,
+            Node::Internal(_) => 2,
+        };
+        let mut clean: Vec<(u8, u64, NodeId)> = self
             .cache
             .iter()
             .filter(|(id, c)| !c.dirty && **id != self.root)
-            .map(|(id, c)| (c.node.height() > 0, c.tick, *id))
+            .map(|(id, c)| (kind(&c.node), c.tick, *id))
             .collect();
         clean.sort_unstable();
         for (_, _, id) in clean {
@@ -1354,6 +1403,12 @@ impl Inner {
             .map_or(0, |c| c.node.height() as u64);
         s.nodes_cached = self.cache.len() as u64;
         s.cache_bytes = self.mem as u64;
+        s.cache_internal_bytes = self
+            .cache
+            .values()
+            .filter(|c| c.node.height() > 0)
+            .map(|c| c.mem as u64)
+            .sum();
         s.dirty_bytes = self.dirty_mem as u64;
         s
     }
