@@ -11,7 +11,7 @@ use crate::node::{self, Entries, Internal, Leaf, LeafData, Node, NodeId};
 pub type Entry = (Vec<u8>, Vec<u8>);
 use crate::{Error, Op, Options, Result, Stats};
 use quilt_patch::{ChangeOpts, Engine, PatchId, RUN_BLOCKS_MAX};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 struct Cached {
     node: Node,
@@ -106,6 +106,10 @@ fn load_buffers(n: &mut Internal, extent: &[u8], id: NodeId) -> Result<()> {
     n.unread.clear();
     Ok(())
 }
+
+/// Basements a scan reads at a time from a leaf not cached whole: 64 KiB of 4 KiB
+/// basements, one read, about 500 entries of 100 bytes.
+const SCAN_BASEMENTS: usize = 16;
 
 /// Appends a basement's entries to the ones of the basements before it.
 fn append_basement(all: &mut Entries, es: &Entries, id: NodeId) -> Result<()> {
@@ -983,6 +987,52 @@ impl Inner {
             .map(<[u8]>::to_vec))
     }
 
+    /// Reads the basements `a..b` of a cached partial leaf that are not loaded, in one
+    /// read of the blocks that hold them.
+    fn load_basements(&mut self, id: NodeId, a: usize, b: usize) -> Result<()> {
+        let want: Vec<(usize, node::BasementRef)> = match &self.cache[&id].node {
+            Node::Leaf(Leaf {
+                data: LeafData::Partial { index, loaded },
+                ..
+            }) => (a..b.min(index.len()))
+                .filter(|&i| loaded[i].is_none())
+                .map(|i| (i, index[i].clone()))
+                .collect(),
+            _ => return Ok(()),
+        };
+        let (Some(first), Some(last)) = (want.first(), want.last()) else {
+            return Ok(());
+        };
+        let start = first.1.offset;
+        let end = last.1.offset.saturating_add(last.1.len);
+        let bytes = self.read_range(id, start, end.saturating_sub(start))?;
+        let mut add = 0;
+        let mut got = Vec::with_capacity(want.len());
+        for (i, r) in want {
+            let at = (r.offset - start) as usize;
+            let body = bytes
+                .get(at..at + r.len as usize)
+                .ok_or_else(|| Error::Corrupt(format!("node {id}: basements out of order")))?;
+            let es = node::decode_basement(body, &r, id)?;
+            add += es.bytes() + es.len() * 4 + 64;
+            got.push((i, es));
+            self.stats.basement_reads += 1;
+        }
+        let c = self.cache.get_mut(&id).expect("cached");
+        if let Node::Leaf(Leaf {
+            data: LeafData::Partial { loaded, .. },
+            ..
+        }) = &mut c.node
+        {
+            for (i, es) in got {
+                loaded[i] = Some(es);
+            }
+            c.mem += add;
+            self.mem += add;
+        }
+        Ok(())
+    }
+
     /// The entries of a cached leaf: all of them, or (`part`) those of one basement of a
     /// partial leaf, which is read if it is not loaded yet.
     fn leaf_entries(&mut self, id: NodeId, part: Option<usize>) -> Result<Option<&Entries>> {
@@ -1066,8 +1116,9 @@ impl Inner {
         for &(pid, i) in &path {
             self.ensure_buffer(pid, i)?;
         }
-        // A leaf not cached whole is read a basement at a time: the chunk narrows to it.
-        let part = match &self.ensure(id)?.node {
+        // A leaf not cached whole is read some basements at a time (one read): the
+        // chunk narrows to them.
+        let parts = match &self.ensure(id)?.node {
             Node::Leaf(Leaf {
                 data: LeafData::Partial { index, .. },
                 ..
@@ -1079,16 +1130,24 @@ impl Inner {
                         .partition_point(|b| b.lo.as_slice() < u)
                         .saturating_sub(1),
                 };
-                if i > 0 {
-                    node_lo = Some(index[i].lo.clone());
+                let (a, b) = if forward {
+                    (i, (i + SCAN_BASEMENTS).min(index.len()))
+                } else {
+                    ((i + 1).saturating_sub(SCAN_BASEMENTS), i + 1)
+                };
+                if a > 0 {
+                    node_lo = Some(index[a].lo.clone());
                 }
-                if let Some(next) = index.get(i + 1) {
+                if let Some(next) = index.get(b) {
                     node_hi = Some(next.lo.clone());
                 }
-                Some(i)
+                Some((a, b))
             }
             _ => None,
         };
+        if let Some((a, b)) = parts {
+            self.load_basements(id, a, b)?;
+        }
         // The window of keys this chunk settles.
         let (wlo, whi): (Vec<u8>, Option<Vec<u8>>) = if forward {
             let start = cursor.unwrap_or(lo).to_vec();
@@ -1106,7 +1165,11 @@ impl Inner {
         };
         let mut out: Vec<Entry> = Vec::new();
         if whi.as_deref().is_none_or(|h| wlo.as_slice() < h) {
-            {
+            let parts: Vec<Option<usize>> = match parts {
+                Some((a, b)) => (a..b).map(Some).collect(),
+                None => vec![None],
+            };
+            for part in parts {
                 if let Some(es) = self.leaf_entries(id, part)? {
                     let from = es.search(&wlo).unwrap_or_else(|i| i);
                     let to = match &whi {
@@ -1125,7 +1188,6 @@ impl Inner {
                 None => std::ops::Bound::Unbounded,
             };
             let window = (std::ops::Bound::Included(wlo.clone()), upper);
-            let mut map: Option<BTreeMap<Vec<u8>, Vec<u8>>> = None;
             for &(pid, i) in path.iter().rev() {
                 let Some(Node::Internal(n)) = self.cache.get(&pid).map(|c| &c.node) else {
                     return Err(Error::Invalid("internal: scan path evicted".into()));
@@ -1135,22 +1197,30 @@ impl Inner {
                 if b.ranges.is_empty() && points.peek().is_none() {
                     continue;
                 }
-                let m = map.get_or_insert_with(|| std::mem::take(&mut out).into_iter().collect());
-                for r in &b.ranges {
-                    m.retain(|k, _| !r.covers(k));
-                }
+                // One merge pass: the buffer's range deletes, then its point messages
+                // (the buffer rule), over the sorted entries of the levels below.
+                let covered = |k: &[u8]| b.ranges.iter().any(|r| r.covers(k));
+                let mut merged: Vec<Entry> = Vec::with_capacity(out.len());
+                let mut below = std::mem::take(&mut out).into_iter().peekable();
                 for (k, msgs) in points {
-                    let mut v = m.remove(k);
+                    while let Some(e) = below.next_if(|(ek, _)| ek < k) {
+                        if !covered(&e.0) {
+                            merged.push(e);
+                        }
+                    }
+                    let mut v = below
+                        .next_if(|(ek, _)| ek == k)
+                        .map(|e| e.1)
+                        .filter(|_| !covered(k));
                     for (_, msg) in msgs {
                         v = self.upserts.apply(v, msg)?;
                     }
                     if let Some(v) = v {
-                        m.insert(k.clone(), v);
+                        merged.push((k.clone(), v));
                     }
                 }
-            }
-            if let Some(m) = map {
-                out = m.into_iter().collect();
+                merged.extend(below.filter(|(k, _)| !covered(k)));
+                out = merged;
             }
         }
         let next = if forward {
