@@ -567,6 +567,66 @@ pub fn buffer_lookup(
     Ok((covered, Vec::new()))
 }
 
+/// The messages of an encoded buffer for keys in `lo..hi`, found without decoding the
+/// rest (checksum verified): its range deletes, and the point messages in the window.
+#[allow(clippy::type_complexity)]
+pub fn buffer_window(
+    body: &[u8],
+    at: &BufferRef,
+    id: NodeId,
+    lo: &[u8],
+    hi: Option<&[u8]>,
+) -> Result<(Vec<RangeDel>, Vec<(Vec<u8>, Vec<(Msn, Msg)>)>)> {
+    if crc32c(&[body]) != at.crc {
+        return Err(Error::Corrupt(format!(
+            "node {id}: buffer checksum mismatch"
+        )));
+    }
+    let mut r = Reader::new(body, "message buffer");
+    let nr = r.u32()? as usize;
+    if nr > r.remaining() {
+        return Err(r.corrupt("range count past the end"));
+    }
+    let mut ranges = Vec::new();
+    for _ in 0..nr {
+        let msn = r.u64()?;
+        let (start, end) = (r.bytes()?, r.bytes()?);
+        if end > lo && hi.is_none_or(|h| start < h) {
+            ranges.push(RangeDel {
+                msn,
+                start: start.to_vec(),
+                end: end.to_vec(),
+            });
+        }
+    }
+    let np = r.u32()? as usize;
+    if np > r.remaining() {
+        return Err(r.corrupt("message count past the end"));
+    }
+    let mut points = Vec::new();
+    for _ in 0..np {
+        let k = r.bytes()?;
+        let nm = r.u32()? as usize;
+        if nm == 0 || nm > r.remaining() {
+            return Err(r.corrupt("message list length"));
+        }
+        if hi.is_some_and(|h| k >= h) {
+            break; // sorted: nothing more in the window
+        }
+        if k < lo {
+            for _ in 0..nm {
+                skip_msg(&mut r)?;
+            }
+            continue;
+        }
+        let list = (0..nm)
+            .map(|_| get_msg(&mut r))
+            .collect::<Result<Vec<_>>>()?;
+        points.push((k.to_vec(), list));
+    }
+    Ok((ranges, points))
+}
+
 /// Serializes a node into whole blocks of `bs` bytes.
 pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<u8> {
     match node {

@@ -519,27 +519,6 @@ impl Inner {
         Ok(bytes)
     }
 
-    /// Reads buffer `i` of a cached internal node if it is not loaded yet.
-    fn ensure_buffer(&mut self, id: NodeId, i: usize) -> Result<()> {
-        let at = match self.cache.get(&id).map(|c| &c.node) {
-            Some(Node::Internal(n)) => n.unread.get(i).cloned().flatten(),
-            _ => None,
-        };
-        let Some(at) = at else { return Ok(()) };
-        let body = self.read_range(id, at.offset, at.len)?;
-        let b = node::decode_buffer(&body, &at, id)?;
-        self.stats.buffer_reads += 1;
-        let add = b.bytes + b.points.len() * 48;
-        let c = self.cache.get_mut(&id).expect("cached");
-        if let Node::Internal(n) = &mut c.node {
-            n.buffers[i] = b;
-            n.unread[i] = None;
-            c.mem += add;
-            self.mem += add;
-        }
-        Ok(())
-    }
-
     /// Makes sure the node is cached whole.
     fn ensure_full(&mut self, id: NodeId) -> Result<()> {
         let partial = match self.cache.get(&id).map(|c| &c.node) {
@@ -1113,9 +1092,6 @@ impl Inner {
             path.push((id, i));
             id = n.children[i];
         }
-        for &(pid, i) in &path {
-            self.ensure_buffer(pid, i)?;
-        }
         // A leaf not cached whole is read some basements at a time (one read): the
         // chunk narrows to them.
         let parts = match &self.ensure(id)?.node {
@@ -1192,31 +1168,47 @@ impl Inner {
                 let Some(Node::Internal(n)) = self.cache.get(&pid).map(|c| &c.node) else {
                     return Err(Error::Invalid("internal: scan path evicted".into()));
                 };
-                let b = &n.buffers[i];
-                let mut points = b.points.range(window.clone()).peekable();
-                if b.ranges.is_empty() && points.peek().is_none() {
+                // The buffer's messages in the window: from memory, or searched where
+                // the buffer lies (not decoded whole, not cached).
+                let (ranges, points) = match n.unread.get(i).cloned().flatten() {
+                    Some(at) => {
+                        let body = self.read_range(pid, at.offset, at.len)?;
+                        self.stats.buffer_reads += 1;
+                        node::buffer_window(&body, &at, pid, &wlo, whi.as_deref())?
+                    }
+                    None => {
+                        let b = &n.buffers[i];
+                        let points = b
+                            .points
+                            .range(window.clone())
+                            .map(|(k, m)| (k.clone(), m.clone()))
+                            .collect();
+                        (b.ranges.clone(), points)
+                    }
+                };
+                if ranges.is_empty() && points.is_empty() {
                     continue;
                 }
                 // One merge pass: the buffer's range deletes, then its point messages
                 // (the buffer rule), over the sorted entries of the levels below.
-                let covered = |k: &[u8]| b.ranges.iter().any(|r| r.covers(k));
+                let covered = |k: &[u8]| ranges.iter().any(|r| r.covers(k));
                 let mut merged: Vec<Entry> = Vec::with_capacity(out.len());
                 let mut below = std::mem::take(&mut out).into_iter().peekable();
                 for (k, msgs) in points {
-                    while let Some(e) = below.next_if(|(ek, _)| ek < k) {
+                    while let Some(e) = below.next_if(|(ek, _)| *ek < k) {
                         if !covered(&e.0) {
                             merged.push(e);
                         }
                     }
                     let mut v = below
-                        .next_if(|(ek, _)| ek == k)
+                        .next_if(|(ek, _)| *ek == k)
                         .map(|e| e.1)
-                        .filter(|_| !covered(k));
-                    for (_, msg) in msgs {
+                        .filter(|_| !covered(&k));
+                    for (_, msg) in &msgs {
                         v = self.upserts.apply(v, msg)?;
                     }
                     if let Some(v) = v {
-                        merged.push((k.clone(), v));
+                        merged.push((k, v));
                     }
                 }
                 merged.extend(below.filter(|(k, _)| !covered(k)));
