@@ -42,6 +42,7 @@ mod format;
 mod log;
 mod msg;
 mod node;
+pub mod reference;
 mod tree;
 
 pub use format::Geometry;

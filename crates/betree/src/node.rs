@@ -517,54 +517,23 @@ pub fn decode_buffer(body: &[u8], at: &BufferRef, id: NodeId) -> Result<Buffer> 
 
 /// One key's messages in an encoded buffer, found without decoding the rest (checksum
 /// verified): whether a range delete of the buffer covers the key, and its point
-/// messages in order.
+/// messages in order. (The window `key..key\0` holds exactly the key.)
 pub fn buffer_lookup(
     body: &[u8],
     at: &BufferRef,
     id: NodeId,
     key: &[u8],
 ) -> Result<(bool, Vec<(Msn, Msg)>)> {
-    if crc32c(&[body]) != at.crc {
-        return Err(Error::Corrupt(format!(
-            "node {id}: buffer checksum mismatch"
-        )));
-    }
-    let mut r = Reader::new(body, "message buffer");
-    let mut covered = false;
-    let nr = r.u32()? as usize;
-    if nr > r.remaining() {
-        return Err(r.corrupt("range count past the end"));
-    }
-    for _ in 0..nr {
-        r.u64()?;
-        let (start, end) = (r.bytes()?, r.bytes()?);
-        covered |= start <= key && key < end;
-    }
-    let np = r.u32()? as usize;
-    if np > r.remaining() {
-        return Err(r.corrupt("message count past the end"));
-    }
-    for _ in 0..np {
-        let k = r.bytes()?;
-        let nm = r.u32()? as usize;
-        if nm == 0 || nm > r.remaining() {
-            return Err(r.corrupt("message list length"));
-        }
-        if k > key {
-            break; // sorted: the key is not here
-        }
-        if k < key {
-            for _ in 0..nm {
-                skip_msg(&mut r)?;
-            }
-            continue;
-        }
-        let list = (0..nm)
-            .map(|_| get_msg(&mut r))
-            .collect::<Result<Vec<_>>>()?;
-        return Ok((covered, list));
-    }
-    Ok((covered, Vec::new()))
+    let next = [key, &[0]].concat();
+    let (ranges, points) = buffer_window(body, at, id, key, Some(&next))?;
+    Ok((
+        !ranges.is_empty(),
+        points
+            .into_iter()
+            .next()
+            .map(|(_, m)| m)
+            .unwrap_or_default(),
+    ))
 }
 
 /// The messages of an encoded buffer for keys in `lo..hi`, found without decoding the

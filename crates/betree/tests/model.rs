@@ -6,6 +6,7 @@
 //! Case count: 10,000 by default, 1,000 under `CI=true`, or `QUILT_PROPTEST_CASES`.
 
 use proptest::prelude::*;
+use quilt_betree::reference::apply;
 use quilt_betree::{
     truncate_arg, write_at_arg, Batch, Op as TOp, Options, Tree, TRUNCATE, WRITE_AT,
 };
@@ -60,39 +61,6 @@ fn step() -> impl Strategy<Value = Step> {
         1 => Just(Step::Reopen),
         1 => Just(Step::Crash),
     ]
-}
-
-fn apply(m: &mut Model, op: &TOp) {
-    match op {
-        TOp::Put { key, value } => {
-            m.insert(key.clone(), value.clone());
-        }
-        TOp::Delete { key } => {
-            m.remove(key);
-        }
-        TOp::Upsert { key, func, arg } => {
-            let n = u64::from_le_bytes(arg[..8].try_into().unwrap()) as usize;
-            if *func == WRITE_AT {
-                let bytes = &arg[8..];
-                let v = m.entry(key.clone()).or_default();
-                if v.len() < n + bytes.len() {
-                    v.resize(n + bytes.len(), 0);
-                }
-                v[n..n + bytes.len()].copy_from_slice(bytes);
-            } else if let Some(v) = m.get_mut(key) {
-                v.resize(n, 0);
-            }
-        }
-        TOp::DeleteRange { start, end } => {
-            let doomed: Vec<_> = m
-                .range(start.clone()..end.clone())
-                .map(|(k, _)| k.clone())
-                .collect();
-            for k in doomed {
-                m.remove(&k);
-            }
-        }
-    }
 }
 
 fn contents(t: &Tree) -> Model {

@@ -15,6 +15,7 @@
 
 use crate::states::{self, CrashState};
 use crate::workload::Rng;
+use quilt_betree::reference::apply;
 use quilt_betree::{truncate_arg, write_at_arg, Batch, Op, Options, Tree, TRUNCATE, WRITE_AT};
 use quilt_block::{BlockDevice, MemDevice, RecordingDevice, RecordingLog};
 use std::collections::BTreeMap;
@@ -102,39 +103,6 @@ fn random_op(r: &mut Rng) -> Op {
             Op::DeleteRange {
                 start: format!("key{a:03}").into_bytes(),
                 end: format!("key{b:03}").into_bytes(),
-            }
-        }
-    }
-}
-
-fn apply(m: &mut BTreeMap<Vec<u8>, Vec<u8>>, op: &Op) {
-    match op {
-        Op::Put { key, value } => {
-            m.insert(key.clone(), value.clone());
-        }
-        Op::Delete { key } => {
-            m.remove(key);
-        }
-        Op::Upsert { key, func, arg } => {
-            let n = u64::from_le_bytes(arg[..8].try_into().expect("8 bytes")) as usize;
-            if *func == WRITE_AT {
-                let bytes = &arg[8..];
-                let v = m.entry(key.clone()).or_default();
-                if v.len() < n + bytes.len() {
-                    v.resize(n + bytes.len(), 0);
-                }
-                v[n..n + bytes.len()].copy_from_slice(bytes);
-            } else if let Some(v) = m.get_mut(key) {
-                v.resize(n, 0);
-            }
-        }
-        Op::DeleteRange { start, end } => {
-            let doomed: Vec<Vec<u8>> = m
-                .range(start.clone()..end.clone())
-                .map(|(k, _)| k.clone())
-                .collect();
-            for k in doomed {
-                m.remove(&k);
             }
         }
     }
