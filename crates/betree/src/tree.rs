@@ -207,7 +207,7 @@ impl Inner {
                 Err(e) => damaged.push(e.to_string()),
             }
         }
-        // The newest header whose checkpoint is whole; an older one if it is not.
+        // The newest header that decodes.
         found.sort_by_key(|h| std::cmp::Reverse(h.generation));
         if found.is_empty() {
             return Err(if damaged.is_empty() {
@@ -216,15 +216,11 @@ impl Inner {
                 Error::Corrupt(format!("no valid header: {}", damaged.join("; ")))
             });
         }
-        let mut last_err = None;
-        for h in found {
-            match Inner::open_at(engine.clone(), opts.clone(), &h) {
-                Ok(t) => return Ok(t),
-                Err(e @ Error::Corrupt(_)) => last_err = Some(e),
-                Err(e) => return Err(e),
-            }
-        }
-        Err(last_err.unwrap_or(Error::NotFormatted))
+        // Only a header that does not decode (torn by a crash mid-write) falls back to
+        // the other one. Damage below a valid header (its table, its nodes) is an error:
+        // opening the older checkpoint instead would silently lose what the newer one
+        // holds.
+        Inner::open_at(engine, opts, &found[0])
     }
 
     fn open_at(engine: Engine, opts: Options, h: &Header) -> Result<Inner> {
