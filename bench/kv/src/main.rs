@@ -478,10 +478,12 @@ struct Measure {
     disk_bytes: u64,
 }
 
-fn insert(store: &dyn Store, n: u64, key: fn(u64) -> [u8; 16]) -> Result<()> {
+/// Keys `key(0..n)` with values of `len` bytes, in batches, synced every `SYNC_EVERY`
+/// and at the end.
+fn insert(store: &dyn Store, n: u64, key: fn(u64) -> [u8; 16], len: usize) -> Result<()> {
     let mut batch = Vec::with_capacity(BATCH);
     for i in 0..n {
-        batch.push((key(i), value(i, VALUE)));
+        batch.push((key(i), value(i, len)));
         if batch.len() == BATCH {
             store.put_batch(&batch)?;
             batch.clear();
@@ -529,7 +531,7 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
         let p = path("seq");
         let s = open(system, &p, a, true)?;
         let (w0, t0) = (io_written(), Instant::now());
-        insert(s.as_ref(), n, seq_key)?;
+        insert(s.as_ref(), n, seq_key, VALUE)?;
         let t = t0.elapsed().as_secs_f64();
         s.close()?;
         let wa = (io_written() - w0) as f64 / user;
@@ -541,7 +543,7 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
     if want("rand_insert") {
         let s = open(system, &p, a, true)?;
         let (w0, t0) = (io_written(), Instant::now());
-        insert(s.as_ref(), n, rand_key)?;
+        insert(s.as_ref(), n, rand_key, VALUE)?;
         let t = t0.elapsed().as_secs_f64();
         s.close()?;
         let wa = (io_written() - w0) as f64 / user;
@@ -591,18 +593,7 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
         let p = path("upsert");
         let m = (n / 32).max(1000);
         let s = open(system, &p, a, true)?;
-        let mut batch = Vec::new();
-        for i in 0..m {
-            batch.push((rand_key(i), value(i, BIG_VALUE)));
-            if batch.len() == BATCH {
-                s.put_batch(&batch)?;
-                batch.clear();
-            }
-        }
-        if !batch.is_empty() {
-            s.put_batch(&batch)?;
-        }
-        s.sync()?;
+        insert(s.as_ref(), m, rand_key, BIG_VALUE)?;
         let u = m * 4;
         let (w0, t0) = (io_written(), Instant::now());
         let mut ups = Vec::with_capacity(BATCH);

@@ -251,20 +251,6 @@ pub struct Stats {
     pub dirty_bytes: u64,
 }
 
-impl Stats {
-    /// Counters as name/value pairs (for `quiltfs stats`).
-    pub fn counters(&self) -> Vec<(String, f64)> {
-        let v = serde_json::to_value(self).unwrap_or_default();
-        v.as_object()
-            .map(|m| {
-                m.iter()
-                    .map(|(k, v)| (format!("betree.{k}"), v.as_f64().unwrap_or(0.0)))
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-}
-
 /// A Bε-tree on a block device. Cheap operations take one internal lock; a checkpoint's
 /// and a sync's device flushes run without it.
 pub struct Tree {

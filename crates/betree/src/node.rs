@@ -466,53 +466,26 @@ fn encode_buffer(b: &Buffer) -> Vec<u8> {
     w.buf
 }
 
-/// Decodes one buffer of an internal node (checksum verified).
+/// Decodes one buffer of an internal node (checksum verified): the window of every key.
 pub fn decode_buffer(body: &[u8], at: &BufferRef, id: NodeId) -> Result<Buffer> {
-    if crc32c(&[body]) != at.crc {
-        return Err(Error::Corrupt(format!(
-            "node {id}: buffer checksum mismatch"
-        )));
-    }
-    let mut r = Reader::new(body, "message buffer");
-    let mut b = Buffer::default();
-    let nr = r.u32()? as usize;
-    if nr > r.remaining() {
-        return Err(r.corrupt("range count past the end"));
-    }
-    for _ in 0..nr {
-        let msn = r.u64()?;
-        let start = r.bytes()?.to_vec();
-        let end = r.bytes()?.to_vec();
-        b.bytes += start.len() + end.len() + 16;
-        b.ranges.push(RangeDel { msn, start, end });
-    }
-    let np = r.u32()? as usize;
-    if np > r.remaining() {
-        return Err(r.corrupt("message count past the end"));
-    }
-    let mut prev: Option<Vec<u8>> = None;
-    for _ in 0..np {
-        let k = r.bytes()?.to_vec();
-        if prev.as_ref().is_some_and(|p| *p >= k) {
-            return Err(r.corrupt("keys out of order"));
-        }
-        let nm = r.u32()? as usize;
-        if nm == 0 || nm > r.remaining() {
-            return Err(r.corrupt("message list length"));
-        }
-        let mut list = Vec::with_capacity(nm);
-        for _ in 0..nm {
-            let (msn, m) = get_msg(&mut r)?;
-            b.bytes += crate::msg::point_bytes(&k, &m);
-            list.push((msn, m));
-        }
-        b.points.insert(k.clone(), list);
-        prev = Some(k);
-    }
-    if r.remaining() != 0 {
-        return Err(r.corrupt("trailing bytes"));
-    }
-    Ok(b)
+    let (ranges, points) = buffer_window(body, at, id, &[], None)?;
+    let bytes = ranges
+        .iter()
+        .map(|r| r.start.len() + r.end.len() + 16)
+        .sum::<usize>()
+        + points
+            .iter()
+            .map(|(k, l)| {
+                l.iter()
+                    .map(|(_, m)| crate::msg::point_bytes(k, m))
+                    .sum::<usize>()
+            })
+            .sum::<usize>();
+    Ok(Buffer {
+        points: points.into_iter().collect(),
+        ranges,
+        bytes,
+    })
 }
 
 /// One key's messages in an encoded buffer, found without decoding the rest (checksum
@@ -573,12 +546,17 @@ pub fn buffer_window(
         return Err(r.corrupt("message count past the end"));
     }
     let mut points = Vec::new();
+    let mut prev: Option<&[u8]> = None;
     for _ in 0..np {
         let k = r.bytes()?;
         let nm = r.u32()? as usize;
         if nm == 0 || nm > r.remaining() {
             return Err(r.corrupt("message list length"));
         }
+        if prev.is_some_and(|p| p >= k) {
+            return Err(r.corrupt("keys out of order"));
+        }
+        prev = Some(k);
         if hi.is_some_and(|h| k >= h) {
             break; // sorted: nothing more in the window
         }
@@ -592,6 +570,9 @@ pub fn buffer_window(
             .map(|_| get_msg(&mut r))
             .collect::<Result<Vec<_>>>()?;
         points.push((k.to_vec(), list));
+    }
+    if hi.is_none() && r.remaining() != 0 {
+        return Err(r.corrupt("trailing bytes"));
     }
     Ok((ranges, points))
 }

@@ -408,11 +408,10 @@ impl Inner {
                 "node {id}: section longer than its extent"
             )));
         }
-        let sec = if n == 1 {
-            first
-        } else {
-            self.read_blocks(e.start, n)?
-        };
+        let mut sec = first;
+        if n > 1 {
+            sec.extend(self.read_blocks(e.start + 1, n - 1)?);
+        }
         if !leaf {
             let bytes = e.blocks as usize * bs;
             return Ok(Node::Internal(node::decode_internal(
