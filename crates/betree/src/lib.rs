@@ -251,6 +251,13 @@ pub struct Stats {
     pub dirty_bytes: u64,
 }
 
+/// See [`Tree::space`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Space {
+    pub blocks: u64,
+    pub free: u64,
+}
+
 /// A Bε-tree on a block device. Cheap operations take one internal lock; a checkpoint's
 /// and a sync's device flushes run without it.
 pub struct Tree {
@@ -395,6 +402,16 @@ impl Tree {
     /// buffer rule, heights), reading every node. For tests.
     pub fn check(&self) -> Result<()> {
         self.lock().check()
+    }
+
+    /// Blocks for nodes and tables (the device less its headers and log), and how many
+    /// of them are free now (extents a checkpoint still waits to free count as used).
+    pub fn space(&self) -> Space {
+        let t = self.lock();
+        Space {
+            blocks: self.engine.block_count().saturating_sub(t.geo.data_first()),
+            free: t.alloc.free_blocks,
+        }
     }
 
     /// The patch engine below (for the crash explorer's marks, and tests).

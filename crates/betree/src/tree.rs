@@ -36,7 +36,7 @@ pub(crate) struct Inner {
     next_node: NodeId,
     next_msn: Msn,
     generation: u64,
-    alloc: Alloc,
+    pub(crate) alloc: Alloc,
     /// Extents the newest durable checkpoint still references, freed by the next one.
     to_free: Vec<Extent>,
     /// Extents that become free once their header patch is durable.

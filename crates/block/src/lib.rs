@@ -19,11 +19,13 @@
 mod counters;
 mod file;
 mod mem;
+mod overlay;
 mod recording;
 
 pub use counters::{IoCounters, IoStats};
 pub use file::{lock_file, lock_holders, FileDevice, FileDeviceOptions};
 pub use mem::MemDevice;
+pub use overlay::OverlayDevice;
 pub use recording::{LogEntry, RecordingDevice, RecordingLog};
 
 /// A block number on a device.

@@ -1206,16 +1206,8 @@ impl Ext2 {
     }
 }
 
-/// `mode` without set-user-ID, and without set-group-ID if group execute is on (without
-/// it, set-group-ID marks mandatory locking and stays), as Linux drops them on chown and
-/// on writes by unprivileged users.
 pub(crate) fn kill_suid_sgid(mode: u16) -> u16 {
-    let mut m = mode & !(libc::S_ISUID as u16);
-    let sgid_x = (libc::S_ISGID | libc::S_IXGRP) as u16;
-    if m & sgid_x == sgid_x {
-        m &= !(libc::S_ISGID as u16);
-    }
-    m
+    quilt_vfs::rules::kill_suid_sgid(mode as u32) as u16
 }
 
 /// See [`Ext2::max_file_size`].

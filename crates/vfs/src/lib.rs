@@ -10,6 +10,7 @@ use quilt_patch::{PatchError, PatchgroupId};
 use std::fmt;
 
 pub mod acl;
+pub mod rules;
 
 pub type Ino = u64;
 

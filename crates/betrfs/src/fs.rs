@@ -1,0 +1,2027 @@
+//! The module: the in-memory side (inodes the caller knows, where each lives) and every
+//! operation as one atomic batch of tree messages.
+//!
+//! **Atomicity.** Each operation validates everything first, then builds one [`Batch`]
+//! and hands it to the tree, which logs it as one record: after a crash it happened
+//! whole or not at all. Only then does the in-memory state change. A batch the tree
+//! fails to take leaves the module failed (EIO until remounted), as the ext2 module
+//! stops after a failed write-back. Moves too large for one batch (a directory rename
+//! of a big subtree, a big file's first hard link) write an intent first and move in
+//! chunks; mount finishes any move an intent names (`recover`).
+//!
+//! **Locking.** One mutex around [`State`]; the tree has its own, always taken inside
+//! ours. fsync (the log's group commit) and sync (a checkpoint) run without ours.
+
+use crate::keys::{self, Loc};
+use crate::record::{self, Entry, Inode, Super, BLOCK};
+use quilt_betree::{truncate_arg, write_at_arg, Batch, Tree, TRUNCATE, WRITE_AT};
+use quilt_vfs::acl::{self, Acl};
+use quilt_vfs::{
+    flags, rules, Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, RenameFlags, Result,
+    SetAttr, StatFs, TimeOrNow, Timespec, XattrFlags,
+};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+pub const ROOT_INO: u64 = 1;
+pub const LOST_FOUND_INO: u64 = 2;
+pub const NAME_MAX: usize = 255;
+pub const LINK_MAX: u32 = 65_000;
+/// Largest file: 16 TiB, ext4's with 4 KiB blocks.
+pub const MAX_FILE_SIZE: u64 = 1 << 44;
+/// Most bytes of data one batch carries (a write is cut into batches of this much).
+const BATCH_DATA_MAX: usize = 1 << 20;
+/// Most key and value bytes a move puts in one batch before it needs an intent.
+/// Readdir cookies remembered (oldest forgotten first).
+const COOKIES_MAX: usize = 1 << 20;
+/// Extended attributes of one inode: names and values together.
+const XATTR_MAX: usize = 64 << 10;
+
+/// Options of a mount.
+#[derive(Debug, Clone)]
+pub struct MountOptions {
+    pub read_only: bool,
+    /// POSIX ACLs (on by default, as for ext2; `noacl` answers "not supported").
+    pub acl: bool,
+    /// The log is made durable at least this often (async mode; fsync and sync make it
+    /// durable at once). `None`: only fsync, sync and unmount do.
+    pub commit_interval: Option<std::time::Duration>,
+}
+
+impl Default for MountOptions {
+    fn default() -> Self {
+        MountOptions {
+            read_only: false,
+            acl: true,
+            commit_interval: Some(std::time::Duration::from_secs(5)),
+        }
+    }
+}
+
+/// An inode the module has met, and where it lives.
+#[derive(Debug, Clone)]
+pub(crate) struct Node {
+    pub loc: Loc,
+    pub inode: Inode,
+    pub opens: u32,
+}
+
+#[derive(Default)]
+pub(crate) struct State {
+    pub nodes: HashMap<u64, Node>,
+    /// Path-key → inode, for every cached name with a path (files with one name,
+    /// directories, link stubs are not here: their names resolve through the tree).
+    pub by_path: BTreeMap<Vec<u8>, u64>,
+    pub next_ino: u64,
+    pub cookies: HashMap<u64, (u64, Vec<u8>)>,
+    pub cookie_order: VecDeque<u64>,
+    pub next_cookie: u64,
+    pub failed: Option<String>,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub ops: AtomicU64,
+    pub fsyncs: AtomicU64,
+    pub syncs: AtomicU64,
+    pub moves_chunked: AtomicU64,
+    pub keys_moved: AtomicU64,
+    pub range_deletes: AtomicU64,
+    pub upsert_writes: AtomicU64,
+    pub block_puts: AtomicU64,
+}
+
+/// The file system on a Bε-tree.
+pub struct Betrfs {
+    pub(crate) tree: Arc<Tree>,
+    pub(crate) st: Mutex<State>,
+    pub(crate) opts: MountOptions,
+    pub(crate) counters: Counters,
+    errored: AtomicBool,
+    /// Most data bytes (and moved key and value bytes) in one batch: what the tree's log
+    /// takes in one record, halved, at most 1 MiB.
+    batch_bytes: usize,
+    /// Patchgroup bookkeeping (the rules that keep groups acyclic); the order itself is
+    /// the log's.
+    svc: quilt_patch::Services,
+    /// Largest encoded inode (the tree's value limit, less room).
+    max_record: usize,
+    flusher: Mutex<Option<Flusher>>,
+}
+
+struct Flusher {
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+fn io(e: quilt_betree::Error) -> FsError {
+    match e {
+        quilt_betree::Error::Corrupt(m) => FsError::Corrupt(m),
+        quilt_betree::Error::Full(_) => FsError::NoSpace,
+        e => FsError::Io(e.to_string()),
+    }
+}
+
+fn now() -> Timespec {
+    Timespec::now()
+}
+
+/// The names an xattr may have here: the kernel's namespaces for ext2.
+fn check_xattr_name(name: &[u8]) -> Result<()> {
+    if name == acl::ACCESS || name == acl::DEFAULT {
+        return Ok(());
+    }
+    for p in [&b"user."[..], b"trusted.", b"security."] {
+        if let Some(rest) = name.strip_prefix(p) {
+            if rest.is_empty() {
+                return Err(FsError::Invalid("empty attribute name"));
+            }
+            if rest.len() > 255 {
+                return Err(FsError::Range);
+            }
+            return Ok(());
+        }
+    }
+    Err(FsError::NotSupported)
+}
+
+fn check_name(name: &[u8]) -> Result<()> {
+    if name.len() > NAME_MAX {
+        return Err(FsError::NameTooLong);
+    }
+    if name.is_empty() || name.contains(&0) || name.contains(&b'/') {
+        return Err(FsError::Invalid("a name is non-empty and holds no '/' or NUL"));
+    }
+    if name == b"." || name == b".." {
+        return Err(FsError::Exists);
+    }
+    Ok(())
+}
+
+impl Betrfs {
+    /// Formats a new file system on `tree` (an empty, new tree): the superblock record,
+    /// the root (0755) and lost+found (0700), owned by root.
+    pub fn format(tree: &Tree) -> Result<()> {
+        let t = now();
+        let dir = |ino, mode, nlink| Inode {
+            ino,
+            mode: libc::S_IFDIR | mode,
+            uid: 0,
+            gid: 0,
+            nlink,
+            size: BLOCK,
+            atime: t,
+            mtime: t,
+            ctime: t,
+            rdev: 0,
+            flags: 0,
+            target: Vec::new(),
+            xattrs: Vec::new(),
+        };
+        let mut b = Batch::new();
+        b.put(
+            keys::SUPER,
+            &Super {
+                next_ino: LOST_FOUND_INO + 1,
+                dirty: false,
+                error: false,
+            }
+            .encode(),
+        );
+        b.put(&keys::meta_key(b""), &dir(ROOT_INO, 0o755, 3).encode());
+        let lf = keys::child_key(b"", b"lost+found");
+        b.put(&keys::meta_key(&lf), &dir(LOST_FOUND_INO, 0o700, 2).encode());
+        tree.write(b).map_err(io)?;
+        tree.checkpoint().map_err(io)
+    }
+
+    /// Mounts the file system on an open tree: finishes what a crash interrupted
+    /// (orphans, chunked moves), then marks the image in use.
+    pub fn mount(tree: Tree, opts: MountOptions) -> Result<Betrfs> {
+        let sup = tree
+            .get(keys::SUPER)
+            .map_err(io)?
+            .ok_or_else(|| FsError::Corrupt("no betrfs superblock record: not a betrfs image".into()))?;
+        let sup = Super::decode(&sup)?;
+        let g = tree.geometry();
+        let batch_bytes = ((g.log_blocks / 4).saturating_sub(4) as usize * g.block_size / 2)
+            .clamp(64 << 10, BATCH_DATA_MAX);
+        let max_record = g.max_value().saturating_sub(256);
+        let svc = quilt_patch::Services::new(tree.engine().clone());
+        let tree = Arc::new(tree);
+        let fs = Betrfs {
+            svc,
+            batch_bytes,
+            max_record,
+            tree,
+            st: Mutex::new(State {
+                next_ino: sup.next_ino,
+                next_cookie: 3,
+                ..State::default()
+            }),
+            opts,
+            counters: Counters::default(),
+            errored: AtomicBool::new(sup.error),
+            flusher: Mutex::new(None),
+        };
+        {
+            let mut st = fs.lock();
+            let root = fs
+                .tree
+                .get(&keys::meta_key(b""))
+                .map_err(io)?
+                .ok_or_else(|| FsError::Corrupt("the root directory's record is missing".into()))?;
+            let Entry::Inode(root) = Entry::decode(&root)? else {
+                return Err(FsError::Corrupt("the root is a link stub".into()));
+            };
+            if !root.is_dir() || root.ino != ROOT_INO {
+                return Err(FsError::Corrupt("the root record is not directory 1".into()));
+            }
+            fs.insert(&mut st, Loc::Path(Vec::new()), root);
+        }
+        if !fs.opts.read_only {
+            crate::recover::recover(&fs)?;
+            let mut b = Batch::new();
+            b.put(
+                keys::SUPER,
+                &Super {
+                    next_ino: fs.lock().next_ino,
+                    dirty: true,
+                    error: fs.errored.load(Relaxed),
+                }
+                .encode(),
+            );
+            fs.tree.write(b).map_err(io)?;
+            fs.tree.sync().map_err(io)?;
+            if let Some(every) = fs.opts.commit_interval {
+                fs.start_flusher(every);
+            }
+        }
+        Ok(fs)
+    }
+
+    fn start_flusher(&self, every: std::time::Duration) {
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let tree = self.tree.clone();
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("betrfs-commit".into())
+            .spawn(move || {
+                let (m, cv) = &*s;
+                let mut stopped = m.lock().unwrap_or_else(|e| e.into_inner());
+                while !*stopped {
+                    let (g, _) = cv
+                        .wait_timeout(stopped, every)
+                        .unwrap_or_else(|e| e.into_inner());
+                    stopped = g;
+                    if !*stopped {
+                        drop(stopped);
+                        if let Err(e) = tree.sync() {
+                            tracing::warn!("betrfs: periodic commit failed: {e}");
+                        }
+                        stopped = m.lock().unwrap_or_else(|e| e.into_inner());
+                    }
+                }
+            })
+            .expect("spawn the commit thread");
+        *self.flusher.lock().unwrap_or_else(|e| e.into_inner()) = Some(Flusher { stop, thread });
+    }
+
+    /// Clean unmount: stops the commit thread, marks the image clean and checkpoints.
+    /// Files still open stay orphans (the next mount frees them).
+    pub fn unmount(&self) -> Result<()> {
+        if let Some(f) = self.flusher.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            *f.stop.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+            f.stop.1.notify_all();
+            let _ = f.thread.join();
+        }
+        if self.opts.read_only {
+            return Ok(());
+        }
+        let next_ino = self.lock().next_ino;
+        let mut b = Batch::new();
+        b.put(
+            keys::SUPER,
+            &Super {
+                next_ino,
+                dirty: false,
+                error: self.errored.load(Relaxed),
+            }
+            .encode(),
+        );
+        self.tree.write(b).map_err(io)?;
+        self.tree.checkpoint().map_err(io)
+    }
+
+    pub fn tree(&self) -> &Tree {
+        &self.tree
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Damage is logged and remembered in the superblock record (for fsck).
+    fn checked<T>(&self, r: Result<T>) -> Result<T> {
+        if let Err(FsError::Corrupt(m)) = &r {
+            tracing::error!("betrfs: damage found: {m}");
+            if !self.errored.swap(true, Relaxed) && !self.opts.read_only {
+                let next_ino = self.lock().next_ino;
+                let mut b = Batch::new();
+                b.put(
+                    keys::SUPER,
+                    &Super {
+                        next_ino,
+                        dirty: true,
+                        error: true,
+                    }
+                    .encode(),
+                );
+                let _ = self.tree.write(b);
+            }
+        }
+        r
+    }
+
+    fn writable(&self, st: &State) -> Result<()> {
+        if self.opts.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        if let Some(f) = &st.failed {
+            return Err(FsError::Io(format!("the file system stopped after a failure: {f}")));
+        }
+        Ok(())
+    }
+
+    /// Refuses growth when the tree is close to full: a checkpoint needs room for a copy
+    /// of every dirty node, so ENOSPC comes while there is still room to write it.
+    fn room(&self, bytes: u64) -> Result<()> {
+        let sp = self.tree.space();
+        let bs = self.tree.geometry().block_size as u64;
+        let need = bytes.div_ceil(bs) * 3 + self.reserve();
+        if sp.free < need {
+            return Err(FsError::NoSpace);
+        }
+        Ok(())
+    }
+
+    fn reserve(&self) -> u64 {
+        let sp = self.tree.space();
+        let g = self.tree.geometry();
+        // Room for a checkpoint: dirty nodes written again, plus a few whole nodes.
+        sp.blocks / 10 + 8 * (g.node_bytes / g.block_size) as u64
+    }
+
+    /// Hands a batch to the tree; a failure stops the module (the in-memory state may be
+    /// ahead of what was logged).
+    pub(crate) fn commit(&self, st: &mut State, b: Batch) -> Result<()> {
+        if b.ops.is_empty() {
+            return Ok(());
+        }
+        self.counters.ops.fetch_add(1, Relaxed);
+        match self.tree.write(b) {
+            Ok(()) => Ok(()),
+            // Refused before anything was logged: the tree is unchanged.
+            Err(quilt_betree::Error::Invalid(m)) => Err(FsError::Io(m)),
+            Err(quilt_betree::Error::Full(_)) => {
+                st.failed = Some("the device is full".into());
+                Err(FsError::NoSpace)
+            }
+            Err(e) => {
+                st.failed = Some(e.to_string());
+                Err(io(e))
+            }
+        }
+    }
+
+    pub(crate) fn insert(&self, st: &mut State, loc: Loc, inode: Inode) -> u64 {
+        let ino = inode.ino;
+        if let Loc::Path(p) = &loc {
+            st.by_path.insert(p.clone(), ino);
+        }
+        st.nodes.insert(
+            ino,
+            Node {
+                loc,
+                inode,
+                opens: 0,
+            },
+        );
+        ino
+    }
+
+    fn forget(&self, st: &mut State, ino: u64) {
+        if let Some(n) = st.nodes.remove(&ino) {
+            if let Loc::Path(p) = n.loc {
+                st.by_path.remove(&p);
+            }
+        }
+    }
+
+    pub(crate) fn node<'a>(&self, st: &'a State, ino: u64) -> Result<&'a Node> {
+        st.nodes.get(&ino).ok_or(FsError::Stale)
+    }
+
+    fn dir_node<'a>(&self, st: &'a State, ino: u64) -> Result<&'a Node> {
+        let n = self.node(st, ino)?;
+        if !n.inode.is_dir() {
+            return Err(FsError::NotDir);
+        }
+        Ok(n)
+    }
+
+    /// The prefix of a directory's children (its own path-key turned into a prefix).
+    pub(crate) fn prefix_of(n: &Node) -> Result<Vec<u8>> {
+        match &n.loc {
+            Loc::Path(p) => Ok(keys::dir_prefix(p)),
+            Loc::Ino(i) => Err(FsError::Corrupt(format!("directory {i} has no path"))),
+        }
+    }
+
+    /// The inode named by path-key `key`, loaded into the cache.
+    pub(crate) fn load(&self, st: &mut State, key: &[u8]) -> Result<Option<u64>> {
+        if let Some(&ino) = st.by_path.get(key) {
+            return Ok(Some(ino));
+        }
+        let Some(v) = self.tree.get(&keys::meta_key(key)).map_err(io)? else {
+            return Ok(None);
+        };
+        match Entry::decode(&v)? {
+            Entry::Inode(i) => {
+                if let Some(n) = st.nodes.get(&i.ino) {
+                    return Err(FsError::Corrupt(format!(
+                        "inode {} is named at two paths ({:?} and {:?})",
+                        i.ino, n.loc, key
+                    )));
+                }
+                Ok(Some(self.insert(st, Loc::Path(key.to_vec()), i)))
+            }
+            Entry::Link { ino, mode } => {
+                if st.nodes.contains_key(&ino) {
+                    return Ok(Some(ino));
+                }
+                let v = self
+                    .tree
+                    .get(&keys::inode_key(ino))
+                    .map_err(io)?
+                    .ok_or_else(|| {
+                        FsError::Corrupt(format!("link to inode {ino}, which does not exist"))
+                    })?;
+                let i = record::decode_inode(&v)?;
+                if i.ino != ino || i.mode & libc::S_IFMT != mode {
+                    return Err(FsError::Corrupt(format!(
+                        "link to inode {ino} finds inode {} of another type",
+                        i.ino
+                    )));
+                }
+                Ok(Some(self.insert(st, Loc::Ino(ino), i)))
+            }
+        }
+    }
+
+    fn lookup_in(&self, st: &mut State, parent: u64, name: &[u8]) -> Result<(Vec<u8>, Option<u64>)> {
+        if name.len() > NAME_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        let dir = self.dir_node(st, parent)?;
+        if dir.inode.nlink == 0 {
+            return Ok((Vec::new(), None));
+        }
+        let key = keys::child_key(&Self::prefix_of(dir)?, name);
+        if key.len() + 10 > self.tree.geometry().max_key() {
+            return Err(FsError::NameTooLong);
+        }
+        let ino = self.load(st, &key)?;
+        Ok((key, ino))
+    }
+
+    pub(crate) fn attr_of(&self, i: &Inode) -> Attr {
+        let blocks = match i.kind() {
+            FileType::Regular => i.size.div_ceil(BLOCK) * (BLOCK / 512),
+            FileType::Directory => BLOCK / 512,
+            _ => 0,
+        };
+        Attr {
+            ino: i.ino,
+            kind: i.kind(),
+            perm: (i.mode & 0o7777) as u16,
+            nlink: i.nlink,
+            uid: i.uid,
+            gid: i.gid,
+            size: if i.kind() == FileType::Symlink {
+                i.target.len() as u64
+            } else {
+                i.size
+            },
+            blocks,
+            atime: i.atime,
+            mtime: i.mtime,
+            ctime: i.ctime,
+            rdev: i.rdev,
+            blksize: BLOCK as u32,
+        }
+    }
+
+    fn put_inode(b: &mut Batch, n: &Node) {
+        b.put(&n.loc.meta(), &n.inode.encode());
+    }
+
+    fn super_record(st: &State, error: bool) -> Vec<u8> {
+        Super {
+            next_ino: st.next_ino,
+            dirty: true,
+            error,
+        }
+        .encode()
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Creation
+
+    #[allow(clippy::too_many_arguments)]
+    fn create(
+        &self,
+        parent: u64,
+        name: &[u8],
+        mode: u32,
+        rdev: u32,
+        target: &[u8],
+        ctx: &Ctx,
+        tmp: bool,
+    ) -> Result<Attr> {
+        if !tmp {
+            check_name(name)?;
+        }
+        let mut st = self.lock();
+        self.writable(&st)?;
+        self.room(BLOCK)?;
+        let key = if tmp {
+            Vec::new()
+        } else {
+            let (key, existing) = self.lookup_in(&mut st, parent, name)?;
+            if existing.is_some() {
+                return Err(FsError::Exists);
+            }
+            key
+        };
+        let dir = self.dir_node(&st, parent)?.clone();
+        if dir.inode.nlink == 0 {
+            return Err(FsError::NotFound);
+        }
+        rules::refuse_new_entry(dir.inode.flags)?;
+        let is_dir = mode & libc::S_IFMT == libc::S_IFDIR;
+        if is_dir && dir.inode.nlink >= LINK_MAX {
+            return Err(FsError::TooManyLinks);
+        }
+        let (mut mode, mut xattrs) = self.mode_for_new(&dir.inode, mode, ctx.umask)?;
+        let gid = if dir.inode.mode & libc::S_ISGID != 0 {
+            if is_dir {
+                mode |= libc::S_ISGID;
+            }
+            dir.inode.gid
+        } else {
+            ctx.gid
+        };
+        xattrs.sort();
+        let t = now();
+        let ino = st.next_ino;
+        st.next_ino += 1;
+        let inode = Inode {
+            ino,
+            mode,
+            uid: ctx.uid,
+            gid,
+            nlink: if tmp {
+                0
+            } else if is_dir {
+                2
+            } else {
+                1
+            },
+            size: if is_dir { BLOCK } else { 0 },
+            atime: t,
+            mtime: t,
+            ctime: t,
+            rdev,
+            flags: rules::inherited_flags(dir.inode.flags, mode),
+            target: target.to_vec(),
+            xattrs,
+        };
+        let mut b = Batch::new();
+        b.put(keys::SUPER, &Self::super_record(&st, self.errored.load(Relaxed)));
+        let loc = if tmp {
+            b.put(&keys::orphan_key(ino), b"");
+            Loc::Ino(ino)
+        } else {
+            Loc::Path(key)
+        };
+        b.put(&loc.meta(), &inode.encode());
+        let mut pdir = dir;
+        if !tmp {
+            if is_dir {
+                pdir.inode.nlink += 1;
+            }
+            pdir.inode.mtime = t;
+            pdir.inode.ctime = t;
+            Self::put_inode(&mut b, &pdir);
+        }
+        self.commit(&mut st, b)?;
+        if !tmp {
+            st.nodes.insert(parent, pdir);
+        }
+        let attr = self.attr_of(&inode);
+        self.insert(&mut st, loc, inode);
+        Ok(attr)
+    }
+
+    /// The mode and ACLs of a new inode: the directory's default ACL limited by the
+    /// mode (directories keep it as theirs), or the umask without one. Symlinks take
+    /// neither.
+    fn mode_for_new(&self, dir: &Inode, mode: u32, umask: u32) -> Result<(u32, Vec<(Vec<u8>, Vec<u8>)>)> {
+        if mode & libc::S_IFMT == libc::S_IFLNK {
+            return Ok((mode, Vec::new()));
+        }
+        let default = match (self.opts.acl, dir.xattr(acl::DEFAULT)) {
+            (true, Some(v)) => Some(Acl::from_xattr(v)?),
+            _ => None,
+        };
+        let Some(d) = default else {
+            return Ok((mode & !(umask & 0o777), Vec::new()));
+        };
+        let (access, mode) = d.inherit(mode);
+        let mut x = Vec::new();
+        if let Some(a) = access {
+            x.push((acl::ACCESS.to_vec(), a.to_xattr()));
+        }
+        if mode & libc::S_IFMT == libc::S_IFDIR {
+            x.push((acl::DEFAULT.to_vec(), d.to_xattr()));
+        }
+        Ok((mode, x))
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Removal
+
+    /// Whether directory `n` has any entry.
+    fn has_children(&self, n: &Node) -> Result<bool> {
+        let lo = keys::meta_key(&keys::child_key(&Self::prefix_of(n)?, b""));
+        let hi = keys::prefix_end(&lo);
+        match self.tree.range(&lo, Some(&hi)).next() {
+            None => Ok(false),
+            Some(Ok(_)) => Ok(true),
+            Some(Err(e)) => Err(io(e)),
+        }
+    }
+
+    /// Drops one name of `child` (named `key`) into batch `b`: the name, and the inode
+    /// and its data when that was the last name and nobody has it open. Returns what
+    /// the in-memory node becomes (None: gone).
+    fn drop_name(
+        &self,
+        st: &mut State,
+        b: &mut Batch,
+        key: &[u8],
+        child: &Node,
+        t: Timespec,
+    ) -> Result<Option<Node>> {
+        let mut n = child.clone();
+        n.inode.ctime = t;
+        if n.inode.is_dir() {
+            b.delete(&keys::meta_key(key));
+            return Ok(None);
+        }
+        match &child.loc {
+            Loc::Path(_) => {
+                if child.opens > 0 {
+                    // Open: it lives on under its number until the last release.
+                    n.inode.nlink = 0;
+                    self.to_inode_space(st, b, &mut n, 0)?;
+                    b.put(&keys::orphan_key(n.inode.ino), b"");
+                    return Ok(Some(n));
+                }
+                b.delete(&keys::meta_key(key));
+                self.delete_data(b, &child.loc);
+                Ok(None)
+            }
+            Loc::Ino(ino) => {
+                b.delete(&keys::meta_key(key));
+                n.inode.nlink = n.inode.nlink.saturating_sub(1);
+                if n.inode.nlink > 0 {
+                    Self::put_inode(b, &n);
+                    return Ok(Some(n));
+                }
+                if child.opens > 0 {
+                    Self::put_inode(b, &n);
+                    b.put(&keys::orphan_key(*ino), b"");
+                    return Ok(Some(n));
+                }
+                b.delete(&keys::inode_key(*ino));
+                self.delete_data(b, &child.loc);
+                Ok(None)
+            }
+        }
+    }
+
+    fn delete_data(&self, b: &mut Batch, loc: &Loc) {
+        let p = loc.data_prefix();
+        b.delete_range(&p, &keys::prefix_end(&p));
+        self.counters.range_deletes.fetch_add(1, Relaxed);
+    }
+
+    /// Moves a file stored under its path to its number (the `h`/`e` spaces), with
+    /// `extra` more names than it has now. Small files move in batch `b`; a larger one
+    /// first copies its data in chunks under an intent, then `b` switches over.
+    fn to_inode_space(&self, st: &mut State, b: &mut Batch, n: &mut Node, extra: u32) -> Result<()> {
+        let Loc::Path(path) = n.loc.clone() else {
+            return Ok(());
+        };
+        let ino = n.inode.ino;
+        let from = n.loc.data_prefix();
+        let to = Loc::Ino(ino);
+        let to_prefix = to.data_prefix();
+        let mut chunk = Batch::new();
+        let mut bytes = 0usize;
+        let mut chunked = false;
+        for kv in self.tree.range(&from, Some(&keys::prefix_end(&from))) {
+            let (k, v) = kv.map_err(io)?;
+            let Some(blk) = keys::block_of(&from, &k) else {
+                return Err(FsError::Corrupt("a data key of the wrong length".into()));
+            };
+            bytes += k.len() + v.len();
+            let mut nk = to_prefix.clone();
+            nk.extend_from_slice(&blk.to_be_bytes());
+            chunk.put(&nk, &v);
+            if bytes > self.batch_bytes {
+                if !chunked {
+                    // The intent: a crash before the switch leaves copies the mount
+                    // deletes (no inode under the number yet).
+                    let mut i = Batch::new();
+                    i.put(&keys::orphan_key(ino), b"");
+                    self.commit(st, i)?;
+                    chunked = true;
+                    self.counters.moves_chunked.fetch_add(1, Relaxed);
+                }
+                self.commit(st, std::mem::take(&mut chunk))?;
+                bytes = 0;
+            }
+        }
+        b.ops.append(&mut chunk.ops);
+        if chunked {
+            b.delete(&keys::orphan_key(ino));
+        }
+        b.delete_range(&from, &keys::prefix_end(&from));
+        b.delete(&keys::meta_key(&path));
+        n.inode.nlink += extra;
+        n.loc = to;
+        b.put(&n.loc.meta(), &n.inode.encode());
+        st.by_path.remove(&path);
+        Ok(())
+    }
+
+    fn remove(&self, parent: u64, name: &[u8], dir: bool) -> Result<()> {
+        let mut st = self.lock();
+        self.writable(&st)?;
+        if name == b"." {
+            return Err(FsError::Invalid("rmdir of ."));
+        }
+        if name == b".." {
+            return Err(FsError::NotEmpty);
+        }
+        let (key, child) = self.lookup_in(&mut st, parent, name)?;
+        let child = child.ok_or(FsError::NotFound)?;
+        let c = self.node(&st, child)?.clone();
+        let p = self.node(&st, parent)?.clone();
+        if dir {
+            if !c.inode.is_dir() {
+                return Err(FsError::NotDir);
+            }
+            if self.has_children(&c)? {
+                return Err(FsError::NotEmpty);
+            }
+        } else if c.inode.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        rules::refuse_removal(p.inode.flags, c.inode.flags)?;
+        let t = now();
+        let mut b = Batch::new();
+        let after = self.drop_name(&mut st, &mut b, &key, &c, t)?;
+        let mut p = p;
+        if dir {
+            p.inode.nlink = p.inode.nlink.saturating_sub(1);
+        }
+        p.inode.mtime = t;
+        p.inode.ctime = t;
+        Self::put_inode(&mut b, &p);
+        self.commit(&mut st, b)?;
+        st.nodes.insert(parent, p);
+        st.by_path.remove(&key);
+        match after {
+            Some(n) => {
+                st.nodes.insert(child, n);
+            }
+            None if dir && c.opens > 0 => {
+                // An open, removed directory: lookups in it find nothing.
+                let mut n = c;
+                n.inode.nlink = 0;
+                n.loc = Loc::Ino(child);
+                st.nodes.insert(child, n);
+            }
+            None => self.forget(&mut st, child),
+        }
+        Ok(())
+    }
+
+    /// Frees an inode with no names once nobody has it open.
+    fn destroy(&self, st: &mut State, ino: u64) -> Result<()> {
+        let Some(n) = st.nodes.get(&ino).cloned() else {
+            return Ok(());
+        };
+        if n.opens > 0 || n.inode.nlink > 0 || self.opts.read_only {
+            return Ok(());
+        }
+        if let Loc::Ino(i) = n.loc {
+            if !n.inode.is_dir() {
+                let mut b = Batch::new();
+                b.delete(&keys::inode_key(i));
+                b.delete(&keys::orphan_key(i));
+                self.delete_data(&mut b, &n.loc);
+                self.commit(st, b)?;
+            }
+        }
+        self.forget(st, ino);
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Data
+
+    fn read_data(&self, n: &Node, offset: u64, size: u32) -> Result<Vec<u8>> {
+        let len = n.inode.size;
+        if offset >= len || size == 0 {
+            return Ok(Vec::new());
+        }
+        let end = len.min(offset + size as u64);
+        let mut out = vec![0u8; (end - offset) as usize];
+        let first = offset / BLOCK;
+        let last = (end - 1) / BLOCK;
+        let mut place = |blk: u64, v: &[u8]| {
+            let bstart = blk * BLOCK;
+            let from = offset.max(bstart);
+            let to = end.min(bstart + v.len() as u64);
+            if from < to {
+                let dst = (from - offset) as usize..(to - offset) as usize;
+                let src = (from - bstart) as usize..(to - bstart) as usize;
+                out[dst].copy_from_slice(&v[src]);
+            }
+        };
+        if first == last {
+            if let Some(v) = self.tree.get(&n.loc.data_key(first)).map_err(io)? {
+                place(first, &v);
+            }
+        } else {
+            let prefix = n.loc.data_prefix();
+            let lo = n.loc.data_key(first);
+            let hi = n.loc.data_key(last + 1);
+            for kv in self.tree.range(&lo, Some(&hi)) {
+                let (k, v) = kv.map_err(io)?;
+                let blk = keys::block_of(&prefix, &k)
+                    .ok_or_else(|| FsError::Corrupt("a data key of the wrong length".into()))?;
+                place(blk, &v);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Data messages for `data` at `offset`: whole blocks are puts, parts of blocks are
+    /// upserts (no read of the old block).
+    fn write_msgs(&self, b: &mut Batch, loc: &Loc, offset: u64, data: &[u8]) {
+        let mut pos = offset;
+        let end = offset + data.len() as u64;
+        while pos < end {
+            let blk = pos / BLOCK;
+            let in_off = pos % BLOCK;
+            let n = (BLOCK - in_off).min(end - pos);
+            let src = &data[(pos - offset) as usize..(pos - offset + n) as usize];
+            if n == BLOCK {
+                b.put(&loc.data_key(blk), src);
+                self.counters.block_puts.fetch_add(1, Relaxed);
+            } else {
+                b.upsert(&loc.data_key(blk), WRITE_AT, &write_at_arg(in_off, src));
+                self.counters.upsert_writes.fetch_add(1, Relaxed);
+            }
+            pos += n;
+        }
+    }
+
+    /// Truncation messages from `old` bytes to `new`.
+    fn truncate_msgs(&self, b: &mut Batch, loc: &Loc, old: u64, new: u64) {
+        if new >= old {
+            return;
+        }
+        let keep = new.div_ceil(BLOCK);
+        b.delete_range(&loc.data_key(keep), &keys::prefix_end(&loc.data_prefix()));
+        if new % BLOCK != 0 {
+            b.upsert(
+                &loc.data_key(new / BLOCK),
+                TRUNCATE,
+                &truncate_arg(new % BLOCK),
+            );
+        }
+    }
+
+    fn present_blocks(&self, n: &Node, from: u64) -> Result<Vec<u64>> {
+        let prefix = n.loc.data_prefix();
+        let last = n.inode.size.div_ceil(BLOCK);
+        let mut out = Vec::new();
+        for kv in self
+            .tree
+            .range(&n.loc.data_key(from), Some(&n.loc.data_key(last)))
+        {
+            let (k, _) = kv.map_err(io)?;
+            out.push(
+                keys::block_of(&prefix, &k)
+                    .ok_or_else(|| FsError::Corrupt("a data key of the wrong length".into()))?,
+            );
+            if out.len() > 1 && out[out.len() - 1] != out[out.len() - 2] + 1 {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Rename
+
+    /// What moves with the entry at `key`: the path prefix and key spaces of its subtree
+    /// (a directory) or of its data (a file).
+    fn moved(key: &[u8], is_dir: bool) -> (Vec<u8>, &'static [u8]) {
+        if is_dir {
+            (keys::dir_prefix(key), &[keys::META, keys::DATA])
+        } else {
+            let mut p = key.to_vec();
+            p.push(0);
+            (p, &[keys::DATA])
+        }
+    }
+
+    /// Every key under `prefix` in `spaces`, or `None` past `limit` bytes.
+    fn collect(&self, prefix: &[u8], spaces: &[u8], limit: usize) -> Result<Option<Vec<(Vec<u8>, Vec<u8>)>>> {
+        let mut out = Vec::new();
+        let mut bytes = 0usize;
+        for &space in spaces {
+            let mut lo = vec![space];
+            lo.extend_from_slice(prefix);
+            for kv in self.tree.range(&lo, Some(&keys::prefix_end(&lo))) {
+                let (k, v) = kv.map_err(io)?;
+                bytes += k.len() + v.len();
+                if bytes > limit {
+                    return Ok(None);
+                }
+                out.push((k, v));
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// Into `b`: the old ranges deleted, then `list` put under the new prefix.
+    fn emit_move(&self, b: &mut Batch, from: &[u8], to: &[u8], spaces: &[u8], list: Vec<(Vec<u8>, Vec<u8>)>) -> Result<()> {
+        for &space in spaces {
+            let mut lo = vec![space];
+            lo.extend_from_slice(from);
+            b.delete_range(&lo, &keys::prefix_end(&lo));
+        }
+        self.counters.keys_moved.fetch_add(list.len() as u64, Relaxed);
+        for (k, v) in list {
+            let nk = keys::rebase(&k, from, to)
+                .ok_or_else(|| FsError::Corrupt("a key outside its range".into()))?;
+            b.put(&nk, &v);
+        }
+        Ok(())
+    }
+
+    /// Moves every key under `from` to `to` in chunks, each one batch (puts of the new
+    /// keys and deletes of the old). An intent naming the move was committed before;
+    /// after a crash, mount finishes the move (`recover`).
+    pub(crate) fn move_chunked(&self, st: &mut State, from: &[u8], to: &[u8], spaces: &[u8]) -> Result<()> {
+        for &space in spaces {
+            let mut lo = vec![space];
+            lo.extend_from_slice(from);
+            let hi = keys::prefix_end(&lo);
+            loop {
+                let mut b = Batch::new();
+                let mut bytes = 0usize;
+                for kv in self.tree.range(&lo, Some(&hi)) {
+                    let (k, v) = kv.map_err(io)?;
+                    bytes += k.len() + v.len();
+                    let nk = keys::rebase(&k, from, to)
+                        .ok_or_else(|| FsError::Corrupt("a key outside its range".into()))?;
+                    b.put(&nk, &v);
+                    b.delete(&k);
+                    if bytes > self.batch_bytes {
+                        break;
+                    }
+                }
+                if b.ops.is_empty() {
+                    break;
+                }
+                self.counters.keys_moved.fetch_add(b.ops.len() as u64 / 2, Relaxed);
+                self.commit(st, b)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The cache's paths after moves of entries (`from` key → `to` key, directory or
+    /// not), all at once (an exchange swaps two).
+    fn move_cached_paths(st: &mut State, moves: &[(Vec<u8>, Vec<u8>, bool)]) {
+        let mut changed = Vec::new();
+        for (from, to, is_dir) in moves {
+            if let Some(&ino) = st.by_path.get(from) {
+                changed.push((from.clone(), to.clone(), ino));
+            }
+            if *is_dir {
+                let (pf, pt) = (keys::dir_prefix(from), keys::dir_prefix(to));
+                for (k, &ino) in st.by_path.range(pf.clone()..keys::prefix_end(&pf)) {
+                    let mut nk = pt.clone();
+                    nk.extend_from_slice(&k[pf.len()..]);
+                    changed.push((k.clone(), nk, ino));
+                }
+            }
+        }
+        for (old, _, _) in &changed {
+            st.by_path.remove(old);
+        }
+        for (_, new, ino) in changed {
+            st.by_path.insert(new.clone(), ino);
+            if let Some(n) = st.nodes.get_mut(&ino) {
+                n.loc = Loc::Path(new);
+            }
+        }
+    }
+
+    /// What a name's key holds for `n`: its inode, or a link stub.
+    fn entry_bytes(n: &Node) -> Vec<u8> {
+        match n.loc {
+            Loc::Path(_) => n.inode.encode(),
+            Loc::Ino(i) => Entry::link_stub(i, n.inode.mode),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn do_rename(
+        &self,
+        parent: u64,
+        name: &[u8],
+        new_parent: u64,
+        new_name: &[u8],
+        flags: RenameFlags,
+        ctx: &Ctx,
+    ) -> Result<()> {
+        if flags.exchange && (flags.noreplace || flags.whiteout) {
+            return Err(FsError::Invalid("RENAME_EXCHANGE with other flags"));
+        }
+        if name == b"." || name == b".." || new_name == b"." || new_name == b".." {
+            return Err(FsError::Busy);
+        }
+        check_name(new_name)?;
+        let mut st = self.lock();
+        self.writable(&st)?;
+        let (skey, src) = self.lookup_in(&mut st, parent, name)?;
+        let src = src.ok_or(FsError::NotFound)?;
+        let (dkey, dst) = self.lookup_in(&mut st, new_parent, new_name)?;
+        let mut s = self.node(&st, src)?.clone();
+        let mut sp = self.node(&st, parent)?.clone();
+        let mut dp = self.node(&st, new_parent)?.clone();
+        if dp.inode.nlink == 0 {
+            return Err(FsError::NotFound);
+        }
+        if flags.exchange && dst.is_none() {
+            return Err(FsError::NotFound);
+        }
+        if flags.noreplace && dst.is_some() {
+            return Err(FsError::Exists);
+        }
+        if dst == Some(src) {
+            // Two names of one inode (or the same name): nothing to do.
+            return Ok(());
+        }
+        let d = dst.map(|d| self.node(&st, d).cloned()).transpose()?;
+        let s_dir = s.inode.is_dir();
+        // A directory may not move under itself.
+        if s_dir && dkey.starts_with(&keys::dir_prefix(&skey)) {
+            return Err(FsError::Invalid("a directory cannot move into itself"));
+        }
+        if let Some(d) = &d {
+            if d.inode.is_dir() && skey.starts_with(&keys::dir_prefix(&dkey)) {
+                return Err(if flags.exchange {
+                    FsError::Invalid("a directory cannot move into itself")
+                } else {
+                    FsError::NotEmpty
+                });
+            }
+            if !flags.exchange {
+                if s_dir && !d.inode.is_dir() {
+                    return Err(FsError::NotDir);
+                }
+                if !s_dir && d.inode.is_dir() {
+                    return Err(FsError::IsDir);
+                }
+                if d.inode.is_dir() && self.has_children(d)? {
+                    return Err(FsError::NotEmpty);
+                }
+            }
+        }
+        rules::refuse_removal(sp.inode.flags, s.inode.flags)?;
+        match &d {
+            Some(d) => rules::refuse_removal(dp.inode.flags, d.inode.flags)?,
+            None => rules::refuse_new_entry(dp.inode.flags)?,
+        }
+        let cross = parent != new_parent;
+        if cross && s_dir && d.is_none() && dp.inode.nlink >= LINK_MAX {
+            return Err(FsError::TooManyLinks);
+        }
+        let t = now();
+        s.inode.ctime = t;
+        let mut b = Batch::new();
+        let (sfrom, spaces) = Self::moved(&skey, s_dir);
+        let (sto, _) = Self::moved(&dkey, s_dir);
+        if flags.exchange {
+            let mut d = d.expect("checked above");
+            let d_dir = d.inode.is_dir();
+            d.inode.ctime = t;
+            if cross {
+                sp.inode.nlink = sp.inode.nlink + d_dir as u32 - s_dir as u32;
+                dp.inode.nlink = dp.inode.nlink + s_dir as u32 - d_dir as u32;
+            }
+            let (dfrom, dspaces) = Self::moved(&dkey, d_dir);
+            let (dto, _) = Self::moved(&skey, d_dir);
+            let (Some(sl), Some(dl)) = (
+                self.collect(&sfrom, spaces, self.batch_bytes)?,
+                self.collect(&dfrom, dspaces, self.batch_bytes)?,
+            ) else {
+                tracing::warn!("betrfs: RENAME_EXCHANGE of trees too large for one batch");
+                return Err(FsError::NotSupported);
+            };
+            self.emit_move(&mut b, &sfrom, &sto, spaces, sl)?;
+            self.emit_move(&mut b, &dfrom, &dto, dspaces, dl)?;
+            Self::move_cached_paths(
+                &mut st,
+                &[(skey.clone(), dkey.clone(), s_dir), (dkey.clone(), skey.clone(), d_dir)],
+            );
+            s.loc = st.nodes.get(&src).map_or(s.loc, |n| n.loc.clone());
+            d.loc = st.nodes.get(&d.inode.ino).map_or(d.loc, |n| n.loc.clone());
+            b.put(&keys::meta_key(&dkey), &Self::entry_bytes(&s));
+            b.put(&keys::meta_key(&skey), &Self::entry_bytes(&d));
+            if let Loc::Ino(_) = d.loc {
+                Self::put_inode(&mut b, &d);
+            }
+            st.nodes.insert(d.inode.ino, d);
+        } else {
+            let mut dst_after = None;
+            if let Some(d) = &d {
+                if d.inode.is_dir() {
+                    dp.inode.nlink = dp.inode.nlink.saturating_sub(1);
+                }
+                dst_after = Some((d.inode.ino, self.drop_name(&mut st, &mut b, &dkey, d, t)?));
+            }
+            if s_dir && cross {
+                sp.inode.nlink = sp.inode.nlink.saturating_sub(1);
+                dp.inode.nlink += 1;
+            }
+            b.delete(&keys::meta_key(&skey));
+            let small = self.collect(&sfrom, spaces, self.batch_bytes)?;
+            let mut intent = None;
+            match small {
+                Some(list) => self.emit_move(&mut b, &sfrom, &sto, spaces, list)?,
+                None => {
+                    let id = st.next_ino;
+                    st.next_ino += 1;
+                    let mut k = vec![keys::RENAME];
+                    k.extend_from_slice(&id.to_be_bytes());
+                    b.put(keys::SUPER, &Self::super_record(&st, self.errored.load(Relaxed)));
+                    b.put(&k, &crate::recover::intent(&sfrom, &sto, spaces));
+                    intent = Some(k);
+                }
+            }
+            Self::move_cached_paths(&mut st, &[(skey.clone(), dkey.clone(), s_dir)]);
+            s.loc = st.nodes.get(&src).map_or(s.loc, |n| n.loc.clone());
+            b.put(&keys::meta_key(&dkey), &Self::entry_bytes(&s));
+            if flags.whiteout {
+                let ino = st.next_ino;
+                st.next_ino += 1;
+                let w = Inode {
+                    ino,
+                    mode: libc::S_IFCHR,
+                    uid: ctx.uid,
+                    gid: ctx.gid,
+                    nlink: 1,
+                    size: 0,
+                    atime: t,
+                    mtime: t,
+                    ctime: t,
+                    rdev: 0,
+                    flags: 0,
+                    target: Vec::new(),
+                    xattrs: Vec::new(),
+                };
+                b.put(keys::SUPER, &Self::super_record(&st, self.errored.load(Relaxed)));
+                b.put(&keys::meta_key(&skey), &w.encode());
+            }
+            match dst_after {
+                Some((ino, Some(n))) => {
+                    st.nodes.insert(ino, n);
+                }
+                Some((ino, None)) => {
+                    let open_dir = d.as_ref().is_some_and(|d| d.inode.is_dir() && d.opens > 0);
+                    match st.nodes.get_mut(&ino) {
+                        Some(n) if open_dir => {
+                            n.inode.nlink = 0;
+                            n.loc = Loc::Ino(ino);
+                        }
+                        _ => {
+                            st.nodes.remove(&ino);
+                        }
+                    }
+                }
+                None => {}
+            }
+            if let Some(k) = intent {
+                self.finish_parents(&mut st, &mut b, &mut s, &mut sp, &mut dp, t, cross);
+                self.commit(&mut st, b)?;
+                self.counters.moves_chunked.fetch_add(1, Relaxed);
+                self.move_chunked(&mut st, &sfrom, &sto, spaces)?;
+                let mut fin = Batch::new();
+                fin.delete(&k);
+                self.commit(&mut st, fin)?;
+                self.store_nodes(&mut st, src, s, parent, sp, new_parent, dp, cross);
+                return Ok(());
+            }
+        }
+        self.finish_parents(&mut st, &mut b, &mut s, &mut sp, &mut dp, t, cross);
+        self.commit(&mut st, b)?;
+        self.store_nodes(&mut st, src, s, parent, sp, new_parent, dp, cross);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish_parents(&self, st: &mut State, b: &mut Batch, s: &mut Node, sp: &mut Node, dp: &mut Node, t: Timespec, cross: bool) {
+        if !cross {
+            // One directory: what happened to the target's side counts for it.
+            sp.inode.nlink = dp.inode.nlink;
+        }
+        sp.inode.mtime = t;
+        sp.inode.ctime = t;
+        dp.inode.mtime = t;
+        dp.inode.ctime = t;
+        // Paths may have moved under the parents' own records (an exchange of a
+        // directory above one of them).
+        sp.loc = st.nodes.get(&sp.inode.ino).map_or(sp.loc.clone(), |n| n.loc.clone());
+        dp.loc = st.nodes.get(&dp.inode.ino).map_or(dp.loc.clone(), |n| n.loc.clone());
+        if let Loc::Ino(_) = s.loc {
+            Self::put_inode(b, s);
+        }
+        if cross {
+            Self::put_inode(b, dp);
+        }
+        Self::put_inode(b, sp);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn store_nodes(&self, st: &mut State, src: u64, s: Node, parent: u64, sp: Node, new_parent: u64, dp: Node, cross: bool) {
+        if cross {
+            st.nodes.insert(new_parent, dp);
+        }
+        st.nodes.insert(parent, sp);
+        st.nodes.insert(src, s);
+    }
+}
+
+impl FileSystem for Betrfs {
+    fn root(&self) -> Ino {
+        ROOT_INO
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        self.writable(&self.lock())
+    }
+
+    fn services(&self) -> Option<&quilt_patch::Services> {
+        Some(&self.svc)
+    }
+
+    /// The group's order is the log's: a group's changes were logged after those of
+    /// every group it depends on, and recovery replays a prefix of the log. So making
+    /// the log durable up to now makes the group and everything before it durable.
+    fn pg_sync(&self, pg: quilt_vfs::PgId) -> Result<()> {
+        self.svc
+            .pg_sync(quilt_patch::PatchgroupId(pg))
+            .map_err(quilt_vfs::pg_error)?;
+        self.tree.sync().map_err(io)
+    }
+
+    fn lookup(&self, parent: Ino, name: &[u8]) -> Result<Attr> {
+        let r = (|| {
+            let mut st = self.lock();
+            if name == b"." {
+                return Ok(self.attr_of(&self.dir_node(&st, parent)?.inode));
+            }
+            let (_, ino) = self.lookup_in(&mut st, parent, name)?;
+            let ino = ino.ok_or(FsError::NotFound)?;
+            Ok(self.attr_of(&self.node(&st, ino)?.inode))
+        })();
+        self.checked(r)
+    }
+
+    fn getattr(&self, ino: Ino) -> Result<Attr> {
+        let st = self.lock();
+        Ok(self.attr_of(&self.node(&st, ino)?.inode))
+    }
+
+    fn setattr(&self, ino: Ino, set: SetAttr, _ctx: &Ctx) -> Result<Attr> {
+        let mut st = self.lock();
+        self.writable(&st)?;
+        let mut n = self.node(&st, ino)?.clone();
+        let explicit = |t: Option<TimeOrNow>| matches!(t, Some(TimeOrNow::At(_)));
+        if set.mode.is_some()
+            || set.uid.is_some()
+            || set.gid.is_some()
+            || set.size.is_some()
+            || explicit(set.atime)
+            || explicit(set.mtime)
+        {
+            rules::refuse_if_frozen(n.inode.flags)?;
+        }
+        if n.inode.flags & flags::IMMUTABLE != 0 {
+            return Err(FsError::Perm);
+        }
+        let t = now();
+        let old_size = n.inode.size;
+        if let Some(size) = set.size {
+            if n.inode.is_dir() {
+                return Err(FsError::IsDir);
+            }
+            if !n.inode.is_reg() {
+                return Err(FsError::Invalid("truncate of a non-regular file"));
+            }
+            if size > MAX_FILE_SIZE {
+                return Err(FsError::TooBig);
+            }
+        }
+        let i = &mut n.inode;
+        if let Some(mode) = set.mode {
+            i.mode = (i.mode & libc::S_IFMT) | (mode & 0o7777);
+            if self.opts.acl {
+                if let Some(v) = i.xattr(acl::ACCESS) {
+                    let mut a = Acl::from_xattr(v)?;
+                    a.chmod(i.mode);
+                    i.set_xattr(acl::ACCESS, Some(a.to_xattr()));
+                }
+            }
+        }
+        if let Some(uid) = set.uid {
+            i.uid = uid;
+        }
+        if let Some(gid) = set.gid {
+            i.gid = gid;
+        }
+        if (set.uid.is_some() || set.gid.is_some()) && set.mode.is_none() && !i.is_dir() {
+            i.mode = rules::kill_suid_sgid(i.mode);
+        }
+        if let Some(a) = set.atime {
+            i.atime = a.resolve();
+        }
+        if let Some(m) = set.mtime {
+            i.mtime = m.resolve();
+        }
+        i.ctime = set.ctime.unwrap_or(t);
+        let mut b = Batch::new();
+        if let Some(size) = set.size {
+            if size != old_size && set.mtime.is_none() {
+                i.mtime = t;
+            }
+            i.size = size;
+            self.truncate_msgs(&mut b, &n.loc, old_size, size);
+        }
+        Self::put_inode(&mut b, &n);
+        self.commit(&mut st, b)?;
+        let a = self.attr_of(&n.inode);
+        st.nodes.insert(ino, n);
+        Ok(a)
+    }
+
+    fn mknod(&self, parent: Ino, name: &[u8], mode: u32, rdev: u32, ctx: &Ctx) -> Result<Attr> {
+        match FileType::from_mode(mode) {
+            Some(FileType::Directory) | Some(FileType::Symlink) | None => {
+                return Err(FsError::Invalid("mknod of a directory, symlink or unknown type"))
+            }
+            _ => {}
+        }
+        let r = self.create(parent, name, mode, rdev, b"", ctx, false);
+        self.checked(r)
+    }
+
+    fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
+        let r = self.create(parent, name, libc::S_IFDIR | (mode & 0o7777), 0, b"", ctx, false);
+        self.checked(r)
+    }
+
+    fn tmpfile(&self, parent: Ino, mode: u32, ctx: &Ctx) -> Result<Attr> {
+        let r = self.create(parent, b"", libc::S_IFREG | (mode & 0o7777), 0, b"", ctx, true);
+        self.checked(r)
+    }
+
+    fn unlink(&self, parent: Ino, name: &[u8], _ctx: &Ctx) -> Result<()> {
+        let r = self.remove(parent, name, false);
+        self.checked(r)
+    }
+
+    fn rmdir(&self, parent: Ino, name: &[u8], _ctx: &Ctx) -> Result<()> {
+        let r = self.remove(parent, name, true);
+        self.checked(r)
+    }
+
+    fn symlink(&self, parent: Ino, name: &[u8], target: &[u8], ctx: &Ctx) -> Result<Attr> {
+        if target.is_empty() {
+            return Err(FsError::NotFound);
+        }
+        if target.len() >= BLOCK as usize {
+            return Err(FsError::NameTooLong);
+        }
+        let r = self.create(parent, name, libc::S_IFLNK | 0o777, 0, target, ctx, false);
+        self.checked(r)
+    }
+
+    fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {
+        let st = self.lock();
+        let n = self.node(&st, ino)?;
+        if n.inode.kind() != FileType::Symlink {
+            return Err(FsError::Invalid("not a symbolic link"));
+        }
+        Ok(n.inode.target.clone())
+    }
+
+    fn rename(
+        &self,
+        parent: Ino,
+        name: &[u8],
+        new_parent: Ino,
+        new_name: &[u8],
+        flags: RenameFlags,
+        ctx: &Ctx,
+    ) -> Result<()> {
+        let r = self.do_rename(parent, name, new_parent, new_name, flags, ctx);
+        self.checked(r)
+    }
+
+    fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8], _ctx: &Ctx) -> Result<Attr> {
+        check_name(new_name)?;
+        let r = (|| {
+            let mut st = self.lock();
+            self.writable(&st)?;
+            let (key, existing) = self.lookup_in(&mut st, new_parent, new_name)?;
+            let dp = self.node(&st, new_parent)?.clone();
+            if dp.inode.nlink == 0 {
+                return Err(FsError::NotFound);
+            }
+            if existing.is_some() {
+                return Err(FsError::Exists);
+            }
+            let mut n = self.node(&st, ino)?.clone();
+            rules::refuse_new_entry(dp.inode.flags)?;
+            rules::refuse_if_frozen(n.inode.flags)?;
+            if n.inode.is_dir() {
+                return Err(FsError::Perm);
+            }
+            if n.inode.nlink >= LINK_MAX {
+                return Err(FsError::TooManyLinks);
+            }
+            let t = now();
+            let mut b = Batch::new();
+            let stub = Entry::link_stub(ino, n.inode.mode);
+            match n.loc.clone() {
+                Loc::Path(old) => {
+                    // The second name: the inode and its data move under its number,
+                    // and the first name becomes a stub too.
+                    self.to_inode_space(&mut st, &mut b, &mut n, 0)?;
+                    b.put(&keys::meta_key(&old), &stub);
+                }
+                Loc::Ino(i) => {
+                    if n.inode.nlink == 0 {
+                        b.delete(&keys::orphan_key(i));
+                    }
+                }
+            }
+            n.inode.nlink += 1;
+            n.inode.ctime = t;
+            b.put(&keys::meta_key(&key), &stub);
+            Self::put_inode(&mut b, &n);
+            let mut dp = dp;
+            dp.inode.mtime = t;
+            dp.inode.ctime = t;
+            Self::put_inode(&mut b, &dp);
+            self.commit(&mut st, b)?;
+            st.nodes.insert(new_parent, dp);
+            let a = self.attr_of(&n.inode);
+            st.nodes.insert(ino, n);
+            Ok(a)
+        })();
+        self.checked(r)
+    }
+
+    fn read(&self, ino: Ino, offset: u64, size: u32) -> Result<Vec<u8>> {
+        let n = {
+            let st = self.lock();
+            let n = self.node(&st, ino)?;
+            if n.inode.is_dir() {
+                return Err(FsError::IsDir);
+            }
+            n.clone()
+        };
+        // Without our lock: the tree's reads serve concurrent readers; a read racing a
+        // write of the same bytes sees either version of each block, as POSIX allows
+        // between unsynchronized callers.
+        let r = self.read_data(&n, offset, size);
+        self.checked(r)
+    }
+
+    fn write(&self, ino: Ino, offset: u64, data: &[u8], _ctx: &Ctx) -> Result<u32> {
+        let r = (|| {
+            let mut st = self.lock();
+            self.writable(&st)?;
+            let mut n = self.node(&st, ino)?.clone();
+            if n.inode.is_dir() {
+                return Err(FsError::IsDir);
+            }
+            if !n.inode.is_reg() {
+                return Err(FsError::Invalid("write to a non-regular file"));
+            }
+            if n.inode.flags & flags::IMMUTABLE != 0
+                || (n.inode.flags & flags::APPEND != 0 && offset < n.inode.size)
+            {
+                return Err(FsError::Perm);
+            }
+            if offset >= MAX_FILE_SIZE && !data.is_empty() {
+                return Err(FsError::TooBig);
+            }
+            let data = &data[..data.len().min((MAX_FILE_SIZE - offset) as usize)];
+            if data.is_empty() {
+                return Ok(0);
+            }
+            self.room(data.len() as u64)?;
+            let t = now();
+            let mut done = 0usize;
+            while done < data.len() {
+                let part = &data[done..(done + self.batch_bytes).min(data.len())];
+                let at = offset + done as u64;
+                let mut b = Batch::new();
+                self.write_msgs(&mut b, &n.loc, at, part);
+                n.inode.size = n.inode.size.max(at + part.len() as u64);
+                n.inode.mtime = t;
+                n.inode.ctime = t;
+                Self::put_inode(&mut b, &n);
+                self.commit(&mut st, b)?;
+                st.nodes.insert(ino, n.clone());
+                done += part.len();
+            }
+            Ok(data.len() as u32)
+        })();
+        self.checked(r)
+    }
+
+    fn fallocate(&self, ino: Ino, offset: u64, length: u64, mode: i32, _ctx: &Ctx) -> Result<()> {
+        const KEEP: i32 = libc::FALLOC_FL_KEEP_SIZE;
+        const PUNCH: i32 = libc::FALLOC_FL_PUNCH_HOLE;
+        if mode & !(KEEP | PUNCH) != 0 || (mode & PUNCH != 0 && mode & KEEP == 0) {
+            return Err(FsError::NotSupported);
+        }
+        if length == 0 {
+            return Err(FsError::Invalid("fallocate of zero bytes"));
+        }
+        let mut st = self.lock();
+        self.writable(&st)?;
+        let mut n = self.node(&st, ino)?.clone();
+        if n.inode.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        if !n.inode.is_reg() {
+            return Err(FsError::NoDevice);
+        }
+        if n.inode.flags & flags::IMMUTABLE != 0
+            || (n.inode.flags & flags::APPEND != 0 && mode & PUNCH != 0)
+        {
+            return Err(FsError::Perm);
+        }
+        let end = offset.saturating_add(length);
+        if end > MAX_FILE_SIZE {
+            return Err(FsError::TooBig);
+        }
+        let mut b = Batch::new();
+        let t = now();
+        if mode & PUNCH != 0 {
+            let end = end.min(n.inode.size.div_ceil(BLOCK) * BLOCK);
+            if offset >= end {
+                return Ok(());
+            }
+            // Whole blocks go; the partial ones at the edges get zeros.
+            let first_whole = offset.div_ceil(BLOCK);
+            let last_whole = end / BLOCK;
+            if first_whole < last_whole {
+                b.delete_range(&n.loc.data_key(first_whole), &n.loc.data_key(last_whole));
+            }
+            let zero = |b: &mut Batch, from: u64, to: u64| {
+                if from < to {
+                    let z = vec![0u8; (to - from) as usize];
+                    b.upsert(
+                        &n.loc.data_key(from / BLOCK),
+                        WRITE_AT,
+                        &write_at_arg(from % BLOCK, &z),
+                    );
+                }
+            };
+            if first_whole > last_whole {
+                zero(&mut b, offset, end);
+            } else {
+                zero(&mut b, offset, (first_whole * BLOCK).min(end));
+                zero(&mut b, (last_whole * BLOCK).max(offset), end);
+            }
+        } else {
+            // Preallocation: blocks without data become present zero blocks (an empty
+            // value), so SEEK_DATA sees them as the kernel's allocated blocks.
+            self.room(length)?;
+            let first = offset / BLOCK;
+            let last = end.div_ceil(BLOCK);
+            let present: std::collections::HashSet<u64> = {
+                let prefix = n.loc.data_prefix();
+                let mut s = std::collections::HashSet::new();
+                for kv in self.tree.range(&n.loc.data_key(first), Some(&n.loc.data_key(last))) {
+                    let (k, _) = kv.map_err(io)?;
+                    if let Some(blk) = keys::block_of(&prefix, &k) {
+                        s.insert(blk);
+                    }
+                }
+                s
+            };
+            if (last - first) as usize > self.batch_bytes / 16 {
+                return Err(FsError::NotSupported);
+            }
+            for blk in first..last {
+                if !present.contains(&blk) {
+                    b.put(&n.loc.data_key(blk), b"");
+                }
+            }
+            if mode & KEEP == 0 && end > n.inode.size {
+                n.inode.size = end;
+            }
+        }
+        n.inode.ctime = t;
+        n.inode.mtime = t;
+        Self::put_inode(&mut b, &n);
+        self.commit(&mut st, b)?;
+        st.nodes.insert(ino, n);
+        Ok(())
+    }
+
+    fn seek_data(&self, ino: Ino, offset: u64, data: bool) -> Result<u64> {
+        let n = {
+            let st = self.lock();
+            let n = self.node(&st, ino)?;
+            if !n.inode.is_reg() {
+                return Err(FsError::Invalid("seek in a non-regular file"));
+            }
+            n.clone()
+        };
+        let size = n.inode.size;
+        if offset >= size {
+            return Err(FsError::NoData);
+        }
+        let mut blk = offset / BLOCK;
+        loop {
+            let present = self.present_blocks(&n, blk)?;
+            if data {
+                return match present.first() {
+                    Some(&b) if b * BLOCK < size => Ok(offset.max(b * BLOCK)),
+                    _ => Err(FsError::NoData),
+                };
+            }
+            // The first block from `blk` on that is not present.
+            let mut want = blk;
+            let mut contiguous = true;
+            for &p in &present {
+                if p == want {
+                    want += 1;
+                } else {
+                    contiguous = false;
+                    break;
+                }
+            }
+            if !contiguous || present.is_empty() || want * BLOCK >= size {
+                return Ok(offset.max(want * BLOCK).min(size));
+            }
+            blk = want;
+        }
+    }
+
+    fn get_flags(&self, ino: Ino) -> Result<u32> {
+        let st = self.lock();
+        Ok(self.node(&st, ino)?.inode.flags & rules::VISIBLE)
+    }
+
+    fn set_flags(&self, ino: Ino, f: u32, ctx: &Ctx) -> Result<()> {
+        let mut st = self.lock();
+        self.writable(&st)?;
+        let mut n = self.node(&st, ino)?.clone();
+        n.inode.flags = rules::set_flags(n.inode.flags, f, n.inode.mode, n.inode.uid, ctx)?;
+        n.inode.ctime = now();
+        let mut b = Batch::new();
+        Self::put_inode(&mut b, &n);
+        self.commit(&mut st, b)?;
+        st.nodes.insert(ino, n);
+        Ok(())
+    }
+
+    fn check_open(&self, ino: Ino, open_flags: i32, _ctx: &Ctx) -> Result<()> {
+        let st = self.lock();
+        rules::check_open(self.node(&st, ino)?.inode.flags, open_flags)
+    }
+
+    fn readdir(&self, ino: Ino, offset: u64, emit: &mut dyn FnMut(DirEntry) -> bool) -> Result<()> {
+        let r = (|| {
+            let (prefix, parent_ino, after) = {
+                let mut st = self.lock();
+                let d = self.dir_node(&st, ino)?.clone();
+                if d.inode.nlink == 0 {
+                    return Ok(());
+                }
+                let Loc::Path(key) = &d.loc else {
+                    return Err(FsError::Corrupt(format!("directory {ino} has no path")));
+                };
+                let parent_ino = if key.is_empty() {
+                    ROOT_INO
+                } else {
+                    let pk = keys::parent_key(key);
+                    self.load(&mut st, &pk)?.ok_or_else(|| {
+                        FsError::Corrupt(format!("directory {ino}'s parent is missing"))
+                    })?
+                };
+                let after = match offset {
+                    0..=2 => None,
+                    c => match st.cookies.get(&c) {
+                        Some((dir, name)) if *dir == ino => Some(name.clone()),
+                        _ => return Err(FsError::Invalid("unknown directory cookie")),
+                    },
+                };
+                (keys::dir_prefix(key), parent_ino, after)
+            };
+            if offset == 0
+                && !emit(DirEntry {
+                    ino,
+                    kind: FileType::Directory,
+                    name: b".".to_vec(),
+                    next_offset: 1,
+                })
+            {
+                return Ok(());
+            }
+            if offset <= 1
+                && !emit(DirEntry {
+                    ino: parent_ino,
+                    kind: FileType::Directory,
+                    name: b"..".to_vec(),
+                    next_offset: 2,
+                })
+            {
+                return Ok(());
+            }
+            let base = keys::meta_key(&keys::child_key(&prefix, b""));
+            let hi = keys::prefix_end(&base);
+            let lo = match &after {
+                None => base.clone(),
+                Some(name) => {
+                    let mut k = base.clone();
+                    k.extend_from_slice(name);
+                    k.push(0);
+                    k
+                }
+            };
+            for kv in self.tree.range(&lo, Some(&hi)) {
+                let (k, v) = kv.map_err(io)?;
+                let name = k[base.len()..].to_vec();
+                let e = Entry::decode(&v)?;
+                let cookie = {
+                    let mut st = self.lock();
+                    let c = st.next_cookie;
+                    st.next_cookie += 1;
+                    st.cookies.insert(c, (ino, name.clone()));
+                    st.cookie_order.push_back(c);
+                    if st.cookie_order.len() > COOKIES_MAX {
+                        if let Some(old) = st.cookie_order.pop_front() {
+                            st.cookies.remove(&old);
+                        }
+                    }
+                    c
+                };
+                if !emit(DirEntry {
+                    ino: e.ino(),
+                    kind: e.kind(),
+                    name,
+                    next_offset: cookie,
+                }) {
+                    break;
+                }
+            }
+            Ok(())
+        })();
+        self.checked(r)
+    }
+
+    fn statfs(&self) -> Result<StatFs> {
+        let sp = self.tree.space();
+        let bs = self.tree.geometry().block_size as u32;
+        let reserve = self.reserve();
+        Ok(StatFs {
+            block_size: bs,
+            blocks: sp.blocks,
+            blocks_free: sp.free,
+            blocks_avail: sp.free.saturating_sub(reserve),
+            // No inode table: as many names as blocks could hold.
+            files: sp.blocks * (bs as u64 / 256),
+            files_free: sp.free.saturating_sub(reserve) * (bs as u64 / 256),
+            name_max: NAME_MAX as u32,
+        })
+    }
+
+    fn fsync(&self, ino: Ino, _datasync: bool) -> Result<()> {
+        {
+            let st = self.lock();
+            self.node(&st, ino)?;
+        }
+        self.counters.fsyncs.fetch_add(1, Relaxed);
+        // The log is one sequence: making it durable up to now covers the file's
+        // changes and everything before them (the names leading to it included).
+        self.tree.sync().map_err(io)
+    }
+
+    fn sync_all(&self) -> Result<()> {
+        self.counters.syncs.fetch_add(1, Relaxed);
+        if self.opts.read_only {
+            return Ok(());
+        }
+        self.tree.checkpoint().map_err(io)
+    }
+
+    fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], f: XattrFlags, ctx: &Ctx) -> Result<()> {
+        self.set_xattr(ino, name, Some(value), f, ctx)
+    }
+
+    fn getxattr(&self, ino: Ino, name: &[u8]) -> Result<Vec<u8>> {
+        check_xattr_name(name)?;
+        if !self.opts.acl && (name == acl::ACCESS || name == acl::DEFAULT) {
+            return Err(FsError::NotSupported);
+        }
+        let st = self.lock();
+        let n = self.node(&st, ino)?;
+        n.inode
+            .xattr(name)
+            .map(<[u8]>::to_vec)
+            .ok_or(FsError::NoAttr)
+    }
+
+    fn listxattr(&self, ino: Ino) -> Result<Vec<u8>> {
+        let st = self.lock();
+        let n = self.node(&st, ino)?;
+        let mut out = Vec::new();
+        for (name, _) in &n.inode.xattrs {
+            if !self.opts.acl && (name == acl::ACCESS || name == acl::DEFAULT) {
+                continue;
+            }
+            out.extend_from_slice(name);
+            out.push(0);
+        }
+        Ok(out)
+    }
+
+    fn removexattr(&self, ino: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
+        self.set_xattr(ino, name, None, XattrFlags::default(), ctx)
+    }
+
+    fn open(&self, ino: Ino) -> Result<()> {
+        let mut st = self.lock();
+        let n = st.nodes.get_mut(&ino).ok_or(FsError::Stale)?;
+        n.opens += 1;
+        Ok(())
+    }
+
+    fn release(&self, ino: Ino) -> Result<()> {
+        let mut st = self.lock();
+        let Some(n) = st.nodes.get_mut(&ino) else {
+            return Ok(());
+        };
+        n.opens = n.opens.saturating_sub(1);
+        if n.opens == 0 && n.inode.nlink == 0 {
+            let r = self.destroy(&mut st, ino);
+            return self.checked(r);
+        }
+        Ok(())
+    }
+
+    fn counters(&self) -> quilt_vfs::Counters {
+        let c = &self.counters;
+        let s = self.tree.stats();
+        let st = self.lock();
+        vec![
+            ("fs.ops".into(), c.ops.load(Relaxed)),
+            ("fs.fsyncs".into(), c.fsyncs.load(Relaxed)),
+            ("fs.syncs".into(), c.syncs.load(Relaxed)),
+            ("fs.inodes_cached".into(), st.nodes.len() as u64),
+            ("fs.block_puts".into(), c.block_puts.load(Relaxed)),
+            ("fs.upsert_writes".into(), c.upsert_writes.load(Relaxed)),
+            ("fs.range_deletes".into(), c.range_deletes.load(Relaxed)),
+            ("fs.keys_moved".into(), c.keys_moved.load(Relaxed)),
+            ("fs.moves_chunked".into(), c.moves_chunked.load(Relaxed)),
+            ("tree.height".into(), s.height),
+            ("tree.flushes".into(), s.flushes),
+            ("tree.checkpoints".into(), s.checkpoints),
+            ("tree.syncs".into(), s.syncs),
+            ("tree.node_writes".into(), s.node_writes),
+            ("tree.log_bytes".into(), s.log_bytes),
+            ("tree.cache_bytes".into(), s.cache_bytes),
+            ("tree.device_bytes_written".into(), s.device_bytes_written),
+            ("tree.device_bytes_read".into(), s.device_bytes_read),
+            ("tree.device_flushes".into(), s.device_flushes),
+        ]
+    }
+}
+
+impl Betrfs {
+    fn set_xattr(
+        &self,
+        ino: Ino,
+        name: &[u8],
+        value: Option<&[u8]>,
+        f: XattrFlags,
+        ctx: &Ctx,
+    ) -> Result<()> {
+        check_xattr_name(name)?;
+        let is_acl = name == acl::ACCESS || name == acl::DEFAULT;
+        if is_acl && !self.opts.acl {
+            return Err(FsError::NotSupported);
+        }
+        let mut st = self.lock();
+        self.writable(&st)?;
+        let mut n = self.node(&st, ino)?.clone();
+        rules::refuse_if_frozen(n.inode.flags)?;
+        let exists = n.inode.xattr(name).is_some();
+        let mut store = value.map(<[u8]>::to_vec);
+        if is_acl {
+            if ctx.uid != 0 && ctx.uid != n.inode.uid {
+                return Err(FsError::Perm);
+            }
+            let parsed = value.map(Acl::from_xattr).transpose()?;
+            if name == acl::DEFAULT && !n.inode.is_dir() {
+                return if parsed.is_some() {
+                    Err(FsError::Access)
+                } else {
+                    Ok(())
+                };
+            }
+            if f.create && exists && parsed.is_some() {
+                return Err(FsError::Exists);
+            }
+            if f.replace && !exists {
+                return Err(FsError::NoAttr);
+            }
+            store = parsed.as_ref().map(Acl::to_xattr);
+            if let (true, Some(a)) = (name == acl::ACCESS, &parsed) {
+                let mut mode = (n.inode.mode & !0o777) | a.mode_bits();
+                if f.kill_sgid {
+                    mode &= !libc::S_ISGID;
+                }
+                n.inode.mode = mode;
+                if a.is_mode() {
+                    store = None;
+                }
+            }
+            if store.is_none() && !exists && parsed.is_none() {
+                return Ok(());
+            }
+        } else {
+            match (value, exists) {
+                (None, false) => return Err(FsError::NoAttr),
+                (Some(_), true) if f.create => return Err(FsError::Exists),
+                (Some(_), false) if f.replace => return Err(FsError::NoAttr),
+                _ => {}
+            }
+        }
+        n.inode.set_xattr(name, store);
+        if n.inode.xattr_bytes() > XATTR_MAX || n.inode.encode().len() > self.max_record {
+            return Err(FsError::NoSpace);
+        }
+        n.inode.ctime = now();
+        let mut b = Batch::new();
+        Self::put_inode(&mut b, &n);
+        self.commit(&mut st, b)?;
+        st.nodes.insert(ino, n);
+        Ok(())
+    }
+}

@@ -1,0 +1,321 @@
+//! `quiltfs fsck` for betrfs images: every invariant of the key schema, after the tree's
+//! own check. The image is mounted first (on a copy-on-write view with `-n`), so the
+//! log is replayed and interrupted moves and orphans are finished as a mount would.
+//!
+//! Invariants: the superblock record decodes and its next inode number is above every
+//! inode's; every name key is well formed and its parent is a directory; inode numbers
+//! are unique; the root is directory 1; a directory's link count is 2 plus its
+//! subdirectories; a link stub names an inode under its number, of the same type, whose
+//! link count is its number of stubs; data keys belong to a regular file, lie below its
+//! size (rounded up to a block) and hold at most a block; nothing lies in an unknown
+//! key space.
+
+use crate::fs::{Betrfs, MountOptions};
+use crate::keys::{self, Loc};
+use crate::record::{self, Entry, Inode, Super, BLOCK};
+use quilt_betree::Batch;
+use quilt_block::{BlockDevice, OverlayDevice};
+use quilt_vfs::{FsError, Result};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+/// What the check found.
+#[derive(Debug, Default, Clone)]
+pub struct Report {
+    pub problems: Vec<String>,
+    /// Problems repaired (with `repair`).
+    pub fixed: Vec<String>,
+    pub directories: u64,
+    pub files: u64,
+    pub other: u64,
+    pub link_stubs: u64,
+    pub data_blocks: u64,
+    pub data_bytes: u64,
+}
+
+impl Report {
+    /// e2fsck's exit status: 0 clean, 1 errors corrected, 4 errors left.
+    pub fn exit_code(&self) -> i32 {
+        if !self.problems.is_empty() {
+            4
+        } else if !self.fixed.is_empty() {
+            1
+        } else {
+            0
+        }
+    }
+}
+
+/// Checks the betrfs image on `dev`; with `repair`, fixes what can be fixed without
+/// guessing (link counts, data past the end or without a file, inodes without names
+/// go to lost+found) and writes the result.
+pub fn fsck(dev: Arc<dyn BlockDevice>, repair: bool) -> Result<Report> {
+    let dev: Arc<dyn BlockDevice> = if repair {
+        dev
+    } else {
+        Arc::new(OverlayDevice::new(dev))
+    };
+    let fs = Betrfs::open(
+        dev,
+        MountOptions {
+            read_only: false,
+            acl: true,
+            commit_interval: None,
+        },
+    )?;
+    let mut report = Report::default();
+    if let Err(e) = fs.tree().check() {
+        report.problems.push(format!("the tree: {e}"));
+        return Ok(report);
+    }
+    let fixes = check_schema(&fs, &mut report)?;
+    if repair && !fixes.ops.is_empty() {
+        fs.tree()
+            .write(fixes)
+            .map_err(|e| FsError::Io(e.to_string()))?;
+        report.fixed.append(&mut report.problems);
+        // What could not be fixed stays a problem: check again.
+        let mut again = Report::default();
+        check_schema(&fs, &mut again)?;
+        report.problems = again.problems;
+    }
+    fs.unmount()?;
+    Ok(report)
+}
+
+fn scan(fs: &Betrfs, lo: &[u8], hi: Option<&[u8]>) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    fs.tree()
+        .range(lo, hi)
+        .map(|kv| kv.map_err(|e| FsError::Corrupt(e.to_string())))
+        .collect()
+}
+
+fn show(key: &[u8]) -> String {
+    let mut parts = Vec::new();
+    let mut k = key.to_vec();
+    while !k.is_empty() {
+        parts.push(String::from_utf8_lossy(keys::name_of(&k)).into_owned());
+        k = keys::parent_key(&k);
+    }
+    parts.reverse();
+    format!("/{}", parts.join("/"))
+}
+
+/// Checks the schema; returns the batch that repairs what can be repaired.
+fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
+    let mut fix = Batch::new();
+    let all = scan(fs, b"", None)?;
+    let mut sup = None;
+    let mut names: BTreeMap<Vec<u8>, Entry> = BTreeMap::new();
+    let mut inodes: BTreeMap<u64, Inode> = BTreeMap::new();
+    let mut data: Vec<(Vec<u8>, Loc, u64, usize)> = Vec::new();
+    let mut markers = Vec::new();
+    for (k, v) in &all {
+        match k.first() {
+            Some(b'S') if k == keys::SUPER => match Super::decode(v) {
+                Ok(s) => sup = Some(s),
+                Err(e) => r.problems.push(format!("superblock record: {e}")),
+            },
+            Some(&keys::META) => {
+                let path = &k[1..];
+                if !keys::valid_key(path) {
+                    r.problems.push(format!("a malformed name key {:?}", path));
+                    continue;
+                }
+                match Entry::decode(v) {
+                    Ok(e) => {
+                        names.insert(path.to_vec(), e);
+                    }
+                    Err(e) => r.problems.push(format!("{}: {e}", show(path))),
+                }
+            }
+            Some(&keys::INODE) if k.len() == 9 => {
+                let ino = u64::from_be_bytes(k[1..9].try_into().expect("8 bytes"));
+                match record::decode_inode(v) {
+                    Ok(i) if i.ino == ino => {
+                        inodes.insert(ino, i);
+                    }
+                    Ok(i) => r.problems.push(format!("inode {ino} records number {}", i.ino)),
+                    Err(e) => r.problems.push(format!("inode {ino}: {e}")),
+                }
+            }
+            Some(&keys::DATA) | Some(&keys::INODE_DATA) => match keys::data_owner(k) {
+                Some((loc, blk)) => data.push((k.clone(), loc, blk, v.len())),
+                None => r.problems.push(format!("a malformed data key {k:?}")),
+            },
+            Some(&keys::ORPHAN) | Some(&keys::RENAME) => markers.push(k.clone()),
+            _ => r.problems.push(format!("a key in no key space: {k:?}")),
+        }
+    }
+    if !markers.is_empty() {
+        r.problems
+            .push(format!("{} intent records left after recovery", markers.len()));
+    }
+    let Some(sup) = sup else {
+        r.problems.push("no superblock record".into());
+        return Ok(fix);
+    };
+    if sup.error {
+        r.problems
+            .push("the file system recorded damage found while mounted".into());
+    }
+    // Names: parents, types, unique numbers, directory link counts.
+    let mut seen: HashMap<u64, String> = HashMap::new();
+    let mut subdirs: HashMap<Vec<u8>, u32> = HashMap::new();
+    let mut stubs: HashMap<u64, u32> = HashMap::new();
+    match names.get(&Vec::new()) {
+        Some(Entry::Inode(i)) if i.is_dir() && i.ino == crate::ROOT_INO => {}
+        _ => r.problems.push("the root is missing or not directory 1".into()),
+    }
+    for (path, e) in &names {
+        if !path.is_empty() {
+            let parent = keys::parent_key(path);
+            match names.get(&parent) {
+                Some(Entry::Inode(p)) if p.is_dir() => {
+                    if e.kind() == quilt_vfs::FileType::Directory {
+                        *subdirs.entry(parent).or_default() += 1;
+                    }
+                }
+                _ => r
+                    .problems
+                    .push(format!("{}: its directory does not exist", show(path))),
+            }
+        }
+        match e {
+            Entry::Inode(i) => {
+                if i.ino >= sup.next_ino {
+                    r.problems.push(format!(
+                        "{}: inode {} is not below the next number {}",
+                        show(path),
+                        i.ino,
+                        sup.next_ino
+                    ));
+                }
+                if let Some(other) = seen.insert(i.ino, show(path)) {
+                    r.problems
+                        .push(format!("inode {} named twice: {other} and {}", i.ino, show(path)));
+                }
+                if i.nlink != 1 && !i.is_dir() {
+                    r.problems.push(format!(
+                        "{}: a file with one name has link count {}",
+                        show(path),
+                        i.nlink
+                    ));
+                    let mut j = i.clone();
+                    j.nlink = 1;
+                    fix.put(&keys::meta_key(path), &j.encode());
+                }
+                count(r, i);
+            }
+            Entry::Link { ino, mode } => {
+                r.link_stubs += 1;
+                *stubs.entry(*ino).or_default() += 1;
+                match inodes.get(ino) {
+                    None => {
+                        r.problems
+                            .push(format!("{}: link to missing inode {ino}", show(path)));
+                        fix.delete(&keys::meta_key(path));
+                    }
+                    Some(i) if i.mode & libc::S_IFMT != *mode => r.problems.push(format!(
+                        "{}: link of another type than inode {ino}",
+                        show(path)
+                    )),
+                    _ => {}
+                }
+            }
+        }
+    }
+    for (path, e) in &names {
+        if let Entry::Inode(i) = e {
+            if i.is_dir() {
+                let want = 2 + subdirs.get(path).copied().unwrap_or(0);
+                if i.nlink != want {
+                    r.problems.push(format!(
+                        "{}: link count {}, should be {want}",
+                        show(path),
+                        i.nlink
+                    ));
+                    let mut j = i.clone();
+                    j.nlink = want;
+                    fix.put(&keys::meta_key(path), &j.encode());
+                }
+            }
+        }
+    }
+    // Inodes under their numbers: one per stub.
+    for (ino, i) in &inodes {
+        if let Some(other) = seen.insert(*ino, format!("inode {ino}")) {
+            r.problems
+                .push(format!("inode {ino} is both under its number and at {other}"));
+        }
+        if i.is_dir() {
+            r.problems.push(format!("inode {ino}: a directory under its number"));
+        }
+        let n = stubs.get(ino).copied().unwrap_or(0);
+        if n == 0 {
+            r.problems.push(format!("inode {ino} has no name"));
+            // Into lost+found as #ino.
+            let lf = keys::child_key(b"", b"lost+found");
+            let name = format!("#{ino}");
+            let key = keys::child_key(&keys::dir_prefix(&lf), name.as_bytes());
+            fix.put(&keys::meta_key(&key), &Entry::link_stub(*ino, i.mode));
+            let mut j = i.clone();
+            j.nlink = 1;
+            fix.put(&keys::inode_key(*ino), &j.encode());
+        } else if i.nlink != n {
+            r.problems.push(format!(
+                "inode {ino}: link count {}, {n} names",
+                i.nlink
+            ));
+            let mut j = i.clone();
+            j.nlink = n;
+            fix.put(&keys::inode_key(*ino), &j.encode());
+        }
+        count(r, i);
+    }
+    // Data: an owner that is a regular file, below its size.
+    for (key, loc, blk, len) in data {
+        let owner = match &loc {
+            Loc::Path(p) => match names.get(p) {
+                Some(Entry::Inode(i)) => Some(i),
+                _ => None,
+            },
+            Loc::Ino(i) => inodes.get(i),
+        };
+        let what = match &loc {
+            Loc::Path(p) => show(p),
+            Loc::Ino(i) => format!("inode {i}"),
+        };
+        match owner {
+            Some(i) if i.is_reg() => {
+                if blk.saturating_mul(BLOCK) >= i.size.div_ceil(BLOCK) * BLOCK {
+                    r.problems.push(format!(
+                        "{what}: data block {blk} past the end ({} bytes)",
+                        i.size
+                    ));
+                    fix.delete(&key);
+                } else if len as u64 > BLOCK {
+                    r.problems
+                        .push(format!("{what}: data block {blk} holds {len} bytes"));
+                } else {
+                    r.data_blocks += 1;
+                    r.data_bytes += len as u64;
+                }
+            }
+            _ => {
+                r.problems
+                    .push(format!("{what}: data block {blk} of no regular file"));
+                fix.delete(&key);
+            }
+        }
+    }
+    Ok(fix)
+}
+
+fn count(r: &mut Report, i: &Inode) {
+    match i.kind() {
+        quilt_vfs::FileType::Directory => r.directories += 1,
+        quilt_vfs::FileType::Regular => r.files += 1,
+        _ => r.other += 1,
+    }
+}

@@ -1,0 +1,72 @@
+//! betrfs: a file system whose names, inodes and data are keys of one Bε-tree
+//! (`quilt-betree`), keyed by full path as BetrFS keys them, so that a directory's
+//! entries and a whole subtree are contiguous key ranges: `readdir` is a range scan, a
+//! small write is an upsert message (no read of the old block), removing a file's data
+//! is one range-delete message. The key schema is in [`keys`]; the operations in `fs`.
+//!
+//! ```
+//! use quilt_betrfs::{mkfs, Betrfs, MountOptions};
+//! use quilt_block::MemDevice;
+//! use quilt_vfs::{Ctx, FileSystem};
+//! use std::sync::Arc;
+//!
+//! let dev = Arc::new(MemDevice::new(4096, 8192).unwrap());
+//! mkfs(dev.clone()).unwrap();
+//! let fs = Betrfs::open(dev, MountOptions::default()).unwrap();
+//! let f = fs.mknod(fs.root(), b"hello", libc::S_IFREG | 0o644, 0, &Ctx::root()).unwrap();
+//! fs.write(f.ino, 0, b"hi there", &Ctx::root()).unwrap();
+//! assert_eq!(fs.read(f.ino, 3, 100).unwrap(), b"there");
+//! fs.unmount().unwrap();
+//! ```
+
+pub mod fsck;
+mod fs;
+pub mod keys;
+pub mod record;
+mod recover;
+
+pub use fs::{Betrfs, MountOptions, LINK_MAX, MAX_FILE_SIZE, NAME_MAX, ROOT_INO};
+use quilt_betree::{Options, Tree};
+use quilt_block::BlockDevice;
+use quilt_vfs::{FsError, Result};
+use std::sync::Arc;
+
+/// Tree settings for a device: the tree's defaults, scaled down for small devices (a
+/// log of at most an eighth of it, dirty nodes bounded by an eighth).
+pub fn tree_options(block_size: usize, blocks: u64) -> Options {
+    let bytes = block_size as u64 * blocks;
+    let mut o = Options::default();
+    if bytes < (256 << 20) {
+        o.node_bytes = (64 << 10).max(block_size * 8);
+    }
+    o.log_blocks = o.log_blocks.min(blocks / 8).max(64);
+    o.dirty_bytes = o.dirty_bytes.min((bytes / 8) as usize).max(o.node_bytes * 4);
+    o
+}
+
+fn tree_error(e: quilt_betree::Error) -> FsError {
+    match e {
+        quilt_betree::Error::Corrupt(m) => FsError::Corrupt(m),
+        quilt_betree::Error::NotFormatted => {
+            FsError::Corrupt("not a betrfs image (no Bε-tree header)".into())
+        }
+        e => FsError::Io(e.to_string()),
+    }
+}
+
+/// Makes a new betrfs on `dev` (what it held is lost).
+pub fn mkfs(dev: Arc<dyn BlockDevice>) -> Result<()> {
+    let opts = tree_options(dev.block_size(), dev.block_count());
+    let tree = Tree::create(dev, opts).map_err(tree_error)?;
+    Betrfs::format(&tree)?;
+    tree.close().map_err(tree_error)
+}
+
+impl Betrfs {
+    /// Opens the tree on `dev` (its checkpoint and log) and mounts the file system.
+    pub fn open(dev: Arc<dyn BlockDevice>, opts: MountOptions) -> Result<Betrfs> {
+        let topts = tree_options(dev.block_size(), dev.block_count());
+        let tree = Tree::open(dev, topts).map_err(tree_error)?;
+        Betrfs::mount(tree, opts)
+    }
+}

@@ -1,0 +1,303 @@
+//! Values of the tree: the superblock record, inode records and link stubs. Each starts
+//! with a tag and a version; every decode is bounds-checked and damage is
+//! `FsError::Corrupt`, never a panic. (The tree checksums the nodes that hold them.)
+
+use quilt_vfs::{FileType, FsError, Result, Timespec};
+
+const TAG_INODE: u8 = 1;
+const TAG_LINK: u8 = 2;
+const TAG_SUPER: u8 = 3;
+const VERSION: u8 = 1;
+pub const MAGIC: &[u8; 8] = b"QBETRFS1";
+
+/// Bytes of a data block (one tree value).
+pub const BLOCK: u64 = 4096;
+
+/// The superblock record (key `S`): what the image is, and the next inode number.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Super {
+    pub next_ino: u64,
+    /// 1 while mounted read-write: a mount that finds it set knows the last one did
+    /// not end cleanly (the log replays what it synced; nothing to repair).
+    pub dirty: bool,
+    /// Damage was found while mounted: fsck should look.
+    pub error: bool,
+}
+
+impl Super {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = vec![TAG_SUPER, VERSION];
+        v.extend_from_slice(MAGIC);
+        v.extend_from_slice(&self.next_ino.to_le_bytes());
+        v.push(self.dirty as u8 | (self.error as u8) << 1);
+        v
+    }
+    pub fn decode(b: &[u8]) -> Result<Super> {
+        let mut r = Reader::new(b, "superblock record");
+        if r.u8()? != TAG_SUPER || r.u8()? != VERSION || r.bytes(8)? != MAGIC {
+            return Err(FsError::Corrupt("the superblock record has a wrong tag, version or magic".into()));
+        }
+        let next_ino = r.u64()?;
+        let f = r.u8()?;
+        Ok(Super {
+            next_ino,
+            dirty: f & 1 != 0,
+            error: f & 2 != 0,
+        })
+    }
+}
+
+/// An inode: attributes, the symlink target or device number, and extended attributes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inode {
+    pub ino: u64,
+    /// Type and permission bits.
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub nlink: u32,
+    pub size: u64,
+    pub atime: Timespec,
+    pub mtime: Timespec,
+    pub ctime: Timespec,
+    pub rdev: u32,
+    pub flags: u32,
+    /// Symlink target.
+    pub target: Vec<u8>,
+    /// Extended attributes by full name (ACLs under their system.* names), sorted.
+    pub xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+impl Inode {
+    pub fn kind(&self) -> FileType {
+        FileType::from_mode(self.mode).unwrap_or(FileType::Regular)
+    }
+    pub fn is_dir(&self) -> bool {
+        self.mode & libc::S_IFMT == libc::S_IFDIR
+    }
+    pub fn is_reg(&self) -> bool {
+        self.mode & libc::S_IFMT == libc::S_IFREG
+    }
+    pub fn xattr(&self, name: &[u8]) -> Option<&[u8]> {
+        self.xattrs
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
+    }
+    pub fn set_xattr(&mut self, name: &[u8], value: Option<Vec<u8>>) {
+        self.xattrs.retain(|(n, _)| n != name);
+        if let Some(v) = value {
+            self.xattrs.push((name.to_vec(), v));
+            self.xattrs.sort();
+        }
+    }
+    pub fn xattr_bytes(&self) -> usize {
+        self.xattrs.iter().map(|(n, v)| n.len() + v.len() + 8).sum()
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(96 + self.target.len() + self.xattr_bytes());
+        v.push(TAG_INODE);
+        v.push(VERSION);
+        v.extend_from_slice(&self.ino.to_le_bytes());
+        for x in [self.mode, self.uid, self.gid, self.nlink] {
+            v.extend_from_slice(&x.to_le_bytes());
+        }
+        v.extend_from_slice(&self.size.to_le_bytes());
+        for t in [self.atime, self.mtime, self.ctime] {
+            v.extend_from_slice(&t.sec.to_le_bytes());
+            v.extend_from_slice(&t.nsec.to_le_bytes());
+        }
+        v.extend_from_slice(&self.rdev.to_le_bytes());
+        v.extend_from_slice(&self.flags.to_le_bytes());
+        v.extend_from_slice(&(self.target.len() as u32).to_le_bytes());
+        v.extend_from_slice(&self.target);
+        v.extend_from_slice(&(self.xattrs.len() as u32).to_le_bytes());
+        for (n, x) in &self.xattrs {
+            v.extend_from_slice(&(n.len() as u32).to_le_bytes());
+            v.extend_from_slice(n);
+            v.extend_from_slice(&(x.len() as u32).to_le_bytes());
+            v.extend_from_slice(x);
+        }
+        v
+    }
+
+    fn decode_body(r: &mut Reader<'_>) -> Result<Inode> {
+        let ino = r.u64()?;
+        let (mode, uid, gid, nlink) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
+        let size = r.u64()?;
+        let mut times = [Timespec::default(); 3];
+        for t in &mut times {
+            let sec = r.u64()? as i64;
+            let nsec = r.u32()?;
+            if nsec >= 1_000_000_000 {
+                return Err(r.damage("nanoseconds out of range"));
+            }
+            *t = Timespec { sec, nsec };
+        }
+        let rdev = r.u32()?;
+        let flags = r.u32()?;
+        let tl = r.u32()? as usize;
+        let target = r.bytes(tl)?.to_vec();
+        let n = r.u32()? as usize;
+        let mut xattrs = Vec::with_capacity(n.min(1024));
+        for _ in 0..n {
+            let nl = r.u32()? as usize;
+            let name = r.bytes(nl)?.to_vec();
+            let vl = r.u32()? as usize;
+            xattrs.push((name, r.bytes(vl)?.to_vec()));
+        }
+        if FileType::from_mode(mode).is_none() {
+            return Err(r.damage("unknown file type"));
+        }
+        if !r.done() {
+            return Err(r.damage("trailing bytes"));
+        }
+        Ok(Inode {
+            ino,
+            mode,
+            uid,
+            gid,
+            nlink,
+            size,
+            atime: times[0],
+            mtime: times[1],
+            ctime: times[2],
+            rdev,
+            flags,
+            target,
+            xattrs,
+        })
+    }
+}
+
+/// What a name's key holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry {
+    /// The inode itself (a file with one name, or a directory).
+    Inode(Inode),
+    /// A name of an inode stored under its number (`h` space).
+    Link { ino: u64, mode: u32 },
+}
+
+impl Entry {
+    pub fn ino(&self) -> u64 {
+        match self {
+            Entry::Inode(i) => i.ino,
+            Entry::Link { ino, .. } => *ino,
+        }
+    }
+    pub fn kind(&self) -> FileType {
+        match self {
+            Entry::Inode(i) => i.kind(),
+            Entry::Link { mode, .. } => FileType::from_mode(*mode).unwrap_or(FileType::Regular),
+        }
+    }
+    pub fn decode(b: &[u8]) -> Result<Entry> {
+        let mut r = Reader::new(b, "entry");
+        let tag = r.u8()?;
+        if r.u8()? != VERSION {
+            return Err(r.damage("unknown version"));
+        }
+        match tag {
+            TAG_INODE => Ok(Entry::Inode(Inode::decode_body(&mut r)?)),
+            TAG_LINK => {
+                let ino = r.u64()?;
+                let mode = r.u32()?;
+                if !r.done() || FileType::from_mode(mode).is_none() {
+                    return Err(r.damage("bad link stub"));
+                }
+                Ok(Entry::Link { ino, mode })
+            }
+            _ => Err(r.damage("unknown tag")),
+        }
+    }
+    pub fn link_stub(ino: u64, mode: u32) -> Vec<u8> {
+        let mut v = vec![TAG_LINK, VERSION];
+        v.extend_from_slice(&ino.to_le_bytes());
+        v.extend_from_slice(&(mode & libc::S_IFMT).to_le_bytes());
+        v
+    }
+}
+
+/// An inode stored under its number must be a whole inode record.
+pub fn decode_inode(b: &[u8]) -> Result<Inode> {
+    match Entry::decode(b)? {
+        Entry::Inode(i) => Ok(i),
+        Entry::Link { .. } => Err(FsError::Corrupt("a link stub where an inode belongs".into())),
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    fn new(b: &'a [u8], what: &'static str) -> Reader<'a> {
+        Reader { b, at: 0, what }
+    }
+    fn damage(&self, why: &str) -> FsError {
+        FsError::Corrupt(format!("{}: {why} (byte {})", self.what, self.at))
+    }
+    fn bytes(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len());
+        match end {
+            Some(e) => {
+                let s = &self.b[self.at..e];
+                self.at = e;
+                Ok(s)
+            }
+            None => Err(self.damage("truncated")),
+        }
+    }
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.bytes(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.bytes(4)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.bytes(8)?.try_into().expect("8 bytes")))
+    }
+    fn done(&self) -> bool {
+        self.at == self.b.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_and_damage_is_an_error() {
+        let i = Inode {
+            ino: 42,
+            mode: libc::S_IFLNK | 0o777,
+            uid: 1,
+            gid: 2,
+            nlink: 1,
+            size: 3,
+            atime: Timespec { sec: -5, nsec: 7 },
+            mtime: Timespec { sec: 9, nsec: 0 },
+            ctime: Timespec { sec: 1, nsec: 999_999_999 },
+            rdev: 0,
+            flags: 0x80,
+            target: b"abc".to_vec(),
+            xattrs: vec![(b"user.x".to_vec(), b"1".to_vec())],
+        };
+        let e = i.encode();
+        assert_eq!(Entry::decode(&e).unwrap(), Entry::Inode(i.clone()));
+        for n in 0..e.len() {
+            assert!(Entry::decode(&e[..n]).is_err());
+        }
+        let s = Super { next_ino: 9, dirty: true, error: false };
+        assert_eq!(Super::decode(&s.encode()).unwrap(), s);
+        let l = Entry::link_stub(5, libc::S_IFREG | 0o644);
+        assert_eq!(Entry::decode(&l).unwrap(), Entry::Link { ino: 5, mode: libc::S_IFREG });
+        let mut bad = e.clone();
+        bad[0] = 9;
+        assert!(matches!(Entry::decode(&bad), Err(FsError::Corrupt(_))));
+    }
+}
