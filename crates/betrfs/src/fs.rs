@@ -984,18 +984,24 @@ impl Betrfs {
         Ok(Some(out))
     }
 
-    /// Into `b`: the old ranges deleted, then `list` put under the new prefix.
-    fn emit_move(&self, b: &mut Batch, from: &[u8], to: &[u8], spaces: &[u8], list: Vec<(Vec<u8>, Vec<u8>)>) -> Result<()> {
-        for &space in spaces {
-            let mut lo = vec![space];
-            lo.extend_from_slice(from);
-            b.delete_range(&lo, &keys::prefix_end(&lo));
+    /// Into `b`: every move's old ranges deleted, then its keys put under the new
+    /// prefix (all deletes first: an exchange puts keys where the other move deletes).
+    #[allow(clippy::type_complexity)]
+    fn emit_moves(&self, b: &mut Batch, moves: Vec<(&[u8], &[u8], &[u8], Vec<(Vec<u8>, Vec<u8>)>)>) -> Result<()> {
+        for (from, _, spaces, _) in &moves {
+            for &space in spaces.iter() {
+                let mut lo = vec![space];
+                lo.extend_from_slice(from);
+                b.delete_range(&lo, &keys::prefix_end(&lo));
+            }
         }
-        self.counters.keys_moved.fetch_add(list.len() as u64, Relaxed);
-        for (k, v) in list {
-            let nk = keys::rebase(&k, from, to)
-                .ok_or_else(|| FsError::Corrupt("a key outside its range".into()))?;
-            b.put(&nk, &v);
+        for (from, to, _, list) in moves {
+            self.counters.keys_moved.fetch_add(list.len() as u64, Relaxed);
+            for (k, v) in list {
+                let nk = keys::rebase(&k, from, to)
+                    .ok_or_else(|| FsError::Corrupt("a key outside its range".into()))?;
+                b.put(&nk, &v);
+            }
         }
         Ok(())
     }
@@ -1163,8 +1169,7 @@ impl Betrfs {
                 tracing::warn!("betrfs: RENAME_EXCHANGE of trees too large for one batch");
                 return Err(FsError::NotSupported);
             };
-            self.emit_move(&mut b, &sfrom, &sto, spaces, sl)?;
-            self.emit_move(&mut b, &dfrom, &dto, dspaces, dl)?;
+            self.emit_moves(&mut b, vec![(&sfrom, &sto, spaces, sl), (&dfrom, &dto, dspaces, dl)])?;
             Self::move_cached_paths(
                 &mut st,
                 &[(skey.clone(), dkey.clone(), s_dir), (dkey.clone(), skey.clone(), d_dir)],
@@ -1184,6 +1189,7 @@ impl Betrfs {
                     dp.inode.nlink = dp.inode.nlink.saturating_sub(1);
                 }
                 dst_after = Some((d.inode.ino, self.drop_name(&mut st, &mut b, &dkey, d, t)?));
+                st.by_path.remove(&dkey);
             }
             if s_dir && cross {
                 sp.inode.nlink = sp.inode.nlink.saturating_sub(1);
@@ -1193,7 +1199,7 @@ impl Betrfs {
             let small = self.collect(&sfrom, spaces, self.batch_bytes)?;
             let mut intent = None;
             match small {
-                Some(list) => self.emit_move(&mut b, &sfrom, &sto, spaces, list)?,
+                Some(list) => self.emit_moves(&mut b, vec![(&sfrom, &sto, spaces, list)])?,
                 None => {
                     let id = st.next_ino;
                     st.next_ino += 1;

@@ -7,7 +7,7 @@
 use crate::format::Inode;
 use crate::fs::{Ext2, Op, State};
 use quilt_vfs::flags::*;
-use quilt_vfs::{Ctx, FsError, Result};
+use quilt_vfs::{Ctx, Result};
 
 pub(crate) use quilt_vfs::rules::VISIBLE;
 
