@@ -172,6 +172,11 @@ pub fn probe_contents(file: &std::fs::File, path: &Path) -> Option<String> {
     if n >= 2048 && u16::from_le_bytes([b[1024 + 0x38], b[1024 + 0x39]]) == 0xEF53 {
         return Some(describe_ext(&b[1024..2048]));
     }
+    let mut t = vec![0u8; 128 << 10];
+    let n = file.read_at(&mut t, 0).unwrap_or(0);
+    if quilt_betree::probe_block_size(&t[..n]).is_some() {
+        return Some("a quiltfs Bε-tree (betrfs or a key-value store)".to_string());
+    }
     // Any other signature blkid knows (file systems, swap, partition tables).
     let out = std::process::Command::new("blkid")
         .args(["-p", "-o", "export"])

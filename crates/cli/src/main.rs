@@ -4,6 +4,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod betrfs;
 mod crashtest;
 mod demo;
 mod image;
@@ -33,8 +34,10 @@ enum Command {
     /// Drive the patch engine on an image file with a soft-updates-shaped workload and
     /// print its counters for each optimization setting.
     Demo(demo::DemoArgs),
-    /// Create an ext2 image.
+    /// Create an ext2 (default) or betrfs image.
     Mkfs(mkfs::MkfsArgs),
+    /// Check a betrfs image (exit status as e2fsck's; ext2 images go to e2fsck).
+    Fsck(betrfs::FsckArgs),
     /// Mount an image through FUSE (unmount with `umount MOUNTPOINT`).
     Mount(mount::MountArgs),
     /// Unmount and wait for the server to finish writing back (what `umount` does once
@@ -141,6 +144,10 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Demo(args) => demo::run(args).context("demo failed"),
         Command::Mkfs(a) => mkfs::run(a),
+        Command::Fsck(a) => {
+            let code = betrfs::fsck(a)?;
+            std::process::exit(code)
+        }
         Command::Mount(a) => mount::run(a),
         Command::Stats(a) => stats::run(a),
         Command::Sync { mountpoint } => mount::sync_mount(&mountpoint),

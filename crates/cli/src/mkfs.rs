@@ -30,6 +30,9 @@ pub struct MkfsArgs {
     /// 1024 blocks).
     #[arg(long, requires = "journal")]
     pub journal_size: Option<String>,
+    /// The file system: ext2 (with --journal, ext3) or betrfs (the Bε-tree file system).
+    #[arg(long = "fs", default_value = "ext2", value_parser = ["ext2", "betrfs"])]
+    pub fs: String,
     /// Overwrite a file system (or anything else blkid recognizes) already on the target.
     #[arg(long, short = 'F')]
     pub force: bool,
@@ -92,6 +95,12 @@ pub fn run(a: MkfsArgs) -> Result<()> {
         },
     )
     .with_context(|| format!("cannot open {}", a.image.display()))?;
+    if a.fs == "betrfs" {
+        if a.journal || a.inodes.is_some() {
+            bail!("--journal and --inodes are ext2 options; betrfs has its own log and no inode table");
+        }
+        return crate::betrfs::mkfs(&a.image, dev);
+    }
     let device_is_zeroed = !target.is_device;
     if !target.is_device {
         host_room_note(&a.image, bytes);

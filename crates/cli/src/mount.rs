@@ -235,10 +235,56 @@ fn background(a: &MountArgs) -> Result<()> {
 }
 
 /// Serves until unmounted: runs FUSE on this thread, the control socket on another.
+/// A module the server can serve: how it ends at unmount.
+pub trait Served: FileSystem + 'static {
+    fn finish(&self) -> quilt_vfs::Result<()>;
+}
+
+impl Served for Ext2 {
+    fn finish(&self) -> quilt_vfs::Result<()> {
+        self.engine().stop_flusher();
+        self.unmount()
+    }
+}
+
+impl Served for quilt_betrfs::Betrfs {
+    fn finish(&self) -> quilt_vfs::Result<()> {
+        self.unmount()
+    }
+}
+
+/// Opens the image in whatever format it holds.
 fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
-    let fs = Arc::new(open_fs(&a.image, &p.settings)?);
+    match crate::betrfs::detect(&a.image)? {
+        crate::betrfs::Format::Ext2 => serve_fs(a, p.clone_fuse(), Arc::new(open_fs(&a.image, &p.settings)?)),
+        crate::betrfs::Format::Tree(bs) => {
+            if !crate::betrfs::is_betrfs(&a.image, bs)? {
+                crate::betrfs::bail_not_betrfs(&a.image)?;
+            }
+            let s = &p.settings;
+            let fs = crate::betrfs::open(
+                &a.image,
+                bs,
+                quilt_betrfs::MountOptions {
+                    read_only: s.read_only,
+                    acl: s.acl,
+                    commit_interval: s.flush_interval_ms.map(std::time::Duration::from_millis),
+                },
+            )?;
+            serve_fs(a, p.clone_fuse(), Arc::new(fs))
+        }
+    }
+}
+
+impl Parsed {
+    fn clone_fuse(&self) -> FuseOptions {
+        self.fuse.clone()
+    }
+}
+
+fn serve_fs<F: Served>(a: &MountArgs, fuse_opts: FuseOptions, fs: Arc<F>) -> Result<()> {
     let (sock, _) = runtime_paths(&a.mountpoint);
-    let listener = start_control(&sock, fs.clone(), p.fuse.stats.clone())?;
+    let listener = start_control(&sock, fs.clone(), fuse_opts.stats.clone())?;
     let unmounted = Arc::new(Mutex::new(false));
     let finish = {
         let fs = fs.clone();
@@ -247,8 +293,7 @@ fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
             let mut done = unmounted.lock().unwrap_or_else(|e| e.into_inner());
             if !*done {
                 *done = true;
-                fs.engine().stop_flusher();
-                match fs.unmount() {
+                match fs.finish() {
                     Ok(()) => tracing::info!("flushed and marked clean"),
                     Err(e) => eprintln!("quiltfs: error while unmounting: {e}"),
                 }
@@ -277,7 +322,7 @@ fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
         }
     };
     let f2 = finish.clone();
-    let mut fuse = p.fuse.clone();
+    let mut fuse = fuse_opts;
     // A block-device mount (the image's loop device, or the device itself), so that
     // sync(1) and syncfs(2) reach us and umount waits for the final write-back.
     fuse.block = Some(if crate::image::is_block_device(&a.image) {
@@ -325,9 +370,9 @@ fn watch_signals(mountpoint: PathBuf) {
     }
 }
 
-fn start_control(
+fn start_control<F: Served>(
     sock: &Path,
-    fs: Arc<Ext2>,
+    fs: Arc<F>,
     requests: Arc<quilt_fuse::RequestStats>,
 ) -> Result<Arc<UnixListener>> {
     std::fs::create_dir_all(sock.parent().expect("has a parent"))?;

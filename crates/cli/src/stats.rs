@@ -17,8 +17,25 @@ pub struct StatsArgs {
 pub fn run(a: StatsArgs) -> Result<()> {
     let v = if a.target.is_dir() {
         crate::mount::query_stats(&a.target)?
-    } else if let Some(v) = crate::kv::stats_json(&a.target)? {
-        v
+    } else if let crate::betrfs::Format::Tree(bs) = crate::betrfs::detect(&a.target)? {
+        if crate::betrfs::is_betrfs(&a.target, bs)? {
+            let fs = crate::betrfs::open(
+                &a.target,
+                bs,
+                quilt_betrfs::MountOptions {
+                    read_only: true,
+                    commit_interval: None,
+                    ..Default::default()
+                },
+            )?;
+            let mut v = crate::mount::stats_json(&fs);
+            if let Some(m) = v.as_object_mut() {
+                m.insert("format".into(), "betrfs".into());
+            }
+            v
+        } else {
+            crate::kv::stats_json(&a.target)?.unwrap_or_default()
+        }
     } else {
         let fs = open_fs(
             &a.target,
