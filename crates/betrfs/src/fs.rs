@@ -24,6 +24,9 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+/// Keys with their values, in key order.
+type Kvs = Vec<(Vec<u8>, Vec<u8>)>;
+
 pub const ROOT_INO: u64 = 1;
 pub const LOST_FOUND_INO: u64 = 2;
 pub const NAME_MAX: usize = 255;
@@ -151,7 +154,9 @@ fn check_name(name: &[u8]) -> Result<()> {
         return Err(FsError::NameTooLong);
     }
     if name.is_empty() || name.contains(&0) || name.contains(&b'/') {
-        return Err(FsError::Invalid("a name is non-empty and holds no '/' or NUL"));
+        return Err(FsError::Invalid(
+            "a name is non-empty and holds no '/' or NUL",
+        ));
     }
     if name == b"." || name == b".." {
         return Err(FsError::Exists);
@@ -191,7 +196,10 @@ impl Betrfs {
         );
         b.put(&keys::meta_key(b""), &dir(ROOT_INO, 0o755, 3).encode());
         let lf = keys::child_key(b"", b"lost+found");
-        b.put(&keys::meta_key(&lf), &dir(LOST_FOUND_INO, 0o700, 2).encode());
+        b.put(
+            &keys::meta_key(&lf),
+            &dir(LOST_FOUND_INO, 0o700, 2).encode(),
+        );
         tree.write(b).map_err(io)?;
         tree.checkpoint().map_err(io)
     }
@@ -199,10 +207,9 @@ impl Betrfs {
     /// Mounts the file system on an open tree: finishes what a crash interrupted
     /// (orphans, chunked moves), then marks the image in use.
     pub fn mount(tree: Tree, opts: MountOptions) -> Result<Betrfs> {
-        let sup = tree
-            .get(keys::SUPER)
-            .map_err(io)?
-            .ok_or_else(|| FsError::Corrupt("no betrfs superblock record: not a betrfs image".into()))?;
+        let sup = tree.get(keys::SUPER).map_err(io)?.ok_or_else(|| {
+            FsError::Corrupt("no betrfs superblock record: not a betrfs image".into())
+        })?;
         let sup = Super::decode(&sup)?;
         let g = tree.geometry();
         let batch_bytes = ((g.log_blocks / 4).saturating_sub(4) as usize * g.block_size / 2)
@@ -236,7 +243,9 @@ impl Betrfs {
                 return Err(FsError::Corrupt("the root is a link stub".into()));
             };
             if !root.is_dir() || root.ino != ROOT_INO {
-                return Err(FsError::Corrupt("the root record is not directory 1".into()));
+                return Err(FsError::Corrupt(
+                    "the root record is not directory 1".into(),
+                ));
             }
             fs.insert(&mut st, Loc::Path(Vec::new()), root);
         }
@@ -291,7 +300,12 @@ impl Betrfs {
     /// Clean unmount: stops the commit thread, marks the image clean and checkpoints.
     /// Files still open stay orphans (the next mount frees them).
     pub fn unmount(&self) -> Result<()> {
-        if let Some(f) = self.flusher.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(f) = self
+            .flusher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
             *f.stop.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
             f.stop.1.notify_all();
             let _ = f.thread.join();
@@ -349,7 +363,9 @@ impl Betrfs {
             return Err(FsError::ReadOnly);
         }
         if let Some(f) = &st.failed {
-            return Err(FsError::Io(format!("the file system stopped after a failure: {f}")));
+            return Err(FsError::Io(format!(
+                "the file system stopped after a failure: {f}"
+            )));
         }
         Ok(())
     }
@@ -480,7 +496,12 @@ impl Betrfs {
         }
     }
 
-    fn lookup_in(&self, st: &mut State, parent: u64, name: &[u8]) -> Result<(Vec<u8>, Option<u64>)> {
+    fn lookup_in(
+        &self,
+        st: &mut State,
+        parent: u64,
+        name: &[u8],
+    ) -> Result<(Vec<u8>, Option<u64>)> {
         if name.len() > NAME_MAX {
             return Err(FsError::NameTooLong);
         }
@@ -609,7 +630,10 @@ impl Betrfs {
             xattrs,
         };
         let mut b = Batch::new();
-        b.put(keys::SUPER, &Self::super_record(&st, self.errored.load(Relaxed)));
+        b.put(
+            keys::SUPER,
+            &Self::super_record(&st, self.errored.load(Relaxed)),
+        );
         let loc = if tmp {
             b.put(&keys::orphan_key(ino), b"");
             Loc::Ino(ino)
@@ -638,7 +662,7 @@ impl Betrfs {
     /// The mode and ACLs of a new inode: the directory's default ACL limited by the
     /// mode (directories keep it as theirs), or the umask without one. Symlinks take
     /// neither.
-    fn mode_for_new(&self, dir: &Inode, mode: u32, umask: u32) -> Result<(u32, Vec<(Vec<u8>, Vec<u8>)>)> {
+    fn mode_for_new(&self, dir: &Inode, mode: u32, umask: u32) -> Result<(u32, Kvs)> {
         if mode & libc::S_IFMT == libc::S_IFLNK {
             return Ok((mode, Vec::new()));
         }
@@ -732,7 +756,13 @@ impl Betrfs {
     /// Moves a file stored under its path to its number (the `h`/`e` spaces), with
     /// `extra` more names than it has now. Small files move in batch `b`; a larger one
     /// first copies its data in chunks under an intent, then `b` switches over.
-    fn to_inode_space(&self, st: &mut State, b: &mut Batch, n: &mut Node, extra: u32) -> Result<()> {
+    fn to_inode_space(
+        &self,
+        st: &mut State,
+        b: &mut Batch,
+        n: &mut Node,
+        extra: u32,
+    ) -> Result<()> {
         let Loc::Path(path) = n.loc.clone() else {
             return Ok(());
         };
@@ -966,7 +996,7 @@ impl Betrfs {
     }
 
     /// Every key under `prefix` in `spaces`, or `None` past `limit` bytes.
-    fn collect(&self, prefix: &[u8], spaces: &[u8], limit: usize) -> Result<Option<Vec<(Vec<u8>, Vec<u8>)>>> {
+    fn collect(&self, prefix: &[u8], spaces: &[u8], limit: usize) -> Result<Option<Kvs>> {
         let mut out = Vec::new();
         let mut bytes = 0usize;
         for &space in spaces {
@@ -987,7 +1017,7 @@ impl Betrfs {
     /// Into `b`: every move's old ranges deleted, then its keys put under the new
     /// prefix (all deletes first: an exchange puts keys where the other move deletes).
     #[allow(clippy::type_complexity)]
-    fn emit_moves(&self, b: &mut Batch, moves: Vec<(&[u8], &[u8], &[u8], Vec<(Vec<u8>, Vec<u8>)>)>) -> Result<()> {
+    fn emit_moves(&self, b: &mut Batch, moves: Vec<(&[u8], &[u8], &[u8], Kvs)>) -> Result<()> {
         for (from, _, spaces, _) in &moves {
             for &space in spaces.iter() {
                 let mut lo = vec![space];
@@ -996,7 +1026,9 @@ impl Betrfs {
             }
         }
         for (from, to, _, list) in moves {
-            self.counters.keys_moved.fetch_add(list.len() as u64, Relaxed);
+            self.counters
+                .keys_moved
+                .fetch_add(list.len() as u64, Relaxed);
             for (k, v) in list {
                 let nk = keys::rebase(&k, from, to)
                     .ok_or_else(|| FsError::Corrupt("a key outside its range".into()))?;
@@ -1009,7 +1041,13 @@ impl Betrfs {
     /// Moves every key under `from` to `to` in chunks, each one batch (puts of the new
     /// keys and deletes of the old). An intent naming the move was committed before;
     /// after a crash, mount finishes the move (`recover`).
-    pub(crate) fn move_chunked(&self, st: &mut State, from: &[u8], to: &[u8], spaces: &[u8]) -> Result<()> {
+    pub(crate) fn move_chunked(
+        &self,
+        st: &mut State,
+        from: &[u8],
+        to: &[u8],
+        spaces: &[u8],
+    ) -> Result<()> {
         for &space in spaces {
             let mut lo = vec![space];
             lo.extend_from_slice(from);
@@ -1031,7 +1069,9 @@ impl Betrfs {
                 if b.ops.is_empty() {
                     break;
                 }
-                self.counters.keys_moved.fetch_add(b.ops.len() as u64 / 2, Relaxed);
+                self.counters
+                    .keys_moved
+                    .fetch_add(b.ops.len() as u64 / 2, Relaxed);
                 self.commit(st, b)?;
             }
         }
@@ -1169,10 +1209,16 @@ impl Betrfs {
                 tracing::warn!("betrfs: RENAME_EXCHANGE of trees too large for one batch");
                 return Err(FsError::NotSupported);
             };
-            self.emit_moves(&mut b, vec![(&sfrom, &sto, spaces, sl), (&dfrom, &dto, dspaces, dl)])?;
+            self.emit_moves(
+                &mut b,
+                vec![(&sfrom, &sto, spaces, sl), (&dfrom, &dto, dspaces, dl)],
+            )?;
             Self::move_cached_paths(
                 &mut st,
-                &[(skey.clone(), dkey.clone(), s_dir), (dkey.clone(), skey.clone(), d_dir)],
+                &[
+                    (skey.clone(), dkey.clone(), s_dir),
+                    (dkey.clone(), skey.clone(), d_dir),
+                ],
             );
             s.loc = st.nodes.get(&src).map_or(s.loc, |n| n.loc.clone());
             d.loc = st.nodes.get(&d.inode.ino).map_or(d.loc, |n| n.loc.clone());
@@ -1205,7 +1251,10 @@ impl Betrfs {
                     st.next_ino += 1;
                     let mut k = vec![keys::RENAME];
                     k.extend_from_slice(&id.to_be_bytes());
-                    b.put(keys::SUPER, &Self::super_record(&st, self.errored.load(Relaxed)));
+                    b.put(
+                        keys::SUPER,
+                        &Self::super_record(&st, self.errored.load(Relaxed)),
+                    );
                     b.put(&k, &crate::recover::intent(&sfrom, &sto, spaces));
                     intent = Some(k);
                 }
@@ -1231,7 +1280,10 @@ impl Betrfs {
                     target: Vec::new(),
                     xattrs: Vec::new(),
                 };
-                b.put(keys::SUPER, &Self::super_record(&st, self.errored.load(Relaxed)));
+                b.put(
+                    keys::SUPER,
+                    &Self::super_record(&st, self.errored.load(Relaxed)),
+                );
                 b.put(&keys::meta_key(&skey), &w.encode());
             }
             match dst_after {
@@ -1271,7 +1323,16 @@ impl Betrfs {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn finish_parents(&self, st: &mut State, b: &mut Batch, s: &mut Node, sp: &mut Node, dp: &mut Node, t: Timespec, cross: bool) {
+    fn finish_parents(
+        &self,
+        st: &mut State,
+        b: &mut Batch,
+        s: &mut Node,
+        sp: &mut Node,
+        dp: &mut Node,
+        t: Timespec,
+        cross: bool,
+    ) {
         if !cross {
             // One directory: what happened to the target's side counts for it.
             sp.inode.nlink = dp.inode.nlink;
@@ -1282,8 +1343,14 @@ impl Betrfs {
         dp.inode.ctime = t;
         // Paths may have moved under the parents' own records (an exchange of a
         // directory above one of them).
-        sp.loc = st.nodes.get(&sp.inode.ino).map_or(sp.loc.clone(), |n| n.loc.clone());
-        dp.loc = st.nodes.get(&dp.inode.ino).map_or(dp.loc.clone(), |n| n.loc.clone());
+        sp.loc = st
+            .nodes
+            .get(&sp.inode.ino)
+            .map_or(sp.loc.clone(), |n| n.loc.clone());
+        dp.loc = st
+            .nodes
+            .get(&dp.inode.ino)
+            .map_or(dp.loc.clone(), |n| n.loc.clone());
         if let Loc::Ino(_) = s.loc {
             Self::put_inode(b, s);
         }
@@ -1294,7 +1361,17 @@ impl Betrfs {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn store_nodes(&self, st: &mut State, src: u64, s: Node, parent: u64, sp: Node, new_parent: u64, dp: Node, cross: bool) {
+    fn store_nodes(
+        &self,
+        st: &mut State,
+        src: u64,
+        s: Node,
+        parent: u64,
+        sp: Node,
+        new_parent: u64,
+        dp: Node,
+        cross: bool,
+    ) {
         if cross {
             st.nodes.insert(new_parent, dp);
         }
@@ -1419,7 +1496,9 @@ impl FileSystem for Betrfs {
     fn mknod(&self, parent: Ino, name: &[u8], mode: u32, rdev: u32, ctx: &Ctx) -> Result<Attr> {
         match FileType::from_mode(mode) {
             Some(FileType::Directory) | Some(FileType::Symlink) | None => {
-                return Err(FsError::Invalid("mknod of a directory, symlink or unknown type"))
+                return Err(FsError::Invalid(
+                    "mknod of a directory, symlink or unknown type",
+                ))
             }
             _ => {}
         }
@@ -1428,12 +1507,28 @@ impl FileSystem for Betrfs {
     }
 
     fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
-        let r = self.create(parent, name, libc::S_IFDIR | (mode & 0o7777), 0, b"", ctx, false);
+        let r = self.create(
+            parent,
+            name,
+            libc::S_IFDIR | (mode & 0o7777),
+            0,
+            b"",
+            ctx,
+            false,
+        );
         self.checked(r)
     }
 
     fn tmpfile(&self, parent: Ino, mode: u32, ctx: &Ctx) -> Result<Attr> {
-        let r = self.create(parent, b"", libc::S_IFREG | (mode & 0o7777), 0, b"", ctx, true);
+        let r = self.create(
+            parent,
+            b"",
+            libc::S_IFREG | (mode & 0o7777),
+            0,
+            b"",
+            ctx,
+            true,
+        );
         self.checked(r)
     }
 
@@ -1660,7 +1755,10 @@ impl FileSystem for Betrfs {
             let present: std::collections::HashSet<u64> = {
                 let prefix = n.loc.data_prefix();
                 let mut s = std::collections::HashSet::new();
-                for kv in self.tree.range(&n.loc.data_key(first), Some(&n.loc.data_key(last))) {
+                for kv in self
+                    .tree
+                    .range(&n.loc.data_key(first), Some(&n.loc.data_key(last)))
+                {
                     let (k, _) = kv.map_err(io)?;
                     if let Some(blk) = keys::block_of(&prefix, &k) {
                         s.insert(blk);
@@ -1876,7 +1974,14 @@ impl FileSystem for Betrfs {
         self.tree.checkpoint().map_err(io)
     }
 
-    fn setxattr(&self, ino: Ino, name: &[u8], value: &[u8], f: XattrFlags, ctx: &Ctx) -> Result<()> {
+    fn setxattr(
+        &self,
+        ino: Ino,
+        name: &[u8],
+        value: &[u8],
+        f: XattrFlags,
+        ctx: &Ctx,
+    ) -> Result<()> {
         self.set_xattr(ino, name, Some(value), f, ctx)
     }
 

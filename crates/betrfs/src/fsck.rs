@@ -135,7 +135,9 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
                     Ok(i) if i.ino == ino => {
                         inodes.insert(ino, i);
                     }
-                    Ok(i) => r.problems.push(format!("inode {ino} records number {}", i.ino)),
+                    Ok(i) => r
+                        .problems
+                        .push(format!("inode {ino} records number {}", i.ino)),
                     Err(e) => r.problems.push(format!("inode {ino}: {e}")),
                 }
             }
@@ -148,8 +150,10 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
         }
     }
     if !markers.is_empty() {
-        r.problems
-            .push(format!("{} intent records left after recovery", markers.len()));
+        r.problems.push(format!(
+            "{} intent records left after recovery",
+            markers.len()
+        ));
     }
     let Some(sup) = sup else {
         r.problems.push("no superblock record".into());
@@ -165,7 +169,9 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
     let mut stubs: HashMap<u64, u32> = HashMap::new();
     match names.get(&Vec::new()) {
         Some(Entry::Inode(i)) if i.is_dir() && i.ino == crate::ROOT_INO => {}
-        _ => r.problems.push("the root is missing or not directory 1".into()),
+        _ => r
+            .problems
+            .push("the root is missing or not directory 1".into()),
     }
     for (path, e) in &names {
         if !path.is_empty() {
@@ -192,8 +198,11 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
                     ));
                 }
                 if let Some(other) = seen.insert(i.ino, show(path)) {
-                    r.problems
-                        .push(format!("inode {} named twice: {other} and {}", i.ino, show(path)));
+                    r.problems.push(format!(
+                        "inode {} named twice: {other} and {}",
+                        i.ino,
+                        show(path)
+                    ));
                 }
                 if i.nlink != 1 && !i.is_dir() {
                     r.problems.push(format!(
@@ -245,11 +254,13 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
     // Inodes under their numbers: one per stub.
     for (ino, i) in &inodes {
         if let Some(other) = seen.insert(*ino, format!("inode {ino}")) {
-            r.problems
-                .push(format!("inode {ino} is both under its number and at {other}"));
+            r.problems.push(format!(
+                "inode {ino} is both under its number and at {other}"
+            ));
         }
         if i.is_dir() {
-            r.problems.push(format!("inode {ino}: a directory under its number"));
+            r.problems
+                .push(format!("inode {ino}: a directory under its number"));
         }
         let n = stubs.get(ino).copied().unwrap_or(0);
         if n == 0 {
@@ -263,10 +274,8 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
             j.nlink = 1;
             fix.put(&keys::inode_key(*ino), &j.encode());
         } else if i.nlink != n {
-            r.problems.push(format!(
-                "inode {ino}: link count {}, {n} names",
-                i.nlink
-            ));
+            r.problems
+                .push(format!("inode {ino}: link count {}, {n} names", i.nlink));
             let mut j = i.clone();
             j.nlink = n;
             fix.put(&keys::inode_key(*ino), &j.encode());

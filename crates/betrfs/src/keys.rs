@@ -251,7 +251,8 @@ mod tests {
                 }
             }
         }
-        let mut keys: Vec<(Vec<u8>, Vec<&[u8]>)> = all.iter().map(|p| (key(p), p.clone())).collect();
+        let mut keys: Vec<(Vec<u8>, Vec<&[u8]>)> =
+            all.iter().map(|p| (key(p), p.clone())).collect();
         keys.sort();
         for (k, p) in &keys {
             assert!(valid_key(k), "{p:?}");
@@ -264,20 +265,35 @@ mod tests {
             let prefix = dir_prefix(dk);
             let kids = child_key(&prefix, b"");
             // Subtree: exactly the keys starting with the prefix, one contiguous run.
-            let inside: Vec<bool> = keys.iter().map(|(_, p)| p.len() > d.len() && p[..d.len()] == d[..]).collect();
+            let inside: Vec<bool> = keys
+                .iter()
+                .map(|(_, p)| p.len() > d.len() && p[..d.len()] == d[..])
+                .collect();
             let by_prefix: Vec<bool> = keys.iter().map(|(k, _)| k.starts_with(&prefix)).collect();
             assert_eq!(inside, by_prefix, "subtree of {d:?}");
             let first = inside.iter().position(|&b| b);
             let last = inside.iter().rposition(|&b| b);
             if let (Some(f), Some(l)) = (first, last) {
-                assert!(inside[f..=l].iter().all(|&b| b), "subtree of {d:?} not contiguous");
+                assert!(
+                    inside[f..=l].iter().all(|&b| b),
+                    "subtree of {d:?} not contiguous"
+                );
             }
             // Children: exactly the keys starting with prefix 0, contiguous.
-            let child: Vec<bool> = keys.iter().map(|(_, p)| p.len() == d.len() + 1 && p[..d.len()] == d[..]).collect();
+            let child: Vec<bool> = keys
+                .iter()
+                .map(|(_, p)| p.len() == d.len() + 1 && p[..d.len()] == d[..])
+                .collect();
             let by_kids: Vec<bool> = keys.iter().map(|(k, _)| k.starts_with(&kids)).collect();
             assert_eq!(child, by_kids, "children of {d:?}");
-            if let (Some(f), Some(l)) = (child.iter().position(|&b| b), child.iter().rposition(|&b| b)) {
-                assert!(child[f..=l].iter().all(|&b| b), "children of {d:?} not contiguous");
+            if let (Some(f), Some(l)) = (
+                child.iter().position(|&b| b),
+                child.iter().rposition(|&b| b),
+            ) {
+                assert!(
+                    child[f..=l].iter().all(|&b| b),
+                    "children of {d:?} not contiguous"
+                );
             }
         }
     }

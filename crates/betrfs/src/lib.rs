@@ -19,8 +19,8 @@
 //! fs.unmount().unwrap();
 //! ```
 
-pub mod fsck;
 mod fs;
+pub mod fsck;
 pub mod keys;
 pub mod record;
 mod recover;
@@ -40,7 +40,10 @@ pub fn tree_options(block_size: usize, blocks: u64) -> Options {
         o.node_bytes = (64 << 10).max(block_size * 8);
     }
     o.log_blocks = o.log_blocks.min(blocks / 8).max(64);
-    o.dirty_bytes = o.dirty_bytes.min((bytes / 8) as usize).max(o.node_bytes * 4);
+    o.dirty_bytes = o
+        .dirty_bytes
+        .min((bytes / 8) as usize)
+        .max(o.node_bytes * 4);
     o
 }
 

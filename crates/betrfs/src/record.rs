@@ -35,7 +35,9 @@ impl Super {
     pub fn decode(b: &[u8]) -> Result<Super> {
         let mut r = Reader::new(b, "superblock record");
         if r.u8()? != TAG_SUPER || r.u8()? != VERSION || r.bytes(8)? != MAGIC {
-            return Err(FsError::Corrupt("the superblock record has a wrong tag, version or magic".into()));
+            return Err(FsError::Corrupt(
+                "the superblock record has a wrong tag, version or magic".into(),
+            ));
         }
         let next_ino = r.u64()?;
         let f = r.u8()?;
@@ -224,7 +226,9 @@ impl Entry {
 pub fn decode_inode(b: &[u8]) -> Result<Inode> {
     match Entry::decode(b)? {
         Entry::Inode(i) => Ok(i),
-        Entry::Link { .. } => Err(FsError::Corrupt("a link stub where an inode belongs".into())),
+        Entry::Link { .. } => Err(FsError::Corrupt(
+            "a link stub where an inode belongs".into(),
+        )),
     }
 }
 
@@ -256,10 +260,14 @@ impl<'a> Reader<'a> {
         Ok(self.bytes(1)?[0])
     }
     fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.bytes(4)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.bytes(4)?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.bytes(8)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.bytes(8)?.try_into().expect("8 bytes"),
+        ))
     }
     fn done(&self) -> bool {
         self.at == self.b.len()
@@ -281,7 +289,10 @@ mod tests {
             size: 3,
             atime: Timespec { sec: -5, nsec: 7 },
             mtime: Timespec { sec: 9, nsec: 0 },
-            ctime: Timespec { sec: 1, nsec: 999_999_999 },
+            ctime: Timespec {
+                sec: 1,
+                nsec: 999_999_999,
+            },
             rdev: 0,
             flags: 0x80,
             target: b"abc".to_vec(),
@@ -292,10 +303,20 @@ mod tests {
         for n in 0..e.len() {
             assert!(Entry::decode(&e[..n]).is_err());
         }
-        let s = Super { next_ino: 9, dirty: true, error: false };
+        let s = Super {
+            next_ino: 9,
+            dirty: true,
+            error: false,
+        };
         assert_eq!(Super::decode(&s.encode()).unwrap(), s);
         let l = Entry::link_stub(5, libc::S_IFREG | 0o644);
-        assert_eq!(Entry::decode(&l).unwrap(), Entry::Link { ino: 5, mode: libc::S_IFREG });
+        assert_eq!(
+            Entry::decode(&l).unwrap(),
+            Entry::Link {
+                ino: 5,
+                mode: libc::S_IFREG
+            }
+        );
         let mut bad = e.clone();
         bad[0] = 9;
         assert!(matches!(Entry::decode(&bad), Err(FsError::Corrupt(_))));

@@ -29,15 +29,14 @@ pub fn decode_intent(v: &[u8]) -> Result<(Vec<u8>, Vec<u8>, Vec<u8>)> {
     }
     let (spaces, rest) = rest.split_at(n as usize);
     let take = |r: &[u8]| -> Result<(Vec<u8>, usize)> {
-        let len = u32::from_le_bytes(r.get(..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
+        let len =
+            u32::from_le_bytes(r.get(..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
         let b = r.get(4..4 + len).ok_or_else(bad)?;
         Ok((b.to_vec(), 4 + len))
     };
     let (from, used) = take(rest)?;
     let (to, used2) = take(&rest[used..])?;
-    if used + used2 != rest.len()
-        || spaces.iter().any(|s| *s != keys::META && *s != keys::DATA)
-    {
+    if used + used2 != rest.len() || spaces.iter().any(|s| *s != keys::META && *s != keys::DATA) {
         return Err(bad());
     }
     Ok((from, to, spaces.to_vec()))
@@ -69,7 +68,11 @@ pub(crate) fn recover(fs: &Betrfs) -> Result<()> {
                 .ok_or_else(|| FsError::Corrupt("a damaged orphan key".into()))?,
         );
         let mut b = Batch::new();
-        match fs.tree.get(&keys::inode_key(ino)).map_err(|e| FsError::Corrupt(e.to_string()))? {
+        match fs
+            .tree
+            .get(&keys::inode_key(ino))
+            .map_err(|e| FsError::Corrupt(e.to_string()))?
+        {
             Some(v) => {
                 let i = record::decode_inode(&v)?;
                 if i.nlink == 0 {

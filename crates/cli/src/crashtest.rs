@@ -5,15 +5,17 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct CrashtestArgs {
-    /// What to explore: ext2 (the file system, in --mode) or betree (the Bε-tree
-    /// key-value store: recovery must yield every synced batch and a prefix of the rest).
+    /// What to explore: ext2 (the file system, in --mode), betrfs (the Bε-tree file
+    /// system: every state must recover, pass quiltfs fsck and keep every fsync and
+    /// synced patchgroup), or betree (the Bε-tree key-value store: recovery must yield
+    /// every synced batch and a prefix of the rest).
     #[arg(long, default_value = "ext2")]
     pub fs: String,
     /// Consistency mode of ext2: soft-updates, meta-journal, full-journal or async.
     #[arg(long, required_if_eq("fs", "ext2"))]
     pub mode: Option<quilt_ext2::Mode>,
-    /// betree only: the control run, which claims syncs it never makes (the oracle must
-    /// find lost batches).
+    /// betree and betrfs only: the control run, which claims syncs it never makes (the
+    /// oracle must find lost batches, broken fsync promises).
     #[arg(long)]
     pub lying: bool,
     /// Workload: ace (every sequence of 1-3 operations), untar, rmrf, postmark, mail (a
@@ -40,11 +42,12 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
     if a.states == 0 {
         bail!("--states must be at least 1");
     }
-    let mode = match (a.fs.as_str(), a.mode) {
+    let (mode, betrfs) = match (a.fs.as_str(), a.mode) {
         ("betree", _) => return run_betree(&a),
-        ("ext2", Some(m)) => m,
+        ("betrfs", _) => (quilt_ext2::Mode::SoftUpdates, true),
+        ("ext2", Some(m)) => (m, false),
         ("ext2", None) => bail!("--mode is required for ext2"),
-        (fs, _) => bail!("unknown --fs {fs}: ext2 or betree"),
+        (fs, _) => bail!("unknown --fs {fs}: ext2, betrfs or betree"),
     };
     if std::process::Command::new("e2fsck")
         .arg("-V")
@@ -55,6 +58,8 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
     }
     let cfg = quilt_crashtest::Config {
         mode,
+        betrfs,
+        lying: a.lying,
         workload: a.workload.clone(),
         states: a.states,
         seed: a.seed,
@@ -100,6 +105,22 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
         println!("  report: {}", p.display());
     }
     match mode {
+        _ if betrfs && a.lying => {
+            if r.with_violations == 0 {
+                bail!("the lying control broke no promise in {} states: the oracle cannot see a lost fsync", r.states_checked);
+            }
+            println!(
+                "  control: {} of {} states break promises, as they must when syncs lie",
+                r.with_violations, r.states_checked
+            );
+            Ok(())
+        }
+        _ if betrfs && r.with_violations > 0 => bail!(
+            "{} of {} crash states of betrfs break its guarantees",
+            r.with_violations,
+            r.states_checked
+        ),
+        _ if betrfs => Ok(()),
         quilt_ext2::Mode::Async => {
             if r.with_violations == 0 {
                 println!("  note: async left no violation in these states; a workload that reorders more would show them");

@@ -256,7 +256,9 @@ impl Served for quilt_betrfs::Betrfs {
 /// Opens the image in whatever format it holds.
 fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
     match crate::betrfs::detect(&a.image)? {
-        crate::betrfs::Format::Ext2 => serve_fs(a, p.clone_fuse(), Arc::new(open_fs(&a.image, &p.settings)?)),
+        crate::betrfs::Format::Ext2 => {
+            serve_fs(a, p.clone_fuse(), Arc::new(open_fs(&a.image, &p.settings)?))
+        }
         crate::betrfs::Format::Tree(bs) => {
             if !crate::betrfs::is_betrfs(&a.image, bs)? {
                 crate::betrfs::bail_not_betrfs(&a.image)?;

@@ -44,8 +44,8 @@
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
-use quilt_block::MemDevice;
 use quilt_betrfs::Betrfs;
+use quilt_block::MemDevice;
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
 use quilt_vfs::{

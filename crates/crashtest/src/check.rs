@@ -224,38 +224,7 @@ pub fn check_state(
     };
     // Persistence: every promise nothing later touched must hold.
     match mount(&recovered, Mode::Async, true) {
-        Ok((_, fs)) => {
-            for p in promises {
-                out.promises_checked += 1;
-                let got = resolve(&fs, &p.path).and_then(|i| state_of(&fs, i));
-                let ok = match (&p.expect, &got) {
-                    (Expect::File(want), Some(Expect::File(g))) => want == g,
-                    (Expect::Dir(want), Some(Expect::Dir(g))) => want == g,
-                    _ => false,
-                };
-                if !ok {
-                    let what = match (&p.expect, &got) {
-                        (_, None) => "is missing".to_string(),
-                        (Expect::File(w), Some(Expect::File(g))) => {
-                            format!("has {} bytes, not the {} fsynced", g.len(), w.len())
-                        }
-                        (Expect::Dir(w), Some(Expect::Dir(g))) => format!(
-                            "lists {:?}, not the fsynced {:?}",
-                            g.iter().take(6).collect::<Vec<_>>(),
-                            w.iter().take(6).collect::<Vec<_>>()
-                        ),
-                        _ => "changed kind".to_string(),
-                    };
-                    violation(format!("/{} ({}) {what}", p.path, p.mark), &mut out);
-                }
-            }
-            for inv in invariants {
-                out.promises_checked += 1;
-                if let Some(what) = broken(&fs, inv) {
-                    violation(what, &mut out);
-                }
-            }
-        }
+        Ok((_, fs)) => check_promises(&fs, promises, invariants, &mut out),
         Err(e) => violation(format!("the crash state does not mount: {e}"), &mut out),
     }
     out.violations = out
@@ -266,8 +235,93 @@ pub fn check_state(
     out
 }
 
+/// Every promise and invariant against the recovered file system `fs`.
+fn check_promises(
+    fs: &dyn FileSystem,
+    promises: &[&Promise],
+    invariants: &[Invariant],
+    out: &mut Outcome,
+) {
+    let violation = |what: String, out: &mut Outcome| {
+        out.problems.push(Problem {
+            what,
+            verdict: Verdict::Violation,
+        });
+    };
+    for p in promises {
+        out.promises_checked += 1;
+        let got = resolve(fs, &p.path).and_then(|i| state_of(fs, i));
+        let ok = match (&p.expect, &got) {
+            (Expect::File(want), Some(Expect::File(g))) => want == g,
+            (Expect::Dir(want), Some(Expect::Dir(g))) => want == g,
+            _ => false,
+        };
+        if !ok {
+            let what = match (&p.expect, &got) {
+                (_, None) => "is missing".to_string(),
+                (Expect::File(w), Some(Expect::File(g))) => {
+                    format!("has {} bytes, not the {} fsynced", g.len(), w.len())
+                }
+                (Expect::Dir(w), Some(Expect::Dir(g))) => format!(
+                    "lists {:?}, not the fsynced {:?}",
+                    g.iter().take(6).collect::<Vec<_>>(),
+                    w.iter().take(6).collect::<Vec<_>>()
+                ),
+                _ => "changed kind".to_string(),
+            };
+            violation(format!("/{} ({}) {what}", p.path, p.mark), out);
+        }
+    }
+    for inv in invariants {
+        out.promises_checked += 1;
+        if let Some(what) = broken(fs, inv) {
+            violation(what, out);
+        }
+    }
+}
+
+/// Checks a betrfs crash state: it must mount (log replay, then what recovery
+/// finishes), `quiltfs fsck` must find nothing, and every promise and invariant must
+/// hold. betrfs has one mode: every operation is atomic and the log is one sequence, so
+/// nothing is merely "allowed".
+pub fn check_betrfs_state(img: &[u8], promises: &[&Promise], invariants: &[Invariant]) -> Outcome {
+    let mut out = Outcome::default();
+    let violation = |what: String, out: &mut Outcome| {
+        out.problems.push(Problem {
+            what,
+            verdict: Verdict::Violation,
+        });
+    };
+    let dev = match MemDevice::from_bytes(4096, img) {
+        Ok(d) => Arc::new(d),
+        Err(e) => {
+            violation(format!("building the state: {e}"), &mut out);
+            out.violations = 1;
+            return out;
+        }
+    };
+    match quilt_betrfs::fsck::fsck(dev.clone(), false) {
+        Ok(r) => {
+            for p in r.problems {
+                violation(format!("fsck: {p}"), &mut out);
+            }
+        }
+        Err(e) => violation(format!("fsck cannot mount the state: {e}"), &mut out),
+    }
+    let opts = quilt_betrfs::MountOptions {
+        commit_interval: None,
+        ..Default::default()
+    };
+    match quilt_betrfs::Betrfs::open(dev, opts) {
+        Ok(fs) => check_promises(&fs, promises, invariants, &mut out),
+        Err(e) => violation(format!("the crash state does not mount: {e}"), &mut out),
+    }
+    out.violations = out.problems.len();
+    out
+}
+
 /// How `inv` is broken in `fs`, if it is.
-fn broken(fs: &Ext2, inv: &Invariant) -> Option<String> {
+fn broken(fs: &dyn FileSystem, inv: &Invariant) -> Option<String> {
     match inv {
         Invariant::Moved {
             stem,
@@ -311,7 +365,7 @@ fn broken(fs: &Ext2, inv: &Invariant) -> Option<String> {
     }
 }
 
-fn resolve(fs: &Ext2, path: &str) -> Option<u64> {
+fn resolve(fs: &dyn FileSystem, path: &str) -> Option<u64> {
     crate::workload::resolve(fs, path).ok()
 }
 

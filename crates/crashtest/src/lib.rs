@@ -17,6 +17,7 @@
 
 pub mod check;
 pub mod kv;
+pub mod lying;
 pub mod states;
 pub mod workload;
 
@@ -24,6 +25,7 @@ use check::{Outcome, Verdict};
 use quilt_block::{MemDevice, RecordingDevice};
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
+use quilt_vfs::FileSystem;
 use states::CrashState;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -38,7 +40,13 @@ pub const WORKLOADS: [&str; 5] = ["ace", "untar", "rmrf", "postmark", "mail"];
 
 #[derive(Debug, Clone)]
 pub struct Config {
+    /// ext2's consistency mode (ignored for betrfs).
     pub mode: Mode,
+    /// Explore betrfs instead of ext2.
+    pub betrfs: bool,
+    /// betrfs only: the control run, whose fsync, sync and patchgroup syncs make
+    /// nothing durable (`lying::Lying`): the oracle must find broken promises.
+    pub lying: bool,
     pub workload: String,
     /// At most this many states are checked in all (sampled evenly).
     pub states: usize,
@@ -120,7 +128,7 @@ pub struct Report {
 }
 
 /// What a run does to a fresh image before recording starts.
-type Setup = Box<dyn Fn(&Ext2) -> Result<(), String> + Send + Sync>;
+type Setup = Box<dyn Fn(&dyn FileSystem) -> Result<(), String> + Send + Sync>;
 
 /// A workload run: its name, and how to set up and drive it.
 struct RunSpec {
@@ -227,8 +235,21 @@ fn engine(dev: Arc<dyn quilt_block::BlockDevice>) -> Engine {
 
 /// The image a run starts from: fresh, with a journal in the journal modes, and the
 /// workload's setup made durable by a clean unmount.
-fn base_image(mode: Mode, setup: &dyn Fn(&Ext2) -> Result<(), String>) -> Result<Vec<u8>, String> {
+fn base_image(
+    cfg: &Config,
+    setup: &dyn Fn(&dyn FileSystem) -> Result<(), String>,
+) -> Result<Vec<u8>, String> {
+    let mode = cfg.mode;
     let dev = Arc::new(MemDevice::new(BS, BLOCKS).map_err(|e| e.to_string())?);
+    if cfg.betrfs {
+        quilt_betrfs::mkfs(dev.clone()).map_err(|e| format!("mkfs: {e}"))?;
+        let fs =
+            quilt_betrfs::Betrfs::open(dev.clone(), betrfs_options()).map_err(|e| e.to_string())?;
+        setup(&fs)?;
+        fs.unmount().map_err(|e| e.to_string())?;
+        drop(fs);
+        return Ok(dev.to_vec());
+    }
     mkfs(
         &engine(dev.clone()),
         &MkfsOptions {
@@ -258,10 +279,39 @@ struct Recorded {
     invariants: Vec<workload::Invariant>,
 }
 
-fn record(mode: Mode, spec: &RunSpec) -> Result<Recorded, String> {
-    let base = base_image(mode, &*spec.setup)?;
+/// betrfs as the explorer mounts it: no periodic commit (the run is deterministic).
+fn betrfs_options() -> quilt_betrfs::MountOptions {
+    quilt_betrfs::MountOptions {
+        commit_interval: None,
+        ..Default::default()
+    }
+}
+
+fn record(cfg: &Config, spec: &RunSpec) -> Result<Recorded, String> {
+    let mode = cfg.mode;
+    let base = base_image(cfg, &*spec.setup)?;
     let mem = Arc::new(MemDevice::from_bytes(BS, &base).map_err(|e| e.to_string())?);
     let rec = Arc::new(RecordingDevice::new(mem, 1 << 30));
+    if cfg.betrfs {
+        let fs = quilt_betrfs::Betrfs::open(rec.clone(), betrfs_options())
+            .map_err(|e| format!("mount: {e}"))?;
+        let (promises, touched, invariants) = {
+            let liar = lying::Lying(&fs);
+            let target: &dyn FileSystem = if cfg.lying { &liar } else { &fs };
+            let mut r = Recorder::new(rec.as_ref(), target);
+            (spec.body)(&mut r);
+            (r.promises, r.touched, r.invariants)
+        };
+        let log = rec.take_log();
+        drop(fs);
+        return Ok(Recorded {
+            base,
+            log,
+            promises,
+            touched,
+            invariants,
+        });
+    }
     let fs = Ext2::open(
         engine(rec.clone()),
         MountOptions {
@@ -340,7 +390,11 @@ pub fn run(cfg: &Config, mut progress: impl FnMut(usize, usize, &str)) -> Result
         std::env::temp_dir()
     };
     let mut report = Report {
-        mode: cfg.mode.to_string(),
+        mode: if cfg.betrfs {
+            "betrfs".into()
+        } else {
+            cfg.mode.to_string()
+        },
         workload: cfg.workload.clone(),
         seed: cfg.seed,
         runs: specs.len(),
@@ -420,7 +474,7 @@ fn explore(
     kept: &mut usize,
     progress: &mut impl FnMut(usize, usize, &str),
 ) -> Result<(), String> {
-    let rec = record(cfg.mode, spec)?;
+    let rec = record(cfg, spec)?;
     report.operations += rec.touched.len();
     let all = states::generate(&rec.log, rng);
     report.states_generated += all.len();
@@ -433,7 +487,7 @@ fn explore(
     };
     // In slices, so the progress estimate moves within long runs too.
     for slice in chosen.chunks(32) {
-        outcomes.extend(check_all(cfg.mode, &rec, slice, tmp));
+        outcomes.extend(check_all(cfg, &rec, slice, tmp));
         let checked = base + outcomes.len();
         progress(checked, estimate(checked), &spec.name);
     }
@@ -525,7 +579,7 @@ fn promises_at(rec: &Recorded, len: usize) -> Vec<&workload::Promise> {
 
 /// Checks `states` on two threads (e2fsck runs as a separate process).
 fn check_all(
-    mode: Mode,
+    cfg: &Config,
     rec: &Recorded,
     states: &[CrashState],
     tmp: &std::path::Path,
@@ -555,7 +609,11 @@ fn check_all(
                 }
             }
         }
-        check::check_state(&img, mode, &relevant, &rec.invariants, tmp)
+        if cfg.betrfs {
+            check::check_betrfs_state(&img, &relevant, &rec.invariants)
+        } else {
+            check::check_state(&img, cfg.mode, &relevant, &rec.invariants, tmp)
+        }
     };
     let half = states.len().div_ceil(2);
     std::thread::scope(|sc| {

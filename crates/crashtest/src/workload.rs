@@ -6,7 +6,6 @@
 //! started before the cut) has touched its path.
 
 use quilt_block::BlockDevice;
-use quilt_ext2::Ext2;
 use quilt_vfs::{Ctx, FileSystem, FileType, FsError, RenameFlags, SetAttr};
 use std::collections::BTreeSet;
 
@@ -64,7 +63,7 @@ pub enum Invariant {
 /// Records marks, the paths each operation touches, and promises.
 pub struct Recorder<'a> {
     dev: &'a dyn BlockDevice,
-    fs: &'a Ext2,
+    fs: &'a dyn FileSystem,
     pub touched: Vec<Touch>,
     pub promises: Vec<Promise>,
     pub invariants: Vec<Invariant>,
@@ -87,7 +86,7 @@ fn ctx() -> Ctx {
 pub const PG_CALLER: u32 = 4242;
 
 impl<'a> Recorder<'a> {
-    pub fn new(dev: &'a dyn BlockDevice, fs: &'a Ext2) -> Self {
+    pub fn new(dev: &'a dyn BlockDevice, fs: &'a dyn FileSystem) -> Self {
         Recorder {
             dev,
             fs,
@@ -469,7 +468,7 @@ pub fn ace_step(r: &mut Recorder, kind: &str, i: usize) {
 }
 
 /// The state every ACE sequence starts from (made durable before recording starts).
-pub fn ace_setup(fs: &Ext2) -> Result<(), FsError> {
+pub fn ace_setup(fs: &dyn FileSystem) -> Result<(), FsError> {
     let c = ctx();
     let root = fs.root();
     let a = fs.mkdir(root, b"A", 0o755, &c)?.ino;
@@ -605,7 +604,7 @@ fn message(seed: u64, i: usize) -> Vec<u8> {
 
 /// The mailbox the mail workload moves messages out of: maildir `src` with `n`
 /// messages in `src/cur`, made durable before recording starts.
-pub fn mail_setup(fs: &Ext2, seed: u64, n: usize) -> Result<(), FsError> {
+pub fn mail_setup(fs: &dyn FileSystem, seed: u64, n: usize) -> Result<(), FsError> {
     let c = ctx();
     let src = fs.mkdir(fs.root(), b"src", 0o700, &c)?.ino;
     for d in [&b"tmp"[..], b"new"] {

@@ -26,6 +26,8 @@ fn explore(mode: Mode, workload: &str, states: usize) -> quilt_crashtest::Report
 fn explore_seed(mode: Mode, workload: &str, states: usize, seed: u64) -> quilt_crashtest::Report {
     let cfg = Config {
         mode,
+        betrfs: false,
+        lying: false,
         workload: workload.into(),
         states,
         seed,
