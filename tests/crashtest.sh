@@ -22,6 +22,11 @@ done
 "$q" crashtest --fs betree --states "$((states * 5))" --report "$work/betree.json" \
   || { echo "crashtest: FAIL: the Bε-tree breaks its guarantees" >&2; exit 1; }
 "$q" crashtest --fs betree --lying --states 300 --report "$work/betree-lying.json" >/dev/null
+# betrfs: every state mounts, passes quiltfs fsck and keeps every fsync and synced
+# patchgroup; its control (fsync, sync and pg_sync that lie) must break promises.
+"$q" crashtest --fs betrfs --workload all --states "$((states * 2))" --report "$work/betrfs.json" \
+  || { echo "crashtest: FAIL: betrfs breaks its guarantees" >&2; exit 1; }
+"$q" crashtest --fs betrfs --lying --workload untar --states 100 --report "$work/betrfs-lying.json" >/dev/null
 python3 - "$work" <<'PY'
 import json, os, sys
 w = sys.argv[1]
@@ -40,6 +45,11 @@ b, bl = (json.load(open(f"{w}/{n}.json")) for n in ["betree", "betree-lying"])
 assert b["states_checked"] > 0 and b["clean"] == b["states_checked"], "betree: every state must recover whole"
 assert bl["with_violations"] > 0, "betree control lost nothing: the oracle would be blind"
 print(f"crashtest: betree {b['states_checked']} states clean, control {bl['with_violations']} with violations")
+f, fl = (json.load(open(f"{w}/{n}.json")) for n in ["betrfs", "betrfs-lying"])
+assert f["states_checked"] > 0 and f["promises_checked"] > 0, "betrfs: nothing checked"
+assert f["clean"] == f["states_checked"], "betrfs: every state must be clean"
+assert fl["with_violations"] > 0, "betrfs control broke no promise: the oracle would be blind"
+print(f"crashtest: betrfs {f['states_checked']} states clean ({f['promises_checked']} promises), control {fl['with_violations']} with violations")
 print(f"crashtest: soft updates {su['states_checked']} states ({su['allowed_only']} with allowed leaks), "
       f"journals {r['meta-journal']['states_checked']}+{r['full-journal']['states_checked']} clean, "
       f"async {a['with_violations']}/{a['states_checked']} with violations ({len(kept)} images kept)")
