@@ -378,6 +378,18 @@ impl Tree {
         Ok(())
     }
 
+    /// Pushes every pending message down to the leaves (so that deleted keys free their
+    /// space), then checkpoints: what a caller short of space does after deleting.
+    pub fn compact(&self) -> Result<()> {
+        {
+            let mut t = self.lock();
+            for _ in 0..3 {
+                t.flush_all()?;
+            }
+        }
+        self.checkpoint()
+    }
+
     /// A checkpoint, then the tree is closed.
     pub fn close(self) -> Result<()> {
         self.checkpoint()

@@ -815,6 +815,55 @@ impl Inner {
         Ok(())
     }
 
+    /// Pushes pending messages down to the leaves, so that deletes free the space their
+    /// keys held (a buffered range delete frees nothing until it reaches the leaves).
+    /// Best effort: a merge of a child with one already visited may leave messages
+    /// deeper down; the caller runs it again if it needs more.
+    pub fn flush_all(&mut self) -> Result<()> {
+        self.check_failed()?;
+        let (mut root, _) = self.take_full(self.root)?;
+        let r = match &mut root {
+            Node::Internal(n) => self.flush_subtree(n),
+            Node::Leaf(_) => Ok(()),
+        };
+        self.put_node(self.root, root, true);
+        r?;
+        self.fix_root()
+    }
+
+    fn flush_subtree(&mut self, n: &mut Internal) -> Result<()> {
+        let mut i = 0;
+        while i < n.children.len() {
+            self.flush_child(n, i)?;
+            if i >= n.children.len() {
+                break;
+            }
+            let cid = n.children[i];
+            let (mut child, _) = self.take_full(cid)?;
+            let r = match &mut child {
+                Node::Internal(c) => self.flush_subtree(c),
+                Node::Leaf(_) => Ok(()),
+            };
+            let sibs = if r.is_ok() {
+                self.split(&mut child)
+            } else {
+                Vec::new()
+            };
+            self.put_node(cid, child, true);
+            r?;
+            let pieces = sibs.len();
+            for (k, (pivot, node)) in sibs.into_iter().enumerate() {
+                let id = self.new_id();
+                self.put_node(id, node, true);
+                n.pivots.insert(i + k, pivot);
+                n.children.insert(i + 1 + k, id);
+                n.buffers.insert(i + 1 + k, Buffer::default());
+            }
+            i += 1 + pieces;
+        }
+        Ok(())
+    }
+
     fn is_small(&self, id: NodeId) -> bool {
         match self.cache.get(&id).map(|c| &c.node) {
             Some(Node::Leaf(l)) => l.entries().is_some() && l.bytes < self.geo.node_bytes / 4,

@@ -28,6 +28,8 @@ enum Step {
     },
     Sync,
     Checkpoint,
+    /// Every message pushed to the leaves, then a checkpoint.
+    Compact,
     /// Sync, drop, open: everything must be there.
     Reopen,
     /// Drop without sync, open: a state between the last sync and now.
@@ -58,6 +60,7 @@ fn step() -> impl Strategy<Value = Step> {
             .prop_map(|(a, b, forward, take)| Step::Scan { lo: key(a), hi: b.map(key), forward, take }),
         1 => Just(Step::Sync),
         1 => Just(Step::Checkpoint),
+        1 => Just(Step::Compact),
         1 => Just(Step::Reopen),
         1 => Just(Step::Crash),
     ]
@@ -135,6 +138,12 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
                 since_sync = vec![model.clone()];
             }
             Step::Checkpoint => t.checkpoint().unwrap(),
+            Step::Compact => {
+                t.compact().unwrap();
+                t.check().unwrap();
+                // Moving messages down changes no key's value.
+                prop_assert_eq!(contents(&t), model.clone());
+            }
             Step::Reopen => {
                 t.sync().unwrap();
                 drop(t);

@@ -37,7 +37,7 @@ pub const MAX_FILE_SIZE: u64 = 1 << 44;
 const BATCH_DATA_MAX: usize = 1 << 20;
 /// Most key and value bytes a move puts in one batch before it needs an intent.
 /// Readdir cookies remembered (oldest forgotten first).
-const COOKIES_MAX: usize = 1 << 20;
+const COOKIES_MAX: usize = 1 << 18;
 /// Extended attributes of one inode: names and values together.
 const XATTR_MAX: usize = 64 << 10;
 
@@ -92,6 +92,8 @@ pub(crate) struct Counters {
     pub keys_moved: AtomicU64,
     pub range_deletes: AtomicU64,
     pub upsert_writes: AtomicU64,
+    /// `range_deletes` when the tree was last compacted for space.
+    pub compacted_at: AtomicU64,
     pub block_puts: AtomicU64,
 }
 
@@ -212,8 +214,10 @@ impl Betrfs {
         })?;
         let sup = Super::decode(&sup)?;
         let g = tree.geometry();
+        // A record of the log may take a quarter of it; half of that leaves room for the
+        // keys and the inode record that travel with the data.
         let batch_bytes = ((g.log_blocks / 4).saturating_sub(4) as usize * g.block_size / 2)
-            .clamp(64 << 10, BATCH_DATA_MAX);
+            .clamp(8 << 10, BATCH_DATA_MAX);
         let max_record = g.max_value().saturating_sub(256);
         let svc = quilt_patch::Services::new(tree.engine().clone());
         let tree = Arc::new(tree);
@@ -373,13 +377,22 @@ impl Betrfs {
     /// Refuses growth when the tree is close to full: a checkpoint needs room for a copy
     /// of every dirty node, so ENOSPC comes while there is still room to write it.
     fn room(&self, bytes: u64) -> Result<()> {
-        let sp = self.tree.space();
         let bs = self.tree.geometry().block_size as u64;
         let need = bytes.div_ceil(bs) * 3 + self.reserve();
-        if sp.free < need {
-            return Err(FsError::NoSpace);
+        if self.tree.space().free >= need {
+            return Ok(());
         }
-        Ok(())
+        // Deletes since the last compaction may hold space in buffered messages: push
+        // them down once before answering ENOSPC.
+        let deletes = self.counters.range_deletes.load(Relaxed);
+        if self.counters.compacted_at.swap(deletes, Relaxed) != deletes {
+            tracing::info!("betrfs: short of space, compacting the tree");
+            self.tree.compact().map_err(io)?;
+            if self.tree.space().free >= need {
+                return Ok(());
+            }
+        }
+        Err(FsError::NoSpace)
     }
 
     fn reserve(&self) -> u64 {
@@ -949,6 +962,7 @@ impl Betrfs {
         if new >= old {
             return;
         }
+        self.counters.range_deletes.fetch_add(1, Relaxed);
         let keep = new.div_ceil(BLOCK);
         b.delete_range(&loc.data_key(keep), &keys::prefix_end(&loc.data_prefix()));
         if new % BLOCK != 0 {
@@ -1408,6 +1422,21 @@ impl FileSystem for Betrfs {
             let mut st = self.lock();
             if name == b"." {
                 return Ok(self.attr_of(&self.dir_node(&st, parent)?.inode));
+            }
+            if name == b".." {
+                let d = self.dir_node(&st, parent)?;
+                let Loc::Path(key) = d.loc.clone() else {
+                    return Err(FsError::NotFound);
+                };
+                let ino = if key.is_empty() {
+                    ROOT_INO
+                } else {
+                    self.load(&mut st, &keys::parent_key(&key))?
+                        .ok_or_else(|| {
+                            FsError::Corrupt(format!("directory {parent}'s parent is missing"))
+                        })?
+                };
+                return Ok(self.attr_of(&self.node(&st, ino)?.inode));
             }
             let (_, ino) = self.lookup_in(&mut st, parent, name)?;
             let ino = ino.ok_or(FsError::NotFound)?;

@@ -1,0 +1,234 @@
+//! Damaged betrfs images: whatever is wrong, a mount refuses with an error or the
+//! operations that meet the damage answer EIO (and the image is marked for fsck); never
+//! a panic. Two kinds of damage: bytes of the image changed under the tree (its
+//! checksums catch them), and records the tree holds intact but that make no sense to
+//! the file system (written through the tree directly), which fsck must report.
+
+use quilt_betree::{Batch, Tree};
+use quilt_betrfs::{fsck, keys, mkfs, Betrfs, MountOptions};
+use quilt_block::{BlockDevice, MemDevice};
+use quilt_vfs::{Ctx, FileSystem, FileType, FsError, Ino};
+use std::sync::Arc;
+
+const BLOCKS: u64 = 4096;
+
+fn opts() -> MountOptions {
+    MountOptions {
+        commit_interval: None,
+        ..Default::default()
+    }
+}
+
+/// An image with a little of everything: directories, files of several sizes, a hard
+/// link, a symlink, xattrs.
+fn populated() -> Vec<u8> {
+    let dev = Arc::new(MemDevice::new(4096, BLOCKS).unwrap());
+    mkfs(dev.clone()).unwrap();
+    let fs = Betrfs::open(dev.clone(), opts()).unwrap();
+    let c = Ctx::root();
+    let root = fs.root();
+    let d = fs.mkdir(root, b"dir", 0o755, &c).unwrap().ino;
+    for i in 0..20u32 {
+        let f = fs
+            .mknod(d, format!("f{i}").as_bytes(), libc::S_IFREG | 0o644, 0, &c)
+            .unwrap()
+            .ino;
+        fs.write(f, 0, &vec![i as u8; 1000 * i as usize + 1], &c)
+            .unwrap();
+        fs.setxattr(f, b"user.k", b"v", Default::default(), &c)
+            .unwrap();
+    }
+    let f0 = fs.lookup(d, b"f3").unwrap().ino;
+    fs.link(f0, root, b"hard", &c).unwrap();
+    fs.symlink(d, b"sym", b"../hard", &c).unwrap();
+    fs.unmount().unwrap();
+    drop(fs);
+    dev.to_vec()
+}
+
+/// Walks everything reachable, reading every file, link and attribute. Returns the
+/// errors met; panics only if the file system does.
+fn walk(fs: &Betrfs) -> Vec<FsError> {
+    let mut errs = Vec::new();
+    let mut stack: Vec<Ino> = vec![fs.root()];
+    let mut seen = 0;
+    while let Some(dir) = stack.pop() {
+        seen += 1;
+        if seen > 10_000 {
+            break;
+        }
+        let mut names = Vec::new();
+        if let Err(e) = fs.readdir(dir, 0, &mut |e| {
+            names.push(e.name);
+            true
+        }) {
+            errs.push(e);
+            continue;
+        }
+        for n in names {
+            if n == b"." || n == b".." {
+                continue;
+            }
+            match fs.lookup(dir, &n) {
+                Err(e) => errs.push(e),
+                Ok(a) => {
+                    let _ = fs.listxattr(a.ino).map_err(|e| errs.push(e));
+                    match a.kind {
+                        FileType::Directory => stack.push(a.ino),
+                        FileType::Regular => {
+                            if let Err(e) = fs.read(a.ino, 0, 1 << 20) {
+                                errs.push(e)
+                            }
+                        }
+                        FileType::Symlink => {
+                            if let Err(e) = fs.readlink(a.ino) {
+                                errs.push(e)
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+    errs
+}
+
+fn is_damage(e: &FsError) -> bool {
+    matches!(e, FsError::Corrupt(_) | FsError::Io(_) | FsError::Stale)
+}
+
+#[test]
+fn every_used_block_flipped_is_an_error_never_a_panic() {
+    let img = populated();
+    let bs = 4096;
+    // The blocks the image uses (the rest are zero).
+    let used: Vec<usize> = (0..img.len() / bs)
+        .filter(|&b| img[b * bs..(b + 1) * bs].iter().any(|&x| x != 0))
+        .collect();
+    assert!(used.len() > 4, "the image uses {} blocks", used.len());
+    let (mut refused, mut mounted) = (0, 0);
+    for &b in &used {
+        for &(at, how) in &[(17usize, 0x01u8), (bs / 2, 0xff), (bs - 3, 0x80)] {
+            let mut bad = img.clone();
+            bad[b * bs + at] ^= how;
+            let dev = Arc::new(MemDevice::from_bytes(bs, &bad).unwrap());
+            match Betrfs::open(dev, opts()) {
+                Err(e) => {
+                    assert!(is_damage(&e), "block {b}: mount failed with {e:?}");
+                    refused += 1;
+                }
+                Ok(fs) => {
+                    mounted += 1;
+                    for e in walk(&fs) {
+                        assert!(is_damage(&e), "block {b}: {e:?}");
+                    }
+                }
+            }
+        }
+    }
+    eprintln!(
+        "{} used blocks, 3 flips each: {refused} mounts refused, {mounted} mounted (damage in unused bytes or met later)",
+        used.len()
+    );
+    assert!(refused > 0);
+}
+
+/// Records the tree holds intact but that betrfs must refuse: each is written into a
+/// good image through the tree, then the image is mounted and walked.
+#[test]
+fn nonsense_records_are_eio_and_fsck_reports_them() {
+    let img = populated();
+    let name = |path: &[&[u8]]| {
+        let mut prefix = Vec::new();
+        let mut k = Vec::new();
+        for c in path {
+            k = keys::child_key(&prefix, c);
+            prefix = keys::dir_prefix(&k);
+        }
+        k
+    };
+    let f5 = name(&[b"dir", b"f5"]);
+    let cases: Vec<(&str, Batch)> = vec![
+        ("a truncated inode record", {
+            let mut b = Batch::new();
+            b.put(&keys::meta_key(&f5), &[1, 1, 0, 0]);
+            b
+        }),
+        ("an unknown record tag", {
+            let mut b = Batch::new();
+            b.put(&keys::meta_key(&f5), &[9, 1, 2, 3, 4, 5, 6, 7, 8]);
+            b
+        }),
+        ("a link to a missing inode", {
+            let mut b = Batch::new();
+            b.put(
+                &keys::meta_key(&f5),
+                &quilt_betrfs::record::Entry::link_stub(999_999, libc::S_IFREG),
+            );
+            b
+        }),
+        ("a name whose directory is missing", {
+            let mut b = Batch::new();
+            let orphan = name(&[b"nodir", b"x"]);
+            b.put(
+                &keys::meta_key(&orphan),
+                &quilt_betrfs::record::Entry::link_stub(3, libc::S_IFREG),
+            );
+            b
+        }),
+        ("a data block past the end of its file", {
+            let mut b = Batch::new();
+            b.put(&keys::Loc::Path(f5.clone()).data_key(1000), b"stray");
+            b
+        }),
+        ("a damaged superblock record", {
+            let mut b = Batch::new();
+            b.put(keys::SUPER, b"garbage");
+            b
+        }),
+        ("a key in no key space", {
+            let mut b = Batch::new();
+            b.put(b"zzz", b"?");
+            b
+        }),
+    ];
+    for (what, batch) in cases {
+        let dev = Arc::new(MemDevice::from_bytes(4096, &img).unwrap());
+        {
+            let t = Tree::open(
+                dev.clone(),
+                quilt_betrfs::tree_options(4096, dev.block_count()),
+            )
+            .unwrap();
+            t.write(batch).unwrap();
+            t.close().unwrap();
+        }
+        let report = fsck::fsck(dev.clone(), false);
+        match &report {
+            Ok(r) => assert!(!r.problems.is_empty(), "{what}: fsck finds nothing ({r:?})"),
+            Err(e) => assert!(is_damage(e), "{what}: fsck fails with {e:?}"),
+        }
+        match Betrfs::open(dev.clone(), opts()) {
+            Err(e) => assert!(is_damage(&e), "{what}: mount fails with {e:?}"),
+            Ok(fs) => {
+                let errs = walk(&fs);
+                for e in &errs {
+                    assert!(is_damage(e), "{what}: {e:?}");
+                }
+                let met = !errs.is_empty();
+                fs.unmount().unwrap();
+                drop(fs);
+                if met {
+                    // Damage met while mounted is remembered for fsck.
+                    let r = fsck::fsck(dev.clone(), false).unwrap();
+                    assert!(
+                        r.problems.iter().any(|p| p.contains("recorded damage")),
+                        "{what}: the error flag is not set: {:?}",
+                        r.problems
+                    );
+                }
+            }
+        }
+    }
+}
