@@ -36,6 +36,8 @@ pub const MAX_FILE_SIZE: u64 = 1 << 44;
 /// Most bytes of data one batch carries (a write is cut into batches of this much).
 const BATCH_DATA_MAX: usize = 1 << 20;
 /// Most key and value bytes a move puts in one batch before it needs an intent.
+/// Files of at most this many blocks lose their data by point deletes.
+const POINT_DELETES_MAX: u64 = 16;
 /// Readdir cookies remembered (oldest forgotten first).
 const COOKIES_MAX: usize = 1 << 18;
 /// Extended attributes of one inode: names and values together.
@@ -76,6 +78,8 @@ pub(crate) struct State {
     /// Path-key → inode, for every cached name with a path (files with one name,
     /// directories, link stubs are not here: their names resolve through the tree).
     pub by_path: BTreeMap<Vec<u8>, u64>,
+    /// Path-key → orphan whose data is still under that path (`Loc::Orphan`).
+    pub orphan_paths: BTreeMap<Vec<u8>, u64>,
     pub next_ino: u64,
     pub cookies: HashMap<u64, (u64, Vec<u8>)>,
     pub cookie_order: VecDeque<u64>,
@@ -464,7 +468,9 @@ impl Betrfs {
     pub(crate) fn prefix_of(n: &Node) -> Result<Vec<u8>> {
         match &n.loc {
             Loc::Path(p) => Ok(keys::dir_prefix(p)),
-            Loc::Ino(i) => Err(FsError::Corrupt(format!("directory {i} has no path"))),
+            Loc::Ino(i) | Loc::Orphan { ino: i, .. } => {
+                Err(FsError::Corrupt(format!("directory {i} has no path")))
+            }
         }
     }
 
@@ -597,6 +603,7 @@ impl Betrfs {
             if existing.is_some() {
                 return Err(FsError::Exists);
             }
+            self.evict_orphans(&mut st, &key, false)?;
             key
         };
         let dir = self.dir_node(&st, parent)?.clone();
@@ -731,16 +738,29 @@ impl Betrfs {
         match &child.loc {
             Loc::Path(_) => {
                 if child.opens > 0 {
-                    // Open: it lives on under its number until the last release.
+                    // Open (or still known to the kernel): it lives on until the last
+                    // release, its inode under its number, its data where it is.
+                    let ino = n.inode.ino;
                     n.inode.nlink = 0;
-                    self.to_inode_space(st, b, &mut n, 0)?;
-                    b.put(&keys::orphan_key(n.inode.ino), b"");
+                    n.loc = Loc::Orphan {
+                        path: key.to_vec(),
+                        ino,
+                    };
+                    b.delete(&keys::meta_key(key));
+                    Self::put_inode(b, &n);
+                    b.put(&keys::orphan_key(ino), key);
+                    st.by_path.remove(key);
+                    st.orphan_paths.insert(key.to_vec(), ino);
                     return Ok(Some(n));
                 }
                 b.delete(&keys::meta_key(key));
-                self.delete_data(b, &child.loc);
+                self.delete_data(b, &child.loc, child.inode.size);
                 Ok(None)
             }
+            Loc::Orphan { .. } => Err(FsError::Corrupt(format!(
+                "an orphan ({}) is named at {key:?}",
+                child.inode.ino
+            ))),
             Loc::Ino(ino) => {
                 b.delete(&keys::meta_key(key));
                 n.inode.nlink = n.inode.nlink.saturating_sub(1);
@@ -754,16 +774,31 @@ impl Betrfs {
                     return Ok(Some(n));
                 }
                 b.delete(&keys::inode_key(*ino));
-                self.delete_data(b, &child.loc);
+                self.delete_data(b, &child.loc, child.inode.size);
                 Ok(None)
             }
         }
     }
 
-    fn delete_data(&self, b: &mut Batch, loc: &Loc) {
-        let p = loc.data_prefix();
-        b.delete_range(&p, &keys::prefix_end(&p));
+    /// Deletes the data of a file of `size` bytes: its blocks are all below the size.
+    fn delete_data(&self, b: &mut Batch, loc: &Loc, size: u64) {
+        self.delete_blocks(b, loc, 0, size);
+    }
+
+    /// Deletes blocks `from..` of a file of `size` bytes: a few point deletes for a
+    /// small file (cheap messages that supersede the puts they meet), one range delete
+    /// for a larger one (a buffer's range deletes are searched one by one, so a
+    /// million-file `rm -rf` must not leave one per file).
+    fn delete_blocks(&self, b: &mut Batch, loc: &Loc, from: u64, size: u64) {
         self.counters.range_deletes.fetch_add(1, Relaxed);
+        let end = size.div_ceil(BLOCK);
+        if end.saturating_sub(from) <= POINT_DELETES_MAX {
+            for blk in from..end {
+                b.delete(&loc.data_key(blk));
+            }
+        } else {
+            b.delete_range(&loc.data_key(from), &keys::prefix_end(&loc.data_prefix()));
+        }
     }
 
     /// Moves a file stored under its path to its number (the `h`/`e` spaces), with
@@ -776,8 +811,10 @@ impl Betrfs {
         n: &mut Node,
         extra: u32,
     ) -> Result<()> {
-        let Loc::Path(path) = n.loc.clone() else {
-            return Ok(());
+        let (path, named) = match n.loc.clone() {
+            Loc::Path(p) => (p, true),
+            Loc::Orphan { path, .. } => (path, false),
+            Loc::Ino(_) => return Ok(()),
         };
         let ino = n.inode.ino;
         let from = n.loc.data_prefix();
@@ -798,9 +835,10 @@ impl Betrfs {
             if bytes > self.batch_bytes {
                 if !chunked {
                     // The intent: a crash before the switch leaves copies the mount
-                    // deletes (no inode under the number yet).
+                    // deletes (no inode under the number yet; an orphan's marker
+                    // keeps naming its path, whose data the mount deletes too).
                     let mut i = Batch::new();
-                    i.put(&keys::orphan_key(ino), b"");
+                    i.put(&keys::orphan_key(ino), if named { b"" } else { &path[..] });
                     self.commit(st, i)?;
                     chunked = true;
                     self.counters.moves_chunked.fetch_add(1, Relaxed);
@@ -810,11 +848,17 @@ impl Betrfs {
             }
         }
         b.ops.append(&mut chunk.ops);
-        if chunked {
+        if chunked && named {
             b.delete(&keys::orphan_key(ino));
         }
         b.delete_range(&from, &keys::prefix_end(&from));
-        b.delete(&keys::meta_key(&path));
+        if named {
+            b.delete(&keys::meta_key(&path));
+        } else {
+            // Still an orphan, now wholly under its number.
+            b.put(&keys::orphan_key(ino), b"");
+            st.orphan_paths.remove(&path);
+        }
         n.inode.nlink += extra;
         n.loc = to;
         b.put(&n.loc.meta(), &n.inode.encode());
@@ -883,17 +927,75 @@ impl Betrfs {
         if n.opens > 0 || n.inode.nlink > 0 || self.opts.read_only {
             return Ok(());
         }
-        if let Loc::Ino(i) = n.loc {
-            if !n.inode.is_dir() {
+        match &n.loc {
+            Loc::Ino(i) | Loc::Orphan { ino: i, .. } if !n.inode.is_dir() => {
                 let mut b = Batch::new();
-                b.delete(&keys::inode_key(i));
-                b.delete(&keys::orphan_key(i));
-                self.delete_data(&mut b, &n.loc);
+                b.delete(&keys::inode_key(*i));
+                b.delete(&keys::orphan_key(*i));
+                self.delete_data(&mut b, &n.loc, n.inode.size);
                 self.commit(st, b)?;
+                if let Loc::Orphan { path, .. } = &n.loc {
+                    st.orphan_paths.remove(path);
+                }
             }
+            _ => {}
         }
         self.forget(st, ino);
         Ok(())
+    }
+
+    /// Before a name appears at path-key `key` (and, for a directory moving in, below
+    /// it): orphans whose data still lies there move it under their numbers, so the new
+    /// file's data and theirs never share keys. Rare: the kernel forgets most unlinked
+    /// files at once.
+    fn evict_orphans(&self, st: &mut State, key: &[u8], subtree: bool) -> Result<()> {
+        let mut victims: Vec<u64> = st.orphan_paths.get(key).copied().into_iter().collect();
+        if subtree {
+            let p = keys::dir_prefix(key);
+            victims.extend(
+                st.orphan_paths
+                    .range(p.clone()..keys::prefix_end(&p))
+                    .map(|(_, &i)| i),
+            );
+        }
+        for ino in victims {
+            let Some(mut n) = st.nodes.get(&ino).cloned() else {
+                continue;
+            };
+            let mut b = Batch::new();
+            self.to_inode_space(st, &mut b, &mut n, 0)?;
+            self.commit(st, b)?;
+            st.nodes.insert(ino, n);
+        }
+        Ok(())
+    }
+
+    /// Orphans whose data lies under a moved entry travel with it: their paths and
+    /// markers follow (into `b`, with the move).
+    fn move_orphans(st: &mut State, b: &mut Batch, moves: &[(Vec<u8>, Vec<u8>, bool)]) {
+        let mut changed = Vec::new();
+        for (from, to, is_dir) in moves {
+            let (pf, pt) = if *is_dir {
+                (keys::dir_prefix(from), keys::dir_prefix(to))
+            } else {
+                continue;
+            };
+            for (k, &ino) in st.orphan_paths.range(pf.clone()..keys::prefix_end(&pf)) {
+                let mut nk = pt.clone();
+                nk.extend_from_slice(&k[pf.len()..]);
+                changed.push((k.clone(), nk, ino));
+            }
+        }
+        for (old, _, _) in &changed {
+            st.orphan_paths.remove(old);
+        }
+        for (_, new, ino) in changed {
+            b.put(&keys::orphan_key(ino), &new);
+            st.orphan_paths.insert(new.clone(), ino);
+            if let Some(n) = st.nodes.get_mut(&ino) {
+                n.loc = Loc::Orphan { path: new, ino };
+            }
+        }
     }
 
     // -----------------------------------------------------------------------------------
@@ -962,9 +1064,7 @@ impl Betrfs {
         if new >= old {
             return;
         }
-        self.counters.range_deletes.fetch_add(1, Relaxed);
-        let keep = new.div_ceil(BLOCK);
-        b.delete_range(&loc.data_key(keep), &keys::prefix_end(&loc.data_prefix()));
+        self.delete_blocks(b, loc, new.div_ceil(BLOCK), old);
         if new % BLOCK != 0 {
             b.upsert(
                 &loc.data_key(new / BLOCK),
@@ -1032,7 +1132,15 @@ impl Betrfs {
     /// prefix (all deletes first: an exchange puts keys where the other move deletes).
     #[allow(clippy::type_complexity)]
     fn emit_moves(&self, b: &mut Batch, moves: Vec<(&[u8], &[u8], &[u8], Kvs)>) -> Result<()> {
-        for (from, _, spaces, _) in &moves {
+        for (from, _, spaces, list) in &moves {
+            if list.len() as u64 <= POINT_DELETES_MAX {
+                // What was collected is all the range holds (under our lock): point
+                // deletes, which a buffer searches by key (see `delete_blocks`).
+                for (k, _) in list {
+                    b.delete(k);
+                }
+                continue;
+            }
             for &space in spaces.iter() {
                 let mut lo = vec![space];
                 lo.extend_from_slice(from);
@@ -1124,7 +1232,7 @@ impl Betrfs {
     fn entry_bytes(n: &Node) -> Vec<u8> {
         match n.loc {
             Loc::Path(_) => n.inode.encode(),
-            Loc::Ino(i) => Entry::link_stub(i, n.inode.mode),
+            Loc::Ino(i) | Loc::Orphan { ino: i, .. } => Entry::link_stub(i, n.inode.mode),
         }
     }
 
@@ -1201,6 +1309,9 @@ impl Betrfs {
         if cross && s_dir && d.is_none() && dp.inode.nlink >= LINK_MAX {
             return Err(FsError::TooManyLinks);
         }
+        if !flags.exchange {
+            self.evict_orphans(&mut st, &dkey, s_dir)?;
+        }
         let t = now();
         s.inode.ctime = t;
         let mut b = Batch::new();
@@ -1273,7 +1384,9 @@ impl Betrfs {
                     intent = Some(k);
                 }
             }
-            Self::move_cached_paths(&mut st, &[(skey.clone(), dkey.clone(), s_dir)]);
+            let moves = [(skey.clone(), dkey.clone(), s_dir)];
+            Self::move_cached_paths(&mut st, &moves);
+            Self::move_orphans(&mut st, &mut b, &moves);
             s.loc = st.nodes.get(&src).map_or(s.loc, |n| n.loc.clone());
             b.put(&keys::meta_key(&dkey), &Self::entry_bytes(&s));
             if flags.whiteout {
@@ -1617,7 +1730,7 @@ impl FileSystem for Betrfs {
             if existing.is_some() {
                 return Err(FsError::Exists);
             }
-            let mut n = self.node(&st, ino)?.clone();
+            let n = self.node(&st, ino)?.clone();
             rules::refuse_new_entry(dp.inode.flags)?;
             rules::refuse_if_frozen(n.inode.flags)?;
             if n.inode.is_dir() {
@@ -1629,12 +1742,21 @@ impl FileSystem for Betrfs {
             let t = now();
             let mut b = Batch::new();
             let stub = Entry::link_stub(ino, n.inode.mode);
+            self.evict_orphans(&mut st, &key, false)?;
+            // (An eviction may have moved this very file: read it again.)
+            let mut n = self.node(&st, ino)?.clone();
             match n.loc.clone() {
                 Loc::Path(old) => {
                     // The second name: the inode and its data move under its number,
                     // and the first name becomes a stub too.
                     self.to_inode_space(&mut st, &mut b, &mut n, 0)?;
                     b.put(&keys::meta_key(&old), &stub);
+                }
+                Loc::Orphan { .. } => {
+                    // An unlinked open file named again (linkat of an O_TMPFILE-like
+                    // handle): under its number first.
+                    self.to_inode_space(&mut st, &mut b, &mut n, 0)?;
+                    b.delete(&keys::orphan_key(ino));
                 }
                 Loc::Ino(i) => {
                     if n.inode.nlink == 0 {
@@ -1780,7 +1902,12 @@ impl FileSystem for Betrfs {
             // value), so SEEK_DATA sees them as the kernel's allocated blocks.
             self.room(length)?;
             let first = offset / BLOCK;
-            let last = end.div_ceil(BLOCK);
+            // With KEEP_SIZE, nothing past the end (no block lies past a file's size).
+            let last = if mode & KEEP != 0 {
+                end.min(n.inode.size).div_ceil(BLOCK)
+            } else {
+                end.div_ceil(BLOCK)
+            };
             let present: std::collections::HashSet<u64> = {
                 let prefix = n.loc.data_prefix();
                 let mut s = std::collections::HashSet::new();

@@ -290,9 +290,11 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
                 _ => None,
             },
             Loc::Ino(i) => inodes.get(i),
+            // Data keys parse to a path or a number, never to an orphan.
+            Loc::Orphan { .. } => None,
         };
         let what = match &loc {
-            Loc::Path(p) => show(p),
+            Loc::Path(p) | Loc::Orphan { path: p, .. } => show(p),
             Loc::Ino(i) => format!("inode {i}"),
         };
         match owner {

@@ -22,7 +22,7 @@
 //! | `d` | `d` path-key 0 be64(block) | a data block of a file named by that path |
 //! | `h` | `h` be64(ino) | an inode with several names, or with none while open |
 //! | `e` | `e` be64(ino) be64(block) | a data block of such an inode |
-//! | `o` | `o` be64(ino) | an intent: inode `ino` is an orphan or moving to `h`/`e` |
+//! | `o` | `o` be64(ino) | an intent: inode `ino` is an orphan (value: the path its data is still under, or empty) or moving to `h`/`e` |
 //! | `r` | `r` be64(id) | an intent: a directory rename too large for one batch |
 //!
 //! A file with one name keeps its inode and data under its path, so a directory's files
@@ -154,19 +154,26 @@ pub fn orphan_key(ino: u64) -> Vec<u8> {
 pub enum Loc {
     Path(Vec<u8>),
     Ino(u64),
+    /// A file with no name any more, still open: its inode under its number, its data
+    /// still under the path it had (moving it costs a copy; most orphans are freed at
+    /// the kernel's FORGET right after the unlink). Its `o` marker names the path.
+    Orphan {
+        path: Vec<u8>,
+        ino: u64,
+    },
 }
 
 impl Loc {
     pub fn meta(&self) -> Vec<u8> {
         match self {
             Loc::Path(p) => meta_key(p),
-            Loc::Ino(i) => inode_key(*i),
+            Loc::Ino(i) | Loc::Orphan { ino: i, .. } => inode_key(*i),
         }
     }
     /// Data keys are this followed by the block number (8 bytes, big-endian).
     pub fn data_prefix(&self) -> Vec<u8> {
         match self {
-            Loc::Path(p) => {
+            Loc::Path(p) | Loc::Orphan { path: p, .. } => {
                 let mut k = Vec::with_capacity(p.len() + 2);
                 k.push(DATA);
                 k.extend_from_slice(p);

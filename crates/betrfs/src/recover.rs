@@ -61,29 +61,35 @@ pub(crate) fn recover(fs: &Betrfs) -> Result<()> {
         b.delete(&k);
         fs.commit(&mut st, b)?;
     }
-    for (k, _) in scan(fs, keys::ORPHAN)? {
+    for (k, v) in scan(fs, keys::ORPHAN)? {
         let ino = u64::from_be_bytes(
             k.get(1..9)
                 .and_then(|b| b.try_into().ok())
                 .ok_or_else(|| FsError::Corrupt("a damaged orphan key".into()))?,
         );
+        if !v.is_empty() && !keys::valid_key(&v) {
+            return Err(FsError::Corrupt(format!(
+                "orphan {ino} names a malformed path"
+            )));
+        }
         let mut b = Batch::new();
-        match fs
+        let gone = match fs
             .tree
             .get(&keys::inode_key(ino))
             .map_err(|e| FsError::Corrupt(e.to_string()))?
         {
-            Some(v) => {
-                let i = record::decode_inode(&v)?;
-                if i.nlink == 0 {
-                    b.delete(&keys::inode_key(ino));
-                    let p = keys::Loc::Ino(ino).data_prefix();
-                    b.delete_range(&p, &keys::prefix_end(&p));
-                }
-            }
-            None => {
-                // An interrupted move to the number: only copies are there.
-                let p = keys::Loc::Ino(ino).data_prefix();
+            // Linked again before the crash: a leftover marker.
+            Some(val) => record::decode_inode(&val)?.nlink == 0,
+            // An interrupted move to the number: only copies are there.
+            None => true,
+        };
+        if gone {
+            b.delete(&keys::inode_key(ino));
+            let p = keys::Loc::Ino(ino).data_prefix();
+            b.delete_range(&p, &keys::prefix_end(&p));
+            if !v.is_empty() {
+                // An orphan whose data is still under the path it had.
+                let p = keys::Loc::Path(v.clone()).data_prefix();
                 b.delete_range(&p, &keys::prefix_end(&p));
             }
         }

@@ -992,3 +992,76 @@ module_test!(
         assert_eq!(fs.getattr(p).unwrap().size, 10 * 4096 + 1);
     }
 );
+
+module_test!(a_name_reused_while_the_old_file_is_open, |fs| {
+    let r = fs.root();
+    let old = fs.mknod(r, b"f", REG, 0, &c()).unwrap().ino;
+    let a = vec![0xaau8; 5000];
+    fs.write(old, 0, &a, &c()).unwrap();
+    fs.open(old).unwrap();
+    fs.unlink(r, b"f", &c()).unwrap();
+    let new = fs.mknod(r, b"f", REG, 0, &c()).unwrap().ino;
+    assert_ne!(old, new);
+    let b = vec![0xbbu8; 3000];
+    fs.write(new, 0, &b, &c()).unwrap();
+    assert_eq!(fs.read(old, 0, 10_000).unwrap(), a);
+    assert_eq!(fs.read(new, 0, 10_000).unwrap(), b);
+    fs.write(old, 4096, b"old", &c()).unwrap();
+    assert_eq!(fs.read(new, 0, 10_000).unwrap(), b);
+    fs.release(old).unwrap();
+    assert_eq!(fs.read(new, 0, 10_000).unwrap(), b);
+    let fs = fs.remount();
+    let f = fs.lookup(fs.root(), b"f").unwrap().ino;
+    assert_eq!(fs.read(f, 0, 10_000).unwrap(), b);
+});
+
+module_test!(an_unlinked_open_file_survives_its_directory_moving, |fs| {
+    let r = fs.root();
+    let d = fs.mkdir(r, b"d", 0o755, &c()).unwrap().ino;
+    let old = fs.mknod(d, b"f", REG, 0, &c()).unwrap().ino;
+    let a: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
+    fs.write(old, 0, &a, &c()).unwrap();
+    fs.open(old).unwrap();
+    fs.unlink(d, b"f", &c()).unwrap();
+    fs.rename(r, b"d", r, b"e", RenameFlags::default(), &c())
+        .unwrap();
+    assert_eq!(fs.read(old, 0, 30_000).unwrap(), a);
+    // A new file where the old one's data went with the directory.
+    let new = fs.mknod(d, b"f", REG, 0, &c()).unwrap().ino;
+    fs.write(new, 0, b"new", &c()).unwrap();
+    assert_eq!(fs.read(old, 0, 30_000).unwrap(), a);
+    assert_eq!(fs.read(new, 0, 100).unwrap(), b"new");
+    fs.release(old).unwrap();
+    let fs = fs.remount();
+    let e = fs.lookup(fs.root(), b"e").unwrap().ino;
+    let f = fs.lookup(e, b"f").unwrap().ino;
+    assert_eq!(fs.read(f, 0, 100).unwrap(), b"new");
+});
+
+module_test!(
+    a_directory_moved_over_an_unlinked_open_file_keeps_both,
+    |fs| {
+        let r = fs.root();
+        let x = fs.mkdir(r, b"x", 0o755, &c()).unwrap().ino;
+        let old = fs.mknod(x, b"f", REG, 0, &c()).unwrap().ino;
+        fs.write(old, 0, b"orphan data", &c()).unwrap();
+        fs.open(old).unwrap();
+        fs.unlink(x, b"f", &c()).unwrap();
+        let y = fs.mkdir(r, b"y", 0o755, &c()).unwrap().ino;
+        let g = fs.mknod(y, b"f", REG, 0, &c()).unwrap().ino;
+        fs.write(g, 0, b"moved in", &c()).unwrap();
+        fs.rename(r, b"y", r, b"x", RenameFlags::default(), &c())
+            .unwrap();
+        assert_eq!(fs.read(old, 0, 100).unwrap(), b"orphan data");
+        let x2 = fs.lookup(r, b"x").unwrap().ino;
+        let f = fs.lookup(x2, b"f").unwrap().ino;
+        assert_eq!(f, g);
+        assert_eq!(fs.read(f, 0, 100).unwrap(), b"moved in");
+        fs.release(old).unwrap();
+        assert_eq!(fs.read(f, 0, 100).unwrap(), b"moved in");
+        let fs = fs.remount();
+        let x2 = fs.lookup(fs.root(), b"x").unwrap().ino;
+        let f = fs.lookup(x2, b"f").unwrap().ino;
+        assert_eq!(fs.read(f, 0, 100).unwrap(), b"moved in");
+    }
+);
