@@ -2070,6 +2070,12 @@ impl FileSystem for Betrfs {
                 let e = Entry::decode(&v)?;
                 let cookie = {
                     let mut st = self.lock();
+                    // The entry's inode becomes known, as after a lookup, so callers of
+                    // the library may use the numbers readdir gives (read afresh under
+                    // our lock: the scan may predate a change).
+                    if !st.nodes.contains_key(&e.ino()) {
+                        self.load(&mut st, &k[1..])?;
+                    }
                     let c = st.next_cookie;
                     st.next_cookie += 1;
                     st.cookies.insert(c, (ino, name.clone()));
