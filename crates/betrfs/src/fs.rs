@@ -69,7 +69,11 @@ impl Default for MountOptions {
 pub(crate) struct Node {
     pub loc: Loc,
     pub inode: Inode,
+    /// Open handles: an unlinked file keeps its data until the last is released.
     pub opens: u32,
+    /// The kernel's references without a handle (lookups not forgotten): they keep
+    /// nothing of an unlinked file.
+    pub refs: u32,
 }
 
 #[derive(Default)]
@@ -439,6 +443,7 @@ impl Betrfs {
                 loc,
                 inode,
                 opens: 0,
+                refs: 0,
             },
         );
         ino
@@ -719,8 +724,9 @@ impl Betrfs {
     }
 
     /// Drops one name of `child` (named `key`) into batch `b`: the name, and the inode
-    /// and its data when that was the last name and nobody has it open. Returns what
-    /// the in-memory node becomes (None: gone).
+    /// and its data when that was the last name and nobody has it open. `reuse`: the
+    /// same operation puts another file's data under `key` (a rename over it). Returns
+    /// what the in-memory node becomes (None: gone).
     fn drop_name(
         &self,
         st: &mut State,
@@ -728,6 +734,7 @@ impl Betrfs {
         key: &[u8],
         child: &Node,
         t: Timespec,
+        reuse: bool,
     ) -> Result<Option<Node>> {
         let mut n = child.clone();
         n.inode.ctime = t;
@@ -737,9 +744,17 @@ impl Betrfs {
         }
         match &child.loc {
             Loc::Path(_) => {
+                if child.opens > 0 && reuse {
+                    // Open, and its path's data keys are about to be another file's:
+                    // it moves under its number (a copy).
+                    n.inode.nlink = 0;
+                    self.to_inode_space(st, b, &mut n, 0)?;
+                    b.put(&keys::orphan_key(n.inode.ino), b"");
+                    return Ok(Some(n));
+                }
                 if child.opens > 0 {
-                    // Open (or still known to the kernel): it lives on until the last
-                    // release, its inode under its number, its data where it is.
+                    // Open: it lives on until the last release, its inode under its
+                    // number, its data where it is.
                     let ino = n.inode.ino;
                     n.inode.nlink = 0;
                     n.loc = Loc::Orphan {
@@ -892,7 +907,7 @@ impl Betrfs {
         rules::refuse_removal(p.inode.flags, c.inode.flags)?;
         let t = now();
         let mut b = Batch::new();
-        let after = self.drop_name(&mut st, &mut b, &key, &c, t)?;
+        let after = self.drop_name(&mut st, &mut b, &key, &c, t, false)?;
         let mut p = p;
         if dir {
             p.inode.nlink = p.inode.nlink.saturating_sub(1);
@@ -907,13 +922,8 @@ impl Betrfs {
             Some(n) => {
                 st.nodes.insert(child, n);
             }
-            None if dir && c.opens > 0 => {
-                // An open, removed directory: lookups in it find nothing.
-                let mut n = c;
-                n.inode.nlink = 0;
-                n.loc = Loc::Ino(child);
-                st.nodes.insert(child, n);
-            }
+            // Gone: what the kernel may still hold is a reference without a handle,
+            // through which it reads nothing (a later use is ESTALE).
             None => self.forget(&mut st, child),
         }
         Ok(())
@@ -927,6 +937,7 @@ impl Betrfs {
         if n.opens > 0 || n.inode.nlink > 0 || self.opts.read_only {
             return Ok(());
         }
+        // (References without a handle may remain: they reach no data.)
         match &n.loc {
             Loc::Ino(i) | Loc::Orphan { ino: i, .. } if !n.inode.is_dir() => {
                 let mut b = Batch::new();
@@ -1359,7 +1370,10 @@ impl Betrfs {
                 if d.inode.is_dir() {
                     dp.inode.nlink = dp.inode.nlink.saturating_sub(1);
                 }
-                dst_after = Some((d.inode.ino, self.drop_name(&mut st, &mut b, &dkey, d, t)?));
+                dst_after = Some((
+                    d.inode.ino,
+                    self.drop_name(&mut st, &mut b, &dkey, d, t, true)?,
+                ));
                 st.by_path.remove(&dkey);
             }
             if s_dir && cross {
@@ -1418,16 +1432,7 @@ impl Betrfs {
                     st.nodes.insert(ino, n);
                 }
                 Some((ino, None)) => {
-                    let open_dir = d.as_ref().is_some_and(|d| d.inode.is_dir() && d.opens > 0);
-                    match st.nodes.get_mut(&ino) {
-                        Some(n) if open_dir => {
-                            n.inode.nlink = 0;
-                            n.loc = Loc::Ino(ino);
-                        }
-                        _ => {
-                            st.nodes.remove(&ino);
-                        }
-                    }
+                    st.nodes.remove(&ino);
                 }
                 None => {}
             }
@@ -2182,6 +2187,21 @@ impl FileSystem for Betrfs {
         let mut st = self.lock();
         let n = st.nodes.get_mut(&ino).ok_or(FsError::Stale)?;
         n.opens += 1;
+        Ok(())
+    }
+
+    fn reference(&self, ino: Ino) -> Result<()> {
+        let mut st = self.lock();
+        let n = st.nodes.get_mut(&ino).ok_or(FsError::Stale)?;
+        n.refs += 1;
+        Ok(())
+    }
+
+    fn unreference(&self, ino: Ino) -> Result<()> {
+        let mut st = self.lock();
+        if let Some(n) = st.nodes.get_mut(&ino) {
+            n.refs = n.refs.saturating_sub(1);
+        }
         Ok(())
     }
 

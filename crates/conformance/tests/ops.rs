@@ -1065,3 +1065,24 @@ module_test!(
         assert_eq!(fs.read(f, 0, 100).unwrap(), b"moved in");
     }
 );
+
+module_test!(a_rename_over_an_open_file_keeps_its_data_for_the_handle, |fs| {
+    let r = fs.root();
+    let f = fs.mknod(r, b"f", REG, 0, &c()).unwrap().ino;
+    let old: Vec<u8> = (0..9000u32).map(|i| (i % 253) as u8).collect();
+    fs.write(f, 0, &old, &c()).unwrap();
+    let g = fs.mknod(r, b"g", REG, 0, &c()).unwrap().ino;
+    fs.write(g, 0, b"the new contents", &c()).unwrap();
+    fs.open(f).unwrap();
+    fs.rename(r, b"g", r, b"f", RenameFlags::default(), &c())
+        .unwrap();
+    assert_eq!(fs.read(f, 0, 20_000).unwrap(), old);
+    let now = fs.lookup(r, b"f").unwrap().ino;
+    assert_eq!(now, g);
+    assert_eq!(fs.read(g, 0, 100).unwrap(), b"the new contents");
+    fs.release(f).unwrap();
+    assert_eq!(fs.read(g, 0, 100).unwrap(), b"the new contents");
+    let fs = fs.remount();
+    let f = fs.lookup(fs.root(), b"f").unwrap().ino;
+    assert_eq!(fs.read(f, 0, 100).unwrap(), b"the new contents");
+});

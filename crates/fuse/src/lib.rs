@@ -230,7 +230,7 @@ impl<F: FileSystem> Adapter<F> {
         let mut m = self.lookups.lock().unwrap_or_else(|e| e.into_inner());
         let n = m.entry(a.ino).or_insert(0);
         if *n == 0 {
-            if let Err(e) = self.fs.open(a.ino) {
+            if let Err(e) = self.fs.reference(a.ino) {
                 m.remove(&a.ino);
                 return Err(e);
             }
@@ -246,7 +246,7 @@ impl<F: FileSystem> Adapter<F> {
         if *n == 0 {
             m.remove(&ino);
             drop(m);
-            if let Err(e) = self.fs.release(ino) {
+            if let Err(e) = self.fs.unreference(ino) {
                 tracing::warn!("releasing inode {ino} after FORGET: {e}");
             }
         }

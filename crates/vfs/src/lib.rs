@@ -407,6 +407,18 @@ pub trait FileSystem: Send + Sync {
     fn release(&self, _ino: Ino) -> Result<()> {
         Ok(())
     }
+    /// The kernel holds a reference to `ino` without an open handle (a lookup it has not
+    /// forgotten): it may ask for the inode's attributes, but once the inode is unlinked
+    /// it can no longer reach its data. Modules for which keeping an unlinked file's data
+    /// costs something (betrfs) free it at the unlink when only references remain.
+    /// Defaults to [`FileSystem::open`].
+    fn reference(&self, ino: Ino) -> Result<()> {
+        self.open(ino)
+    }
+    /// The kernel forgot a reference taken with [`FileSystem::reference`].
+    fn unreference(&self, ino: Ino) -> Result<()> {
+        self.release(ino)
+    }
     /// A regular file with no name in directory `parent` (open(2)'s O_TMPFILE): it is
     /// freed at its last `release` unless `link` names it first.
     fn tmpfile(&self, _parent: Ino, _mode: u32, _ctx: &Ctx) -> Result<Attr> {
