@@ -191,6 +191,7 @@ impl Betrfs {
             ctime: t,
             rdev: 0,
             flags: 0,
+            blocks: 0,
             target: Vec::new(),
             xattrs: Vec::new(),
         };
@@ -543,7 +544,7 @@ impl Betrfs {
 
     pub(crate) fn attr_of(&self, i: &Inode) -> Attr {
         let blocks = match i.kind() {
-            FileType::Regular => i.size.div_ceil(BLOCK) * (BLOCK / 512),
+            FileType::Regular => i.blocks * (BLOCK / 512),
             FileType::Directory => BLOCK / 512,
             _ => 0,
         };
@@ -651,6 +652,7 @@ impl Betrfs {
             ctime: t,
             rdev,
             flags: rules::inherited_flags(dir.inode.flags, mode),
+            blocks: 0,
             target: target.to_vec(),
             xattrs,
         };
@@ -1050,24 +1052,64 @@ impl Betrfs {
     }
 
     /// Data messages for `data` at `offset`: whole blocks are puts, parts of blocks are
-    /// upserts (no read of the old block).
-    fn write_msgs(&self, b: &mut Batch, loc: &Loc, offset: u64, data: &[u8]) {
+    /// upserts (no read of the old block). Counts the blocks it adds into `n.inode`.
+    fn write_msgs(&self, b: &mut Batch, n: &mut Node, offset: u64, data: &[u8]) -> Result<()> {
         let mut pos = offset;
         let end = offset + data.len() as u64;
         while pos < end {
             let blk = pos / BLOCK;
             let in_off = pos % BLOCK;
-            let n = (BLOCK - in_off).min(end - pos);
-            let src = &data[(pos - offset) as usize..(pos - offset + n) as usize];
-            if n == BLOCK {
-                b.put(&loc.data_key(blk), src);
+            let len = (BLOCK - in_off).min(end - pos);
+            let src = &data[(pos - offset) as usize..(pos - offset + len) as usize];
+            if !self.present(n, blk)? {
+                n.inode.blocks += 1;
+            }
+            if len == BLOCK {
+                b.put(&n.loc.data_key(blk), src);
                 self.counters.block_puts.fetch_add(1, Relaxed);
             } else {
-                b.upsert(&loc.data_key(blk), WRITE_AT, &write_at_arg(in_off, src));
+                b.upsert(&n.loc.data_key(blk), WRITE_AT, &write_at_arg(in_off, src));
                 self.counters.upsert_writes.fetch_add(1, Relaxed);
             }
-            pos += n;
+            // Written blocks extend the size as the loop goes, so `present` sees them.
+            n.inode.size = n.inode.size.max(pos + len);
+            pos += len;
         }
+        Ok(())
+    }
+
+    /// Whether block `blk` of the file has a key. Free for a dense file (every block
+    /// below the size is there, none past it); a sparse file asks the tree.
+    fn present(&self, n: &Node, blk: u64) -> Result<bool> {
+        let within = n.inode.size.div_ceil(BLOCK);
+        if blk >= within {
+            return Ok(false);
+        }
+        if n.inode.blocks >= within {
+            return Ok(true);
+        }
+        Ok(self.tree.get(&n.loc.data_key(blk)).map_err(io)?.is_some())
+    }
+
+    /// How many of blocks `from..to` the file has.
+    fn present_in(&self, n: &Node, from: u64, to: u64) -> Result<u64> {
+        let within = n.inode.size.div_ceil(BLOCK);
+        let to = to.min(within);
+        if from >= to {
+            return Ok(0);
+        }
+        if n.inode.blocks >= within {
+            return Ok(to - from);
+        }
+        let mut c = 0;
+        for kv in self
+            .tree
+            .range(&n.loc.data_key(from), Some(&n.loc.data_key(to)))
+        {
+            kv.map_err(io)?;
+            c += 1;
+        }
+        Ok(c)
     }
 
     /// Truncation messages from `old` bytes to `new`.
@@ -1418,6 +1460,7 @@ impl Betrfs {
                     ctime: t,
                     rdev: 0,
                     flags: 0,
+                    blocks: 0,
                     target: Vec::new(),
                     xattrs: Vec::new(),
                 };
@@ -1598,6 +1641,11 @@ impl FileSystem for Betrfs {
                 return Err(FsError::TooBig);
             }
         }
+        // Blocks a truncation takes away (counted while the size is the old one).
+        let removed = match set.size {
+            Some(size) if size < old_size => self.present_in(&n, size.div_ceil(BLOCK), u64::MAX)?,
+            _ => 0,
+        };
         let i = &mut n.inode;
         if let Some(mode) = set.mode {
             i.mode = (i.mode & libc::S_IFMT) | (mode & 0o7777);
@@ -1631,6 +1679,7 @@ impl FileSystem for Betrfs {
                 i.mtime = t;
             }
             i.size = size;
+            i.blocks = i.blocks.saturating_sub(removed);
             self.truncate_msgs(&mut b, &n.loc, old_size, size);
         }
         Self::put_inode(&mut b, &n);
@@ -1832,8 +1881,7 @@ impl FileSystem for Betrfs {
                 let part = &data[done..(done + self.batch_bytes).min(data.len())];
                 let at = offset + done as u64;
                 let mut b = Batch::new();
-                self.write_msgs(&mut b, &n.loc, at, part);
-                n.inode.size = n.inode.size.max(at + part.len() as u64);
+                self.write_msgs(&mut b, &mut n, at, part)?;
                 n.inode.mtime = t;
                 n.inode.ctime = t;
                 Self::put_inode(&mut b, &n);
@@ -1884,10 +1932,20 @@ impl FileSystem for Betrfs {
             let first_whole = offset.div_ceil(BLOCK);
             let last_whole = end / BLOCK;
             if first_whole < last_whole {
+                let removed = self.present_in(&n, first_whole, last_whole)?;
                 b.delete_range(&n.loc.data_key(first_whole), &n.loc.data_key(last_whole));
+                n.inode.blocks = n.inode.blocks.saturating_sub(removed);
             }
+            // Edges: zeros written into blocks that are there; a hole stays a hole.
+            let edge = |blk: u64| self.present(&n, blk);
+            let (e1, e2) = (edge(offset / BLOCK)?, edge(end.saturating_sub(1) / BLOCK)?);
             let zero = |b: &mut Batch, from: u64, to: u64| {
-                if from < to {
+                let there = if from / BLOCK == offset / BLOCK {
+                    e1
+                } else {
+                    e2
+                };
+                if from < to && there {
                     let z = vec![0u8; (to - from) as usize];
                     b.upsert(
                         &n.loc.data_key(from / BLOCK),
@@ -1933,6 +1991,7 @@ impl FileSystem for Betrfs {
             for blk in first..last {
                 if !present.contains(&blk) {
                     b.put(&n.loc.data_key(blk), b"");
+                    n.inode.blocks += 1;
                 }
             }
             if mode & KEEP == 0 && end > n.inode.size {

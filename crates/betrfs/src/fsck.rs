@@ -282,7 +282,9 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
         }
         count(r, i);
     }
-    // Data: an owner that is a regular file, below its size.
+    // Data: an owner that is a regular file, below its size; each file's count of
+    // blocks is its number of keys.
+    let mut counted: HashMap<Loc, u64> = HashMap::new();
     for (key, loc, blk, len) in data {
         let owner = match &loc {
             Loc::Path(p) => match names.get(p) {
@@ -311,6 +313,7 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
                 } else {
                     r.data_blocks += 1;
                     r.data_bytes += len as u64;
+                    *counted.entry(loc.clone()).or_default() += 1;
                 }
             }
             _ => {
@@ -318,6 +321,30 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
                     .push(format!("{what}: data block {blk} of no regular file"));
                 fix.delete(&key);
             }
+        }
+    }
+    let files = names
+        .iter()
+        .filter_map(|(p, e)| match e {
+            Entry::Inode(i) if i.is_reg() => Some((Loc::Path(p.clone()), i, keys::meta_key(p))),
+            _ => None,
+        })
+        .chain(
+            inodes
+                .iter()
+                .filter(|(_, i)| i.is_reg())
+                .map(|(n, i)| (Loc::Ino(*n), i, keys::inode_key(*n))),
+        );
+    for (loc, i, key) in files {
+        let have = counted.get(&loc).copied().unwrap_or(0);
+        if i.blocks != have {
+            r.problems.push(format!(
+                "inode {}: {} blocks recorded, {have} present",
+                i.ino, i.blocks
+            ));
+            let mut j = i.clone();
+            j.blocks = have;
+            fix.put(&key, &j.encode());
         }
     }
     Ok(fix)

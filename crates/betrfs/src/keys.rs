@@ -150,7 +150,7 @@ pub fn orphan_key(ino: u64) -> Vec<u8> {
 }
 
 /// Where a file's inode and data are: under a path, or under its number.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Loc {
     Path(Vec<u8>),
     Ino(u64),

@@ -64,6 +64,9 @@ pub struct Inode {
     pub ctime: Timespec,
     pub rdev: u32,
     pub flags: u32,
+    /// Data blocks present (a regular file's keys in the data space): `st_blocks` is
+    /// eight times this, so holes do not count, and fsck checks it key by key.
+    pub blocks: u64,
     /// Symlink target.
     pub target: Vec<u8>,
     /// Extended attributes by full name (ACLs under their system.* names), sorted.
@@ -112,6 +115,7 @@ impl Inode {
         }
         v.extend_from_slice(&self.rdev.to_le_bytes());
         v.extend_from_slice(&self.flags.to_le_bytes());
+        v.extend_from_slice(&self.blocks.to_le_bytes());
         v.extend_from_slice(&(self.target.len() as u32).to_le_bytes());
         v.extend_from_slice(&self.target);
         v.extend_from_slice(&(self.xattrs.len() as u32).to_le_bytes());
@@ -139,6 +143,7 @@ impl Inode {
         }
         let rdev = r.u32()?;
         let flags = r.u32()?;
+        let blocks = r.u64()?;
         let tl = r.u32()? as usize;
         let target = r.bytes(tl)?.to_vec();
         let n = r.u32()? as usize;
@@ -167,6 +172,7 @@ impl Inode {
             ctime: times[2],
             rdev,
             flags,
+            blocks,
             target,
             xattrs,
         })
@@ -295,6 +301,7 @@ mod tests {
             },
             rdev: 0,
             flags: 0x80,
+            blocks: 0,
             target: b"abc".to_vec(),
             xattrs: vec![(b"user.x".to_vec(), b"1".to_vec())],
         };

@@ -258,13 +258,8 @@ module_test!(read_write_holes_and_truncate, |fs| {
     assert_eq!(all.len(), 10_005);
     assert!(all[..10_000].iter().all(|&b| b == 0));
     assert_eq!(&all[10_000..], b"hello");
-    // ext2 counts the blocks it allocated: one 4 KiB block, the rest is a hole. betrfs
-    // keeps no allocation count: st_blocks is the size rounded up to 4 KiB blocks.
-    let (blocks, why) = match fs.module {
-        Module::Ext2 => (8, "one 4 KiB block, the rest a hole"),
-        Module::Betrfs => (3 * 8, "the size in 4 KiB blocks"),
-    };
-    assert_eq!(fs.getattr(f).unwrap().blocks, blocks, "{why}");
+    // Both count the blocks the file has: one 4 KiB block, the rest is a hole.
+    assert_eq!(fs.getattr(f).unwrap().blocks, 8);
     fs.setattr(f, with_size(10_002), &c()).unwrap();
     fs.setattr(f, with_size(20_000), &c()).unwrap();
     let all = fs.read(f, 0, 30_000).unwrap();
@@ -980,8 +975,8 @@ module_test!(
             fs.fallocate(f, 0, 4096, PUNCH, &c()),
             Err(FsError::NotSupported)
         );
-        // Preallocation: zeroed blocks, the size grows with mode 0. (Both modules report
-        // 11 blocks: ext2 the blocks it allocated, betrfs the size in 4 KiB blocks.)
+        // Preallocation: zeroed blocks, the size grows with mode 0; both count the 11
+        // blocks now there.
         let p = fs.mknod(r, b"p", REG, 0, &c()).unwrap().ino;
         fs.fallocate(p, 0, 10 * 4096 + 1, 0, &c()).unwrap();
         let a = fs.getattr(p).unwrap();
@@ -1066,23 +1061,26 @@ module_test!(
     }
 );
 
-module_test!(a_rename_over_an_open_file_keeps_its_data_for_the_handle, |fs| {
-    let r = fs.root();
-    let f = fs.mknod(r, b"f", REG, 0, &c()).unwrap().ino;
-    let old: Vec<u8> = (0..9000u32).map(|i| (i % 253) as u8).collect();
-    fs.write(f, 0, &old, &c()).unwrap();
-    let g = fs.mknod(r, b"g", REG, 0, &c()).unwrap().ino;
-    fs.write(g, 0, b"the new contents", &c()).unwrap();
-    fs.open(f).unwrap();
-    fs.rename(r, b"g", r, b"f", RenameFlags::default(), &c())
-        .unwrap();
-    assert_eq!(fs.read(f, 0, 20_000).unwrap(), old);
-    let now = fs.lookup(r, b"f").unwrap().ino;
-    assert_eq!(now, g);
-    assert_eq!(fs.read(g, 0, 100).unwrap(), b"the new contents");
-    fs.release(f).unwrap();
-    assert_eq!(fs.read(g, 0, 100).unwrap(), b"the new contents");
-    let fs = fs.remount();
-    let f = fs.lookup(fs.root(), b"f").unwrap().ino;
-    assert_eq!(fs.read(f, 0, 100).unwrap(), b"the new contents");
-});
+module_test!(
+    a_rename_over_an_open_file_keeps_its_data_for_the_handle,
+    |fs| {
+        let r = fs.root();
+        let f = fs.mknod(r, b"f", REG, 0, &c()).unwrap().ino;
+        let old: Vec<u8> = (0..9000u32).map(|i| (i % 253) as u8).collect();
+        fs.write(f, 0, &old, &c()).unwrap();
+        let g = fs.mknod(r, b"g", REG, 0, &c()).unwrap().ino;
+        fs.write(g, 0, b"the new contents", &c()).unwrap();
+        fs.open(f).unwrap();
+        fs.rename(r, b"g", r, b"f", RenameFlags::default(), &c())
+            .unwrap();
+        assert_eq!(fs.read(f, 0, 20_000).unwrap(), old);
+        let now = fs.lookup(r, b"f").unwrap().ino;
+        assert_eq!(now, g);
+        assert_eq!(fs.read(g, 0, 100).unwrap(), b"the new contents");
+        fs.release(f).unwrap();
+        assert_eq!(fs.read(g, 0, 100).unwrap(), b"the new contents");
+        let fs = fs.remount();
+        let f = fs.lookup(fs.root(), b"f").unwrap().ino;
+        assert_eq!(fs.read(f, 0, 100).unwrap(), b"the new contents");
+    }
+);

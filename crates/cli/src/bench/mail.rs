@@ -98,6 +98,20 @@ const CONFS: &[Conf] = &[
         preload: true,
     },
     Conf {
+        name: "betrfs-fsync",
+        what: "quiltfs betrfs, Dovecot's fsync",
+        fs: Fs::Quilt("betrfs"),
+        fsync: "optimized",
+        preload: false,
+    },
+    Conf {
+        name: "betrfs-pg",
+        what: "quiltfs betrfs, fsync as patchgroups (LD_PRELOAD)",
+        fs: Fs::Quilt("betrfs"),
+        fsync: "optimized",
+        preload: true,
+    },
+    Conf {
         name: "ext3-journal-nofsync",
         what: "UNSAFE: kernel ext3 data=journal, fsync disabled",
         fs: Fs::Ext3Journal,
@@ -268,6 +282,13 @@ fn setup(conf: &Conf, work: &Path, n: usize, size: usize) -> Result<Mounted> {
                 .args(["-q", "-F", "-b", "4096"])
                 .arg(&image))?;
         }
+        Fs::Quilt("betrfs") => {
+            let f = std::fs::File::create(&image)?;
+            f.set_len((size_mib as u64) << 20)?;
+            sh(Command::new(&quiltfs)
+                .args(["mkfs", "--fs", "betrfs", "--force"])
+                .arg(&image))?;
+        }
         Fs::Quilt(mode) => {
             super::quilt_mkfs(&image, size_mib as u64, mode.contains("journal"))?;
         }
@@ -284,11 +305,15 @@ fn setup(conf: &Conf, work: &Path, n: usize, size: usize) -> Result<Mounted> {
                 .arg(&mnt))?;
         }
         Fs::Quilt(mode) => {
-            let out = sh(Command::new(&quiltfs)
-                .arg("mount")
+            let mut c = Command::new(&quiltfs);
+            c.arg("mount")
                 .arg(&dev)
                 .arg(&mnt)
-                .args(["--mode", mode, "-o", "allow_other"]))?;
+                .args(["-o", "allow_other"]);
+            if mode != "betrfs" {
+                c.args(["--mode", mode]);
+            }
+            let out = sh(&mut c)?;
             m.server = out
                 .split("server pid ")
                 .nth(1)
@@ -509,12 +534,19 @@ fn one_run(conf: &Conf, run: usize, a: &MailArgs, n: usize, preload_lib: &Path) 
     if let Some(d) = m.dev.take() {
         sh(Command::new("losetup").arg("-d").arg(&d))?;
     }
-    let fsck = Command::new("e2fsck").arg("-fn").arg(&image).output()?;
+    let fsck = if matches!(conf.fs, Fs::Quilt("betrfs")) {
+        Command::new(std::env::current_exe()?)
+            .args(["fsck", "-n"])
+            .arg(&image)
+            .output()?
+    } else {
+        Command::new("e2fsck").arg("-fn").arg(&image).output()?
+    };
     if !fsck.status.success() {
         let kept = image.with_extension("failed.img");
         let _ = std::fs::rename(&image, &kept);
         bail!(
-            "{}: e2fsck -fn found problems after the run (image kept as {}):\n{}",
+            "{}: the file system check found problems after the run (image kept as {}):\n{}",
             conf.name,
             kept.display(),
             String::from_utf8_lossy(&fsck.stdout)
