@@ -29,14 +29,18 @@ if [ "$(id -u)" = 0 ]; then
   # The Featherstitch benchmark suite, quick, on a few systems: outputs and cleanup
   # (timings are not checked: they come from the full run, never from here).
   tests/bench-featherstitch.sh ./target/release/quiltfs
+  # betrfs: the kernel's ext2 driver as the oracle of its POSIX behaviour, and real
+  # programs (tar, git, SQLite, Dovecot) on a mount, checked for their contents.
+  tests/kernel-parity-betrfs.sh ./target/release/quiltfs
+  tests/betrfs-programs.sh ./target/release/quiltfs
 else
-  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh and tests/bench-featherstitch.sh (need root)" >&2
+  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/kernel-parity-betrfs.sh and tests/betrfs-programs.sh (need root)" >&2
 fi
 # Fuzzing smoke: every input a fuzzer ever crashed on, and random damage to each region
 # of a seed image (the coverage-guided hour-long runs are scripts/fuzz.sh's).
 (cd fuzz && cargo test --release --quiet)
-# The crash explorer on every mode (e2fsck as the oracle; no root needed), and on the
-# Bε-tree.
+# The crash explorer on every mode (e2fsck as the oracle; no root needed), on betrfs
+# (quiltfs fsck as the oracle) and on the Bε-tree.
 tests/crashtest.sh ./target/release/quiltfs
 # The key-value benchmark, as a smoke test (betree, redb, fjall; no RocksDB build).
 tests/bench-kv.sh

@@ -896,6 +896,8 @@ impl Betrfs {
         let child = child.ok_or(FsError::NotFound)?;
         let c = self.node(&st, child)?.clone();
         let p = self.node(&st, parent)?.clone();
+        // The kernel's may_delete: the flags before the type and emptiness.
+        rules::refuse_removal(p.inode.flags, c.inode.flags)?;
         if dir {
             if !c.inode.is_dir() {
                 return Err(FsError::NotDir);
@@ -906,7 +908,6 @@ impl Betrfs {
         } else if c.inode.is_dir() {
             return Err(FsError::IsDir);
         }
-        rules::refuse_removal(p.inode.flags, c.inode.flags)?;
         let t = now();
         let mut b = Batch::new();
         let after = self.drop_name(&mut st, &mut b, &key, &c, t, false)?;
