@@ -802,13 +802,7 @@ impl Inner {
         self.put_node(cid, child, true);
         r?;
         let grew = !sibs.is_empty();
-        for (k, (pivot, node)) in sibs.into_iter().enumerate() {
-            let id = self.new_id();
-            self.put_node(id, node, true);
-            parent.pivots.insert(idx + k, pivot);
-            parent.children.insert(idx + 1 + k, id);
-            parent.buffers.insert(idx + 1 + k, Buffer::default());
-        }
+        self.adopt(parent, idx, sibs);
         if !grew {
             self.maybe_merge(parent, idx)?;
         }
@@ -852,16 +846,22 @@ impl Inner {
             self.put_node(cid, child, true);
             r?;
             let pieces = sibs.len();
-            for (k, (pivot, node)) in sibs.into_iter().enumerate() {
-                let id = self.new_id();
-                self.put_node(id, node, true);
-                n.pivots.insert(i + k, pivot);
-                n.children.insert(i + 1 + k, id);
-                n.buffers.insert(i + 1 + k, Buffer::default());
-            }
+            self.adopt(n, i, sibs);
             i += 1 + pieces;
         }
         Ok(())
+    }
+
+    /// The pieces child `idx` split into become its right siblings in `parent`, each
+    /// with an empty buffer.
+    fn adopt(&mut self, parent: &mut Internal, idx: usize, sibs: Vec<(Vec<u8>, Node)>) {
+        for (k, (pivot, node)) in sibs.into_iter().enumerate() {
+            let id = self.new_id();
+            self.put_node(id, node, true);
+            parent.pivots.insert(idx + k, pivot);
+            parent.children.insert(idx + 1 + k, id);
+            parent.buffers.insert(idx + 1 + k, Buffer::default());
+        }
     }
 
     fn is_small(&self, id: NodeId) -> bool {

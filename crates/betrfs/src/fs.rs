@@ -18,7 +18,7 @@ use quilt_betree::{truncate_arg, write_at_arg, Batch, Tree, TRUNCATE, WRITE_AT};
 use quilt_vfs::acl::{self, Acl};
 use quilt_vfs::{
     flags, rules, Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, RenameFlags, Result,
-    SetAttr, StatFs, TimeOrNow, Timespec, XattrFlags,
+    SetAttr, StatFs, Timespec, XattrFlags,
 };
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -989,15 +989,8 @@ impl Betrfs {
     fn move_orphans(st: &mut State, b: &mut Batch, moves: &[(Vec<u8>, Vec<u8>, bool)]) {
         let mut changed = Vec::new();
         for (from, to, is_dir) in moves {
-            let (pf, pt) = if *is_dir {
-                (keys::dir_prefix(from), keys::dir_prefix(to))
-            } else {
-                continue;
-            };
-            for (k, &ino) in st.orphan_paths.range(pf.clone()..keys::prefix_end(&pf)) {
-                let mut nk = pt.clone();
-                nk.extend_from_slice(&k[pf.len()..]);
-                changed.push((k.clone(), nk, ino));
+            if *is_dir {
+                changed.extend(rebased(&st.orphan_paths, from, to));
             }
         }
         for (old, _, _) in &changed {
@@ -1263,12 +1256,7 @@ impl Betrfs {
                 changed.push((from.clone(), to.clone(), ino));
             }
             if *is_dir {
-                let (pf, pt) = (keys::dir_prefix(from), keys::dir_prefix(to));
-                for (k, &ino) in st.by_path.range(pf.clone()..keys::prefix_end(&pf)) {
-                    let mut nk = pt.clone();
-                    nk.extend_from_slice(&k[pf.len()..]);
-                    changed.push((k.clone(), nk, ino));
-                }
+                changed.extend(rebased(&st.by_path, from, to));
             }
         }
         for (old, _, _) in &changed {
@@ -1556,6 +1544,19 @@ impl Betrfs {
     }
 }
 
+/// The entries of `map` below directory `from` (path-key), with their keys as they are
+/// once it moves to `to`: (old key, new key, inode).
+fn rebased(map: &BTreeMap<Vec<u8>, u64>, from: &[u8], to: &[u8]) -> Vec<(Vec<u8>, Vec<u8>, u64)> {
+    let (pf, pt) = (keys::dir_prefix(from), keys::dir_prefix(to));
+    map.range(pf.clone()..keys::prefix_end(&pf))
+        .map(|(k, &ino)| {
+            let mut nk = pt.clone();
+            nk.extend_from_slice(&k[pf.len()..]);
+            (k.clone(), nk, ino)
+        })
+        .collect()
+}
+
 impl FileSystem for Betrfs {
     fn root(&self) -> Ino {
         ROOT_INO
@@ -1616,19 +1617,7 @@ impl FileSystem for Betrfs {
         let mut st = self.lock();
         self.writable(&st)?;
         let mut n = self.node(&st, ino)?.clone();
-        let explicit = |t: Option<TimeOrNow>| matches!(t, Some(TimeOrNow::At(_)));
-        if set.mode.is_some()
-            || set.uid.is_some()
-            || set.gid.is_some()
-            || set.size.is_some()
-            || explicit(set.atime)
-            || explicit(set.mtime)
-        {
-            rules::refuse_if_frozen(n.inode.flags)?;
-        }
-        if n.inode.flags & flags::IMMUTABLE != 0 {
-            return Err(FsError::Perm);
-        }
+        rules::refuse_setattr(n.inode.flags, &set)?;
         let t = now();
         let old_size = n.inode.size;
         if let Some(size) = set.size {

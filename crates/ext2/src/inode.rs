@@ -9,7 +9,7 @@
 use crate::format::*;
 use crate::fs::{Ext2, Head, Op, State};
 use quilt_patch::PatchId;
-use quilt_vfs::{FsError, Result, SetAttr, TimeOrNow, Timespec};
+use quilt_vfs::{FsError, Result, SetAttr, Timespec};
 
 /// The most blocks one write allocates before it writes them (a write of up to 1 MiB of
 /// 4 KiB blocks: the FUSE adapter's largest).
@@ -1114,21 +1114,7 @@ impl Ext2 {
         set: SetAttr,
     ) -> Result<quilt_vfs::Attr> {
         let mut inode = self.read_live_inode(st, ino)?;
-        // The kernel's notify_change: owner, mode, explicit times and size are frozen on
-        // immutable and append-only inodes; "now" times only on immutable ones.
-        let explicit = |t: Option<TimeOrNow>| matches!(t, Some(TimeOrNow::At(_)));
-        if set.mode.is_some()
-            || set.uid.is_some()
-            || set.gid.is_some()
-            || set.size.is_some()
-            || explicit(set.atime)
-            || explicit(set.mtime)
-        {
-            crate::flags::refuse_if_frozen(&inode)?;
-        }
-        if inode.flags & quilt_vfs::flags::IMMUTABLE != 0 {
-            return Err(FsError::Perm);
-        }
+        quilt_vfs::rules::refuse_setattr(inode.flags, &set)?;
         let now = Inode::split_time(Timespec::now());
         if let Some(mode) = set.mode {
             inode.mode = (inode.mode & libc::S_IFMT as u16) | (mode & 0o7777) as u16;

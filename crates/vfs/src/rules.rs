@@ -44,6 +44,26 @@ pub fn refuse_if_frozen(flags: u32) -> Result<()> {
     Ok(())
 }
 
+/// EPERM for a setattr the inode's flags forbid: the kernel's notify_change freezes
+/// owner, mode, size and explicit times of immutable and append-only inodes, and "now"
+/// times of immutable ones.
+pub fn refuse_setattr(flags: u32, set: &crate::SetAttr) -> Result<()> {
+    let explicit = |t: Option<crate::TimeOrNow>| matches!(t, Some(crate::TimeOrNow::At(_)));
+    if set.mode.is_some()
+        || set.uid.is_some()
+        || set.gid.is_some()
+        || set.size.is_some()
+        || explicit(set.atime)
+        || explicit(set.mtime)
+    {
+        refuse_if_frozen(flags)?;
+    }
+    if flags & IMMUTABLE != 0 {
+        return Err(FsError::Perm);
+    }
+    Ok(())
+}
+
 /// EPERM for adding an entry to an immutable directory (append-only ones take new
 /// entries).
 pub fn refuse_new_entry(dir_flags: u32) -> Result<()> {
