@@ -2246,10 +2246,16 @@ impl FileSystem for Betrfs {
         Ok(())
     }
 
+    /// The kernel forgot the inode: with no handle open either, nothing but the tree
+    /// needs it, and the cache lets it go (a later lookup reads it again), so a mount's
+    /// memory follows what the kernel holds, not everything it ever looked up.
     fn unreference(&self, ino: Ino) -> Result<()> {
         let mut st = self.lock();
         if let Some(n) = st.nodes.get_mut(&ino) {
             n.refs = n.refs.saturating_sub(1);
+            if n.refs == 0 && n.opens == 0 && n.inode.nlink > 0 && ino != ROOT_INO {
+                self.forget(&mut st, ino);
+            }
         }
         Ok(())
     }
