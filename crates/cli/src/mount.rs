@@ -286,7 +286,7 @@ impl Parsed {
 
 fn serve_fs<F: Served>(a: &MountArgs, fuse_opts: FuseOptions, fs: Arc<F>) -> Result<()> {
     let (sock, _) = runtime_paths(&a.mountpoint);
-    let listener = start_control(&sock, fs.clone(), fuse_opts.stats.clone())?;
+    let listener = start_control(&sock, a.image.clone(), fs.clone(), fuse_opts.stats.clone())?;
     let unmounted = Arc::new(Mutex::new(false));
     let finish = {
         let fs = fs.clone();
@@ -374,6 +374,7 @@ fn watch_signals(mountpoint: PathBuf) {
 
 fn start_control<F: Served>(
     sock: &Path,
+    image: PathBuf,
     fs: Arc<F>,
     requests: Arc<quilt_fuse::RequestStats>,
 ) -> Result<Arc<UnixListener>> {
@@ -407,6 +408,7 @@ fn start_control<F: Served>(
                     serde_json::to_string(&j).unwrap_or_default()
                 }
                 "pid" => std::process::id().to_string(),
+                "image" => image.display().to_string(),
                 // What sync(1) does through the mount, for scripts and for plain FUSE
                 // mounts (not root), which the kernel sends no FUSE_SYNCFS.
                 "sync" => match fs.sync_all() {
@@ -510,6 +512,7 @@ pub fn unmount_and_wait(mountpoint: &Path, lazy: bool) -> Result<()> {
         s.read_to_string(&mut buf).ok()?;
         buf.trim().parse().ok()
     })();
+    let image = ask(mountpoint, "image").ok().map(PathBuf::from);
     let c = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())?;
     // SAFETY: plain system call on a NUL-terminated path.
     let r = unsafe { libc::umount2(c.as_ptr(), if lazy { libc::MNT_DETACH } else { 0 }) };
@@ -534,6 +537,18 @@ pub fn unmount_and_wait(mountpoint: &Path, lazy: bool) -> Result<()> {
             if !told && start.elapsed() > std::time::Duration::from_secs(5) {
                 eprintln!("quiltfs: waiting for server {pid} to finish writing back");
                 told = true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+    // And the image free again: the next mount, fsck or mkfs of a script must not find
+    // it locked (the server's exclusive lock goes with its last descriptor).
+    if let Some(img) = image.filter(|i| i.is_absolute()) {
+        let start = std::time::Instant::now();
+        while start.elapsed() < std::time::Duration::from_secs(30) {
+            let Ok(f) = std::fs::File::open(&img) else { break };
+            if quilt_block::lock_file(&f, &img, false).is_ok() {
+                break;
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
