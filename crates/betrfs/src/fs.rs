@@ -14,7 +14,7 @@
 
 use crate::keys::{self, Loc};
 use crate::record::{self, Entry, Inode, Super, BLOCK};
-use quilt_betree::{truncate_arg, write_at_arg, Batch, Tree, TRUNCATE, WRITE_AT};
+use quilt_betree::{write_at_arg, Batch, Tree, WRITE_AT};
 use quilt_vfs::acl::{self, Acl};
 use quilt_vfs::{
     flags, rules, Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, RenameFlags, Result,
@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// Keys with their values, in key order.
-type Kvs = Vec<(Vec<u8>, Vec<u8>)>;
+pub(crate) type Kvs = Vec<(Vec<u8>, Vec<u8>)>;
 
 pub const ROOT_INO: u64 = 1;
 pub const LOST_FOUND_INO: u64 = 2;
@@ -37,7 +37,7 @@ pub const MAX_FILE_SIZE: u64 = 1 << 44;
 const BATCH_DATA_MAX: usize = 1 << 20;
 /// Most key and value bytes a move puts in one batch before it needs an intent.
 /// Files of at most this many blocks lose their data by point deletes.
-const POINT_DELETES_MAX: u64 = 16;
+pub(crate) const POINT_DELETES_MAX: u64 = 16;
 /// Readdir cookies remembered (oldest forgotten first).
 const COOKIES_MAX: usize = 1 << 18;
 /// Extended attributes of one inode: names and values together.
@@ -111,10 +111,10 @@ pub struct Betrfs {
     pub(crate) st: Mutex<State>,
     pub(crate) opts: MountOptions,
     pub(crate) counters: Counters,
-    errored: AtomicBool,
+    pub(crate) errored: AtomicBool,
     /// Most data bytes (and moved key and value bytes) in one batch: what the tree's log
     /// takes in one record, halved, at most 1 MiB.
-    batch_bytes: usize,
+    pub(crate) batch_bytes: usize,
     /// Patchgroup bookkeeping (the rules that keep groups acyclic); the order itself is
     /// the log's.
     svc: quilt_patch::Services,
@@ -128,7 +128,7 @@ struct Flusher {
     thread: std::thread::JoinHandle<()>,
 }
 
-fn io(e: quilt_betree::Error) -> FsError {
+pub(crate) fn io(e: quilt_betree::Error) -> FsError {
     match e {
         quilt_betree::Error::Corrupt(m) => FsError::Corrupt(m),
         quilt_betree::Error::Full(_) => FsError::NoSpace,
@@ -136,7 +136,7 @@ fn io(e: quilt_betree::Error) -> FsError {
     }
 }
 
-fn now() -> Timespec {
+pub(crate) fn now() -> Timespec {
     Timespec::now()
 }
 
@@ -159,7 +159,7 @@ fn check_xattr_name(name: &[u8]) -> Result<()> {
     Err(FsError::NotSupported)
 }
 
-fn check_name(name: &[u8]) -> Result<()> {
+pub(crate) fn check_name(name: &[u8]) -> Result<()> {
     if name.len() > NAME_MAX {
         return Err(FsError::NameTooLong);
     }
@@ -283,7 +283,7 @@ impl Betrfs {
         Ok(fs)
     }
 
-    fn start_flusher(&self, every: std::time::Duration) {
+    pub(crate) fn start_flusher(&self, every: std::time::Duration) {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let tree = self.tree.clone();
         let s = stop.clone();
@@ -350,7 +350,7 @@ impl Betrfs {
     }
 
     /// Damage is logged and remembered in the superblock record (for fsck).
-    fn checked<T>(&self, r: Result<T>) -> Result<T> {
+    pub(crate) fn checked<T>(&self, r: Result<T>) -> Result<T> {
         if let Err(FsError::Corrupt(m)) = &r {
             tracing::error!("betrfs: damage found: {m}");
             if !self.errored.swap(true, Relaxed) && !self.opts.read_only {
@@ -371,7 +371,7 @@ impl Betrfs {
         r
     }
 
-    fn writable(&self, st: &State) -> Result<()> {
+    pub(crate) fn writable(&self, st: &State) -> Result<()> {
         if self.opts.read_only {
             return Err(FsError::ReadOnly);
         }
@@ -385,7 +385,7 @@ impl Betrfs {
 
     /// Refuses growth when the tree is close to full: a checkpoint needs room for a copy
     /// of every dirty node, so ENOSPC comes while there is still room to write it.
-    fn room(&self, bytes: u64) -> Result<()> {
+    pub(crate) fn room(&self, bytes: u64) -> Result<()> {
         let bs = self.tree.geometry().block_size as u64;
         let need = bytes.div_ceil(bs) * 3 + self.reserve();
         if self.tree.space().free >= need {
@@ -404,7 +404,7 @@ impl Betrfs {
         Err(FsError::NoSpace)
     }
 
-    fn reserve(&self) -> u64 {
+    pub(crate) fn reserve(&self) -> u64 {
         let sp = self.tree.space();
         let g = self.tree.geometry();
         // Room for a checkpoint: dirty nodes written again, plus a few whole nodes.
@@ -450,7 +450,7 @@ impl Betrfs {
         ino
     }
 
-    fn forget(&self, st: &mut State, ino: u64) {
+    pub(crate) fn forget(&self, st: &mut State, ino: u64) {
         if let Some(n) = st.nodes.remove(&ino) {
             if let Loc::Path(p) = n.loc {
                 st.by_path.remove(&p);
@@ -462,7 +462,7 @@ impl Betrfs {
         st.nodes.get(&ino).ok_or(FsError::Stale)
     }
 
-    fn dir_node<'a>(&self, st: &'a State, ino: u64) -> Result<&'a Node> {
+    pub(crate) fn dir_node<'a>(&self, st: &'a State, ino: u64) -> Result<&'a Node> {
         let n = self.node(st, ino)?;
         if !n.inode.is_dir() {
             return Err(FsError::NotDir);
@@ -521,7 +521,7 @@ impl Betrfs {
         }
     }
 
-    fn lookup_in(
+    pub(crate) fn lookup_in(
         &self,
         st: &mut State,
         parent: u64,
@@ -569,11 +569,11 @@ impl Betrfs {
         }
     }
 
-    fn put_inode(b: &mut Batch, n: &Node) {
+    pub(crate) fn put_inode(b: &mut Batch, n: &Node) {
         b.put(&n.loc.meta(), &n.inode.encode());
     }
 
-    fn super_record(st: &State, error: bool) -> Vec<u8> {
+    pub(crate) fn super_record(st: &State, error: bool) -> Vec<u8> {
         Super {
             next_ino: st.next_ino,
             dirty: true,
@@ -581,980 +581,6 @@ impl Betrfs {
         }
         .encode()
     }
-
-    // -----------------------------------------------------------------------------------
-    // Creation
-
-    #[allow(clippy::too_many_arguments)]
-    fn create(
-        &self,
-        parent: u64,
-        name: &[u8],
-        mode: u32,
-        rdev: u32,
-        target: &[u8],
-        ctx: &Ctx,
-        tmp: bool,
-    ) -> Result<Attr> {
-        if !tmp {
-            check_name(name)?;
-        }
-        let mut st = self.lock();
-        self.writable(&st)?;
-        self.room(BLOCK)?;
-        let key = if tmp {
-            Vec::new()
-        } else {
-            let (key, existing) = self.lookup_in(&mut st, parent, name)?;
-            if existing.is_some() {
-                return Err(FsError::Exists);
-            }
-            self.evict_orphans(&mut st, &key, false)?;
-            key
-        };
-        let dir = self.dir_node(&st, parent)?.clone();
-        if dir.inode.nlink == 0 {
-            return Err(FsError::NotFound);
-        }
-        rules::refuse_new_entry(dir.inode.flags)?;
-        let is_dir = mode & libc::S_IFMT == libc::S_IFDIR;
-        if is_dir && dir.inode.nlink >= LINK_MAX {
-            return Err(FsError::TooManyLinks);
-        }
-        let (mut mode, mut xattrs) = self.mode_for_new(&dir.inode, mode, ctx.umask)?;
-        let gid = if dir.inode.mode & libc::S_ISGID != 0 {
-            if is_dir {
-                mode |= libc::S_ISGID;
-            }
-            dir.inode.gid
-        } else {
-            ctx.gid
-        };
-        xattrs.sort();
-        let t = now();
-        let ino = st.next_ino;
-        st.next_ino += 1;
-        let inode = Inode {
-            ino,
-            mode,
-            uid: ctx.uid,
-            gid,
-            nlink: if tmp {
-                0
-            } else if is_dir {
-                2
-            } else {
-                1
-            },
-            size: if is_dir { BLOCK } else { 0 },
-            atime: t,
-            mtime: t,
-            ctime: t,
-            rdev,
-            flags: rules::inherited_flags(dir.inode.flags, mode),
-            blocks: 0,
-            target: target.to_vec(),
-            xattrs,
-        };
-        let mut b = Batch::new();
-        b.put(
-            keys::SUPER,
-            &Self::super_record(&st, self.errored.load(Relaxed)),
-        );
-        let loc = if tmp {
-            b.put(&keys::orphan_key(ino), b"");
-            Loc::Ino(ino)
-        } else {
-            Loc::Path(key)
-        };
-        b.put(&loc.meta(), &inode.encode());
-        let mut pdir = dir;
-        if !tmp {
-            if is_dir {
-                pdir.inode.nlink += 1;
-            }
-            pdir.inode.mtime = t;
-            pdir.inode.ctime = t;
-            Self::put_inode(&mut b, &pdir);
-        }
-        self.commit(&mut st, b)?;
-        if !tmp {
-            st.nodes.insert(parent, pdir);
-        }
-        let attr = self.attr_of(&inode);
-        self.insert(&mut st, loc, inode);
-        Ok(attr)
-    }
-
-    /// The mode and ACLs of a new inode: the directory's default ACL limited by the
-    /// mode (directories keep it as theirs), or the umask without one. Symlinks take
-    /// neither.
-    fn mode_for_new(&self, dir: &Inode, mode: u32, umask: u32) -> Result<(u32, Kvs)> {
-        if mode & libc::S_IFMT == libc::S_IFLNK {
-            return Ok((mode, Vec::new()));
-        }
-        let default = match (self.opts.acl, dir.xattr(acl::DEFAULT)) {
-            (true, Some(v)) => Some(Acl::from_xattr(v)?),
-            _ => None,
-        };
-        let Some(d) = default else {
-            return Ok((mode & !(umask & 0o777), Vec::new()));
-        };
-        let (access, mode) = d.inherit(mode);
-        let mut x = Vec::new();
-        if let Some(a) = access {
-            x.push((acl::ACCESS.to_vec(), a.to_xattr()));
-        }
-        if mode & libc::S_IFMT == libc::S_IFDIR {
-            x.push((acl::DEFAULT.to_vec(), d.to_xattr()));
-        }
-        Ok((mode, x))
-    }
-
-    // -----------------------------------------------------------------------------------
-    // Removal
-
-    /// Whether directory `n` has any entry.
-    fn has_children(&self, n: &Node) -> Result<bool> {
-        let lo = keys::meta_key(&keys::child_key(&Self::prefix_of(n)?, b""));
-        let hi = keys::prefix_end(&lo);
-        match self.tree.range(&lo, Some(&hi)).next() {
-            None => Ok(false),
-            Some(Ok(_)) => Ok(true),
-            Some(Err(e)) => Err(io(e)),
-        }
-    }
-
-    /// Drops one name of `child` (named `key`) into batch `b`: the name, and the inode
-    /// and its data when that was the last name and nobody has it open. `reuse`: the
-    /// same operation puts another file's data under `key` (a rename over it). Returns
-    /// what the in-memory node becomes (None: gone).
-    fn drop_name(
-        &self,
-        st: &mut State,
-        b: &mut Batch,
-        key: &[u8],
-        child: &Node,
-        t: Timespec,
-        reuse: bool,
-    ) -> Result<Option<Node>> {
-        let mut n = child.clone();
-        n.inode.ctime = t;
-        if n.inode.is_dir() {
-            b.delete(&keys::meta_key(key));
-            return Ok(None);
-        }
-        match &child.loc {
-            Loc::Path(_) => {
-                if child.opens > 0 && reuse {
-                    // Open, and its path's data keys are about to be another file's:
-                    // it moves under its number (a copy).
-                    n.inode.nlink = 0;
-                    self.to_inode_space(st, b, &mut n, 0)?;
-                    b.put(&keys::orphan_key(n.inode.ino), b"");
-                    return Ok(Some(n));
-                }
-                if child.opens > 0 {
-                    // Open: it lives on until the last release, its inode under its
-                    // number, its data where it is.
-                    let ino = n.inode.ino;
-                    n.inode.nlink = 0;
-                    n.loc = Loc::Orphan {
-                        path: key.to_vec(),
-                        ino,
-                    };
-                    b.delete(&keys::meta_key(key));
-                    Self::put_inode(b, &n);
-                    b.put(&keys::orphan_key(ino), key);
-                    st.by_path.remove(key);
-                    st.orphan_paths.insert(key.to_vec(), ino);
-                    return Ok(Some(n));
-                }
-                b.delete(&keys::meta_key(key));
-                self.delete_data(b, &child.loc, child.inode.size);
-                Ok(None)
-            }
-            Loc::Orphan { .. } => Err(FsError::Corrupt(format!(
-                "an orphan ({}) is named at {key:?}",
-                child.inode.ino
-            ))),
-            Loc::Ino(ino) => {
-                b.delete(&keys::meta_key(key));
-                n.inode.nlink = n.inode.nlink.saturating_sub(1);
-                if n.inode.nlink > 0 {
-                    Self::put_inode(b, &n);
-                    return Ok(Some(n));
-                }
-                if child.opens > 0 {
-                    Self::put_inode(b, &n);
-                    b.put(&keys::orphan_key(*ino), b"");
-                    return Ok(Some(n));
-                }
-                b.delete(&keys::inode_key(*ino));
-                self.delete_data(b, &child.loc, child.inode.size);
-                Ok(None)
-            }
-        }
-    }
-
-    /// Deletes the data of a file of `size` bytes: its blocks are all below the size.
-    fn delete_data(&self, b: &mut Batch, loc: &Loc, size: u64) {
-        self.delete_blocks(b, loc, 0, size);
-    }
-
-    /// Deletes blocks `from..` of a file of `size` bytes: a few point deletes for a
-    /// small file (cheap messages that supersede the puts they meet), one range delete
-    /// for a larger one (a buffer's range deletes are searched one by one, so a
-    /// million-file `rm -rf` must not leave one per file).
-    fn delete_blocks(&self, b: &mut Batch, loc: &Loc, from: u64, size: u64) {
-        self.counters.range_deletes.fetch_add(1, Relaxed);
-        let end = size.div_ceil(BLOCK);
-        if end.saturating_sub(from) <= POINT_DELETES_MAX {
-            for blk in from..end {
-                b.delete(&loc.data_key(blk));
-            }
-        } else {
-            b.delete_range(&loc.data_key(from), &keys::prefix_end(&loc.data_prefix()));
-        }
-    }
-
-    /// Moves a file stored under its path to its number (the `h`/`e` spaces), with
-    /// `extra` more names than it has now. Small files move in batch `b`; a larger one
-    /// first copies its data in chunks under an intent, then `b` switches over.
-    fn to_inode_space(
-        &self,
-        st: &mut State,
-        b: &mut Batch,
-        n: &mut Node,
-        extra: u32,
-    ) -> Result<()> {
-        let (path, named) = match n.loc.clone() {
-            Loc::Path(p) => (p, true),
-            Loc::Orphan { path, .. } => (path, false),
-            Loc::Ino(_) => return Ok(()),
-        };
-        let ino = n.inode.ino;
-        let from = n.loc.data_prefix();
-        let to = Loc::Ino(ino);
-        let to_prefix = to.data_prefix();
-        let mut chunk = Batch::new();
-        let mut bytes = 0usize;
-        let mut chunked = false;
-        for kv in self.tree.range(&from, Some(&keys::prefix_end(&from))) {
-            let (k, v) = kv.map_err(io)?;
-            let Some(blk) = keys::block_of(&from, &k) else {
-                return Err(FsError::Corrupt("a data key of the wrong length".into()));
-            };
-            bytes += k.len() + v.len();
-            let mut nk = to_prefix.clone();
-            nk.extend_from_slice(&blk.to_be_bytes());
-            chunk.put(&nk, &v);
-            if bytes > self.batch_bytes {
-                if !chunked {
-                    // The intent: a crash before the switch leaves copies the mount
-                    // deletes (no inode under the number yet; an orphan's marker
-                    // keeps naming its path, whose data the mount deletes too).
-                    let mut i = Batch::new();
-                    i.put(&keys::orphan_key(ino), if named { b"" } else { &path[..] });
-                    self.commit(st, i)?;
-                    chunked = true;
-                    self.counters.moves_chunked.fetch_add(1, Relaxed);
-                }
-                self.commit(st, std::mem::take(&mut chunk))?;
-                bytes = 0;
-            }
-        }
-        b.ops.append(&mut chunk.ops);
-        if chunked && named {
-            b.delete(&keys::orphan_key(ino));
-        }
-        b.delete_range(&from, &keys::prefix_end(&from));
-        if named {
-            b.delete(&keys::meta_key(&path));
-        } else {
-            // Still an orphan, now wholly under its number.
-            b.put(&keys::orphan_key(ino), b"");
-            st.orphan_paths.remove(&path);
-        }
-        n.inode.nlink += extra;
-        n.loc = to;
-        b.put(&n.loc.meta(), &n.inode.encode());
-        st.by_path.remove(&path);
-        Ok(())
-    }
-
-    fn remove(&self, parent: u64, name: &[u8], dir: bool) -> Result<()> {
-        let mut st = self.lock();
-        self.writable(&st)?;
-        if name == b"." {
-            return Err(FsError::Invalid("rmdir of ."));
-        }
-        if name == b".." {
-            return Err(FsError::NotEmpty);
-        }
-        let (key, child) = self.lookup_in(&mut st, parent, name)?;
-        let child = child.ok_or(FsError::NotFound)?;
-        let c = self.node(&st, child)?.clone();
-        let p = self.node(&st, parent)?.clone();
-        // The kernel's may_delete: the flags before the type and emptiness.
-        rules::refuse_removal(p.inode.flags, c.inode.flags)?;
-        if dir {
-            if !c.inode.is_dir() {
-                return Err(FsError::NotDir);
-            }
-            if self.has_children(&c)? {
-                return Err(FsError::NotEmpty);
-            }
-        } else if c.inode.is_dir() {
-            return Err(FsError::IsDir);
-        }
-        let t = now();
-        let mut b = Batch::new();
-        let after = self.drop_name(&mut st, &mut b, &key, &c, t, false)?;
-        let mut p = p;
-        if dir {
-            p.inode.nlink = p.inode.nlink.saturating_sub(1);
-        }
-        p.inode.mtime = t;
-        p.inode.ctime = t;
-        Self::put_inode(&mut b, &p);
-        self.commit(&mut st, b)?;
-        st.nodes.insert(parent, p);
-        st.by_path.remove(&key);
-        match after {
-            Some(n) => {
-                st.nodes.insert(child, n);
-            }
-            // Gone: what the kernel may still hold is a reference without a handle,
-            // through which it reads nothing (a later use is ESTALE).
-            None => self.forget(&mut st, child),
-        }
-        Ok(())
-    }
-
-    /// Frees an inode with no names once nobody has it open.
-    fn destroy(&self, st: &mut State, ino: u64) -> Result<()> {
-        let Some(n) = st.nodes.get(&ino).cloned() else {
-            return Ok(());
-        };
-        if n.opens > 0 || n.inode.nlink > 0 || self.opts.read_only {
-            return Ok(());
-        }
-        // (References without a handle may remain: they reach no data.)
-        match &n.loc {
-            Loc::Ino(i) | Loc::Orphan { ino: i, .. } if !n.inode.is_dir() => {
-                let mut b = Batch::new();
-                b.delete(&keys::inode_key(*i));
-                b.delete(&keys::orphan_key(*i));
-                self.delete_data(&mut b, &n.loc, n.inode.size);
-                self.commit(st, b)?;
-                if let Loc::Orphan { path, .. } = &n.loc {
-                    st.orphan_paths.remove(path);
-                }
-            }
-            _ => {}
-        }
-        self.forget(st, ino);
-        Ok(())
-    }
-
-    /// Before a name appears at path-key `key` (and, for a directory moving in, below
-    /// it): orphans whose data still lies there move it under their numbers, so the new
-    /// file's data and theirs never share keys. Rare: the kernel forgets most unlinked
-    /// files at once.
-    fn evict_orphans(&self, st: &mut State, key: &[u8], subtree: bool) -> Result<()> {
-        let mut victims: Vec<u64> = st.orphan_paths.get(key).copied().into_iter().collect();
-        if subtree {
-            let p = keys::dir_prefix(key);
-            victims.extend(
-                st.orphan_paths
-                    .range(p.clone()..keys::prefix_end(&p))
-                    .map(|(_, &i)| i),
-            );
-        }
-        for ino in victims {
-            let Some(mut n) = st.nodes.get(&ino).cloned() else {
-                continue;
-            };
-            let mut b = Batch::new();
-            self.to_inode_space(st, &mut b, &mut n, 0)?;
-            self.commit(st, b)?;
-            st.nodes.insert(ino, n);
-        }
-        Ok(())
-    }
-
-    /// Orphans whose data lies under a moved entry travel with it: their paths and
-    /// markers follow (into `b`, with the move).
-    fn move_orphans(st: &mut State, b: &mut Batch, moves: &[(Vec<u8>, Vec<u8>, bool)]) {
-        let mut changed = Vec::new();
-        for (from, to, is_dir) in moves {
-            if *is_dir {
-                changed.extend(rebased(&st.orphan_paths, from, to));
-            }
-        }
-        for (old, _, _) in &changed {
-            st.orphan_paths.remove(old);
-        }
-        for (_, new, ino) in changed {
-            b.put(&keys::orphan_key(ino), &new);
-            st.orphan_paths.insert(new.clone(), ino);
-            if let Some(n) = st.nodes.get_mut(&ino) {
-                n.loc = Loc::Orphan { path: new, ino };
-            }
-        }
-    }
-
-    // -----------------------------------------------------------------------------------
-    // Data
-
-    fn read_data(&self, n: &Node, offset: u64, size: u32) -> Result<Vec<u8>> {
-        let len = n.inode.size;
-        if offset >= len || size == 0 {
-            return Ok(Vec::new());
-        }
-        let end = len.min(offset + size as u64);
-        let mut out = vec![0u8; (end - offset) as usize];
-        let first = offset / BLOCK;
-        let last = (end - 1) / BLOCK;
-        let mut place = |blk: u64, v: &[u8]| {
-            let bstart = blk * BLOCK;
-            let from = offset.max(bstart);
-            let to = end.min(bstart + v.len() as u64);
-            if from < to {
-                let dst = (from - offset) as usize..(to - offset) as usize;
-                let src = (from - bstart) as usize..(to - bstart) as usize;
-                out[dst].copy_from_slice(&v[src]);
-            }
-        };
-        if first == last {
-            if let Some(v) = self.tree.get(&n.loc.data_key(first)).map_err(io)? {
-                place(first, &v);
-            }
-        } else {
-            let prefix = n.loc.data_prefix();
-            let lo = n.loc.data_key(first);
-            let hi = n.loc.data_key(last + 1);
-            for kv in self.tree.range(&lo, Some(&hi)) {
-                let (k, v) = kv.map_err(io)?;
-                let blk = keys::block_of(&prefix, &k)
-                    .ok_or_else(|| FsError::Corrupt("a data key of the wrong length".into()))?;
-                place(blk, &v);
-            }
-        }
-        Ok(out)
-    }
-
-    /// Data messages for `data` at `offset`: whole blocks are puts, parts of blocks are
-    /// upserts (no read of the old block). Counts the blocks it adds into `n.inode`.
-    fn write_msgs(&self, b: &mut Batch, n: &mut Node, offset: u64, data: &[u8]) -> Result<()> {
-        let mut pos = offset;
-        let end = offset + data.len() as u64;
-        while pos < end {
-            let blk = pos / BLOCK;
-            let in_off = pos % BLOCK;
-            let len = (BLOCK - in_off).min(end - pos);
-            let src = &data[(pos - offset) as usize..(pos - offset + len) as usize];
-            if !self.present(n, blk)? {
-                n.inode.blocks += 1;
-            }
-            if len == BLOCK {
-                b.put(&n.loc.data_key(blk), src);
-                self.counters.block_puts.fetch_add(1, Relaxed);
-            } else {
-                b.upsert(&n.loc.data_key(blk), WRITE_AT, &write_at_arg(in_off, src));
-                self.counters.upsert_writes.fetch_add(1, Relaxed);
-            }
-            // Written blocks extend the size as the loop goes, so `present` sees them.
-            n.inode.size = n.inode.size.max(pos + len);
-            pos += len;
-        }
-        Ok(())
-    }
-
-    /// Whether block `blk` of the file has a key. Free for a dense file (every block
-    /// below the size is there, none past it); a sparse file asks the tree.
-    fn present(&self, n: &Node, blk: u64) -> Result<bool> {
-        let within = n.inode.size.div_ceil(BLOCK);
-        if blk >= within {
-            return Ok(false);
-        }
-        if n.inode.blocks >= within {
-            return Ok(true);
-        }
-        Ok(self.tree.get(&n.loc.data_key(blk)).map_err(io)?.is_some())
-    }
-
-    /// How many of blocks `from..to` the file has.
-    fn present_in(&self, n: &Node, from: u64, to: u64) -> Result<u64> {
-        let within = n.inode.size.div_ceil(BLOCK);
-        let to = to.min(within);
-        if from >= to {
-            return Ok(0);
-        }
-        if n.inode.blocks >= within {
-            return Ok(to - from);
-        }
-        let mut c = 0;
-        for kv in self
-            .tree
-            .range(&n.loc.data_key(from), Some(&n.loc.data_key(to)))
-        {
-            kv.map_err(io)?;
-            c += 1;
-        }
-        Ok(c)
-    }
-
-    /// Truncation messages from `old` bytes to `new`.
-    fn truncate_msgs(&self, b: &mut Batch, loc: &Loc, old: u64, new: u64) {
-        if new >= old {
-            return;
-        }
-        self.delete_blocks(b, loc, new.div_ceil(BLOCK), old);
-        if new % BLOCK != 0 {
-            b.upsert(
-                &loc.data_key(new / BLOCK),
-                TRUNCATE,
-                &truncate_arg(new % BLOCK),
-            );
-        }
-    }
-
-    fn present_blocks(&self, n: &Node, from: u64) -> Result<Vec<u64>> {
-        let prefix = n.loc.data_prefix();
-        let last = n.inode.size.div_ceil(BLOCK);
-        let mut out = Vec::new();
-        for kv in self
-            .tree
-            .range(&n.loc.data_key(from), Some(&n.loc.data_key(last)))
-        {
-            let (k, _) = kv.map_err(io)?;
-            out.push(
-                keys::block_of(&prefix, &k)
-                    .ok_or_else(|| FsError::Corrupt("a data key of the wrong length".into()))?,
-            );
-            if out.len() > 1 && out[out.len() - 1] != out[out.len() - 2] + 1 {
-                break;
-            }
-        }
-        Ok(out)
-    }
-
-    // -----------------------------------------------------------------------------------
-    // Rename
-
-    /// What moves with the entry at `key`: the path prefix and key spaces of its subtree
-    /// (a directory) or of its data (a file).
-    fn moved(key: &[u8], is_dir: bool) -> (Vec<u8>, &'static [u8]) {
-        if is_dir {
-            (keys::dir_prefix(key), &[keys::META, keys::DATA])
-        } else {
-            let mut p = key.to_vec();
-            p.push(0);
-            (p, &[keys::DATA])
-        }
-    }
-
-    /// Every key under `prefix` in `spaces`, or `None` past `limit` bytes.
-    fn collect(&self, prefix: &[u8], spaces: &[u8], limit: usize) -> Result<Option<Kvs>> {
-        let mut out = Vec::new();
-        let mut bytes = 0usize;
-        for &space in spaces {
-            let mut lo = vec![space];
-            lo.extend_from_slice(prefix);
-            for kv in self.tree.range(&lo, Some(&keys::prefix_end(&lo))) {
-                let (k, v) = kv.map_err(io)?;
-                bytes += k.len() + v.len();
-                if bytes > limit {
-                    return Ok(None);
-                }
-                out.push((k, v));
-            }
-        }
-        Ok(Some(out))
-    }
-
-    /// Into `b`: every move's old ranges deleted, then its keys put under the new
-    /// prefix (all deletes first: an exchange puts keys where the other move deletes).
-    #[allow(clippy::type_complexity)]
-    fn emit_moves(&self, b: &mut Batch, moves: Vec<(&[u8], &[u8], &[u8], Kvs)>) -> Result<()> {
-        for (from, _, spaces, list) in &moves {
-            if list.len() as u64 <= POINT_DELETES_MAX {
-                // What was collected is all the range holds (under our lock): point
-                // deletes, which a buffer searches by key (see `delete_blocks`).
-                for (k, _) in list {
-                    b.delete(k);
-                }
-                continue;
-            }
-            for &space in spaces.iter() {
-                let mut lo = vec![space];
-                lo.extend_from_slice(from);
-                b.delete_range(&lo, &keys::prefix_end(&lo));
-            }
-        }
-        for (from, to, _, list) in moves {
-            self.counters
-                .keys_moved
-                .fetch_add(list.len() as u64, Relaxed);
-            for (k, v) in list {
-                let nk = keys::rebase(&k, from, to)
-                    .ok_or_else(|| FsError::Corrupt("a key outside its range".into()))?;
-                b.put(&nk, &v);
-            }
-        }
-        Ok(())
-    }
-
-    /// Moves every key under `from` to `to` in chunks, each one batch (puts of the new
-    /// keys and deletes of the old). An intent naming the move was committed before;
-    /// after a crash, mount finishes the move (`recover`).
-    pub(crate) fn move_chunked(
-        &self,
-        st: &mut State,
-        from: &[u8],
-        to: &[u8],
-        spaces: &[u8],
-    ) -> Result<()> {
-        for &space in spaces {
-            let mut lo = vec![space];
-            lo.extend_from_slice(from);
-            let hi = keys::prefix_end(&lo);
-            loop {
-                let mut b = Batch::new();
-                let mut bytes = 0usize;
-                for kv in self.tree.range(&lo, Some(&hi)) {
-                    let (k, v) = kv.map_err(io)?;
-                    bytes += k.len() + v.len();
-                    let nk = keys::rebase(&k, from, to)
-                        .ok_or_else(|| FsError::Corrupt("a key outside its range".into()))?;
-                    b.put(&nk, &v);
-                    b.delete(&k);
-                    if bytes > self.batch_bytes {
-                        break;
-                    }
-                }
-                if b.ops.is_empty() {
-                    break;
-                }
-                self.counters
-                    .keys_moved
-                    .fetch_add(b.ops.len() as u64 / 2, Relaxed);
-                self.commit(st, b)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// The cache's paths after moves of entries (`from` key → `to` key, directory or
-    /// not), all at once (an exchange swaps two).
-    fn move_cached_paths(st: &mut State, moves: &[(Vec<u8>, Vec<u8>, bool)]) {
-        let mut changed = Vec::new();
-        for (from, to, is_dir) in moves {
-            if let Some(&ino) = st.by_path.get(from) {
-                changed.push((from.clone(), to.clone(), ino));
-            }
-            if *is_dir {
-                changed.extend(rebased(&st.by_path, from, to));
-            }
-        }
-        for (old, _, _) in &changed {
-            st.by_path.remove(old);
-        }
-        for (_, new, ino) in changed {
-            st.by_path.insert(new.clone(), ino);
-            if let Some(n) = st.nodes.get_mut(&ino) {
-                n.loc = Loc::Path(new);
-            }
-        }
-    }
-
-    /// What a name's key holds for `n`: its inode, or a link stub.
-    fn entry_bytes(n: &Node) -> Vec<u8> {
-        match n.loc {
-            Loc::Path(_) => n.inode.encode(),
-            Loc::Ino(i) | Loc::Orphan { ino: i, .. } => Entry::link_stub(i, n.inode.mode),
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn do_rename(
-        &self,
-        parent: u64,
-        name: &[u8],
-        new_parent: u64,
-        new_name: &[u8],
-        flags: RenameFlags,
-        ctx: &Ctx,
-    ) -> Result<()> {
-        if flags.exchange && (flags.noreplace || flags.whiteout) {
-            return Err(FsError::Invalid("RENAME_EXCHANGE with other flags"));
-        }
-        if name == b"." || name == b".." || new_name == b"." || new_name == b".." {
-            return Err(FsError::Busy);
-        }
-        check_name(new_name)?;
-        let mut st = self.lock();
-        self.writable(&st)?;
-        let (skey, src) = self.lookup_in(&mut st, parent, name)?;
-        let src = src.ok_or(FsError::NotFound)?;
-        let (dkey, dst) = self.lookup_in(&mut st, new_parent, new_name)?;
-        let mut s = self.node(&st, src)?.clone();
-        let mut sp = self.node(&st, parent)?.clone();
-        let mut dp = self.node(&st, new_parent)?.clone();
-        if dp.inode.nlink == 0 {
-            return Err(FsError::NotFound);
-        }
-        if flags.exchange && dst.is_none() {
-            return Err(FsError::NotFound);
-        }
-        if flags.noreplace && dst.is_some() {
-            return Err(FsError::Exists);
-        }
-        if dst == Some(src) {
-            // Two names of one inode (or the same name): nothing to do.
-            return Ok(());
-        }
-        let d = dst.map(|d| self.node(&st, d).cloned()).transpose()?;
-        let s_dir = s.inode.is_dir();
-        // A directory may not move under itself.
-        if s_dir && dkey.starts_with(&keys::dir_prefix(&skey)) {
-            return Err(FsError::Invalid("a directory cannot move into itself"));
-        }
-        if let Some(d) = &d {
-            if d.inode.is_dir() && skey.starts_with(&keys::dir_prefix(&dkey)) {
-                return Err(if flags.exchange {
-                    FsError::Invalid("a directory cannot move into itself")
-                } else {
-                    FsError::NotEmpty
-                });
-            }
-            if !flags.exchange {
-                if s_dir && !d.inode.is_dir() {
-                    return Err(FsError::NotDir);
-                }
-                if !s_dir && d.inode.is_dir() {
-                    return Err(FsError::IsDir);
-                }
-                if d.inode.is_dir() && self.has_children(d)? {
-                    return Err(FsError::NotEmpty);
-                }
-            }
-        }
-        rules::refuse_removal(sp.inode.flags, s.inode.flags)?;
-        match &d {
-            Some(d) => rules::refuse_removal(dp.inode.flags, d.inode.flags)?,
-            None => rules::refuse_new_entry(dp.inode.flags)?,
-        }
-        let cross = parent != new_parent;
-        if cross && s_dir && d.is_none() && dp.inode.nlink >= LINK_MAX {
-            return Err(FsError::TooManyLinks);
-        }
-        if !flags.exchange {
-            self.evict_orphans(&mut st, &dkey, s_dir)?;
-        }
-        let t = now();
-        s.inode.ctime = t;
-        let mut b = Batch::new();
-        let (sfrom, spaces) = Self::moved(&skey, s_dir);
-        let (sto, _) = Self::moved(&dkey, s_dir);
-        if flags.exchange {
-            let mut d = d.expect("checked above");
-            let d_dir = d.inode.is_dir();
-            d.inode.ctime = t;
-            if cross {
-                sp.inode.nlink = sp.inode.nlink + d_dir as u32 - s_dir as u32;
-                dp.inode.nlink = dp.inode.nlink + s_dir as u32 - d_dir as u32;
-            }
-            let (dfrom, dspaces) = Self::moved(&dkey, d_dir);
-            let (dto, _) = Self::moved(&skey, d_dir);
-            let (Some(sl), Some(dl)) = (
-                self.collect(&sfrom, spaces, self.batch_bytes)?,
-                self.collect(&dfrom, dspaces, self.batch_bytes)?,
-            ) else {
-                tracing::warn!("betrfs: RENAME_EXCHANGE of trees too large for one batch");
-                return Err(FsError::NotSupported);
-            };
-            self.emit_moves(
-                &mut b,
-                vec![(&sfrom, &sto, spaces, sl), (&dfrom, &dto, dspaces, dl)],
-            )?;
-            Self::move_cached_paths(
-                &mut st,
-                &[
-                    (skey.clone(), dkey.clone(), s_dir),
-                    (dkey.clone(), skey.clone(), d_dir),
-                ],
-            );
-            s.loc = st.nodes.get(&src).map_or(s.loc, |n| n.loc.clone());
-            d.loc = st.nodes.get(&d.inode.ino).map_or(d.loc, |n| n.loc.clone());
-            b.put(&keys::meta_key(&dkey), &Self::entry_bytes(&s));
-            b.put(&keys::meta_key(&skey), &Self::entry_bytes(&d));
-            if let Loc::Ino(_) = d.loc {
-                Self::put_inode(&mut b, &d);
-            }
-            st.nodes.insert(d.inode.ino, d);
-        } else {
-            let mut dst_after = None;
-            if let Some(d) = &d {
-                if d.inode.is_dir() {
-                    dp.inode.nlink = dp.inode.nlink.saturating_sub(1);
-                }
-                dst_after = Some((
-                    d.inode.ino,
-                    self.drop_name(&mut st, &mut b, &dkey, d, t, true)?,
-                ));
-                st.by_path.remove(&dkey);
-            }
-            if s_dir && cross {
-                sp.inode.nlink = sp.inode.nlink.saturating_sub(1);
-                dp.inode.nlink += 1;
-            }
-            b.delete(&keys::meta_key(&skey));
-            let small = self.collect(&sfrom, spaces, self.batch_bytes)?;
-            let mut intent = None;
-            match small {
-                Some(list) => self.emit_moves(&mut b, vec![(&sfrom, &sto, spaces, list)])?,
-                None => {
-                    let id = st.next_ino;
-                    st.next_ino += 1;
-                    let mut k = vec![keys::RENAME];
-                    k.extend_from_slice(&id.to_be_bytes());
-                    b.put(
-                        keys::SUPER,
-                        &Self::super_record(&st, self.errored.load(Relaxed)),
-                    );
-                    b.put(&k, &crate::recover::intent(&sfrom, &sto, spaces));
-                    intent = Some(k);
-                }
-            }
-            let moves = [(skey.clone(), dkey.clone(), s_dir)];
-            Self::move_cached_paths(&mut st, &moves);
-            Self::move_orphans(&mut st, &mut b, &moves);
-            s.loc = st.nodes.get(&src).map_or(s.loc, |n| n.loc.clone());
-            b.put(&keys::meta_key(&dkey), &Self::entry_bytes(&s));
-            if flags.whiteout {
-                let ino = st.next_ino;
-                st.next_ino += 1;
-                let w = Inode {
-                    ino,
-                    mode: libc::S_IFCHR,
-                    uid: ctx.uid,
-                    gid: ctx.gid,
-                    nlink: 1,
-                    size: 0,
-                    atime: t,
-                    mtime: t,
-                    ctime: t,
-                    rdev: 0,
-                    flags: 0,
-                    blocks: 0,
-                    target: Vec::new(),
-                    xattrs: Vec::new(),
-                };
-                b.put(
-                    keys::SUPER,
-                    &Self::super_record(&st, self.errored.load(Relaxed)),
-                );
-                b.put(&keys::meta_key(&skey), &w.encode());
-            }
-            match dst_after {
-                Some((ino, Some(n))) => {
-                    st.nodes.insert(ino, n);
-                }
-                Some((ino, None)) => {
-                    st.nodes.remove(&ino);
-                }
-                None => {}
-            }
-            if let Some(k) = intent {
-                self.finish_parents(&mut st, &mut b, &mut s, &mut sp, &mut dp, t, cross);
-                self.commit(&mut st, b)?;
-                self.counters.moves_chunked.fetch_add(1, Relaxed);
-                self.move_chunked(&mut st, &sfrom, &sto, spaces)?;
-                let mut fin = Batch::new();
-                fin.delete(&k);
-                self.commit(&mut st, fin)?;
-                self.store_nodes(&mut st, src, s, parent, sp, new_parent, dp, cross);
-                return Ok(());
-            }
-        }
-        self.finish_parents(&mut st, &mut b, &mut s, &mut sp, &mut dp, t, cross);
-        self.commit(&mut st, b)?;
-        self.store_nodes(&mut st, src, s, parent, sp, new_parent, dp, cross);
-        Ok(())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn finish_parents(
-        &self,
-        st: &mut State,
-        b: &mut Batch,
-        s: &mut Node,
-        sp: &mut Node,
-        dp: &mut Node,
-        t: Timespec,
-        cross: bool,
-    ) {
-        if !cross {
-            // One directory: what happened to the target's side counts for it.
-            sp.inode.nlink = dp.inode.nlink;
-        }
-        sp.inode.mtime = t;
-        sp.inode.ctime = t;
-        dp.inode.mtime = t;
-        dp.inode.ctime = t;
-        // Paths may have moved under the parents' own records (an exchange of a
-        // directory above one of them).
-        sp.loc = st
-            .nodes
-            .get(&sp.inode.ino)
-            .map_or(sp.loc.clone(), |n| n.loc.clone());
-        dp.loc = st
-            .nodes
-            .get(&dp.inode.ino)
-            .map_or(dp.loc.clone(), |n| n.loc.clone());
-        if let Loc::Ino(_) = s.loc {
-            Self::put_inode(b, s);
-        }
-        if cross {
-            Self::put_inode(b, dp);
-        }
-        Self::put_inode(b, sp);
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn store_nodes(
-        &self,
-        st: &mut State,
-        src: u64,
-        s: Node,
-        parent: u64,
-        sp: Node,
-        new_parent: u64,
-        dp: Node,
-        cross: bool,
-    ) {
-        if cross {
-            st.nodes.insert(new_parent, dp);
-        }
-        st.nodes.insert(parent, sp);
-        st.nodes.insert(src, s);
-    }
-}
-
-/// The entries of `map` below directory `from` (path-key), with their keys as they are
-/// once it moves to `to`: (old key, new key, inode).
-fn rebased(map: &BTreeMap<Vec<u8>, u64>, from: &[u8], to: &[u8]) -> Vec<(Vec<u8>, Vec<u8>, u64)> {
-    let (pf, pt) = (keys::dir_prefix(from), keys::dir_prefix(to));
-    map.range(pf.clone()..keys::prefix_end(&pf))
-        .map(|(k, &ino)| {
-            let mut nk = pt.clone();
-            nk.extend_from_slice(&k[pf.len()..]);
-            (k.clone(), nk, ino)
-        })
-        .collect()
 }
 
 impl FileSystem for Betrfs {

@@ -19,11 +19,14 @@
 //! fs.unmount().unwrap();
 //! ```
 
+mod data;
 mod fs;
 pub mod fsck;
 pub mod keys;
+mod names;
 pub mod record;
 mod recover;
+mod rename;
 
 pub use fs::{Betrfs, MountOptions, LINK_MAX, MAX_FILE_SIZE, NAME_MAX, ROOT_INO};
 use quilt_betree::{Options, Tree};

@@ -1,0 +1,171 @@
+//! File data: reads as range scans, writes as puts and upserts, truncation and hole
+//! punching as deletes, and the count of blocks present.
+
+use crate::fs::{io, Betrfs, Node, POINT_DELETES_MAX};
+use crate::keys::{self, Loc};
+use crate::record::BLOCK;
+use quilt_betree::{truncate_arg, write_at_arg, Batch, TRUNCATE, WRITE_AT};
+use quilt_vfs::{FsError, Result};
+use std::sync::atomic::Ordering::Relaxed;
+
+impl Betrfs {
+    /// Deletes the data of a file of `size` bytes: its blocks are all below the size.
+    pub(crate) fn delete_data(&self, b: &mut Batch, loc: &Loc, size: u64) {
+        self.delete_blocks(b, loc, 0, size);
+    }
+
+    /// Deletes blocks `from..` of a file of `size` bytes: a few point deletes for a
+    /// small file (cheap messages that supersede the puts they meet), one range delete
+    /// for a larger one (a buffer's range deletes are searched one by one, so a
+    /// million-file `rm -rf` must not leave one per file).
+    pub(crate) fn delete_blocks(&self, b: &mut Batch, loc: &Loc, from: u64, size: u64) {
+        self.counters.range_deletes.fetch_add(1, Relaxed);
+        let end = size.div_ceil(BLOCK);
+        if end.saturating_sub(from) <= POINT_DELETES_MAX {
+            for blk in from..end {
+                b.delete(&loc.data_key(blk));
+            }
+        } else {
+            b.delete_range(&loc.data_key(from), &keys::prefix_end(&loc.data_prefix()));
+        }
+    }
+
+    pub(crate) fn read_data(&self, n: &Node, offset: u64, size: u32) -> Result<Vec<u8>> {
+        let len = n.inode.size;
+        if offset >= len || size == 0 {
+            return Ok(Vec::new());
+        }
+        let end = len.min(offset + size as u64);
+        let mut out = vec![0u8; (end - offset) as usize];
+        let first = offset / BLOCK;
+        let last = (end - 1) / BLOCK;
+        let mut place = |blk: u64, v: &[u8]| {
+            let bstart = blk * BLOCK;
+            let from = offset.max(bstart);
+            let to = end.min(bstart + v.len() as u64);
+            if from < to {
+                let dst = (from - offset) as usize..(to - offset) as usize;
+                let src = (from - bstart) as usize..(to - bstart) as usize;
+                out[dst].copy_from_slice(&v[src]);
+            }
+        };
+        if first == last {
+            if let Some(v) = self.tree.get(&n.loc.data_key(first)).map_err(io)? {
+                place(first, &v);
+            }
+        } else {
+            let prefix = n.loc.data_prefix();
+            let lo = n.loc.data_key(first);
+            let hi = n.loc.data_key(last + 1);
+            for kv in self.tree.range(&lo, Some(&hi)) {
+                let (k, v) = kv.map_err(io)?;
+                let blk = keys::block_of(&prefix, &k)
+                    .ok_or_else(|| FsError::Corrupt("a data key of the wrong length".into()))?;
+                place(blk, &v);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Data messages for `data` at `offset`: whole blocks are puts, parts of blocks are
+    /// upserts (no read of the old block). Counts the blocks it adds into `n.inode`.
+    pub(crate) fn write_msgs(
+        &self,
+        b: &mut Batch,
+        n: &mut Node,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<()> {
+        let mut pos = offset;
+        let end = offset + data.len() as u64;
+        while pos < end {
+            let blk = pos / BLOCK;
+            let in_off = pos % BLOCK;
+            let len = (BLOCK - in_off).min(end - pos);
+            let src = &data[(pos - offset) as usize..(pos - offset + len) as usize];
+            if !self.present(n, blk)? {
+                n.inode.blocks += 1;
+            }
+            if len == BLOCK {
+                b.put(&n.loc.data_key(blk), src);
+                self.counters.block_puts.fetch_add(1, Relaxed);
+            } else {
+                b.upsert(&n.loc.data_key(blk), WRITE_AT, &write_at_arg(in_off, src));
+                self.counters.upsert_writes.fetch_add(1, Relaxed);
+            }
+            // Written blocks extend the size as the loop goes, so `present` sees them.
+            n.inode.size = n.inode.size.max(pos + len);
+            pos += len;
+        }
+        Ok(())
+    }
+
+    /// Whether block `blk` of the file has a key. Free for a dense file (every block
+    /// below the size is there, none past it); a sparse file asks the tree.
+    pub(crate) fn present(&self, n: &Node, blk: u64) -> Result<bool> {
+        let within = n.inode.size.div_ceil(BLOCK);
+        if blk >= within {
+            return Ok(false);
+        }
+        if n.inode.blocks >= within {
+            return Ok(true);
+        }
+        Ok(self.tree.get(&n.loc.data_key(blk)).map_err(io)?.is_some())
+    }
+
+    /// How many of blocks `from..to` the file has.
+    pub(crate) fn present_in(&self, n: &Node, from: u64, to: u64) -> Result<u64> {
+        let within = n.inode.size.div_ceil(BLOCK);
+        let to = to.min(within);
+        if from >= to {
+            return Ok(0);
+        }
+        if n.inode.blocks >= within {
+            return Ok(to - from);
+        }
+        let mut c = 0;
+        for kv in self
+            .tree
+            .range(&n.loc.data_key(from), Some(&n.loc.data_key(to)))
+        {
+            kv.map_err(io)?;
+            c += 1;
+        }
+        Ok(c)
+    }
+
+    /// Truncation messages from `old` bytes to `new`.
+    pub(crate) fn truncate_msgs(&self, b: &mut Batch, loc: &Loc, old: u64, new: u64) {
+        if new >= old {
+            return;
+        }
+        self.delete_blocks(b, loc, new.div_ceil(BLOCK), old);
+        if new % BLOCK != 0 {
+            b.upsert(
+                &loc.data_key(new / BLOCK),
+                TRUNCATE,
+                &truncate_arg(new % BLOCK),
+            );
+        }
+    }
+
+    pub(crate) fn present_blocks(&self, n: &Node, from: u64) -> Result<Vec<u64>> {
+        let prefix = n.loc.data_prefix();
+        let last = n.inode.size.div_ceil(BLOCK);
+        let mut out = Vec::new();
+        for kv in self
+            .tree
+            .range(&n.loc.data_key(from), Some(&n.loc.data_key(last)))
+        {
+            let (k, _) = kv.map_err(io)?;
+            out.push(
+                keys::block_of(&prefix, &k)
+                    .ok_or_else(|| FsError::Corrupt("a data key of the wrong length".into()))?,
+            );
+            if out.len() > 1 && out[out.len() - 1] != out[out.len() - 2] + 1 {
+                break;
+            }
+        }
+        Ok(out)
+    }
+}

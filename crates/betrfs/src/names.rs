@@ -1,0 +1,415 @@
+//! Names: creating inodes, dropping names (and with the last, the inode and its data,
+//! or an orphan while a handle is open), moving a file under its number when it gets a
+//! second name, and orphans whose data lies where a new name goes.
+
+use crate::fs::{check_name, io, now, Betrfs, Kvs, Node, State, LINK_MAX};
+use crate::keys::{self, Loc};
+use crate::record::{Inode, BLOCK};
+use quilt_betree::Batch;
+use quilt_vfs::acl::{self, Acl};
+use quilt_vfs::{rules, Attr, Ctx, FsError, Result, Timespec};
+use std::sync::atomic::Ordering::Relaxed;
+
+impl Betrfs {
+    // -----------------------------------------------------------------------------------
+    // Creation
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn create(
+        &self,
+        parent: u64,
+        name: &[u8],
+        mode: u32,
+        rdev: u32,
+        target: &[u8],
+        ctx: &Ctx,
+        tmp: bool,
+    ) -> Result<Attr> {
+        if !tmp {
+            check_name(name)?;
+        }
+        let mut st = self.lock();
+        self.writable(&st)?;
+        self.room(BLOCK)?;
+        let key = if tmp {
+            Vec::new()
+        } else {
+            let (key, existing) = self.lookup_in(&mut st, parent, name)?;
+            if existing.is_some() {
+                return Err(FsError::Exists);
+            }
+            self.evict_orphans(&mut st, &key, false)?;
+            key
+        };
+        let dir = self.dir_node(&st, parent)?.clone();
+        if dir.inode.nlink == 0 {
+            return Err(FsError::NotFound);
+        }
+        rules::refuse_new_entry(dir.inode.flags)?;
+        let is_dir = mode & libc::S_IFMT == libc::S_IFDIR;
+        if is_dir && dir.inode.nlink >= LINK_MAX {
+            return Err(FsError::TooManyLinks);
+        }
+        let (mut mode, mut xattrs) = self.mode_for_new(&dir.inode, mode, ctx.umask)?;
+        let gid = if dir.inode.mode & libc::S_ISGID != 0 {
+            if is_dir {
+                mode |= libc::S_ISGID;
+            }
+            dir.inode.gid
+        } else {
+            ctx.gid
+        };
+        xattrs.sort();
+        let t = now();
+        let ino = st.next_ino;
+        st.next_ino += 1;
+        let inode = Inode {
+            ino,
+            mode,
+            uid: ctx.uid,
+            gid,
+            nlink: if tmp {
+                0
+            } else if is_dir {
+                2
+            } else {
+                1
+            },
+            size: if is_dir { BLOCK } else { 0 },
+            atime: t,
+            mtime: t,
+            ctime: t,
+            rdev,
+            flags: rules::inherited_flags(dir.inode.flags, mode),
+            blocks: 0,
+            target: target.to_vec(),
+            xattrs,
+        };
+        let mut b = Batch::new();
+        b.put(
+            keys::SUPER,
+            &Self::super_record(&st, self.errored.load(Relaxed)),
+        );
+        let loc = if tmp {
+            b.put(&keys::orphan_key(ino), b"");
+            Loc::Ino(ino)
+        } else {
+            Loc::Path(key)
+        };
+        b.put(&loc.meta(), &inode.encode());
+        let mut pdir = dir;
+        if !tmp {
+            if is_dir {
+                pdir.inode.nlink += 1;
+            }
+            pdir.inode.mtime = t;
+            pdir.inode.ctime = t;
+            Self::put_inode(&mut b, &pdir);
+        }
+        self.commit(&mut st, b)?;
+        if !tmp {
+            st.nodes.insert(parent, pdir);
+        }
+        let attr = self.attr_of(&inode);
+        self.insert(&mut st, loc, inode);
+        Ok(attr)
+    }
+
+    /// The mode and ACLs of a new inode: the directory's default ACL limited by the
+    /// mode (directories keep it as theirs), or the umask without one. Symlinks take
+    /// neither.
+    pub(crate) fn mode_for_new(&self, dir: &Inode, mode: u32, umask: u32) -> Result<(u32, Kvs)> {
+        if mode & libc::S_IFMT == libc::S_IFLNK {
+            return Ok((mode, Vec::new()));
+        }
+        let default = match (self.opts.acl, dir.xattr(acl::DEFAULT)) {
+            (true, Some(v)) => Some(Acl::from_xattr(v)?),
+            _ => None,
+        };
+        let Some(d) = default else {
+            return Ok((mode & !(umask & 0o777), Vec::new()));
+        };
+        let (access, mode) = d.inherit(mode);
+        let mut x = Vec::new();
+        if let Some(a) = access {
+            x.push((acl::ACCESS.to_vec(), a.to_xattr()));
+        }
+        if mode & libc::S_IFMT == libc::S_IFDIR {
+            x.push((acl::DEFAULT.to_vec(), d.to_xattr()));
+        }
+        Ok((mode, x))
+    }
+
+    // -----------------------------------------------------------------------------------
+    // Removal
+
+    /// Whether directory `n` has any entry.
+    pub(crate) fn has_children(&self, n: &Node) -> Result<bool> {
+        let lo = keys::meta_key(&keys::child_key(&Self::prefix_of(n)?, b""));
+        let hi = keys::prefix_end(&lo);
+        match self.tree.range(&lo, Some(&hi)).next() {
+            None => Ok(false),
+            Some(Ok(_)) => Ok(true),
+            Some(Err(e)) => Err(io(e)),
+        }
+    }
+
+    /// Drops one name of `child` (named `key`) into batch `b`: the name, and the inode
+    /// and its data when that was the last name and nobody has it open. `reuse`: the
+    /// same operation puts another file's data under `key` (a rename over it). Returns
+    /// what the in-memory node becomes (None: gone).
+    pub(crate) fn drop_name(
+        &self,
+        st: &mut State,
+        b: &mut Batch,
+        key: &[u8],
+        child: &Node,
+        t: Timespec,
+        reuse: bool,
+    ) -> Result<Option<Node>> {
+        let mut n = child.clone();
+        n.inode.ctime = t;
+        if n.inode.is_dir() {
+            b.delete(&keys::meta_key(key));
+            return Ok(None);
+        }
+        match &child.loc {
+            Loc::Path(_) => {
+                if child.opens > 0 && reuse {
+                    // Open, and its path's data keys are about to be another file's:
+                    // it moves under its number (a copy).
+                    n.inode.nlink = 0;
+                    self.to_inode_space(st, b, &mut n, 0)?;
+                    b.put(&keys::orphan_key(n.inode.ino), b"");
+                    return Ok(Some(n));
+                }
+                if child.opens > 0 {
+                    // Open: it lives on until the last release, its inode under its
+                    // number, its data where it is.
+                    let ino = n.inode.ino;
+                    n.inode.nlink = 0;
+                    n.loc = Loc::Orphan {
+                        path: key.to_vec(),
+                        ino,
+                    };
+                    b.delete(&keys::meta_key(key));
+                    Self::put_inode(b, &n);
+                    b.put(&keys::orphan_key(ino), key);
+                    st.by_path.remove(key);
+                    st.orphan_paths.insert(key.to_vec(), ino);
+                    return Ok(Some(n));
+                }
+                b.delete(&keys::meta_key(key));
+                self.delete_data(b, &child.loc, child.inode.size);
+                Ok(None)
+            }
+            Loc::Orphan { .. } => Err(FsError::Corrupt(format!(
+                "an orphan ({}) is named at {key:?}",
+                child.inode.ino
+            ))),
+            Loc::Ino(ino) => {
+                b.delete(&keys::meta_key(key));
+                n.inode.nlink = n.inode.nlink.saturating_sub(1);
+                if n.inode.nlink > 0 {
+                    Self::put_inode(b, &n);
+                    return Ok(Some(n));
+                }
+                if child.opens > 0 {
+                    Self::put_inode(b, &n);
+                    b.put(&keys::orphan_key(*ino), b"");
+                    return Ok(Some(n));
+                }
+                b.delete(&keys::inode_key(*ino));
+                self.delete_data(b, &child.loc, child.inode.size);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Moves a file stored under its path to its number (the `h`/`e` spaces), with
+    /// `extra` more names than it has now. Small files move in batch `b`; a larger one
+    /// first copies its data in chunks under an intent, then `b` switches over.
+    pub(crate) fn to_inode_space(
+        &self,
+        st: &mut State,
+        b: &mut Batch,
+        n: &mut Node,
+        extra: u32,
+    ) -> Result<()> {
+        let (path, named) = match n.loc.clone() {
+            Loc::Path(p) => (p, true),
+            Loc::Orphan { path, .. } => (path, false),
+            Loc::Ino(_) => return Ok(()),
+        };
+        let ino = n.inode.ino;
+        let from = n.loc.data_prefix();
+        let to = Loc::Ino(ino);
+        let to_prefix = to.data_prefix();
+        let mut chunk = Batch::new();
+        let mut bytes = 0usize;
+        let mut chunked = false;
+        for kv in self.tree.range(&from, Some(&keys::prefix_end(&from))) {
+            let (k, v) = kv.map_err(io)?;
+            let Some(blk) = keys::block_of(&from, &k) else {
+                return Err(FsError::Corrupt("a data key of the wrong length".into()));
+            };
+            bytes += k.len() + v.len();
+            let mut nk = to_prefix.clone();
+            nk.extend_from_slice(&blk.to_be_bytes());
+            chunk.put(&nk, &v);
+            if bytes > self.batch_bytes {
+                if !chunked {
+                    // The intent: a crash before the switch leaves copies the mount
+                    // deletes (no inode under the number yet; an orphan's marker
+                    // keeps naming its path, whose data the mount deletes too).
+                    let mut i = Batch::new();
+                    i.put(&keys::orphan_key(ino), if named { b"" } else { &path[..] });
+                    self.commit(st, i)?;
+                    chunked = true;
+                    self.counters.moves_chunked.fetch_add(1, Relaxed);
+                }
+                self.commit(st, std::mem::take(&mut chunk))?;
+                bytes = 0;
+            }
+        }
+        b.ops.append(&mut chunk.ops);
+        if chunked && named {
+            b.delete(&keys::orphan_key(ino));
+        }
+        b.delete_range(&from, &keys::prefix_end(&from));
+        if named {
+            b.delete(&keys::meta_key(&path));
+        } else {
+            // Still an orphan, now wholly under its number.
+            b.put(&keys::orphan_key(ino), b"");
+            st.orphan_paths.remove(&path);
+        }
+        n.inode.nlink += extra;
+        n.loc = to;
+        b.put(&n.loc.meta(), &n.inode.encode());
+        st.by_path.remove(&path);
+        Ok(())
+    }
+
+    pub(crate) fn remove(&self, parent: u64, name: &[u8], dir: bool) -> Result<()> {
+        let mut st = self.lock();
+        self.writable(&st)?;
+        if name == b"." {
+            return Err(FsError::Invalid("rmdir of ."));
+        }
+        if name == b".." {
+            return Err(FsError::NotEmpty);
+        }
+        let (key, child) = self.lookup_in(&mut st, parent, name)?;
+        let child = child.ok_or(FsError::NotFound)?;
+        let c = self.node(&st, child)?.clone();
+        let p = self.node(&st, parent)?.clone();
+        // The kernel's may_delete: the flags before the type and emptiness.
+        rules::refuse_removal(p.inode.flags, c.inode.flags)?;
+        if dir {
+            if !c.inode.is_dir() {
+                return Err(FsError::NotDir);
+            }
+            if self.has_children(&c)? {
+                return Err(FsError::NotEmpty);
+            }
+        } else if c.inode.is_dir() {
+            return Err(FsError::IsDir);
+        }
+        let t = now();
+        let mut b = Batch::new();
+        let after = self.drop_name(&mut st, &mut b, &key, &c, t, false)?;
+        let mut p = p;
+        if dir {
+            p.inode.nlink = p.inode.nlink.saturating_sub(1);
+        }
+        p.inode.mtime = t;
+        p.inode.ctime = t;
+        Self::put_inode(&mut b, &p);
+        self.commit(&mut st, b)?;
+        st.nodes.insert(parent, p);
+        st.by_path.remove(&key);
+        match after {
+            Some(n) => {
+                st.nodes.insert(child, n);
+            }
+            // Gone: what the kernel may still hold is a reference without a handle,
+            // through which it reads nothing (a later use is ESTALE).
+            None => self.forget(&mut st, child),
+        }
+        Ok(())
+    }
+
+    /// Frees an inode with no names once nobody has it open.
+    pub(crate) fn destroy(&self, st: &mut State, ino: u64) -> Result<()> {
+        let Some(n) = st.nodes.get(&ino).cloned() else {
+            return Ok(());
+        };
+        if n.opens > 0 || n.inode.nlink > 0 || self.opts.read_only {
+            return Ok(());
+        }
+        // (References without a handle may remain: they reach no data.)
+        match &n.loc {
+            Loc::Ino(i) | Loc::Orphan { ino: i, .. } if !n.inode.is_dir() => {
+                let mut b = Batch::new();
+                b.delete(&keys::inode_key(*i));
+                b.delete(&keys::orphan_key(*i));
+                self.delete_data(&mut b, &n.loc, n.inode.size);
+                self.commit(st, b)?;
+                if let Loc::Orphan { path, .. } = &n.loc {
+                    st.orphan_paths.remove(path);
+                }
+            }
+            _ => {}
+        }
+        self.forget(st, ino);
+        Ok(())
+    }
+
+    /// Before a name appears at path-key `key` (and, for a directory moving in, below
+    /// it): orphans whose data still lies there move it under their numbers, so the new
+    /// file's data and theirs never share keys. Rare: the kernel forgets most unlinked
+    /// files at once.
+    pub(crate) fn evict_orphans(&self, st: &mut State, key: &[u8], subtree: bool) -> Result<()> {
+        let mut victims: Vec<u64> = st.orphan_paths.get(key).copied().into_iter().collect();
+        if subtree {
+            let p = keys::dir_prefix(key);
+            victims.extend(
+                st.orphan_paths
+                    .range(p.clone()..keys::prefix_end(&p))
+                    .map(|(_, &i)| i),
+            );
+        }
+        for ino in victims {
+            let Some(mut n) = st.nodes.get(&ino).cloned() else {
+                continue;
+            };
+            let mut b = Batch::new();
+            self.to_inode_space(st, &mut b, &mut n, 0)?;
+            self.commit(st, b)?;
+            st.nodes.insert(ino, n);
+        }
+        Ok(())
+    }
+
+    /// Orphans whose data lies under a moved entry travel with it: their paths and
+    /// markers follow (into `b`, with the move).
+    pub(crate) fn move_orphans(st: &mut State, b: &mut Batch, moves: &[(Vec<u8>, Vec<u8>, bool)]) {
+        let mut changed = Vec::new();
+        for (from, to, is_dir) in moves {
+            if *is_dir {
+                changed.extend(crate::rename::rebased(&st.orphan_paths, from, to));
+            }
+        }
+        for (old, _, _) in &changed {
+            st.orphan_paths.remove(old);
+        }
+        for (_, new, ino) in changed {
+            b.put(&keys::orphan_key(ino), &new);
+            st.orphan_paths.insert(new.clone(), ino);
+            if let Some(n) = st.nodes.get_mut(&ino) {
+                n.loc = Loc::Orphan { path: new, ino };
+            }
+        }
+    }
+}

@@ -1,0 +1,438 @@
+//! Renames: what moves with a name (a directory's whole subtree, a file's data), in
+//! one batch or, past what a batch carries, in chunks under an intent that mount
+//! finishes; the cache's paths and orphans follow.
+
+use crate::fs::{check_name, io, now, Betrfs, Kvs, Node, State, LINK_MAX, POINT_DELETES_MAX};
+use crate::keys::{self, Loc};
+use crate::record::{Entry, Inode};
+use quilt_betree::Batch;
+use quilt_vfs::{rules, Ctx, FsError, RenameFlags, Result, Timespec};
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering::Relaxed;
+
+impl Betrfs {
+    /// What moves with the entry at `key`: the path prefix and key spaces of its subtree
+    /// (a directory) or of its data (a file).
+    pub(crate) fn moved(key: &[u8], is_dir: bool) -> (Vec<u8>, &'static [u8]) {
+        if is_dir {
+            (keys::dir_prefix(key), &[keys::META, keys::DATA])
+        } else {
+            let mut p = key.to_vec();
+            p.push(0);
+            (p, &[keys::DATA])
+        }
+    }
+
+    /// Every key under `prefix` in `spaces`, or `None` past `limit` bytes.
+    pub(crate) fn collect(
+        &self,
+        prefix: &[u8],
+        spaces: &[u8],
+        limit: usize,
+    ) -> Result<Option<Kvs>> {
+        let mut out = Vec::new();
+        let mut bytes = 0usize;
+        for &space in spaces {
+            let mut lo = vec![space];
+            lo.extend_from_slice(prefix);
+            for kv in self.tree.range(&lo, Some(&keys::prefix_end(&lo))) {
+                let (k, v) = kv.map_err(io)?;
+                bytes += k.len() + v.len();
+                if bytes > limit {
+                    return Ok(None);
+                }
+                out.push((k, v));
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// Into `b`: every move's old ranges deleted, then its keys put under the new
+    /// prefix (all deletes first: an exchange puts keys where the other move deletes).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn emit_moves(
+        &self,
+        b: &mut Batch,
+        moves: Vec<(&[u8], &[u8], &[u8], Kvs)>,
+    ) -> Result<()> {
+        for (from, _, spaces, list) in &moves {
+            if list.len() as u64 <= POINT_DELETES_MAX {
+                // What was collected is all the range holds (under our lock): point
+                // deletes, which a buffer searches by key (see `delete_blocks`).
+                for (k, _) in list {
+                    b.delete(k);
+                }
+                continue;
+            }
+            for &space in spaces.iter() {
+                let mut lo = vec![space];
+                lo.extend_from_slice(from);
+                b.delete_range(&lo, &keys::prefix_end(&lo));
+            }
+        }
+        for (from, to, _, list) in moves {
+            self.counters
+                .keys_moved
+                .fetch_add(list.len() as u64, Relaxed);
+            for (k, v) in list {
+                let nk = keys::rebase(&k, from, to)
+                    .ok_or_else(|| FsError::Corrupt("a key outside its range".into()))?;
+                b.put(&nk, &v);
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves every key under `from` to `to` in chunks, each one batch (puts of the new
+    /// keys and deletes of the old). An intent naming the move was committed before;
+    /// after a crash, mount finishes the move (`recover`).
+    pub(crate) fn move_chunked(
+        &self,
+        st: &mut State,
+        from: &[u8],
+        to: &[u8],
+        spaces: &[u8],
+    ) -> Result<()> {
+        for &space in spaces {
+            let mut lo = vec![space];
+            lo.extend_from_slice(from);
+            let hi = keys::prefix_end(&lo);
+            loop {
+                let mut b = Batch::new();
+                let mut bytes = 0usize;
+                for kv in self.tree.range(&lo, Some(&hi)) {
+                    let (k, v) = kv.map_err(io)?;
+                    bytes += k.len() + v.len();
+                    let nk = keys::rebase(&k, from, to)
+                        .ok_or_else(|| FsError::Corrupt("a key outside its range".into()))?;
+                    b.put(&nk, &v);
+                    b.delete(&k);
+                    if bytes > self.batch_bytes {
+                        break;
+                    }
+                }
+                if b.ops.is_empty() {
+                    break;
+                }
+                self.counters
+                    .keys_moved
+                    .fetch_add(b.ops.len() as u64 / 2, Relaxed);
+                self.commit(st, b)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The cache's paths after moves of entries (`from` key → `to` key, directory or
+    /// not), all at once (an exchange swaps two).
+    pub(crate) fn move_cached_paths(st: &mut State, moves: &[(Vec<u8>, Vec<u8>, bool)]) {
+        let mut changed = Vec::new();
+        for (from, to, is_dir) in moves {
+            if let Some(&ino) = st.by_path.get(from) {
+                changed.push((from.clone(), to.clone(), ino));
+            }
+            if *is_dir {
+                changed.extend(rebased(&st.by_path, from, to));
+            }
+        }
+        for (old, _, _) in &changed {
+            st.by_path.remove(old);
+        }
+        for (_, new, ino) in changed {
+            st.by_path.insert(new.clone(), ino);
+            if let Some(n) = st.nodes.get_mut(&ino) {
+                n.loc = Loc::Path(new);
+            }
+        }
+    }
+
+    /// What a name's key holds for `n`: its inode, or a link stub.
+    pub(crate) fn entry_bytes(n: &Node) -> Vec<u8> {
+        match n.loc {
+            Loc::Path(_) => n.inode.encode(),
+            Loc::Ino(i) | Loc::Orphan { ino: i, .. } => Entry::link_stub(i, n.inode.mode),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn do_rename(
+        &self,
+        parent: u64,
+        name: &[u8],
+        new_parent: u64,
+        new_name: &[u8],
+        flags: RenameFlags,
+        ctx: &Ctx,
+    ) -> Result<()> {
+        if flags.exchange && (flags.noreplace || flags.whiteout) {
+            return Err(FsError::Invalid("RENAME_EXCHANGE with other flags"));
+        }
+        if name == b"." || name == b".." || new_name == b"." || new_name == b".." {
+            return Err(FsError::Busy);
+        }
+        check_name(new_name)?;
+        let mut st = self.lock();
+        self.writable(&st)?;
+        let (skey, src) = self.lookup_in(&mut st, parent, name)?;
+        let src = src.ok_or(FsError::NotFound)?;
+        let (dkey, dst) = self.lookup_in(&mut st, new_parent, new_name)?;
+        let mut s = self.node(&st, src)?.clone();
+        let mut sp = self.node(&st, parent)?.clone();
+        let mut dp = self.node(&st, new_parent)?.clone();
+        if dp.inode.nlink == 0 {
+            return Err(FsError::NotFound);
+        }
+        if flags.exchange && dst.is_none() {
+            return Err(FsError::NotFound);
+        }
+        if flags.noreplace && dst.is_some() {
+            return Err(FsError::Exists);
+        }
+        if dst == Some(src) {
+            // Two names of one inode (or the same name): nothing to do.
+            return Ok(());
+        }
+        let d = dst.map(|d| self.node(&st, d).cloned()).transpose()?;
+        let s_dir = s.inode.is_dir();
+        // A directory may not move under itself.
+        if s_dir && dkey.starts_with(&keys::dir_prefix(&skey)) {
+            return Err(FsError::Invalid("a directory cannot move into itself"));
+        }
+        if let Some(d) = &d {
+            if d.inode.is_dir() && skey.starts_with(&keys::dir_prefix(&dkey)) {
+                return Err(if flags.exchange {
+                    FsError::Invalid("a directory cannot move into itself")
+                } else {
+                    FsError::NotEmpty
+                });
+            }
+            if !flags.exchange {
+                if s_dir && !d.inode.is_dir() {
+                    return Err(FsError::NotDir);
+                }
+                if !s_dir && d.inode.is_dir() {
+                    return Err(FsError::IsDir);
+                }
+                if d.inode.is_dir() && self.has_children(d)? {
+                    return Err(FsError::NotEmpty);
+                }
+            }
+        }
+        rules::refuse_removal(sp.inode.flags, s.inode.flags)?;
+        match &d {
+            Some(d) => rules::refuse_removal(dp.inode.flags, d.inode.flags)?,
+            None => rules::refuse_new_entry(dp.inode.flags)?,
+        }
+        let cross = parent != new_parent;
+        if cross && s_dir && d.is_none() && dp.inode.nlink >= LINK_MAX {
+            return Err(FsError::TooManyLinks);
+        }
+        if !flags.exchange {
+            self.evict_orphans(&mut st, &dkey, s_dir)?;
+        }
+        let t = now();
+        s.inode.ctime = t;
+        let mut b = Batch::new();
+        let (sfrom, spaces) = Self::moved(&skey, s_dir);
+        let (sto, _) = Self::moved(&dkey, s_dir);
+        if flags.exchange {
+            let mut d = d.expect("checked above");
+            let d_dir = d.inode.is_dir();
+            d.inode.ctime = t;
+            if cross {
+                sp.inode.nlink = sp.inode.nlink + d_dir as u32 - s_dir as u32;
+                dp.inode.nlink = dp.inode.nlink + s_dir as u32 - d_dir as u32;
+            }
+            let (dfrom, dspaces) = Self::moved(&dkey, d_dir);
+            let (dto, _) = Self::moved(&skey, d_dir);
+            let (Some(sl), Some(dl)) = (
+                self.collect(&sfrom, spaces, self.batch_bytes)?,
+                self.collect(&dfrom, dspaces, self.batch_bytes)?,
+            ) else {
+                tracing::warn!("betrfs: RENAME_EXCHANGE of trees too large for one batch");
+                return Err(FsError::NotSupported);
+            };
+            self.emit_moves(
+                &mut b,
+                vec![(&sfrom, &sto, spaces, sl), (&dfrom, &dto, dspaces, dl)],
+            )?;
+            Self::move_cached_paths(
+                &mut st,
+                &[
+                    (skey.clone(), dkey.clone(), s_dir),
+                    (dkey.clone(), skey.clone(), d_dir),
+                ],
+            );
+            s.loc = st.nodes.get(&src).map_or(s.loc, |n| n.loc.clone());
+            d.loc = st.nodes.get(&d.inode.ino).map_or(d.loc, |n| n.loc.clone());
+            b.put(&keys::meta_key(&dkey), &Self::entry_bytes(&s));
+            b.put(&keys::meta_key(&skey), &Self::entry_bytes(&d));
+            if let Loc::Ino(_) = d.loc {
+                Self::put_inode(&mut b, &d);
+            }
+            st.nodes.insert(d.inode.ino, d);
+        } else {
+            let mut dst_after = None;
+            if let Some(d) = &d {
+                if d.inode.is_dir() {
+                    dp.inode.nlink = dp.inode.nlink.saturating_sub(1);
+                }
+                dst_after = Some((
+                    d.inode.ino,
+                    self.drop_name(&mut st, &mut b, &dkey, d, t, true)?,
+                ));
+                st.by_path.remove(&dkey);
+            }
+            if s_dir && cross {
+                sp.inode.nlink = sp.inode.nlink.saturating_sub(1);
+                dp.inode.nlink += 1;
+            }
+            b.delete(&keys::meta_key(&skey));
+            let small = self.collect(&sfrom, spaces, self.batch_bytes)?;
+            let mut intent = None;
+            match small {
+                Some(list) => self.emit_moves(&mut b, vec![(&sfrom, &sto, spaces, list)])?,
+                None => {
+                    let id = st.next_ino;
+                    st.next_ino += 1;
+                    let mut k = vec![keys::RENAME];
+                    k.extend_from_slice(&id.to_be_bytes());
+                    b.put(
+                        keys::SUPER,
+                        &Self::super_record(&st, self.errored.load(Relaxed)),
+                    );
+                    b.put(&k, &crate::recover::intent(&sfrom, &sto, spaces));
+                    intent = Some(k);
+                }
+            }
+            let moves = [(skey.clone(), dkey.clone(), s_dir)];
+            Self::move_cached_paths(&mut st, &moves);
+            Self::move_orphans(&mut st, &mut b, &moves);
+            s.loc = st.nodes.get(&src).map_or(s.loc, |n| n.loc.clone());
+            b.put(&keys::meta_key(&dkey), &Self::entry_bytes(&s));
+            if flags.whiteout {
+                let ino = st.next_ino;
+                st.next_ino += 1;
+                let w = Inode {
+                    ino,
+                    mode: libc::S_IFCHR,
+                    uid: ctx.uid,
+                    gid: ctx.gid,
+                    nlink: 1,
+                    size: 0,
+                    atime: t,
+                    mtime: t,
+                    ctime: t,
+                    rdev: 0,
+                    flags: 0,
+                    blocks: 0,
+                    target: Vec::new(),
+                    xattrs: Vec::new(),
+                };
+                b.put(
+                    keys::SUPER,
+                    &Self::super_record(&st, self.errored.load(Relaxed)),
+                );
+                b.put(&keys::meta_key(&skey), &w.encode());
+            }
+            match dst_after {
+                Some((ino, Some(n))) => {
+                    st.nodes.insert(ino, n);
+                }
+                Some((ino, None)) => {
+                    st.nodes.remove(&ino);
+                }
+                None => {}
+            }
+            if let Some(k) = intent {
+                self.finish_parents(&mut st, &mut b, &mut s, &mut sp, &mut dp, t, cross);
+                self.commit(&mut st, b)?;
+                self.counters.moves_chunked.fetch_add(1, Relaxed);
+                self.move_chunked(&mut st, &sfrom, &sto, spaces)?;
+                let mut fin = Batch::new();
+                fin.delete(&k);
+                self.commit(&mut st, fin)?;
+                self.store_nodes(&mut st, src, s, parent, sp, new_parent, dp, cross);
+                return Ok(());
+            }
+        }
+        self.finish_parents(&mut st, &mut b, &mut s, &mut sp, &mut dp, t, cross);
+        self.commit(&mut st, b)?;
+        self.store_nodes(&mut st, src, s, parent, sp, new_parent, dp, cross);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn finish_parents(
+        &self,
+        st: &mut State,
+        b: &mut Batch,
+        s: &mut Node,
+        sp: &mut Node,
+        dp: &mut Node,
+        t: Timespec,
+        cross: bool,
+    ) {
+        if !cross {
+            // One directory: what happened to the target's side counts for it.
+            sp.inode.nlink = dp.inode.nlink;
+        }
+        sp.inode.mtime = t;
+        sp.inode.ctime = t;
+        dp.inode.mtime = t;
+        dp.inode.ctime = t;
+        // Paths may have moved under the parents' own records (an exchange of a
+        // directory above one of them).
+        sp.loc = st
+            .nodes
+            .get(&sp.inode.ino)
+            .map_or(sp.loc.clone(), |n| n.loc.clone());
+        dp.loc = st
+            .nodes
+            .get(&dp.inode.ino)
+            .map_or(dp.loc.clone(), |n| n.loc.clone());
+        if let Loc::Ino(_) = s.loc {
+            Self::put_inode(b, s);
+        }
+        if cross {
+            Self::put_inode(b, dp);
+        }
+        Self::put_inode(b, sp);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn store_nodes(
+        &self,
+        st: &mut State,
+        src: u64,
+        s: Node,
+        parent: u64,
+        sp: Node,
+        new_parent: u64,
+        dp: Node,
+        cross: bool,
+    ) {
+        if cross {
+            st.nodes.insert(new_parent, dp);
+        }
+        st.nodes.insert(parent, sp);
+        st.nodes.insert(src, s);
+    }
+}
+
+/// The entries of `map` below directory `from` (path-key), with their keys as they are
+/// once it moves to `to`: (old key, new key, inode).
+pub(crate) fn rebased(
+    map: &BTreeMap<Vec<u8>, u64>,
+    from: &[u8],
+    to: &[u8],
+) -> Vec<(Vec<u8>, Vec<u8>, u64)> {
+    let (pf, pt) = (keys::dir_prefix(from), keys::dir_prefix(to));
+    map.range(pf.clone()..keys::prefix_end(&pf))
+        .map(|(k, &ino)| {
+            let mut nk = pt.clone();
+            nk.extend_from_slice(&k[pf.len()..]);
+            (k.clone(), nk, ino)
+        })
+        .collect()
+}
