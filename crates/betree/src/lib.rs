@@ -416,6 +416,12 @@ impl Tree {
         self.lock().check()
     }
 
+    /// Bytes of dirty nodes past which a checkpoint writes them (`Options::dirty_bytes`):
+    /// what a checkpoint may need in free space at most.
+    pub fn dirty_limit(&self) -> usize {
+        self.lock().opts.dirty_bytes
+    }
+
     /// Blocks for nodes and tables (the device less its headers and log), and how many
     /// of them are free now (extents a checkpoint still waits to free count as used).
     pub fn space(&self) -> Space {

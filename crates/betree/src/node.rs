@@ -7,8 +7,9 @@
 //! * an **internal** node's section is the whole node: child ids, pivots, and one message
 //!   buffer per child;
 //! * a **leaf**'s section is its basement index (first key, offset, length, entry count
-//!   and crc32c of each basement); the basements follow, each starting on a block
-//!   boundary, so a point query reads the index and one basement, not the whole leaf.
+//!   and crc32c of each basement); the basements follow one after another (the first on
+//!   a block boundary), so a point query reads the index and the blocks of one
+//!   basement, not the whole leaf.
 
 use crate::codec::{crc32c, Reader, Writer};
 pub use crate::entries::Entries;
@@ -275,8 +276,8 @@ impl Leaf {
         Ok(())
     }
 
-    /// Splits a full leaf into pieces of at most `max` bytes (each at least about half
-    /// full). Returns the pieces after the first, each with its first key as pivot.
+    /// Splits a full leaf into pieces of at most `max` bytes. Returns the pieces after
+    /// the first, each with its first key as pivot.
     pub fn split(&mut self, max: usize) -> Vec<(Vec<u8>, Leaf)> {
         let LeafData::Full(all) = &self.data else {
             return Vec::new();
@@ -284,8 +285,12 @@ impl Leaf {
         if self.bytes <= max || all.len() < 2 {
             return Vec::new();
         }
-        let pieces = self.bytes.div_ceil(max).max(2);
-        let target = self.bytes / pieces;
+        // Pieces packed three quarters full from the left, the rest in the last (which
+        // is at least a sixteenth of a node, or it joins the one before). An even split
+        // leaves leaves half full for good when keys arrive in order (a file system's
+        // paths under one directory do): a third of the device lost. Full pieces would
+        // split again at the next message.
+        let target = max * 3 / 4;
         let mut cuts = vec![0];
         let mut acc = 0;
         for i in 0..all.len() {
@@ -295,6 +300,9 @@ impl Leaf {
                 acc = 0;
             }
             acc += b;
+        }
+        if cuts.len() > 2 && acc < max / 16 {
+            cuts.pop();
         }
         cuts.push(all.len());
         let mut leaves: Vec<Leaf> = cuts
@@ -651,19 +659,19 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
                 w.u32(body.len() as u32);
                 w.u32((b - a) as u32);
                 w.u32(crc32c(&[body]));
-                off += body.len().div_ceil(bs).max(1) * bs;
+                off += body.len();
             }
             debug_assert_eq!(w.len(), index_len);
             seal_section(&mut w, index_len);
             w.pad_to(bs);
+            // Basements one after another, not each on a block boundary: a 4 KiB file
+            // block with its key is a little over a block, and padding each basement
+            // doubled the space a file system's data took. A basement read covers the
+            // blocks it spans (at most one more than its length needs).
             for &(a, b) in &groups {
-                let body = entries.body(a, b);
-                w.raw(body);
-                if body.is_empty() {
-                    w.raw(&vec![0u8; bs]);
-                }
-                w.pad_to(bs);
+                w.raw(entries.body(a, b));
             }
+            w.pad_to(bs);
             w.buf
         }
     }

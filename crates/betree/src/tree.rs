@@ -23,7 +23,7 @@ struct Cached {
 pub(crate) struct Inner {
     engine: Engine,
     pub geo: Geometry,
-    opts: Options,
+    pub(crate) opts: Options,
     upserts: Upserts,
     cache: HashMap<NodeId, Cached>,
     tick: u64,
@@ -430,13 +430,9 @@ impl Inner {
     }
 
     fn read_basement(&mut self, id: NodeId, b: &node::BasementRef) -> Result<Entries> {
-        let e = self.extent_of(id)?;
-        let bs = self.geo.block_size;
-        let first = b.offset as u64 / bs as u64;
-        let n = (b.len as usize).div_ceil(bs).max(1) as u64;
-        let bytes = self.read_blocks(e.start + first, n)?;
+        let bytes = self.read_range(id, b.offset, b.len)?;
         self.stats.basement_reads += 1;
-        node::decode_basement(&bytes[..b.len as usize], b, id)
+        node::decode_basement(&bytes, b, id)
     }
 
     /// Takes a node out of the cache, whole (a partial leaf gets its other basements);
@@ -500,6 +496,10 @@ impl Inner {
 
     /// Bytes `offset..offset + len` of a node's extent (the blocks that hold them).
     fn read_range(&self, id: NodeId, offset: u32, len: u32) -> Result<Vec<u8>> {
+        if len == 0 {
+            // An empty basement (a leaf with no entries) takes no bytes at all.
+            return Ok(Vec::new());
+        }
         let e = self.extent_of(id)?;
         let bs = self.geo.block_size;
         let (start, end) = (offset as usize, offset as usize + len as usize);

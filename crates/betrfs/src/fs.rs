@@ -407,8 +407,10 @@ impl Betrfs {
     pub(crate) fn reserve(&self) -> u64 {
         let sp = self.tree.space();
         let g = self.tree.geometry();
-        // Room for a checkpoint: dirty nodes written again, plus a few whole nodes.
-        sp.blocks / 10 + 8 * (g.node_bytes / g.block_size) as u64
+        // Room for a checkpoint (every dirty node written again before the old copies
+        // are freed), a few whole nodes, and a fiftieth of the device.
+        let dirty = self.tree.dirty_limit() as u64 / g.block_size as u64;
+        sp.blocks / 50 + dirty + 8 * (g.node_bytes / g.block_size) as u64
     }
 
     /// Hands a batch to the tree; a failure stops the module (the in-memory state may be

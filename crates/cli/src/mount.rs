@@ -546,7 +546,9 @@ pub fn unmount_and_wait(mountpoint: &Path, lazy: bool) -> Result<()> {
     if let Some(img) = image.filter(|i| i.is_absolute()) {
         let start = std::time::Instant::now();
         while start.elapsed() < std::time::Duration::from_secs(30) {
-            let Ok(f) = std::fs::File::open(&img) else { break };
+            let Ok(f) = std::fs::File::open(&img) else {
+                break;
+            };
             if quilt_block::lock_file(&f, &img, false).is_ok() {
                 break;
             }
