@@ -218,9 +218,9 @@ impl Betrfs {
     /// Mounts the file system on an open tree: finishes what a crash interrupted
     /// (orphans, chunked moves), then marks the image in use.
     pub fn mount(tree: Tree, opts: MountOptions) -> Result<Betrfs> {
-        let sup = tree.get(keys::SUPER).map_err(io)?.ok_or_else(|| {
-            FsError::Corrupt("no betrfs superblock record: not a betrfs image".into())
-        })?;
+        let sup = tree.get(keys::SUPER).map_err(io)?.ok_or(FsError::Invalid(
+            "not a betrfs image: a Bε-tree without betrfs's superblock record (a key-value store? see quiltfs kv)",
+        ))?;
         let sup = Super::decode(&sup)?;
         let g = tree.geometry();
         // A record of the log may take a quarter of it; half of that leaves room for the

@@ -1,7 +1,7 @@
 //! betrfs images from the shell: telling them apart from ext2 images and bare key-value
 //! trees, opening them for a mount, and `quiltfs fsck`.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use quilt_betrfs::{Betrfs, MountOptions};
 use quilt_block::{BlockDevice, FileDevice, FileDeviceOptions};
 use std::path::Path;
@@ -175,17 +175,4 @@ pub fn is_betrfs(image: &Path, bs: usize) -> Result<bool> {
         return Ok(false);
     }
     Ok(quilt_betrfs::record::Super::decode(&v.unwrap_or_default()).is_ok())
-}
-
-#[allow(dead_code)]
-fn _assert_send() {
-    fn f<T: Send + Sync>() {}
-    f::<Betrfs>();
-}
-
-pub fn bail_not_betrfs(image: &Path) -> Result<()> {
-    bail!(
-        "{} holds a key-value tree, not betrfs (see quiltfs kv)",
-        image.display()
-    )
 }
