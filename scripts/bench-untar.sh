@@ -12,23 +12,11 @@ runs="${1:-3}"; shift || true
 systems=("${@:-ext2 quiltfs-su quiltfs-async fuse2fs}")
 read -r -a systems <<<"${systems[*]}"
 q="$PWD/target/release/quiltfs"
-for p in fuse2fs xz-utils linux-source-6.1 time; do
+for p in fuse2fs time; do
   dpkg -s "$p" >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$p" >/dev/null
 done
 work="${WORK:-/tmp/quiltfs-bench}"; mkdir -p "$work/m"
-tarball="$work/linux.tar"
-if [ ! -f "$tarball" ]; then
-  echo "bench: decompressing the linux-source tarball (once, untimed)"
-  xz -dc -T2 /usr/src/linux-source-6.1.tar.xz >"$tarball.tmp" && mv "$tarball.tmp" "$tarball"
-fi
-if [ "${QUICK:-0}" = 1 ]; then
-  small="$work/small.tar"
-  if [ ! -f "$small" ]; then
-    mkdir -p "$work/x" && tar xf "$tarball" -C "$work/x" linux-source-6.1/fs linux-source-6.1/kernel
-    tar cf "$small" -C "$work/x" . && rm -rf "$work/x"
-  fi
-  tarball="$small"
-fi
+tarball=$(scripts/linux-tarball.sh "$work")
 m="$work/m"; img="$work/img"
 cleanup() { mountpoint -q "$m" && umount "$m" || true; rm -f "$img"; }
 trap cleanup EXIT

@@ -118,6 +118,12 @@ pub struct Betrfs {
     /// Patchgroup bookkeeping (the rules that keep groups acyclic); the order itself is
     /// the log's.
     svc: quilt_patch::Services,
+    /// Blocks a change leaves free (fixed at mount): room for a checkpoint (every dirty
+    /// node written again before the old copies are freed), a few whole nodes, and a
+    /// fiftieth of the device.
+    pub(crate) reserve: u64,
+    /// The tree's block size.
+    block_size: u64,
     /// Largest encoded inode (the tree's value limit, less room).
     max_record: usize,
     flusher: Mutex<Option<Flusher>>,
@@ -179,22 +185,7 @@ impl Betrfs {
     /// the root (0755) and lost+found (0700), owned by root.
     pub fn format(tree: &Tree) -> Result<()> {
         let t = now();
-        let dir = |ino, mode, nlink| Inode {
-            ino,
-            mode: libc::S_IFDIR | mode,
-            uid: 0,
-            gid: 0,
-            nlink,
-            size: BLOCK,
-            atime: t,
-            mtime: t,
-            ctime: t,
-            rdev: 0,
-            flags: 0,
-            blocks: 0,
-            target: Vec::new(),
-            xattrs: Vec::new(),
-        };
+        let dir = |ino, mode, nlink| Inode::new(ino, libc::S_IFDIR | mode, 0, 0, nlink, t);
         let mut b = Batch::new();
         b.put(
             keys::SUPER,
@@ -228,10 +219,16 @@ impl Betrfs {
         let batch_bytes = ((g.log_blocks / 4).saturating_sub(4) as usize * g.block_size / 2)
             .clamp(8 << 10, BATCH_DATA_MAX);
         let max_record = g.max_value().saturating_sub(256);
+        let bs = g.block_size as u64;
+        let reserve = tree.space().blocks / 50
+            + tree.dirty_limit() as u64 / bs
+            + 8 * (g.node_bytes as u64 / bs);
         let svc = quilt_patch::Services::new(tree.engine().clone());
         let tree = Arc::new(tree);
         let fs = Betrfs {
             svc,
+            reserve,
+            block_size: bs,
             batch_bytes,
             max_record,
             tree,
@@ -386,8 +383,7 @@ impl Betrfs {
     /// Refuses growth when the tree is close to full: a checkpoint needs room for a copy
     /// of every dirty node, so ENOSPC comes while there is still room to write it.
     pub(crate) fn room(&self, bytes: u64) -> Result<()> {
-        let bs = self.tree.geometry().block_size as u64;
-        let need = bytes.div_ceil(bs) * 3 + self.reserve();
+        let need = bytes.div_ceil(self.block_size) * 3 + self.reserve;
         if self.tree.space().free >= need {
             return Ok(());
         }
@@ -402,15 +398,6 @@ impl Betrfs {
             }
         }
         Err(FsError::NoSpace)
-    }
-
-    pub(crate) fn reserve(&self) -> u64 {
-        let sp = self.tree.space();
-        let g = self.tree.geometry();
-        // Room for a checkpoint (every dirty node written again before the old copies
-        // are freed), a few whole nodes, and a fiftieth of the device.
-        let dirty = self.tree.dirty_limit() as u64 / g.block_size as u64;
-        sp.blocks / 50 + dirty + 8 * (g.node_bytes / g.block_size) as u64
     }
 
     /// Hands a batch to the tree; a failure stops the module (the in-memory state may be
@@ -1185,16 +1172,16 @@ impl FileSystem for Betrfs {
 
     fn statfs(&self) -> Result<StatFs> {
         let sp = self.tree.space();
-        let bs = self.tree.geometry().block_size as u32;
-        let reserve = self.reserve();
+        let bs = self.block_size;
+        let avail = sp.free.saturating_sub(self.reserve);
         Ok(StatFs {
-            block_size: bs,
+            block_size: bs as u32,
             blocks: sp.blocks,
             blocks_free: sp.free,
-            blocks_avail: sp.free.saturating_sub(reserve),
+            blocks_avail: avail,
             // No inode table: as many names as blocks could hold.
-            files: sp.blocks * (bs as u64 / 256),
-            files_free: sp.free.saturating_sub(reserve) * (bs as u64 / 256),
+            files: sp.blocks * (bs / 256),
+            files_free: avail * (bs / 256),
             name_max: NAME_MAX as u32,
         })
     }

@@ -63,27 +63,17 @@ impl Betrfs {
         let t = now();
         let ino = st.next_ino;
         st.next_ino += 1;
+        let nlink = match (tmp, is_dir) {
+            (true, _) => 0,
+            (false, true) => 2,
+            (false, false) => 1,
+        };
         let inode = Inode {
-            ino,
-            mode,
-            uid: ctx.uid,
-            gid,
-            nlink: if tmp {
-                0
-            } else if is_dir {
-                2
-            } else {
-                1
-            },
-            size: if is_dir { BLOCK } else { 0 },
-            atime: t,
-            mtime: t,
-            ctime: t,
             rdev,
             flags: rules::inherited_flags(dir.inode.flags, mode),
-            blocks: 0,
             target: target.to_vec(),
             xattrs,
+            ..Inode::new(ino, mode, ctx.uid, gid, nlink, t)
         };
         let mut b = Batch::new();
         b.put(

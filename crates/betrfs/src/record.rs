@@ -74,6 +74,31 @@ pub struct Inode {
 }
 
 impl Inode {
+    /// A new inode: all three times `t`, no data, flags, target or attributes; a
+    /// directory's size is one block (as ext2 reports an empty directory).
+    pub fn new(ino: u64, mode: u32, uid: u32, gid: u32, nlink: u32, t: Timespec) -> Inode {
+        Inode {
+            ino,
+            mode,
+            uid,
+            gid,
+            nlink,
+            size: if mode & libc::S_IFMT == libc::S_IFDIR {
+                BLOCK
+            } else {
+                0
+            },
+            atime: t,
+            mtime: t,
+            ctime: t,
+            rdev: 0,
+            flags: 0,
+            blocks: 0,
+            target: Vec::new(),
+            xattrs: Vec::new(),
+        }
+    }
+
     pub fn kind(&self) -> FileType {
         FileType::from_mode(self.mode).unwrap_or(FileType::Regular)
     }

@@ -313,22 +313,7 @@ impl Betrfs {
             if flags.whiteout {
                 let ino = st.next_ino;
                 st.next_ino += 1;
-                let w = Inode {
-                    ino,
-                    mode: libc::S_IFCHR,
-                    uid: ctx.uid,
-                    gid: ctx.gid,
-                    nlink: 1,
-                    size: 0,
-                    atime: t,
-                    mtime: t,
-                    ctime: t,
-                    rdev: 0,
-                    flags: 0,
-                    blocks: 0,
-                    target: Vec::new(),
-                    xattrs: Vec::new(),
-                };
+                let w = Inode::new(ino, libc::S_IFCHR, ctx.uid, ctx.gid, 1, t);
                 b.put(
                     keys::SUPER,
                     &Self::super_record(&st, self.errored.load(Relaxed)),

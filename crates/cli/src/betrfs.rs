@@ -161,18 +161,3 @@ pub fn fsck(a: FsckArgs) -> Result<i32> {
     );
     Ok(r.exit_code())
 }
-
-/// Whether the tree image holds betrfs (its superblock record).
-pub fn is_betrfs(image: &Path, bs: usize) -> Result<bool> {
-    let dev = open_device(image, bs, true)?;
-    let tree = quilt_betree::Tree::open(
-        Arc::new(quilt_block::OverlayDevice::new(dev.clone())),
-        quilt_betrfs::tree_options(bs, dev.block_count()),
-    )
-    .with_context(|| format!("opening the tree on {}", image.display()))?;
-    let v = tree.get(quilt_betrfs::keys::SUPER)?;
-    if v.is_none() {
-        return Ok(false);
-    }
-    Ok(quilt_betrfs::record::Super::decode(&v.unwrap_or_default()).is_ok())
-}

@@ -495,15 +495,9 @@ pub fn helper_main(args: Vec<String>) -> Result<()> {
 /// bare umount(2) returns before the final write-back; util-linux's `umount` runs this as
 /// the `umount.fuse.quiltfs` helper, which makes `umount MOUNTPOINT` wait too.
 pub fn unmount_and_wait(mountpoint: &Path, lazy: bool) -> Result<()> {
-    let pid: Option<i32> = (|| {
-        let (sock, _) = runtime_paths(mountpoint);
-        let mut s = UnixStream::connect(sock).ok()?;
-        s.write_all(b"pid\n").ok()?;
-        s.shutdown(std::net::Shutdown::Write).ok()?;
-        let mut buf = String::new();
-        s.read_to_string(&mut buf).ok()?;
-        buf.trim().parse().ok()
-    })();
+    let pid: Option<i32> = ask(mountpoint, "pid")
+        .ok()
+        .and_then(|b| b.trim().parse().ok());
     let image = ask(mountpoint, "image").ok().map(PathBuf::from);
     let c = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())?;
     // SAFETY: plain system call on a NUL-terminated path.

@@ -18,23 +18,24 @@ pub fn run(a: StatsArgs) -> Result<()> {
     let v = if a.target.is_dir() {
         crate::mount::query_stats(&a.target)?
     } else if let crate::betrfs::Format::Tree(bs) = crate::betrfs::detect(&a.target)? {
-        if crate::betrfs::is_betrfs(&a.target, bs)? {
-            let fs = crate::betrfs::open(
-                &a.target,
-                bs,
-                quilt_betrfs::MountOptions {
-                    read_only: true,
-                    commit_interval: None,
-                    ..Default::default()
-                },
-            )?;
-            let mut v = crate::mount::stats_json(&fs);
-            if let Some(m) = v.as_object_mut() {
-                m.insert("format".into(), "betrfs".into());
+        let opts = quilt_betrfs::MountOptions {
+            read_only: true,
+            commit_interval: None,
+            ..Default::default()
+        };
+        match crate::betrfs::open(&a.target, bs, opts) {
+            Ok(fs) => {
+                let mut v = crate::mount::stats_json(&fs);
+                if let Some(m) = v.as_object_mut() {
+                    m.insert("format".into(), "betrfs".into());
+                }
+                v
             }
-            v
-        } else {
-            crate::kv::stats_json(&a.target)?.unwrap_or_default()
+            // A tree without betrfs's superblock record: a key-value store.
+            Err(e) if matches!(e.downcast_ref(), Some(quilt_vfs::FsError::Invalid(_))) => {
+                crate::kv::stats_json(&a.target)?.unwrap_or_default()
+            }
+            Err(e) => return Err(e),
         }
     } else {
         let fs = open_fs(
