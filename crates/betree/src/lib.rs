@@ -39,6 +39,7 @@ mod alloc;
 mod codec;
 mod entries;
 mod format;
+mod lift;
 mod log;
 mod msg;
 mod node;
@@ -104,6 +105,13 @@ pub enum Op {
         start: Vec<u8>,
         end: Vec<u8>,
     },
+    /// Range rename: every key that starts with `from` now starts with `to` instead, and
+    /// the keys that started with `to` are gone. Neither prefix may be a prefix of the
+    /// other. Costs the same at any size: the range's subtrees move whole (`lift.rs`).
+    RenamePrefix {
+        from: Vec<u8>,
+        to: Vec<u8>,
+    },
 }
 
 /// Operations applied atomically: after a crash, all of them or none.
@@ -139,6 +147,13 @@ impl Batch {
         self.ops.push(Op::DeleteRange {
             start: start.to_vec(),
             end: end.to_vec(),
+        });
+        self
+    }
+    pub fn rename_prefix(&mut self, from: &[u8], to: &[u8]) -> &mut Batch {
+        self.ops.push(Op::RenamePrefix {
+            from: from.to_vec(),
+            to: to.to_vec(),
         });
         self
     }
@@ -208,6 +223,11 @@ pub struct Stats {
     pub deletes: u64,
     pub upserts: u64,
     pub range_deletes: u64,
+    pub range_renames: u64,
+    /// Subtrees a range rename moved whole (their edges got lifts).
+    pub subtrees_moved: u64,
+    /// Lifts pushed one level down (a merge of differently lifted children).
+    pub lifts_pushed: u64,
     pub batches: u64,
     pub gets: u64,
     pub scans: u64,
@@ -351,6 +371,16 @@ impl Tree {
     }
 
     /// Applies a batch atomically (one log record). Not durable until `sync`.
+    /// Moves every key starting with `from` under `to` (see [`Op::RenamePrefix`]).
+    pub fn rename_prefix(&self, from: &[u8], to: &[u8]) -> Result<()> {
+        self.write(Batch {
+            ops: vec![Op::RenamePrefix {
+                from: from.to_vec(),
+                to: to.to_vec(),
+            }],
+        })
+    }
+
     pub fn write(&self, batch: Batch) -> Result<()> {
         let mut t = self.lock();
         t.write(batch.ops)?;

@@ -36,6 +36,11 @@ pub fn encode_ops(w: &mut Writer, ops: &[Op]) {
                 w.bytes(start);
                 w.bytes(end);
             }
+            Op::RenamePrefix { from, to } => {
+                w.u8(5);
+                w.bytes(from);
+                w.bytes(to);
+            }
         }
     }
 }
@@ -63,6 +68,10 @@ fn decode_ops(r: &mut Reader, n: usize) -> Result<Vec<Op>> {
             4 => Op::DeleteRange {
                 start: r.bytes()?.to_vec(),
                 end: r.bytes()?.to_vec(),
+            },
+            5 => Op::RenamePrefix {
+                from: r.bytes()?.to_vec(),
+                to: r.bytes()?.to_vec(),
             },
             k => return Err(r.corrupt(format!("unknown operation {k}"))),
         });

@@ -186,6 +186,62 @@ impl Buffer {
     pub fn covered(&self, key: &[u8]) -> bool {
         self.ranges.iter().any(|r| r.covers(key))
     }
+
+    /// Sets `bytes` from the contents.
+    pub fn recount(&mut self) {
+        self.bytes = self
+            .ranges
+            .iter()
+            .map(|r| r.start.len() + r.end.len() + 16)
+            .sum::<usize>()
+            + self
+                .points
+                .iter()
+                .map(|(k, l)| l.iter().map(|(_, m)| point_bytes(k, m)).sum::<usize>())
+                .sum::<usize>();
+    }
+
+    /// Cuts the buffer at `key`: keeps the messages below it, returns those at or above
+    /// it (a range delete across the cut is cut in two). Both keep the buffer rule.
+    pub fn split_off(&mut self, key: &[u8]) -> Buffer {
+        let mut right = Buffer {
+            points: self.points.split_off(key),
+            ..Buffer::default()
+        };
+        let mut left = Vec::new();
+        for r in std::mem::take(&mut self.ranges) {
+            if r.end.as_slice() <= key {
+                left.push(r);
+            } else if r.start.as_slice() >= key {
+                right.ranges.push(r);
+            } else {
+                left.push(RangeDel {
+                    msn: r.msn,
+                    start: r.start,
+                    end: key.to_vec(),
+                });
+                right.ranges.push(RangeDel {
+                    msn: r.msn,
+                    start: key.to_vec(),
+                    end: r.end,
+                });
+            }
+        }
+        self.ranges = left;
+        self.recount();
+        right.recount();
+        right
+    }
+
+    /// Takes out the messages for keys in `lo..hi`.
+    pub fn extract(&mut self, lo: &[u8], hi: &[u8]) -> Buffer {
+        let mut mid = self.split_off(lo);
+        let right = mid.split_off(hi);
+        self.points.extend(right.points);
+        self.ranges.extend(right.ranges);
+        self.recount();
+        mid
+    }
 }
 
 /// An update function: the new value from the old one (`None`: absent) and the

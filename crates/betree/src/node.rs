@@ -13,6 +13,7 @@
 
 use crate::codec::{crc32c, Reader, Writer};
 pub use crate::entries::Entries;
+use crate::lift::Lift;
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
 use crate::{Error, Result};
 use std::borrow::Cow;
@@ -21,7 +22,8 @@ pub type NodeId = u64;
 
 const MAGIC_INTERNAL: u32 = u32::from_le_bytes(*b"QBNI");
 const MAGIC_LEAF: u32 = u32::from_le_bytes(*b"QBNL");
-const VERSION: u16 = 1;
+/// Version 2 added lifts to internal nodes; version 1 nodes (no lifts) still decode.
+const VERSION: u16 = 2;
 pub const PREFIX: usize = 32;
 const CRC_AT: usize = 24;
 
@@ -33,6 +35,8 @@ pub struct Internal {
     pub pivots: Vec<Vec<u8>>,
     pub children: Vec<NodeId>,
     pub buffers: Vec<Buffer>,
+    /// The lift on the edge to each child (`lift.rs`): `None` for most.
+    pub lifts: Vec<Option<Lift>>,
     /// A node read for queries holds only the buffers read so far: `unread[i]` says
     /// where buffer `i` lies in the extent (empty: every buffer is loaded). Only whole
     /// nodes are changed.
@@ -96,8 +100,27 @@ impl Internal {
         Internal {
             height,
             pivots,
+            lifts: vec![None; children.len()],
             children,
             buffers,
+            unread: Vec::new(),
+        }
+    }
+
+    /// Cuts the node after child `p` (whose upper pivot is dropped): keeps children
+    /// `..=p`, returns the rest as a node of the same height.
+    pub fn split_after(&mut self, p: usize) -> Internal {
+        let children = self.children.split_off(p + 1);
+        let buffers = self.buffers.split_off(p + 1);
+        let lifts = self.lifts.split_off(p + 1);
+        let pivots = self.pivots.split_off(p + 1);
+        self.pivots.pop();
+        Internal {
+            height: self.height,
+            pivots,
+            children,
+            buffers,
+            lifts,
             unread: Vec::new(),
         }
     }
@@ -123,6 +146,7 @@ impl Internal {
             + self.children.len() * 16
             + self.pivots.iter().map(|p| p.len() + 4).sum::<usize>()
             + self.buffers.iter().map(|b| b.bytes + 8).sum::<usize>()
+            + self.lifts.iter().flatten().map(Lift::bytes).sum::<usize>()
     }
 
     /// The child whose buffer holds the most bytes (the flush target).
@@ -274,6 +298,20 @@ impl Leaf {
         copy_kept(&mut out, old, i, old.len(), &buf.ranges, &kept);
         *self = Leaf::full(out);
         Ok(())
+    }
+
+    /// Cuts a full leaf at `key`: keeps the entries below it, returns the others.
+    pub fn split_at(&mut self, key: &[u8]) -> Result<Leaf> {
+        let LeafData::Full(all) = &self.data else {
+            return Err(Error::Invalid("internal: cutting a partial leaf".into()));
+        };
+        let at = all.search(key).unwrap_or_else(|i| i);
+        let mut left = Entries::with_capacity(all.body(0, at).len(), at);
+        left.extend_from(all, 0, at);
+        let mut right = Entries::with_capacity(all.body(at, all.len()).len(), all.len() - at);
+        right.extend_from(all, at, all.len());
+        *self = Leaf::full(left);
+        Ok(Leaf::full(right))
     }
 
     /// Splits a full leaf into pieces of at most `max` bytes. Returns the pieces after
@@ -602,6 +640,16 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
             for p in &n.pivots {
                 w.bytes(p);
             }
+            for l in &n.lifts {
+                match l {
+                    None => w.u8(0),
+                    Some(l) => {
+                        w.u8(1);
+                        w.bytes(&l.inner);
+                        w.bytes(&l.outer);
+                    }
+                }
+            }
             let filters: Vec<Vec<u64>> = n.buffers.iter().map(filter_for).collect();
             let section = w.len() + filters.iter().map(|f| 20 + f.len() * 8).sum::<usize>();
             let mut off = section;
@@ -691,7 +739,7 @@ pub fn section_len(first: &[u8], id: NodeId) -> Result<(bool, usize)> {
             )))
         }
     };
-    if version != VERSION {
+    if version == 0 || version > VERSION {
         return Err(Error::Corrupt(format!(
             "node {id}: unknown version {version}"
         )));
@@ -733,7 +781,9 @@ pub fn decode_internal(
 ) -> Result<Internal> {
     check_section(sec, id)?;
     let mut r = Reader::new(sec, "internal node");
-    r.skip(16)?; // magic, version, kind, id: checked by `section_len`
+    r.skip(4)?; // magic: checked by `section_len`
+    let version = r.u16()?;
+    r.skip(10)?; // kind, id: checked by `section_len`
     let height = r.u16()?;
     let mut r = Reader::new(&sec[PREFIX..], "internal node");
     let n = r.u32()? as usize;
@@ -753,6 +803,24 @@ pub fn decode_internal(
             return Err(Error::Corrupt(format!("node {id}: pivots out of order")));
         }
         pivots.push(p);
+    }
+    // Version 1 nodes have no lifts.
+    let mut lifts = vec![None; n];
+    if version >= 2 {
+        for l in &mut lifts {
+            *l = match r.u8()? {
+                0 => None,
+                1 => {
+                    let inner = r.bytes()?.to_vec();
+                    let outer = r.bytes()?.to_vec();
+                    if crate::lift::prefix_end(&outer).is_none() || inner == outer {
+                        return Err(Error::Corrupt(format!("node {id}: invalid lift")));
+                    }
+                    Some(Lift { inner, outer })
+                }
+                k => return Err(Error::Corrupt(format!("node {id}: lift kind {k}"))),
+            };
+        }
     }
     let mut unread = Vec::with_capacity(n);
     for _ in 0..n {
@@ -788,6 +856,7 @@ pub fn decode_internal(
         pivots,
         children,
         buffers: vec![Buffer::default(); n],
+        lifts,
         unread,
     })
 }

@@ -48,5 +48,17 @@ pub fn apply(m: &mut Map, op: &Op) {
                 m.remove(&k);
             }
         }
+        Op::RenamePrefix { from, to } => {
+            m.retain(|k, _| !k.starts_with(to));
+            let moved: Vec<Vec<u8>> = m
+                .keys()
+                .filter(|k| k.starts_with(from))
+                .cloned()
+                .collect();
+            for k in moved {
+                let v = m.remove(&k).expect("listed");
+                m.insert([&to[..], &k[from.len()..]].concat(), v);
+            }
+        }
     }
 }

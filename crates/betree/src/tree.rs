@@ -3,6 +3,9 @@
 
 use crate::alloc::Alloc;
 use crate::format::{self, Extent, Geometry, Header, HEADER_SLOTS};
+use crate::lift::{prefix_end, PathLifts};
+
+mod surgery;
 use crate::log::{self, LogWriter};
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
 use crate::node::{self, Entries, Internal, Leaf, LeafData, Node, NodeId};
@@ -583,6 +586,20 @@ impl Inner {
                     return Err(Error::Invalid("a range delete needs start < end".into()));
                 }
             }
+            Op::RenamePrefix { from, to } => {
+                key_ok(from)?;
+                key_ok(to)?;
+                if prefix_end(from).is_none() || prefix_end(to).is_none() {
+                    return Err(Error::Invalid(
+                        "a renamed prefix must hold a byte other than 0xff".into(),
+                    ));
+                }
+                if from.starts_with(to) || to.starts_with(from) {
+                    return Err(Error::Invalid(
+                        "a prefix cannot be renamed into or over one of its own".into(),
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -628,6 +645,7 @@ impl Inner {
                     self.stats.user_bytes += (key.len() + arg.len()) as u64;
                 }
                 Op::DeleteRange { .. } => self.stats.range_deletes += 1,
+                Op::RenamePrefix { .. } => self.stats.range_renames += 1,
             }
         }
         self.stats.batches += 1;
@@ -644,6 +662,28 @@ impl Inner {
     /// Applies a batch to the tree: into the root buffer (or the root leaf), then flushes
     /// and splits as needed.
     fn apply_ops(&mut self, msn0: Msn, ops: Vec<Op>) -> Result<()> {
+        // Runs of messages go into the root together; a range rename is tree surgery of
+        // its own, in its place in the batch.
+        let mut msn = msn0;
+        let mut run = Vec::new();
+        for op in ops {
+            if let Op::RenamePrefix { from, to } = op {
+                let n = run.len() as u64;
+                self.apply_run(msn, std::mem::take(&mut run))?;
+                msn += n;
+                self.rename_prefix(&from, &to)?;
+                msn += 1;
+            } else {
+                run.push(op);
+            }
+        }
+        self.apply_run(msn, run)
+    }
+
+    fn apply_run(&mut self, msn0: Msn, ops: Vec<Op>) -> Result<()> {
+        if ops.is_empty() {
+            return Ok(());
+        }
         let (mut root, _) = self.take_full(self.root)?;
         let r = self.apply_to_root(&mut root, msn0, ops);
         let root_id = self.root;
@@ -661,6 +701,9 @@ impl Inner {
                     Op::Delete { key } => n.route(key, msn, Msg::Delete),
                     Op::Upsert { key, func, arg } => n.route(key, msn, Msg::Upsert { func, arg }),
                     Op::DeleteRange { start, end } => n.route_range(&RangeDel { msn, start, end }),
+                    Op::RenamePrefix { .. } => {
+                        return Err(Error::Invalid("internal: a rename among messages".into()))
+                    }
                 },
                 Node::Leaf(l) => {
                     let mut b = Buffer::default();
@@ -672,6 +715,11 @@ impl Inner {
                         }
                         Op::DeleteRange { start, end } => {
                             b.push_range(RangeDel { msn, start, end })
+                        }
+                        Op::RenamePrefix { .. } => {
+                            return Err(Error::Invalid(
+                                "internal: a rename among messages".into(),
+                            ))
                         }
                     }
                     l.apply(b, &self.upserts)?;
@@ -705,13 +753,24 @@ impl Inner {
                     n.pivots.push(pivot);
                     n.children.push(id);
                     n.buffers.push(Buffer::default());
+                    n.lifts.push(None);
                 }
                 self.root = self.new_id();
                 self.put_node(self.root, Node::Internal(n), true);
                 continue; // a root of more than `fanout` children splits again
             }
             match root {
-                Node::Internal(n) if n.children.len() == 1 && n.buffers[0].is_empty() => {
+                Node::Internal(mut n) if n.children.len() == 1 && n.buffers[0].is_empty() => {
+                    // A lifted child stores other keys than the root it replaces.
+                    if n.lifts[0].is_some() {
+                        let r = self.push_lift_down(&mut n, 0);
+                        if r.as_ref().map_or(true, |&grew| grew) {
+                            // (It split: the root keeps its new children.)
+                            self.put_node(self.root, Node::Internal(n), true);
+                            r?;
+                            continue;
+                        }
+                    }
                     let old = self.root;
                     self.root = n.children[0];
                     self.free_node(old);
@@ -755,11 +814,8 @@ impl Inner {
                 let mut out = Vec::new();
                 for k in (1..pieces).rev() {
                     let at = len * k / pieces;
-                    let children = n.children.split_off(at);
-                    let buffers = n.buffers.split_off(at);
-                    let mut pivots = n.pivots.split_off(at - 1);
-                    let pivot = pivots.remove(0);
-                    let piece = Internal::new(n.height, pivots, children, buffers);
+                    let pivot = n.pivots[at - 1].clone();
+                    let piece = n.split_after(at - 1);
                     out.push((pivot, Node::Internal(piece)));
                 }
                 out.reverse();
@@ -786,6 +842,10 @@ impl Inner {
         };
         self.stats.flushes += 1;
         self.stats.flushed_bytes += buf.bytes as u64;
+        let buf = match &parent.lifts[idx] {
+            Some(l) => l.buffer_to_inner(buf),
+            None => buf,
+        };
         let r = match &mut child {
             Node::Leaf(l) => l.apply(buf, &self.upserts),
             Node::Internal(c) => {
@@ -852,15 +912,24 @@ impl Inner {
         Ok(())
     }
 
-    /// The pieces child `idx` split into become its right siblings in `parent`, each
-    /// with an empty buffer.
+    /// The pieces child `idx` split into become its right siblings in `parent`. Each
+    /// takes the part of the child's buffer at or above its pivot (empty after a flush;
+    /// not after a range rename's surgery) and the child's lift; a lifted child's pivots
+    /// are in its own space, the parent's are in the parent's.
     fn adopt(&mut self, parent: &mut Internal, idx: usize, sibs: Vec<(Vec<u8>, Node)>) {
+        let lift = parent.lifts[idx].clone();
         for (k, (pivot, node)) in sibs.into_iter().enumerate() {
             let id = self.new_id();
             self.put_node(id, node, true);
+            let pivot = match &lift {
+                Some(l) => l.to_outer(&pivot).into_owned(),
+                None => pivot,
+            };
+            let buf = parent.buffers[idx + k].split_off(&pivot);
             parent.pivots.insert(idx + k, pivot);
             parent.children.insert(idx + 1 + k, id);
-            parent.buffers.insert(idx + 1 + k, Buffer::default());
+            parent.buffers.insert(idx + 1 + k, buf);
+            parent.lifts.insert(idx + 1 + k, lift.clone());
         }
     }
 
@@ -894,6 +963,14 @@ impl Inner {
         if !parent.buffers[a].is_empty() || !parent.buffers[b].is_empty() {
             return Ok(());
         }
+        if parent.lifts[a] != parent.lifts[b] {
+            // One node stores keys one way: both in the parent's space first.
+            for k in [b, a] {
+                if self.push_lift_down(parent, k)? {
+                    return Ok(()); // it split: nothing small to merge any more
+                }
+            }
+        }
         self.ensure_full(ida)?;
         self.ensure_full(idb)?;
         let fits = match (&self.cache[&ida].node, &self.cache[&idb].node) {
@@ -922,10 +999,15 @@ impl Inner {
                 Node::Leaf(Leaf::full(e))
             }
             (Node::Internal(mut x), Node::Internal(y)) => {
-                x.pivots.push(parent.pivots[a].clone());
+                let pivot = match &parent.lifts[a] {
+                    Some(l) => l.to_inner(&parent.pivots[a]).into_owned(),
+                    None => parent.pivots[a].clone(),
+                };
+                x.pivots.push(pivot);
                 x.pivots.extend(y.pivots);
                 x.children.extend(y.children);
                 x.buffers.extend(y.buffers);
+                x.lifts.extend(y.lifts);
                 Node::Internal(x)
             }
             _ => unreachable!("heights checked above"),
@@ -935,6 +1017,7 @@ impl Inner {
         parent.pivots.remove(a);
         parent.children.remove(b);
         parent.buffers.remove(b);
+        parent.lifts.remove(b);
         self.stats.merges += 1;
         Ok(())
     }
@@ -946,14 +1029,18 @@ impl Inner {
         self.stats.gets += 1;
         let mut levels: Vec<(bool, Vec<(Msn, Msg)>)> = Vec::new();
         let mut id = self.root;
+        // The key in the space of the node at hand (lifted edges map it).
+        let mut key_here: std::borrow::Cow<[u8]> = std::borrow::Cow::Borrowed(key);
         let leaf = loop {
-            let (i, unread) = match &self.ensure(id)?.node {
+            let key: &[u8] = &key_here;
+            let (i, unread, lift) = match &self.ensure(id)?.node {
                 Node::Internal(n) => {
                     let i = n.child_for(key);
-                    (i, n.unread.get(i).cloned().flatten())
+                    (i, n.unread.get(i).cloned().flatten(), n.lifts[i].clone())
                 }
                 Node::Leaf(_) => break id,
             };
+            let next_key = lift.map(|l| l.to_inner(key).into_owned());
             if let Some(at) = unread {
                 // A buffer not read yet: skipped if its filter rules the key out, else
                 // searched where it lies, without decoding or caching it (a query
@@ -969,21 +1056,24 @@ impl Inner {
                     unreachable!("internal")
                 };
                 id = n.children[i];
-                continue;
-            }
-            match &self.cache[&id].node {
-                Node::Internal(n) => {
-                    let b = &n.buffers[i];
-                    levels.push((
-                        b.covered(key),
-                        b.points.get(key).cloned().unwrap_or_default(),
-                    ));
-                    id = n.children[i];
+            } else {
+                match &self.cache[&id].node {
+                    Node::Internal(n) => {
+                        let b = &n.buffers[i];
+                        levels.push((
+                            b.covered(key),
+                            b.points.get(key).cloned().unwrap_or_default(),
+                        ));
+                        id = n.children[i];
+                    }
+                    Node::Leaf(_) => break id,
                 }
-                Node::Leaf(_) => break id,
+            }
+            if let Some(k) = next_key {
+                key_here = std::borrow::Cow::Owned(k);
             }
         };
-        let mut v = self.leaf_get(leaf, key)?;
+        let mut v = self.leaf_get(leaf, &key_here)?;
         for (covered, msgs) in levels.into_iter().rev() {
             if covered {
                 v = None;
@@ -1115,27 +1205,40 @@ impl Inner {
     ) -> Result<(Vec<Entry>, Option<Vec<u8>>)> {
         self.check_failed()?;
         let mut id = self.root;
+        // Bounds of the chunk's leaf, in the outer (the caller's) space.
         let mut node_lo: Option<Vec<u8>> = None;
         let mut node_hi: Option<Vec<u8>> = None;
         let mut path: Vec<(NodeId, usize)> = Vec::new();
+        // Lifted edges on the path map keys between the outer space and each level's.
+        let mut lifts = PathLifts::default();
+        let mut lo_here = lo.to_vec();
+        let mut cursor_here = cursor.map(<[u8]>::to_vec);
         loop {
             let c = self.ensure(id)?;
             let Node::Internal(n) = &c.node else { break };
-            let i = match (forward, cursor) {
-                (true, c) => n.child_for(c.unwrap_or(lo)),
+            let i = match (forward, &cursor_here) {
+                (true, c) => n.child_for(c.as_deref().unwrap_or(&lo_here)),
                 (false, None) => n.children.len() - 1,
-                (false, Some(u)) => n.pivots.partition_point(|p| p.as_slice() < u),
+                (false, Some(u)) => n.pivots.partition_point(|p| p.as_slice() < u.as_slice()),
             };
             let (clo, chi) = n.child_range(i);
+            let level = path.len();
             if let Some(l) = clo {
-                node_lo = Some(l.to_vec());
+                node_lo = Some(lifts.up(level, l).into_owned());
             }
             if let Some(h) = chi {
-                node_hi = Some(h.to_vec());
+                node_hi = Some(lifts.up(level, h).into_owned());
             }
+            let lift = n.lifts[i].clone();
             path.push((id, i));
             id = n.children[i];
+            if let Some(l) = &lift {
+                lo_here = l.to_inner(&lo_here).into_owned();
+                cursor_here = cursor_here.map(|c| l.to_inner(&c).into_owned());
+            }
+            lifts.edges.push(lift);
         }
+        let leaf_level = path.len();
         // A leaf not cached whole is read some basements at a time (one read): the
         // chunk narrows to them.
         let parts = match &self.ensure(id)?.node {
@@ -1143,11 +1246,11 @@ impl Inner {
                 data: LeafData::Partial { index, .. },
                 ..
             }) => {
-                let i = match (forward, cursor) {
-                    (true, c) => node::basement_for(index, c.unwrap_or(lo)),
+                let i = match (forward, &cursor_here) {
+                    (true, c) => node::basement_for(index, c.as_deref().unwrap_or(&lo_here)),
                     (false, None) => index.len() - 1,
                     (false, Some(u)) => index
-                        .partition_point(|b| b.lo.as_slice() < u)
+                        .partition_point(|b| b.lo.as_slice() < u.as_slice())
                         .saturating_sub(1),
                 };
                 let (a, b) = if forward {
@@ -1156,10 +1259,10 @@ impl Inner {
                     ((i + 1).saturating_sub(SCAN_BASEMENTS), i + 1)
                 };
                 if a > 0 {
-                    node_lo = Some(index[a].lo.clone());
+                    node_lo = Some(lifts.up(leaf_level, &index[a].lo).into_owned());
                 }
                 if let Some(next) = index.get(b) {
-                    node_hi = Some(next.lo.clone());
+                    node_hi = Some(lifts.up(leaf_level, &next.lo).into_owned());
                 }
                 Some((a, b))
             }
@@ -1168,7 +1271,7 @@ impl Inner {
         if let Some((a, b)) = parts {
             self.load_basements(id, a, b)?;
         }
-        // The window of keys this chunk settles.
+        // The window of keys this chunk settles (outer space).
         let (wlo, whi): (Vec<u8>, Option<Vec<u8>>) = if forward {
             let start = cursor.unwrap_or(lo).to_vec();
             let end = match (node_hi.as_deref(), hi) {
@@ -1189,42 +1292,51 @@ impl Inner {
                 Some((a, b)) => (a..b).map(Some).collect(),
                 None => vec![None],
             };
+            let leaf_wlo = lifts.down(leaf_level, &wlo).into_owned();
+            let leaf_whi = whi.as_ref().map(|h| lifts.down(leaf_level, h).into_owned());
+            let plain = lifts.none();
             for part in parts {
                 if let Some(es) = self.leaf_entries(id, part)? {
-                    let from = es.search(&wlo).unwrap_or_else(|i| i);
-                    let to = match &whi {
+                    let from = es.search(&leaf_wlo).unwrap_or_else(|i| i);
+                    let to = match &leaf_whi {
                         Some(h) => es.search(h).unwrap_or_else(|i| i),
                         None => es.len(),
                     };
                     out.extend((from..to.max(from)).map(|i| {
                         let (k, v) = es.get(i);
-                        (k.to_vec(), v.to_vec())
+                        let k = if plain {
+                            k.to_vec()
+                        } else {
+                            lifts.up(leaf_level, k).into_owned()
+                        };
+                        (k, v.to_vec())
                     }));
                 }
             }
             // Pending messages for the window, from the deepest buffer up.
-            let upper = match &whi {
-                Some(h) => std::ops::Bound::Excluded(h.clone()),
-                None => std::ops::Bound::Unbounded,
-            };
-            let window = (std::ops::Bound::Included(wlo.clone()), upper);
-            for &(pid, i) in path.iter().rev() {
+            for (level, &(pid, i)) in path.iter().enumerate().rev() {
                 let Some(Node::Internal(n)) = self.cache.get(&pid).map(|c| &c.node) else {
                     return Err(Error::Invalid("internal: scan path evicted".into()));
                 };
+                let lo_l = lifts.down(level, &wlo).into_owned();
+                let hi_l = whi.as_ref().map(|h| lifts.down(level, h).into_owned());
                 // The buffer's messages in the window: from memory, or searched where
                 // the buffer lies (not decoded whole, not cached).
-                let (ranges, points) = match n.unread.get(i).cloned().flatten() {
+                let (mut ranges, mut points) = match n.unread.get(i).cloned().flatten() {
                     Some(at) => {
                         let body = self.read_range(pid, at.offset, at.len)?;
                         self.stats.buffer_reads += 1;
-                        node::buffer_window(&body, &at, pid, &wlo, whi.as_deref())?
+                        node::buffer_window(&body, &at, pid, &lo_l, hi_l.as_deref())?
                     }
                     None => {
                         let b = &n.buffers[i];
+                        let upper = match &hi_l {
+                            Some(h) => std::ops::Bound::Excluded(h.clone()),
+                            None => std::ops::Bound::Unbounded,
+                        };
                         let points = b
                             .points
-                            .range(window.clone())
+                            .range((std::ops::Bound::Included(lo_l.clone()), upper))
                             .map(|(k, m)| (k.clone(), m.clone()))
                             .collect();
                         (b.ranges.clone(), points)
@@ -1232,6 +1344,15 @@ impl Inner {
                 };
                 if ranges.is_empty() && points.is_empty() {
                     continue;
+                }
+                if level > 0 && !lifts.none() {
+                    for r in &mut ranges {
+                        r.start = lifts.up(level, &r.start).into_owned();
+                        r.end = lifts.up(level, &r.end).into_owned();
+                    }
+                    for (k, _) in &mut points {
+                        *k = lifts.up(level, k).into_owned();
+                    }
                 }
                 // One merge pass: the buffer's range deletes, then its point messages
                 // (the buffer rule), over the sorted entries of the levels below.
@@ -1558,7 +1679,10 @@ impl Inner {
                 }
             }
             Node::Internal(n) => {
-                if n.children.len() > self.geo.fanout || n.children.len() != n.buffers.len() {
+                if n.children.len() > self.geo.fanout
+                    || n.children.len() != n.buffers.len()
+                    || n.children.len() != n.lifts.len()
+                {
                     return bad(format!("{} children", n.children.len()));
                 }
                 if n.pivots.len() + 1 != n.children.len()
@@ -1587,8 +1711,20 @@ impl Inner {
                 }
                 for i in 0..n.children.len() {
                     let (clo, chi) = n.child_range(i);
-                    let clo = clo.map(<[u8]>::to_vec).or(lo.clone());
-                    let chi = chi.map(<[u8]>::to_vec).or(hi.clone());
+                    let mut clo = clo.map(<[u8]>::to_vec).or(lo.clone());
+                    let mut chi = chi.map(<[u8]>::to_vec).or(hi.clone());
+                    if let Some(l) = &n.lifts[i] {
+                        // Every key routed to a lifted child starts with its outer prefix.
+                        let end = prefix_end(&l.outer);
+                        if clo.as_deref().is_none_or(|c| c < l.outer.as_slice())
+                            || chi.is_none()
+                            || chi.as_deref() > end.as_deref()
+                        {
+                            return bad(format!("child {i}'s range leaves its lift {l:?}"));
+                        }
+                        clo = clo.map(|k| l.to_inner(&k).into_owned());
+                        chi = chi.map(|k| l.to_inner(&k).into_owned());
+                    }
                     self.check_node(n.children[i], clo, chi, Some(n.height - 1))?;
                 }
             }

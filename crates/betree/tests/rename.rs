@@ -1,0 +1,319 @@
+//! Range rename against a `BTreeMap` model: random histories of puts, upserts, deletes,
+//! range deletes and prefix renames over path-like keys (so that renamed ranges nest,
+//! move into one another's old places and back, and cuts land everywhere in tiny
+//! nodes), with queries, scans both ways, syncs, checkpoints, compaction, reopen after
+//! sync and crashes. `Tree::check` (which checks every lift's range) after each history.
+//!
+//! Case count: 2,000 by default, 300 under `CI=true`, or `QUILT_PROPTEST_CASES`.
+
+use proptest::prelude::*;
+use quilt_betree::reference::apply;
+use quilt_betree::{write_at_arg, Batch, Op, Options, Tree, WRITE_AT};
+use quilt_block::MemDevice;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+type Model = BTreeMap<Vec<u8>, Vec<u8>>;
+
+/// A directory-like prefix: one to three components from a small alphabet, ending in
+/// '/', so that random pairs are often nested or equal (the renames refuse those) and
+/// often siblings.
+fn dir(i: u32) -> Vec<u8> {
+    let names = [&b"a"[..], b"b", b"c", b"ab"];
+    let mut p = Vec::new();
+    let mut x = i;
+    let depth = 1 + (x % 3);
+    x /= 3;
+    for _ in 0..depth {
+        p.extend_from_slice(names[(x % 4) as usize]);
+        p.push(b'/');
+        x /= 4;
+    }
+    p
+}
+
+fn key(d: u32, n: u32) -> Vec<u8> {
+    [dir(d), format!("f{:02}", n % 40).into_bytes()].concat()
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Write(Vec<Op>),
+    Get(Vec<u8>),
+    Scan { lo: Vec<u8>, forward: bool },
+    Sync,
+    Checkpoint,
+    Compact,
+    Reopen,
+    Crash,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0u32..200, 0u32..40, 1usize..120, any::<u8>())
+            .prop_map(|(d, n, len, b)| Op::Put { key: key(d, n), value: vec![b; len] }),
+        2 => (0u32..200, 0u32..40).prop_map(|(d, n)| Op::Delete { key: key(d, n) }),
+        2 => (0u32..200, 0u32..40, 0u64..100, any::<u8>())
+            .prop_map(|(d, n, off, b)| Op::Upsert { key: key(d, n), func: WRITE_AT, arg: write_at_arg(off, &[b; 3]) }),
+        1 => (0u32..200).prop_map(|d| { let p = dir(d); let mut e = p.clone(); e.push(0xff); Op::DeleteRange { start: p, end: e } }),
+        4 => (0u32..200, 0u32..200).prop_map(|(a, b)| Op::RenamePrefix { from: dir(a), to: dir(b) }),
+    ]
+}
+
+/// Many keys under one directory at once, so that renamed ranges span many leaves.
+fn fill() -> impl Strategy<Value = Vec<Op>> {
+    (0u32..200, 5usize..40, any::<u8>()).prop_map(|(d, n, b)| {
+        (0..n as u32)
+            .map(|i| Op::Put {
+                key: key(d, i),
+                value: vec![b; 40 + (i as usize * 7) % 90],
+            })
+            .collect()
+    })
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        16 => op().prop_map(|o| Step::Write(vec![o])),
+        4 => fill().prop_map(Step::Write),
+        3 => prop::collection::vec(op(), 1..8).prop_map(Step::Write),
+        4 => (0u32..200, 0u32..40).prop_map(|(d, n)| Step::Get(key(d, n))),
+        2 => (0u32..200, any::<bool>()).prop_map(|(d, forward)| Step::Scan { lo: dir(d), forward }),
+        1 => Just(Step::Sync),
+        1 => Just(Step::Checkpoint),
+        1 => Just(Step::Compact),
+        1 => Just(Step::Reopen),
+        1 => Just(Step::Crash),
+    ]
+}
+
+/// A rename the tree refuses (nested prefixes) is left out of the model too.
+fn valid(op: &Op) -> bool {
+    match op {
+        Op::RenamePrefix { from, to } => !from.starts_with(to) && !to.starts_with(from),
+        _ => true,
+    }
+}
+
+fn contents(t: &Tree) -> Model {
+    t.range(b"", None).map(|r| r.unwrap()).collect()
+}
+
+fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
+    let dev = Arc::new(MemDevice::new(512, 32768).unwrap());
+    let opts = Options::tiny();
+    let mut t = Tree::create(dev.clone(), opts.clone()).unwrap();
+    let mut model = Model::new();
+    let mut since_sync: Vec<Model> = vec![model.clone()];
+    for s in steps {
+        match s {
+            Step::Write(ops) => {
+                let ops: Vec<Op> = ops.into_iter().filter(valid).collect();
+                if ops.is_empty() {
+                    continue;
+                }
+                t.write(Batch { ops: ops.clone() }).unwrap();
+                for o in &ops {
+                    apply(&mut model, o);
+                }
+                since_sync.push(model.clone());
+            }
+            Step::Get(k) => {
+                prop_assert_eq!(t.get(&k).unwrap(), model.get(&k).cloned(), "get {:?}", k)
+            }
+            Step::Scan { lo, forward } => {
+                let mut hi = lo.clone();
+                hi.push(0xff);
+                let got: Vec<_> = if forward {
+                    t.range(&lo, Some(&hi)).map(|r| r.unwrap()).collect()
+                } else {
+                    let mut v: Vec<_> = t.range_rev(&lo, Some(&hi)).map(|r| r.unwrap()).collect();
+                    v.reverse();
+                    v
+                };
+                let want: Vec<_> = model
+                    .range(lo.clone()..hi.clone())
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                prop_assert_eq!(got, want, "scan of {:?}", String::from_utf8_lossy(&lo));
+            }
+            Step::Sync => {
+                t.sync().unwrap();
+                since_sync = vec![model.clone()];
+            }
+            Step::Checkpoint => t.checkpoint().unwrap(),
+            Step::Compact => {
+                t.compact().unwrap();
+                t.check().unwrap();
+                prop_assert_eq!(contents(&t), model.clone());
+            }
+            Step::Reopen => {
+                t.sync().unwrap();
+                drop(t);
+                t = Tree::open(dev.clone(), opts.clone()).unwrap();
+                since_sync = vec![model.clone()];
+                prop_assert_eq!(contents(&t), model.clone());
+            }
+            Step::Crash => {
+                drop(t);
+                t = Tree::open(dev.clone(), opts.clone()).unwrap();
+                let got = contents(&t);
+                let Some(i) = since_sync.iter().position(|m| *m == got) else {
+                    return Err(TestCaseError::fail(format!(
+                        "after a crash: {} keys, not any of the {} states since the last sync",
+                        got.len(),
+                        since_sync.len()
+                    )));
+                };
+                model = since_sync[i].clone();
+                since_sync = vec![model.clone()];
+            }
+        }
+    }
+    t.check().unwrap();
+    prop_assert_eq!(contents(&t), model.clone());
+    let rev: Vec<_> = t.range_rev(b"", None).map(|r| r.unwrap()).collect();
+    prop_assert_eq!(
+        rev,
+        model
+            .iter()
+            .rev()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect::<Vec<_>>()
+    );
+    t.sync().unwrap();
+    drop(t);
+    let t = Tree::open(dev, opts).unwrap();
+    t.check().unwrap();
+    prop_assert_eq!(contents(&t), model);
+    Ok(())
+}
+
+fn cases() -> u32 {
+    if let Ok(n) = std::env::var("QUILT_PROPTEST_CASES") {
+        return n.parse().expect("QUILT_PROPTEST_CASES must be a number");
+    }
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        300
+    } else {
+        2000
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), max_shrink_iters: 4000, ..ProptestConfig::default() })]
+    #[test]
+    fn renames_match_a_btreemap(steps in prop::collection::vec(step(), 1..120)) {
+        run(steps)?;
+    }
+}
+
+/// A rename of a large range moves subtrees, not keys: the nodes written for it do not
+/// grow with the range, and every key arrives under its new name.
+#[test]
+fn renaming_a_large_range_writes_a_few_nodes() {
+    let dev = Arc::new(MemDevice::new(512, 1 << 17).unwrap());
+    let t = Tree::create(dev.clone(), Options::tiny()).unwrap();
+    let mut model = Model::new();
+    for i in 0..20_000u32 {
+        let k = format!("src/d{:02}/f{:05}", i % 37, i).into_bytes();
+        let v = vec![(i % 251) as u8; 30];
+        t.put(&k, &v).unwrap();
+        model.insert(k, v);
+    }
+    for i in 0..200u32 {
+        let k = format!("other/{i:04}").into_bytes();
+        t.put(&k, b"o").unwrap();
+        model.insert(k, b"o".to_vec());
+    }
+    t.checkpoint().unwrap();
+    let before = t.stats();
+    t.rename_prefix(b"src/", b"dst/moved/").unwrap();
+    apply(
+        &mut model,
+        &Op::RenamePrefix {
+            from: b"src/".to_vec(),
+            to: b"dst/moved/".to_vec(),
+        },
+    );
+    t.checkpoint().unwrap();
+    let after = t.stats();
+    let written = after.node_writes - before.node_writes;
+    eprintln!("rename of 20,000 keys: {written} nodes written, {} subtrees moved", after.subtrees_moved);
+    assert!(after.subtrees_moved > 0, "{after:?}");
+    assert!(
+        written < 60,
+        "a rename of 20,000 keys wrote {written} nodes (the range spans {} leaves or more)",
+        20_000 * 40 / 4096
+    );
+    t.check().unwrap();
+    assert_eq!(contents(&t), model);
+    // And back, over a name that holds keys (they are replaced), then reopen.
+    for i in 0..50u32 {
+        let k = format!("src/old{i:02}").into_bytes();
+        t.put(&k, b"gone").unwrap();
+        model.insert(k, b"gone".to_vec());
+    }
+    let back = Op::RenamePrefix {
+        from: b"dst/moved/".to_vec(),
+        to: b"src/".to_vec(),
+    };
+    t.write(Batch {
+        ops: vec![back.clone()],
+    })
+    .unwrap();
+    apply(&mut model, &back);
+    t.check().unwrap();
+    assert_eq!(contents(&t), model);
+    t.sync().unwrap();
+    drop(t);
+    let t = Tree::open(dev, Options::tiny()).unwrap();
+    t.check().unwrap();
+    assert_eq!(contents(&t), model);
+    for (k, v) in model.iter().step_by(97) {
+        assert_eq!(t.get(k).unwrap().as_ref(), Some(v));
+    }
+}
+
+#[test]
+fn nested_renames_are_refused() {
+    let dev = Arc::new(MemDevice::new(512, 8192).unwrap());
+    let t = Tree::create(dev, Options::tiny()).unwrap();
+    t.put(b"a/b/c", b"1").unwrap();
+    assert!(t.rename_prefix(b"a/", b"a/b/").is_err());
+    assert!(t.rename_prefix(b"a/b/", b"a/").is_err());
+    assert!(t.rename_prefix(b"\xff", b"b").is_err());
+    assert_eq!(t.get(b"a/b/c").unwrap(), Some(b"1".to_vec()));
+}
+
+/// Found by the model test: a node split by the surgery's fix-up while its parent still
+/// held messages for it (a put into the destination's old neighbour was lost).
+#[test]
+fn a_split_after_surgery_keeps_the_parents_messages() {
+    let dev = Arc::new(MemDevice::new(512, 32768).unwrap());
+    let t = Tree::create(dev, Options::tiny()).unwrap();
+    let mut model = Model::new();
+    let rename = |a: &[u8], b: &[u8]| Op::RenamePrefix {
+        from: a.to_vec(),
+        to: b.to_vec(),
+    };
+    let put = |k: &[u8]| Op::Put {
+        key: k.to_vec(),
+        value: b"0".to_vec(),
+    };
+    for o in [
+        rename(b"a/", b"b/"),
+        rename(b"c/b/", b"b/a/"),
+        put(b"a/f00"),
+        put(b"ab/f00"),
+        rename(b"ab/c/", b"b/b/"),
+    ] {
+        t.write(Batch {
+            ops: vec![o.clone()],
+        })
+        .unwrap();
+        apply(&mut model, &o);
+        t.check().unwrap();
+        assert_eq!(contents(&t), model, "after {o:?}");
+    }
+}
