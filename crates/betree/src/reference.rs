@@ -50,11 +50,7 @@ pub fn apply(m: &mut Map, op: &Op) {
         }
         Op::RenamePrefix { from, to } => {
             m.retain(|k, _| !k.starts_with(to));
-            let moved: Vec<Vec<u8>> = m
-                .keys()
-                .filter(|k| k.starts_with(from))
-                .cloned()
-                .collect();
+            let moved: Vec<Vec<u8>> = m.keys().filter(|k| k.starts_with(from)).cloned().collect();
             for k in moved {
                 let v = m.remove(&k).expect("listed");
                 m.insert([&to[..], &k[from.len()..]].concat(), v);

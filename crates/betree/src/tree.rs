@@ -717,9 +717,7 @@ impl Inner {
                             b.push_range(RangeDel { msn, start, end })
                         }
                         Op::RenamePrefix { .. } => {
-                            return Err(Error::Invalid(
-                                "internal: a rename among messages".into(),
-                            ))
+                            return Err(Error::Invalid("internal: a rename among messages".into()))
                         }
                     }
                     l.apply(b, &self.upserts)?;

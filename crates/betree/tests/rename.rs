@@ -239,7 +239,10 @@ fn renaming_a_large_range_writes_a_few_nodes() {
     t.checkpoint().unwrap();
     let after = t.stats();
     let written = after.node_writes - before.node_writes;
-    eprintln!("rename of 20,000 keys: {written} nodes written, {} subtrees moved", after.subtrees_moved);
+    eprintln!(
+        "rename of 20,000 keys: {written} nodes written, {} subtrees moved",
+        after.subtrees_moved
+    );
     assert!(after.subtrees_moved > 0, "{after:?}");
     assert!(
         written < 60,

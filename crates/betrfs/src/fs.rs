@@ -38,6 +38,11 @@ const BATCH_DATA_MAX: usize = 1 << 20;
 /// Most key and value bytes a move puts in one batch before it needs an intent.
 /// Files of at most this many blocks lose their data by point deletes.
 pub(crate) const POINT_DELETES_MAX: u64 = 16;
+/// A rename (or a file's move to its number) whose keys hold more than this moves them
+/// by one range rename of the tree (`Batch::rename_prefix`: subtrees move whole, the
+/// same cost at any size); a smaller one copies its keys, which leaves the tree's
+/// leaves as they were (a range rename cuts the leaves at both ends of both ranges).
+pub(crate) const RANGE_RENAME_BYTES: usize = 64 << 10;
 /// Readdir cookies remembered (oldest forgotten first).
 const COOKIES_MAX: usize = 1 << 18;
 /// Extended attributes of one inode: names and values together.
@@ -97,6 +102,7 @@ pub(crate) struct Counters {
     pub fsyncs: AtomicU64,
     pub syncs: AtomicU64,
     pub moves_chunked: AtomicU64,
+    pub range_renames: AtomicU64,
     pub keys_moved: AtomicU64,
     pub range_deletes: AtomicU64,
     pub upsert_writes: AtomicU64,
@@ -1302,6 +1308,10 @@ impl FileSystem for Betrfs {
             ("fs.range_deletes".into(), c.range_deletes.load(Relaxed)),
             ("fs.keys_moved".into(), c.keys_moved.load(Relaxed)),
             ("fs.moves_chunked".into(), c.moves_chunked.load(Relaxed)),
+            ("fs.range_renames".into(), c.range_renames.load(Relaxed)),
+            ("tree.range_renames".into(), s.range_renames),
+            ("tree.subtrees_moved".into(), s.subtrees_moved),
+            ("tree.lifts_pushed".into(), s.lifts_pushed),
             ("tree.height".into(), s.height),
             ("tree.flushes".into(), s.flushes),
             ("tree.checkpoints".into(), s.checkpoints),

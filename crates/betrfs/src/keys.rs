@@ -37,6 +37,9 @@ pub const INODE: u8 = b'h';
 pub const INODE_DATA: u8 = b'e';
 pub const ORPHAN: u8 = b'o';
 pub const RENAME: u8 = b'r';
+/// Scratch prefixes of one batch (a large RENAME_EXCHANGE passes one side through
+/// here): never left in the tree after the batch.
+pub const SCRATCH: u8 = b'x';
 
 /// The bytes after which every key of `[space, prefix…]` lies below `end`.
 pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {

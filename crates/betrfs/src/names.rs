@@ -2,7 +2,7 @@
 //! or an orphan while a handle is open), moving a file under its number when it gets a
 //! second name, and orphans whose data lies where a new name goes.
 
-use crate::fs::{check_name, io, now, Betrfs, Kvs, Node, State, LINK_MAX};
+use crate::fs::{check_name, io, now, Betrfs, Kvs, Node, State, LINK_MAX, RANGE_RENAME_BYTES};
 use crate::keys::{self, Loc};
 use crate::record::{Inode, BLOCK};
 use quilt_betree::Batch;
@@ -217,8 +217,9 @@ impl Betrfs {
     }
 
     /// Moves a file stored under its path to its number (the `h`/`e` spaces), with
-    /// `extra` more names than it has now. Small files move in batch `b`; a larger one
-    /// first copies its data in chunks under an intent, then `b` switches over.
+    /// `extra` more names than it has now, in batch `b`: a small file's data keys are
+    /// copied, a larger file's move by one range rename of the tree (the same cost at
+    /// any size).
     pub(crate) fn to_inode_space(
         &self,
         st: &mut State,
@@ -235,38 +236,28 @@ impl Betrfs {
         let from = n.loc.data_prefix();
         let to = Loc::Ino(ino);
         let to_prefix = to.data_prefix();
-        let mut chunk = Batch::new();
+        let mut copies = Batch::new();
         let mut bytes = 0usize;
-        let mut chunked = false;
         for kv in self.tree.range(&from, Some(&keys::prefix_end(&from))) {
             let (k, v) = kv.map_err(io)?;
             let Some(blk) = keys::block_of(&from, &k) else {
                 return Err(FsError::Corrupt("a data key of the wrong length".into()));
             };
             bytes += k.len() + v.len();
+            if bytes > RANGE_RENAME_BYTES {
+                break;
+            }
             let mut nk = to_prefix.clone();
             nk.extend_from_slice(&blk.to_be_bytes());
-            chunk.put(&nk, &v);
-            if bytes > self.batch_bytes {
-                if !chunked {
-                    // The intent: a crash before the switch leaves copies the mount
-                    // deletes (no inode under the number yet; an orphan's marker
-                    // keeps naming its path, whose data the mount deletes too).
-                    let mut i = Batch::new();
-                    i.put(&keys::orphan_key(ino), if named { b"" } else { &path[..] });
-                    self.commit(st, i)?;
-                    chunked = true;
-                    self.counters.moves_chunked.fetch_add(1, Relaxed);
-                }
-                self.commit(st, std::mem::take(&mut chunk))?;
-                bytes = 0;
-            }
+            copies.put(&nk, &v);
         }
-        b.ops.append(&mut chunk.ops);
-        if chunked && named {
-            b.delete(&keys::orphan_key(ino));
+        if bytes > RANGE_RENAME_BYTES {
+            b.rename_prefix(&from, &to_prefix);
+            self.counters.range_renames.fetch_add(1, Relaxed);
+        } else {
+            b.ops.append(&mut copies.ops);
+            b.delete_range(&from, &keys::prefix_end(&from));
         }
-        b.delete_range(&from, &keys::prefix_end(&from));
         if named {
             b.delete(&keys::meta_key(&path));
         } else {

@@ -1,8 +1,10 @@
 //! Renames: what moves with a name (a directory's whole subtree, a file's data), in
-//! one batch or, past what a batch carries, in chunks under an intent that mount
-//! finishes; the cache's paths and orphans follow.
+//! one batch: small ones as copies of their keys, larger ones as range renames of the
+//! tree (`Batch::rename_prefix`); the cache's paths and orphans follow.
 
-use crate::fs::{check_name, io, now, Betrfs, Kvs, Node, State, LINK_MAX, POINT_DELETES_MAX};
+use crate::fs::{
+    check_name, io, now, Betrfs, Kvs, Node, State, LINK_MAX, POINT_DELETES_MAX, RANGE_RENAME_BYTES,
+};
 use crate::keys::{self, Loc};
 use crate::record::{Entry, Inode};
 use quilt_betree::Batch;
@@ -121,6 +123,22 @@ impl Betrfs {
             }
         }
         Ok(())
+    }
+
+    /// Into `b`: one range rename per key space of everything under `from` to `to`
+    /// (a scratch prefix is its own: it is used with the spaces' bytes after it).
+    pub(crate) fn rename_ranges(&self, b: &mut Batch, from: &[u8], to: &[u8], spaces: &[u8]) {
+        let full = |p: &[u8], space: u8| {
+            if p.first() == Some(&keys::SCRATCH) {
+                [p, &[space]].concat()
+            } else {
+                [&[space], p].concat()
+            }
+        };
+        for &space in spaces {
+            b.rename_prefix(&full(from, space), &full(to, space));
+        }
+        self.counters.range_renames.fetch_add(1, Relaxed);
     }
 
     /// The cache's paths after moves of entries (`from` key → `to` key, directory or
@@ -245,24 +263,35 @@ impl Betrfs {
             }
             let (dfrom, dspaces) = Self::moved(&dkey, d_dir);
             let (dto, _) = Self::moved(&skey, d_dir);
-            let (Some(sl), Some(dl)) = (
-                self.collect(&sfrom, spaces, self.batch_bytes)?,
-                self.collect(&dfrom, dspaces, self.batch_bytes)?,
-            ) else {
-                tracing::warn!("betrfs: RENAME_EXCHANGE of trees too large for one batch");
-                return Err(FsError::NotSupported);
-            };
-            self.emit_moves(
-                &mut b,
-                vec![(&sfrom, &sto, spaces, sl), (&dfrom, &dto, dspaces, dl)],
-            )?;
-            Self::move_cached_paths(
-                &mut st,
-                &[
-                    (skey.clone(), dkey.clone(), s_dir),
-                    (dkey.clone(), skey.clone(), d_dir),
-                ],
-            );
+            match (
+                self.collect(&sfrom, spaces, RANGE_RENAME_BYTES)?,
+                self.collect(&dfrom, dspaces, RANGE_RENAME_BYTES)?,
+            ) {
+                (Some(sl), Some(dl)) => self.emit_moves(
+                    &mut b,
+                    vec![(&sfrom, &sto, spaces, sl), (&dfrom, &dto, dspaces, dl)],
+                )?,
+                _ => {
+                    // Through a scratch prefix (its own key space), all in one batch.
+                    let mut tmp = vec![keys::SCRATCH];
+                    tmp.extend_from_slice(&st.next_ino.to_be_bytes());
+                    st.next_ino += 1;
+                    b.put(
+                        keys::SUPER,
+                        &Self::super_record(&st, self.errored.load(Relaxed)),
+                    );
+                    self.rename_ranges(&mut b, &sfrom, &tmp, spaces);
+                    self.rename_ranges(&mut b, &dfrom, &dto, dspaces);
+                    self.rename_ranges(&mut b, &tmp, &sto, spaces);
+                }
+            }
+            let moves = [
+                (skey.clone(), dkey.clone(), s_dir),
+                (dkey.clone(), skey.clone(), d_dir),
+            ];
+            Self::move_cached_paths(&mut st, &moves);
+            // Orphans whose data lies in either tree travel with it.
+            Self::move_orphans(&mut st, &mut b, &moves);
             s.loc = st.nodes.get(&src).map_or(s.loc, |n| n.loc.clone());
             d.loc = st.nodes.get(&d.inode.ino).map_or(d.loc, |n| n.loc.clone());
             b.put(&keys::meta_key(&dkey), &Self::entry_bytes(&s));
@@ -288,22 +317,9 @@ impl Betrfs {
                 dp.inode.nlink += 1;
             }
             b.delete(&keys::meta_key(&skey));
-            let small = self.collect(&sfrom, spaces, self.batch_bytes)?;
-            let mut intent = None;
-            match small {
+            match self.collect(&sfrom, spaces, RANGE_RENAME_BYTES)? {
                 Some(list) => self.emit_moves(&mut b, vec![(&sfrom, &sto, spaces, list)])?,
-                None => {
-                    let id = st.next_ino;
-                    st.next_ino += 1;
-                    let mut k = vec![keys::RENAME];
-                    k.extend_from_slice(&id.to_be_bytes());
-                    b.put(
-                        keys::SUPER,
-                        &Self::super_record(&st, self.errored.load(Relaxed)),
-                    );
-                    b.put(&k, &crate::recover::intent(&sfrom, &sto, spaces));
-                    intent = Some(k);
-                }
+                None => self.rename_ranges(&mut b, &sfrom, &sto, spaces),
             }
             let moves = [(skey.clone(), dkey.clone(), s_dir)];
             Self::move_cached_paths(&mut st, &moves);
@@ -328,17 +344,6 @@ impl Betrfs {
                     st.nodes.remove(&ino);
                 }
                 None => {}
-            }
-            if let Some(k) = intent {
-                self.finish_parents(&mut st, &mut b, &mut s, &mut sp, &mut dp, t, cross);
-                self.commit(&mut st, b)?;
-                self.counters.moves_chunked.fetch_add(1, Relaxed);
-                self.move_chunked(&mut st, &sfrom, &sto, spaces)?;
-                let mut fin = Batch::new();
-                fin.delete(&k);
-                self.commit(&mut st, fin)?;
-                self.store_nodes(&mut st, src, s, parent, sp, new_parent, dp, cross);
-                return Ok(());
             }
         }
         self.finish_parents(&mut st, &mut b, &mut s, &mut sp, &mut dp, t, cross);
