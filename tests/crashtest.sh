@@ -15,6 +15,11 @@ for mode in soft-updates meta-journal full-journal; do
   "$q" crashtest --mode "$mode" --workload all --states "$states" --report "$work/$mode.json" \
     || { echo "crashtest: FAIL: $mode breaks its guarantees" >&2; exit 1; }
 done
+# Tree renames in a journal mode: exactly one name holds each tree, whole (betrfs runs
+# them in its `all`).
+"$q" crashtest --mode meta-journal --workload rename --states "$((states / 2))" \
+  --report "$work/rename-meta.json" >/dev/null \
+  || { echo "crashtest: FAIL: meta-journal renames break their guarantees" >&2; exit 1; }
 "$q" crashtest --mode async --workload all --states "$states" --report "$work/async.json" \
   --keep-failures "$work/failures" >/dev/null
 # The Bε-tree: every crash state recovers to every synced batch and a prefix of the rest;

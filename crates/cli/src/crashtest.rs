@@ -19,8 +19,9 @@ pub struct CrashtestArgs {
     #[arg(long)]
     pub lying: bool,
     /// Workload: ace (every sequence of 1-3 operations), untar, rmrf, postmark, mail (a
-    /// mailbox move ordered by patchgroups), or all; mail-unordered is the same move with
-    /// nothing ordered (it must lose messages).
+    /// mailbox move ordered by patchgroups), rename (trees of 1 to 600 files renamed:
+    /// exactly one name holds each, whole; in `all` for betrfs only), or all;
+    /// mail-unordered is the same move with nothing ordered (it must lose messages).
     #[arg(long, default_value = "all")]
     pub workload: String,
     /// How many crash states to check (sampled evenly over the runs; past what one seed

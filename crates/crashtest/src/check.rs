@@ -1,7 +1,7 @@
 //! Checking one crash state: e2fsck, classification of what it reports, the journal
 //! replays, and the persistence oracle.
 
-use crate::workload::{state_of, Expect, Invariant, Promise};
+use crate::workload::{state_of, tree_at, Expect, Invariant, Promise};
 use quilt_block::MemDevice;
 use quilt_ext2::{Ext2, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
@@ -224,7 +224,13 @@ pub fn check_state(
     };
     // Persistence: every promise nothing later touched must hold.
     match mount(&recovered, Mode::Async, true) {
-        Ok((_, fs)) => check_promises(&fs, promises, invariants, &mut out),
+        Ok((_, fs)) => check_promises(
+            &fs,
+            promises,
+            invariants,
+            mode != Mode::SoftUpdates,
+            &mut out,
+        ),
         Err(e) => violation(format!("the crash state does not mount: {e}"), &mut out),
     }
     out.violations = out
@@ -240,6 +246,7 @@ fn check_promises(
     fs: &dyn FileSystem,
     promises: &[&Promise],
     invariants: &[Invariant],
+    strict: bool,
     out: &mut Outcome,
 ) {
     let violation = |what: String, out: &mut Outcome| {
@@ -274,7 +281,7 @@ fn check_promises(
     }
     for inv in invariants {
         out.promises_checked += 1;
-        if let Some(what) = broken(fs, inv) {
+        if let Some(what) = broken(fs, inv, strict) {
             violation(what, out);
         }
     }
@@ -313,7 +320,7 @@ pub fn check_betrfs_state(img: &[u8], promises: &[&Promise], invariants: &[Invar
         ..Default::default()
     };
     match quilt_betrfs::Betrfs::open(dev, opts) {
-        Ok(fs) => check_promises(&fs, promises, invariants, &mut out),
+        Ok(fs) => check_promises(&fs, promises, invariants, true, &mut out),
         Err(e) => violation(format!("the crash state does not mount: {e}"), &mut out),
     }
     out.violations = out.problems.len();
@@ -321,7 +328,8 @@ pub fn check_betrfs_state(img: &[u8], promises: &[&Promise], invariants: &[Invar
 }
 
 /// How `inv` is broken in `fs`, if it is.
-fn broken(fs: &dyn FileSystem, inv: &Invariant) -> Option<String> {
+/// `strict`: a rename may never leave two names (betrfs, the journal modes).
+fn broken(fs: &dyn FileSystem, inv: &Invariant, strict: bool) -> Option<String> {
     match inv {
         Invariant::Moved {
             stem,
@@ -361,6 +369,24 @@ fn broken(fs: &dyn FileSystem, inv: &Invariant) -> Option<String> {
                 ));
             }
             None
+        }
+        Invariant::OneOf { names, tree } => {
+            let holding: Vec<&String> = names
+                .iter()
+                .filter(|n| tree_at(fs, n).as_ref() == Some(tree))
+                .collect();
+            match holding.len() {
+                1 => None,
+                0 => Some(format!(
+                    "the tree of {} entries renamed along {names:?} is under none of them, whole",
+                    tree.len()
+                )),
+                _ if !strict => None,
+                _ => Some(format!(
+                    "the tree of {} entries is under {holding:?} at once",
+                    tree.len()
+                )),
+            }
         }
     }
 }

@@ -97,12 +97,21 @@ fn random_op(r: &mut Rng) -> Op {
                 arg: truncate_arg(r.below(60)),
             }
         }
-        _ => {
+        18 => {
             let a = r.below(160);
             let b = (a + 1 + r.below(30)).min(160);
             Op::DeleteRange {
                 start: format!("key{a:03}").into_bytes(),
                 end: format!("key{b:03}").into_bytes(),
+            }
+        }
+        _ => {
+            // Ten keys move under another two digits (whatever was there is replaced).
+            let a = r.below(16);
+            let b = (a + 1 + r.below(15)) % 16;
+            Op::RenamePrefix {
+                from: format!("key{a:02}").into_bytes(),
+                to: format!("key{b:02}").into_bytes(),
             }
         }
     }

@@ -7,7 +7,7 @@
 
 use quilt_block::BlockDevice;
 use quilt_vfs::{Ctx, FileSystem, FileType, FsError, RenameFlags, SetAttr};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// What a promise says is on disk at a path.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -58,12 +58,20 @@ pub enum Invariant {
         #[serde(skip)]
         content: Vec<u8>,
     },
+    /// A tree renamed from one name to the next along `names`: exactly one of the names
+    /// holds it, whole (never neither, never a part; both only where the mode allows a
+    /// rename to leave two names, which betrfs never does).
+    OneOf {
+        names: Vec<String>,
+        #[serde(skip)]
+        tree: BTreeMap<String, Vec<u8>>,
+    },
 }
 
 /// Records marks, the paths each operation touches, and promises.
 pub struct Recorder<'a> {
     dev: &'a dyn BlockDevice,
-    fs: &'a dyn FileSystem,
+    pub(crate) fs: &'a dyn FileSystem,
     pub touched: Vec<Touch>,
     pub promises: Vec<Promise>,
     pub invariants: Vec<Invariant>,
@@ -361,6 +369,96 @@ pub fn state_of(fs: &dyn FileSystem, ino: u64) -> Option<Expect> {
         }
         _ => None,
     }
+}
+
+/// Everything below directory `path`: relative paths to file contents, directories
+/// with a trailing '/' (and no contents). `None` if `path` is no readable directory.
+pub fn tree_at(fs: &dyn FileSystem, path: &str) -> Option<BTreeMap<String, Vec<u8>>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![(resolve(fs, path).ok()?, String::new())];
+    while let Some((ino, rel)) = stack.pop() {
+        let Expect::Dir(names) = state_of(fs, ino)? else {
+            return None;
+        };
+        for n in names {
+            let child = fs.lookup(ino, n.as_bytes()).ok()?.ino;
+            let p = format!("{rel}{n}");
+            match state_of(fs, child)? {
+                Expect::File(bytes) => {
+                    out.insert(p, bytes);
+                }
+                Expect::Dir(_) => {
+                    out.insert(format!("{p}/"), Vec::new());
+                    stack.push((child, format!("{p}/")));
+                }
+            }
+        }
+    }
+    Some(out)
+}
+
+/// The trees the rename workload moves: `t{n}` holds `n` small files, in
+/// subdirectories of ten past ten; `dst/slot` is an empty directory a tree replaces.
+pub fn rename_setup(fs: &dyn FileSystem, seed: u64, sizes: &[usize]) -> Result<(), FsError> {
+    let c = ctx();
+    let mut rng = Rng::new(seed);
+    let root = fs.root();
+    let dst = fs.mkdir(root, b"dst", 0o755, &c)?.ino;
+    fs.mkdir(dst, b"slot", 0o755, &c)?;
+    for &n in sizes {
+        let t = fs.mkdir(root, format!("t{n}").as_bytes(), 0o755, &c)?.ino;
+        for i in 0..n {
+            let dir = if n > 10 {
+                let name = format!("d{}", i / 10);
+                match fs.lookup(t, name.as_bytes()) {
+                    Ok(a) => a.ino,
+                    Err(_) => fs.mkdir(t, name.as_bytes(), 0o755, &c)?.ino,
+                }
+            } else {
+                t
+            };
+            let f = fs
+                .mknod(
+                    dir,
+                    format!("f{i}").as_bytes(),
+                    libc::S_IFREG | 0o644,
+                    0,
+                    &c,
+                )?
+                .ino;
+            let len = [0usize, 40, 300, 700, 4096, 9000][rng.below(6) as usize];
+            fs.write(f, 0, &pattern(rng.next_u64(), len), &c)?;
+        }
+    }
+    fs.sync_all()
+}
+
+/// Renames of whole trees (small ones move key by key in betrfs, large ones by range
+/// rename of the tree): to a new name, over an empty directory, into another directory,
+/// and one tree twice, with an fsync of a parent between and a sync at the end.
+pub fn rename_trees(r: &mut Recorder, sizes: &[usize]) {
+    for (k, &n) in sizes.iter().enumerate() {
+        let from = format!("t{n}");
+        let names: Vec<String> = match k % 4 {
+            0 => vec![from, format!("u{n}")],
+            1 => vec![from, "dst/slot".into()],
+            2 => vec![from, format!("dst/u{n}")],
+            _ => vec![from, format!("u{n}"), format!("dst/v{n}")],
+        };
+        let Some(tree) = tree_at(r.fs, &names[0]) else {
+            r.errors += 1;
+            continue;
+        };
+        r.invariants.push(Invariant::OneOf {
+            names: names.clone(),
+            tree,
+        });
+        for w in names.windows(2) {
+            r.rename(&w[0], &w[1]);
+            r.fsync(parent(&w[1]));
+        }
+    }
+    r.sync();
 }
 
 /// Does an operation on path `touched` invalidate a promise about `path`? The same
