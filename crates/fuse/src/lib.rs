@@ -105,6 +105,7 @@ pub type OnUnmount = Box<dyn FnOnce() + Send + Sync>;
 
 struct Adapter<F: FileSystem> {
     fs: Arc<F>,
+    inos: Inos,
     writeback_cache: bool,
     read_only: bool,
     posix_acl: bool,
@@ -131,9 +132,9 @@ fn errno(e: FsError) -> i32 {
     e.errno()
 }
 
-fn wire_attr(a: &Attr) -> WireAttr {
+fn wire_attr(a: &Attr, inos: Inos) -> WireAttr {
     WireAttr {
-        ino: fuse_ino(a.ino),
+        ino: inos.to_fuse(a.ino),
         size: a.size,
         blocks: a.blocks,
         atime: (a.atime.sec, a.atime.nsec),
@@ -157,22 +158,27 @@ fn entry(a: &WireAttr) -> Entry {
     }
 }
 
-// FUSE's root is inode 1; the file system's root keeps its own number. Inode 1 of ext2
-// (the bad-blocks inode) is never visible, so the two swap.
-static ROOT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(2);
-
-fn fuse_ino(ino: u64) -> u64 {
-    let root = ROOT.load(std::sync::atomic::Ordering::Relaxed);
-    if ino == root {
-        1
-    } else if ino == 1 {
-        root
-    } else {
-        ino
-    }
+/// FUSE's root is inode 1; the file system's root keeps its own number. Inode 1 of ext2
+/// (the bad-blocks inode) is never visible, so the two swap. Per mount: one process may
+/// serve an ext2 image (root 2) and a betrfs one (root 1) at once.
+#[derive(Clone, Copy, Debug)]
+struct Inos {
+    root: u64,
 }
-fn fs_ino(ino: u64) -> u64 {
-    fuse_ino(ino)
+
+impl Inos {
+    fn to_fuse(self, ino: u64) -> u64 {
+        if ino == self.root {
+            1
+        } else if ino == 1 {
+            self.root
+        } else {
+            ino
+        }
+    }
+    fn to_fs(self, ino: u64) -> u64 {
+        self.to_fuse(ino)
+    }
 }
 
 fn spec(t: (i64, u32)) -> Timespec {
@@ -204,7 +210,7 @@ impl<F: FileSystem> Adapter<F> {
     /// Drops the kernel's cached attributes of `ino` (we changed them behind its back).
     fn invalidate_attr(&self, ino: u64) {
         if let Some(n) = self.notifier.get() {
-            if let Err(e) = n.inval_inode(fuse_ino(ino), -1, 0) {
+            if let Err(e) = n.inval_inode(self.inos.to_fuse(ino), -1, 0) {
                 tracing::warn!("invalidating cached attributes of inode {ino}: {e}");
             }
         }
@@ -254,7 +260,7 @@ impl<F: FileSystem> Adapter<F> {
 
     fn reply_entry(&self, r: Result<Attr, FsError>, reply: Reply<'_>) {
         match r.and_then(|a| self.remember(&a).map(|()| a)) {
-            Ok(a) => reply.entry(&entry(&wire_attr(&a))),
+            Ok(a) => reply.entry(&entry(&wire_attr(&a, self.inos))),
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -289,23 +295,27 @@ impl<F: FileSystem> Adapter<F> {
             let added = match attr {
                 Some(a) => match self.remember(&a) {
                     Ok(()) => {
-                        let added = buf.add_plus(&entry(&wire_attr(&a)), e.next_offset, &e.name);
+                        let added =
+                            buf.add_plus(&entry(&wire_attr(&a, self.inos)), e.next_offset, &e.name);
                         if !added {
                             self.forget_n(a.ino, 1);
                         }
                         added
                     }
                     Err(_) => buf.add_plus_bare(
-                        fuse_ino(e.ino),
+                        self.inos.to_fuse(e.ino),
                         e.next_offset,
                         e.kind.mode_bits(),
                         &e.name,
                     ),
                 },
                 // `.`/`..`, or a name removed since it was listed: no attributes.
-                None => {
-                    buf.add_plus_bare(fuse_ino(e.ino), e.next_offset, e.kind.mode_bits(), &e.name)
-                }
+                None => buf.add_plus_bare(
+                    self.inos.to_fuse(e.ino),
+                    e.next_offset,
+                    e.kind.mode_bits(),
+                    &e.name,
+                ),
             };
             if !added {
                 break;
@@ -383,12 +393,12 @@ impl<F: FileSystem> Adapter<F> {
         if v & fattr::KILL_SUIDGID != 0 && set.mode.is_none() {
             // The kernel found the caller without CAP_FSETID (a truncate): we drop the
             // privileges, as HANDLE_KILLPRIV_V2 asks.
-            if let Err(e) = self.kill_suid(fs_ino(ino), req) {
+            if let Err(e) = self.kill_suid(self.inos.to_fs(ino), req) {
                 return reply.error(errno(e));
             }
         }
-        match self.fs.setattr(fs_ino(ino), set, &self.ctx(req)) {
-            Ok(a) => reply.attr(&wire_attr(&a), TTL),
+        match self.fs.setattr(self.inos.to_fs(ino), set, &self.ctx(req)) {
+            Ok(a) => reply.attr(&wire_attr(&a, self.inos), TTL),
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -417,11 +427,15 @@ impl<F: FileSystem> Adapter<F> {
         };
         let r = self
             .fs
-            .mknod(fs_ino(parent), name, mode, 0, &c)
+            .mknod(self.inos.to_fs(parent), name, mode, 0, &c)
             .and_then(|a| self.fs.open(a.ino).map(|()| a))
             .and_then(|a| self.remember(&a).map(|()| a));
         match r {
-            Ok(a) => reply.created(&entry(&wire_attr(&a)), c.pid as u64, self.open_flags(flags)),
+            Ok(a) => reply.created(
+                &entry(&wire_attr(&a, self.inos)),
+                c.pid as u64,
+                self.open_flags(flags),
+            ),
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -449,11 +463,11 @@ impl<F: FileSystem> Adapter<F> {
         if wflags & quilt_fusewire::abi::WRITE_KILL_SUIDGID != 0 {
             // A writer without CAP_FSETID (the kernel decided): drop the privileges
             // first, as the kernel's own file systems do.
-            if let Err(e) = self.kill_suid(fs_ino(ino), req) {
+            if let Err(e) = self.kill_suid(self.inos.to_fs(ino), req) {
                 return reply.error(errno(e));
             }
         }
-        match self.fs.write(fs_ino(ino), offset, data, &c) {
+        match self.fs.write(self.inos.to_fs(ino), offset, data, &c) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(e)),
         }
@@ -510,18 +524,18 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 if is_control(ino, name) {
                     return reply.entry(&entry(&control::attr()));
                 }
-                self.reply_entry(self.fs.lookup(fs_ino(ino), name), reply);
+                self.reply_entry(self.fs.lookup(self.inos.to_fs(ino), name), reply);
             }
             Op::Forget { nlookup } => {
                 if ino != CONTROL_INO {
-                    self.forget_n(fs_ino(ino), *nlookup);
+                    self.forget_n(self.inos.to_fs(ino), *nlookup);
                 }
                 reply.none();
             }
             Op::BatchForget(nodes) => {
                 for &(node, n) in nodes {
                     if node != CONTROL_INO {
-                        self.forget_n(fs_ino(node), n);
+                        self.forget_n(self.inos.to_fs(node), n);
                     }
                 }
                 reply.none();
@@ -531,15 +545,15 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 if ino == CONTROL_INO {
                     return reply.attr(&control::attr(), TTL);
                 }
-                match self.fs.getattr(fs_ino(ino)) {
-                    Ok(a) => reply.attr(&wire_attr(&a), TTL),
+                match self.fs.getattr(self.inos.to_fs(ino)) {
+                    Ok(a) => reply.attr(&wire_attr(&a, self.inos), TTL),
                     Err(e) => reply.error(errno(e)),
                 }
             }
             Op::Setattr(s) => self.setattr(req, ino, s, reply),
             Op::Readlink => {
                 let _t = self.stats.time(Stat::Readlink);
-                match self.fs.readlink(fs_ino(ino)) {
+                match self.fs.readlink(self.inos.to_fs(ino)) {
                     Ok(t) => reply.data(&t),
                     Err(e) => reply.error(errno(e)),
                 }
@@ -556,7 +570,10 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 }
                 let mut c = self.ctx(req);
                 c.umask = *umask;
-                self.reply_entry(self.fs.mknod(fs_ino(ino), name, *mode, *rdev, &c), reply);
+                self.reply_entry(
+                    self.fs.mknod(self.inos.to_fs(ino), name, *mode, *rdev, &c),
+                    reply,
+                );
             }
             Op::Mkdir { name, mode, umask } => {
                 let _t = self.stats.time(Stat::Mkdir);
@@ -565,28 +582,36 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 }
                 let mut c = self.ctx(req);
                 c.umask = *umask;
-                self.reply_entry(self.fs.mkdir(fs_ino(ino), name, *mode, &c), reply);
+                self.reply_entry(self.fs.mkdir(self.inos.to_fs(ino), name, *mode, &c), reply);
             }
             Op::Unlink { name } => {
                 let _t = self.stats.time(Stat::Unlink);
                 if is_control(ino, name) {
                     return reply.error(libc::EPERM);
                 }
-                self.reply_unit(self.fs.unlink(fs_ino(ino), name, &self.ctx(req)), reply);
+                self.reply_unit(
+                    self.fs.unlink(self.inos.to_fs(ino), name, &self.ctx(req)),
+                    reply,
+                );
             }
             Op::Rmdir { name } => {
                 let _t = self.stats.time(Stat::Rmdir);
                 if is_control(ino, name) {
                     return reply.error(libc::ENOTDIR);
                 }
-                self.reply_unit(self.fs.rmdir(fs_ino(ino), name, &self.ctx(req)), reply);
+                self.reply_unit(
+                    self.fs.rmdir(self.inos.to_fs(ino), name, &self.ctx(req)),
+                    reply,
+                );
             }
             Op::Symlink { name, target } => {
                 let _t = self.stats.time(Stat::Symlink);
                 if is_control(ino, name) {
                     return reply.error(libc::EEXIST);
                 }
-                let r = self.fs.symlink(fs_ino(ino), name, target, &self.ctx(req));
+                let r = self
+                    .fs
+                    .symlink(self.inos.to_fs(ino), name, target, &self.ctx(req));
                 self.reply_entry(r, reply);
             }
             Op::Rename {
@@ -610,9 +635,9 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                     whiteout: flags & libc::RENAME_WHITEOUT != 0,
                 };
                 let r = self.fs.rename(
-                    fs_ino(ino),
+                    self.inos.to_fs(ino),
                     name,
-                    fs_ino(*newdir),
+                    self.inos.to_fs(*newdir),
                     newname,
                     f,
                     &self.ctx(req),
@@ -624,9 +649,12 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 if is_control(ino, newname) {
                     return reply.error(libc::EEXIST);
                 }
-                let r = self
-                    .fs
-                    .link(fs_ino(*oldnode), fs_ino(ino), newname, &self.ctx(req));
+                let r = self.fs.link(
+                    self.inos.to_fs(*oldnode),
+                    self.inos.to_fs(ino),
+                    newname,
+                    &self.ctx(req),
+                );
                 self.reply_entry(r, reply);
             }
             Op::Open { flags } => {
@@ -637,10 +665,13 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 // The handle remembers who opened the file: the kernel's writeback of
                 // its pages comes with no process id, and is done for the opener.
                 let opener = self.ctx(req).pid as u64;
-                if let Err(e) = self.fs.check_open(fs_ino(ino), *flags, &self.ctx(req)) {
+                if let Err(e) = self
+                    .fs
+                    .check_open(self.inos.to_fs(ino), *flags, &self.ctx(req))
+                {
                     return reply.error(errno(e));
                 }
-                match self.fs.open(fs_ino(ino)) {
+                match self.fs.open(self.inos.to_fs(ino)) {
                     Ok(()) => reply.open(opener, self.open_flags(*flags)),
                     Err(e) => reply.error(errno(e)),
                 }
@@ -650,7 +681,7 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 if ino == CONTROL_INO {
                     return reply.data(&[]);
                 }
-                match self.fs.read(fs_ino(ino), *offset, *size) {
+                match self.fs.read(self.inos.to_fs(ino), *offset, *size) {
                     Ok(d) => reply.data(&d),
                     Err(e) => reply.error(errno(e)),
                 }
@@ -668,21 +699,21 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 if ino == CONTROL_INO {
                     return reply.ok();
                 }
-                self.reply_unit(self.fs.release(fs_ino(ino)), reply);
+                self.reply_unit(self.fs.release(self.inos.to_fs(ino)), reply);
             }
             Op::Fsync { datasync, .. } => {
                 let _t = self.stats.time(Stat::Fsync);
                 if ino == CONTROL_INO {
                     return reply.ok();
                 }
-                match self.fs.fsync(fs_ino(ino), *datasync) {
+                match self.fs.fsync(self.inos.to_fs(ino), *datasync) {
                     Ok(()) => {
                         reply.ok();
                         if self.writeback_cache {
                             // The kernel keeps the attributes it had before writing
                             // back; the data is ours now, so let stat see its true
                             // block count.
-                            self.invalidate_attr(fs_ino(ino));
+                            self.invalidate_attr(self.inos.to_fs(ino));
                         }
                     }
                     Err(e) => reply.error(errno(e)),
@@ -690,7 +721,7 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
             }
             Op::Fsyncdir { datasync, .. } => {
                 let _t = self.stats.time(Stat::Fsyncdir);
-                self.reply_unit(self.fs.fsync(fs_ino(ino), *datasync), reply);
+                self.reply_unit(self.fs.fsync(self.inos.to_fs(ino), *datasync), reply);
             }
             Op::Syncfs => {
                 let _t = self.stats.time(Stat::Syncfs);
@@ -702,8 +733,13 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
             Op::Readdir { offset, size, .. } => {
                 let _t = self.stats.time(Stat::Readdir);
                 let mut buf = DirBuf::new(*size);
-                let r = self.fs.readdir(fs_ino(ino), *offset, &mut |e| {
-                    buf.add(fuse_ino(e.ino), e.next_offset, e.kind.mode_bits(), &e.name)
+                let r = self.fs.readdir(self.inos.to_fs(ino), *offset, &mut |e| {
+                    buf.add(
+                        self.inos.to_fuse(e.ino),
+                        e.next_offset,
+                        e.kind.mode_bits(),
+                        &e.name,
+                    )
                 });
                 match r {
                     Ok(()) => buf.send(reply),
@@ -712,7 +748,7 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
             }
             Op::Readdirplus { offset, size, .. } => {
                 let _t = self.stats.time(Stat::Readdirplus);
-                self.readdirplus(fs_ino(ino), *offset, *size, reply);
+                self.readdirplus(self.inos.to_fs(ino), *offset, *size, reply);
             }
             Op::Statfs => {
                 let _t = self.stats.time(Stat::Statfs);
@@ -747,7 +783,7 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 };
                 let r = self
                     .fs
-                    .setxattr(fs_ino(ino), name, value, f, &self.ctx(req));
+                    .setxattr(self.inos.to_fs(ino), name, value, f, &self.ctx(req));
                 self.reply_unit(r, reply);
             }
             Op::Getxattr { name, size } => {
@@ -755,14 +791,14 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 if ino == CONTROL_INO {
                     return reply.error(libc::ENODATA);
                 }
-                self.xattr_reply(self.fs.getxattr(fs_ino(ino), name), *size, reply);
+                self.xattr_reply(self.fs.getxattr(self.inos.to_fs(ino), name), *size, reply);
             }
             Op::Listxattr { size } => {
                 let _t = self.stats.time(Stat::Listxattr);
                 if ino == CONTROL_INO {
                     return self.xattr_reply(Ok(Vec::new()), *size, reply);
                 }
-                self.xattr_reply(self.fs.listxattr(fs_ino(ino)), *size, reply);
+                self.xattr_reply(self.fs.listxattr(self.inos.to_fs(ino)), *size, reply);
             }
             Op::Removexattr { name } => {
                 let _t = self.stats.time(Stat::Removexattr);
@@ -770,7 +806,8 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                     return reply.error(libc::EPERM);
                 }
                 self.reply_unit(
-                    self.fs.removexattr(fs_ino(ino), name, &self.ctx(req)),
+                    self.fs
+                        .removexattr(self.inos.to_fs(ino), name, &self.ctx(req)),
                     reply,
                 );
             }
@@ -779,7 +816,10 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 if ino == CONTROL_INO {
                     return reply.ok();
                 }
-                self.reply_unit(self.fs.access(fs_ino(ino), *mask, &self.ctx(req)), reply);
+                self.reply_unit(
+                    self.fs.access(self.inos.to_fs(ino), *mask, &self.ctx(req)),
+                    reply,
+                );
             }
             Op::Create { .. } => self.create(req, reply),
             Op::Ioctl {
@@ -795,7 +835,7 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                     }
                     return match fileattr::ioctl(
                         self.fs.as_ref(),
-                        fs_ino(ino),
+                        self.inos.to_fs(ino),
                         *cmd,
                         input,
                         &self.ctx(req),
@@ -825,12 +865,12 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 c.umask = *umask;
                 let r = self
                     .fs
-                    .tmpfile(fs_ino(ino), *mode, &c)
+                    .tmpfile(self.inos.to_fs(ino), *mode, &c)
                     .and_then(|a| self.fs.open(a.ino).map(|()| a))
                     .and_then(|a| self.remember(&a).map(|()| a));
                 match r {
                     Ok(a) => reply.created(
-                        &entry(&wire_attr(&a)),
+                        &entry(&wire_attr(&a, self.inos)),
                         c.pid as u64,
                         self.open_flags(*flags),
                     ),
@@ -850,7 +890,7 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 if ino == CONTROL_INO {
                     return reply.error(libc::ENXIO);
                 }
-                match self.fs.seek_data(fs_ino(ino), *offset, data) {
+                match self.fs.seek_data(self.inos.to_fs(ino), *offset, data) {
                     Ok(o) => reply.lseek(o),
                     // The kernel then treats the file as all data, and stops asking.
                     Err(FsError::NotSupported) => reply.error(libc::ENOSYS),
@@ -867,9 +907,13 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 if ino == CONTROL_INO {
                     return reply.error(libc::EPERM);
                 }
-                let r =
-                    self.fs
-                        .fallocate(fs_ino(ino), *offset, *length, *mode as i32, &self.ctx(req));
+                let r = self.fs.fallocate(
+                    self.inos.to_fs(ino),
+                    *offset,
+                    *length,
+                    *mode as i32,
+                    &self.ctx(req),
+                );
                 self.reply_unit(r, reply);
             }
             // Not served: ENOSYS makes the kernel answer EOPNOTSUPP and stop asking.
@@ -883,10 +927,10 @@ fn adapter<F: FileSystem + 'static>(
     opts: &FuseOptions,
     on_unmount: OnUnmount,
 ) -> Adapter<F> {
-    ROOT.store(fs.root(), std::sync::atomic::Ordering::Relaxed);
     let callers = Arc::new(Callers::default());
     let reaper = callers.watch(fs.clone(), Duration::from_millis(500));
     Adapter {
+        inos: Inos { root: fs.root() },
         fs,
         writeback_cache: opts.writeback_cache,
         read_only: opts.read_only,
@@ -956,17 +1000,18 @@ pub fn serve<F: FileSystem + 'static>(
 #[derive(Clone)]
 pub struct Invalidator {
     notifier: Notifier,
+    inos: Inos,
 }
 
 impl Invalidator {
     /// The inode's attributes and cached data changed.
     pub fn inode(&self, ino: u64) -> std::io::Result<()> {
-        known(self.notifier.inval_inode(fuse_ino(ino), 0, 0))
+        known(self.notifier.inval_inode(self.inos.to_fuse(ino), 0, 0))
     }
 
     /// `name` in directory `parent` was added, removed or now names another inode.
     pub fn entry(&self, parent: u64, name: &[u8]) -> std::io::Result<()> {
-        known(self.notifier.inval_entry(fuse_ino(parent), name))?;
+        known(self.notifier.inval_entry(self.inos.to_fuse(parent), name))?;
         // The directory's own attributes (size, times, link count) changed too.
         self.inode(parent)
     }
@@ -1036,6 +1081,7 @@ pub fn spawn<F: FileSystem + 'static>(
     opts.stats.set_ring_stats(session.ring_stats());
     let invalidator = Invalidator {
         notifier: session.notifier(),
+        inos: adapter.inos,
     };
     let adapter = Arc::new(adapter);
     let stats = opts.stats.clone();
