@@ -79,6 +79,57 @@ pub(crate) struct Node {
     /// The kernel's references without a handle (lookups not forgotten): they keep
     /// nothing of an unlinked file.
     pub refs: u32,
+    /// How many of the state's cache moves (`State::moves`) its path has been through.
+    pub seen: u64,
+}
+
+/// Past this many pending cache moves, every cached path catches up at once and the
+/// list starts again (amortized: one pass per this many directory renames).
+const MOVES_MAX: usize = 64;
+
+impl State {
+    /// The node of `ino`, its path brought up to date with the directory renames since
+    /// it was last taken.
+    pub fn fresh(&mut self, ino: u64) -> Option<&mut Node> {
+        let now = self.moves_base + self.moves.len() as u64;
+        let n = self.nodes.get_mut(&ino)?;
+        if n.seen < now {
+            let from = (n.seen.max(self.moves_base) - self.moves_base) as usize;
+            if let Loc::Path(p) = &mut n.loc {
+                for set in &self.moves[from..] {
+                    if let Some((f, t)) = set.iter().find(|(f, _)| p.starts_with(f)) {
+                        let mut np = t.clone();
+                        np.extend_from_slice(&p[f.len()..]);
+                        *p = np;
+                    }
+                }
+            }
+            n.seen = now;
+        }
+        Some(n)
+    }
+
+    /// Records a set of simultaneous directory moves (old prefix → new) for the cached
+    /// paths below them.
+    pub fn push_moves(&mut self, set: Vec<(Vec<u8>, Vec<u8>)>) {
+        self.moves.push(set);
+        if self.moves.len() > MOVES_MAX {
+            let inos: Vec<u64> = self.nodes.keys().copied().collect();
+            for ino in inos {
+                self.fresh(ino);
+            }
+            self.moves_base += self.moves.len() as u64;
+            self.moves.clear();
+            self.by_path = self
+                .nodes
+                .iter()
+                .filter_map(|(&ino, n)| match &n.loc {
+                    Loc::Path(p) => Some((p.clone(), ino)),
+                    _ => None,
+                })
+                .collect();
+        }
+    }
 }
 
 #[derive(Default)]
@@ -89,6 +140,14 @@ pub(crate) struct State {
     pub by_path: BTreeMap<Vec<u8>, u64>,
     /// Path-key → orphan whose data is still under that path (`Loc::Orphan`).
     pub orphan_paths: BTreeMap<Vec<u8>, u64>,
+    /// Renames of directories not yet applied to every cached path below them: each a
+    /// set of simultaneous moves (old prefix → new; an exchange is two). A node's path
+    /// catches up when it is next taken (`State::fresh`), so renaming a directory whose
+    /// 80,000 descendants the kernel holds costs the same as one with none. `by_path`
+    /// may keep a descendant's old key meanwhile: `Betrfs::load` checks what it finds.
+    pub moves: Vec<Vec<(Vec<u8>, Vec<u8>)>>,
+    /// Moves before `moves[0]` (applied to every cached node, then dropped).
+    pub moves_base: u64,
     pub next_ino: u64,
     pub cookies: HashMap<u64, (u64, Vec<u8>)>,
     pub cookie_order: VecDeque<u64>,
@@ -433,6 +492,7 @@ impl Betrfs {
         if let Loc::Path(p) = &loc {
             st.by_path.insert(p.clone(), ino);
         }
+        let seen = st.moves_base + st.moves.len() as u64;
         st.nodes.insert(
             ino,
             Node {
@@ -440,24 +500,29 @@ impl Betrfs {
                 inode,
                 opens: 0,
                 refs: 0,
+                seen,
             },
         );
         ino
     }
 
     pub(crate) fn forget(&self, st: &mut State, ino: u64) {
+        st.fresh(ino);
         if let Some(n) = st.nodes.remove(&ino) {
             if let Loc::Path(p) = n.loc {
-                st.by_path.remove(&p);
+                if st.by_path.get(&p) == Some(&ino) {
+                    st.by_path.remove(&p);
+                }
             }
         }
     }
 
-    pub(crate) fn node<'a>(&self, st: &'a State, ino: u64) -> Result<&'a Node> {
-        st.nodes.get(&ino).ok_or(FsError::Stale)
+    /// The node of `ino`, its path current.
+    pub(crate) fn node<'a>(&self, st: &'a mut State, ino: u64) -> Result<&'a Node> {
+        st.fresh(ino).map(|n| &*n).ok_or(FsError::Stale)
     }
 
-    pub(crate) fn dir_node<'a>(&self, st: &'a State, ino: u64) -> Result<&'a Node> {
+    pub(crate) fn dir_node<'a>(&self, st: &'a mut State, ino: u64) -> Result<&'a Node> {
         let n = self.node(st, ino)?;
         if !n.inode.is_dir() {
             return Err(FsError::NotDir);
@@ -478,14 +543,24 @@ impl Betrfs {
     /// The inode named by path-key `key`, loaded into the cache.
     pub(crate) fn load(&self, st: &mut State, key: &[u8]) -> Result<Option<u64>> {
         if let Some(&ino) = st.by_path.get(key) {
-            return Ok(Some(ino));
+            // (A key a directory rename left behind names a node now elsewhere.)
+            match st.fresh(ino) {
+                Some(n) if matches!(&n.loc, Loc::Path(p) if p == key) => return Ok(Some(ino)),
+                _ => {
+                    st.by_path.remove(key);
+                }
+            }
         }
         let Some(v) = self.tree.get(&keys::meta_key(key)).map_err(io)? else {
             return Ok(None);
         };
         match Entry::decode(&v)? {
             Entry::Inode(i) => {
-                if let Some(n) = st.nodes.get(&i.ino) {
+                if let Some(n) = st.fresh(i.ino) {
+                    if matches!(&n.loc, Loc::Path(p) if p == key) {
+                        st.by_path.insert(key.to_vec(), i.ino);
+                        return Ok(Some(i.ino));
+                    }
                     return Err(FsError::Corrupt(format!(
                         "inode {} is named at two paths ({:?} and {:?})",
                         i.ino, n.loc, key
@@ -605,10 +680,10 @@ impl FileSystem for Betrfs {
         let r = (|| {
             let mut st = self.lock();
             if name == b"." {
-                return Ok(self.attr_of(&self.dir_node(&st, parent)?.inode));
+                return Ok(self.attr_of(&self.dir_node(&mut st, parent)?.inode));
             }
             if name == b".." {
-                let d = self.dir_node(&st, parent)?;
+                let d = self.dir_node(&mut st, parent)?;
                 let Loc::Path(key) = d.loc.clone() else {
                     return Err(FsError::NotFound);
                 };
@@ -620,24 +695,24 @@ impl FileSystem for Betrfs {
                             FsError::Corrupt(format!("directory {parent}'s parent is missing"))
                         })?
                 };
-                return Ok(self.attr_of(&self.node(&st, ino)?.inode));
+                return Ok(self.attr_of(&self.node(&mut st, ino)?.inode));
             }
             let (_, ino) = self.lookup_in(&mut st, parent, name)?;
             let ino = ino.ok_or(FsError::NotFound)?;
-            Ok(self.attr_of(&self.node(&st, ino)?.inode))
+            Ok(self.attr_of(&self.node(&mut st, ino)?.inode))
         })();
         self.checked(r)
     }
 
     fn getattr(&self, ino: Ino) -> Result<Attr> {
-        let st = self.lock();
-        Ok(self.attr_of(&self.node(&st, ino)?.inode))
+        let mut st = self.lock();
+        Ok(self.attr_of(&self.node(&mut st, ino)?.inode))
     }
 
     fn setattr(&self, ino: Ino, set: SetAttr, _ctx: &Ctx) -> Result<Attr> {
         let mut st = self.lock();
         self.writable(&st)?;
-        let mut n = self.node(&st, ino)?.clone();
+        let mut n = self.node(&mut st, ino)?.clone();
         rules::refuse_setattr(n.inode.flags, &set)?;
         let t = now();
         let old_size = n.inode.size;
@@ -761,8 +836,8 @@ impl FileSystem for Betrfs {
     }
 
     fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {
-        let st = self.lock();
-        let n = self.node(&st, ino)?;
+        let mut st = self.lock();
+        let n = self.node(&mut st, ino)?;
         if n.inode.kind() != FileType::Symlink {
             return Err(FsError::Invalid("not a symbolic link"));
         }
@@ -788,14 +863,14 @@ impl FileSystem for Betrfs {
             let mut st = self.lock();
             self.writable(&st)?;
             let (key, existing) = self.lookup_in(&mut st, new_parent, new_name)?;
-            let dp = self.node(&st, new_parent)?.clone();
+            let dp = self.node(&mut st, new_parent)?.clone();
             if dp.inode.nlink == 0 {
                 return Err(FsError::NotFound);
             }
             if existing.is_some() {
                 return Err(FsError::Exists);
             }
-            let n = self.node(&st, ino)?.clone();
+            let n = self.node(&mut st, ino)?.clone();
             rules::refuse_new_entry(dp.inode.flags)?;
             rules::refuse_if_frozen(n.inode.flags)?;
             if n.inode.is_dir() {
@@ -809,7 +884,7 @@ impl FileSystem for Betrfs {
             let stub = Entry::link_stub(ino, n.inode.mode);
             self.evict_orphans(&mut st, &key, false)?;
             // (An eviction may have moved this very file: read it again.)
-            let mut n = self.node(&st, ino)?.clone();
+            let mut n = self.node(&mut st, ino)?.clone();
             match n.loc.clone() {
                 Loc::Path(old) => {
                     // The second name: the inode and its data move under its number,
@@ -848,8 +923,8 @@ impl FileSystem for Betrfs {
 
     fn read(&self, ino: Ino, offset: u64, size: u32) -> Result<Vec<u8>> {
         let n = {
-            let st = self.lock();
-            let n = self.node(&st, ino)?;
+            let mut st = self.lock();
+            let n = self.node(&mut st, ino)?;
             if n.inode.is_dir() {
                 return Err(FsError::IsDir);
             }
@@ -866,7 +941,7 @@ impl FileSystem for Betrfs {
         let r = (|| {
             let mut st = self.lock();
             self.writable(&st)?;
-            let mut n = self.node(&st, ino)?.clone();
+            let mut n = self.node(&mut st, ino)?.clone();
             if n.inode.is_dir() {
                 return Err(FsError::IsDir);
             }
@@ -916,7 +991,7 @@ impl FileSystem for Betrfs {
         }
         let mut st = self.lock();
         self.writable(&st)?;
-        let mut n = self.node(&st, ino)?.clone();
+        let mut n = self.node(&mut st, ino)?.clone();
         if n.inode.is_dir() {
             return Err(FsError::IsDir);
         }
@@ -1019,8 +1094,8 @@ impl FileSystem for Betrfs {
 
     fn seek_data(&self, ino: Ino, offset: u64, data: bool) -> Result<u64> {
         let n = {
-            let st = self.lock();
-            let n = self.node(&st, ino)?;
+            let mut st = self.lock();
+            let n = self.node(&mut st, ino)?;
             if !n.inode.is_reg() {
                 return Err(FsError::Invalid("seek in a non-regular file"));
             }
@@ -1058,14 +1133,14 @@ impl FileSystem for Betrfs {
     }
 
     fn get_flags(&self, ino: Ino) -> Result<u32> {
-        let st = self.lock();
-        Ok(self.node(&st, ino)?.inode.flags & rules::VISIBLE)
+        let mut st = self.lock();
+        Ok(self.node(&mut st, ino)?.inode.flags & rules::VISIBLE)
     }
 
     fn set_flags(&self, ino: Ino, f: u32, ctx: &Ctx) -> Result<()> {
         let mut st = self.lock();
         self.writable(&st)?;
-        let mut n = self.node(&st, ino)?.clone();
+        let mut n = self.node(&mut st, ino)?.clone();
         n.inode.flags = rules::set_flags(n.inode.flags, f, n.inode.mode, n.inode.uid, ctx)?;
         n.inode.ctime = now();
         let mut b = Batch::new();
@@ -1076,15 +1151,15 @@ impl FileSystem for Betrfs {
     }
 
     fn check_open(&self, ino: Ino, open_flags: i32, _ctx: &Ctx) -> Result<()> {
-        let st = self.lock();
-        rules::check_open(self.node(&st, ino)?.inode.flags, open_flags)
+        let mut st = self.lock();
+        rules::check_open(self.node(&mut st, ino)?.inode.flags, open_flags)
     }
 
     fn readdir(&self, ino: Ino, offset: u64, emit: &mut dyn FnMut(DirEntry) -> bool) -> Result<()> {
         let r = (|| {
             let (prefix, parent_ino, after) = {
                 let mut st = self.lock();
-                let d = self.dir_node(&st, ino)?.clone();
+                let d = self.dir_node(&mut st, ino)?.clone();
                 if d.inode.nlink == 0 {
                     return Ok(());
                 }
@@ -1194,8 +1269,8 @@ impl FileSystem for Betrfs {
 
     fn fsync(&self, ino: Ino, _datasync: bool) -> Result<()> {
         {
-            let st = self.lock();
-            self.node(&st, ino)?;
+            let mut st = self.lock();
+            self.node(&mut st, ino)?;
         }
         self.counters.fsyncs.fetch_add(1, Relaxed);
         // The log is one sequence: making it durable up to now covers the file's
@@ -1227,8 +1302,8 @@ impl FileSystem for Betrfs {
         if !self.opts.acl && (name == acl::ACCESS || name == acl::DEFAULT) {
             return Err(FsError::NotSupported);
         }
-        let st = self.lock();
-        let n = self.node(&st, ino)?;
+        let mut st = self.lock();
+        let n = self.node(&mut st, ino)?;
         n.inode
             .xattr(name)
             .map(<[u8]>::to_vec)
@@ -1236,8 +1311,8 @@ impl FileSystem for Betrfs {
     }
 
     fn listxattr(&self, ino: Ino) -> Result<Vec<u8>> {
-        let st = self.lock();
-        let n = self.node(&st, ino)?;
+        let mut st = self.lock();
+        let n = self.node(&mut st, ino)?;
         let mut out = Vec::new();
         for (name, _) in &n.inode.xattrs {
             if !self.opts.acl && (name == acl::ACCESS || name == acl::DEFAULT) {
@@ -1342,7 +1417,7 @@ impl Betrfs {
         }
         let mut st = self.lock();
         self.writable(&st)?;
-        let mut n = self.node(&st, ino)?.clone();
+        let mut n = self.node(&mut st, ino)?.clone();
         rules::refuse_if_frozen(n.inode.flags)?;
         let exists = n.inode.xattr(name).is_some();
         let mut store = value.map(<[u8]>::to_vec);

@@ -41,7 +41,7 @@ impl Betrfs {
             self.evict_orphans(&mut st, &key, false)?;
             key
         };
-        let dir = self.dir_node(&st, parent)?.clone();
+        let dir = self.dir_node(&mut st, parent)?.clone();
         if dir.inode.nlink == 0 {
             return Err(FsError::NotFound);
         }
@@ -283,8 +283,8 @@ impl Betrfs {
         }
         let (key, child) = self.lookup_in(&mut st, parent, name)?;
         let child = child.ok_or(FsError::NotFound)?;
-        let c = self.node(&st, child)?.clone();
-        let p = self.node(&st, parent)?.clone();
+        let c = self.node(&mut st, child)?.clone();
+        let p = self.node(&mut st, parent)?.clone();
         // The kernel's may_delete: the flags before the type and emptiness.
         rules::refuse_removal(p.inode.flags, c.inode.flags)?;
         if dir {
@@ -323,7 +323,7 @@ impl Betrfs {
 
     /// Frees an inode with no names once nobody has it open.
     pub(crate) fn destroy(&self, st: &mut State, ino: u64) -> Result<()> {
-        let Some(n) = st.nodes.get(&ino).cloned() else {
+        let Some(n) = st.fresh(ino).map(|n| n.clone()) else {
             return Ok(());
         };
         if n.opens > 0 || n.inode.nlink > 0 || self.opts.read_only {
@@ -362,7 +362,7 @@ impl Betrfs {
             );
         }
         for ino in victims {
-            let Some(mut n) = st.nodes.get(&ino).cloned() else {
+            let Some(mut n) = st.fresh(ino).map(|n| n.clone()) else {
                 continue;
             };
             let mut b = Batch::new();

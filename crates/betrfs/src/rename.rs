@@ -142,25 +142,35 @@ impl Betrfs {
     }
 
     /// The cache's paths after moves of entries (`from` key → `to` key, directory or
-    /// not), all at once (an exchange swaps two).
+    /// not), all at once (an exchange swaps two): the entries themselves now, what lies
+    /// below moved directories when it is next taken (`State::fresh`: a rename costs
+    /// the same whatever the kernel holds below it).
     pub(crate) fn move_cached_paths(st: &mut State, moves: &[(Vec<u8>, Vec<u8>, bool)]) {
-        let mut changed = Vec::new();
-        for (from, to, is_dir) in moves {
-            if let Some(&ino) = st.by_path.get(from) {
-                changed.push((from.clone(), to.clone(), ino));
+        let changed: Vec<(Vec<u8>, Vec<u8>, u64)> = moves
+            .iter()
+            .filter_map(|(from, to, _)| {
+                let ino = *st.by_path.get(from)?;
+                Some((from.clone(), to.clone(), ino))
+            })
+            .collect();
+        for (old, _, ino) in &changed {
+            if st.by_path.get(old) == Some(ino) {
+                st.by_path.remove(old);
             }
-            if *is_dir {
-                changed.extend(rebased(&st.by_path, from, to));
-            }
-        }
-        for (old, _, _) in &changed {
-            st.by_path.remove(old);
         }
         for (_, new, ino) in changed {
             st.by_path.insert(new.clone(), ino);
-            if let Some(n) = st.nodes.get_mut(&ino) {
+            if let Some(n) = st.fresh(ino) {
                 n.loc = Loc::Path(new);
             }
+        }
+        let below: Vec<(Vec<u8>, Vec<u8>)> = moves
+            .iter()
+            .filter(|(_, _, is_dir)| *is_dir)
+            .map(|(from, to, _)| (keys::dir_prefix(from), keys::dir_prefix(to)))
+            .collect();
+        if !below.is_empty() {
+            st.push_moves(below);
         }
     }
 
@@ -194,9 +204,9 @@ impl Betrfs {
         let (skey, src) = self.lookup_in(&mut st, parent, name)?;
         let src = src.ok_or(FsError::NotFound)?;
         let (dkey, dst) = self.lookup_in(&mut st, new_parent, new_name)?;
-        let mut s = self.node(&st, src)?.clone();
-        let mut sp = self.node(&st, parent)?.clone();
-        let mut dp = self.node(&st, new_parent)?.clone();
+        let mut s = self.node(&mut st, src)?.clone();
+        let mut sp = self.node(&mut st, parent)?.clone();
+        let mut dp = self.node(&mut st, new_parent)?.clone();
         if dp.inode.nlink == 0 {
             return Err(FsError::NotFound);
         }
@@ -210,7 +220,7 @@ impl Betrfs {
             // Two names of one inode (or the same name): nothing to do.
             return Ok(());
         }
-        let d = dst.map(|d| self.node(&st, d).cloned()).transpose()?;
+        let d = dst.map(|d| self.node(&mut st, d).cloned()).transpose()?;
         let s_dir = s.inode.is_dir();
         // A directory may not move under itself.
         if s_dir && dkey.starts_with(&keys::dir_prefix(&skey)) {
@@ -292,8 +302,8 @@ impl Betrfs {
             Self::move_cached_paths(&mut st, &moves);
             // Orphans whose data lies in either tree travel with it.
             Self::move_orphans(&mut st, &mut b, &moves);
-            s.loc = st.nodes.get(&src).map_or(s.loc, |n| n.loc.clone());
-            d.loc = st.nodes.get(&d.inode.ino).map_or(d.loc, |n| n.loc.clone());
+            s.loc = st.fresh(src).map_or(s.loc, |n| n.loc.clone());
+            d.loc = st.fresh(d.inode.ino).map_or(d.loc, |n| n.loc.clone());
             b.put(&keys::meta_key(&dkey), &Self::entry_bytes(&s));
             b.put(&keys::meta_key(&skey), &Self::entry_bytes(&d));
             if let Loc::Ino(_) = d.loc {
@@ -324,7 +334,7 @@ impl Betrfs {
             let moves = [(skey.clone(), dkey.clone(), s_dir)];
             Self::move_cached_paths(&mut st, &moves);
             Self::move_orphans(&mut st, &mut b, &moves);
-            s.loc = st.nodes.get(&src).map_or(s.loc, |n| n.loc.clone());
+            s.loc = st.fresh(src).map_or(s.loc, |n| n.loc.clone());
             b.put(&keys::meta_key(&dkey), &Self::entry_bytes(&s));
             if flags.whiteout {
                 let ino = st.next_ino;
@@ -374,12 +384,10 @@ impl Betrfs {
         // Paths may have moved under the parents' own records (an exchange of a
         // directory above one of them).
         sp.loc = st
-            .nodes
-            .get(&sp.inode.ino)
+            .fresh(sp.inode.ino)
             .map_or(sp.loc.clone(), |n| n.loc.clone());
         dp.loc = st
-            .nodes
-            .get(&dp.inode.ino)
+            .fresh(dp.inode.ino)
             .map_or(dp.loc.clone(), |n| n.loc.clone());
         if let Loc::Ino(_) = s.loc {
             Self::put_inode(b, s);

@@ -188,3 +188,60 @@ fn large_directories_move_whole_and_survive_a_crash() {
     let r = fsck::fsck(dev.clone(), false).unwrap();
     assert!(r.problems.is_empty(), "{:?}", r.problems);
 }
+
+/// Nodes cached below a renamed directory catch up lazily (`State::fresh`): writes and
+/// reads through their inode numbers land under the new path, a new tree at the old
+/// name is a different one, and past the pending-move limit every path catches up at
+/// once.
+#[test]
+fn cached_nodes_below_a_renamed_directory_follow_it() {
+    let dev = Arc::new(MemDevice::new(4096, 8192).unwrap());
+    mkfs(dev.clone()).unwrap();
+    let fs = Betrfs::open(dev.clone(), opts()).unwrap();
+    let c = Ctx::root();
+    let r = fs.root();
+    let a = fs.mkdir(r, b"a", 0o755, &c).unwrap().ino;
+    let s = fs.mkdir(a, b"s", 0o755, &c).unwrap().ino;
+    let f = fs.mknod(s, b"f", libc::S_IFREG | 0o644, 0, &c).unwrap().ino;
+    fs.write(f, 0, b"old tree", &c).unwrap();
+    fs.rename(r, b"a", r, b"b", RenameFlags::default(), &c)
+        .unwrap();
+    // Through the cached inode: the data goes under b/s/f.
+    fs.write(f, 0, b"OLD", &c).unwrap();
+    assert_eq!(fs.read(f, 0, 100).unwrap(), b"OLD tree");
+    // A new tree under the old name.
+    let a2 = fs.mkdir(r, b"a", 0o755, &c).unwrap().ino;
+    let s2 = fs.mkdir(a2, b"s", 0o755, &c).unwrap().ino;
+    let f2 = fs
+        .mknod(s2, b"f", libc::S_IFREG | 0o644, 0, &c)
+        .unwrap()
+        .ino;
+    assert_ne!(f2, f);
+    fs.write(f2, 0, b"new tree", &c).unwrap();
+    let b = fs.lookup(r, b"b").unwrap().ino;
+    let bs = fs.lookup(b, b"s").unwrap().ino;
+    assert_eq!((bs, fs.lookup(bs, b"f").unwrap().ino), (s, f));
+    assert_eq!(fs.lookup(s2, b"f").unwrap().ino, f2);
+    assert_eq!(fs.read(f2, 0, 100).unwrap(), b"new tree");
+    assert_eq!(fs.read(f, 0, 100).unwrap(), b"OLD tree");
+    // Many renames back and forth (past the pending-move limit), with a write between.
+    for i in 0..150u32 {
+        let (x, y) = if i % 2 == 0 {
+            (&b"b"[..], &b"c"[..])
+        } else {
+            (&b"c"[..], &b"b"[..])
+        };
+        fs.rename(r, x, r, y, RenameFlags::default(), &c).unwrap();
+        fs.write(f, 8, format!("{i:04}").as_bytes(), &c).unwrap();
+    }
+    assert_eq!(fs.read(f, 0, 100).unwrap(), b"OLD tree0149");
+    let b = fs.lookup(r, b"b").unwrap().ino;
+    fs.unlink(fs.lookup(b, b"s").unwrap().ino, b"f", &c)
+        .unwrap();
+    assert_eq!(fs.lookup(s, b"f").unwrap_err(), FsError::NotFound);
+    assert_eq!(fs.read(f2, 0, 100).unwrap(), b"new tree");
+    fs.unmount().unwrap();
+    drop(fs);
+    let r = fsck::fsck(dev.clone(), false).unwrap();
+    assert!(r.problems.is_empty(), "{:?}", r.problems);
+}
