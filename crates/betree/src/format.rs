@@ -147,30 +147,48 @@ impl Header {
     }
 }
 
-/// Encodes the block translation table into whole blocks; returns the bytes and the crc
-/// the header records.
-pub fn encode_table(entries: &[(NodeId, Extent)], bs: usize) -> (Vec<u8>, u32) {
-    let mut w = Writer::with_capacity(16 + entries.len() * 24);
+/// Version 2 of the table added the reference counts of shared nodes after the extents;
+/// version 1 tables (no sharing) still decode.
+const TABLE_VERSION: u32 = 2;
+
+/// Encodes the block translation table (each node's extent, then the reference counts
+/// of shared nodes) into whole blocks; returns the bytes and the crc the header records.
+pub fn encode_table(
+    entries: &[(NodeId, Extent)],
+    refs: &[(NodeId, u32)],
+    bs: usize,
+) -> (Vec<u8>, u32) {
+    let mut w = Writer::with_capacity(24 + entries.len() * 24 + refs.len() * 12);
     w.u32(TABLE_MAGIC);
-    w.u32(VERSION);
+    w.u32(TABLE_VERSION);
     w.u64(entries.len() as u64);
     for (id, e) in entries {
         w.u64(*id);
         w.u64(e.start);
         w.u64(e.blocks);
     }
+    w.u64(refs.len() as u64);
+    for (id, n) in refs {
+        w.u64(*id);
+        w.u32(*n);
+    }
     let crc = crc32c(&[&w.buf]);
     w.pad_to(bs);
     (w.buf, crc)
 }
 
-pub fn decode_table(b: &[u8], want_crc: u32) -> Result<Vec<(NodeId, Extent)>> {
+/// A node's extent, by node.
+pub type TableEntries = Vec<(NodeId, Extent)>;
+/// Reference counts of shared nodes.
+pub type TableRefs = Vec<(NodeId, u32)>;
+
+pub fn decode_table(b: &[u8], want_crc: u32) -> Result<(TableEntries, TableRefs)> {
     let mut r = Reader::new(b, "block translation table");
     if r.u32()? != TABLE_MAGIC {
         return Err(Error::Corrupt("block translation table: bad magic".into()));
     }
     let version = r.u32()?;
-    if version != VERSION {
+    if version != 1 && version != TABLE_VERSION {
         return Err(Error::Corrupt(format!(
             "block translation table: unknown version {version}"
         )));
@@ -192,12 +210,24 @@ pub fn decode_table(b: &[u8], want_crc: u32) -> Result<Vec<(NodeId, Extent)>> {
             },
         ));
     }
+    let mut refs = Vec::new();
+    if version >= 2 {
+        let n = r.u64()? as usize;
+        if n > r.remaining() / 12 {
+            return Err(Error::Corrupt(format!(
+                "block translation table: {n} reference counts"
+            )));
+        }
+        for _ in 0..n {
+            refs.push((r.u64()?, r.u32()?));
+        }
+    }
     if crc32c(&[&b[..r.pos()]]) != want_crc {
         return Err(Error::Corrupt(
             "block translation table: checksum mismatch".into(),
         ));
     }
-    Ok(out)
+    Ok((out, refs))
 }
 
 /// Bytes of a log block before its data.

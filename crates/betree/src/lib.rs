@@ -112,6 +112,18 @@ pub enum Op {
         from: Vec<u8>,
         to: Vec<u8>,
     },
+    /// Range clone: for every key `from + s` with `start <= s` (and `s < end` when an end
+    /// is given), the key `to + s` now holds the same value; what `to`'s range held
+    /// before is gone. The source is unchanged. Neither prefix may be a prefix of the
+    /// other. Costs the same at any size: the range's subtrees are shared by both places
+    /// (reference counts) and copied only when enough writes reach one of them
+    /// (copy-on-abundant-write; see `tree/surgery.rs`).
+    CloneRange {
+        from: Vec<u8>,
+        to: Vec<u8>,
+        start: Vec<u8>,
+        end: Option<Vec<u8>>,
+    },
 }
 
 /// Operations applied atomically: after a crash, all of them or none.
@@ -154,6 +166,26 @@ impl Batch {
         self.ops.push(Op::RenamePrefix {
             from: from.to_vec(),
             to: to.to_vec(),
+        });
+        self
+    }
+    /// Clones every key under `from` to `to` (see [`Op::CloneRange`]).
+    pub fn clone_prefix(&mut self, from: &[u8], to: &[u8]) -> &mut Batch {
+        self.clone_range(from, to, b"", None)
+    }
+    /// Clones the keys `from + s`, `start <= s < end`, to `to + s` (see [`Op::CloneRange`]).
+    pub fn clone_range(
+        &mut self,
+        from: &[u8],
+        to: &[u8],
+        start: &[u8],
+        end: Option<&[u8]>,
+    ) -> &mut Batch {
+        self.ops.push(Op::CloneRange {
+            from: from.to_vec(),
+            to: to.to_vec(),
+            start: start.to_vec(),
+            end: end.map(<[u8]>::to_vec),
         });
         self
     }
@@ -228,6 +260,15 @@ pub struct Stats {
     pub subtrees_moved: u64,
     /// Lifts pushed one level down (a merge of differently lifted children).
     pub lifts_pushed: u64,
+    pub range_clones: u64,
+    /// Subtrees a range clone shared between its source and its destination.
+    pub subtrees_shared: u64,
+    /// Shared nodes copied because a change reached one of their places
+    /// (copy-on-abundant-write), and the bytes of the copies.
+    pub cow_copies: u64,
+    pub cow_bytes: u64,
+    /// Nodes referenced from more than one place now.
+    pub shared_nodes: u64,
     pub batches: u64,
     pub gets: u64,
     pub scans: u64,
@@ -370,7 +411,6 @@ impl Tree {
         })
     }
 
-    /// Applies a batch atomically (one log record). Not durable until `sync`.
     /// Moves every key starting with `from` under `to` (see [`Op::RenamePrefix`]).
     pub fn rename_prefix(&self, from: &[u8], to: &[u8]) -> Result<()> {
         self.write(Batch {
@@ -381,6 +421,15 @@ impl Tree {
         })
     }
 
+    /// Copies every key starting with `from` under `to`, sharing the tree's nodes (see
+    /// [`Op::CloneRange`]).
+    pub fn clone_prefix(&self, from: &[u8], to: &[u8]) -> Result<()> {
+        let mut b = Batch::new();
+        b.clone_prefix(from, to);
+        self.write(b)
+    }
+
+    /// Applies a batch atomically (one log record). Not durable until `sync`.
     pub fn write(&self, batch: Batch) -> Result<()> {
         let mut t = self.lock();
         t.write(batch.ops)?;

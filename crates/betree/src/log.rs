@@ -41,6 +41,24 @@ pub fn encode_ops(w: &mut Writer, ops: &[Op]) {
                 w.bytes(from);
                 w.bytes(to);
             }
+            Op::CloneRange {
+                from,
+                to,
+                start,
+                end,
+            } => {
+                w.u8(6);
+                w.bytes(from);
+                w.bytes(to);
+                w.bytes(start);
+                match end {
+                    Some(e) => {
+                        w.u8(1);
+                        w.bytes(e);
+                    }
+                    None => w.u8(0),
+                }
+            }
         }
     }
 }
@@ -73,6 +91,22 @@ fn decode_ops(r: &mut Reader, n: usize) -> Result<Vec<Op>> {
                 from: r.bytes()?.to_vec(),
                 to: r.bytes()?.to_vec(),
             },
+            6 => {
+                let from = r.bytes()?.to_vec();
+                let to = r.bytes()?.to_vec();
+                let start = r.bytes()?.to_vec();
+                let end = match r.u8()? {
+                    0 => None,
+                    1 => Some(r.bytes()?.to_vec()),
+                    k => return Err(r.corrupt(format!("clone range end tag {k}"))),
+                };
+                Op::CloneRange {
+                    from,
+                    to,
+                    start,
+                    end,
+                }
+            }
             k => return Err(r.corrupt(format!("unknown operation {k}"))),
         });
     }

@@ -56,5 +56,21 @@ pub fn apply(m: &mut Map, op: &Op) {
                 m.insert([&to[..], &k[from.len()..]].concat(), v);
             }
         }
+        Op::CloneRange {
+            from,
+            to,
+            start,
+            end,
+        } => {
+            let within = |s: &[u8]| s >= start.as_slice() && end.as_deref().is_none_or(|e| s < e);
+            m.retain(|k, _| !k.strip_prefix(to.as_slice()).is_some_and(within));
+            let copies: Vec<(Vec<u8>, Vec<u8>)> = m
+                .range(from.clone()..)
+                .take_while(|(k, _)| k.starts_with(from))
+                .filter(|(k, _)| within(&k[from.len()..]))
+                .map(|(k, v)| ([&to[..], &k[from.len()..]].concat(), v.clone()))
+                .collect();
+            m.extend(copies);
+        }
     }
 }

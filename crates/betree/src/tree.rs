@@ -34,6 +34,11 @@ pub(crate) struct Inner {
     dirty_mem: usize,
     /// Where each node written by a checkpoint lives.
     btt: HashMap<NodeId, Extent>,
+    /// Nodes that more than one edge references (a range clone shares subtrees), and
+    /// how many; a node not here has one (or is the root). A shared node never changes
+    /// in place: a change that reaches it through one edge copies it first (`own`).
+    /// Saved in the block translation table.
+    refs: HashMap<NodeId, u32>,
     table: Extent,
     root: NodeId,
     next_node: NodeId,
@@ -98,6 +103,22 @@ fn check_geometry(geo: &Geometry, block_count: u64) -> std::result::Result<(), S
     Ok(())
 }
 
+/// The prefixes of a range rename or clone: each with an end, neither inside the other
+/// (the source and destination ranges must not overlap).
+fn check_prefixes(from: &[u8], to: &[u8]) -> Result<()> {
+    if prefix_end(from).is_none() || prefix_end(to).is_none() {
+        return Err(Error::Invalid(
+            "a renamed or cloned prefix must hold a byte other than 0xff".into(),
+        ));
+    }
+    if from.starts_with(to) || to.starts_with(from) {
+        return Err(Error::Invalid(
+            "a prefix cannot be renamed or cloned into or over one of its own".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Decodes the unread buffers of an internal node from its whole extent.
 fn load_buffers(n: &mut Internal, extent: &[u8], id: NodeId) -> Result<()> {
     for (i, at) in n.unread.iter_mut().enumerate() {
@@ -108,6 +129,18 @@ fn load_buffers(n: &mut Internal, extent: &[u8], id: NodeId) -> Result<()> {
     }
     n.unread.clear();
     Ok(())
+}
+
+/// A node's lower or upper key bound (`None`: its parent's).
+type Bound = Option<Vec<u8>>;
+
+/// What `Inner::check` has seen: (node, range) pairs checked, nodes visited, and the
+/// edges counted into each node.
+#[derive(Default)]
+struct CheckWalk {
+    seen: std::collections::HashSet<(NodeId, Bound, Bound)>,
+    visited: std::collections::HashSet<NodeId>,
+    edges: HashMap<NodeId, u32>,
 }
 
 /// Basements a scan reads at a time from a leaf not cached whole: 64 KiB of 4 KiB
@@ -151,6 +184,7 @@ impl Inner {
             mem: 0,
             dirty_mem: 0,
             btt: HashMap::new(),
+            refs: HashMap::new(),
             table: Extent {
                 start: 0,
                 blocks: 0,
@@ -254,7 +288,7 @@ impl Inner {
         for b in h.table.start..h.table.start + h.table.blocks {
             bytes.extend_from_slice(&engine.read(b)?);
         }
-        let entries = format::decode_table(&bytes, h.table_crc)?;
+        let (entries, refs) = format::decode_table(&bytes, h.table_crc)?;
         let mut used: Vec<Extent> = entries.iter().map(|(_, e)| *e).collect();
         used.push(h.table);
         used.sort();
@@ -277,6 +311,14 @@ impl Inner {
         }
         let mut t = Inner::new(engine, geo, opts, Some(h));
         t.btt = entries.into_iter().collect();
+        for (id, n) in refs {
+            if n < 2 || !t.btt.contains_key(&id) {
+                return Err(Error::Corrupt(format!(
+                    "reference count {n} of node {id}, which has no extent or is not shared"
+                )));
+            }
+            t.refs.insert(id, n);
+        }
         t.table = h.table;
         t.alloc = Alloc::new(geo.data_first(), count, &used);
         // Redo what the log holds past the checkpoint.
@@ -531,8 +573,78 @@ impl Inner {
         Ok(())
     }
 
+    fn is_shared(&self, id: NodeId) -> bool {
+        self.refs.contains_key(&id)
+    }
+
+    /// One more edge references `id`.
+    fn add_ref(&mut self, id: NodeId) {
+        *self.refs.entry(id).or_insert(1) += 1;
+    }
+
+    /// An edge to `id` (of `height`) goes away: the subtree is freed when it was the last
+    /// (shared nodes below it lose one reference each).
+    fn drop_ref(&mut self, id: NodeId, height: u16) -> Result<()> {
+        if let Some(n) = self.refs.get_mut(&id) {
+            *n -= 1;
+            if *n <= 1 {
+                self.refs.remove(&id);
+            }
+            return Ok(());
+        }
+        if height > 0 {
+            let children = match &self.ensure(id)?.node {
+                Node::Internal(n) => n.children.clone(),
+                Node::Leaf(_) => {
+                    return Err(Error::Corrupt(format!(
+                        "node {id}: a leaf where a subtree was"
+                    )))
+                }
+            };
+            for c in children {
+                self.drop_ref(c, height - 1)?;
+            }
+        }
+        self.free_node(id);
+        Ok(())
+    }
+
+    /// Makes child `idx` of `parent` the parent's own before it changes: a shared child
+    /// is copied (whole) to a new node that only this edge references, and the copy's
+    /// children gain a reference. This is the only place a clone costs bytes, and it
+    /// happens only when a flush, a split or a surgery reaches the shared node, that is
+    /// when enough changes gathered in the buffer above it (copy-on-abundant-write).
+    fn own(&mut self, parent: &mut Internal, idx: usize) -> Result<NodeId> {
+        let id = parent.children[idx];
+        if !self.is_shared(id) {
+            return Ok(id);
+        }
+        self.ensure_full(id)?;
+        let node = self.cache[&id].node.clone();
+        if let Node::Internal(n) = &node {
+            for &c in &n.children {
+                self.add_ref(c);
+            }
+        }
+        self.stats.cow_copies += 1;
+        self.stats.cow_bytes += match &node {
+            Node::Leaf(l) => l.bytes as u64,
+            Node::Internal(n) => n.bytes() as u64,
+        };
+        let n = self.refs.get_mut(&id).expect("shared");
+        *n -= 1;
+        if *n <= 1 {
+            self.refs.remove(&id);
+        }
+        let copy = self.new_id();
+        self.put_node(copy, node, true);
+        parent.children[idx] = copy;
+        Ok(copy)
+    }
+
     /// Drops a node that left the tree; its extent is freed by the next checkpoint.
     fn free_node(&mut self, id: NodeId) {
+        debug_assert!(!self.is_shared(id), "node {id} freed while shared");
         if let Some(c) = self.cache.remove(&id) {
             self.uncharge(&c);
         }
@@ -589,15 +701,27 @@ impl Inner {
             Op::RenamePrefix { from, to } => {
                 key_ok(from)?;
                 key_ok(to)?;
-                if prefix_end(from).is_none() || prefix_end(to).is_none() {
-                    return Err(Error::Invalid(
-                        "a renamed prefix must hold a byte other than 0xff".into(),
-                    ));
-                }
-                if from.starts_with(to) || to.starts_with(from) {
-                    return Err(Error::Invalid(
-                        "a prefix cannot be renamed into or over one of its own".into(),
-                    ));
+                check_prefixes(from, to)?;
+            }
+            Op::CloneRange {
+                from,
+                to,
+                start,
+                end,
+            } => {
+                key_ok(from)?;
+                key_ok(to)?;
+                check_prefixes(from, to)?;
+                let longest = from.len().max(to.len());
+                key_ok(&[from.as_slice(), start].concat())?;
+                key_ok(&[to.as_slice(), start].concat())?;
+                if let Some(e) = end {
+                    if longest + e.len() > self.geo.max_key() + 1 {
+                        return Err(Error::Invalid("clone range end is too long".into()));
+                    }
+                    if e <= start {
+                        return Err(Error::Invalid("a clone range needs start < end".into()));
+                    }
                 }
             }
         }
@@ -646,6 +770,7 @@ impl Inner {
                 }
                 Op::DeleteRange { .. } => self.stats.range_deletes += 1,
                 Op::RenamePrefix { .. } => self.stats.range_renames += 1,
+                Op::CloneRange { .. } => self.stats.range_clones += 1,
             }
         }
         self.stats.batches += 1;
@@ -667,14 +792,27 @@ impl Inner {
         let mut msn = msn0;
         let mut run = Vec::new();
         for op in ops {
-            if let Op::RenamePrefix { from, to } = op {
-                let n = run.len() as u64;
-                self.apply_run(msn, std::mem::take(&mut run))?;
-                msn += n;
-                self.rename_prefix(&from, &to)?;
-                msn += 1;
-            } else {
-                run.push(op);
+            match op {
+                Op::RenamePrefix { from, to } => {
+                    let n = run.len() as u64;
+                    self.apply_run(msn, std::mem::take(&mut run))?;
+                    msn += n;
+                    self.rename_prefix(&from, &to)?;
+                    msn += 1;
+                }
+                Op::CloneRange {
+                    from,
+                    to,
+                    start,
+                    end,
+                } => {
+                    let n = run.len() as u64;
+                    self.apply_run(msn, std::mem::take(&mut run))?;
+                    msn += n;
+                    self.clone_range(&from, &to, &start, end.as_deref())?;
+                    msn += 1;
+                }
+                op => run.push(op),
             }
         }
         self.apply_run(msn, run)
@@ -701,7 +839,7 @@ impl Inner {
                     Op::Delete { key } => n.route(key, msn, Msg::Delete),
                     Op::Upsert { key, func, arg } => n.route(key, msn, Msg::Upsert { func, arg }),
                     Op::DeleteRange { start, end } => n.route_range(&RangeDel { msn, start, end }),
-                    Op::RenamePrefix { .. } => {
+                    Op::RenamePrefix { .. } | Op::CloneRange { .. } => {
                         return Err(Error::Invalid("internal: a rename among messages".into()))
                     }
                 },
@@ -716,7 +854,7 @@ impl Inner {
                         Op::DeleteRange { start, end } => {
                             b.push_range(RangeDel { msn, start, end })
                         }
-                        Op::RenamePrefix { .. } => {
+                        Op::RenamePrefix { .. } | Op::CloneRange { .. } => {
                             return Err(Error::Invalid("internal: a rename among messages".into()))
                         }
                     }
@@ -826,11 +964,11 @@ impl Inner {
     /// Moves the buffer for child `idx` of `parent` into the child, then restores the
     /// child's bounds (its own flushes, a split into new siblings, or a merge).
     fn flush_child(&mut self, parent: &mut Internal, idx: usize) -> Result<()> {
-        let buf = std::mem::take(&mut parent.buffers[idx]);
-        if buf.is_empty() {
+        if parent.buffers[idx].is_empty() {
             return Ok(());
         }
-        let cid = parent.children[idx];
+        let cid = self.own(parent, idx)?;
+        let buf = std::mem::take(&mut parent.buffers[idx]);
         let (mut child, dirty) = match self.take_full(cid) {
             Ok(c) => c,
             Err(e) => {
@@ -883,9 +1021,15 @@ impl Inner {
         self.fix_root()
     }
 
+    /// (Shared subtrees are left alone: pushing messages into them would copy them,
+    /// which takes space rather than freeing it.)
     fn flush_subtree(&mut self, n: &mut Internal) -> Result<()> {
         let mut i = 0;
         while i < n.children.len() {
+            if self.is_shared(n.children[i]) {
+                i += 1;
+                continue;
+            }
             self.flush_child(n, i)?;
             if i >= n.children.len() {
                 break;
@@ -986,6 +1130,8 @@ impl Inner {
         if !fits {
             return Ok(());
         }
+        let ida = self.own(parent, a)?;
+        let idb = self.own(parent, b)?;
         let (na, _) = self.take_cached(ida).expect("cached");
         let (nb, _) = self.take_cached(idb).expect("cached");
         let merged = match (na, nb) {
@@ -1452,7 +1598,9 @@ impl Inner {
         }
         let mut entries: Vec<(NodeId, Extent)> = self.btt.iter().map(|(k, v)| (*k, *v)).collect();
         entries.sort_unstable();
-        let (bytes, table_crc) = format::encode_table(&entries, bs);
+        let mut refs: Vec<(NodeId, u32)> = self.refs.iter().map(|(k, v)| (*k, *v)).collect();
+        refs.sort_unstable();
+        let (bytes, table_crc) = format::encode_table(&entries, &refs, bs);
         let blocks = (bytes.len() / bs) as u64;
         let Some(table) = self.alloc.alloc(blocks) else {
             self.to_free = freeing;
@@ -1635,15 +1783,39 @@ impl Inner {
             .map(|c| c.mem as u64)
             .sum();
         s.dirty_bytes = self.dirty_mem as u64;
+        s.shared_nodes = self.refs.len() as u64;
         s
     }
 
     // ---- checking ----
 
-    /// Walks the whole tree and checks its invariants.
+    /// Walks the whole tree and checks its invariants, the reference counts of shared
+    /// nodes (each equals the edges that reach the node), and that every extent in the
+    /// table belongs to a node the tree reaches.
     pub fn check(&mut self) -> Result<()> {
         let root = self.root;
-        self.check_node(root, None, None, None)
+        let mut walk = CheckWalk::default();
+        walk.edges.insert(root, 1);
+        self.check_node(root, None, None, None, &mut walk)?;
+        for (&id, &n) in &walk.edges {
+            let want = self.refs.get(&id).copied().unwrap_or(1);
+            if n != want {
+                return Err(Error::Corrupt(format!(
+                    "check: node {id} is reached by {n} edges, its reference count is {want}"
+                )));
+            }
+        }
+        if let Some(id) = self.refs.keys().find(|id| !walk.edges.contains_key(id)) {
+            return Err(Error::Corrupt(format!(
+                "check: node {id} has a reference count but no edge reaches it"
+            )));
+        }
+        if let Some(id) = self.btt.keys().find(|id| !walk.edges.contains_key(id)) {
+            return Err(Error::Corrupt(format!(
+                "check: node {id} holds an extent but no edge reaches it"
+            )));
+        }
+        Ok(())
     }
 
     fn check_node(
@@ -1652,7 +1824,14 @@ impl Inner {
         lo: Option<Vec<u8>>,
         hi: Option<Vec<u8>>,
         height: Option<u16>,
+        walk: &mut CheckWalk,
     ) -> Result<()> {
+        // A shared node is checked once per range it is reached with (its places usually
+        // give it the same one), and its edges are counted once.
+        if !walk.seen.insert((id, lo.clone(), hi.clone())) {
+            return Ok(());
+        }
+        let first_visit = walk.visited.insert(id);
         self.ensure_full(id)?;
         let bad = |why: String| Err(Error::Corrupt(format!("check: node {id}: {why}")));
         let node = self.cache[&id].node.clone();
@@ -1723,7 +1902,10 @@ impl Inner {
                         clo = clo.map(|k| l.to_inner(&k).into_owned());
                         chi = chi.map(|k| l.to_inner(&k).into_owned());
                     }
-                    self.check_node(n.children[i], clo, chi, Some(n.height - 1))?;
+                    if first_visit {
+                        *walk.edges.entry(n.children[i]).or_insert(0) += 1;
+                    }
+                    self.check_node(n.children[i], clo, chi, Some(n.height - 1), walk)?;
                 }
             }
         }

@@ -1,8 +1,11 @@
-//! Range rename against a `BTreeMap` model: random histories of puts, upserts, deletes,
-//! range deletes and prefix renames over path-like keys (so that renamed ranges nest,
-//! move into one another's old places and back, and cuts land everywhere in tiny
-//! nodes), with queries, scans both ways, syncs, checkpoints, compaction, reopen after
-//! sync and crashes. `Tree::check` (which checks every lift's range) after each history.
+//! Range rename and range clone against a `BTreeMap` model: random histories of puts,
+//! upserts, deletes, range deletes, prefix renames and clones (whole prefixes and
+//! sub-ranges of them) over path-like keys (so that ranges nest, move or are copied into
+//! one another's old places and back, clones of clones share nodes several times over,
+//! and cuts land everywhere in tiny nodes), with queries, scans both ways, syncs,
+//! checkpoints, compaction, reopen after sync and crashes. `Tree::check` (every lift's
+//! range, every shared node's reference count, no extent left unreachable) runs in the
+//! histories and after each.
 //!
 //! Case count: 2,000 by default, 300 under `CI=true`, or `QUILT_PROPTEST_CASES`.
 
@@ -46,6 +49,7 @@ enum Step {
     Compact,
     Reopen,
     Crash,
+    Check,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -57,8 +61,20 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(d, n, off, b)| Op::Upsert { key: key(d, n), func: WRITE_AT, arg: write_at_arg(off, &[b; 3]) }),
         1 => (0u32..200).prop_map(|d| { let p = dir(d); let mut e = p.clone(); e.push(0xff); Op::DeleteRange { start: p, end: e } }),
         4 => (0u32..200, 0u32..200).prop_map(|(a, b)| Op::RenamePrefix { from: dir(a), to: dir(b) }),
+        3 => (0u32..200, 0u32..200).prop_map(|(a, b)| Op::CloneRange { from: dir(a), to: dir(b), start: Vec::new(), end: None }),
+        2 => (0u32..200, 0u32..200, 0usize..BOUNDS.len(), 0usize..=BOUNDS.len())
+            .prop_map(|(a, b, s, e)| Op::CloneRange {
+                from: dir(a),
+                to: dir(b),
+                start: BOUNDS[s].to_vec(),
+                end: BOUNDS.get(e).map(|e| e.to_vec()),
+            }),
     ]
 }
+
+/// Ends of cloned sub-ranges: inside names, at directory boundaries, and prefixes that
+/// the walk meets as longer lifts.
+const BOUNDS: [&[u8]; 8] = [b"", b"a", b"a/", b"ab/c", b"b/", b"f1", b"f25", b"g"];
 
 /// Many keys under one directory at once, so that renamed ranges span many leaves.
 fn fill() -> impl Strategy<Value = Vec<Op>> {
@@ -84,6 +100,7 @@ fn step() -> impl Strategy<Value = Step> {
         1 => Just(Step::Compact),
         1 => Just(Step::Reopen),
         1 => Just(Step::Crash),
+        1 => Just(Step::Check),
     ]
 }
 
@@ -91,6 +108,15 @@ fn step() -> impl Strategy<Value = Step> {
 fn valid(op: &Op) -> bool {
     match op {
         Op::RenamePrefix { from, to } => !from.starts_with(to) && !to.starts_with(from),
+        Op::CloneRange {
+            from,
+            to,
+            start,
+            end,
+            ..
+        } => {
+            !from.starts_with(to) && !to.starts_with(from) && end.as_ref().is_none_or(|e| e > start)
+        }
         _ => true,
     }
 }
@@ -142,6 +168,7 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
                 since_sync = vec![model.clone()];
             }
             Step::Checkpoint => t.checkpoint().unwrap(),
+            Step::Check => t.check().unwrap(),
             Step::Compact => {
                 t.compact().unwrap();
                 t.check().unwrap();
@@ -203,7 +230,7 @@ fn cases() -> u32 {
 proptest! {
     #![proptest_config(ProptestConfig { cases: cases(), max_shrink_iters: 4000, ..ProptestConfig::default() })]
     #[test]
-    fn renames_match_a_btreemap(steps in prop::collection::vec(step(), 1..120)) {
+    fn renames_and_clones_match_a_btreemap(steps in prop::collection::vec(step(), 1..120)) {
         run(steps)?;
     }
 }
@@ -319,4 +346,93 @@ fn a_split_after_surgery_keeps_the_parents_messages() {
         t.check().unwrap();
         assert_eq!(contents(&t), model, "after {o:?}");
     }
+}
+
+/// A clone of a large range shares subtrees: it writes a few nodes, whatever the range
+/// holds; writes to either copy never show in the other; scattered writes to the clone
+/// copy little of it; dropping the original leaves the clone whole, across a reopen.
+#[test]
+fn cloning_a_large_range_shares_nodes_until_they_change() {
+    let dev = Arc::new(MemDevice::new(512, 1 << 17).unwrap());
+    let t = Tree::create(dev.clone(), Options::tiny()).unwrap();
+    let mut model = Model::new();
+    for i in 0..20_000u32 {
+        let k = format!("src/d{:02}/f{:05}", i % 37, i).into_bytes();
+        let v = vec![(i % 251) as u8; 30];
+        t.put(&k, &v).unwrap();
+        model.insert(k, v);
+    }
+    t.checkpoint().unwrap();
+    let before = t.stats();
+    let clone = Op::CloneRange {
+        from: b"src/".to_vec(),
+        to: b"dst/copy/".to_vec(),
+        start: Vec::new(),
+        end: None,
+    };
+    t.write(Batch {
+        ops: vec![clone.clone()],
+    })
+    .unwrap();
+    apply(&mut model, &clone);
+    t.checkpoint().unwrap();
+    let after = t.stats();
+    let written = after.node_writes - before.node_writes;
+    eprintln!(
+        "clone of 20,000 keys: {written} nodes written, {} subtrees shared, {} shared nodes",
+        after.subtrees_shared, after.shared_nodes
+    );
+    assert!(
+        after.subtrees_shared > 0 && after.shared_nodes > 0,
+        "{after:?}"
+    );
+    assert!(written < 60, "a clone of 20,000 keys wrote {written} nodes");
+    t.check().unwrap();
+    assert_eq!(contents(&t), model);
+    // Interleaved writes to both copies: each sees only its own.
+    for i in (0..20_000u32).step_by(100) {
+        let (a, b) = (
+            format!("src/d{:02}/f{:05}", i % 37, i).into_bytes(),
+            format!("dst/copy/d{:02}/f{:05}", (i + 50) % 37, i + 50).into_bytes(),
+        );
+        for (k, byte) in [(a, b'S'), (b, b'D')] {
+            t.upsert(&k, WRITE_AT, &write_at_arg(3, &[byte; 4]))
+                .unwrap();
+            apply(
+                &mut model,
+                &Op::Upsert {
+                    key: k,
+                    func: WRITE_AT,
+                    arg: write_at_arg(3, &[byte; 4]),
+                },
+            );
+        }
+    }
+    t.checkpoint().unwrap();
+    let copied = t.stats();
+    eprintln!(
+        "after 1% of the keys written in each copy: {} nodes copied ({} bytes)",
+        copied.cow_copies, copied.cow_bytes
+    );
+    t.check().unwrap();
+    assert_eq!(contents(&t), model);
+    // The original goes; the clone stays whole.
+    let gone = Op::DeleteRange {
+        start: b"src/".to_vec(),
+        end: b"src0".to_vec(),
+    };
+    t.write(Batch {
+        ops: vec![gone.clone()],
+    })
+    .unwrap();
+    apply(&mut model, &gone);
+    t.compact().unwrap();
+    t.check().unwrap();
+    assert_eq!(contents(&t), model);
+    t.sync().unwrap();
+    drop(t);
+    let t = Tree::open(dev, Options::tiny()).unwrap();
+    t.check().unwrap();
+    assert_eq!(contents(&t), model);
+    assert_eq!(model.len(), 20_000);
 }

@@ -69,7 +69,7 @@ fn fingerprint(m: &BTreeMap<Vec<u8>, Vec<u8>>) -> u64 {
 
 fn random_op(r: &mut Rng) -> Op {
     let key = |r: &mut Rng| format!("key{:03}", r.below(160)).into_bytes();
-    match r.below(20) {
+    match r.below(22) {
         0..=9 => {
             let k = key(r);
             let n = r.below(90) as usize;
@@ -103,6 +103,27 @@ fn random_op(r: &mut Rng) -> Op {
             Op::DeleteRange {
                 start: format!("key{a:03}").into_bytes(),
                 end: format!("key{b:03}").into_bytes(),
+            }
+        }
+        19 | 20 => {
+            // Ten keys (or some of them) copied under another two digits, sharing the
+            // tree's nodes; whatever was there is replaced.
+            let a = r.below(16);
+            let b = (a + 1 + r.below(15)) % 16;
+            let (start, end) = if r.below(2) == 0 {
+                (Vec::new(), None)
+            } else {
+                let lo = r.below(9);
+                (
+                    format!("{lo}").into_bytes(),
+                    Some(format!("{}", lo + 1 + r.below(9 - lo)).into_bytes()),
+                )
+            };
+            Op::CloneRange {
+                from: format!("key{a:02}").into_bytes(),
+                to: format!("key{b:02}").into_bytes(),
+                start,
+                end,
             }
         }
         _ => {

@@ -1,23 +1,35 @@
-//! Range rename by tree surgery (BetrFS 0.4's slicing and grafting, with the lifted
-//! prefixes of `lift.rs`).
+//! Range rename and range clone by tree surgery (BetrFS 0.4's slicing and grafting,
+//! with the lifted prefixes of `lift.rs`, and BetrFS 0.5's shared subtrees).
 //!
-//! `rename_prefix(from, to)`:
-//! 1. **Isolate the source**: walk down towards the range `[from, end(from))`, carrying
-//!    the range's pending messages down with the walk (they are newer than everything
-//!    below, so they may join the node below), until the range spans several children
-//!    or reaches the leaves' parents; there *slice* the children at the range's two ends
-//!    (a node on the cut is split in two, recursively down to the leaf). Now children
-//!    `first..=last` of one node hold exactly the range, messages included.
-//! 2. Detach them and leave an empty subtree of their height in their place (so no
-//!    neighbour's range grows: a lifted neighbour must keep its range inside its lift).
+//! `graft(from, to, start, end, how)` moves (`rename_prefix`) or shares (`clone_range`)
+//! the keys `from + s`, `start <= s < end`, to `to + s`:
+//! 1. **Isolate the source**: walk down towards the range, carrying the range's pending
+//!    messages down with the walk (they are newer than everything below, so they may
+//!    join the node below), until the range spans several children or reaches the
+//!    leaves' parents; there *slice* the children at the range's two ends (a node on the
+//!    cut is split in two, recursively down to the leaf). Now children `first..=last` of
+//!    one node hold exactly the range, messages included.
+//! 2. A rename detaches them and leaves an empty subtree of their height in their place
+//!    (so no neighbour's range grows: a lifted neighbour must keep its range inside its
+//!    lift). A clone leaves them where they are and counts one more reference to each.
 //! 3. **Isolate the destination** the same way, stopping no lower than one level above
-//!    the detached subtrees, and free what it holds (the rename replaces it).
-//! 4. **Graft**: the detached children take the destination's place, under a wrapper
-//!    node (and single-child nodes up to the right height) if the destination's node is
-//!    higher. Each edge gets a lift mapping the old prefix to the new one, so no key
-//!    below the edges changes; the pivots between the moved children and the buffers
-//!    that travel with them are rewritten (one node's worth of bytes).
+//!    the source's subtrees, and drop what it holds (the operation replaces it; a shared
+//!    subtree there only loses a reference).
+//! 4. **Graft**: the subtrees take the destination's place, under a wrapper node (and
+//!    single-child nodes up to the right height) if the destination's node is higher.
+//!    Each edge gets a lift mapping the old prefix to the new one, so no key below the
+//!    edges changes; the pivots between the subtrees and the buffers that travel with
+//!    them (a clone copies them) are rewritten: one node's worth of bytes.
 //! 5. Both paths are brought back within bounds (buffers flushed, nodes split).
+//!
+//! A clone needs no GOTO message (BetrFS 0.5 injects one at the root and turns it into a
+//! pivot when it reaches the right height): step 3 places the shared edge at once, for
+//! the same few nodes per level. **Copy-on-abundant-write**: a shared node is never
+//! changed in place; the first change that must enter it through one of its edges (a
+//! buffer flushed into it, a slice, a merge) copies it to a node of that edge's own
+//! (`Inner::own`). Changes to a clone wait in the buffers above the shared nodes like any
+//! other message, so a node is copied only once a buffer above it is full enough to be
+//! flushed: a few scattered writes copy nothing.
 //!
 //! Cost: a few nodes per level on two root-to-leaf paths, whatever the range holds.
 //! Atomic as every batch is: the operation is a record of the redo log, and replay
@@ -31,12 +43,23 @@ use crate::{Error, Result};
 
 /// A key range standing alone: children `first..=last` of `node` cover exactly
 /// `lo..hi` (given in the node's own key space), and no node above holds a message for
-/// it.
+/// it. `pfx` is the operation's prefix in the node's space, and `ext` what the walk
+/// appended to the prefix given at the root: when a lifted edge's outer prefix is longer
+/// than the prefix (every key of the range starts with it), the node's space knows only
+/// the longer one.
 struct Isolated {
     node: NodeId,
     first: usize,
     last: usize,
-    lo: Vec<u8>,
+    pfx: Vec<u8>,
+    ext: Vec<u8>,
+}
+
+/// What a graft does with the source: moves it (a rename) or shares it (a clone).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Graft {
+    Move,
+    Share,
 }
 
 fn corrupt(id: NodeId, why: &str) -> Error {
@@ -45,37 +68,105 @@ fn corrupt(id: NodeId, why: &str) -> Error {
 
 impl Inner {
     pub(super) fn rename_prefix(&mut self, from: &[u8], to: &[u8]) -> Result<()> {
-        let (Some(from_end), Some(to_end)) = (prefix_end(from), prefix_end(to)) else {
+        self.graft(from, to, b"", None, Graft::Move)
+    }
+
+    /// Range clone: the source's subtrees gain a second place (reference counts) under
+    /// the destination, with lifts as for a rename; nothing below them is read or
+    /// written. The first change that reaches a shared node through either place copies
+    /// it (`own`), so writes to one copy never show in the other.
+    pub(super) fn clone_range(
+        &mut self,
+        from: &[u8],
+        to: &[u8],
+        start: &[u8],
+        end: Option<&[u8]>,
+    ) -> Result<()> {
+        self.graft(from, to, start, end, Graft::Share)
+    }
+
+    /// Moves (or shares) the keys `from + s`, `start <= s < end`, to `to + s`: see the
+    /// module's doc for the steps.
+    fn graft(
+        &mut self,
+        from: &[u8],
+        to: &[u8],
+        start: &[u8],
+        end: Option<&[u8]>,
+        how: Graft,
+    ) -> Result<()> {
+        let range = |p: &[u8]| -> Option<(Vec<u8>, Vec<u8>)> {
+            let hi = match end {
+                Some(e) => [p, e].concat(),
+                None => prefix_end(p)?,
+            };
+            Some(([p, start].concat(), hi))
+        };
+        let (Some((slo, shi)), Some((dlo, dhi))) = (range(from), range(to)) else {
             return Err(Error::Invalid("a renamed prefix needs an end".into()));
         };
+        if slo >= shi {
+            return Ok(());
+        }
         // 1-2. The source range, cut out as whole subtrees of one node.
-        let src = self.isolate(from, &from_end, 1)?;
+        let src = self.isolate(&slo, &shi, 1, from)?;
         let mut np = self.take_internal(src.node)?;
         let height = np.height - 1;
-        let placeholder = self.build_empty(height);
         let (first, last) = (src.first, src.last);
-        let children: Vec<NodeId> = np.children.splice(first..=last, [placeholder]).collect();
-        let buffers: Vec<Buffer> = np
-            .buffers
-            .splice(first..=last, [Buffer::default()])
-            .collect();
-        let lifts: Vec<Option<Lift>> = np.lifts.splice(first..=last, [None]).collect();
-        let inner_pivots: Vec<Vec<u8>> = np.pivots.drain(first..last).collect();
+        let (children, buffers, lifts, inner_pivots) = match how {
+            Graft::Move => {
+                let placeholder = self.build_empty(height);
+                let children: Vec<NodeId> =
+                    np.children.splice(first..=last, [placeholder]).collect();
+                let buffers: Vec<Buffer> = np
+                    .buffers
+                    .splice(first..=last, [Buffer::default()])
+                    .collect();
+                let lifts: Vec<Option<Lift>> = np.lifts.splice(first..=last, [None]).collect();
+                let pivots: Vec<Vec<u8>> = np.pivots.drain(first..last).collect();
+                (children, buffers, lifts, pivots)
+            }
+            Graft::Share => {
+                let children = np.children[first..=last].to_vec();
+                for &c in &children {
+                    self.add_ref(c);
+                }
+                self.stats.subtrees_shared += children.len() as u64;
+                (
+                    children,
+                    np.buffers[first..=last].to_vec(),
+                    np.lifts[first..=last].to_vec(),
+                    np.pivots[first..last].to_vec(),
+                )
+            }
+        };
         self.put_node(src.node, Node::Internal(np), true);
 
         // 3. The destination, at a node that can take subtrees of that height.
-        let dst = self.isolate(to, &to_end, height + 1)?;
+        let dst = self.isolate(&dlo, &dhi, height + 1, to)?;
         let mut nq = self.take_internal(dst.node)?;
         let dst_height = nq.height - 1;
 
-        // 4. The graft. `mv` maps the source node's space to the destination node's.
+        // 4. The graft. A key `sp + r` of the source node's space is `dp + r` in the
+        // destination node's: both stand for `from + e + r` and `to + e + r` at the root,
+        // whatever each walk appended (`ext`) to its prefix.
+        let (sp, dp) = if let Some(z) = src.ext.strip_prefix(dst.ext.as_slice()) {
+            (src.pfx.clone(), [dst.pfx.as_slice(), z].concat())
+        } else if let Some(z) = dst.ext.strip_prefix(src.ext.as_slice()) {
+            ([src.pfx.as_slice(), z].concat(), dst.pfx.clone())
+        } else {
+            self.put_node(dst.node, Node::Internal(nq), true);
+            return Err(corrupt(dst.node, "the two ranges' lifts disagree"));
+        };
+        // `mv` maps the source node's space to the destination node's, `back` the other
+        // way (as the lift of an edge: inner is the child's side).
         let mv = Lift {
-            inner: dst.lo.clone(),
-            outer: src.lo.clone(),
+            inner: dp.clone(),
+            outer: sp.clone(),
         };
         let back = Lift {
-            inner: src.lo.clone(),
-            outer: dst.lo.clone(),
+            inner: sp,
+            outer: dp,
         };
         let moved = children.len() as u64;
         let pivots: Vec<Vec<u8>> = inner_pivots
@@ -112,13 +203,15 @@ impl Inner {
         nq.lifts.splice(first..=last, graft.3);
         self.put_node(dst.node, Node::Internal(nq), true);
         for id in old {
-            self.free_subtree(id, dst_height)?;
+            self.drop_ref(id, dst_height)?;
         }
-        self.stats.subtrees_moved += moved;
+        if how == Graft::Move {
+            self.stats.subtrees_moved += moved;
+        }
 
         // 5. Both paths within bounds again.
-        self.fix_toward(from)?;
-        self.fix_toward(to)
+        self.fix_toward(&slo)?;
+        self.fix_toward(&dlo)
     }
 
     fn take_internal(&mut self, id: NodeId) -> Result<Internal> {
@@ -131,13 +224,15 @@ impl Inner {
         }
     }
 
-    /// Cuts `lo..hi` out as whole children of one node of height `min_height` or more
-    /// (see the module's doc).
-    fn isolate(&mut self, lo: &[u8], hi: &[u8], min_height: u16) -> Result<Isolated> {
+    /// Cuts `lo..hi` (keys that all start with `pfx`) out as whole children of one node
+    /// of height `min_height` or more (see the module's doc). Every node it changes on
+    /// the way is made its parent's own first.
+    fn isolate(&mut self, lo: &[u8], hi: &[u8], min_height: u16, pfx: &[u8]) -> Result<Isolated> {
         let min_height = min_height.max(1);
         self.grow_root_to(min_height)?;
         let mut id = self.root;
         let (mut lo, mut hi) = (lo.to_vec(), hi.to_vec());
+        let (mut pfx, mut ext) = (pfx.to_vec(), Vec::new());
         // The node's own range, in its space (`None`: unbounded).
         let (mut nlo, mut nhi): (Option<Vec<u8>>, Option<Vec<u8>>) = (None, None);
         loop {
@@ -156,15 +251,29 @@ impl Inner {
             if i == j && !(starts && chi.as_deref() == Some(&hi[..])) && n.height > min_height {
                 // Inside one child that is not exactly the range: go down, taking the
                 // range's messages along.
-                let cid = n.children[i];
                 let lift = n.lifts[i].clone();
-                let r = self.push_range_down(&mut n, i, &lo, &hi);
+                let r = self
+                    .own(&mut n, i)
+                    .and_then(|cid| self.push_range_down(&mut n, i, &lo, &hi).map(|()| cid));
                 self.put_node(id, Node::Internal(n), true);
-                r?;
+                let cid = r?;
                 let into = |k: &[u8]| match &lift {
                     Some(l) => l.to_inner(k).into_owned(),
                     None => k.to_vec(),
                 };
+                if let Some(l) = &lift {
+                    if let Some(rest) = pfx.strip_prefix(l.outer.as_slice()) {
+                        pfx = [l.inner.as_slice(), rest].concat();
+                    } else if let Some(more) = l.outer.strip_prefix(pfx.as_slice()) {
+                        ext.extend_from_slice(more);
+                        pfx = l.inner.clone();
+                    } else {
+                        return Err(corrupt(
+                            cid,
+                            "a range inside a lift that is not its prefix's",
+                        ));
+                    }
+                }
                 lo = into(&lo);
                 hi = into(&hi);
                 nlo = clo.as_deref().map(into);
@@ -190,7 +299,8 @@ impl Inner {
                 node: id,
                 first,
                 last,
-                lo,
+                pfx,
+                ext,
             });
         }
     }
@@ -214,7 +324,7 @@ impl Inner {
     /// keys from `k` on go to a new right sibling, recursively down to the leaf, and the
     /// buffer for the child is cut the same way.
     fn slice(&mut self, n: &mut Internal, i: usize, k: &[u8]) -> Result<()> {
-        let cid = n.children[i];
+        let cid = self.own(n, i)?;
         let lift = n.lifts[i].clone();
         let k_in = match &lift {
             Some(l) => l.to_inner(k).into_owned(),
@@ -275,22 +385,6 @@ impl Inner {
         id
     }
 
-    /// Frees a subtree that left the tree (its internal nodes are read for their
-    /// children; leaves are not read).
-    fn free_subtree(&mut self, id: NodeId, height: u16) -> Result<()> {
-        if height > 0 {
-            let children = match &self.ensure(id)?.node {
-                Node::Internal(n) => n.children.clone(),
-                Node::Leaf(_) => return Err(corrupt(id, "a leaf where a subtree was")),
-            };
-            for c in children {
-                self.free_subtree(c, height - 1)?;
-            }
-        }
-        self.free_node(id);
-        Ok(())
-    }
-
     /// Takes the lift off the edge to child `idx`: the child's keys are rewritten into
     /// the parent's space and its own edges composed with the lift (one node's work).
     /// Keys may grow: a child past its bounds then splits, and the parent adopts the
@@ -299,7 +393,7 @@ impl Inner {
         let Some(lift) = parent.lifts[idx].clone() else {
             return Ok(false);
         };
-        let cid = parent.children[idx];
+        let cid = self.own(parent, idx)?;
         let (mut child, _) = self.take_full(cid)?;
         match &mut child {
             Node::Leaf(l) => {
@@ -358,6 +452,11 @@ impl Inner {
     fn fix_below(&mut self, n: &mut Internal, key: &[u8]) -> Result<()> {
         let i = n.child_for(key);
         let cid = n.children[i];
+        if self.is_shared(cid) {
+            // Nothing changed below a shared node (changes copy it first): it is within
+            // its bounds.
+            return Ok(());
+        }
         let key_in = match &n.lifts[i] {
             Some(l) => l.to_inner(key).into_owned(),
             None => key.to_vec(),
