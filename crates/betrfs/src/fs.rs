@@ -11,6 +11,18 @@
 //!
 //! **Locking.** One mutex around [`State`]; the tree has its own, always taken inside
 //! ours. fsync (the log's group commit) and sync (a checkpoint) run without ours.
+//!
+//! **Inode numbers.** A number is `namespace << 40 | raw` (`record::compose`). Raw
+//! numbers come from one counter; a file system starts in namespace 0. A record under a
+//! path takes its namespace from its own marker, else from its directory (the root's is
+//! 0), and only the raw part of the number it stores counts. So a clone of a whole tree
+//! (`clone.rs`), which copies the records below it unchanged, gives every copy a new
+//! number by marking the copy's top with a new namespace. Inodes under their numbers
+//! (`h`) store their whole number, and link stubs name it. A rename into a directory of
+//! another namespace marks the moved entry with the one it had, so its number (and all
+//! numbers below it) stay. Markers and link stubs are listed in the index (`i` keys), so
+//! a clone finds the ones in its tree without reading the rest: each copy of a marker
+//! gets a new namespace of its own, each inode its stubs name gets a copy.
 
 use crate::keys::{self, Loc};
 use crate::record::{self, Entry, Inode, Super, BLOCK};
@@ -149,6 +161,7 @@ pub(crate) struct State {
     /// Moves before `moves[0]` (applied to every cached node, then dropped).
     pub moves_base: u64,
     pub next_ino: u64,
+    pub next_ns: u64,
     pub cookies: HashMap<u64, (u64, Vec<u8>)>,
     pub cookie_order: VecDeque<u64>,
     pub next_cookie: u64,
@@ -168,6 +181,9 @@ pub(crate) struct Counters {
     /// `range_deletes` when the tree was last compacted for space.
     pub compacted_at: AtomicU64,
     pub block_puts: AtomicU64,
+    /// Range and tree clones, and copy_file_range calls.
+    pub clones: AtomicU64,
+    pub copied_ranges: AtomicU64,
 }
 
 /// The file system on a Bε-tree.
@@ -256,6 +272,8 @@ impl Betrfs {
             keys::SUPER,
             &Super {
                 next_ino: LOST_FOUND_INO + 1,
+                next_ns: 1,
+                version: 2,
                 dirty: false,
                 error: false,
             }
@@ -299,6 +317,7 @@ impl Betrfs {
             tree,
             st: Mutex::new(State {
                 next_ino: sup.next_ino,
+                next_ns: sup.next_ns,
                 next_cookie: 3,
                 ..State::default()
             }),
@@ -326,15 +345,14 @@ impl Betrfs {
         }
         if !fs.opts.read_only {
             crate::recover::recover(&fs)?;
+            if sup.version < 2 {
+                tracing::info!("betrfs: indexing the link stubs of an older image");
+                crate::recover::build_index(&fs)?;
+            }
             let mut b = Batch::new();
             b.put(
                 keys::SUPER,
-                &Super {
-                    next_ino: fs.lock().next_ino,
-                    dirty: true,
-                    error: fs.errored.load(Relaxed),
-                }
-                .encode(),
+                &Self::super_of(&fs.lock(), true, fs.errored.load(Relaxed)),
             );
             fs.tree.write(b).map_err(io)?;
             fs.tree.sync().map_err(io)?;
@@ -388,16 +406,10 @@ impl Betrfs {
         if self.opts.read_only {
             return Ok(());
         }
-        let next_ino = self.lock().next_ino;
         let mut b = Batch::new();
         b.put(
             keys::SUPER,
-            &Super {
-                next_ino,
-                dirty: false,
-                error: self.errored.load(Relaxed),
-            }
-            .encode(),
+            &Self::super_of(&self.lock(), false, self.errored.load(Relaxed)),
         );
         self.tree.write(b).map_err(io)?;
         self.tree.checkpoint().map_err(io)
@@ -416,17 +428,8 @@ impl Betrfs {
         if let Err(FsError::Corrupt(m)) = &r {
             tracing::error!("betrfs: damage found: {m}");
             if !self.errored.swap(true, Relaxed) && !self.opts.read_only {
-                let next_ino = self.lock().next_ino;
                 let mut b = Batch::new();
-                b.put(
-                    keys::SUPER,
-                    &Super {
-                        next_ino,
-                        dirty: true,
-                        error: true,
-                    }
-                    .encode(),
-                );
+                b.put(keys::SUPER, &Self::super_of(&self.lock(), true, true));
                 let _ = self.tree.write(b);
             }
         }
@@ -555,7 +558,13 @@ impl Betrfs {
             return Ok(None);
         };
         match Entry::decode(&v)? {
-            Entry::Inode(i) => {
+            Entry::Inode(mut i) => {
+                let ns = match i.marker {
+                    Some(ns) => ns,
+                    None if key.is_empty() => 0,
+                    None => self.ns_below(st, &keys::parent_key(key))?,
+                };
+                i.ino = record::compose(ns, i.ino);
                 if let Some(n) = st.fresh(i.ino) {
                     if matches!(&n.loc, Loc::Path(p) if p == key) {
                         st.by_path.insert(key.to_vec(), i.ino);
@@ -589,6 +598,44 @@ impl Betrfs {
                 Ok(Some(self.insert(st, Loc::Ino(ino), i)))
             }
         }
+    }
+
+    /// The namespace of the entries in the directory at path-key `dir` that carry no
+    /// marker: the directory's own.
+    pub(crate) fn ns_below(&self, st: &mut State, dir: &[u8]) -> Result<u64> {
+        match self.load(st, dir)? {
+            Some(ino) => Ok(record::ns_of(ino)),
+            None => Err(FsError::Corrupt(format!(
+                "the directory of {} is missing",
+                String::from_utf8_lossy(dir)
+            ))),
+        }
+    }
+
+    /// Whether a name of `n` is listed in the index: a link stub, or a record with a
+    /// namespace marker.
+    pub(crate) fn indexed(n: &Node) -> bool {
+        matches!(n.loc, Loc::Ino(_)) || n.inode.marker.is_some()
+    }
+
+    /// The number of the inode a directory entry names (`dir`: the directory's number).
+    pub(crate) fn entry_ino(e: &Entry, dir: u64) -> u64 {
+        match e {
+            Entry::Inode(i) => {
+                record::compose(i.marker.unwrap_or_else(|| record::ns_of(dir)), i.ino)
+            }
+            Entry::Link { ino, .. } => *ino,
+        }
+    }
+
+    /// A new raw number in the namespace of directory `dir` (`dir`'s number).
+    pub(crate) fn new_ino(st: &mut State, dir: u64) -> Result<u64> {
+        if st.next_ino >= record::RAW_LIMIT {
+            return Err(FsError::NoSpace);
+        }
+        let raw = st.next_ino;
+        st.next_ino += 1;
+        Ok(record::compose(record::ns_of(dir), raw))
     }
 
     pub(crate) fn lookup_in(
@@ -643,10 +690,17 @@ impl Betrfs {
         b.put(&n.loc.meta(), &n.inode.encode());
     }
 
+    /// The superblock record of a mounted file system (dirty: the mount is running).
     pub(crate) fn super_record(st: &State, error: bool) -> Vec<u8> {
+        Self::super_of(st, true, error)
+    }
+
+    pub(crate) fn super_of(st: &State, dirty: bool, error: bool) -> Vec<u8> {
         Super {
             next_ino: st.next_ino,
-            dirty: true,
+            next_ns: st.next_ns,
+            version: 2,
+            dirty,
             error,
         }
         .encode()
@@ -891,6 +945,7 @@ impl FileSystem for Betrfs {
                     // and the first name becomes a stub too.
                     self.to_inode_space(&mut st, &mut b, &mut n, 0)?;
                     b.put(&keys::meta_key(&old), &stub);
+                    b.put(&keys::index_key(&old), b"");
                 }
                 Loc::Orphan { .. } => {
                     // An unlinked open file named again (linkat of an O_TMPFILE-like
@@ -907,6 +962,7 @@ impl FileSystem for Betrfs {
             n.inode.nlink += 1;
             n.inode.ctime = t;
             b.put(&keys::meta_key(&key), &stub);
+            b.put(&keys::index_key(&key), b"");
             Self::put_inode(&mut b, &n);
             let mut dp = dp;
             dp.inode.mtime = t;
@@ -1218,12 +1274,13 @@ impl FileSystem for Betrfs {
                 let (k, v) = kv.map_err(io)?;
                 let name = k[base.len()..].to_vec();
                 let e = Entry::decode(&v)?;
+                let e_ino = Self::entry_ino(&e, ino);
                 let cookie = {
                     let mut st = self.lock();
                     // The entry's inode becomes known, as after a lookup, so callers of
                     // the library may use the numbers readdir gives (read afresh under
                     // our lock: the scan may predate a change).
-                    if !st.nodes.contains_key(&e.ino()) {
+                    if !st.nodes.contains_key(&e_ino) {
                         self.load(&mut st, &k[1..])?;
                     }
                     let c = st.next_cookie;
@@ -1238,7 +1295,7 @@ impl FileSystem for Betrfs {
                     c
                 };
                 if !emit(DirEntry {
-                    ino: e.ino(),
+                    ino: e_ino,
                     kind: e.kind(),
                     name,
                     next_offset: cookie,
@@ -1369,6 +1426,34 @@ impl FileSystem for Betrfs {
         Ok(())
     }
 
+    fn clone_file(
+        &self,
+        src: Ino,
+        src_off: u64,
+        dst: Ino,
+        dst_off: u64,
+        len: u64,
+        ctx: &Ctx,
+    ) -> Result<u64> {
+        self.clone_blocks(src, src_off, dst, dst_off, len, ctx)
+    }
+
+    fn copy_file_range(
+        &self,
+        src: Ino,
+        src_off: u64,
+        dst: Ino,
+        dst_off: u64,
+        len: u64,
+        ctx: &Ctx,
+    ) -> Result<u64> {
+        self.copy_range(src, src_off, dst, dst_off, len, ctx)
+    }
+
+    fn clone_tree(&self, src: Ino, new_parent: Ino, new_name: &[u8], ctx: &Ctx) -> Result<Attr> {
+        self.clone_subtree(src, new_parent, new_name, ctx)
+    }
+
     fn counters(&self) -> quilt_vfs::Counters {
         let c = &self.counters;
         let s = self.tree.stats();
@@ -1387,6 +1472,13 @@ impl FileSystem for Betrfs {
             ("tree.range_renames".into(), s.range_renames),
             ("tree.subtrees_moved".into(), s.subtrees_moved),
             ("tree.lifts_pushed".into(), s.lifts_pushed),
+            ("fs.clones".into(), c.clones.load(Relaxed)),
+            ("fs.copied_ranges".into(), c.copied_ranges.load(Relaxed)),
+            ("tree.range_clones".into(), s.range_clones),
+            ("tree.subtrees_shared".into(), s.subtrees_shared),
+            ("tree.shared_nodes".into(), s.shared_nodes),
+            ("tree.cow_copies".into(), s.cow_copies),
+            ("tree.cow_bytes".into(), s.cow_bytes),
             ("tree.height".into(), s.height),
             ("tree.flushes".into(), s.flushes),
             ("tree.checkpoints".into(), s.checkpoints),

@@ -3,8 +3,10 @@
 //! log is replayed and interrupted moves and orphans are finished as a mount would.
 //!
 //! Invariants: the superblock record decodes and its next inode number is above every
-//! inode's; every name key is well formed and its parent is a directory; inode numbers
-//! are unique; the root is directory 1; a directory's link count is 2 plus its
+//! inode's raw number, its next namespace above every marker's; every name key is well
+//! formed and its parent is a directory; inode numbers (a record's namespace, from its
+//! marker or its directory, with its raw number) are unique; the index lists exactly the
+//! link stubs and marked records; the root is directory 1; a directory's link count is 2 plus its
 //! subdirectories; a link stub names an inode under its number, of the same type, whose
 //! link count is its number of stubs; data keys belong to a regular file, lie below its
 //! size (rounded up to a block) and hold at most a block; nothing lies in an unknown
@@ -110,6 +112,7 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
     let mut inodes: BTreeMap<u64, Inode> = BTreeMap::new();
     let mut data: Vec<(Vec<u8>, Loc, u64, usize)> = Vec::new();
     let mut markers = Vec::new();
+    let mut index: Vec<Vec<u8>> = Vec::new();
     for (k, v) in &all {
         match k.first() {
             Some(b'S') if k == keys::SUPER => match Super::decode(v) {
@@ -146,6 +149,7 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
                 None => r.problems.push(format!("a malformed data key {k:?}")),
             },
             Some(&keys::ORPHAN) | Some(&keys::RENAME) => markers.push(k.clone()),
+            Some(&keys::INDEX) => index.push(k[1..].to_vec()),
             _ => r.problems.push(format!("a key in no key space: {k:?}")),
         }
     }
@@ -173,6 +177,52 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
             .problems
             .push("the root is missing or not directory 1".into()),
     }
+    // Each directory's namespace (what its unmarked entries take); parents sort before
+    // their entries.
+    let mut ns_of: HashMap<Vec<u8>, u64> = HashMap::new();
+    let raw = |ino: u64| ino & (record::RAW_LIMIT - 1);
+    for (path, e) in &names {
+        let inherited = if path.is_empty() {
+            0
+        } else {
+            ns_of.get(&keys::parent_key(path)).copied().unwrap_or(0)
+        };
+        if let Entry::Inode(i) = e {
+            if let Some(m) = i.marker {
+                if m >= sup.next_ns {
+                    r.problems.push(format!(
+                        "{}: namespace {m} is not below the next one {}",
+                        show(path),
+                        sup.next_ns
+                    ));
+                }
+            }
+            if i.is_dir() {
+                ns_of.insert(path.clone(), i.marker.unwrap_or(inherited));
+            }
+        }
+        let want =
+            matches!(e, Entry::Link { .. }) || matches!(e, Entry::Inode(i) if i.marker.is_some());
+        if want && index.binary_search(path).is_err() {
+            r.problems
+                .push(format!("{}: missing from the index", show(path)));
+            fix.put(&keys::index_key(path), b"");
+        }
+    }
+    for path in &index {
+        let want = match names.get(path) {
+            Some(Entry::Link { .. }) => true,
+            Some(Entry::Inode(i)) => i.marker.is_some(),
+            None => false,
+        };
+        if !want {
+            r.problems.push(format!(
+                "{}: in the index, but not a link stub or a marked record",
+                show(path)
+            ));
+            fix.delete(&keys::index_key(path));
+        }
+    }
     for (path, e) in &names {
         if !path.is_empty() {
             let parent = keys::parent_key(path);
@@ -189,18 +239,23 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
         }
         match e {
             Entry::Inode(i) => {
-                if i.ino >= sup.next_ino {
+                if raw(i.ino) >= sup.next_ino {
                     r.problems.push(format!(
                         "{}: inode {} is not below the next number {}",
                         show(path),
-                        i.ino,
+                        raw(i.ino),
                         sup.next_ino
                     ));
                 }
-                if let Some(other) = seen.insert(i.ino, show(path)) {
+                let ns = match i.marker {
+                    Some(m) => m,
+                    None if path.is_empty() => 0,
+                    None => ns_of.get(&keys::parent_key(path)).copied().unwrap_or(0),
+                };
+                let ino = record::compose(ns, i.ino);
+                if let Some(other) = seen.insert(ino, show(path)) {
                     r.problems.push(format!(
-                        "inode {} named twice: {other} and {}",
-                        i.ino,
+                        "inode {ino} named twice: {other} and {}",
                         show(path)
                     ));
                 }
@@ -253,6 +308,12 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
     }
     // Inodes under their numbers: one per stub.
     for (ino, i) in &inodes {
+        if raw(*ino) >= sup.next_ino {
+            r.problems.push(format!(
+                "inode {ino} is not below the next number {}",
+                sup.next_ino
+            ));
+        }
         if let Some(other) = seen.insert(*ino, format!("inode {ino}")) {
             r.problems.push(format!(
                 "inode {ino} is both under its number and at {other}"
@@ -270,6 +331,7 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
             let name = format!("#{ino}");
             let key = keys::child_key(&keys::dir_prefix(&lf), name.as_bytes());
             fix.put(&keys::meta_key(&key), &Entry::link_stub(*ino, i.mode));
+            fix.put(&keys::index_key(&key), b"");
             let mut j = i.clone();
             j.nlink = 1;
             fix.put(&keys::inode_key(*ino), &j.encode());

@@ -24,6 +24,7 @@
 //! | `e` | `e` be64(ino) be64(block) | a data block of such an inode |
 //! | `o` | `o` be64(ino) | an intent: inode `ino` is an orphan (value: the path its data is still under, or empty) or moving to `h`/`e` |
 //! | `r` | `r` be64(id) | an intent: a directory rename too large for one batch |
+//! | `i` | `i` path-key | (empty) the name at that path is a link stub or a record with a namespace marker |
 //!
 //! A file with one name keeps its inode and data under its path, so a directory's files
 //! and their data are contiguous and move and disappear with range operations. A second
@@ -37,6 +38,7 @@ pub const INODE: u8 = b'h';
 pub const INODE_DATA: u8 = b'e';
 pub const ORPHAN: u8 = b'o';
 pub const RENAME: u8 = b'r';
+pub const INDEX: u8 = b'i';
 /// Scratch prefixes of one batch (a large RENAME_EXCHANGE passes one side through
 /// here): never left in the tree after the batch.
 pub const SCRATCH: u8 = b'x';
@@ -136,6 +138,14 @@ pub fn depth(key: &[u8]) -> usize {
 pub fn meta_key(path: &[u8]) -> Vec<u8> {
     let mut k = Vec::with_capacity(1 + path.len());
     k.push(META);
+    k.extend_from_slice(path);
+    k
+}
+
+/// The index key of the name at `path` (a link stub, or a record with a marker).
+pub fn index_key(path: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(1 + path.len());
+    k.push(INDEX);
     k.extend_from_slice(path);
     k
 }

@@ -19,6 +19,7 @@
 //! fs.unmount().unwrap();
 //! ```
 
+mod clone;
 mod data;
 mod fs;
 pub mod fsck;

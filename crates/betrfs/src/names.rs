@@ -61,8 +61,7 @@ impl Betrfs {
         };
         xattrs.sort();
         let t = now();
-        let ino = st.next_ino;
-        st.next_ino += 1;
+        let ino = Self::new_ino(&mut st, parent)?;
         let nlink = match (tmp, is_dir) {
             (true, _) => 0,
             (false, true) => 2,
@@ -159,6 +158,9 @@ impl Betrfs {
     ) -> Result<Option<Node>> {
         let mut n = child.clone();
         n.inode.ctime = t;
+        if Self::indexed(child) {
+            b.delete(&keys::index_key(key));
+        }
         if n.inode.is_dir() {
             b.delete(&keys::meta_key(key));
             return Ok(None);
@@ -267,6 +269,8 @@ impl Betrfs {
         }
         n.inode.nlink += extra;
         n.loc = to;
+        // Under its number the record holds its whole number: no marker.
+        n.inode.marker = None;
         b.put(&n.loc.meta(), &n.inode.encode());
         st.by_path.remove(&path);
         Ok(())

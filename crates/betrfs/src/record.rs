@@ -8,6 +8,29 @@ const TAG_INODE: u8 = 1;
 const TAG_LINK: u8 = 2;
 const TAG_SUPER: u8 = 3;
 const VERSION: u8 = 1;
+/// Version 2 of inode records added the namespace marker; of the superblock record, the
+/// next namespace. Version 1 records still decode (no marker; namespace 1 next).
+const VERSION_2: u8 = 2;
+
+/// Inode numbers: `namespace << RAW_BITS | raw`. A file system's first inodes are in
+/// namespace 0, so their numbers are their raw numbers; a clone of a tree gives the copy
+/// a new namespace, so the copies of its inodes differ from the originals by namespace
+/// alone and no record below the clone is rewritten (see `fs.rs`, "Inode numbers").
+pub const RAW_BITS: u32 = 40;
+/// Raw numbers are below this (a trillion inodes).
+pub const RAW_LIMIT: u64 = 1 << RAW_BITS;
+/// Namespaces are below this (numbers stay below 2^63).
+pub const NS_LIMIT: u64 = 1 << (63 - RAW_BITS);
+
+/// The inode number of raw number `raw` (or the raw part of a number) in namespace `ns`.
+pub fn compose(ns: u64, raw: u64) -> u64 {
+    ns << RAW_BITS | (raw & (RAW_LIMIT - 1))
+}
+
+/// The namespace part of an inode number.
+pub fn ns_of(ino: u64) -> u64 {
+    ino >> RAW_BITS
+}
 pub const MAGIC: &[u8; 8] = b"QBETRFS1";
 
 /// Bytes of a data block (one tree value).
@@ -16,7 +39,13 @@ pub const BLOCK: u64 = 4096;
 /// The superblock record (key `S`): what the image is, and the next inode number.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Super {
+    /// The next raw inode number (unique in every namespace).
     pub next_ino: u64,
+    /// The next namespace a clone takes.
+    pub next_ns: u64,
+    /// The record's version as read: 1 predates the index of link stubs and markers
+    /// (`keys::INDEX`), which a read-write mount then builds.
+    pub version: u8,
     /// 1 while mounted read-write: a mount that finds it set knows the last one did
     /// not end cleanly (the log replays what it synced; nothing to repair).
     pub dirty: bool,
@@ -25,24 +54,34 @@ pub struct Super {
 }
 
 impl Super {
+    /// Encodes the current version, whatever was read.
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = vec![TAG_SUPER, VERSION];
+        let mut v = vec![TAG_SUPER, VERSION_2];
         v.extend_from_slice(MAGIC);
         v.extend_from_slice(&self.next_ino.to_le_bytes());
         v.push(self.dirty as u8 | (self.error as u8) << 1);
+        v.extend_from_slice(&self.next_ns.to_le_bytes());
         v
     }
     pub fn decode(b: &[u8]) -> Result<Super> {
         let mut r = Reader::new(b, "superblock record");
-        if r.u8()? != TAG_SUPER || r.u8()? != VERSION || r.bytes(8)? != MAGIC {
+        let tag = r.u8()?;
+        let version = r.u8()?;
+        if tag != TAG_SUPER || !(VERSION..=VERSION_2).contains(&version) || r.bytes(8)? != MAGIC {
             return Err(FsError::Corrupt(
                 "the superblock record has a wrong tag, version or magic".into(),
             ));
         }
         let next_ino = r.u64()?;
         let f = r.u8()?;
+        let next_ns = if version >= VERSION_2 { r.u64()? } else { 1 };
+        if !r.done() || next_ino > RAW_LIMIT || next_ns == 0 || next_ns > NS_LIMIT {
+            return Err(r.damage("bad counters or trailing bytes"));
+        }
         Ok(Super {
             next_ino,
+            next_ns,
+            version,
             dirty: f & 1 != 0,
             error: f & 2 != 0,
         })
@@ -52,7 +91,12 @@ impl Super {
 /// An inode: attributes, the symlink target or device number, and extended attributes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Inode {
+    /// The inode's number. Under a path only its raw part counts: the namespace comes
+    /// from the marker or the directory (`fs.rs`, "Inode numbers").
     pub ino: u64,
+    /// A record under a path may name its namespace (a clone's top, an entry moved
+    /// between namespaces); its directory's applies otherwise. Listed in the index.
+    pub marker: Option<u64>,
     /// Type and permission bits.
     pub mode: u32,
     pub uid: u32,
@@ -96,6 +140,7 @@ impl Inode {
             blocks: 0,
             target: Vec::new(),
             xattrs: Vec::new(),
+            marker: None,
         }
     }
 
@@ -126,9 +171,9 @@ impl Inode {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(96 + self.target.len() + self.xattr_bytes());
+        let mut v = Vec::with_capacity(104 + self.target.len() + self.xattr_bytes());
         v.push(TAG_INODE);
-        v.push(VERSION);
+        v.push(VERSION_2);
         v.extend_from_slice(&self.ino.to_le_bytes());
         for x in [self.mode, self.uid, self.gid, self.nlink] {
             v.extend_from_slice(&x.to_le_bytes());
@@ -150,10 +195,17 @@ impl Inode {
             v.extend_from_slice(&(x.len() as u32).to_le_bytes());
             v.extend_from_slice(x);
         }
+        match self.marker {
+            Some(ns) => {
+                v.push(1);
+                v.extend_from_slice(&ns.to_le_bytes());
+            }
+            None => v.push(0),
+        }
         v
     }
 
-    fn decode_body(r: &mut Reader<'_>) -> Result<Inode> {
+    fn decode_body(r: &mut Reader<'_>, version: u8) -> Result<Inode> {
         let ino = r.u64()?;
         let (mode, uid, gid, nlink) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
         let size = r.u64()?;
@@ -179,6 +231,18 @@ impl Inode {
             let vl = r.u32()? as usize;
             xattrs.push((name, r.bytes(vl)?.to_vec()));
         }
+        let marker = if version >= VERSION_2 {
+            match r.u8()? {
+                0 => None,
+                1 => Some(r.u64()?)
+                    .filter(|&ns| ns < NS_LIMIT)
+                    .map(Some)
+                    .ok_or_else(|| r.damage("namespace out of range"))?,
+                _ => return Err(r.damage("bad marker flag")),
+            }
+        } else {
+            None
+        };
         if FileType::from_mode(mode).is_none() {
             return Err(r.damage("unknown file type"));
         }
@@ -200,6 +264,7 @@ impl Inode {
             blocks,
             target,
             xattrs,
+            marker,
         })
     }
 }
@@ -229,12 +294,12 @@ impl Entry {
     pub fn decode(b: &[u8]) -> Result<Entry> {
         let mut r = Reader::new(b, "entry");
         let tag = r.u8()?;
-        if r.u8()? != VERSION {
-            return Err(r.damage("unknown version"));
-        }
+        let version = r.u8()?;
         match tag {
-            TAG_INODE => Ok(Entry::Inode(Inode::decode_body(&mut r)?)),
-            TAG_LINK => {
+            TAG_INODE if version == VERSION || version == VERSION_2 => {
+                Ok(Entry::Inode(Inode::decode_body(&mut r, version)?))
+            }
+            TAG_LINK if version == VERSION => {
                 let ino = r.u64()?;
                 let mode = r.u32()?;
                 if !r.done() || FileType::from_mode(mode).is_none() {
@@ -242,6 +307,7 @@ impl Entry {
                 }
                 Ok(Entry::Link { ino, mode })
             }
+            TAG_INODE | TAG_LINK => Err(r.damage("unknown version")),
             _ => Err(r.damage("unknown tag")),
         }
     }
@@ -329,6 +395,7 @@ mod tests {
             blocks: 0,
             target: b"abc".to_vec(),
             xattrs: vec![(b"user.x".to_vec(), b"1".to_vec())],
+            marker: Some(7),
         };
         let e = i.encode();
         assert_eq!(Entry::decode(&e).unwrap(), Entry::Inode(i.clone()));
@@ -337,6 +404,8 @@ mod tests {
         }
         let s = Super {
             next_ino: 9,
+            next_ns: 3,
+            version: 2,
             dirty: true,
             error: false,
         };

@@ -55,6 +55,27 @@ fn scan(fs: &Betrfs, space: u8) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
         .collect()
 }
 
+/// Lists every link stub in the index (images made before the index existed: their
+/// superblock record is version 1; they hold no markers yet). In batches; a crash
+/// before the superblock record is rewritten makes the next mount start again.
+pub(crate) fn build_index(fs: &Betrfs) -> Result<()> {
+    let mut st: std::sync::MutexGuard<'_, State> = fs.lock();
+    let mut b = Batch::new();
+    let mut bytes = 0usize;
+    for (k, v) in scan(fs, keys::META)? {
+        if let record::Entry::Link { .. } = record::Entry::decode(&v)? {
+            let key = keys::index_key(&k[1..]);
+            bytes += key.len() + 16;
+            b.put(&key, b"");
+            if bytes > fs.batch_bytes {
+                fs.commit(&mut st, std::mem::take(&mut b))?;
+                bytes = 0;
+            }
+        }
+    }
+    fs.commit(&mut st, b)
+}
+
 pub(crate) fn recover(fs: &Betrfs) -> Result<()> {
     let mut st: std::sync::MutexGuard<'_, State> = fs.lock();
     for (k, v) in scan(fs, keys::RENAME)? {

@@ -17,7 +17,10 @@ impl Betrfs {
     /// (a directory) or of its data (a file).
     pub(crate) fn moved(key: &[u8], is_dir: bool) -> (Vec<u8>, &'static [u8]) {
         if is_dir {
-            (keys::dir_prefix(key), &[keys::META, keys::DATA])
+            (
+                keys::dir_prefix(key),
+                &[keys::META, keys::DATA, keys::INDEX],
+            )
         } else {
             let mut p = key.to_vec();
             p.push(0);
@@ -174,6 +177,18 @@ impl Betrfs {
         }
     }
 
+    /// An entry moving into directory `dir` keeps its number (and the numbers below it):
+    /// a record of another namespace than the directory's gets a marker naming its own.
+    pub(crate) fn keep_number(n: &mut Node, dir: u64) {
+        let ns = crate::record::ns_of(n.inode.ino);
+        if matches!(n.loc, Loc::Path(_))
+            && n.inode.marker.is_none()
+            && ns != crate::record::ns_of(dir)
+        {
+            n.inode.marker = Some(ns);
+        }
+    }
+
     /// What a name's key holds for `n`: its inode, or a link stub.
     pub(crate) fn entry_bytes(n: &Node) -> Vec<u8> {
         match n.loc {
@@ -304,6 +319,19 @@ impl Betrfs {
             Self::move_orphans(&mut st, &mut b, &moves);
             s.loc = st.fresh(src).map_or(s.loc, |n| n.loc.clone());
             d.loc = st.fresh(d.inode.ino).map_or(d.loc, |n| n.loc.clone());
+            let (s_was, d_was) = (Self::indexed(&s), Self::indexed(&d));
+            Self::keep_number(&mut s, dp.inode.ino);
+            Self::keep_number(&mut d, sp.inode.ino);
+            for (was, key) in [(s_was, &skey), (d_was, &dkey)] {
+                if was {
+                    b.delete(&keys::index_key(key));
+                }
+            }
+            for (n, key) in [(&s, &dkey), (&d, &skey)] {
+                if Self::indexed(n) {
+                    b.put(&keys::index_key(key), b"");
+                }
+            }
             b.put(&keys::meta_key(&dkey), &Self::entry_bytes(&s));
             b.put(&keys::meta_key(&skey), &Self::entry_bytes(&d));
             if let Loc::Ino(_) = d.loc {
@@ -335,10 +363,17 @@ impl Betrfs {
             Self::move_cached_paths(&mut st, &moves);
             Self::move_orphans(&mut st, &mut b, &moves);
             s.loc = st.fresh(src).map_or(s.loc, |n| n.loc.clone());
+            let s_was = Self::indexed(&s);
+            Self::keep_number(&mut s, dp.inode.ino);
+            if s_was {
+                b.delete(&keys::index_key(&skey));
+            }
+            if Self::indexed(&s) {
+                b.put(&keys::index_key(&dkey), b"");
+            }
             b.put(&keys::meta_key(&dkey), &Self::entry_bytes(&s));
             if flags.whiteout {
-                let ino = st.next_ino;
-                st.next_ino += 1;
+                let ino = Self::new_ino(&mut st, parent)?;
                 let w = Inode::new(ino, libc::S_IFCHR, ctx.uid, ctx.gid, 1, t);
                 b.put(
                     keys::SUPER,

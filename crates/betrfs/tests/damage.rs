@@ -279,6 +279,8 @@ fn fsck_repairs_counts_strays_and_nameless_inodes() {
             keys::SUPER,
             &quilt_betrfs::record::Super {
                 next_ino: 80_000,
+                next_ns: 1,
+                version: 2,
                 dirty: false,
                 error: false,
             }

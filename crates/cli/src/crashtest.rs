@@ -20,7 +20,9 @@ pub struct CrashtestArgs {
     pub lying: bool,
     /// Workload: ace (every sequence of 1-3 operations), untar, rmrf, postmark, mail (a
     /// mailbox move ordered by patchgroups), rename (trees of 1 to 600 files renamed:
-    /// exactly one name holds each, whole; in `all` for betrfs only), or all;
+    /// exactly one name holds each, whole; in `all` for betrfs only), clone (betrfs:
+    /// trees of 1 to 10,000 files cloned, a clone is absent or whole and its original
+    /// unchanged, writes to one never change the other), or all;
     /// mail-unordered is the same move with nothing ordered (it must lose messages).
     #[arg(long, default_value = "all")]
     pub workload: String,

@@ -52,6 +52,14 @@ enum Command {
     /// sync(1) and syncfs(2) do the same; on plain FUSE mounts (made by other users)
     /// the kernel does not pass them on, and this or fsync is the way.
     Sync { mountpoint: std::path::PathBuf },
+    /// Copy a directory tree (or a file) on a betrfs mount without copying its data:
+    /// the copy shares storage with the original until either changes, and costs the
+    /// same whatever the tree holds. DST must not exist. Files alone also clone with
+    /// `cp` (copy_file_range) or `cp --reflink` under libquilt_preload.so.
+    Clone {
+        src: std::path::PathBuf,
+        dst: std::path::PathBuf,
+    },
     /// Print the counters of a mounted file system, or a summary of an image.
     Stats(stats::StatsArgs),
     /// Explore crash states of a workload and check them (e2fsck, fsync promises).
@@ -151,6 +159,26 @@ fn run(cli: Cli) -> Result<()> {
         Command::Mount(a) => mount::run(a),
         Command::Stats(a) => stats::run(a),
         Command::Sync { mountpoint } => mount::sync_mount(&mountpoint),
+        Command::Clone { src, dst } => {
+            let t = std::time::Instant::now();
+            quilt_pg::clone::clone_tree(&src, &dst).map_err(|e| {
+                let hint = match e.raw_os_error() {
+                    Some(libc::ENOTTY) | Some(libc::EOPNOTSUPP) => {
+                        " (clones need a betrfs mount: quiltfs mkfs --fs betrfs)"
+                    }
+                    Some(libc::EXDEV) => " (both must be on the same mount)",
+                    _ => "",
+                };
+                anyhow::anyhow!("cloning {} to {}: {e}{hint}", src.display(), dst.display())
+            })?;
+            eprintln!(
+                "quiltfs: cloned {} to {} in {:.1?}",
+                src.display(),
+                dst.display(),
+                t.elapsed()
+            );
+            Ok(())
+        }
         Command::Umount { mountpoint, lazy } => mount::unmount_and_wait(&mountpoint, lazy),
         Command::Crashtest(a) => crashtest::run(a),
         Command::Kv(c) => kv::run(c),

@@ -146,7 +146,7 @@ pub fn check_state(
     img: &[u8],
     mode: Mode,
     promises: &[&Promise],
-    invariants: &[Invariant],
+    invariants: &[&Invariant],
     tmp: &Path,
 ) -> Outcome {
     let mut out = Outcome::default();
@@ -245,7 +245,7 @@ pub fn check_state(
 fn check_promises(
     fs: &dyn FileSystem,
     promises: &[&Promise],
-    invariants: &[Invariant],
+    invariants: &[&Invariant],
     strict: bool,
     out: &mut Outcome,
 ) {
@@ -291,7 +291,7 @@ fn check_promises(
 /// finishes), `quiltfs fsck` must find nothing, and every promise and invariant must
 /// hold. betrfs has one mode: every operation is atomic and the log is one sequence, so
 /// nothing is merely "allowed".
-pub fn check_betrfs_state(img: &[u8], promises: &[&Promise], invariants: &[Invariant]) -> Outcome {
+pub fn check_betrfs_state(img: &[u8], promises: &[&Promise], invariants: &[&Invariant]) -> Outcome {
     let mut out = Outcome::default();
     let violation = |what: String, out: &mut Outcome| {
         out.problems.push(Problem {
@@ -388,6 +388,25 @@ fn broken(fs: &dyn FileSystem, inv: &Invariant, strict: bool) -> Option<String> 
                 )),
             }
         }
+        Invariant::Cloned {
+            src,
+            dst,
+            src_made,
+            tree,
+            ..
+        } => {
+            let there = resolve(fs, dst).is_some();
+            if (there || !src_made) && tree_at(fs, src).as_ref() != Some(tree) {
+                return Some(format!("/{src}, the original of a clone, is not whole"));
+            }
+            match (there, tree_at(fs, dst)) {
+                (false, _) => None,
+                (true, Some(t)) if t == *tree => None,
+                _ => Some(format!("/{dst}, a clone of /{src}, is there but not whole")),
+            }
+        }
+        Invariant::Unchanged { path, tree, .. } => (tree_at(fs, path).as_ref() != Some(tree))
+            .then(|| format!("/{path} changed (it is a clone's original or a clone)")),
     }
 }
 

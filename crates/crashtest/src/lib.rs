@@ -36,16 +36,18 @@ const BS: usize = 4096;
 const BLOCKS: u64 = 4096;
 const JOURNAL_BLOCKS: u32 = 1024;
 
-pub const WORKLOADS: [&str; 6] = ["ace", "untar", "rmrf", "postmark", "mail", "rename"];
+pub const WORKLOADS: [&str; 7] = [
+    "ace", "untar", "rmrf", "postmark", "mail", "rename", "clone",
+];
 
 /// The workloads `all` runs. ext2's leaves out the tree renames: its soft updates may
 /// leave a renamed directory under both names until e2fsck clears one (an entry e2fsck
 /// reports as a second link to a directory, which the explorer's classifier counts as
-/// a violation); `--workload rename` runs it for any mode.
+/// a violation); `--workload rename` runs it for any mode. Clones are betrfs's alone.
 fn all_workloads(betrfs: bool) -> impl Iterator<Item = &'static str> {
     WORKLOADS
         .into_iter()
-        .filter(move |w| betrfs || *w != "rename")
+        .filter(move |w| betrfs || (*w != "rename" && *w != "clone"))
 }
 
 #[derive(Debug, Clone)]
@@ -149,6 +151,8 @@ struct RunSpec {
 
 /// The trees the rename workload moves (files each; the ext2 image has 1,024 inodes).
 const RENAME_SIZES: &[usize] = &[1, 10, 100, 600];
+/// The trees the clone workload clones (betrfs only).
+const CLONE_SIZES: &[usize] = &[1, 10, 100, 10_000];
 
 fn specs(workload: &str, seed: u64, betrfs: bool) -> Result<Vec<RunSpec>, String> {
     let none = || -> Setup { Box::new(|_| Ok(())) };
@@ -224,6 +228,14 @@ fn specs(workload: &str, seed: u64, betrfs: bool) -> Result<Vec<RunSpec>, String
             }),
             body: Box::new(|r| workload::rename_trees(r, RENAME_SIZES)),
         }],
+        "clone" if betrfs => vec![RunSpec {
+            name: "clone".into(),
+            setup: Box::new(move |fs| {
+                workload::clone_setup(fs, seed, CLONE_SIZES).map_err(|e| e.to_string())
+            }),
+            body: Box::new(|r| workload::clone_trees(r, CLONE_SIZES)),
+        }],
+        "clone" => return Err("the clone workload needs --fs betrfs".into()),
         // The same move with no patchgroups and no fsync: its crash states must break
         // the move's invariant, or the check could not see a lost message.
         "mail-unordered" => vec![RunSpec {
@@ -583,13 +595,22 @@ fn state_image(rec: &Recorded, s: &CrashState) -> Result<Vec<u8>, String> {
     Ok(dev.to_vec())
 }
 
+/// How many operations had begun at cut `len`.
+fn begun_at(rec: &Recorded, len: usize) -> usize {
+    (0..rec.touched.len())
+        .take_while(|k| {
+            rec.log
+                .mark_position(&format!("op-{k}"))
+                .is_some_and(|x| x <= len)
+        })
+        .count()
+}
+
 /// The promises a crash at cut `len` must keep: those made before the cut, unless an
 /// operation after the promise (and begun before the cut) touched its path or its file.
 fn promises_at(rec: &Recorded, len: usize) -> Vec<&workload::Promise> {
     let pos = |m: &str| rec.log.mark_position(m);
-    let begun = (0..rec.touched.len())
-        .take_while(|k| pos(&format!("op-{k}")).is_some_and(|x| x <= len))
-        .count();
+    let begun = begun_at(rec, len);
     rec.promises
         .iter()
         .filter(|p| pos(&p.mark).is_some_and(|x| x <= len))
@@ -622,17 +643,24 @@ fn check_all(
         // The image is the crash state of every cut in `also` too: it must keep the
         // promises of each.
         let mut relevant: Vec<&workload::Promise> = Vec::new();
+        let mut invariants: Vec<&workload::Invariant> = Vec::new();
         for len in std::iter::once(s.len).chain(s.also.iter().copied()) {
             for p in promises_at(rec, len) {
                 if !relevant.iter().any(|q| std::ptr::eq(*q, p)) {
                     relevant.push(p);
                 }
             }
+            let begun = begun_at(rec, len);
+            for i in rec.invariants.iter().filter(|i| i.active(begun)) {
+                if !invariants.iter().any(|j| std::ptr::eq(*j, i)) {
+                    invariants.push(i);
+                }
+            }
         }
         if cfg.betrfs {
-            check::check_betrfs_state(&img, &relevant, &rec.invariants)
+            check::check_betrfs_state(&img, &relevant, &invariants)
         } else {
-            check::check_state(&img, cfg.mode, &relevant, &rec.invariants, tmp)
+            check::check_state(&img, cfg.mode, &relevant, &invariants, tmp)
         }
     };
     let half = states.len().div_ceil(2);

@@ -66,6 +66,38 @@ pub enum Invariant {
         #[serde(skip)]
         tree: BTreeMap<String, Vec<u8>>,
     },
+    /// A tree cloned from `src` to `dst`: the clone is either absent or whole (never a
+    /// part, never different), and the source is whole (always if `src_made` is false;
+    /// where the clone is there, if the source is itself made by the run). At cuts
+    /// where fewer than `until` operations have begun (later ones change the trees).
+    Cloned {
+        src: String,
+        dst: String,
+        src_made: bool,
+        until: usize,
+        #[serde(skip)]
+        tree: BTreeMap<String, Vec<u8>>,
+    },
+    /// A tree nothing changes (the original of a clone while the clone is written, or a
+    /// clone while its original is removed): whole at every cut where at least `from`
+    /// operations have begun (the tree was made durable before the last of them).
+    Unchanged {
+        path: String,
+        from: usize,
+        #[serde(skip)]
+        tree: BTreeMap<String, Vec<u8>>,
+    },
+}
+
+impl Invariant {
+    /// Whether the invariant holds at a cut where `begun` operations have begun.
+    pub fn active(&self, begun: usize) -> bool {
+        match self {
+            Invariant::Cloned { until, .. } => begun <= *until,
+            Invariant::Unchanged { from, .. } => begun >= *from,
+            Invariant::Moved { .. } | Invariant::OneOf { .. } => true,
+        }
+    }
 }
 
 /// Records marks, the paths each operation touches, and promises.
@@ -271,6 +303,16 @@ impl<'a> Recorder<'a> {
         self.note(r);
     }
 
+    /// A clone of the tree (or file) at `from` under the new name `to`.
+    pub fn clone_tree(&mut self, from: &str, to: &str) {
+        self.begin(format!("clone /{from} /{to}"), &[to]);
+        let r = self.resolve(from).and_then(|s| {
+            let (d, n) = self.split(to)?;
+            self.fs.clone_tree(s, d, n.as_bytes(), &self.ctx())
+        });
+        self.note(r);
+    }
+
     /// fsync(path); on success the path's state is promised.
     pub fn fsync(&mut self, path: &str) {
         self.begin(format!("fsync /{path}"), &[]);
@@ -401,10 +443,19 @@ pub fn tree_at(fs: &dyn FileSystem, path: &str) -> Option<BTreeMap<String, Vec<u
 /// subdirectories of ten past ten; `dst/slot` is an empty directory a tree replaces.
 pub fn rename_setup(fs: &dyn FileSystem, seed: u64, sizes: &[usize]) -> Result<(), FsError> {
     let c = ctx();
-    let mut rng = Rng::new(seed);
     let root = fs.root();
     let dst = fs.mkdir(root, b"dst", 0o755, &c)?.ino;
     fs.mkdir(dst, b"slot", 0o755, &c)?;
+    make_trees(fs, seed, sizes)?;
+    fs.sync_all()
+}
+
+/// Trees `t{n}` of `n` files each, in subdirectories of ten past ten. Files of up to
+/// 9,000 bytes; in trees past a thousand files, up to 300 (they must fit the image).
+fn make_trees(fs: &dyn FileSystem, seed: u64, sizes: &[usize]) -> Result<(), FsError> {
+    let c = ctx();
+    let mut rng = Rng::new(seed);
+    let root = fs.root();
     for &n in sizes {
         let t = fs.mkdir(root, format!("t{n}").as_bytes(), 0o755, &c)?.ino;
         for i in 0..n {
@@ -426,11 +477,142 @@ pub fn rename_setup(fs: &dyn FileSystem, seed: u64, sizes: &[usize]) -> Result<(
                     &c,
                 )?
                 .ino;
-            let len = [0usize, 40, 300, 700, 4096, 9000][rng.below(6) as usize];
+            let lens: &[usize] = if n > 1000 {
+                &[0, 40, 300]
+            } else {
+                &[0, 40, 300, 700, 4096, 9000]
+            };
+            let len = lens[rng.below(lens.len() as u64) as usize];
             fs.write(f, 0, &pattern(rng.next_u64(), len), &c)?;
         }
     }
+    Ok(())
+}
+
+/// The clone workload's trees (as the rename workload's), each with a second name for
+/// one of its files in a subdirectory (a link stub the clone must copy).
+pub fn clone_setup(fs: &dyn FileSystem, seed: u64, sizes: &[usize]) -> Result<(), FsError> {
+    make_trees(fs, seed, sizes)?;
+    let c = ctx();
+    for &n in sizes {
+        let t = resolve(fs, &format!("t{n}"))?;
+        let f = fs.lookup(if n > 10 { fs.lookup(t, b"d0")?.ino } else { t }, b"f0")?;
+        let sub = fs.mkdir(t, b"links", 0o755, &c)?.ino;
+        fs.link(f.ino, sub, b"second-name", &c)?;
+    }
     fs.sync_all()
+}
+
+/// Clones of whole trees (nested, 1 to 10,000 files, with hard links inside), a clone
+/// of a clone, a single file's clone; then writes into some clones while their
+/// originals must not change, and the removal of an original while its clone must not
+/// change.
+pub fn clone_trees(r: &mut Recorder, sizes: &[usize]) {
+    let first = r.invariants.len();
+    for (k, &n) in sizes.iter().enumerate() {
+        let (src, dst) = (format!("t{n}"), format!("c{n}"));
+        let Some(tree) = tree_at(r.fs, &src) else {
+            r.errors += 1;
+            continue;
+        };
+        r.invariants.push(Invariant::Cloned {
+            src: src.clone(),
+            dst: dst.clone(),
+            src_made: false,
+            until: usize::MAX,
+            tree: tree.clone(),
+        });
+        r.clone_tree(&src, &dst);
+        r.fsync("");
+        if k % 2 == 0 {
+            let again = format!("cc{n}");
+            r.invariants.push(Invariant::Cloned {
+                src: dst.clone(),
+                dst: again.clone(),
+                src_made: true,
+                until: usize::MAX,
+                tree: tree.clone(),
+            });
+            r.clone_tree(&dst, &again);
+        }
+        let one = if n > 10 {
+            format!("{src}/d0/f0")
+        } else {
+            format!("{src}/f0")
+        };
+        r.clone_tree(&one, &format!("f{n}"));
+    }
+    r.sync();
+    // From here on the trees change: the clones' invariants end, and each tree that must
+    // not change holds from the first cut after the sync returned.
+    let now = r.touched.len();
+    for inv in &mut r.invariants[first..] {
+        if let Invariant::Cloned { until, .. } = inv {
+            *until = now;
+        }
+    }
+    let from = now + 1;
+    for (k, &n) in sizes.iter().enumerate() {
+        let (src, dst) = (format!("t{n}"), format!("c{n}"));
+        let Some(tree) = tree_at(r.fs, &src) else {
+            r.errors += 1;
+            continue;
+        };
+        if k % 2 == 1 {
+            // The clone changes; its original must not.
+            r.invariants.push(Invariant::Unchanged {
+                path: src.clone(),
+                from,
+                tree,
+            });
+            let f = if n > 10 {
+                format!("{dst}/d0/f0")
+            } else {
+                format!("{dst}/f0")
+            };
+            r.write(&f, 0, b"written into the clone");
+            r.write(
+                &format!("{dst}/links/second-name"),
+                3,
+                b"through the other name",
+            );
+            r.unlink(&f);
+            r.fsync(&dst);
+        } else if n <= 100 {
+            // The original goes; its clone must not change.
+            r.invariants.push(Invariant::Unchanged {
+                path: dst.clone(),
+                from,
+                tree,
+            });
+            remove_tree(r, &src);
+        }
+    }
+    r.sync();
+}
+
+/// Removes the tree at `path`, entry by entry, deepest first.
+fn remove_tree(r: &mut Recorder, path: &str) {
+    let Ok(ino) = resolve(r.fs, path) else {
+        r.errors += 1;
+        return;
+    };
+    let mut entries = Vec::new();
+    let _ = r.fs.readdir(ino, 0, &mut |e| {
+        if e.name != b"." && e.name != b".." {
+            entries.push((String::from_utf8_lossy(&e.name).into_owned(), e.kind));
+        }
+        true
+    });
+    for (name, kind) in entries {
+        let p = format!("{path}/{name}");
+        if kind == FileType::Directory {
+            remove_tree(r, &p);
+        } else {
+            r.unlink(&p);
+        }
+    }
+    r.rmdir(path);
 }
 
 /// Renames of whole trees (small ones move key by key in betrfs, large ones by range

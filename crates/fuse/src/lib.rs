@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 mod callers;
+mod clone;
 mod control;
 mod fileattr;
 mod stats;
@@ -205,6 +206,24 @@ impl<F: FileSystem> Adapter<F> {
             }
         }
         0
+    }
+
+    /// Drops what the kernel cached of what a clone changed.
+    fn forget_changed(&self, c: clone::Changed) {
+        let Some(n) = self.notifier.get() else { return };
+        let r = match &c {
+            clone::Changed::File(ino) => n.inval_inode(self.inos.to_fuse(*ino), 0, 0),
+            clone::Changed::Entry(dir, name) => n
+                .inval_entry(self.inos.to_fuse(*dir), name)
+                .and_then(|()| n.inval_inode(self.inos.to_fuse(*dir), -1, 0)),
+        };
+        // ENOENT: the kernel held no copy.
+        match r {
+            Err(e) if e.raw_os_error() != Some(libc::ENOENT) => {
+                tracing::warn!("invalidating the kernel's copy after a clone: {e}")
+            }
+            _ => {}
+        }
     }
 
     /// Drops the kernel's cached attributes of `ino` (we changed them behind its back).
@@ -830,6 +849,26 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
             } => {
                 let _t = self.stats.time(Stat::Ioctl);
                 if ino != CONTROL_INO {
+                    if clone::is_clone(*cmd) {
+                        let inos = self.inos;
+                        return match clone::ioctl(
+                            self.fs.as_ref(),
+                            inos.to_fs(ino),
+                            *cmd,
+                            input,
+                            &self.ctx(req),
+                            |i| inos.to_fs(i),
+                            |i| inos.to_fuse(i),
+                        ) {
+                            Ok((out, changed)) => {
+                                // Before the answer: the caller's next look must not
+                                // find the kernel's old copy (a negative entry, pages).
+                                self.forget_changed(changed);
+                                reply.ioctl(0, &out[..out.len().min(*out_size as usize)])
+                            }
+                            Err(e) => reply.error(errno(e)),
+                        };
+                    }
                     if !fileattr::is_fileattr(*cmd) {
                         return reply.error(libc::ENOTTY);
                     }
@@ -875,6 +914,37 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                         self.open_flags(*flags),
                     ),
                     // The kernel then answers EOPNOTSUPP, so callers fall back.
+                    Err(FsError::NotSupported) => reply.error(libc::ENOSYS),
+                    Err(e) => reply.error(errno(e)),
+                }
+            }
+            Op::CopyFileRange {
+                off_in,
+                nodeid_out,
+                off_out,
+                len,
+                flags,
+                ..
+            } => {
+                let _t = self.stats.time(Stat::CopyFileRange);
+                if ino == CONTROL_INO || *nodeid_out == CONTROL_INO {
+                    return reply.error(libc::EINVAL);
+                }
+                if *flags != 0 {
+                    return reply.error(libc::EINVAL);
+                }
+                // The answer counts bytes in 32 bits.
+                let len = (*len).min(u32::MAX as u64 & !4095);
+                match self.fs.copy_file_range(
+                    self.inos.to_fs(ino),
+                    *off_in,
+                    self.inos.to_fs(*nodeid_out),
+                    *off_out,
+                    len,
+                    &self.ctx(req),
+                ) {
+                    Ok(n) => reply.written(n.min(len) as u32),
+                    // The kernel copies through reads and writes, and stops asking.
                     Err(FsError::NotSupported) => reply.error(libc::ENOSYS),
                     Err(e) => reply.error(errno(e)),
                 }

@@ -24,6 +24,7 @@ ops! {
     Setxattr => "setxattr", Getxattr => "getxattr", Listxattr => "listxattr",
     Removexattr => "removexattr", Access => "access", Create => "create", Ioctl => "ioctl",
     Syncfs => "syncfs", Lseek => "lseek", Fallocate => "fallocate",
+    CopyFileRange => "copy_file_range",
 }
 
 /// Counts and server time per request kind; shared with whoever reports them.

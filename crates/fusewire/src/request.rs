@@ -173,6 +173,17 @@ pub enum Op<'a> {
         length: u64,
         mode: u32,
     },
+    /// copy_file_range(2) between two files of the mount (the request's node is the
+    /// source).
+    CopyFileRange {
+        fh_in: u64,
+        off_in: u64,
+        nodeid_out: u64,
+        fh_out: u64,
+        off_out: u64,
+        len: u64,
+        flags: u64,
+    },
     Lseek {
         fh: u64,
         offset: u64,
@@ -496,6 +507,15 @@ fn parse_op(opc: u32, mut r: Reader<'_>, proto: Proto) -> Result<Op<'_>, Malform
             offset: r.u64("fallocate")?,
             length: r.u64("fallocate")?,
             mode: r.u32("fallocate")?,
+        },
+        opcode::COPY_FILE_RANGE => Op::CopyFileRange {
+            fh_in: r.u64("copy_file_range")?,
+            off_in: r.u64("copy_file_range")?,
+            nodeid_out: r.u64("copy_file_range")?,
+            fh_out: r.u64("copy_file_range")?,
+            off_out: r.u64("copy_file_range")?,
+            len: r.u64("copy_file_range")?,
+            flags: r.u64("copy_file_range")?,
         },
         opcode::LSEEK => Op::Lseek {
             fh: r.u64("lseek")?,

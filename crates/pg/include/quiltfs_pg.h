@@ -54,6 +54,36 @@ int qfs_pg_sync(int fd, uint64_t pg);
 int qfs_pg_abandon(int fd, uint64_t pg);
 int qfs_pg_strerror(int fd, char *buf, size_t len);
 
+/* Clones on a mount that shares storage (betrfs). FICLONE/FICLONERANGE cannot reach a
+ * FUSE server; these carry the same request. */
+#define QFS_NAME_MAX 255
+
+struct qfs_clone_range_args {
+    uint64_t src_ino; /* the source file's st_ino */
+    uint64_t src_off;
+    uint64_t len;     /* 0: to the source's end; out: the bytes cloned */
+    uint64_t dst_off;
+};
+
+struct qfs_clone_tree_args {
+    uint64_t src_ino;  /* in: the tree's st_ino; out: the new entry's */
+    uint32_t name_len;
+    uint32_t pad;
+    char name[QFS_NAME_MAX + 1];
+};
+
+/* On the destination file. */
+#define QFS_IOC_CLONE_RANGE _IOWR('Q', 16, struct qfs_clone_range_args)
+/* On the destination's directory. */
+#define QFS_IOC_CLONE_TREE  _IOWR('Q', 17, struct qfs_clone_tree_args)
+
+/* Bytes src_off..src_off+len of src_fd (len 0: to its end) into dst_fd at dst_off:
+ * offsets on 4 KiB boundaries and equal, the length too unless the range ends at the
+ * source's end. Returns the bytes cloned, or -1 with errno set. */
+int64_t qfs_clone_range(int dst_fd, uint64_t dst_off, int src_fd, uint64_t src_off, uint64_t len);
+/* A new entry dst holding a copy of the tree at src; 0 or -1 with errno set. */
+int qfs_clone_tree(const char *src, const char *dst);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,5 +1,6 @@
 //! The wire format between the client library and the FUSE server: ioctls on the
-//! control file at the mount root. Both sides use these definitions; the C header
+//! control file at the mount root (patchgroups), and on files and directories of the
+//! mount (clones). Both sides use these definitions; the C header
 //! (`include/quiltfs_pg.h`) repeats them and a test checks they agree.
 
 /// The control file's name in the mount's root directory.
@@ -66,6 +67,116 @@ pub fn name(cmd: u32) -> &'static str {
         SYNC => "sync",
         ABANDON => "abandon",
         LAST_ERROR => "last_error",
+        CLONE_RANGE => "clone_range",
+        CLONE_TREE => "clone_tree",
         _ => "unknown",
+    }
+}
+
+/// A range clone, asked of the destination file: bytes `src_off..src_off + len` of the
+/// file whose inode number (st_ino) is `src_ino` (`len` 0: to its end) into this one
+/// at `dst_off`, as FICLONERANGE (which FUSE cannot carry: the kernel has no FUSE
+/// request for remap_file_range). Out: `len` holds the bytes cloned.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CloneRangeArgs {
+    pub src_ino: u64,
+    pub src_off: u64,
+    pub len: u64,
+    pub dst_off: u64,
+}
+
+/// Longest name a tree clone takes.
+pub const NAME_MAX: usize = 255;
+
+/// A tree clone, asked of the destination's directory: a new entry `name` (its first
+/// `name_len` bytes) for a copy of the tree at inode `src_ino`. Out: `src_ino` holds
+/// the new entry's inode number.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CloneTreeArgs {
+    pub src_ino: u64,
+    pub name_len: u32,
+    pub pad: u32,
+    pub name: [u8; NAME_MAX + 1],
+}
+
+const RANGE_ARGS: usize = std::mem::size_of::<CloneRangeArgs>();
+const TREE_ARGS: usize = std::mem::size_of::<CloneTreeArgs>();
+
+pub const CLONE_RANGE: u32 = ioc(READ | WRITE, 16, RANGE_ARGS);
+pub const CLONE_TREE: u32 = ioc(READ | WRITE, 17, TREE_ARGS);
+
+fn u64_at(b: &[u8], i: usize) -> Option<u64> {
+    Some(u64::from_ne_bytes(b.get(i..i + 8)?.try_into().ok()?))
+}
+
+impl CloneRangeArgs {
+    pub fn to_bytes(self) -> [u8; RANGE_ARGS] {
+        let mut b = [0u8; RANGE_ARGS];
+        for (i, v) in [self.src_ino, self.src_off, self.len, self.dst_off]
+            .into_iter()
+            .enumerate()
+        {
+            b[i * 8..i * 8 + 8].copy_from_slice(&v.to_ne_bytes());
+        }
+        b
+    }
+    /// None unless `b` holds exactly one `CloneRangeArgs`.
+    pub fn from_bytes(b: &[u8]) -> Option<CloneRangeArgs> {
+        if b.len() != RANGE_ARGS {
+            return None;
+        }
+        Some(CloneRangeArgs {
+            src_ino: u64_at(b, 0)?,
+            src_off: u64_at(b, 8)?,
+            len: u64_at(b, 16)?,
+            dst_off: u64_at(b, 24)?,
+        })
+    }
+}
+
+impl CloneTreeArgs {
+    /// None if the name is longer than [`NAME_MAX`].
+    pub fn new(src_ino: u64, name: &[u8]) -> Option<CloneTreeArgs> {
+        if name.len() > NAME_MAX {
+            return None;
+        }
+        let mut a = CloneTreeArgs {
+            src_ino,
+            name_len: name.len() as u32,
+            pad: 0,
+            name: [0u8; NAME_MAX + 1],
+        };
+        a.name[..name.len()].copy_from_slice(name);
+        Some(a)
+    }
+    pub fn name(&self) -> &[u8] {
+        &self.name[..(self.name_len as usize).min(NAME_MAX)]
+    }
+    pub fn to_bytes(self) -> [u8; TREE_ARGS] {
+        let mut b = [0u8; TREE_ARGS];
+        b[..8].copy_from_slice(&self.src_ino.to_ne_bytes());
+        b[8..12].copy_from_slice(&self.name_len.to_ne_bytes());
+        b[16..].copy_from_slice(&self.name);
+        b
+    }
+    /// None unless `b` holds exactly one `CloneTreeArgs` with a name that fits.
+    pub fn from_bytes(b: &[u8]) -> Option<CloneTreeArgs> {
+        if b.len() != TREE_ARGS {
+            return None;
+        }
+        let name_len = u32::from_ne_bytes(b[8..12].try_into().ok()?);
+        if name_len as usize > NAME_MAX {
+            return None;
+        }
+        let mut name = [0u8; NAME_MAX + 1];
+        name.copy_from_slice(&b[16..]);
+        Some(CloneTreeArgs {
+            src_ino: u64_at(b, 0)?,
+            name_len,
+            pad: 0,
+            name,
+        })
     }
 }

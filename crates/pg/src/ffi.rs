@@ -129,3 +129,47 @@ pub unsafe extern "C" fn qfs_pg_strerror(fd: c_int, buf: *mut c_char, len: usize
     }
     0
 }
+
+/// Clones bytes `src_off..src_off + len` of `src_fd` (`len` 0: to its end) into
+/// `dst_fd` at `dst_off` (see `quilt_pg::clone::clone_file`); returns the bytes cloned,
+/// or -1 with errno set.
+#[no_mangle]
+pub extern "C" fn qfs_clone_range(
+    dst_fd: c_int,
+    dst_off: u64,
+    src_fd: c_int,
+    src_off: u64,
+    len: u64,
+) -> i64 {
+    match crate::clone::clone_fd(dst_fd, dst_off, src_fd, src_off, len) {
+        Ok(n) => n as i64,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            -1
+        }
+    }
+}
+
+/// A new entry `dst` holding a copy of the tree at `src`, sharing storage (see
+/// `quilt_pg::clone::clone_tree`); 0, or -1 with errno set.
+///
+/// # Safety
+/// Both must be NUL-terminated strings.
+#[no_mangle]
+pub unsafe extern "C" fn qfs_clone_tree(src: *const c_char, dst: *const c_char) -> c_int {
+    if src.is_null() || dst.is_null() {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: the caller passes NUL-terminated strings.
+    let (s, d) = unsafe { (CStr::from_ptr(src), CStr::from_ptr(dst)) };
+    let p = |c: &CStr| std::path::PathBuf::from(std::ffi::OsStr::from_bytes(c.to_bytes()));
+    match crate::clone::clone_tree(p(s), p(d)) {
+        Ok(_) => 0,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            -1
+        }
+    }
+}

@@ -37,6 +37,7 @@
 //! the server identifies the calling process by the FUSE request's process id.
 
 pub mod abi;
+pub mod clone;
 pub mod ffi;
 
 use std::fs::File;

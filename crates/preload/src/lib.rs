@@ -30,6 +30,13 @@
 //! * A process that exits has its groups abandoned by the server; their order is kept.
 //! * If the mount has no control file (not quiltfs), or `QUILTFS_MOUNT` is unset, the
 //!   library changes nothing.
+//!
+//! It also makes FICLONE and FICLONERANGE work on quiltfs mounts (betrfs), so that
+//! `cp --reflink=always` clones (no `QUILTFS_MOUNT` needed for that): the kernel answers
+//! them EOPNOTSUPP on every FUSE file system (FUSE has no request for remap_file_range),
+//! and the library then asks the mount through `quilt_pg::clone`. On anything but a
+//! FUSE mount, and where the mount does not know the request, the kernel's answer
+//! stands.
 
 use quilt_pg::{Control, Group};
 use std::ffi::{c_int, c_void, CStr};
@@ -213,4 +220,70 @@ pub unsafe extern "C" fn fsync(fd: c_int) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn fdatasync(fd: c_int) -> c_int {
     sync_like(fd, c"fdatasync")
+}
+
+type IoctlFn = unsafe extern "C" fn(c_int, libc::c_ulong, *mut c_void) -> c_int;
+
+/// FICLONE and FICLONERANGE (linux/fs.h).
+const FICLONE: libc::c_ulong = 0x4004_9409;
+const FICLONERANGE: libc::c_ulong = 0x4020_940d;
+const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
+
+fn on_fuse(fd: c_int) -> bool {
+    // SAFETY: fstatfs fills the struct for an open descriptor, or fails.
+    unsafe {
+        let mut sf: libc::statfs = std::mem::zeroed();
+        libc::fstatfs(fd, &mut sf) == 0 && sf.f_type as i64 == FUSE_SUPER_MAGIC
+    }
+}
+
+/// ioctl(2), with FICLONE and FICLONERANGE carried to quiltfs mounts.
+///
+/// # Safety
+/// As ioctl(2): `arg` is what the request expects.
+#[no_mangle]
+pub unsafe extern "C" fn ioctl(fd: c_int, request: libc::c_ulong, arg: *mut c_void) -> c_int {
+    // SAFETY: dlsym finds libc's ioctl, whose first three arguments are these (the rest
+    // of its variadic list is unused by every request).
+    let real: Option<IoctlFn> = unsafe {
+        let p = libc::dlsym(libc::RTLD_NEXT, c"ioctl".as_ptr());
+        (!p.is_null()).then(|| std::mem::transmute::<*mut c_void, IoctlFn>(p))
+    };
+    let Some(real) = real else {
+        // SAFETY: this thread's errno slot.
+        unsafe { *libc::__errno_location() = libc::ENOSYS };
+        return -1;
+    };
+    // SAFETY: the caller's request, passed on as it is.
+    let r = unsafe { real(fd, request, arg) };
+    if r == 0 || (request != FICLONE && request != FICLONERANGE) {
+        return r;
+    }
+    // SAFETY: this thread's errno slot.
+    let errno = unsafe { *libc::__errno_location() };
+    if errno != libc::EOPNOTSUPP || !on_fuse(fd) {
+        return r;
+    }
+    let (src, src_off, len, dst_off) = if request == FICLONE {
+        (arg as usize as c_int, 0, 0, 0)
+    } else {
+        // struct file_clone_range { __s64 src_fd; __u64 src_offset, src_length,
+        // dest_offset; }
+        // SAFETY: for FICLONERANGE the caller passes a pointer to that struct.
+        let a = unsafe { std::slice::from_raw_parts(arg as *const u64, 4) };
+        (a[0] as i64 as c_int, a[1], a[2], a[3])
+    };
+    match quilt_pg::clone::clone_fd(fd, dst_off, src, src_off, len) {
+        Ok(_) => 0,
+        Err(e) => {
+            let code = match e.raw_os_error() {
+                // Not quiltfs (or not betrfs): the kernel's answer.
+                Some(libc::ENOTTY) | Some(libc::ENOSYS) | None => errno,
+                Some(c) => c,
+            };
+            // SAFETY: this thread's errno slot.
+            unsafe { *libc::__errno_location() = code };
+            -1
+        }
+    }
 }

@@ -459,6 +459,51 @@ pub trait FileSystem: Send + Sync {
     ) -> Result<()> {
         Err(FsError::NotSupported)
     }
+    /// Range clone (FICLONE, FICLONERANGE): bytes `src_off..src_off + len` of `src`
+    /// (`len` 0: to its end) now also make up `dst` from `dst_off`, sharing storage until
+    /// either changes. The kernel's rules for remapping: offsets on block boundaries,
+    /// the length too unless the range ends at `src`'s end, and that partial last block
+    /// only where it ends `dst` as well; `dst` grows to hold the range. Returns the
+    /// bytes cloned. `NotSupported` where the module cannot share (callers copy).
+    fn clone_file(
+        &self,
+        _src: Ino,
+        _src_off: u64,
+        _dst: Ino,
+        _dst_off: u64,
+        _len: u64,
+        _ctx: &Ctx,
+    ) -> Result<u64> {
+        Err(FsError::NotSupported)
+    }
+    /// copy_file_range(2): up to `len` bytes from `src` at `src_off` to `dst` at
+    /// `dst_off` (fewer at `src`'s end); returns how many. A module that shares storage
+    /// does so where it can. `NotSupported`: the kernel copies through reads and writes.
+    fn copy_file_range(
+        &self,
+        _src: Ino,
+        _src_off: u64,
+        _dst: Ino,
+        _dst_off: u64,
+        _len: u64,
+        _ctx: &Ctx,
+    ) -> Result<u64> {
+        Err(FsError::NotSupported)
+    }
+    /// A new name `new_name` in `new_parent` for a copy of the whole tree at `src` (a
+    /// directory with everything below it, or a single file), made without copying data:
+    /// the copy shares storage with the original until either changes. The copy's
+    /// inodes are new (numbers, link counts, and times as in the original; the new
+    /// entry's times are now).
+    fn clone_tree(
+        &self,
+        _src: Ino,
+        _new_parent: Ino,
+        _new_name: &[u8],
+        _ctx: &Ctx,
+    ) -> Result<Attr> {
+        Err(FsError::NotSupported)
+    }
     fn counters(&self) -> Counters {
         Vec::new()
     }
