@@ -33,8 +33,10 @@ if [ "$(id -u)" = 0 ]; then
   # programs (tar, git, SQLite, Dovecot) on a mount, checked for their contents.
   tests/kernel-parity-betrfs.sh ./target/release/quiltfs
   tests/betrfs-programs.sh ./target/release/quiltfs
+  # Clones with cp, cp --reflink (libquilt_preload.so) and quiltfs clone, by content.
+  tests/betrfs-clone.sh ./target/release/quiltfs
 else
-  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/kernel-parity-betrfs.sh and tests/betrfs-programs.sh (need root)" >&2
+  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/kernel-parity-betrfs.sh, tests/betrfs-programs.sh and tests/betrfs-clone.sh (need root)" >&2
 fi
 # Fuzzing smoke: every input a fuzzer ever crashed on, and random damage to each region
 # of a seed image (the coverage-guided hour-long runs are scripts/fuzz.sh's).
