@@ -187,8 +187,11 @@ def run_system(s, tarball):
     if s.name == "betrfs":
         result.update(write_one_percent(s, big))
         s.umount()
+        t = time.perf_counter()
         fsck = subprocess.run([Q, "fsck", "-n", s.img], capture_output=True, text=True)
-        result["fsck"] = fsck.stdout.strip() or fsck.stderr.strip()
+        said = (fsck.stdout.strip() + " " + fsck.stderr.strip()).strip()
+        result["fsck"] = (f"exit {fsck.returncode} in {time.perf_counter() - t:.0f} s "
+                          f"(the image holds the tree and {2 * RUNS + 1} clones of it): {said}")
         print(f"bench: betrfs fsck: {result['fsck']}", flush=True)
     else:
         s.umount()

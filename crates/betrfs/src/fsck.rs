@@ -85,11 +85,14 @@ pub fn fsck(dev: Arc<dyn BlockDevice>, repair: bool) -> Result<Report> {
     Ok(report)
 }
 
-fn scan(fs: &Betrfs, lo: &[u8], hi: Option<&[u8]>) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-    fs.tree()
-        .range(lo, hi)
-        .map(|kv| kv.map_err(|e| FsError::Corrupt(e.to_string())))
-        .collect()
+/// One file's data keys, as the scan meets them (a file's blocks are contiguous in key
+/// order): how many, the last block, and those that hold more than a block.
+struct DataRun {
+    loc: Loc,
+    blocks: u64,
+    bytes: u64,
+    last: u64,
+    oversized: Vec<(u64, usize)>,
 }
 
 fn show(key: &[u8]) -> String {
@@ -106,14 +109,16 @@ fn show(key: &[u8]) -> String {
 /// Checks the schema; returns the batch that repairs what can be repaired.
 fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
     let mut fix = Batch::new();
-    let all = scan(fs, b"", None)?;
     let mut sup = None;
     let mut names: BTreeMap<Vec<u8>, Entry> = BTreeMap::new();
     let mut inodes: BTreeMap<u64, Inode> = BTreeMap::new();
-    let mut data: Vec<(Vec<u8>, Loc, u64, usize)> = Vec::new();
+    // One entry per file with data, not per block: the scan streams the values.
+    let mut data: Vec<DataRun> = Vec::new();
     let mut markers = Vec::new();
     let mut index: Vec<Vec<u8>> = Vec::new();
-    for (k, v) in &all {
+    for kv in fs.tree().range(b"", None) {
+        let (k, v) = kv.map_err(|e| FsError::Corrupt(e.to_string()))?;
+        let (k, v) = (&k, &v);
         match k.first() {
             Some(b'S') if k == keys::SUPER => match Super::decode(v) {
                 Ok(s) => sup = Some(s),
@@ -145,7 +150,27 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
                 }
             }
             Some(&keys::DATA) | Some(&keys::INODE_DATA) => match keys::data_owner(k) {
-                Some((loc, blk)) => data.push((k.clone(), loc, blk, v.len())),
+                Some((loc, blk)) => {
+                    let len = v.len();
+                    let same = data.last().is_some_and(|d| d.loc == loc);
+                    if !same {
+                        data.push(DataRun {
+                            loc,
+                            blocks: 0,
+                            bytes: 0,
+                            last: 0,
+                            oversized: Vec::new(),
+                        });
+                    }
+                    let d = data.last_mut().expect("pushed");
+                    if len as u64 > BLOCK {
+                        d.oversized.push((blk, len));
+                    } else {
+                        d.blocks += 1;
+                        d.bytes += len as u64;
+                    }
+                    d.last = blk;
+                }
                 None => r.problems.push(format!("a malformed data key {k:?}")),
             },
             Some(&keys::ORPHAN) | Some(&keys::RENAME) => markers.push(k.clone()),
@@ -347,8 +372,8 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
     // Data: an owner that is a regular file, below its size; each file's count of
     // blocks is its number of keys.
     let mut counted: HashMap<Loc, u64> = HashMap::new();
-    for (key, loc, blk, len) in data {
-        let owner = match &loc {
+    for d in data {
+        let owner = match &d.loc {
             Loc::Path(p) => match names.get(p) {
                 Some(Entry::Inode(i)) => Some(i),
                 _ => None,
@@ -357,31 +382,42 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
             // Data keys parse to a path or a number, never to an orphan.
             Loc::Orphan { .. } => None,
         };
-        let what = match &loc {
+        let what = match &d.loc {
             Loc::Path(p) | Loc::Orphan { path: p, .. } => show(p),
             Loc::Ino(i) => format!("inode {i}"),
         };
+        let prefix = d.loc.data_prefix();
         match owner {
             Some(i) if i.is_reg() => {
-                if blk.saturating_mul(BLOCK) >= i.size.div_ceil(BLOCK) * BLOCK {
+                let end = i.size.div_ceil(BLOCK);
+                let mut have = d.blocks;
+                if d.last >= end {
+                    // The keys past the end, counted again to know how many.
+                    let past = fs
+                        .tree()
+                        .range(&d.loc.data_key(end), Some(&keys::prefix_end(&prefix)))
+                        .count() as u64;
                     r.problems.push(format!(
-                        "{what}: data block {blk} past the end ({} bytes)",
-                        i.size
+                        "{what}: {past} data blocks past the end ({} bytes), the last {}",
+                        i.size, d.last
                     ));
-                    fix.delete(&key);
-                } else if len as u64 > BLOCK {
+                    fix.delete_range(&d.loc.data_key(end), &keys::prefix_end(&prefix));
+                    have = have.saturating_sub(past);
+                }
+                for (blk, len) in &d.oversized {
                     r.problems
                         .push(format!("{what}: data block {blk} holds {len} bytes"));
-                } else {
-                    r.data_blocks += 1;
-                    r.data_bytes += len as u64;
-                    *counted.entry(loc.clone()).or_default() += 1;
                 }
+                r.data_blocks += have;
+                r.data_bytes += d.bytes;
+                *counted.entry(d.loc.clone()).or_default() += have;
             }
             _ => {
-                r.problems
-                    .push(format!("{what}: data block {blk} of no regular file"));
-                fix.delete(&key);
+                r.problems.push(format!(
+                    "{what}: {} data blocks of no regular file",
+                    d.blocks + d.oversized.len() as u64
+                ));
+                fix.delete_range(&prefix, &keys::prefix_end(&prefix));
             }
         }
     }
