@@ -1,11 +1,19 @@
-//! `quiltfs bench`: benchmark suites that run quiltfs side by side with the systems a
-//! user would pick instead, on this machine, in one command.
+//! quilt-bench: the benchmark suites of `quiltfs bench`, which run quiltfs side by side
+//! with the systems a user would pick instead, on this machine, in one command.
 //!
 //! What the suites share lives here: running commands, reading device and CPU counters,
-//! medians, CSV, and stopping cleanly on Ctrl-C.
+//! medians, CSV, progress, and stopping cleanly on Ctrl-C; `systems` sets up every
+//! system on its own loop device (kernel file systems, FUSE peers, quiltfs's modules)
+//! and tears it down again. The suites (`featherstitch`, `mail`, `betrfs`) run inside
+//! the `quiltfs` binary and start it again for mkfs and mount; the key-value suite
+//! (`bench/kv`, a workspace of its own so the project never builds RocksDB) uses the
+//! same helpers.
 
+pub mod betrfs;
 pub mod featherstitch;
 pub mod mail;
+pub mod plot;
+pub mod systems;
 
 use anyhow::{bail, Context, Result};
 use std::path::Path;
@@ -269,11 +277,15 @@ pub fn quiltfs_exe() -> Result<std::path::PathBuf> {
     std::env::current_exe().context("finding the quiltfs binary")
 }
 
-/// `quiltfs mkfs IMAGE --size N M [--journal]`: a fresh quiltfs image for a suite.
-pub fn quilt_mkfs(image: &Path, size_mib: u64, journal: bool) -> Result<()> {
+/// `quiltfs mkfs IMAGE --size N M [--fs betrfs] [--journal]`: a fresh quiltfs image for
+/// a suite.
+pub fn quilt_mkfs(image: &Path, size_mib: u64, fs: systems::QuiltFs, journal: bool) -> Result<()> {
     let mut c = Command::new(quiltfs_exe()?);
-    c.arg("mkfs")
-        .arg(image)
+    c.arg("mkfs");
+    if fs == systems::QuiltFs::Betrfs {
+        c.args(["--fs", "betrfs"]);
+    }
+    c.arg(image)
         .arg("--size")
         .arg(format!("{size_mib}M"))
         // The suite's own scratch image, made anew for every step.
@@ -301,4 +313,95 @@ pub fn is_mounted(path: &Path) -> bool {
         m.lines()
             .any(|l| l.split_whitespace().nth(4) == Some(want.as_str()))
     })
+}
+
+/// quiltfs mounts serve over io_uring when the fuse module allows it (as scripts/setup.sh
+/// leaves it); the suites' `-dev` systems measure /dev/fuse. The reports say which
+/// transport each run used (the server's `fuse.io_uring`).
+pub fn enable_fuse_uring() {
+    let p = std::path::Path::new("/sys/module/fuse/parameters/enable_uring");
+    match std::fs::read_to_string(p) {
+        Ok(v) if v.trim() != "Y" => match std::fs::write(p, "Y") {
+            Ok(()) => eprintln!("bench: enabled FUSE over io_uring ({})", p.display()),
+            Err(e) => eprintln!(
+                "bench: cannot enable FUSE over io_uring: {e}; quiltfs serves on /dev/fuse"
+            ),
+        },
+        Ok(_) => {}
+        Err(_) => {
+            eprintln!("bench: this kernel has no FUSE over io_uring; quiltfs serves on /dev/fuse")
+        }
+    }
+}
+
+/// The top directory inside the linux-source tarball.
+pub const LINUX_TOP: &str = "linux-source-6.1";
+const LINUX_XZ: &str = "/usr/src/linux-source-6.1.tar.xz";
+/// The quick runs' slice of the kernel tree: about 1,500 files, 26 MB.
+const QUICK_DIRS: &[&str] = &["kernel", "lib", "mm", "ipc", "init", "block", "certs"];
+
+/// Debian's linux-source tarball, decompressed once under `work` (outside any timing);
+/// with `quick`, a slice of it.
+pub fn linux_tarball(work: &Path, quick: bool) -> Result<std::path::PathBuf> {
+    let full = work.join("linux.tar");
+    if !full.exists() {
+        if !Path::new(LINUX_XZ).exists() {
+            apt_install(&["linux-source-6.1", "xz-utils"])?;
+        }
+        eprintln!("bench: decompressing {LINUX_XZ} (once, outside the timing)");
+        let tmp = work.join("linux.tar.tmp");
+        let out = std::fs::File::create(&tmp)?;
+        let st = Command::new("xz")
+            .args(["-dc", "-T2", LINUX_XZ])
+            .stdout(out)
+            .status()
+            .context("running xz")?;
+        if !st.success() {
+            let _ = std::fs::remove_file(&tmp);
+            bail!("xz could not decompress {LINUX_XZ} ({st})");
+        }
+        std::fs::rename(&tmp, &full)?;
+    }
+    if !quick {
+        return Ok(full);
+    }
+    let small = work.join("linux-quick.tar");
+    if !small.exists() {
+        let x = work.join("linux-quick.x");
+        let _ = std::fs::remove_dir_all(&x);
+        std::fs::create_dir_all(&x)?;
+        let members: Vec<String> = QUICK_DIRS
+            .iter()
+            .map(|d| format!("{LINUX_TOP}/{d}"))
+            .collect();
+        sh(Command::new("tar")
+            .arg("xf")
+            .arg(&full)
+            .arg("-C")
+            .arg(&x)
+            .args(&members))?;
+        let tmp = work.join("linux-quick.tar.tmp");
+        sh(Command::new("tar")
+            .arg("cf")
+            .arg(&tmp)
+            .arg("-C")
+            .arg(&x)
+            .arg(LINUX_TOP))?;
+        std::fs::rename(&tmp, &small)?;
+        std::fs::remove_dir_all(&x)?;
+    }
+    Ok(small)
+}
+
+/// `libquilt_preload.so` (beside the quiltfs binary, or where scripts/setup.sh installs
+/// it): what lets `cp --reflink=always` clone on a betrfs mount.
+pub fn preload_lib() -> Result<std::path::PathBuf> {
+    let exe = quiltfs_exe()?;
+    let beside = exe.with_file_name("libquilt_preload.so");
+    for p in [beside, "/usr/local/lib/libquilt_preload.so".into()] {
+        if p.exists() {
+            return Ok(p);
+        }
+    }
+    bail!("libquilt_preload.so is neither beside {} nor in /usr/local/lib (cargo build --release -p quilt-preload)", exe.display())
 }

@@ -290,7 +290,12 @@ fn setup(conf: &Conf, work: &Path, n: usize, size: usize) -> Result<Mounted> {
                 .arg(&image))?;
         }
         Fs::Quilt(mode) => {
-            super::quilt_mkfs(&image, size_mib as u64, mode.contains("journal"))?;
+            super::quilt_mkfs(
+                &image,
+                size_mib as u64,
+                crate::systems::QuiltFs::Ext2,
+                mode.contains("journal"),
+            )?;
         }
     }
     let dev = sh(Command::new("losetup").args(["-f", "--show"]).arg(&image))?
@@ -456,7 +461,7 @@ fn one_run(conf: &Conf, run: usize, a: &MailArgs, n: usize, preload_lib: &Path) 
     w.cmd("LOGOUT")?;
     w.finish()?;
     if m.quilt {
-        crate::mount::sync_mount(&m.mnt)?;
+        quilt_mountctl::sync(&m.mnt)?;
     } else {
         sh(Command::new("sync").arg("-f").arg(&m.mnt))?;
     }
@@ -485,7 +490,7 @@ fn one_run(conf: &Conf, run: usize, a: &MailArgs, n: usize, preload_lib: &Path) 
     let (w1, f1) = loop_stat(&dev)?;
     let t1 = Instant::now();
     if m.quilt {
-        crate::mount::sync_mount(&m.mnt)?;
+        quilt_mountctl::sync(&m.mnt)?;
     } else {
         sh(Command::new("sync").arg("-f").arg(&m.mnt))?;
     }

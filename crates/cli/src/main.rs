@@ -3,7 +3,6 @@
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
-mod bench;
 mod betrfs;
 mod crashtest;
 mod demo;
@@ -77,11 +76,15 @@ enum Command {
 enum BenchCommand {
     /// The IMAP mailbox move of the Featherstitch paper, with Dovecot: kernel ext3,
     /// quiltfs with fsync and with patchgroups, and fsync disabled, side by side.
-    Mail(bench::mail::MailArgs),
+    Mail(quilt_bench::mail::MailArgs),
     /// The Featherstitch paper's evaluation: untar, delete, PostMark and an Andrew-like
     /// build on every quiltfs mode, kernel ext2/ext3/ext4 and fuse2fs, plus the patch
     /// optimization table; Markdown, CSV, JSON and PNG plots.
-    Featherstitch(bench::featherstitch::FeatherstitchArgs),
+    Featherstitch(quilt_bench::featherstitch::FeatherstitchArgs),
+    /// The BetrFS papers' evaluation: sequential I/O, random 4-byte writes, find, grep,
+    /// rm -rf, TokuBench, rename and clone latency, the native API; kernel ext4, xfs,
+    /// btrfs, fuse2fs, both quiltfs modules and the FUSE floor, side by side.
+    Betrfs(quilt_bench::betrfs::BetrfsArgs),
 }
 
 /// `mi_option_purge_delay` of mimalloc 2.1 and later (the Rust bindings list only the
@@ -182,7 +185,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Umount { mountpoint, lazy } => mount::unmount_and_wait(&mountpoint, lazy),
         Command::Crashtest(a) => crashtest::run(a),
         Command::Kv(c) => kv::run(c),
-        Command::Bench(BenchCommand::Mail(a)) => bench::mail::run(a),
-        Command::Bench(BenchCommand::Featherstitch(a)) => bench::featherstitch::run(a),
+        Command::Bench(BenchCommand::Mail(a)) => quilt_bench::mail::run(a),
+        Command::Bench(BenchCommand::Featherstitch(a)) => quilt_bench::featherstitch::run(a),
+        Command::Bench(BenchCommand::Betrfs(a)) => quilt_bench::betrfs::run(a),
     }
 }

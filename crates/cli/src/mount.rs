@@ -133,22 +133,7 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
     Ok(Parsed { settings, fuse })
 }
 
-/// Where the control socket and log of a mount live.
-pub fn runtime_paths(mountpoint: &Path) -> (PathBuf, PathBuf) {
-    let canon = mountpoint
-        .canonicalize()
-        .unwrap_or_else(|_| mountpoint.to_path_buf());
-    let s = canon.display().to_string();
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in s.bytes() {
-        h = (h ^ b as u64).wrapping_mul(0x100000001b3);
-    }
-    let dir = PathBuf::from("/run/quiltfs");
-    (
-        dir.join(format!("{h:016x}.sock")),
-        dir.join(format!("{h:016x}.log")),
-    )
-}
+pub use quilt_mountctl::runtime_paths;
 
 pub fn run(mut a: MountArgs) -> Result<()> {
     // Absolute paths: the server's command line and the mount table name the image and
@@ -429,36 +414,19 @@ pub fn stats_json(fs: &dyn FileSystem) -> serde_json::Value {
     serde_json::Value::Object(m)
 }
 
-/// Asks the server of `mountpoint` for its counters.
 /// Makes everything written to the mount durable (what syncfs would do).
 pub fn sync_mount(mountpoint: &Path) -> Result<()> {
-    let reply = ask(mountpoint, "sync")?;
-    if reply.trim() == "ok" {
-        Ok(())
-    } else {
-        bail!("sync of {} failed: {}", mountpoint.display(), reply.trim())
-    }
+    Ok(quilt_mountctl::sync(mountpoint)?)
 }
 
+/// The counters of the server of `mountpoint`.
 pub fn query_stats(mountpoint: &Path) -> Result<serde_json::Value> {
-    Ok(serde_json::from_str(&ask(mountpoint, "stats")?)?)
+    Ok(quilt_mountctl::stats(mountpoint)?)
 }
 
 /// One request to the server's control socket.
 fn ask(mountpoint: &Path, what: &str) -> Result<String> {
-    let (sock, _) = runtime_paths(mountpoint);
-    let mut s = UnixStream::connect(&sock).with_context(|| {
-        format!(
-            "no quiltfs server answers for {} ({})",
-            mountpoint.display(),
-            sock.display()
-        )
-    })?;
-    s.write_all(format!("{what}\n").as_bytes())?;
-    s.shutdown(std::net::Shutdown::Write)?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf)?;
-    Ok(buf)
+    Ok(quilt_mountctl::ask(mountpoint, what)?)
 }
 
 /// `mount -t fuse.quiltfs IMAGE DIR -o OPTS` runs us as `mount.fuse.quiltfs`.

@@ -15,7 +15,7 @@ mod report;
 mod systems;
 mod workloads;
 
-use crate::bench::{drop_caches, loop_stat, sh};
+use crate::{drop_caches, loop_stat, sh};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -101,7 +101,7 @@ impl Sample {
 }
 
 fn ensure_prerequisites(systems: &[System], workloads: &[Workload]) -> Result<()> {
-    crate::bench::require_root("bench featherstitch")?;
+    crate::require_root("bench featherstitch")?;
     let mut pkgs = vec!["e2fsprogs", "fonts-dejavu-core", "xz-utils", "make", "gcc"];
     if systems.iter().any(|s| s.name == "fuse2fs") {
         pkgs.push("fuse2fs");
@@ -112,33 +112,14 @@ fn ensure_prerequisites(systems: &[System], workloads: &[Workload]) -> Result<()
     if workloads.contains(&Workload::Postmark) {
         pkgs.push("postmark");
     }
-    crate::bench::apt_install(&pkgs)?;
+    crate::apt_install(&pkgs)?;
     for tool in ["losetup", "mount", "umount", "e2fsck", "tar"] {
-        if !crate::bench::have(tool) {
+        if !crate::have(tool) {
             bail!("bench featherstitch needs {tool}");
         }
     }
-    enable_fuse_uring();
+    crate::enable_fuse_uring();
     Ok(())
-}
-
-/// quiltfs mounts serve over io_uring when the fuse module allows it (as scripts/setup.sh
-/// leaves it); `quilt-su-dev` measures the same over /dev/fuse. The report says which
-/// transport each run used (the server's `fuse.io_uring`).
-fn enable_fuse_uring() {
-    let p = std::path::Path::new("/sys/module/fuse/parameters/enable_uring");
-    match std::fs::read_to_string(p) {
-        Ok(v) if v.trim() != "Y" => match std::fs::write(p, "Y") {
-            Ok(()) => eprintln!("bench: enabled FUSE over io_uring ({})", p.display()),
-            Err(e) => eprintln!(
-                "bench: cannot enable FUSE over io_uring: {e}; quiltfs serves on /dev/fuse"
-            ),
-        },
-        Ok(_) => {}
-        Err(_) => {
-            eprintln!("bench: this kernel has no FUSE over io_uring; quiltfs serves on /dev/fuse")
-        }
-    }
 }
 
 fn select<T: Copy>(
@@ -176,7 +157,7 @@ pub fn run(a: FeatherstitchArgs) -> Result<()> {
             phases.push((w, false));
         }
     }
-    crate::bench::catch_interrupts();
+    crate::catch_interrupts();
     eprintln!(
         "bench: {} systems × {} workloads × {runs} run(s); inputs: {} ({} entries), {} ({} files); \
          results go to {}",
@@ -188,8 +169,7 @@ pub fn run(a: FeatherstitchArgs) -> Result<()> {
         inputs.source_files,
         a.out.display()
     );
-    let mut bar =
-        crate::bench::Progress::new((systems.len() * runs * phases.len()) as u64, "steps");
+    let mut bar = crate::Progress::new((systems.len() * runs * phases.len()) as u64, "steps");
     let started = Instant::now();
     let mut samples = Vec::new();
     for run in 0..runs {
@@ -200,7 +180,7 @@ pub fn run(a: FeatherstitchArgs) -> Result<()> {
                 Ok(s) => samples.extend(s),
                 Err(e) => {
                     bar.finish();
-                    if crate::bench::interrupted() {
+                    if crate::interrupted() {
                         bail!(
                             "interrupted: everything this run set up was unmounted, detached and removed"
                         );
@@ -226,7 +206,7 @@ pub fn run(a: FeatherstitchArgs) -> Result<()> {
             "samples": samples,
         }))?,
     )?;
-    std::fs::write(a.out.join("results.csv"), crate::bench::csv(&samples)?)?;
+    std::fs::write(a.out.join("results.csv"), crate::csv(&samples)?)?;
     let plots = plot::all(&a.out, &systems, &chosen, &samples)?;
     println!(
         "results in {}: report.md, results.json, results.csv{}",
@@ -244,13 +224,13 @@ fn one_system(
     inputs: &Inputs,
     work: &Path,
     image_mib: u64,
-    bar: &mut crate::bench::Progress,
+    bar: &mut crate::Progress,
 ) -> Result<Vec<Sample>> {
     let mut disk = Disk::create(sys, work, image_mib)?;
     let mnt = work.join(format!("{}.mnt", sys.name));
     let mut out = Vec::new();
     for &(w, timed) in phases {
-        if crate::bench::interrupted() {
+        if crate::interrupted() {
             bail!("interrupted");
         }
         bar.step(format!("{} on {} (run {})", w.name(), sys.name, run + 1));
@@ -366,7 +346,7 @@ fn quilt_counters(m: &Mounted) -> Result<Option<serde_json::Value>> {
     if !m.sys.is_quilt() {
         return Ok(None);
     }
-    crate::mount::query_stats(&m.mnt)
+    quilt_mountctl::stats(&m.mnt)
         .map(Some)
         .with_context(|| format!("reading the counters of {}", m.sys.name))
 }

@@ -5,7 +5,7 @@
 use super::systems::System;
 use super::workloads::{Inputs, Workload};
 use super::Sample;
-use crate::bench::median;
+use crate::median;
 use std::fmt::Write;
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -419,8 +419,8 @@ fn verdict(ok: bool) -> &'static str {
     }
 }
 
-/// The block cache the bench's quiltfs servers run with (`quiltfs mount`'s default).
-const CACHE_MIB: f64 = crate::image::DEFAULT_CACHE_MIB as f64;
+/// The block cache the bench's quiltfs servers run with.
+const CACHE_MIB: f64 = super::systems::CACHE_MIB as f64;
 
 /// One "A within k× of B" goal line.
 fn within(g: &mut Vec<String>, samples: &[Sample], w: Workload, (q, k): (&str, &str), factor: f64) {

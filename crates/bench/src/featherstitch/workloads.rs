@@ -2,7 +2,7 @@
 //! outside any timing: the linux-source tarball decompressed, the lz4 C sources unpacked,
 //! the PostMark configuration.
 
-use crate::bench::{sh, Reaped};
+use crate::{sh, Reaped, LINUX_TOP};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -42,11 +42,6 @@ impl Workload {
     }
 }
 
-/// The top directory inside the linux-source tarball.
-const LINUX_TOP: &str = "linux-source-6.1";
-const LINUX_XZ: &str = "/usr/src/linux-source-6.1.tar.xz";
-/// The quick run's slice of the kernel tree: about 1,500 files, 26 MB.
-const QUICK_DIRS: &[&str] = &["kernel", "lib", "mm", "ipc", "init", "block", "certs"];
 const LZ4_CRATE: &str = "lz4-sys";
 const LZ4_VERSION: &str = "1.11.1";
 
@@ -75,55 +70,7 @@ pub struct PostmarkConfig {
 }
 
 pub fn prepare(work: &Path, quick: bool) -> Result<Inputs> {
-    let full = work.join("linux.tar");
-    if !full.exists() {
-        if !Path::new(LINUX_XZ).exists() {
-            crate::bench::apt_install(&["linux-source-6.1", "xz-utils"])?;
-        }
-        eprintln!("bench: decompressing {LINUX_XZ} (once, outside the timing)");
-        let tmp = work.join("linux.tar.tmp");
-        let out = std::fs::File::create(&tmp)?;
-        let st = Command::new("xz")
-            .args(["-dc", "-T2", LINUX_XZ])
-            .stdout(out)
-            .status()
-            .context("running xz")?;
-        if !st.success() {
-            let _ = std::fs::remove_file(&tmp);
-            bail!("xz could not decompress {LINUX_XZ} ({st})");
-        }
-        std::fs::rename(&tmp, &full)?;
-    }
-    let tarball = if quick {
-        let small = work.join("linux-quick.tar");
-        if !small.exists() {
-            let x = work.join("linux-quick.x");
-            let _ = std::fs::remove_dir_all(&x);
-            std::fs::create_dir_all(&x)?;
-            let members: Vec<String> = QUICK_DIRS
-                .iter()
-                .map(|d| format!("{LINUX_TOP}/{d}"))
-                .collect();
-            sh(Command::new("tar")
-                .arg("xf")
-                .arg(&full)
-                .arg("-C")
-                .arg(&x)
-                .args(&members))?;
-            let tmp = work.join("linux-quick.tar.tmp");
-            sh(Command::new("tar")
-                .arg("cf")
-                .arg(&tmp)
-                .arg("-C")
-                .arg(&x)
-                .arg(LINUX_TOP))?;
-            std::fs::rename(&tmp, &small)?;
-            std::fs::remove_dir_all(&x)?;
-        }
-        small
-    } else {
-        full
-    };
+    let tarball = crate::linux_tarball(work, quick)?;
     let tarball_entries = sh(Command::new("tar").arg("tf").arg(&tarball))?
         .lines()
         .count() as u64;
@@ -342,7 +289,7 @@ pub fn run_timed(mut c: Command, errlog: &Path) -> Result<(f64, Reaped)> {
         .stderr(err)
         .spawn()
         .context("starting the workload")?;
-    let r = crate::bench::reap(&child)?;
+    let r = crate::reap(&child)?;
     let secs = t0.elapsed().as_secs_f64();
     if !r.success() {
         bail!(

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# `quiltfs bench betrfs` end to end (root): a quick run on every system must produce
+# every output, a sample for each system and workload it applies to, a clean checker
+# verdict after every group, and leave no mount, loop device or image behind; bad
+# arguments get a clear error. (Timings are not checked: they come from the full run.)
+#   tests/bench-betrfs.sh [path/to/quiltfs]
+set -euo pipefail
+q="$(realpath "${1:-./target/release/quiltfs}")"
+work="${TMPDIR:-/tmp}/quiltfs-ci-bench-betrfs"
+out="$work/out"
+rm -rf "$out"; mkdir -p "$work"
+fail() { echo "bench-betrfs: FAIL: $*" >&2; exit 1; }
+leftovers() {
+  { grep -F "$work" /proc/self/mountinfo || true; } | sed 's/^/mount: /'
+  { losetup -a | grep -F "$work" || true; } | sed 's/^/loop: /'
+  find "$work" -maxdepth 1 -name '*.img' | sed 's/^/image: /'
+}
+
+if "$q" bench betrfs --workloads seqwrite,nosuch --work "$work" --out "$out" 2>"$work/err"; then
+  fail "an unknown workload was accepted"
+fi
+grep -q "unknown workload 'nosuch'" "$work/err" || fail "unclear error: $(cat "$work/err")"
+
+"$q" bench betrfs --quick --work "$work" --out "$out" >"$work/log" 2>&1 ||
+  { tail -30 "$work/log"; fail "the quick run failed"; }
+for f in report.md results.json results.csv seqwrite.png randwrite.png toku4.png rename-latency.png clone-latency.png; do
+  [ -s "$out/$f" ] || fail "$f is missing"
+done
+python3 - "$out/results.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+systems = [s["name"] for s in d["systems"]]
+got = {(s["system"], s["workload"]) for s in d["samples"]}
+want = ["seqwrite", "seqread", "randwrite", "untar", "find", "grep", "rmrf", "toku1", "toku4", "rename"]
+missing = [(s, w) for s in systems for w in want if (s, w) not in got]
+for s in ["betrfs", "btrfs", "xfs"]:
+    if (s, "clone") not in got:
+        missing.append((s, "clone"))
+for s in ["betrfs", "quilt-su"]:
+    for w in ["randwrite-native", "toku1-native", "toku4-native"]:
+        if (s, w) not in got:
+            missing.append((s, w))
+assert not missing, f"no sample for {missing}"
+for s in d["samples"]:
+    assert s["value"] > 0 and s["wall_s"] > 0, s
+groups = {(c.split(":")[0]) for c in d["checks"]}
+assert groups == set(systems), f"checks for {groups}, systems {systems}"
+assert all(c.endswith("clean") for c in d["checks"]), d["checks"]
+print(f"bench-betrfs: {len(d['samples'])} samples from {len(systems)} systems, every group checked clean")
+PY
+grep -q "^## Goals" "$out/report.md" || fail "report.md has no goals"
+[ -z "$(leftovers)" ] || fail "left behind: $(leftovers)"
+echo "bench-betrfs: ok (quick run of every system and workload, outputs, checks, cleanup)"
