@@ -327,11 +327,20 @@ pub struct Tree {
 }
 
 fn engine_for(dev: Arc<dyn BlockDevice>, opts: &Options) -> Engine {
+    let cache = opts.engine_cache_bytes.max(1 << 20);
+    let bs = dev.block_size().max(512);
     Engine::new(
         dev,
         EngineOptions {
-            cache_bytes_max: opts.engine_cache_bytes.max(1 << 20),
+            cache_bytes_max: cache,
             flush_interval_ms: None,
+            // Every log block and every node is a patch: as many may be pending as the
+            // cache holds blocks (the engine's default, tuned for a file system's small
+            // changes, made a checkpoint or a long log tail write back in pieces, each
+            // with its own flush).
+            patches_live_max: EngineOptions::default()
+                .patches_live_max
+                .max(2 * cache / bs),
             ..EngineOptions::default()
         },
     )

@@ -145,7 +145,7 @@ struct CheckWalk {
 
 /// Basements a scan reads at a time from a leaf not cached whole: 64 KiB of 4 KiB
 /// basements, one read, about 500 entries of 100 bytes.
-const SCAN_BASEMENTS: usize = 16;
+const SCAN_BASEMENTS: usize = 64;
 
 /// Appends a basement's entries to the ones of the basements before it.
 fn append_basement(all: &mut Entries, es: &Entries, id: NodeId) -> Result<()> {

@@ -43,11 +43,23 @@ pub fn tree_options(block_size: usize, blocks: u64) -> Options {
     if bytes < (256 << 20) {
         o.node_bytes = (64 << 10).max(block_size * 8);
     }
-    o.log_blocks = o.log_blocks.min(blocks / 8).max(64);
+    // The log takes every batch's data: a ring much smaller than what a file system
+    // writes between checkpoints makes checkpoints follow the log's size instead of the
+    // dirty nodes (a 16 MiB ring checkpointed every 12 MB of a sequential write). Large
+    // devices get a ring of 1/64 of the device, up to 256 MiB (replay reads at most that).
+    o.log_blocks = o
+        .log_blocks
+        .max((blocks / 64).min((256 << 20) / block_size as u64))
+        .min(blocks / 8)
+        .max(64);
     o.dirty_bytes = o
         .dirty_bytes
         .min((bytes / 8) as usize)
         .max(o.node_bytes * 4);
+    // A checkpoint hands every dirty node to the engine at once: with room for them all,
+    // it goes out in one write-back and one flush at its end, instead of throttled
+    // write-backs (each with its own flush) while it is being written.
+    o.engine_cache_bytes = o.engine_cache_bytes.max(o.dirty_bytes + (8 << 20));
     o
 }
 

@@ -245,6 +245,7 @@ fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
         }
         // (A bare key-value tree fails here: it has no betrfs superblock record.)
         crate::betrfs::Format::Tree(bs) => {
+            crate::set_allocator_purge_delay(10);
             let s = &p.settings;
             let fs = crate::betrfs::open(
                 &a.image,
