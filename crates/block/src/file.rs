@@ -385,6 +385,31 @@ impl BlockDevice for FileDevice {
         self.counters.write(buf.len());
         Ok(())
     }
+    fn write_blocks(&self, first: BlockNo, buf: &[u8]) -> Result<()> {
+        let bs = self.opts.block_size;
+        if buf.is_empty() || buf.len() % bs != 0 {
+            return Err(BlockError::BadBufferSize {
+                got: buf.len(),
+                block_size: bs,
+            });
+        }
+        // The whole run in one pwrite (its last block checked against the device's end).
+        check_request(self, first + (buf.len() / bs) as u64 - 1, bs)?;
+        if self.opts.read_only {
+            return Err(BlockError::Unsupported("writes on a read-only image"));
+        }
+        let offset = first * bs as u64;
+        let res = if self.opts.direct {
+            let mut bounce = AlignedBuf::new(buf.len());
+            bounce.as_mut_slice().copy_from_slice(buf);
+            self.file.write_all_at(bounce.as_mut_slice(), offset)
+        } else {
+            self.file.write_all_at(buf, offset)
+        };
+        res.map_err(|e| self.io_err("writing", first, e))?;
+        self.counters.write(buf.len());
+        Ok(())
+    }
     fn flush(&self) -> Result<()> {
         if self.opts.read_only {
             return Ok(());

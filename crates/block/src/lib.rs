@@ -19,12 +19,16 @@
 mod counters;
 mod file;
 mod mem;
+mod model;
 mod overlay;
 mod recording;
 
 pub use counters::{IoCounters, IoStats};
 pub use file::{lock_file, lock_holders, FileDevice, FileDeviceOptions};
 pub use mem::MemDevice;
+pub use model::{
+    Clock, DiskModel, DiskParams, ModelCounters, Place, SeekCurve, Zone, LATENCY_BUCKETS_US,
+};
 pub use overlay::OverlayDevice;
 pub use recording::{LogEntry, RecordingDevice, RecordingLog};
 
@@ -112,11 +116,33 @@ pub trait BlockDevice: Send + Sync {
     /// Durability barrier: every write that returned before this call is durable when it
     /// returns `Ok`.
     fn flush(&self) -> Result<()>;
-    /// Writes `buf` to whichever of `candidates` the device finds cheapest and returns the
-    /// block it chose (range writes, as in Bark). Devices without a placement model refuse.
+    /// Writes `buf` (whole blocks) to consecutive blocks from `first`: one request to a
+    /// device that models its timing (a disk streams it), block writes otherwise. Each
+    /// block is written atomically; the blocks may reach the media in any order.
+    fn write_blocks(&self, first: BlockNo, buf: &[u8]) -> Result<()> {
+        let bs = self.block_size();
+        if buf.is_empty() || buf.len() % bs != 0 {
+            return Err(BlockError::BadBufferSize {
+                got: buf.len(),
+                block_size: bs,
+            });
+        }
+        for (i, b) in buf.chunks(bs).enumerate() {
+            self.write(first + i as u64, b)?;
+        }
+        Ok(())
+    }
+    /// Writes `buf` (whole blocks, kept together and in order) at whichever of
+    /// `candidates` the device finds cheapest, and returns the block it chose (range
+    /// writes, as in Bark). A device that models a disk's timing ([`DiskModel`]) takes the
+    /// one its head reaches first; others take the first candidate, which is what a
+    /// caller that lists them in its preferred order would choose anyway.
     fn write_range(&self, candidates: &[BlockNo], buf: &[u8]) -> Result<BlockNo> {
-        let _ = (candidates, buf);
-        Err(BlockError::Unsupported("range writes"))
+        let Some(&first) = candidates.first() else {
+            return Err(BlockError::Unsupported("a range write with no candidate"));
+        };
+        self.write_blocks(first, buf)?;
+        Ok(first)
     }
     /// Inserts a named mark into the device's history (see [`RecordingDevice`]).
     fn mark(&self, name: &str) {
@@ -124,6 +150,11 @@ pub trait BlockDevice: Send + Sync {
     }
     /// The I/O this device has served so far.
     fn stats(&self) -> IoStats;
+    /// Counters of the device's own (a disk model's latencies and range-write choices),
+    /// by name; none by default. Devices that wrap another pass its counters on.
+    fn extra_stats(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
 }
 
 /// Checks a request against a device's geometry. Shared by every device so that the
@@ -169,8 +200,14 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     fn flush(&self) -> Result<()> {
         (**self).flush()
     }
+    fn write_blocks(&self, first: BlockNo, buf: &[u8]) -> Result<()> {
+        (**self).write_blocks(first, buf)
+    }
     fn write_range(&self, candidates: &[BlockNo], buf: &[u8]) -> Result<BlockNo> {
         (**self).write_range(candidates, buf)
+    }
+    fn extra_stats(&self) -> Vec<(String, u64)> {
+        (**self).extra_stats()
     }
     fn mark(&self, name: &str) {
         (**self).mark(name)
