@@ -314,6 +314,12 @@ pub struct OpenSettings {
     pub acl: bool,
     /// After damage is found: `errors=remount-ro` (the default) or `continue`.
     pub errors: quilt_ext2::Errors,
+    /// The journal's placement (`journal=ring|skip|null`); None: the one it was made for.
+    pub journal_placement: Option<quilt_ext2::JournalPlacement>,
+    /// The external journal's device or file (`journal_dev=PATH`).
+    pub journal_dev: Option<std::path::PathBuf>,
+    /// Serve the external journal through a model of a rotating disk (`journal_model=7200`).
+    pub journal_model: bool,
 }
 
 impl Default for OpenSettings {
@@ -328,8 +334,48 @@ impl Default for OpenSettings {
             overlap_merge: true,
             acl: true,
             errors: quilt_ext2::Errors::default(),
+            journal_placement: None,
+            journal_dev: None,
+            journal_model: false,
         }
     }
+}
+
+/// The external journal's device named by `journal_dev=`, opened with the image's block
+/// size, behind the disk model if asked.
+fn open_journal_dev(
+    s: &OpenSettings,
+    block_size: usize,
+) -> Result<Option<quilt_ext2::JournalDevice>> {
+    let Some(path) = &s.journal_dev else {
+        if s.journal_model {
+            bail!("journal_model= needs an external journal (journal_dev=PATH)");
+        }
+        return Ok(None);
+    };
+    let dev = FileDevice::open(
+        path,
+        FileDeviceOptions {
+            block_size,
+            read_only: s.read_only,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| open_error(path, e))?;
+    let dev: Arc<dyn quilt_block::BlockDevice> = Arc::new(dev);
+    let dev: Arc<dyn quilt_block::BlockDevice> = if s.journal_model {
+        Arc::new(
+            quilt_block::DiskModel::new(
+                dev,
+                quilt_block::DiskParams::desktop_7200(),
+                quilt_block::Clock::real(),
+            )
+            .with_context(|| format!("modelling a disk under {}", path.display()))?,
+        )
+    } else {
+        dev
+    };
+    Ok(Some(quilt_ext2::JournalDevice(dev)))
 }
 
 pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
@@ -370,6 +416,8 @@ pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
             read_only: s.read_only,
             acl: s.acl,
             errors: s.errors,
+            journal_placement: s.journal_placement,
+            journal_device: open_journal_dev(s, bs)?,
         },
     )
     .with_context(|| format!("cannot mount {}", image.display()))?;

@@ -30,6 +30,16 @@ pub struct MkfsArgs {
     /// 1024 blocks).
     #[arg(long, requires = "journal")]
     pub journal_size: Option<String>,
+    /// Where the journal's commits go by default: ring (JBD2's log, as the kernel
+    /// writes it) or skip (log skipping: each commit one self-identifying record, written
+    /// wherever the disk's head gets first; a mount may choose again with journal=).
+    #[arg(long, requires = "journal", default_value = "ring", value_parser = ["ring", "skip"])]
+    pub journal_placement: String,
+    /// Put the journal on a device or file of its own (created if missing, of
+    /// --journal-size or the default journal size), as `mke2fs -J device=`: mounts then
+    /// need journal_dev=PATH.
+    #[arg(long, requires = "journal")]
+    pub journal_dev: Option<PathBuf>,
     /// The file system: ext2 (with --journal, ext3) or betrfs (the Bε-tree file system).
     #[arg(long = "fs", default_value = "ext2", value_parser = ["ext2", "betrfs"])]
     pub fs: String,
@@ -115,7 +125,16 @@ pub fn run(a: MkfsArgs) -> Result<()> {
     };
     let sb = quilt_ext2::mkfs(&engine, &opts).context("mkfs failed")?;
     let mut kind = "ext2".to_string();
-    if a.journal {
+    let skip = a.journal_placement == "skip";
+    if let Some(jpath) = &a.journal_dev {
+        let jblocks = external_journal(&a, jpath, &engine, skip, blocks)?;
+        kind = format!(
+            "ext3 (external journal {} of {jblocks} blocks, {} MiB{})",
+            jpath.display(),
+            (jblocks * a.block_size as u64) >> 20,
+            if skip { ", log skipping" } else { "" }
+        );
+    } else if a.journal {
         let jblocks = match &a.journal_size {
             Some(s) => parse_size(s)? / a.block_size as u64,
             None => quilt_ext2::journal::default_journal_blocks(blocks) as u64,
@@ -128,12 +147,13 @@ pub fn run(a: MkfsArgs) -> Result<()> {
         }
         let fs = quilt_ext2::Ext2::open(engine, quilt_ext2::MountOptions::default())
             .context("opening the new file system")?;
-        fs.create_journal(jblocks as u32)
+        fs.create_journal_for(jblocks as u32, skip)
             .context("creating the journal")?;
         fs.unmount().context("writing the file system")?;
         kind = format!(
-            "ext3 (journal of {jblocks} blocks, {} MiB)",
-            (jblocks * a.block_size as u64) >> 20
+            "ext3 (journal of {jblocks} blocks, {} MiB{})",
+            (jblocks * a.block_size as u64) >> 20,
+            if skip { ", log skipping" } else { "" }
         );
     }
     println!(
@@ -146,6 +166,57 @@ pub fn run(a: MkfsArgs) -> Result<()> {
         sb.group_count()
     );
     Ok(())
+}
+
+/// Formats `jpath` as the external journal of the new file system on `engine`'s device
+/// and points the file system at it; returns the journal's size in blocks.
+fn external_journal(
+    a: &MkfsArgs,
+    jpath: &std::path::Path,
+    engine: &Engine,
+    skip: bool,
+    fs_blocks: u64,
+) -> Result<u64> {
+    let target = crate::image::open_target(jpath)?;
+    let bytes = match &a.journal_size {
+        Some(s) if target.is_device => bail!(
+            "a journal on a block device fills it ({} bytes): leave out --journal-size, not {s}",
+            target.len
+        ),
+        Some(s) => parse_size(s)?,
+        None if target.existed && target.len > 0 => target.len,
+        None => quilt_ext2::journal::default_journal_blocks(fs_blocks) as u64 * a.block_size as u64,
+    };
+    if let Some(found) = crate::image::probe_contents(&target.file, jpath) {
+        if !a.force {
+            bail!(
+                "{} already holds {found}.\nquiltfs mkfs would destroy it; run it again with --force to overwrite it",
+                jpath.display()
+            );
+        }
+    }
+    if !target.is_device {
+        let io = |e| anyhow::anyhow!("cannot resize {}: {e}", jpath.display());
+        target.file.set_len(0).map_err(io)?;
+        target.file.set_len(bytes).map_err(io)?;
+    }
+    let jblocks = bytes / a.block_size as u64;
+    if jblocks < 1024 {
+        bail!("a journal of {jblocks} blocks is too small: it needs at least 1024 blocks");
+    }
+    let jdev = FileDevice::from_locked(
+        target.file,
+        jpath.to_path_buf(),
+        FileDeviceOptions {
+            block_size: a.block_size as usize,
+            ..Default::default()
+        },
+    )
+    .with_context(|| format!("cannot open {}", jpath.display()))?;
+    engine.sync().context("writing the file system")?;
+    quilt_ext2::journal::attach_external_journal(engine.device().as_ref(), &jdev, skip)
+        .with_context(|| format!("making {} the journal", jpath.display()))?;
+    Ok(jblocks.min(u32::MAX as u64))
 }
 
 /// Image files are sparse: says so when the host file system has less room than the

@@ -46,6 +46,10 @@ pub struct MountArgs {
     /// handoff (ring workers wait under SCHED_IDLE while some CPU is idle, so an
     /// answer wakes its caller on the worker's CPU, not on an idle one; off by default,
     /// nohandoff),
+    /// journal=ring|skip|null (where journal commits go: JBD2's ring, log skipping, or
+    /// nowhere, for measuring; default: what mkfs made the journal for),
+    /// journal_dev=PATH (the external journal of an image made with mkfs --journal-dev),
+    /// journal_model=7200 (the external journal behind a model of a 7200 RPM disk),
     /// nohard and nomerge (the patch engine's optimizations off, for comparing them);
     /// fstab-only options are ignored.
     #[arg(short = 'o', value_delimiter = ',')]
@@ -87,6 +91,15 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
             ("nomerge", None) => settings.overlap_merge = false,
             ("acl", None) => settings.acl = true,
             ("noacl", None) => settings.acl = false,
+            ("journal", Some(p)) => {
+                settings.journal_placement = Some(p.parse().map_err(anyhow::Error::msg)?)
+            }
+            ("journal_dev", Some(p)) => settings.journal_dev = Some(PathBuf::from(p)),
+            ("journal_model", Some("7200")) => settings.journal_model = true,
+            ("journal_model", Some("none")) => settings.journal_model = false,
+            ("journal_model", Some(m)) => {
+                bail!("journal_model={m}: the disk models are 7200 (a desktop disk) and none")
+            }
             ("errors", Some(e)) => settings.errors = e.parse().map_err(anyhow::Error::msg)?,
             ("mode", Some(m)) => settings.mode = m.parse().map_err(anyhow::Error::msg)?,
             ("cache_mib", Some(n)) => settings.cache_mib = n.parse().context("cache_mib=N")?,

@@ -91,8 +91,11 @@ pub struct Superblock {
     pub def_resuid: u16,
     pub def_resgid: u16,
     pub uuid: [u8; 16],
-    /// The journal's inode (8) when `COMPAT_HAS_JOURNAL`; 0 otherwise.
+    /// The journal's inode (8) when `COMPAT_HAS_JOURNAL`; 0 otherwise, or when the journal
+    /// is on a device of its own (an external journal, named by `journal_uuid`).
     pub journal_inum: u32,
+    /// The external journal's UUID (its JBD2 superblock's).
+    pub journal_uuid: [u8; 16],
     /// A copy of the journal inode's block map (15 words), its size high and low, for
     /// e2fsck when the inode is damaged.
     pub jnl_blocks: [u32; 17],
@@ -123,6 +126,8 @@ impl Superblock {
         };
         let mut uuid = [0u8; 16];
         uuid.copy_from_slice(&b[0x68..0x78]);
+        let mut journal_uuid = [0u8; 16];
+        journal_uuid.copy_from_slice(&b[0xD0..0xE0]);
         let sb = Superblock {
             inodes_count: le32(b, 0x00),
             blocks_count: le32(b, 0x04),
@@ -148,6 +153,7 @@ impl Superblock {
             def_resgid: le16(b, 0x52),
             uuid,
             journal_inum: le32(b, 0xE0),
+            journal_uuid,
             jnl_blocks: std::array::from_fn(|i| le32(b, 0x10C + 4 * i)),
             jnl_backup_type: b[0xFD],
         };
@@ -232,6 +238,7 @@ impl Superblock {
             put32(b, 0x64, self.feature_ro_compat);
         }
         b[0x68..0x78].copy_from_slice(&self.uuid);
+        b[0xD0..0xE0].copy_from_slice(&self.journal_uuid);
         put32(b, 0xE0, self.journal_inum);
         for (i, w) in self.jnl_blocks.iter().enumerate() {
             put32(b, 0x10C + 4 * i, *w);

@@ -69,6 +69,21 @@ pub struct MountOptions {
     pub acl: bool,
     /// What follows the discovery of damage on the image (`errors=`).
     pub errors: Errors,
+    /// Where the journal puts its commits (`journal=ring|skip|null`); None: what the
+    /// journal was made for (`mkfs --journal-placement`).
+    pub journal_placement: Option<quilt_journal::Placement>,
+    /// The journal's device, when it is on one of its own (`journal_dev=`).
+    pub journal_device: Option<JournalDevice>,
+}
+
+/// An external journal's device (a newtype for `Debug`).
+#[derive(Clone)]
+pub struct JournalDevice(pub std::sync::Arc<dyn quilt_block::BlockDevice>);
+
+impl std::fmt::Debug for JournalDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "JournalDevice({} blocks)", self.0.block_count())
+    }
 }
 
 /// The `errors=` mount option: after an operation finds the image damaged (and fails
@@ -101,6 +116,8 @@ impl Default for MountOptions {
             read_only: false,
             acl: true,
             errors: Errors::default(),
+            journal_placement: None,
+            journal_device: None,
         }
     }
 }
@@ -271,7 +288,8 @@ impl Ext2 {
         // A journal left needing recovery is replayed first, on the device itself: the
         // engine must not have cached any block yet, or it would serve stale copies.
         if !opts.read_only && engine.stats().blocks_cached == 0 {
-            crate::journal::recover(engine.device().as_ref())?;
+            let jdev = opts.journal_device.as_ref().map(|d| d.0.as_ref());
+            crate::journal::recover_with(engine.device().as_ref(), jdev)?;
         }
         let bs = engine.block_size() as u32;
         let sb_block = (SUPERBLOCK_OFFSET / bs as u64) as u32;
@@ -451,7 +469,7 @@ impl Ext2 {
             fs.engine().sync().map_err(Self::io)?;
         }
         if opts.mode.is_journal() && !fs.read_only {
-            let journal = fs.start_journal(opts.mode)?;
+            let journal = fs.start_journal(opts.mode, &opts)?;
             fs.svc.attach(std::sync::Arc::new(journal))?;
         }
         Ok(fs)

@@ -1,8 +1,12 @@
 //! The ext3 journal as the ext2 module sees it: inode 8 holds a JBD2 journal
 //! (`quilt_journal`); the superblock says so (`COMPAT_HAS_JOURNAL`, `journal_inum`, a
 //! backup of the inode's block map) and asks for recovery after a crash
-//! (`INCOMPAT_RECOVER`). Here: finding the journal on a raw device, recovery before the
-//! file system is opened, and creating a journal (`mkfs --journal`).
+//! (`INCOMPAT_RECOVER`). Or the journal is on a device of its own (an *external*
+//! journal, as `mke2fs -J device=`: `journal_inum` 0, `journal_uuid` its JBD2
+//! superblock's UUID), the whole device one journal. Here: finding the journal on a raw
+//! device, recovery before the file system is opened, and creating a journal (`mkfs
+//! --journal`, `--journal-dev`), with the placement its commits prefer (ring or skip,
+//! a compatible JBD2 feature the kernel ignores).
 
 use crate::format::corrupt;
 use crate::format::{
@@ -149,7 +153,32 @@ pub fn journal_map(dev: &dyn BlockDevice, sb: &Superblock) -> Result<JournalMap>
 /// clears the request. Must run before anything caches the device's blocks. None when
 /// there is no journal or nothing to do.
 pub fn recover(dev: &dyn BlockDevice) -> Result<Option<RecoveryReport>> {
+    recover_with(dev, None)
+}
+
+/// As `recover`, with the external journal's device if the file system has one.
+pub fn recover_with(
+    dev: &dyn BlockDevice,
+    jdev: Option<&dyn BlockDevice>,
+) -> Result<Option<RecoveryReport>> {
     let (sb, _, _, _) = read_super(dev)?;
+    if crate::extjournal::external(&sb) {
+        let Some(jdev) = jdev else {
+            if sb.feature_incompat & INCOMPAT_RECOVER != 0 {
+                return Err(FsError::Invalid(
+                    "the file system's journal is on a device of its own and needs recovery: give it (journal_dev=PATH)",
+                ));
+            }
+            return Ok(None);
+        };
+        if sb.feature_incompat & INCOMPAT_RECOVER == 0 {
+            return Ok(None);
+        }
+        let map = crate::extjournal::open_map(&sb, jdev)?;
+        let report = quilt_journal::recover_on(dev, jdev, &map).map_err(jerr)?;
+        clear_recover(dev)?;
+        return Ok(Some(report));
+    }
     if sb.feature_compat & COMPAT_HAS_JOURNAL == 0 || sb.journal_inum == 0 {
         if sb.feature_incompat & INCOMPAT_RECOVER != 0 {
             return Err(corrupt(
@@ -163,13 +192,7 @@ pub fn recover(dev: &dyn BlockDevice) -> Result<Option<RecoveryReport>> {
     }
     let map = journal_map(dev, &sb)?;
     let report = quilt_journal::recover(dev, &map).map_err(jerr)?;
-    // Replay may have rewritten the superblock's block: read it again, then clear the
-    // request.
-    let (mut sb, mut raw, blk, off) = read_super(dev)?;
-    sb.feature_incompat &= !INCOMPAT_RECOVER;
-    sb.encode_into(&mut raw[off..off + SUPERBLOCK_SIZE]);
-    dev.write(blk, &raw).map_err(dev_err)?;
-    dev.flush().map_err(dev_err)?;
+    clear_recover(dev)?;
     tracing::info!(
         "journal recovery: {} transactions, {} blocks replayed, {} revoked",
         report.transactions,
@@ -179,11 +202,50 @@ pub fn recover(dev: &dyn BlockDevice) -> Result<Option<RecoveryReport>> {
     Ok(Some(report))
 }
 
+/// Clears the superblock's recovery request after a replay (which may have rewritten the
+/// superblock's block: it is read again).
+fn clear_recover(dev: &dyn BlockDevice) -> Result<()> {
+    let (mut sb, mut raw, blk, off) = read_super(dev)?;
+    sb.feature_incompat &= !INCOMPAT_RECOVER;
+    sb.encode_into(&mut raw[off..off + SUPERBLOCK_SIZE]);
+    dev.write(blk, &raw).map_err(dev_err)?;
+    dev.flush().map_err(dev_err)?;
+    Ok(())
+}
+
+/// Makes all of `jdev` an empty external journal for the file system on `dev`, and
+/// points the file system's superblock at it (as `mke2fs -J device=` over a device made
+/// by `mke2fs -O journal_dev`: see `extjournal`). `skip`: its commits prefer log
+/// skipping. The file system must have no journal yet, and must not be mounted.
+pub fn attach_external_journal(
+    dev: &dyn BlockDevice,
+    jdev: &dyn BlockDevice,
+    skip: bool,
+) -> Result<()> {
+    let (mut sb, mut raw, blk, off) = read_super(dev)?;
+    if sb.feature_compat & COMPAT_HAS_JOURNAL != 0 {
+        return Err(FsError::Exists);
+    }
+    let uuid = crate::extjournal::format(&sb, jdev, skip)?;
+    sb.feature_compat |= COMPAT_HAS_JOURNAL;
+    sb.journal_inum = 0;
+    sb.journal_uuid = uuid;
+    sb.encode_into(&mut raw[off..off + SUPERBLOCK_SIZE]);
+    dev.write(blk, &raw).map_err(dev_err)?;
+    dev.flush().map_err(dev_err)?;
+    Ok(())
+}
+
 impl Ext2 {
     /// Gives the file system an empty JBD2 journal of `blocks` blocks in inode 8 (as
     /// `mke2fs -j`), making it ext3. The journal's blocks are placed from the middle
     /// block group on.
     pub fn create_journal(&self, blocks: u32) -> Result<()> {
+        self.create_journal_for(blocks, false)
+    }
+
+    /// As `create_journal`; `skip`: its commits prefer log skipping.
+    pub fn create_journal_for(&self, blocks: u32, skip: bool) -> Result<()> {
         self.check_writable()?;
         if blocks < quilt_journal::format::MIN_BLOCKS {
             return Err(FsError::Invalid("a journal needs at least 1024 blocks"));
@@ -205,7 +267,11 @@ impl Ext2 {
         for lblk in 0..blocks as u64 {
             let content = if lblk == 0 {
                 let mut b = zero.clone();
-                JournalSuper::new(bs, blocks, st.sb.uuid).encode_into(&mut b);
+                let mut jsb = JournalSuper::new(bs, blocks, st.sb.uuid);
+                if skip {
+                    jsb.feature_compat |= quilt_journal::skip::COMPAT_PREFER_SKIP;
+                }
+                jsb.encode_into(&mut b);
                 b
             } else {
                 zero.clone()
@@ -241,14 +307,46 @@ impl Ext2 {
         self.engine().sync().map_err(Self::io)
     }
 
-    /// Takes over the image's journal for the journal modes (after recovery at open).
-    pub(crate) fn start_journal(&self, mode: crate::Mode) -> Result<quilt_journal::Journal> {
+    /// Takes over the image's journal for the journal modes (after recovery at open): on
+    /// its own device if it is external, with the placement the mount asks for or the
+    /// one the journal was made for.
+    pub(crate) fn start_journal(
+        &self,
+        mode: crate::Mode,
+        mo: &crate::MountOptions,
+    ) -> Result<quilt_journal::Journal> {
         let sb = self.read_lock().sb.clone();
-        let map = journal_map(self.engine().device().as_ref(), &sb)?;
+        let (dev, map) = if crate::extjournal::external(&sb) {
+            let Some(j) = &mo.journal_device else {
+                return Err(FsError::Invalid(
+                    "the file system's journal is on a device of its own: give it (journal_dev=PATH)",
+                ));
+            };
+            (j.0.clone(), crate::extjournal::open_map(&sb, j.0.as_ref())?)
+        } else {
+            let d = self.engine().device().clone();
+            let m = journal_map(d.as_ref(), &sb)?;
+            (d, m)
+        };
+        let placement = match mo.journal_placement {
+            Some(p) => p,
+            None => {
+                let mut raw = vec![0u8; dev.block_size()];
+                dev.read(map.device_block(0).map_err(jerr)?, &mut raw)
+                    .map_err(dev_err)?;
+                let jsb = JournalSuper::decode(&raw, sb.block_size(), map.len()).map_err(jerr)?;
+                if jsb.feature_compat & quilt_journal::skip::COMPAT_PREFER_SKIP != 0 {
+                    quilt_journal::Placement::Skip
+                } else {
+                    quilt_journal::Placement::Ring
+                }
+            }
+        };
         let opts = quilt_journal::JournalOptions {
             data: mode == crate::Mode::FullJournal,
+            placement,
             ..Default::default()
         };
-        quilt_journal::Journal::start(self.engine().clone(), map, opts).map_err(jerr)
+        quilt_journal::Journal::start_on(self.engine().clone(), dev, map, opts).map_err(jerr)
     }
 }

@@ -20,10 +20,13 @@ pub mod mkfs;
 mod acl;
 mod alloc;
 mod dir;
+pub mod extjournal;
 mod flags;
 mod fs;
 mod inode;
 mod xattr;
 
-pub use fs::{Errors, Ext2, Mode, MountOptions};
+pub use fs::{Errors, Ext2, JournalDevice, Mode, MountOptions};
 pub use mkfs::{mkfs, MkfsOptions};
+/// Where journal commits go (ring, skip, null): the journal module's, as mounts name it.
+pub use quilt_journal::Placement as JournalPlacement;

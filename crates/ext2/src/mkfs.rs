@@ -78,6 +78,7 @@ fn layout(blocks: u64, bs: u32, opts: &MkfsOptions, uuid: [u8; 16]) -> Result<La
             def_resgid: 0,
             uuid,
             journal_inum: 0,
+            journal_uuid: [0; 16],
             jnl_blocks: [0; 17],
             jnl_backup_type: 0,
         };

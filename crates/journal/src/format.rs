@@ -29,11 +29,16 @@ pub const INCOMPAT_ASYNC_COMMIT: u32 = 0x4;
 pub const INCOMPAT_CSUM_V2: u32 = 0x8;
 pub const INCOMPAT_CSUM_V3: u32 = 0x10;
 pub const INCOMPAT_FAST_COMMIT: u32 = 0x20;
-/// What recovery understands (checksums are parsed, not verified).
-pub const INCOMPAT_READABLE: u32 =
-    INCOMPAT_REVOKE | INCOMPAT_64BIT | INCOMPAT_ASYNC_COMMIT | INCOMPAT_CSUM_V2 | INCOMPAT_CSUM_V3;
-/// What our writer produces and keeps correct (no checksums, 32-bit block numbers).
-pub const INCOMPAT_WRITABLE: u32 = INCOMPAT_REVOKE;
+/// What recovery understands (checksums are parsed, not verified; skip records, ours).
+pub const INCOMPAT_READABLE: u32 = INCOMPAT_REVOKE
+    | INCOMPAT_64BIT
+    | INCOMPAT_ASYNC_COMMIT
+    | INCOMPAT_CSUM_V2
+    | INCOMPAT_CSUM_V3
+    | crate::skip::INCOMPAT_SKIP;
+/// What our writer produces and keeps correct (no checksums, 32-bit block numbers; skip
+/// records).
+pub const INCOMPAT_WRITABLE: u32 = INCOMPAT_REVOKE | crate::skip::INCOMPAT_SKIP;
 
 /// Tag flags.
 pub const TAG_ESCAPE: u32 = 1;
@@ -102,6 +107,10 @@ pub struct JournalSuper {
     pub feature_ro_compat: u32,
     pub uuid: [u8; 16],
     pub nr_users: u32,
+    /// The nonce of the skip records of this mount of the journal (kept in the JBD2
+    /// superblock's padding, at 0xF0, while `skip::INCOMPAT_SKIP` is set): a record of
+    /// another mount, left in the area, never passes for one of this mount's.
+    pub skip_nonce: u64,
 }
 
 impl JournalSuper {
@@ -120,6 +129,7 @@ impl JournalSuper {
             feature_ro_compat: 0,
             uuid,
             nr_users: 1,
+            skip_nonce: 0,
         }
     }
 
@@ -154,6 +164,11 @@ impl JournalSuper {
             feature_ro_compat: if v2 { be32(b, 0x2C) } else { 0 },
             uuid,
             nr_users: if v2 { be32(b, 0x40) } else { 1 },
+            skip_nonce: if v2 {
+                (be32(b, 0xF0) as u64) << 32 | be32(b, 0xF4) as u64
+            } else {
+                0
+            },
         };
         if s.block_size != block_size {
             return bad(format!(
@@ -201,6 +216,8 @@ impl JournalSuper {
             put32(b, 0x2C, self.feature_ro_compat);
             b[0x30..0x40].copy_from_slice(&self.uuid);
             put32(b, 0x40, self.nr_users);
+            put32(b, 0xF0, (self.skip_nonce >> 32) as u32);
+            put32(b, 0xF4, self.skip_nonce as u32);
         }
     }
 

@@ -5,14 +5,17 @@
 //!   e2fsck's recovery: scan, revoke, replay).
 //! - `writer` — the running journal: the engine's captured transactions become JBD2
 //!   transactions; commit, checkpoint, group commit.
+//! - `skip` — log skipping (Bark): each transaction one self-identifying record, written
+//!   by a range write wherever the disk's head gets first, found again by a scan.
 
 pub mod format;
 pub mod recovery;
+pub mod skip;
 pub mod writer;
 
 pub use format::JournalSuper;
-pub use recovery::{recover, RecoveryReport};
-pub use writer::{Journal, JournalOptions, JournalStats};
+pub use recovery::{recover, recover_on, RecoveryReport};
+pub use writer::{Journal, JournalOptions, JournalStats, Placement};
 
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {
@@ -42,6 +45,22 @@ impl JournalMap {
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
     }
+    /// Whether journal blocks `j..j + n` lie on consecutive device blocks.
+    pub fn contiguous(&self, j: u32, n: u32) -> bool {
+        let (j, n) = (j as usize, n as usize);
+        self.blocks
+            .get(j..j + n)
+            .is_some_and(|s| s.windows(2).all(|w| w[1] == w[0] + 1))
+    }
+
+    /// The identity map of a device of `blocks` blocks (a journal on a device of its
+    /// own).
+    pub fn whole_device(blocks: u64) -> JournalMap {
+        JournalMap {
+            blocks: (0..blocks).collect(),
+        }
+    }
+
     /// Device block of journal block `j`.
     pub fn device_block(&self, j: u32) -> Result<u64> {
         self.blocks

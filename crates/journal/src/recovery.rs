@@ -5,6 +5,10 @@
 //! journal copy to its home block unless a transaction at least as new revoked it. Then
 //! the journal is marked empty (`start = 0`) with the next sequence number.
 //!
+//! A journal written with log skipping (`skip.rs`) is read by a scan of its whole area
+//! instead: its committed records, in sequence order from the superblock's, replayed the
+//! same way.
+//!
 //! Works on the device directly, before any cache holds its blocks.
 
 use crate::format::{
@@ -127,6 +131,17 @@ impl Log<'_> {
 /// Replays the journal at `map` on `dev` if it holds committed transactions, then marks
 /// it empty. Returns what it did (nothing when `start` is 0).
 pub fn recover(dev: &dyn BlockDevice, map: &JournalMap) -> Result<RecoveryReport> {
+    recover_on(dev, dev, map)
+}
+
+/// As `recover`, for a journal on a device of its own (`jdev`, which `map` maps into):
+/// the copies go home to `home`, which is flushed before the journal is marked empty.
+pub fn recover_on(
+    home: &dyn BlockDevice,
+    jdev: &dyn BlockDevice,
+    map: &JournalMap,
+) -> Result<RecoveryReport> {
+    let dev = jdev;
     let bs = dev.block_size();
     let mut raw = vec![0u8; bs];
     dev.read(map.device_block(0)?, &mut raw)?;
@@ -143,7 +158,23 @@ pub fn recover(dev: &dyn BlockDevice, map: &JournalMap) -> Result<RecoveryReport
         map,
         sb: sb.clone(),
     };
-    let txns = log.scan()?;
+    let txns: Vec<(u32, Txn)> = if crate::skip::is_skip(&sb) {
+        // Skip records: wherever they landed in the area (`skip.rs`).
+        crate::skip::committed(crate::skip::scan(dev, map, &sb)?, &sb)
+            .into_iter()
+            .map(|f| {
+                (
+                    f.seq,
+                    Txn {
+                        copies: f.copies,
+                        revoked: f.revoked,
+                    },
+                )
+            })
+            .collect()
+    } else {
+        log.scan()?
+    };
     let mut revoked: HashMap<u64, u32> = HashMap::default();
     for (seq, t) in &txns {
         for &b in &t.revoked {
@@ -157,34 +188,45 @@ pub fn recover(dev: &dyn BlockDevice, map: &JournalMap) -> Result<RecoveryReport
         transactions: txns.len() as u32,
         ..Default::default()
     };
-    let count = dev.block_count();
+    let count = home.block_count();
     for (seq, t) in &txns {
-        for &(home, j, escaped) in &t.copies {
-            if revoked.get(&home).is_some_and(|&r| !seq_after(*seq, r)) {
+        for &(hb, j, escaped) in &t.copies {
+            if revoked.get(&hb).is_some_and(|&r| !seq_after(*seq, r)) {
                 report.blocks_revoked += 1;
                 continue;
             }
-            if home >= count {
+            if hb >= count {
                 return Err(JournalError::Corrupt(format!(
-                    "transaction {seq} logs block {home}, past the device's end ({count})"
+                    "transaction {seq} logs block {hb}, past the device's end ({count})"
                 )));
             }
             let mut data = log.read(j)?;
             if escaped {
-                data[0..4].copy_from_slice(&MAGIC.to_be_bytes());
+                if crate::skip::is_skip(&sb) {
+                    data[0..4].copy_from_slice(&crate::skip::MAGIC.to_le_bytes());
+                } else {
+                    data[0..4].copy_from_slice(&MAGIC.to_be_bytes());
+                }
             }
-            dev.write(home, &data)?;
+            self::home_write(home, hb, &data)?;
             report.blocks_replayed += 1;
         }
     }
-    dev.flush()?;
+    home.flush()?;
     let next = txns.last().map_or(sb.sequence, |(s, _)| s.wrapping_add(1));
     let mut clean = sb;
     clean.sequence = next;
     clean.start = 0;
+    // Empty now: a plain JBD2 journal again, which the kernel may use.
+    clean.feature_incompat &= !crate::skip::INCOMPAT_SKIP;
     clean.encode_into(&mut raw);
     dev.write(map.device_block(0)?, &raw)?;
     dev.flush()?;
     report.next_sequence = next;
     Ok(report)
+}
+
+fn home_write(home: &dyn BlockDevice, block: u64, data: &[u8]) -> Result<()> {
+    home.write(block, data)?;
+    Ok(())
 }

@@ -19,6 +19,14 @@
 //!
 //! Commits happen on a timer (default 5 s), when the capture grows past
 //! `max_txn_blocks`, and on fsync; concurrent fsyncs share a commit (group commit).
+//!
+//! **Placement** (`JournalOptions::placement`): `Ring` is JBD2's log (each transaction's
+//! descriptor and data blocks written as one request, a flush, the commit block, a
+//! flush); `Skip` writes each transaction as one self-identifying record by a range
+//! write wherever the device's head gets first in the free part of the area, then one
+//! flush (`skip.rs`); `Null` writes nothing and reports success at once (no crash
+//! safety: the upper bound a journal could reach, for benchmarks). The journal may live
+//! on a device of its own (`Journal::start_on`), as an ext3 external journal.
 
 use crate::format::{
     descriptor_capacity, encode_commit, encode_descriptor, encode_revoke, needs_escape,
@@ -43,7 +51,37 @@ pub struct JournalOptions {
     /// Commit once the running transaction holds this many blocks (None: a quarter of
     /// the log or an eighth of the engine's cache, whichever is less).
     pub max_txn_blocks: Option<usize>,
+    pub placement: Placement,
 }
+
+/// Where commits put their records (see the module's doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    #[default]
+    Ring,
+    Skip,
+    Null,
+}
+
+impl std::str::FromStr for Placement {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Placement, String> {
+        match s {
+            "ring" => Ok(Placement::Ring),
+            "skip" => Ok(Placement::Skip),
+            "null" => Ok(Placement::Null),
+            _ => Err(format!(
+                "journal placement '{s}' is none of ring, skip, null"
+            )),
+        }
+    }
+}
+
+/// Candidate starts a skip commit offers the device: one every this many blocks of free
+/// space (at the outer zone of a desktop disk, a 4 KiB block is about 1/300 of a
+/// revolution), at most `SKIP_CANDIDATES`.
+const SKIP_STEP: u32 = 4;
+const SKIP_CANDIDATES: usize = 512;
 
 impl Default for JournalOptions {
     fn default() -> Self {
@@ -51,6 +89,7 @@ impl Default for JournalOptions {
             data: false,
             commit_interval: Duration::from_secs(5),
             max_txn_blocks: None,
+            placement: Placement::Ring,
         }
     }
 }
@@ -65,6 +104,8 @@ pub struct JournalStats {
     pub forced_checkpoints: AtomicU64,
     pub revokes: AtomicU64,
     pub log_full_waits: AtomicU64,
+    /// Skip commits whose record the device placed elsewhere than the first free start.
+    pub skipped_commits: AtomicU64,
 }
 
 impl JournalStats {
@@ -80,6 +121,7 @@ impl JournalStats {
             ("forced_checkpoints", self.forced_checkpoints.load(SeqCst)),
             ("revokes", self.revokes.load(SeqCst)),
             ("log_full_waits", self.log_full_waits.load(SeqCst)),
+            ("skipped_commits", self.skipped_commits.load(SeqCst)),
         ]
     }
 }
@@ -105,9 +147,16 @@ struct State {
     /// Sequence number of the next commit.
     next_seq: u32,
     live: VecDeque<Live>,
-    /// Log blocks the live transactions occupy.
+    /// Transactions checkpointed since the tail was last written: recovery from the
+    /// superblock on the device would still replay them, so their log space and their
+    /// blocks' need of revokes last until the next tail write (`write_tail`), which is
+    /// put off until space runs short or they fill a quarter of the log (as jbd2 moves
+    /// its tail lazily): one superblock write per many commits instead of one each.
+    home: VecDeque<Live>,
+    /// Log blocks the live and home transactions occupy.
     used: u32,
-    /// Blocks with a copy in the live log, and how many live transactions hold one.
+    /// Blocks with a copy in the log recovery may replay (live and home transactions),
+    /// and how many transactions hold one.
     logged: HashMap<BlockNo, u32>,
     /// Set by a failed write: the journal refuses further commits.
     failed: Option<String>,
@@ -146,7 +195,24 @@ impl Journal {
     /// in use before this returns.
     pub fn start(engine: Engine, map: JournalMap, opts: JournalOptions) -> Result<Journal> {
         let dev = engine.device().clone();
+        Journal::start_on(engine, dev, map, opts)
+    }
+
+    /// As `start`, with the journal on a device of its own (`dev`, which `map` maps into:
+    /// an external journal).
+    pub fn start_on(
+        engine: Engine,
+        dev: Arc<dyn BlockDevice>,
+        map: JournalMap,
+        opts: JournalOptions,
+    ) -> Result<Journal> {
         let bs = dev.block_size();
+        if bs != engine.block_size() {
+            return Err(JournalError::Corrupt(format!(
+                "the journal device's block size {bs} differs from the file system's {}",
+                engine.block_size()
+            )));
+        }
         let mut raw = vec![0u8; bs];
         dev.read(map.device_block(0)?, &mut raw)?;
         let mut sb = JournalSuper::decode(&raw, bs as u32, map.len())?;
@@ -175,6 +241,11 @@ impl Journal {
         // The log starts at its first block with the next sequence number; recovery from
         // here finds nothing until the first commit.
         sb.feature_incompat |= INCOMPAT_REVOKE;
+        if opts.placement == Placement::Skip {
+            // Until a clean shutdown, the area may hold skip records.
+            sb.feature_incompat |= crate::skip::INCOMPAT_SKIP;
+            sb.skip_nonce = crate::skip::fresh_nonce();
+        }
         sb.start = sb.first;
         sb.errno = 0;
         sb.encode_into(&mut raw);
@@ -196,6 +267,7 @@ impl Journal {
                     head,
                     next_seq,
                     live: VecDeque::new(),
+                    home: VecDeque::new(),
                     used: 0,
                     logged: HashMap::default(),
                     failed: None,
@@ -288,6 +360,19 @@ impl Journal {
             return Ok(());
         }
         let seq = st.next_seq;
+        match inner.opts.placement {
+            Placement::Null => {
+                // Success without I/O: the changes go home by write-back alone.
+                inner.engine.release_hold(txn.hold);
+                st.next_seq = seq.wrapping_add(1);
+                inner.committed.store(seq, SeqCst);
+                inner.stats.transactions.fetch_add(1, SeqCst);
+                inner.stats.commits.fetch_add(1, SeqCst);
+                return Ok(());
+            }
+            Placement::Skip => return self.commit_skip(st, txn, seq, &own, &revokes),
+            Placement::Ring => {}
+        }
         let dcap = descriptor_capacity(inner.bs, 0);
         let rcap = revoke_capacity(inner.bs);
         let n = txn.blocks.len();
@@ -348,8 +433,26 @@ impl Journal {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
-        for (j, data) in &writes {
-            inner.dev.write(inner.map.device_block(*j)?, data)?;
+        // As one request per run of consecutive device blocks (a disk streams it), as the
+        // kernel's jbd2 submits a transaction's log blocks together.
+        let mut i = 0;
+        while i < writes.len() {
+            let first = inner.map.device_block(writes[i].0)?;
+            let mut k = i + 1;
+            while k < writes.len() && inner.map.device_block(writes[k].0)? == first + (k - i) as u64
+            {
+                k += 1;
+            }
+            if k - i == 1 {
+                inner.dev.write(first, &writes[i].1)?;
+            } else {
+                let mut run = Vec::with_capacity((k - i) * inner.bs);
+                for (_, d) in &writes[i..k] {
+                    run.extend_from_slice(d);
+                }
+                inner.dev.write_blocks(first, &run)?;
+            }
+            i = k;
         }
         let safe = inner.engine.flushes();
         if safe {
@@ -401,6 +504,136 @@ impl Journal {
         Ok(())
     }
 
+    /// A skip commit: the transaction as one record, written where the device finds it
+    /// cheapest among the free starts of the area, then one flush.
+    fn commit_skip(
+        &self,
+        st: &mut State,
+        txn: quilt_patch::CapturedTxn,
+        seq: u32,
+        own: &std::collections::BTreeSet<BlockNo>,
+        revokes: &[u32],
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let revoked: Vec<u64> = revokes.iter().map(|&b| b as u64).collect();
+        let len = crate::skip::record_len(inner.bs, txn.blocks.len(), revoked.len()) as u32;
+        let ring = st.sb.maxlen - st.sb.first;
+        if len + 1 > ring {
+            return Err(JournalError::Corrupt(format!(
+                "a transaction of {len} blocks does not fit in a journal of {ring}"
+            )));
+        }
+        let cands = self.skip_room(st, len)?;
+        let data: Vec<(u64, &[u8])> = txn.blocks.iter().map(|(b, d)| (*b, &d[..])).collect();
+        let record = crate::skip::encode(inner.bs, &st.sb, seq, &data, &revoked);
+        let dev_cands: Vec<BlockNo> = cands
+            .iter()
+            .map(|&j| inner.map.device_block(j))
+            .collect::<Result<_>>()?;
+        let at = inner.dev.write_range(&dev_cands, &record)?;
+        let Some(k) = dev_cands.iter().position(|&c| c == at) else {
+            return Err(JournalError::Corrupt(format!(
+                "the device placed a record at block {at}, which was no candidate"
+            )));
+        };
+        let start = cands[k];
+        if inner.engine.flushes() {
+            inner.dev.flush()?;
+        }
+        inner.engine.release_hold(txn.hold);
+        let headers = len as usize - txn.blocks.len() - 1;
+        let images: Vec<(BlockNo, u32, bool)> = txn
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(i, (b, d))| {
+                (
+                    *b,
+                    start + (headers + i) as u32,
+                    crate::skip::needs_escape(d),
+                )
+            })
+            .collect();
+        st.next_seq = seq.wrapping_add(1);
+        st.used += len;
+        for b in own {
+            *st.logged.entry(*b).or_insert(0) += 1;
+        }
+        st.live.push_back(Live {
+            seq,
+            start,
+            len,
+            done: txn.done,
+            images,
+            revoked,
+        });
+        inner.committed.store(seq, SeqCst);
+        let s = &inner.stats;
+        s.transactions.fetch_add(1, SeqCst);
+        s.commits.fetch_add(1, SeqCst);
+        s.journal_blocks_written.fetch_add(len as u64, SeqCst);
+        s.revokes.fetch_add(revokes.len() as u64, SeqCst);
+        if start != cands[0] {
+            s.skipped_commits.fetch_add(1, SeqCst);
+        }
+        self.reclaim(st, false)?;
+        Ok(())
+    }
+
+    /// Candidate starts for a record of `len` blocks (contiguous on the device too),
+    /// checkpointing the oldest transactions until there is one.
+    fn skip_room(&self, st: &mut State, len: u32) -> Result<Vec<u32>> {
+        let mut forced = false;
+        loop {
+            let mut used: Vec<(u32, u32)> = st
+                .live
+                .iter()
+                .chain(&st.home)
+                .map(|t| (t.start, t.len))
+                .collect();
+            used.sort_unstable();
+            let map = &self.inner.map;
+            let cands: Vec<u32> = crate::skip::candidates(
+                st.sb.first,
+                st.sb.maxlen,
+                &used,
+                len,
+                SKIP_STEP,
+                SKIP_CANDIDATES * 4,
+            )
+            .into_iter()
+            .filter(|&j| {
+                // The record's blocks must follow one another on the device.
+                match (map.device_block(j), map.device_block(j + len - 1)) {
+                    (Ok(a), Ok(b)) => b == a + (len - 1) as u64 && map.contiguous(j, len),
+                    _ => false,
+                }
+            })
+            .take(SKIP_CANDIDATES)
+            .collect();
+            if !cands.is_empty() {
+                return Ok(cands);
+            }
+            if !st.home.is_empty() {
+                self.write_tail(st)?; // frees what checkpoints left
+                continue;
+            }
+            if !forced {
+                self.inner.stats.log_full_waits.fetch_add(1, SeqCst);
+                self.inner.engine.write_back_ready()?;
+                self.reclaim(st, true)?;
+                forced = true;
+                continue;
+            }
+            if st.live.is_empty() {
+                return Err(JournalError::Corrupt(format!(
+                    "the journal area has no {len} consecutive blocks"
+                )));
+            }
+            self.force_oldest(st)?;
+        }
+    }
+
     /// Frees log space until `need` blocks (and one spare) are free, checkpointing the
     /// oldest transactions by force if their changes are not home yet.
     fn make_room(&self, st: &mut State, need: u32) -> Result<()> {
@@ -408,13 +641,13 @@ impl Journal {
         if st.used + need < ring {
             return Ok(());
         }
-        self.inner.stats.log_full_waits.fetch_add(1, SeqCst);
-        // First let write-back put what it can in place.
-        self.inner.engine.write_back_ready()?;
-        self.reclaim(st, false)?;
+        // First what checkpoints have freed, then what write-back can put in place.
+        self.reclaim(st, true)?;
         if st.used + need < ring {
             return Ok(());
         }
+        self.inner.stats.log_full_waits.fetch_add(1, SeqCst);
+        self.inner.engine.write_back_ready()?;
         self.reclaim(st, true)?;
         while st.used + need >= ring {
             if st.live.is_empty() {
@@ -466,7 +699,11 @@ impl Journal {
                 .map_err(quilt_patch::PatchError::from)?;
             inner.dev.read(at, buf)?;
             if escaped {
-                buf[0..4].copy_from_slice(&crate::format::MAGIC.to_be_bytes());
+                let magic = match inner.opts.placement {
+                    Placement::Skip => crate::skip::MAGIC.to_le_bytes(),
+                    _ => crate::format::MAGIC.to_be_bytes(),
+                };
+                buf[0..4].copy_from_slice(&magic);
             }
             Ok(())
         })?;
@@ -475,8 +712,18 @@ impl Journal {
         self.write_tail(st)
     }
 
+    /// The oldest live transaction is home: it waits for the next tail write.
     fn pop_oldest(&self, st: &mut State) {
         if let Some(t) = st.live.pop_front() {
+            st.home.push_back(t);
+            self.inner.stats.checkpoints.fetch_add(1, SeqCst);
+        }
+    }
+
+    /// After a tail write: the space and copies of the transactions it put behind the
+    /// tail are free.
+    fn release_home(st: &mut State) {
+        for t in std::mem::take(&mut st.home) {
             st.used -= t.len;
             for (b, _, _) in &t.images {
                 if let Some(c) = st.logged.get_mut(b) {
@@ -486,22 +733,20 @@ impl Journal {
                     }
                 }
             }
-            self.inner.stats.checkpoints.fetch_add(1, SeqCst);
         }
     }
 
-    /// Drops the oldest transactions whose changes are all home, and records the new
-    /// tail durably (`always`: write the tail even if nothing was dropped).
+    /// Moves the oldest transactions whose changes are all home behind the tail, and
+    /// writes the tail durably when `always` or when they fill a quarter of the log.
     fn reclaim(&self, st: &mut State, always: bool) -> Result<()> {
-        let mut dropped = false;
         while let Some(t) = st.live.front() {
             if !self.inner.engine.is_durable(t.done) {
                 break;
             }
             self.pop_oldest(st);
-            dropped = true;
         }
-        if dropped || always {
+        let waiting: u32 = st.home.iter().map(|t| t.len).sum();
+        if always || waiting >= (st.sb.maxlen - st.sb.first) / 4 {
             self.write_tail(st)?;
         }
         Ok(())
@@ -510,9 +755,12 @@ impl Journal {
     /// Writes the journal superblock with the current tail, and flushes: recovery starts
     /// at the oldest live transaction (or at the head, which holds nothing yet).
     fn write_tail(&self, st: &mut State) -> Result<()> {
-        let (start, seq) = match st.live.front() {
-            Some(t) => (t.start, t.seq),
-            None => (st.head, st.next_seq),
+        let (start, seq) = match (self.inner.opts.placement, st.live.front()) {
+            // Skip records are found by a scan: `start` only says there may be some.
+            (Placement::Skip, Some(t)) => (st.sb.first, t.seq),
+            (Placement::Skip, None) => (st.sb.first, st.next_seq),
+            (_, Some(t)) => (t.start, t.seq),
+            (_, None) => (st.head, st.next_seq),
         };
         st.sb.start = start;
         st.sb.sequence = seq;
@@ -524,7 +772,9 @@ impl Journal {
             .write(self.inner.map.device_block(0)?, &raw)
             .and_then(|()| self.inner.dev.flush());
         st.sb_raw = raw;
-        r.map_err(Into::into)
+        r?;
+        Self::release_home(st);
+        Ok(())
     }
 
     /// Ends journaling: commits what is pending, closes the capture, puts everything
@@ -553,6 +803,8 @@ impl Journal {
         }
         st.sb.start = 0;
         st.sb.sequence = st.next_seq;
+        // Empty: a plain JBD2 journal again (the kernel may use a cleanly unmounted image).
+        st.sb.feature_incompat &= !crate::skip::INCOMPAT_SKIP;
         let mut raw = std::mem::take(&mut st.sb_raw);
         st.sb.encode_into(&mut raw);
         self.inner
@@ -560,6 +812,7 @@ impl Journal {
             .write(self.inner.map.device_block(0)?, &raw)?;
         self.inner.dev.flush()?;
         st.sb_raw = raw;
+        Self::release_home(&mut st);
         Ok(())
     }
 
@@ -641,5 +894,20 @@ impl quilt_patch::Transactions for Journal {
     }
     fn kind(&self) -> &'static str {
         "journal"
+    }
+    fn device_counters(&self) -> Vec<(String, u64)> {
+        if Arc::ptr_eq(&self.inner.dev, self.inner.engine.device()) {
+            return Vec::new(); // the engine's device: reported as such
+        }
+        let mut v: Vec<(String, u64)> = self
+            .inner
+            .dev
+            .stats()
+            .fields()
+            .into_iter()
+            .map(|(k, val)| (k.to_string(), val))
+            .collect();
+        v.extend(self.inner.dev.extra_stats());
+        v
     }
 }

@@ -45,6 +45,11 @@ pub trait Transactions: Send + Sync {
     fn counters(&self) -> Vec<(&'static str, u64)>;
     /// Name of the counters' prefix ("journal").
     fn kind(&self) -> &'static str;
+    /// Counters of a device of the service's own (an external journal's: a disk model's
+    /// latencies), under `{kind}.device.`; none by default.
+    fn device_counters(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
 }
 
 struct Inner {
@@ -176,11 +181,22 @@ impl Services {
                     .into_iter()
                     .map(|(k, val)| (format!("{kind}.{k}"), val)),
             );
+            v.extend(
+                t.device_counters()
+                    .into_iter()
+                    .map(|(k, val)| (format!("{kind}.device.{k}"), val)),
+            );
         }
         v.extend(
             e.device()
                 .stats()
                 .fields()
+                .into_iter()
+                .map(|(k, val)| (format!("device.{k}"), val)),
+        );
+        v.extend(
+            e.device()
+                .extra_stats()
                 .into_iter()
                 .map(|(k, val)| (format!("device.{k}"), val)),
         );
