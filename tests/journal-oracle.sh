@@ -13,6 +13,11 @@
 #     blocks; a flipped byte in the log stops both recoveries at the same transaction.
 #  6. A tiny journal (1024 blocks) under a long workload: the log wraps many times and
 #     fills, writers wait for checkpoints, and nothing is lost.
+#  7. Log skipping, in inode 8 and on an external journal device (the kernel's layout,
+#     behind the 7200 RPM disk model): killed mid-workload, the kernel and e2fsck refuse
+#     the journal's skip records rather than misread them; our replay keeps the fsynced
+#     file and leaves plain ext3 that the kernel mounts (journal_path=) and e2fsck -j
+#     finds clean.
 # Needs root. Usage: tests/journal-oracle.sh [QUILTFS_BINARY]   (KILLS=N, default 6; 2
 # under CI=true)
 set -euo pipefail
@@ -180,4 +185,55 @@ blocks, waits = s["journal.journal_blocks_written"], s["journal.log_full_waits"]
 print(f"journal-oracle: tiny journal: {s['journal.transactions']} transactions, {blocks} log blocks written (the log holds 1023), {s['journal.checkpoints']} checkpoints ({s['journal.forced_checkpoints']} forced), {waits} waits for room")
 assert blocks > 3 * 1023 and waits > 0 and s["journal.checkpoints"] > 0
 PY
+for where in internal external; do
+  for mode in meta-journal full-journal; do
+    echo "journal-oracle: log skipping ($where journal, $mode): killed, refused by the kernel and e2fsck, replayed by us"
+    jopt=(); mopt=(); fsck_j=(); kopt=""
+    if [ "$where" = external ]; then
+      jopt=(--journal-dev "$work/jd.img" --journal-size 16M)
+      mopt=(-o "journal_dev=$work/jd.img,journal_model=7200")
+      fsck_j=(-j "$work/jd.img")
+    fi
+    "$q" mkfs "$work/s.img" --size 256M --journal --journal-placement skip "${jopt[@]}" --force >/dev/null
+    "$q" mount "$work/s.img" "$m" --mode "$mode" "${mopt[@]}" --foreground >/dev/null 2>&1 &
+    srv=$!
+    for _ in $(seq 1 100); do mountpoint -q "$m" && break; sleep 0.05; done
+    rm -f "$work/synced.flag"
+    (workload "$m" 2>/dev/null || true) &
+    wl=$!
+    for _ in $(seq 1 400); do [ -f "$work/synced.flag" ] && break; sleep 0.02; done
+    sleep "0.$((RANDOM % 5))"
+    kill -9 "$srv"; wait "$srv" 2>/dev/null || true; srv=""
+    wait "$wl" 2>/dev/null || true
+    umount -l "$m" 2>/dev/null || true
+    [ -f "$work/synced.flag" ] || fail "the workload did not reach its fsync"
+    if e2fsck -fn "${fsck_j[@]}" "$work/s.img" >"$work/fsck.out" 2>&1; then
+      fail "e2fsck accepted a journal with skip records"
+    fi
+    grep -q "unknown incompatible feature" "$work/fsck.out" || { cat "$work/fsck.out"; fail "e2fsck did not refuse the skip records"; }
+    if [ "$where" = external ]; then
+      jl=$(losetup -f --show "$work/jd.img"); fl=$(losetup -f --show "$work/s.img")
+      if mount -t ext3 -o "journal_path=$jl" "$fl" "$k" 2>/dev/null; then
+        umount "$k"; losetup -d "$fl" "$jl"; fail "the kernel mounted a journal with skip records"
+      fi
+      losetup -d "$fl"; losetup -d "$jl"
+    elif mount -o loop -t ext3 "$work/s.img" "$k" 2>/dev/null; then
+      umount "$k"; fail "the kernel mounted a journal with skip records"
+    fi
+    "$q" mount "$work/s.img" "$m" --mode "$mode" "${mopt[@]}" >/dev/null
+    [ "$(cat "$m/synced")" = fsynced ] || fail "log skipping lost the fsynced file"
+    umount "$m"
+    e2fsck -fn "${fsck_j[@]}" "$work/s.img" >"$work/fsck.out" 2>&1 || { cat "$work/fsck.out"; fail "e2fsck -fn reports problems after our replay"; }
+    if [ "$where" = external ]; then
+      jl=$(losetup -f --show "$work/jd.img"); fl=$(losetup -f --show "$work/s.img")
+      mount -t ext3 -o "journal_path=$jl" "$fl" "$k" || { losetup -d "$fl" "$jl"; fail "the kernel refuses the replayed image"; }
+      ok=$(cat "$k/synced"); umount "$k"; losetup -d "$fl"; losetup -d "$jl"
+    else
+      mount -o loop -t ext3 "$work/s.img" "$k" || fail "the kernel refuses the replayed image"
+      ok=$(cat "$k/synced"); umount "$k"
+    fi
+    [ "$ok" = fsynced ] || fail "the kernel reads the fsynced file differently"
+    rm -f "$work/s.img" "$work/jd.img"
+  done
+done
 echo "journal-oracle: all checks passed"

@@ -9,6 +9,7 @@
 //! (`bench/kv`, a workspace of its own so the project never builds RocksDB) uses the
 //! same helpers.
 
+pub mod bark;
 pub mod betrfs;
 pub mod featherstitch;
 pub mod mail;

@@ -182,6 +182,57 @@ pub fn lines(
     Ok(())
 }
 
+/// Cumulative distributions: x on a log axis, the fraction (0 to 1) on a linear one;
+/// one line per series, its points in order of x.
+pub fn cdf(
+    path: &Path,
+    title: &str,
+    x_desc: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> Result<()> {
+    let xs = || series.iter().flat_map(|s| s.1.iter().map(|p| p.0));
+    let (xmin, xmax) = xs().fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
+    if xmin > xmax {
+        return Ok(());
+    }
+    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(drawing)?;
+    let mut c = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(14)
+        .x_label_area_size(44)
+        .y_label_area_size(60)
+        .build_cartesian_2d((xmin.max(1e-6) * 0.8..xmax * 1.25).log_scale(), 0.0..1.02)
+        .map_err(drawing)?;
+    c.configure_mesh()
+        .x_desc(x_desc)
+        .y_desc("fraction of writes")
+        .x_label_formatter(&|v| number(*v))
+        .y_label_formatter(&|v| format!("{v:.1}"))
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(drawing)?;
+    for (j, (name, p)) in series.iter().enumerate() {
+        let color = COLORS[j % COLORS.len()];
+        c.draw_series(plotters::series::LineSeries::new(
+            p.iter().copied(),
+            color.stroke_width(2),
+        ))
+        .map_err(drawing)?
+        .label(name.as_str())
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+    }
+    c.configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 13))
+        .draw()
+        .map_err(drawing)?;
+    root.present().map_err(drawing)?;
+    Ok(())
+}
+
 /// A number with three significant digits at most, as a label.
 pub fn number(v: f64) -> String {
     let a = v.abs();

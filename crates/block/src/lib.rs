@@ -27,7 +27,8 @@ pub use counters::{IoCounters, IoStats};
 pub use file::{lock_file, lock_holders, FileDevice, FileDeviceOptions};
 pub use mem::MemDevice;
 pub use model::{
-    Clock, DiskModel, DiskParams, ModelCounters, Place, SeekCurve, Zone, LATENCY_BUCKETS_US,
+    Clock, DiskModel, DiskParams, ModelCounters, Place, SeekCurve, Zone, LATENCY_BUCKETS,
+    LATENCY_BUCKETS_US,
 };
 pub use overlay::OverlayDevice;
 pub use recording::{LogEntry, RecordingDevice, RecordingLog};

@@ -30,6 +30,10 @@ pub struct CrashtestArgs {
     /// yields, the seeded workloads run again with the following seeds).
     #[arg(long, default_value_t = 3000)]
     pub states: usize,
+    /// ext2's journal modes: where commits go, ring (JBD2's log) or skip (log skipping,
+    /// on a disk model in virtual time so that records land all over the area).
+    #[arg(long, default_value = "ring", value_parser = parse_placement)]
+    pub journal_placement: quilt_ext2::JournalPlacement,
     /// Seed of the random choices (workload contents, subsets, sampling).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -67,6 +71,7 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
         states: a.states,
         seed: a.seed,
         keep_failures: a.keep_failures.clone(),
+        placement: a.journal_placement,
         more_seeds: true,
     };
     // A progress bar with an estimate (drawn only on a terminal).
@@ -175,5 +180,14 @@ fn run_betree(a: &CrashtestArgs) -> Result<()> {
             "{n} of {} crash states of the Bε-tree break its guarantees",
             r.states_checked
         ),
+    }
+}
+
+fn parse_placement(s: &str) -> Result<quilt_ext2::JournalPlacement, String> {
+    match s.parse()? {
+        quilt_ext2::JournalPlacement::Null => {
+            Err("a null journal promises nothing after a crash: explore ring or skip".into())
+        }
+        p => Ok(p),
     }
 }

@@ -320,6 +320,9 @@ pub struct OpenSettings {
     pub journal_dev: Option<std::path::PathBuf>,
     /// Serve the external journal through a model of a rotating disk (`journal_model=7200`).
     pub journal_model: bool,
+    /// Serve the image through a model of a rotating disk with its write cache on
+    /// (`model=7200`).
+    pub model: bool,
 }
 
 impl Default for OpenSettings {
@@ -337,6 +340,7 @@ impl Default for OpenSettings {
             journal_placement: None,
             journal_dev: None,
             journal_model: false,
+            model: false,
         }
     }
 }
@@ -394,8 +398,22 @@ pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
             bail!("{} is in use: {l}", image.display());
         }
     }
+    let dev: Arc<dyn quilt_block::BlockDevice> = if s.model {
+        // A desktop disk as it ships: its write cache on (the journal's disk, modelled
+        // for log skipping, keeps it off).
+        let params = quilt_block::DiskParams {
+            write_cache: true,
+            ..quilt_block::DiskParams::desktop_7200()
+        };
+        Arc::new(
+            quilt_block::DiskModel::new(Arc::new(dev), params, quilt_block::Clock::real())
+                .with_context(|| format!("modelling a disk under {}", image.display()))?,
+        )
+    } else {
+        Arc::new(dev)
+    };
     let engine = Engine::new(
-        Arc::new(dev),
+        dev,
         EngineOptions {
             durability: if s.unsafe_durability {
                 Durability::Unsafe
@@ -418,6 +436,7 @@ pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
             errors: s.errors,
             journal_placement: s.journal_placement,
             journal_device: open_journal_dev(s, bs)?,
+            journal_observer: None,
         },
     )
     .with_context(|| format!("cannot mount {}", image.display()))?;

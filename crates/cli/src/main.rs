@@ -85,6 +85,10 @@ enum BenchCommand {
     /// rm -rf, TokuBench, rename and clone latency, the native API; kernel ext4, xfs,
     /// btrfs, fuse2fs, both quiltfs modules and the FUSE floor, side by side.
     Betrfs(quilt_bench::betrfs::BetrfsArgs),
+    /// Range writes and log skipping (Bark): PostgreSQL pgbench TPC-B with the journal
+    /// on a modelled 7200 RPM disk, written as a ring, with log skipping, or not at all,
+    /// and kernel ext4 with its external journal on the same model; latency CDFs.
+    Bark(quilt_bench::bark::BarkArgs),
 }
 
 /// `mi_option_purge_delay` of mimalloc 2.1 and later (the Rust bindings list only the
@@ -194,5 +198,6 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Mail(a)) => quilt_bench::mail::run(a),
         Command::Bench(BenchCommand::Featherstitch(a)) => quilt_bench::featherstitch::run(a),
         Command::Bench(BenchCommand::Betrfs(a)) => quilt_bench::betrfs::run(a),
+        Command::Bench(BenchCommand::Bark(a)) => quilt_bench::bark::run(a),
     }
 }

@@ -49,7 +49,8 @@ pub struct MountArgs {
     /// journal=ring|skip|null (where journal commits go: JBD2's ring, log skipping, or
     /// nowhere, for measuring; default: what mkfs made the journal for),
     /// journal_dev=PATH (the external journal of an image made with mkfs --journal-dev),
-    /// journal_model=7200 (the external journal behind a model of a 7200 RPM disk),
+    /// journal_model=7200 (the external journal behind a model of a 7200 RPM disk, its
+    /// write cache off), model=7200 (the image behind one, its write cache on),
     /// nohard and nomerge (the patch engine's optimizations off, for comparing them);
     /// fstab-only options are ignored.
     #[arg(short = 'o', value_delimiter = ',')]
@@ -95,6 +96,11 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
                 settings.journal_placement = Some(p.parse().map_err(anyhow::Error::msg)?)
             }
             ("journal_dev", Some(p)) => settings.journal_dev = Some(PathBuf::from(p)),
+            ("model", Some("7200")) => settings.model = true,
+            ("model", Some("none")) => settings.model = false,
+            ("model", Some(m)) => {
+                bail!("model={m}: the disk models are 7200 (a desktop disk) and none")
+            }
             ("journal_model", Some("7200")) => settings.journal_model = true,
             ("journal_model", Some("none")) => settings.journal_model = false,
             ("journal_model", Some(m)) => {

@@ -18,6 +18,7 @@
 pub mod check;
 pub mod kv;
 pub mod lying;
+pub mod replay;
 pub mod states;
 pub mod workload;
 
@@ -64,6 +65,9 @@ pub struct Config {
     pub states: usize,
     pub seed: u64,
     pub keep_failures: Option<PathBuf>,
+    /// ext2's journal modes: where commits go (ring, or skip: then the device is a disk
+    /// model in virtual time, so records land wherever its head gets first).
+    pub placement: quilt_ext2::JournalPlacement,
     /// When the runs of `seed` have fewer states than `states`, run the seeded
     /// workloads again with the following seeds until the budget is spent.
     pub more_seeds: bool,
@@ -293,8 +297,11 @@ fn base_image(
     .map_err(|e| format!("mkfs: {e}"))?;
     let fs = Ext2::open(engine(dev.clone()), MountOptions::default()).map_err(|e| e.to_string())?;
     if mode.is_journal() {
-        fs.create_journal(JOURNAL_BLOCKS)
-            .map_err(|e| format!("creating the journal: {e}"))?;
+        fs.create_journal_for(
+            JOURNAL_BLOCKS,
+            cfg.placement == quilt_ext2::JournalPlacement::Skip,
+        )
+        .map_err(|e| format!("creating the journal: {e}"))?;
     }
     setup(&fs)?;
     fs.unmount().map_err(|e| e.to_string())?;
@@ -309,6 +316,8 @@ struct Recorded {
     promises: Vec<workload::Promise>,
     touched: Vec<workload::Touch>,
     invariants: Vec<workload::Invariant>,
+    /// The journal's transactions, as committed (ext2's journal modes).
+    txns: replay::Txns,
 }
 
 /// betrfs as the explorer mounts it: no periodic commit (the run is deterministic).
@@ -342,13 +351,40 @@ fn record(cfg: &Config, spec: &RunSpec) -> Result<Recorded, String> {
             promises,
             touched,
             invariants,
+            txns: replay::Txns::new(),
         });
     }
+    let txns = Arc::new(std::sync::Mutex::new(replay::Txns::new()));
+    let sink = txns.clone();
+    let observer = quilt_journal::Observer(Arc::new(move |seq, blocks, revoked| {
+        let t = replay::Txn {
+            blocks: blocks.iter().map(|(b, d)| (*b, d.to_vec())).collect(),
+            revoked: revoked.to_vec(),
+        };
+        sink.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(seq, t);
+    }));
+    let dev: Arc<dyn quilt_block::BlockDevice> =
+        if cfg.placement == quilt_ext2::JournalPlacement::Skip {
+            // Where the head gets first: records land all over the area.
+            Arc::new(
+                quilt_block::DiskModel::new(
+                    rec.clone(),
+                    quilt_block::DiskParams::desktop_7200(),
+                    quilt_block::Clock::virtual_at(0),
+                )
+                .map_err(|e| e.to_string())?,
+            )
+        } else {
+            rec.clone()
+        };
     let fs = Ext2::open(
-        engine(rec.clone()),
+        engine(dev),
         MountOptions {
             mode,
             read_only: false,
+            journal_observer: mode.is_journal().then_some(observer),
             ..Default::default()
         },
     )
@@ -361,12 +397,14 @@ fn record(cfg: &Config, spec: &RunSpec) -> Result<Recorded, String> {
     let log = rec.take_log();
     // The crash: the file system goes away without unmounting.
     drop(fs);
+    let txns = std::mem::take(&mut *txns.lock().unwrap_or_else(|e| e.into_inner()));
     Ok(Recorded {
         base,
         log,
         promises,
         touched,
         invariants,
+        txns,
     })
 }
 
@@ -658,10 +696,23 @@ fn check_all(
             }
         }
         if cfg.betrfs {
-            check::check_betrfs_state(&img, &relevant, &invariants)
-        } else {
-            check::check_state(&img, cfg.mode, &relevant, &invariants, tmp)
+            return check::check_betrfs_state(&img, &relevant, &invariants);
         }
+        let mut out = check::check_state(&img, cfg.mode, &relevant, &invariants, tmp);
+        if cfg.mode.is_journal() {
+            let lens: Vec<usize> = std::iter::once(s.len)
+                .chain(s.also.iter().copied())
+                .collect();
+            let (lo, hi) = replay::bounds(&rec.log, &lens);
+            if let Some(what) = replay::check(&img, BS, &rec.txns, lo, hi) {
+                out.problems.push(check::Problem {
+                    what: format!("against the journal model: {what}"),
+                    verdict: Verdict::Violation,
+                });
+                out.violations += 1;
+            }
+        }
+        out
     };
     let half = states.len().div_ceil(2);
     std::thread::scope(|sc| {

@@ -437,7 +437,10 @@ impl Ext2 {
             ctx,
         )?;
         st.orphans.insert(ino);
-        self.track(st, ino, Some(n));
+        let mut inode = self.read_inode(st, ino)?;
+        self.orphan_add(op, st, ino, &mut inode)?;
+        let n = self.write_inode(op, st, ino, &inode, &[n])?.or(Some(n));
+        self.track(st, ino, n);
         self.attr(st, ino)
     }
 
@@ -564,6 +567,7 @@ impl Ext2 {
         if st.open.get(&ino).copied().unwrap_or(0) > 0 {
             // Still open: it lives, nameless, until the last release.
             st.orphans.insert(ino);
+            self.orphan_add(op, st, ino, &mut inode)?;
             let h = self.write_inode(
                 op,
                 st,
@@ -608,7 +612,9 @@ impl Ext2 {
         })?;
         // An O_TMPFILE file given its first name is no longer an orphan (the kernel
         // lets only those, and no other unnamed inode, be linked).
-        st.orphans.remove(&ino);
+        if st.orphans.remove(&ino) {
+            self.orphan_remove(op, st, ino)?;
+        }
         let e = self.add_entry(
             op,
             st,

@@ -96,6 +96,8 @@ pub struct Superblock {
     pub journal_inum: u32,
     /// The external journal's UUID (its JBD2 superblock's).
     pub journal_uuid: [u8; 16],
+    /// The head of the on-disk orphan list (inodes chained through `dtime`), 0 if empty.
+    pub last_orphan: u32,
     /// A copy of the journal inode's block map (15 words), its size high and low, for
     /// e2fsck when the inode is damaged.
     pub jnl_blocks: [u32; 17],
@@ -154,6 +156,7 @@ impl Superblock {
             uuid,
             journal_inum: le32(b, 0xE0),
             journal_uuid,
+            last_orphan: le32(b, 0xE8),
             jnl_blocks: std::array::from_fn(|i| le32(b, 0x10C + 4 * i)),
             jnl_backup_type: b[0xFD],
         };
@@ -240,6 +243,7 @@ impl Superblock {
         b[0x68..0x78].copy_from_slice(&self.uuid);
         b[0xD0..0xE0].copy_from_slice(&self.journal_uuid);
         put32(b, 0xE0, self.journal_inum);
+        put32(b, 0xE8, self.last_orphan);
         for (i, w) in self.jnl_blocks.iter().enumerate() {
             put32(b, 0x10C + 4 * i, *w);
         }

@@ -74,6 +74,8 @@ pub struct MountOptions {
     pub journal_placement: Option<quilt_journal::Placement>,
     /// The journal's device, when it is on one of its own (`journal_dev=`).
     pub journal_device: Option<JournalDevice>,
+    /// Hears each journal transaction as it commits (the crash explorer's model).
+    pub journal_observer: Option<quilt_journal::Observer>,
 }
 
 /// An external journal's device (a newtype for `Debug`).
@@ -118,6 +120,7 @@ impl Default for MountOptions {
             errors: Errors::default(),
             journal_placement: None,
             journal_device: None,
+            journal_observer: None,
         }
     }
 }
@@ -472,6 +475,10 @@ impl Ext2 {
             let journal = fs.start_journal(opts.mode, &opts)?;
             fs.svc.attach(std::sync::Arc::new(journal))?;
         }
+        if !fs.read_only && fs.lock().sb.last_orphan != 0 {
+            let n = fs.orphan_cleanup()?;
+            tracing::info!("freed {n} orphaned inodes a crash left");
+        }
         Ok(fs)
     }
 
@@ -504,6 +511,7 @@ impl Ext2 {
         let orphans: Vec<u32> = st.orphans.drain().collect();
         for ino in orphans {
             st.open.remove(&ino);
+            self.orphan_remove(&op, &mut st, ino)?;
             self.destroy_inode(&op, &mut st, ino, None)?;
         }
         self.write_groups(&op, &mut st)?;
@@ -648,7 +656,7 @@ impl Ext2 {
     }
 
     /// The body of `change`, inside an op the caller ends.
-    fn change_in<T>(
+    pub(crate) fn change_in<T>(
         &self,
         op: &Op<'_>,
         f: impl FnOnce(&Op<'_>, &mut State) -> Result<T>,
@@ -1415,6 +1423,7 @@ impl FileSystem for Ext2 {
             if *n == 0 {
                 st.open.remove(&ino);
                 if st.orphans.remove(&ino) && !self.read_only {
+                    self.orphan_remove(op, st, ino)?;
                     self.destroy_inode(op, st, ino, None)?;
                 }
             }

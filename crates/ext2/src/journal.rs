@@ -345,6 +345,7 @@ impl Ext2 {
         let opts = quilt_journal::JournalOptions {
             data: mode == crate::Mode::FullJournal,
             placement,
+            observer: mo.journal_observer.clone(),
             ..Default::default()
         };
         quilt_journal::Journal::start_on(self.engine().clone(), dev, map, opts).map_err(jerr)

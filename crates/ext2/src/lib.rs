@@ -24,9 +24,10 @@ pub mod extjournal;
 mod flags;
 mod fs;
 mod inode;
+mod orphan;
 mod xattr;
 
 pub use fs::{Errors, Ext2, JournalDevice, Mode, MountOptions};
 pub use mkfs::{mkfs, MkfsOptions};
 /// Where journal commits go (ring, skip, null): the journal module's, as mounts name it.
-pub use quilt_journal::Placement as JournalPlacement;
+pub use quilt_journal::{Observer as JournalObserver, Placement as JournalPlacement};

@@ -79,6 +79,7 @@ fn layout(blocks: u64, bs: u32, opts: &MkfsOptions, uuid: [u8; 16]) -> Result<La
             uuid,
             journal_inum: 0,
             journal_uuid: [0; 16],
+            last_orphan: 0,
             jnl_blocks: [0; 17],
             jnl_backup_type: 0,
         };

@@ -15,7 +15,7 @@ pub mod writer;
 
 pub use format::JournalSuper;
 pub use recovery::{recover, recover_on, RecoveryReport};
-pub use writer::{Journal, JournalOptions, JournalStats, Placement};
+pub use writer::{Journal, JournalOptions, JournalStats, Observer, Placement};
 
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {

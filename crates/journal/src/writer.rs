@@ -52,6 +52,25 @@ pub struct JournalOptions {
     /// the log or an eighth of the engine's cache, whichever is less).
     pub max_txn_blocks: Option<usize>,
     pub placement: Placement,
+    /// Told every transaction as it is committed (for the crash explorer's model of
+    /// what recovery must yield).
+    pub observer: Option<Observer>,
+}
+
+/// Hears each transaction as it commits: its sequence, its blocks' new contents, and
+/// the blocks it revokes. Besides, commits leave the marks `journal-write SEQ` (before
+/// the first log write) and `journal-durable SEQ` (after the last flush) on the journal
+/// device, which a recording device keeps in its history.
+#[derive(Clone)]
+pub struct Observer(pub Arc<ObserverFn>);
+
+/// What an [`Observer`] calls: sequence, blocks and their contents, revoked blocks.
+pub type ObserverFn = dyn Fn(u32, &[(BlockNo, &[u8])], &[BlockNo]) + Send + Sync;
+
+impl std::fmt::Debug for Observer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Observer")
+    }
 }
 
 /// Where commits put their records (see the module's doc).
@@ -90,6 +109,7 @@ impl Default for JournalOptions {
             commit_interval: Duration::from_secs(5),
             max_txn_blocks: None,
             placement: Placement::Ring,
+            observer: None,
         }
     }
 }
@@ -360,6 +380,12 @@ impl Journal {
             return Ok(());
         }
         let seq = st.next_seq;
+        if let Some(o) = &inner.opts.observer {
+            let blocks: Vec<(BlockNo, &[u8])> =
+                txn.blocks.iter().map(|(b, d)| (*b, &d[..])).collect();
+            let revoked: Vec<BlockNo> = revokes.iter().map(|&b| b as BlockNo).collect();
+            (o.0)(seq, &blocks, &revoked);
+        }
         match inner.opts.placement {
             Placement::Null => {
                 // Success without I/O: the changes go home by write-back alone.
@@ -435,6 +461,7 @@ impl Journal {
             .unwrap_or_default();
         // As one request per run of consecutive device blocks (a disk streams it), as the
         // kernel's jbd2 submits a transaction's log blocks together.
+        inner.dev.mark(&format!("journal-write {seq}"));
         let mut i = 0;
         while i < writes.len() {
             let first = inner.map.device_block(writes[i].0)?;
@@ -474,6 +501,7 @@ impl Journal {
         if safe {
             inner.dev.flush()?;
         }
+        inner.dev.mark(&format!("journal-durable {seq}"));
         // Durable in the log: the changes may go home now.
         inner.engine.release_hold(txn.hold);
         st.head = if commit_pos + 1 >= st.sb.maxlen {
@@ -530,6 +558,7 @@ impl Journal {
             .iter()
             .map(|&j| inner.map.device_block(j))
             .collect::<Result<_>>()?;
+        inner.dev.mark(&format!("journal-write {seq}"));
         let at = inner.dev.write_range(&dev_cands, &record)?;
         let Some(k) = dev_cands.iter().position(|&c| c == at) else {
             return Err(JournalError::Corrupt(format!(
@@ -540,6 +569,7 @@ impl Journal {
         if inner.engine.flushes() {
             inner.dev.flush()?;
         }
+        inner.dev.mark(&format!("journal-durable {seq}"));
         inner.engine.release_hold(txn.hold);
         let headers = len as usize - txn.blocks.len() - 1;
         let images: Vec<(BlockNo, u32, bool)> = txn
