@@ -30,6 +30,9 @@ if [ "$(id -u)" = 0 ]; then
   # (timings are not checked: they come from the full run, never from here).
   tests/bench-featherstitch.sh ./target/release/quiltfs
   tests/bench-betrfs.sh ./target/release/quiltfs
+  # PostgreSQL pgbench with the log-skipping journal and kernel ext4's external journal
+  # on the disk model (quick).
+  tests/bench-bark.sh ./target/release/quiltfs
   # betrfs: the kernel's ext2 driver as the oracle of its POSIX behaviour, and real
   # programs (tar, git, SQLite, Dovecot) on a mount, checked for their contents.
   tests/kernel-parity-betrfs.sh ./target/release/quiltfs
@@ -37,7 +40,7 @@ if [ "$(id -u)" = 0 ]; then
   # Clones with cp, cp --reflink (libquilt_preload.so) and quiltfs clone, by content.
   tests/betrfs-clone.sh ./target/release/quiltfs
 else
-  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/bench-betrfs.sh, tests/kernel-parity-betrfs.sh, tests/betrfs-programs.sh and tests/betrfs-clone.sh (need root)" >&2
+  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/bench-betrfs.sh, tests/bench-bark.sh, tests/kernel-parity-betrfs.sh, tests/betrfs-programs.sh and tests/betrfs-clone.sh (need root)" >&2
 fi
 # Fuzzing smoke: every input a fuzzer ever crashed on, and random damage to each region
 # of a seed image (the coverage-guided hour-long runs are scripts/fuzz.sh's).

@@ -5,7 +5,8 @@
 # Usage: tests/patchgroups.sh [RELEASE_DIR]   (needs root, /dev/fuse, cc, python3)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-rel="${1:-$here/../target/release}"
+# Absolute: LD_PRELOAD of a relative path fails in every process started elsewhere.
+rel="$(cd "${1:-$here/../target/release}" && pwd)"
 q="$rel/quiltfs"
 work="$(mktemp -d /tmp/quiltfs-pg.XXXXXX)"
 mnt="$work/m"

@@ -306,6 +306,25 @@ impl BlockDevice for FileDevice {
         self.counters.read(buf.len());
         Ok(())
     }
+    fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
+        let bs = self.opts.block_size;
+        if buf.is_empty() || buf.len() % bs != 0 {
+            return Err(BlockError::BadBufferSize {
+                got: buf.len(),
+                block_size: bs,
+            });
+        }
+        check_request(self, first + (buf.len() / bs) as u64 - 1, bs)?;
+        if self.opts.direct {
+            let mut bounce = AlignedBuf::new(buf.len());
+            self.read_into(first, bounce.as_mut_slice())?;
+            buf.copy_from_slice(bounce.as_mut_slice());
+        } else {
+            self.read_into(first, buf)?;
+        }
+        self.counters.read(buf.len());
+        Ok(())
+    }
     fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
         let Some(backed) = &self.backed else {
             return Ok(());

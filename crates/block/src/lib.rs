@@ -103,6 +103,21 @@ pub trait BlockDevice: Send + Sync {
     fn block_count(&self) -> u64;
     /// Reads block `block` into `buf`, which must be exactly one block long.
     fn read(&self, block: BlockNo, buf: &mut [u8]) -> Result<()>;
+    /// Reads consecutive blocks from `first` into `buf` (whole blocks): one request to a
+    /// device that models its timing, block reads otherwise.
+    fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
+        let bs = self.block_size();
+        if buf.is_empty() || buf.len() % bs != 0 {
+            return Err(BlockError::BadBufferSize {
+                got: buf.len(),
+                block_size: bs,
+            });
+        }
+        for (i, b) in buf.chunks_mut(bs).enumerate() {
+            self.read(first + i as u64, b)?;
+        }
+        Ok(())
+    }
     /// Makes sure blocks `first..first + count` have storage behind them, so that
     /// writing them later cannot fail for lack of room where the image lives (a sparse
     /// image file on a host file system that fills up). A file system calls it when it
@@ -203,6 +218,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn write_blocks(&self, first: BlockNo, buf: &[u8]) -> Result<()> {
         (**self).write_blocks(first, buf)
+    }
+    fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
+        (**self).read_blocks(first, buf)
     }
     fn write_range(&self, candidates: &[BlockNo], buf: &[u8]) -> Result<BlockNo> {
         (**self).write_range(candidates, buf)

@@ -143,6 +143,9 @@ impl BlockDevice for RecordingDevice {
     fn read(&self, block: BlockNo, buf: &mut [u8]) -> Result<()> {
         self.inner.read(block, buf)
     }
+    fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
+        self.inner.read_blocks(first, buf)
+    }
     fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()> {
         // The lock is held across the inner write so that the log order is the order in
         // which the inner device saw the writes.

@@ -200,10 +200,23 @@ pub fn scan(dev: &dyn BlockDevice, map: &JournalMap, sb: &JournalSuper) -> Resul
     // First the blocks that begin a record of this mount, one block in memory at a time
     // (an external journal may be large); then each such record whole.
     let mut starts = Vec::new();
-    for j in sb.first..sb.maxlen {
-        if let Some(h @ (_, 0, _, _, _)) = header(&read(j)?, sb) {
-            starts.push((j, h));
+    let mut j = sb.first;
+    let mut chunk = Vec::new();
+    while j < sb.maxlen {
+        // Up to 256 blocks consecutive on the device, as one request.
+        let first = map.device_block(j)?;
+        let mut n = 1;
+        while n < 256 && j + n < sb.maxlen && map.device_block(j + n)? == first + n as u64 {
+            n += 1;
         }
+        chunk.resize(n as usize * bs, 0);
+        dev.read_blocks(first, &mut chunk)?;
+        for (i, b) in chunk.chunks(bs).enumerate() {
+            if let Some(h @ (_, 0, _, _, _)) = header(b, sb) {
+                starts.push((j + i as u32, h));
+            }
+        }
+        j += n;
     }
     let room = bs - HEADER_FIXED - 4;
     let mut out = Vec::new();
@@ -218,9 +231,15 @@ pub fn scan(dev: &dyn BlockDevice, map: &JournalMap, sb: &JournalSuper) -> Resul
         if len != headers + ndata + 1 || start as usize + len > sb.maxlen as usize {
             continue;
         }
-        let rec: Vec<Vec<u8>> = (start..start + len as u32)
-            .map(read)
-            .collect::<Result<_>>()?;
+        let rec: Vec<Vec<u8>> = if map.contiguous(start, len as u32) {
+            let mut all = vec![0u8; len * bs];
+            dev.read_blocks(map.device_block(start)?, &mut all)?;
+            all.chunks(bs).map(<[u8]>::to_vec).collect()
+        } else {
+            (start..start + len as u32)
+                .map(read)
+                .collect::<Result<_>>()?
+        };
         // Every header block of the same record, in order.
         let mut payload = Vec::with_capacity(need);
         let mut ok = true;
@@ -310,8 +329,10 @@ pub fn committed(found: Vec<Found>, sb: &JournalSuper) -> Vec<Found> {
 
 /// Free runs of the area (journal blocks `first..maxlen` not in `used`, sorted by
 /// start) as candidate starts for a record of `len` blocks: every run's start, and
-/// further starts `step` apart inside long runs, at most `max` in all (so that a disk
-/// model can pick one near its head whatever the head's angle).
+/// further starts inside long runs, spread over the whole free space at least `step`
+/// apart, at most `max` in all, so that a disk model finds one near its head wherever
+/// the head is (candidates bunched at the area's front made every trip of the head
+/// past them cost a seek back or a revolution).
 pub fn candidates(
     first: u32,
     maxlen: u32,
@@ -320,23 +341,31 @@ pub fn candidates(
     step: u32,
     max: usize,
 ) -> Vec<u32> {
-    let mut out = Vec::new();
     let mut at = first;
     let mut runs = Vec::new();
     for &(s, l) in used {
         if s > at {
             runs.push((at, s));
         }
-        at = at.max(s + l);
+        at = at.max(s.saturating_add(l));
     }
     if maxlen > at {
         runs.push((at, maxlen));
     }
-    for (a, b) in runs {
+    let fits: Vec<(u32, u32)> = runs.into_iter().filter(|&(a, b)| a + len <= b).collect();
+    if fits.is_empty() || max == 0 {
+        return Vec::new();
+    }
+    // Starts inside runs beyond their first: spread them so that all fit in `max`.
+    let starts: u64 = fits.iter().map(|&(a, b)| (b - len - a) as u64).sum();
+    let extra = (max as u64).saturating_sub(fits.len() as u64).max(1);
+    let step = (step.max(1) as u64).max(starts.div_ceil(extra)) as u32;
+    let mut out = Vec::new();
+    for (a, b) in fits {
         let mut s = a;
         while s + len <= b && out.len() < max {
             out.push(s);
-            s += step.max(1);
+            s += step;
         }
     }
     out
@@ -509,5 +538,14 @@ mod tests {
         let c = candidates(1, 100, &[(10, 5), (50, 40)], 4, 8, 100);
         assert_eq!(c, vec![1, 15, 23, 31, 39, 90]);
         assert_eq!(candidates(1, 100, &[(1, 99)], 1, 1, 10), Vec::<u32>::new());
+        // Fewer allowed than the step gives: spread over all the free space, not
+        // bunched at its front.
+        let c = candidates(1, 10_001, &[(5_001, 10)], 4, 4, 100);
+        assert!(c.len() <= 100 && c.len() >= 90, "{}", c.len());
+        assert!(c.iter().any(|&x| x > 9_000), "{c:?}");
+        assert!(c
+            .iter()
+            .all(|&x| x + 4 <= 10_001 && !(4_998..5_011).contains(&x)));
+        assert!(c.windows(2).all(|w| w[0] < w[1]));
     }
 }

@@ -98,7 +98,8 @@ impl std::str::FromStr for Placement {
 
 /// Candidate starts a skip commit offers the device: one every this many blocks of free
 /// space (at the outer zone of a desktop disk, a 4 KiB block is about 1/300 of a
-/// revolution), at most `SKIP_CANDIDATES`.
+/// revolution), or further apart so that at most `SKIP_CANDIDATES` cover all of it
+/// (a 64 MiB area: one every 32 blocks, a tenth of a revolution).
 const SKIP_STEP: u32 = 4;
 const SKIP_CANDIDATES: usize = 512;
 
@@ -629,7 +630,7 @@ impl Journal {
                 &used,
                 len,
                 SKIP_STEP,
-                SKIP_CANDIDATES * 4,
+                SKIP_CANDIDATES,
             )
             .into_iter()
             .filter(|&j| {
@@ -639,7 +640,6 @@ impl Journal {
                     _ => false,
                 }
             })
-            .take(SKIP_CANDIDATES)
             .collect();
             if !cands.is_empty() {
                 return Ok(cands);
@@ -716,18 +716,40 @@ impl Journal {
             .filter_map(|(b, c)| c.map(|(at, esc)| (b, at, esc)))
             .collect();
         copies.sort_unstable_by_key(|(b, _, _)| *b);
-        // The copies are in the log, from which no live transaction's space is reused;
-        // each is read into the engine's one buffer just before it goes home.
+        // The copies are in the log, from which no live transaction's space is reused.
+        // They are read first, each run of consecutive log blocks as one request (a
+        // disk's head then streams a whole record instead of coming round for each
+        // block), at most a transaction's worth of blocks in memory.
         let homes: Vec<BlockNo> = copies.iter().map(|&(b, _, _)| b).collect();
-        let mut next = copies.iter();
         let inner = &self.inner;
+        let mut positions: Vec<u32> = copies.iter().map(|&(_, at, _)| at).collect();
+        positions.sort_unstable();
+        positions.dedup();
+        let mut images: HashMap<u32, Vec<u8>> = HashMap::default();
+        let mut i = 0;
+        while i < positions.len() {
+            let first = inner.map.device_block(positions[i])?;
+            let mut k = i + 1;
+            while k < positions.len()
+                && positions[k] == positions[k - 1] + 1
+                && inner.map.device_block(positions[k])? == first + (k - i) as u64
+            {
+                k += 1;
+            }
+            let mut run = vec![0u8; (k - i) * inner.bs];
+            inner.dev.read_blocks(first, &mut run)?;
+            for (j, b) in run.chunks(inner.bs).enumerate() {
+                images.insert(positions[i + j], b.to_vec());
+            }
+            i = k;
+        }
+        let mut next = copies.iter();
         inner.engine.write_through(&homes, |_, buf| {
             let &(_, at, escaped) = next.next().expect("one copy per block");
-            let at = inner
-                .map
-                .device_block(at)
-                .map_err(quilt_patch::PatchError::from)?;
-            inner.dev.read(at, buf)?;
+            let image = images.get(&at).ok_or(quilt_patch::PatchError::Block(
+                quilt_block::BlockError::Unsupported("a log copy that was not read"),
+            ))?;
+            buf.copy_from_slice(image);
             if escaped {
                 let magic = match inner.opts.placement {
                     Placement::Skip => crate::skip::MAGIC.to_le_bytes(),

@@ -207,6 +207,9 @@ pub(crate) struct Shared {
     pub block_size: usize,
     pub stop: (Mutex<bool>, Condvar),
     pub flusher_running: AtomicBool,
+    /// The flusher thread, joined by `stop_flusher`: the thread holds the engine (and
+    /// with it the device and the image's lock) until it has ended.
+    pub flusher: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Set by a change that found the cache or the graph past half its limit: the
     /// flusher starts an early round instead of waiting for its interval.
     pub kicked: AtomicBool,
@@ -287,6 +290,7 @@ impl Engine {
                 block_size,
                 stop: (Mutex::new(false), Condvar::new()),
                 flusher_running: AtomicBool::new(false),
+                flusher: Mutex::new(None),
                 kicked: AtomicBool::new(false),
                 gate: Mutex::new(Gate::default()),
                 gate_cv: Condvar::new(),
@@ -762,7 +766,7 @@ impl Engine {
         }
         *self.sh.stop.0.lock().unwrap_or_else(|e| e.into_inner()) = false;
         let weak = Arc::downgrade(&self.sh);
-        std::thread::Builder::new()
+        let handle = std::thread::Builder::new()
             .name("quilt-flusher".into())
             .spawn(move || loop {
                 let Some(sh) = weak.upgrade() else { return };
@@ -787,13 +791,28 @@ impl Engine {
                 }
             })
             .expect("spawning the flusher thread");
+        *self.sh.flusher.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
     }
 
-    /// Stops the background flusher (it finishes the epoch it is in).
+    /// Stops the background flusher and waits for its thread to end (it finishes the
+    /// epoch it is in), so that once this returns nothing but the caller's handles keep
+    /// the device open: an unmount followed by a new open of the image must not find
+    /// it still locked. Must not be called with the engine's state locked.
     pub fn stop_flusher(&self) {
         let (lock, cv) = &self.sh.stop;
         *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
         cv.notify_all();
+        let handle = self
+            .sh
+            .flusher
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(h) = handle {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
     }
 }
 

@@ -383,6 +383,19 @@ struct Bed {
     log: PathBuf,
     /// ext4: the FUSE export of the model disks and the journal's loop device.
     export: Option<Export>,
+    /// Files removed when the bed goes (last: after the loop devices and the export).
+    _files: Files,
+}
+
+/// Files a bed made besides its disk's image (the external journal, the model disks).
+struct Files(Vec<PathBuf>);
+
+impl Drop for Files {
+    fn drop(&mut self) {
+        for f in &self.0 {
+            let _ = std::fs::remove_file(f);
+        }
+    }
 }
 
 struct Export {
@@ -499,12 +512,17 @@ impl Bed {
             mnt,
             log,
             export: None,
+            _files: Files(vec![journal]),
         })
     }
 
     fn create_ext4(work: &Path, scale: &Scale, mnt: PathBuf, log: PathBuf) -> Result<Bed> {
-        let data = model_file(&work.join("ext4-data.raw"), scale.image_mib, true)?;
-        let journal = model_file(&work.join("ext4-journal.raw"), scale.journal_mib, false)?;
+        let files = Files(vec![
+            work.join("ext4-data.raw"),
+            work.join("ext4-journal.raw"),
+        ]);
+        let data = model_file(&files.0[0], scale.image_mib, true)?;
+        let journal = model_file(&files.0[1], scale.journal_mib, false)?;
         let dir = work.join("ext4-disks");
         std::fs::create_dir_all(&dir)?;
         let fs = Arc::new(export::DiskExport::new(vec![
@@ -559,6 +577,7 @@ impl Bed {
             mnt,
             log,
             export: Some(export),
+            _files: files,
         })
     }
 
