@@ -328,15 +328,16 @@ pub fn committed(found: Vec<Found>, sb: &JournalSuper) -> Vec<Found> {
 }
 
 /// Free runs of the area (journal blocks `first..maxlen` not in `used`, sorted by
-/// start) as candidate starts for a record of `len` blocks: every run's start, and
-/// further starts inside long runs, spread over the whole free space at least `step`
-/// apart, at most `max` in all, so that a disk model finds one near its head wherever
-/// the head is (candidates bunched at the area's front made every trip of the head
-/// past them cost a seek back or a revolution).
+/// start) as candidate starts for a record of `len` blocks, `step` apart, at most `max`,
+/// beginning at `from` (where the last record ended: the disk's head is there) and
+/// wrapping round to the area's start. Candidates bunched at the area's front instead
+/// made every trip of the head past them cost a seek back or a revolution; spread over
+/// a large area, a tenth of a revolution apart.
 pub fn candidates(
     first: u32,
     maxlen: u32,
     used: &[(u32, u32)],
+    from: u32,
     len: u32,
     step: u32,
     max: usize,
@@ -352,20 +353,25 @@ pub fn candidates(
     if maxlen > at {
         runs.push((at, maxlen));
     }
-    let fits: Vec<(u32, u32)> = runs.into_iter().filter(|&(a, b)| a + len <= b).collect();
-    if fits.is_empty() || max == 0 {
-        return Vec::new();
+    // From `from` to the end, then from the start up to `from`.
+    let from = from.clamp(first, maxlen);
+    let mut order = Vec::with_capacity(runs.len() + 1);
+    for &(a, b) in &runs {
+        if b > from {
+            order.push((a.max(from), b));
+        }
     }
-    // Starts inside runs beyond their first: spread them so that all fit in `max`.
-    let starts: u64 = fits.iter().map(|&(a, b)| (b - len - a) as u64).sum();
-    let extra = (max as u64).saturating_sub(fits.len() as u64).max(1);
-    let step = (step.max(1) as u64).max(starts.div_ceil(extra)) as u32;
+    for &(a, b) in &runs {
+        if a < from {
+            order.push((a, b.min(from)));
+        }
+    }
     let mut out = Vec::new();
-    for (a, b) in fits {
+    for (a, b) in order {
         let mut s = a;
-        while s + len <= b && out.len() < max {
+        while s.saturating_add(len) <= b && out.len() < max {
             out.push(s);
-            s += step;
+            s += step.max(1);
         }
     }
     out
@@ -535,17 +541,19 @@ mod tests {
 
     #[test]
     fn candidates_cover_the_free_runs() {
-        let c = candidates(1, 100, &[(10, 5), (50, 40)], 4, 8, 100);
+        let c = candidates(1, 100, &[(10, 5), (50, 40)], 1, 4, 8, 100);
         assert_eq!(c, vec![1, 15, 23, 31, 39, 90]);
-        assert_eq!(candidates(1, 100, &[(1, 99)], 1, 1, 10), Vec::<u32>::new());
-        // Fewer allowed than the step gives: spread over all the free space, not
-        // bunched at its front.
-        let c = candidates(1, 10_001, &[(5_001, 10)], 4, 4, 100);
-        assert!(c.len() <= 100 && c.len() >= 90, "{}", c.len());
-        assert!(c.iter().any(|&x| x > 9_000), "{c:?}");
-        assert!(c
-            .iter()
-            .all(|&x| x + 4 <= 10_001 && !(4_998..5_011).contains(&x)));
-        assert!(c.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(
+            candidates(1, 100, &[(1, 99)], 1, 1, 1, 10),
+            Vec::<u32>::new()
+        );
+        // From where the last record ended, round to the start; a run the wrap cuts in
+        // two yields both parts.
+        let c = candidates(1, 100, &[(10, 5), (50, 40)], 30, 4, 8, 100);
+        assert_eq!(c, vec![30, 38, 46, 90, 1, 15, 23]);
+        let c = candidates(1, 10_001, &[], 9_000, 4, 4, 600);
+        assert_eq!(c.len(), 600);
+        assert_eq!(&c[..2], &[9_000, 9_004]);
+        assert!(c.contains(&1) && c.iter().all(|&x| x + 4 <= 10_001));
     }
 }

@@ -97,9 +97,9 @@ impl std::str::FromStr for Placement {
 }
 
 /// Candidate starts a skip commit offers the device: one every this many blocks of free
-/// space (at the outer zone of a desktop disk, a 4 KiB block is about 1/300 of a
-/// revolution), or further apart so that at most `SKIP_CANDIDATES` cover all of it
-/// (a 64 MiB area: one every 32 blocks, a tenth of a revolution).
+/// space from where the last record ended (at the outer zone of a desktop disk, a 4 KiB
+/// block is about 1/300 of a revolution), at most `SKIP_CANDIDATES` (2,048 blocks: the
+/// tracks around the head, whatever its angle).
 const SKIP_STEP: u32 = 4;
 const SKIP_CANDIDATES: usize = 512;
 
@@ -176,6 +176,9 @@ struct State {
     home: VecDeque<Live>,
     /// Log blocks the live and home transactions occupy.
     used: u32,
+    /// Skip placement: the end of the last record written, where the journal disk's head
+    /// was left; candidates are offered from there on.
+    skip_from: u32,
     /// Blocks with a copy in the log recovery may replay (live and home transactions),
     /// and how many transactions hold one.
     logged: HashMap<BlockNo, u32>,
@@ -283,6 +286,7 @@ impl Journal {
                 bs,
                 max_txn,
                 st: Mutex::new(State {
+                    skip_from: sb.first,
                     sb,
                     sb_raw: raw,
                     head,
@@ -567,6 +571,7 @@ impl Journal {
             )));
         };
         let start = cands[k];
+        st.skip_from = start + len;
         if inner.engine.flushes() {
             inner.dev.flush()?;
         }
@@ -628,6 +633,7 @@ impl Journal {
                 st.sb.first,
                 st.sb.maxlen,
                 &used,
+                st.skip_from,
                 len,
                 SKIP_STEP,
                 SKIP_CANDIDATES,

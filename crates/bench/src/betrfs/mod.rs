@@ -337,6 +337,16 @@ pub fn run(a: BetrfsArgs) -> Result<()> {
                     Ok((s, check)) => {
                         samples.extend(s);
                         checks.extend(check);
+                        // What is measured so far survives a run that is stopped (a
+                        // full run takes hours).
+                        std::fs::create_dir_all(&a.out)?;
+                        std::fs::write(
+                            a.out.join("partial.json"),
+                            serde_json::to_string(&serde_json::json!({
+                                "samples": samples,
+                                "checks": checks,
+                            }))?,
+                        )?;
                     }
                     Err(e) => {
                         bar.finish();
@@ -365,6 +375,7 @@ pub fn run(a: BetrfsArgs) -> Result<()> {
         }))?,
     )?;
     std::fs::write(a.out.join("results.csv"), crate::csv(&samples)?)?;
+    let _ = std::fs::remove_file(a.out.join("partial.json"));
     let plots = report::plots(&a.out, &systems, &samples)?;
     println!(
         "results in {}: report.md, results.json, results.csv{}",
