@@ -143,7 +143,7 @@ pub fn write(out: &Path, meta: &Meta, rows: &[Row]) -> Result<()> {
             if !rows.iter().any(|r| r.cache == cache && r.clients == c) {
                 continue;
             }
-            let _ = writeln!(md, "## {} , {c} client(s)\n", cache.name());
+            let _ = writeln!(md, "## {}, {c} client(s)\n", cache.name());
             let _ = writeln!(
                 md,
                 "| system | runtime s | tps | journal write median ms | runtime vs ring | runtime vs null |\n|---|---|---|---|---|---|"
@@ -188,7 +188,7 @@ pub fn write(out: &Path, meta: &Meta, rows: &[Row]) -> Result<()> {
             if crate::plot::font() && !series.is_empty() {
                 crate::plot::cdf(
                     &out.join(&png),
-                    &format!("Journal write latency, {} , {c} client(s)", cache.name()),
+                    &format!("Journal write latency, {}, {c} client(s)", cache.name()),
                     "latency (ms), modelled 7200 RPM disk",
                     &series,
                 )?;
@@ -201,7 +201,7 @@ pub fn write(out: &Path, meta: &Meta, rows: &[Row]) -> Result<()> {
                 let need = if cache == Cache::Cached { 0.61 } else { 0.20 };
                 goals.push((
                     format!(
-                        "skip ≥ {:.0}% faster than ring, {} , {c} client(s)",
+                        "skip ≥ {:.0}% faster than ring, {}, {c} client(s)",
                         need * 100.0,
                         cache.name()
                     ),
@@ -217,7 +217,7 @@ pub fn write(out: &Path, meta: &Meta, rows: &[Row]) -> Result<()> {
             if let (Some(n), Some(k)) = (&null, &skip) {
                 let over = k.seconds.0 / n.seconds.0 - 1.0;
                 goals.push((
-                    format!("skip within 10% of null, {} , {c} client(s)", cache.name()),
+                    format!("skip within 10% of null, {}, {c} client(s)", cache.name()),
                     over <= 0.10,
                     format!(
                         "{:+.0}% ({:.2} s against {:.2} s)",
@@ -230,7 +230,7 @@ pub fn write(out: &Path, meta: &Meta, rows: &[Row]) -> Result<()> {
             if let Some(m) = skip.as_ref().and_then(|k| k.latency_median) {
                 goals.push((
                     format!(
-                        "skip's median journal write below a quarter rotation ({:.2} ms), {} , {c} client(s)",
+                        "skip's median journal write below a quarter rotation ({:.2} ms), {}, {c} client(s)",
                         ROTATION_MS / 4.0,
                         cache.name()
                     ),
