@@ -1,7 +1,7 @@
 //! A device backed by an image file: pread/pwrite, fdatasync on flush, O_DIRECT optional.
 
 use crate::{
-    check_block_size, check_request, BlockDevice, BlockError, BlockNo, IoCounters, IoStats, Result,
+    check_block_size, check_request, check_run, BlockDevice, BlockError, BlockNo, IoCounters, IoStats, Result,
 };
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -307,14 +307,7 @@ impl BlockDevice for FileDevice {
         Ok(())
     }
     fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
-        let bs = self.opts.block_size;
-        if buf.is_empty() || buf.len() % bs != 0 {
-            return Err(BlockError::BadBufferSize {
-                got: buf.len(),
-                block_size: bs,
-            });
-        }
-        check_request(self, first + (buf.len() / bs) as u64 - 1, bs)?;
+        check_run(self, first, buf.len())?;
         if self.opts.direct {
             let mut bounce = AlignedBuf::new(buf.len());
             self.read_into(first, bounce.as_mut_slice())?;
@@ -406,14 +399,8 @@ impl BlockDevice for FileDevice {
     }
     fn write_blocks(&self, first: BlockNo, buf: &[u8]) -> Result<()> {
         let bs = self.opts.block_size;
-        if buf.is_empty() || buf.len() % bs != 0 {
-            return Err(BlockError::BadBufferSize {
-                got: buf.len(),
-                block_size: bs,
-            });
-        }
-        // The whole run in one pwrite (its last block checked against the device's end).
-        check_request(self, first + (buf.len() / bs) as u64 - 1, bs)?;
+        // The whole run in one pwrite.
+        check_run(self, first, buf.len())?;
         if self.opts.read_only {
             return Err(BlockError::Unsupported("writes on a read-only image"));
         }

@@ -107,12 +107,7 @@ pub trait BlockDevice: Send + Sync {
     /// device that models its timing, block reads otherwise.
     fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
         let bs = self.block_size();
-        if buf.is_empty() || buf.len() % bs != 0 {
-            return Err(BlockError::BadBufferSize {
-                got: buf.len(),
-                block_size: bs,
-            });
-        }
+        whole_blocks(bs, buf.len())?;
         for (i, b) in buf.chunks_mut(bs).enumerate() {
             self.read(first + i as u64, b)?;
         }
@@ -137,12 +132,7 @@ pub trait BlockDevice: Send + Sync {
     /// block is written atomically; the blocks may reach the media in any order.
     fn write_blocks(&self, first: BlockNo, buf: &[u8]) -> Result<()> {
         let bs = self.block_size();
-        if buf.is_empty() || buf.len() % bs != 0 {
-            return Err(BlockError::BadBufferSize {
-                got: buf.len(),
-                block_size: bs,
-            });
-        }
+        whole_blocks(bs, buf.len())?;
         for (i, b) in buf.chunks(bs).enumerate() {
             self.write(first + i as u64, b)?;
         }
@@ -175,6 +165,26 @@ pub trait BlockDevice: Send + Sync {
 
 /// Checks a request against a device's geometry. Shared by every device so that the
 /// error messages are the same everywhere.
+/// Checks a request for a run of whole blocks from `first` (the buffer a non-empty
+/// multiple of the block size, the run inside the device); returns its length in blocks.
+pub fn check_run(dev: &dyn BlockDevice, first: BlockNo, buf_len: usize) -> Result<u64> {
+    let bs = dev.block_size();
+    let n = whole_blocks(bs, buf_len)?;
+    check_request(dev, first.saturating_add(n - 1), bs)?;
+    Ok(n)
+}
+
+/// How many blocks of `bs` bytes a buffer of `len` holds (a non-empty whole number).
+fn whole_blocks(bs: usize, len: usize) -> Result<u64> {
+    if len == 0 || len % bs != 0 {
+        return Err(BlockError::BadBufferSize {
+            got: len,
+            block_size: bs,
+        });
+    }
+    Ok((len / bs) as u64)
+}
+
 pub fn check_request(dev: &dyn BlockDevice, block: BlockNo, buf_len: usize) -> Result<()> {
     let count = dev.block_count();
     if block >= count {

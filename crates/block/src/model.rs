@@ -31,7 +31,7 @@
 //! reach it, and writes where it is soonest (the paper's hierarchical-range scheduler,
 //! over a list of single positions).
 
-use crate::{check_request, BlockDevice, BlockError, BlockNo, IoStats, Result};
+use crate::{check_request, check_run, BlockDevice, BlockError, BlockNo, IoStats, Result};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -628,15 +628,7 @@ impl BlockDevice for DiskModel {
     }
 
     fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
-        let bs = self.block_size();
-        if buf.is_empty() || buf.len() % bs != 0 {
-            return Err(BlockError::BadBufferSize {
-                got: buf.len(),
-                block_size: bs,
-            });
-        }
-        let n = (buf.len() / bs) as u64;
-        check_request(self, first + n - 1, bs)?;
+        let n = check_run(self, first, buf.len())?;
         let mut h = self.head.lock().unwrap_or_else(|e| e.into_inner());
         let arrive = self.clock.now_ns();
         self.inner.read_blocks(first, buf)?;
@@ -656,15 +648,7 @@ impl BlockDevice for DiskModel {
     }
 
     fn write_blocks(&self, first: BlockNo, buf: &[u8]) -> Result<()> {
-        let bs = self.block_size();
-        if buf.is_empty() || buf.len() % bs != 0 {
-            return Err(BlockError::BadBufferSize {
-                got: buf.len(),
-                block_size: bs,
-            });
-        }
-        let n = (buf.len() / bs) as u64;
-        check_request(self, first + n - 1, bs)?;
+        let n = check_run(self, first, buf.len())?;
         let mut h = self.head.lock().unwrap_or_else(|e| e.into_inner());
         let arrive = self.clock.now_ns();
         self.inner.write_blocks(first, buf)?;
@@ -672,16 +656,15 @@ impl BlockDevice for DiskModel {
     }
 
     fn write_range(&self, candidates: &[BlockNo], buf: &[u8]) -> Result<BlockNo> {
-        let bs = self.block_size();
-        if candidates.is_empty() || buf.is_empty() || buf.len() % bs != 0 {
+        if candidates.is_empty() {
             return Err(BlockError::BadBufferSize {
                 got: buf.len(),
-                block_size: bs,
+                block_size: self.block_size(),
             });
         }
-        let n = (buf.len() / bs) as u64;
+        let mut n = 0;
         for &c in candidates {
-            check_request(self, c + n - 1, bs)?;
+            n = check_run(self, c, buf.len())?;
         }
         let mut h = self.head.lock().unwrap_or_else(|e| e.into_inner());
         let arrive = self.clock.now_ns();
