@@ -1,7 +1,8 @@
 //! A device backed by an image file: pread/pwrite, fdatasync on flush, O_DIRECT optional.
 
 use crate::{
-    check_block_size, check_request, check_run, BlockDevice, BlockError, BlockNo, IoCounters, IoStats, Result,
+    check_block_size, check_request, check_run, BlockDevice, BlockError, BlockNo, IoCounters,
+    IoStats, Result,
 };
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
