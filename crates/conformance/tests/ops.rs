@@ -767,6 +767,17 @@ module_test!(
         fs.setattr(g, with_size(1 << 40), &c()).unwrap();
         assert_eq!(fs.seek_data(g, 0, true), Err(FsError::NoData), "all hole");
         assert_eq!(fs.seek_data(g, 5, false), Ok(5));
+        // A file without holes (betrfs answers from its block count, without a scan);
+        // then one hole punched at its start, one in its middle.
+        let h = fs.mknod(fs.root(), b"h", REG, 0, &c()).unwrap().ino;
+        fs.write(h, 0, &[3; 5 * 4096 + 10], &c()).unwrap();
+        let hsize = 5 * 4096 + 10;
+        assert_eq!(fs.seek_data(h, 0, false), Ok(hsize));
+        assert_eq!(fs.seek_data(h, 4097, true), Ok(4097));
+        assert_eq!(fs.seek_data(h, 4097, false), Ok(hsize));
+        fs.write(h, 8 * 4096, b"z", &c()).unwrap(); // blocks 6-7 a hole
+        assert_eq!(fs.seek_data(h, 0, false), Ok(6 * 4096));
+        assert_eq!(fs.seek_data(h, 6 * 4096, true), Ok(8 * 4096));
     }
 );
 
