@@ -323,6 +323,9 @@ pub struct OpenSettings {
     /// Serve the image through a model of a rotating disk with its write cache on
     /// (`model=7200`).
     pub model: bool,
+    /// The models' flushes stop at the model: the host does not flush the files under
+    /// them (`model_nohostsync`, for benchmarks).
+    pub model_nohostsync: bool,
 }
 
 impl Default for OpenSettings {
@@ -341,7 +344,17 @@ impl Default for OpenSettings {
             journal_dev: None,
             journal_model: false,
             model: false,
+            model_nohostsync: false,
         }
+    }
+}
+
+/// A disk model as the settings ask: flushing the file under it or not.
+fn host_flush(s: &OpenSettings, m: quilt_block::DiskModel) -> quilt_block::DiskModel {
+    if s.model_nohostsync {
+        m.without_host_flush()
+    } else {
+        m
     }
 }
 
@@ -368,14 +381,15 @@ fn open_journal_dev(
     .map_err(|e| open_error(path, e))?;
     let dev: Arc<dyn quilt_block::BlockDevice> = Arc::new(dev);
     let dev: Arc<dyn quilt_block::BlockDevice> = if s.journal_model {
-        Arc::new(
+        Arc::new(host_flush(
+            s,
             quilt_block::DiskModel::new(
                 dev,
                 quilt_block::DiskParams::desktop_7200(),
                 quilt_block::Clock::real(),
             )
             .with_context(|| format!("modelling a disk under {}", path.display()))?,
-        )
+        ))
     } else {
         dev
     };
@@ -405,10 +419,11 @@ pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
             write_cache: true,
             ..quilt_block::DiskParams::desktop_7200()
         };
-        Arc::new(
+        Arc::new(host_flush(
+            s,
             quilt_block::DiskModel::new(Arc::new(dev), params, quilt_block::Clock::real())
                 .with_context(|| format!("modelling a disk under {}", image.display()))?,
-        )
+        ))
     } else {
         Arc::new(dev)
     };

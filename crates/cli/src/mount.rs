@@ -51,6 +51,10 @@ pub struct MountArgs {
     /// journal_dev=PATH (the external journal of an image made with mkfs --journal-dev),
     /// journal_model=7200 (the external journal behind a model of a 7200 RPM disk, its
     /// write cache off), model=7200 (the image behind one, its write cache on),
+    /// model_nohostsync (the models' flushes stop at the model: the files under them are
+    /// not flushed on the host, whose fdatasync would add its own time to the modelled
+    /// disk's; for benchmarks, as the files then survive a crash of quiltfs but not one
+    /// of the host),
     /// nohard and nomerge (the patch engine's optimizations off, for comparing them);
     /// fstab-only options are ignored.
     #[arg(short = 'o', value_delimiter = ',')]
@@ -106,6 +110,7 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
             ("journal_model", Some(m)) => {
                 bail!("journal_model={m}: the disk models are 7200 (a desktop disk) and none")
             }
+            ("model_nohostsync", None) => settings.model_nohostsync = true,
             ("errors", Some(e)) => settings.errors = e.parse().map_err(anyhow::Error::msg)?,
             ("mode", Some(m)) => settings.mode = m.parse().map_err(anyhow::Error::msg)?,
             ("cache_mib", Some(n)) => settings.cache_mib = n.parse().context("cache_mib=N")?,

@@ -51,6 +51,17 @@ pub struct BarkArgs {
     /// Comma-separated systems (default: all): ring, skip, null, ext4.
     #[arg(long)]
     pub systems: Option<String>,
+    /// Comma-separated cache settings (default: both): cached, uncached.
+    #[arg(long)]
+    pub caches: Option<String>,
+    /// Comma-separated client counts (default: 1,4; 1 with --quick).
+    #[arg(long)]
+    pub clients: Option<String>,
+    /// The model disks' flushes stop at the model, for every system: the image files
+    /// under them are not flushed on the host, so the host's fdatasync (longer than a
+    /// write-through disk's modelled flush) is not added to the modelled time.
+    #[arg(long)]
+    pub no_host_flush: bool,
     /// Where results.json, results.csv, report.md and the PNG plots go.
     #[arg(long, default_value = "bark-results")]
     pub out: PathBuf,
@@ -132,6 +143,10 @@ pub struct Row {
     /// Journal-disk writes in the run by latency bucket (upper bounds in µs, the last
     /// unbounded), from the model.
     pub journal_write_latency: Vec<u64>,
+    /// What the journal disk's counters (`journal.device.*`: requests, bytes, the
+    /// model's modelled times) and, for quiltfs, the journal's own (`journal.*`) moved
+    /// by during the run: where a transaction's time goes.
+    pub journal_counters: std::collections::BTreeMap<String, u64>,
 }
 
 pub fn run(a: BarkArgs) -> Result<()> {
@@ -160,8 +175,39 @@ pub fn run(a: BarkArgs) -> Result<()> {
     std::fs::create_dir_all(&a.work)?;
     std::fs::create_dir_all(&a.out)?;
     crate::enable_fuse_uring();
-    let caches = [Cache::Cached, Cache::Uncached];
-    let steps = caches.len() * systems.len() * (1 + runs * scale.clients.len());
+    let caches: Vec<Cache> = match &a.caches {
+        None => vec![Cache::Cached, Cache::Uncached],
+        Some(list) => list
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|c| match c {
+                "cached" => Ok(Cache::Cached),
+                "uncached" => Ok(Cache::Uncached),
+                _ => Err(anyhow::anyhow!(
+                    "unknown cache setting '{c}' (known: cached, uncached)"
+                )),
+            })
+            .collect::<Result<_>>()?,
+    };
+    let clients: Vec<u32> = match &a.clients {
+        None => scale.clients.to_vec(),
+        Some(list) => list
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|c| match c.parse::<u32>() {
+                Ok(n) if n >= 1 => Ok(n),
+                _ => Err(anyhow::anyhow!(
+                    "--clients: '{c}' is not a client count of 1 or more"
+                )),
+            })
+            .collect::<Result<_>>()?,
+    };
+    if caches.is_empty() || clients.is_empty() {
+        bail!("--caches and --clients need at least one value each");
+    }
+    let steps = caches.len() * systems.len() * (1 + runs * clients.len());
     let mut progress = Progress::new(steps as u64, "steps");
     let mut rows: Vec<Row> = Vec::new();
     let t0 = Instant::now();
@@ -177,7 +223,7 @@ pub fn run(a: BarkArgs) -> Result<()> {
                 "{name}: pgbench -i -s {pgscale} ({})",
                 cache.name()
             ));
-            let bed = Bed::create(name, &a.work, &scale, cache)
+            let bed = Bed::create(name, &a.work, &scale, cache, !a.no_host_flush)
                 .with_context(|| format!("setting up {name}"))?;
             bed.with_postgres(&pg, cache, |db| db.init(pgscale))
                 .with_context(|| format!("initializing the database on {name}"))?;
@@ -188,7 +234,7 @@ pub fn run(a: BarkArgs) -> Result<()> {
             }
         }
         for r in 0..runs {
-            for &clients in scale.clients {
+            for &clients in &clients {
                 // A different order each run: drift spreads over the systems.
                 for k in 0..beds.len() {
                     let bed = &beds[(k + r) % beds.len()];
@@ -229,6 +275,7 @@ pub fn run(a: BarkArgs) -> Result<()> {
         scale_uncached: scale.uncached,
         seconds: t0.elapsed().as_secs_f64(),
         postgres: pg.version.clone(),
+        host_flush: !a.no_host_flush,
     };
     report::write(&a.out, &meta, &rows)?;
     eprintln!("bench: results in {}", a.out.display());
@@ -337,6 +384,7 @@ impl Db<'_> {
         self.psql("CHECKPOINT")?;
         let per = (total / clients).max(1);
         let before = bed.journal_latency()?;
+        let counters_before = bed.journal_counters()?;
         let t = Instant::now();
         let out = sh(self.pgbench().args([
             "-n",
@@ -350,6 +398,7 @@ impl Db<'_> {
         ]))?;
         let seconds = t.elapsed().as_secs_f64();
         let after = bed.journal_latency()?;
+        let counters_after = bed.journal_counters()?;
         let tps = out
             .lines()
             .find_map(|l| {
@@ -369,6 +418,14 @@ impl Db<'_> {
                 .iter()
                 .zip(&before)
                 .map(|(a, b)| a.saturating_sub(*b))
+                .collect(),
+            journal_counters: counters_after
+                .into_iter()
+                .filter(|(k, _)| !k.contains("latency") && !k.contains("range_choice"))
+                .map(|(k, a)| {
+                    let b = counters_before.get(&k).copied().unwrap_or(0);
+                    (k, a.saturating_sub(b))
+                })
                 .collect(),
         })
     }
@@ -426,7 +483,7 @@ fn leak(s: String) -> &'static str {
     Box::leak(s.into_boxed_str())
 }
 
-fn model_file(path: &Path, mib: u64, cache: bool) -> Result<Arc<DiskModel>> {
+fn model_file(path: &Path, mib: u64, cache: bool, host_flush: bool) -> Result<Arc<DiskModel>> {
     let f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     f.set_len(mib << 20)?;
     drop(f);
@@ -441,11 +498,12 @@ fn model_file(path: &Path, mib: u64, cache: bool) -> Result<Arc<DiskModel>> {
         write_cache: cache,
         ..DiskParams::desktop_7200()
     };
-    Ok(Arc::new(DiskModel::new(
-        Arc::new(dev),
-        params,
-        Clock::real(),
-    )?))
+    let model = DiskModel::new(Arc::new(dev), params, Clock::real())?;
+    Ok(Arc::new(if host_flush {
+        model
+    } else {
+        model.without_host_flush()
+    }))
 }
 
 fn attach(path: &Path, direct: bool) -> Result<String> {
@@ -458,12 +516,18 @@ fn attach(path: &Path, direct: bool) -> Result<String> {
 }
 
 impl Bed {
-    fn create(name: &'static str, work: &Path, scale: &Scale, cache: Cache) -> Result<Bed> {
+    fn create(
+        name: &'static str,
+        work: &Path,
+        scale: &Scale,
+        cache: Cache,
+        host_flush: bool,
+    ) -> Result<Bed> {
         let mnt = work.join(format!("{name}.mnt"));
         let log = work.join(format!("{name}.log"));
         std::fs::create_dir_all(&mnt)?;
         if name == "ext4" {
-            return Bed::create_ext4(work, scale, mnt, log);
+            return Bed::create_ext4(work, scale, mnt, log, host_flush);
         }
         let image = work.join(format!("{name}.img"));
         let journal = work.join(format!("{name}-journal.img"));
@@ -493,6 +557,9 @@ impl Bed {
         if cache == Cache::Uncached {
             options += &format!(",cache_mib={UNCACHED_CACHE_MIB}");
         }
+        if !host_flush {
+            options += ",model_nohostsync";
+        }
         let sys = System {
             name,
             what: SYSTEMS.iter().find(|s| s.0 == name).map_or("", |s| s.1),
@@ -516,13 +583,19 @@ impl Bed {
         })
     }
 
-    fn create_ext4(work: &Path, scale: &Scale, mnt: PathBuf, log: PathBuf) -> Result<Bed> {
+    fn create_ext4(
+        work: &Path,
+        scale: &Scale,
+        mnt: PathBuf,
+        log: PathBuf,
+        host_flush: bool,
+    ) -> Result<Bed> {
         let files = Files(vec![
             work.join("ext4-data.raw"),
             work.join("ext4-journal.raw"),
         ]);
-        let data = model_file(&files.0[0], scale.image_mib, true)?;
-        let journal = model_file(&files.0[1], scale.journal_mib, false)?;
+        let data = model_file(&files.0[0], scale.image_mib, true, host_flush)?;
+        let journal = model_file(&files.0[1], scale.journal_mib, false, host_flush)?;
         let dir = work.join("ext4-disks");
         std::fs::create_dir_all(&dir)?;
         let fs = Arc::new(export::DiskExport::new(vec![
@@ -582,6 +655,30 @@ impl Bed {
     }
 
     /// The journal disk's write-latency histogram so far.
+    /// The journal's and its disk's counters now, by name.
+    fn journal_counters(&self) -> Result<std::collections::BTreeMap<String, u64>> {
+        let mut m = std::collections::BTreeMap::new();
+        if let Some(e) = &self.export {
+            let d = &e.journal;
+            for (k, v) in d.stats().fields() {
+                m.insert(format!("journal.device.{k}"), v);
+            }
+            for (k, v) in d.extra_stats() {
+                m.insert(format!("journal.device.{k}"), v);
+            }
+            return Ok(m);
+        }
+        let v = quilt_mountctl::stats(&self.mnt)?;
+        if let Some(o) = v.as_object() {
+            for (k, val) in o {
+                if let (true, Some(n)) = (k.starts_with("journal."), val.as_u64()) {
+                    m.insert(k.clone(), n);
+                }
+            }
+        }
+        Ok(m)
+    }
+
     fn journal_latency(&self) -> Result<Vec<u64>> {
         let names: Vec<String> = quilt_block::LATENCY_BUCKETS_US
             .iter()

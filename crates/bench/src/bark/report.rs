@@ -17,6 +17,8 @@ pub struct Meta {
     pub scale_uncached: u32,
     pub seconds: f64,
     pub postgres: String,
+    /// Whether the model disks' flushes also flushed their files on the host.
+    pub host_flush: bool,
 }
 
 /// A rotation of the modelled disk, ms.
@@ -129,6 +131,12 @@ pub fn write(out: &Path, meta: &Meta, rows: &[Row]) -> Result<()> {
         meta.seconds,
         if meta.quick { " (quick mode: not for reading ratios)" } else { "" }
     );
+    if !meta.host_flush {
+        let _ = writeln!(
+            md,
+            "The model disks' flushes stopped at the model (`--no-host-flush`): the host did not flush the image files under them.\n"
+        );
+    }
     let systems: Vec<&str> = SYSTEMS
         .iter()
         .map(|s| s.0)
@@ -172,6 +180,7 @@ pub fn write(out: &Path, meta: &Meta, rows: &[Row]) -> Result<()> {
                 );
             }
             let _ = writeln!(md);
+            breakdown(&mut md, rows, &systems, cache, c);
             let series: Vec<(String, Vec<(f64, f64)>)> = systems
                 .iter()
                 .filter(|s| **s != "null")
@@ -249,6 +258,55 @@ pub fn write(out: &Path, meta: &Meta, rows: &[Row]) -> Result<()> {
     Ok(())
 }
 
+/// Per transaction, medians over the runs: what the journal disk was given and the time
+/// the model charged for it (the rest of a transaction is the database's, the file
+/// system's and the emulator's own).
+fn breakdown(md: &mut String, rows: &[Row], systems: &[&str], cache: Cache, c: u32) {
+    let per_txn = |r: &Row, k: &str| {
+        r.journal_counters
+            .get(&format!("journal.device.{k}"))
+            .map(|v| *v as f64 / r.transactions.max(1) as f64)
+    };
+    let med = |s: &str, k: &str, scale: f64| {
+        let mut v: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.system == s && r.cache == cache && r.clients == c)
+            .filter_map(|r| per_txn(r, k))
+            .map(|x| x * scale)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        (!v.is_empty()).then(|| v[v.len() / 2])
+    };
+    let lines: Vec<String> = systems
+        .iter()
+        .filter_map(|s| {
+            let writes = med(s, "writes", 1.0)?;
+            let f = |x: Option<f64>, d: usize| x.map_or("–".into(), |x| format!("{x:.d$}"));
+            Some(format!(
+                "| {s} | {} | {} | {} | {} | {} | {} | {} |",
+                f(Some(writes), 2),
+                f(med(s, "bytes_written", 1.0 / 1024.0), 1),
+                f(med(s, "flushes", 1.0), 2),
+                f(med(s, "model.write_ns", 1e-6), 3),
+                f(med(s, "model.rotation_ns", 1e-6), 3),
+                f(med(s, "model.seek_ns", 1e-6), 3),
+                f(med(s, "model.flush_ns", 1e-6), 3),
+            ))
+        })
+        .collect();
+    if lines.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "Journal disk, per transaction (medians): \n\n| system | writes | KiB written | flushes | modelled write ms | of it rotation ms | of it seek ms | modelled flush ms |\n|---|---|---|---|---|---|---|---|"
+    );
+    for l in lines {
+        let _ = writeln!(md, "{l}");
+    }
+    let _ = writeln!(md);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -265,5 +323,43 @@ mod tests {
         let p = cdf_points(&h);
         assert_eq!(p[i], (1.75, 1.0));
         assert_eq!(p[i - 1].1, 0.0);
+    }
+
+    #[test]
+    fn the_breakdown_divides_each_run_by_its_transactions_and_takes_the_median() {
+        let row = |run: usize, writes: u64, write_ns: u64| Row {
+            system: "skip".into(),
+            cache: Cache::Cached,
+            clients: 1,
+            run,
+            transactions: 100,
+            seconds: 1.0,
+            tps: 100.0,
+            journal_write_latency: vec![0; LATENCY_BUCKETS_US.len()],
+            journal_counters: [
+                ("journal.device.writes".to_string(), writes),
+                ("journal.device.bytes_written".to_string(), writes * 4096),
+                ("journal.device.model.write_ns".to_string(), write_ns),
+            ]
+            .into_iter()
+            .collect(),
+        };
+        // Medians: 100 writes (1 per transaction), 30 ms of writes (0.3 ms each).
+        let rows = [
+            row(0, 90, 20_000_000),
+            row(1, 100, 30_000_000),
+            row(2, 400, 90_000_000),
+        ];
+        let mut md = String::new();
+        breakdown(&mut md, &rows, &["skip", "null"], Cache::Cached, 1);
+        assert!(
+            md.contains("| skip | 1.00 | 4.0 | – | 0.300 | – | – | – |"),
+            "{md}"
+        );
+        assert!(!md.contains("| null |"), "{md}");
+        // Nothing measured, nothing written.
+        let mut empty = String::new();
+        breakdown(&mut empty, &rows, &["skip"], Cache::Uncached, 1);
+        assert!(empty.is_empty());
     }
 }
