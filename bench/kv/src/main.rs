@@ -446,13 +446,6 @@ fn io_written() -> u64 {
         .unwrap_or(0)
 }
 
-fn drop_caches(a: &Args) {
-    if a.drop_caches {
-        unsafe { libc::sync() };
-        let _ = std::fs::write("/proc/sys/vm/drop_caches", "1");
-    }
-}
-
 fn du(path: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     let Ok(m) = std::fs::metadata(path) else { return 0 };
@@ -549,7 +542,9 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
         let wa = (io_written() - w0) as f64 / user;
         record("rand_insert", n, t, Some(wa), du(&p));
     }
-    drop_caches(a);
+    if a.drop_caches {
+        quilt_bench::drop_caches()?;
+    }
     // The read phases run together, in this order, on the random store.
     if want("point_get") || want("scan_1000") || want("range_delete_10pct") {
         let s = open(system, &p, a, false)?;
@@ -635,9 +630,9 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
     Ok(())
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+/// The median, from the suites' shared helper.
+fn median(v: &[f64]) -> f64 {
+    quilt_bench::median(v.to_vec()).0
 }
 
 fn main() -> Result<()> {
@@ -659,8 +654,8 @@ fn main() -> Result<()> {
     println!("| phase | system | ops/s median (min–max) | vs redb | vs rocksdb | write amp | disk MiB |");
     println!("|---|---|---|---|---|---|---|");
     let med = |sys: &str, ph: &str| {
-        let mut v: Vec<f64> = out.iter().filter(|m| m.system == sys && m.phase == ph).map(|m| m.ops_per_sec).collect();
-        if v.is_empty() { None } else { Some(median(&mut v)) }
+        let v: Vec<f64> = out.iter().filter(|m| m.system == sys && m.phase == ph).map(|m| m.ops_per_sec).collect();
+        if v.is_empty() { None } else { Some(median(&v)) }
     };
     for ph in phases {
         for s in &systems {
@@ -669,9 +664,10 @@ fn main() -> Result<()> {
                 continue;
             }
             let mut r: Vec<f64> = ms.iter().map(|m| m.ops_per_sec).collect();
-            let mut w: Vec<f64> = ms.iter().filter_map(|m| m.write_amp).collect();
-            let mut d: Vec<f64> = ms.iter().map(|m| m.disk_bytes as f64).collect();
-            let m = median(&mut r);
+            r.sort_by(f64::total_cmp);
+            let w: Vec<f64> = ms.iter().filter_map(|m| m.write_amp).collect();
+            let d: Vec<f64> = ms.iter().map(|m| m.disk_bytes as f64).collect();
+            let m = median(&r);
             let ratio = |o: &str| med(o, ph).map(|x| format!("{:.2}×", m / x)).unwrap_or("–".into());
             println!(
                 "| {ph} | {s} | {m:.0} ({:.0}–{:.0}) | {} | {} | {} | {} |",
@@ -679,13 +675,14 @@ fn main() -> Result<()> {
                 r[r.len() - 1],
                 ratio("redb"),
                 ratio("rocksdb"),
-                if w.is_empty() { "–".into() } else { format!("{:.1}", median(&mut w)) },
-                if d.iter().all(|&x| x == 0.0) { "–".into() } else { format!("{:.0}", median(&mut d) / 1048576.0) },
+                if w.is_empty() { "–".into() } else { format!("{:.1}", median(&w)) },
+                if d.iter().all(|&x| x == 0.0) { "–".into() } else { format!("{:.0}", median(&d) / 1048576.0) },
             );
         }
     }
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&out)?)?;
+        std::fs::write(p.with_extension("csv"), quilt_bench::csv(&out)?)?;
     }
     Ok(())
 }
