@@ -383,7 +383,6 @@ impl Db<'_> {
         }
         self.psql("CHECKPOINT")?;
         let per = (total / clients).max(1);
-        let before = bed.journal_latency()?;
         let counters_before = bed.journal_counters()?;
         let t = Instant::now();
         let out = sh(self.pgbench().args([
@@ -397,7 +396,6 @@ impl Db<'_> {
             "postgres",
         ]))?;
         let seconds = t.elapsed().as_secs_f64();
-        let after = bed.journal_latency()?;
         let counters_after = bed.journal_counters()?;
         let tps = out
             .lines()
@@ -406,6 +404,14 @@ impl Db<'_> {
                 rest.split_whitespace().next()?.parse::<f64>().ok()
             })
             .with_context(|| format!("no 'tps = ' in pgbench's output: {out}"))?;
+        // What each counter moved by during the run.
+        let moved: std::collections::BTreeMap<String, u64> = counters_after
+            .into_iter()
+            .map(|(k, a)| {
+                let b = counters_before.get(&k).copied().unwrap_or(0);
+                (k, a.saturating_sub(b))
+            })
+            .collect();
         Ok(Row {
             system: bed.name.to_string(),
             cache,
@@ -414,18 +420,10 @@ impl Db<'_> {
             transactions: per * clients,
             seconds,
             tps,
-            journal_write_latency: after
-                .iter()
-                .zip(&before)
-                .map(|(a, b)| a.saturating_sub(*b))
-                .collect(),
-            journal_counters: counters_after
+            journal_write_latency: Bed::journal_latency(&moved),
+            journal_counters: moved
                 .into_iter()
                 .filter(|(k, _)| !k.contains("latency") && !k.contains("range_choice"))
-                .map(|(k, a)| {
-                    let b = counters_before.get(&k).copied().unwrap_or(0);
-                    (k, a.saturating_sub(b))
-                })
                 .collect(),
         })
     }
@@ -679,29 +677,20 @@ impl Bed {
         Ok(m)
     }
 
-    fn journal_latency(&self) -> Result<Vec<u64>> {
-        let names: Vec<String> = quilt_block::LATENCY_BUCKETS_US
+    /// The journal disk's write-latency histogram in `counters` (one count per bucket
+    /// of `LATENCY_BUCKETS_US`).
+    fn journal_latency(counters: &std::collections::BTreeMap<String, u64>) -> Vec<u64> {
+        quilt_block::LATENCY_BUCKETS_US
             .iter()
             .map(|b| {
-                if *b == u64::MAX {
-                    "model.write_latency.more".to_string()
+                let name = if *b == u64::MAX {
+                    "journal.device.model.write_latency.more".to_string()
                 } else {
-                    format!("model.write_latency.le_{b}us")
-                }
+                    format!("journal.device.model.write_latency.le_{b}us")
+                };
+                counters.get(&name).copied().unwrap_or(0)
             })
-            .collect();
-        if let Some(e) = &self.export {
-            let s = e.journal.extra_stats();
-            return Ok(names
-                .iter()
-                .map(|n| s.iter().find(|(k, _)| k == n).map_or(0, |(_, v)| *v))
-                .collect());
-        }
-        let v = quilt_mountctl::stats(&self.mnt)?;
-        Ok(names
-            .iter()
-            .map(|n| v[format!("journal.device.{n}")].as_u64().unwrap_or(0))
-            .collect())
+            .collect()
     }
 
     /// Mounts, starts PostgreSQL on the mount (its data directory made at the first
