@@ -19,6 +19,9 @@
 //! the phase inserted.
 
 use anyhow::{bail, Context, Result};
+
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use clap::Parser;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -526,6 +529,9 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
         let (w0, t0) = (io_written(), Instant::now());
         insert(s.as_ref(), n, seq_key, VALUE)?;
         let t = t0.elapsed().as_secs_f64();
+        if a.verbose {
+            eprintln!("    {}", s.counters().unwrap_or_default());
+        }
         s.close()?;
         let wa = (io_written() - w0) as f64 / user;
         record("seq_insert", n, t, Some(wa), du(&p));
@@ -538,6 +544,9 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
         let (w0, t0) = (io_written(), Instant::now());
         insert(s.as_ref(), n, rand_key, VALUE)?;
         let t = t0.elapsed().as_secs_f64();
+        if a.verbose {
+            eprintln!("    {}", s.counters().unwrap_or_default());
+        }
         s.close()?;
         let wa = (io_written() - w0) as f64 / user;
         record("rand_insert", n, t, Some(wa), du(&p));

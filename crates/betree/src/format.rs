@@ -14,6 +14,11 @@ const HEADER_MAGIC: u64 = u64::from_le_bytes(*b"QBETREE1");
 const TABLE_MAGIC: u32 = u32::from_le_bytes(*b"QBTT");
 const LOG_MAGIC: u32 = u32::from_le_bytes(*b"QBLG");
 pub const VERSION: u32 = 1;
+/// Headers: version 2 lets replay start in the middle of a log block (`log_offset` is
+/// the stream offset of the first record to replay; version 1 always named a block's
+/// start, which means the same). Version 1 binaries refuse version 2 headers rather than
+/// stop replay at once.
+const HEADER_VERSION: u32 = 2;
 pub const HEADER_SLOTS: u64 = 2;
 
 /// A run of blocks.
@@ -59,7 +64,8 @@ pub struct Header {
     pub next_node: NodeId,
     /// The next message's sequence number: every message below it is in the tree.
     pub next_msn: u64,
-    /// Where replay starts: this log block, whose data starts at this stream offset.
+    /// Where replay starts: the first record to replay is at stream offset `log_offset`,
+    /// in log block `log_lsn` (possibly past the block's start).
     pub log_lsn: u64,
     pub log_offset: u64,
 }
@@ -72,7 +78,7 @@ impl Header {
     pub fn encode(&self, bs: usize) -> Vec<u8> {
         let mut w = Writer::with_capacity(bs);
         w.u64(HEADER_MAGIC);
-        w.u32(VERSION);
+        w.u32(HEADER_VERSION);
         w.u32(0); // crc
         w.u64(self.instance);
         w.u64(self.generation);
@@ -105,7 +111,7 @@ impl Header {
             return Ok(None);
         }
         let version = r.u32()?;
-        if version != VERSION {
+        if version != 1 && version != HEADER_VERSION {
             return Err(Error::Corrupt(format!("header: unknown version {version}")));
         }
         let crc = r.u32()?;

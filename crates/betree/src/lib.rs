@@ -9,7 +9,8 @@
 //! Durability: every batch is a record in a redo log (`sync` makes the records so far
 //! durable, one device flush for all callers waiting together); nodes are written
 //! copy-on-write by *checkpoints*, which write every dirty node and the block translation
-//! table, then one of two alternating headers. The order "nodes and table before header,
+//! table, then one of two alternating headers, on a thread of their own while the tree
+//! takes more batches. The order "nodes and table before header,
 //! header before the log reuses its space" is a set of patch dependencies: the patch
 //! engine enforces it, and the crash explorer cuts states from what it wrote. Recovery is
 //! the newest valid header plus a replay of the log after it.
@@ -291,6 +292,11 @@ pub struct Stats {
     pub cache_misses: u64,
     pub evictions: u64,
     pub checkpoints: u64,
+    /// Times a caller waited for the checkpoint in flight (it wrote faster than the
+    /// checkpoint thread, or asked for a checkpoint).
+    pub checkpoint_waits: u64,
+    /// Nodes a change copied because the checkpoint in flight had not encoded them yet.
+    pub checkpoint_copies: u64,
     pub syncs: u64,
     pub log_blocks_written: u64,
     pub log_bytes: u64,
@@ -442,10 +448,12 @@ impl Tree {
     pub fn write(&self, batch: Batch) -> Result<()> {
         let mut t = self.lock();
         t.write(batch.ops)?;
-        if let Some(header) = t.maintain()? {
+        // Checkpoints write behind the caller; it waits only when it gets too far ahead
+        // of the one in flight, and then without the lock.
+        while let Some(done) = t.maintain()? {
             drop(t);
-            self.engine.flush_until(header)?;
-            self.lock().release_frees();
+            let _ = done.wait();
+            t = self.lock();
         }
         Ok(())
     }
@@ -460,10 +468,15 @@ impl Tree {
 
     /// Writes every dirty node, the table and a header, and waits until they are durable.
     pub fn checkpoint(&self) -> Result<()> {
-        let header = self.lock().checkpoint()?;
-        self.engine.flush_until(header)?;
-        self.lock().release_frees();
-        Ok(())
+        let done = {
+            let mut t = self.lock();
+            t.start_checkpoint()?;
+            t.checkpoint_done()
+        };
+        if let Some(done) = done {
+            let _ = done.wait();
+        }
+        self.lock().finish_checkpoint()
     }
 
     /// Pushes every pending message down to the leaves (so that deleted keys free their
@@ -478,9 +491,9 @@ impl Tree {
         self.checkpoint()
     }
 
-    /// A checkpoint, then the tree is closed.
+    /// A checkpoint, then the tree is closed (the next open replays nothing).
     pub fn close(self) -> Result<()> {
-        self.checkpoint()
+        self.lock().close()
     }
 
     /// Keys in `lo..hi` (`hi: None`: to the end) in ascending order. The iterator reads
@@ -514,9 +527,14 @@ impl Tree {
     /// of them are free now (extents a checkpoint still waits to free count as used).
     pub fn space(&self) -> Space {
         let t = self.lock();
+        let free = t
+            .alloc
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free_blocks;
         Space {
             blocks: self.engine.block_count().saturating_sub(t.geo.data_first()),
-            free: t.alloc.free_blocks,
+            free,
         }
     }
 

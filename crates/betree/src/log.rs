@@ -1,10 +1,13 @@
 //! The redo log: every batch is one record (length, crc32c, first MSN, operations) in a
 //! byte stream cut into log blocks. The region is a ring of blocks; a block's place is
-//! `log_first + lsn % log_blocks`. A checkpoint moves the replay start to the next fresh
-//! block, and every log block written after a checkpoint waits (a patch dependency) for
-//! that checkpoint's header: so a block that reuses the place of an old one never lands
-//! before the header that stopped replay from reading the old one, and no record of a
-//! later checkpoint interval can be replayed on top of an earlier checkpoint.
+//! `log_first + lsn % log_blocks`. The stream is never restarted while the tree runs: a
+//! checkpoint's header names the exact stream position of the first record it does not
+//! hold (its block and offset, in the middle of a block if need be), so records logged
+//! while a checkpoint is in flight are replayed after either header. The ring's start
+//! moves up to a header's replay start only once that header is durable: a block never
+//! overwrites one that the durable header's replay still reads. (Recovery restarts the
+//! stream at a fresh block after what it replayed, and checkpoints before any new
+//! record, so that no record ever follows a torn one.)
 
 use crate::codec::{crc32c, Reader, Writer};
 use crate::format::{LogBlock, LOG_HDR};
@@ -132,7 +135,8 @@ pub struct LogWriter {
     pub instance: u64,
     pub first: BlockNo,
     pub blocks: u64,
-    /// Replay start of the newest checkpoint.
+    /// Replay start of the newest durable checkpoint: the ring holds what its replay
+    /// reads from here on.
     pub start_lsn: u64,
     /// The block being filled, its stream offset and data.
     pub tail_lsn: u64,
@@ -142,8 +146,6 @@ pub struct LogWriter {
     pub tail_written: usize,
     /// Log block patches not yet known durable.
     pub pending: Vec<PatchId>,
-    /// The newest checkpoint's header patch: every log block waits for it.
-    pub header: Option<PatchId>,
     pub blocks_written: u64,
     pub bytes: u64,
 }
@@ -202,25 +204,31 @@ impl LogWriter {
             data: &self.tail,
         }
         .encode(bs);
-        let befores: Vec<PatchId> = self.header.into_iter().collect();
         let at = self.first + self.tail_lsn % self.blocks;
-        let p = engine.write(at, 0, &block, &befores, ChangeOpts::default())?;
+        let p = engine.write(at, 0, &block, &[], ChangeOpts::default())?;
         self.pending.push(p);
         self.tail_written = self.tail.len();
         self.blocks_written += 1;
         Ok(())
     }
 
-    /// A checkpoint took everything logged so far: replay starts at the next fresh block.
-    pub fn restart(&mut self, header: PatchId) {
+    /// For a clean shutdown, just before its final checkpoint: the stream goes on at the
+    /// next fresh block, so the header names a block's start and the next open finds
+    /// nothing to replay there (no checkpoint at open). The partial tail's records are
+    /// the checkpoint's; they stay readable in the log for an older header.
+    pub fn skip_to_fresh_block(&mut self) {
         if !self.tail.is_empty() {
             self.tail_offset += self.tail.len() as u64;
             self.tail_lsn += 1;
             self.tail.clear();
             self.tail_written = 0;
         }
-        self.start_lsn = self.tail_lsn;
-        self.header = Some(header);
+    }
+
+    /// Where the next record will start: its block and stream offset (a checkpoint's
+    /// replay start).
+    pub fn position(&self) -> (u64, u64) {
+        (self.tail_lsn, self.tail_offset + self.tail.len() as u64)
     }
 }
 
@@ -250,12 +258,22 @@ pub fn replay(
         let Some(b) = LogBlock::decode(&raw) else {
             break;
         };
-        if b.instance != instance || b.lsn != lsn || b.offset != offset {
+        // The first block may hold records the checkpoint already has, before `offset`;
+        // each later block continues the stream exactly.
+        let skip = if lsn == start {
+            offset.checked_sub(b.offset)
+        } else {
+            (b.offset == offset).then_some(0)
+        };
+        let Some(skip) = skip.filter(|&s| s <= b.data.len() as u64) else {
+            break;
+        };
+        if b.instance != instance || b.lsn != lsn {
             break;
         }
-        stream.extend_from_slice(b.data);
+        stream.extend_from_slice(&b.data[skip as usize..]);
         lsn += 1;
-        offset += b.data.len() as u64;
+        offset = b.offset + b.data.len() as u64;
         if b.data.len() < cap {
             break;
         }

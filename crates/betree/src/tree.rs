@@ -5,6 +5,7 @@ use crate::alloc::Alloc;
 use crate::format::{self, Extent, Geometry, Header, HEADER_SLOTS};
 use crate::lift::{prefix_end, PathLifts};
 
+mod checkpoint;
 mod surgery;
 use crate::log::{self, LogWriter};
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
@@ -15,9 +16,12 @@ pub type Entry = (Vec<u8>, Vec<u8>);
 use crate::{Error, Op, Options, Result, Stats};
 use quilt_patch::{ChangeOpts, Engine, PatchId, RUN_BLOCKS_MAX};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 struct Cached {
-    node: Node,
+    /// Shared with a checkpoint in flight while it encodes the node (a change takes a
+    /// copy then, `take_cached`).
+    node: Arc<Node>,
     dirty: bool,
     tick: u64,
     mem: usize,
@@ -44,11 +48,13 @@ pub(crate) struct Inner {
     next_node: NodeId,
     next_msn: Msn,
     generation: u64,
-    pub(crate) alloc: Alloc,
-    /// Extents the newest durable checkpoint still references, freed by the next one.
+    /// Shared with the checkpoint thread, which places the nodes it encodes.
+    pub(crate) alloc: Arc<std::sync::Mutex<Alloc>>,
+    /// Extents the newest checkpoint still references, freed once the next one is
+    /// durable.
     to_free: Vec<Extent>,
-    /// Extents that become free once their header patch is durable.
-    pending_free: Vec<(PatchId, Vec<Extent>)>,
+    /// The checkpoint being written behind the caller (`checkpoint.rs`).
+    inflight: Option<checkpoint::InFlight>,
     log: LogWriter,
     failed: Option<String>,
     pub stats: Stats,
@@ -171,7 +177,6 @@ impl Inner {
                 tail: Vec::new(),
                 tail_written: 0,
                 pending: Vec::new(),
-                header: None,
                 blocks_written: 0,
                 bytes: 0,
             },
@@ -193,9 +198,9 @@ impl Inner {
             next_node: h.map_or(2, |h| h.next_node),
             next_msn: h.map_or(1, |h| h.next_msn),
             generation: h.map_or(0, |h| h.generation),
-            alloc: Alloc::default(),
+            alloc: Arc::default(),
             to_free: Vec::new(),
-            pending_free: Vec::new(),
+            inflight: None,
             failed: None,
             stats: Stats::default(),
         }
@@ -222,11 +227,9 @@ impl Inner {
         let join = engine.empty(&wiped);
         engine.flush_until(join)?;
         let mut t = Inner::new(engine, geo, opts, None);
-        t.alloc = Alloc::new(geo.data_first(), t.engine.block_count(), &[]);
+        t.alloc = Arc::new(Alloc::new(geo.data_first(), t.engine.block_count(), &[]).into());
         t.put_node(t.root, Node::Leaf(Leaf::empty()), true);
-        let h = t.checkpoint()?;
-        t.engine.flush_until(h)?;
-        t.release_frees();
+        t.checkpoint()?;
         Ok(t)
     }
 
@@ -320,7 +323,7 @@ impl Inner {
             t.refs.insert(id, n);
         }
         t.table = h.table;
-        t.alloc = Alloc::new(geo.data_first(), count, &used);
+        t.alloc = Arc::new(Alloc::new(geo.data_first(), count, &used).into());
         // Redo what the log holds past the checkpoint.
         let (records, next_lsn, next_offset) = log::replay(
             &t.engine,
@@ -346,9 +349,7 @@ impl Inner {
             // torn one in the stream.
             t.log.tail_lsn = next_lsn;
             t.log.tail_offset = next_offset;
-            let hp = t.checkpoint()?;
-            t.engine.flush_until(hp)?;
-            t.release_frees();
+            t.checkpoint()?;
         }
         Ok(t)
     }
@@ -365,7 +366,7 @@ impl Inner {
         if let Some(old) = self.cache.insert(
             id,
             Cached {
-                node,
+                node: Arc::new(node),
                 dirty,
                 tick: self.tick,
                 mem,
@@ -386,7 +387,11 @@ impl Inner {
     fn take_cached(&mut self, id: NodeId) -> Option<(Node, bool)> {
         let c = self.cache.remove(&id)?;
         self.uncharge(&c);
-        Some((c.node, c.dirty))
+        let node = Arc::try_unwrap(c.node).unwrap_or_else(|shared| {
+            self.stats.checkpoint_copies += 1;
+            (*shared).clone()
+        });
+        Some((node, c.dirty))
     }
 
     fn new_id(&mut self) -> NodeId {
@@ -396,6 +401,9 @@ impl Inner {
     }
 
     fn extent_of(&self, id: NodeId) -> Result<Extent> {
+        if let Some(e) = self.placed_inflight(id) {
+            return Ok(e);
+        }
         self.btt
             .get(&id)
             .copied()
@@ -561,7 +569,7 @@ impl Inner {
 
     /// Makes sure the node is cached whole.
     fn ensure_full(&mut self, id: NodeId) -> Result<()> {
-        let partial = match self.cache.get(&id).map(|c| &c.node) {
+        let partial = match self.cache.get(&id).map(|c| &*c.node) {
             None => true,
             Some(Node::Leaf(l)) => l.entries().is_none(),
             Some(Node::Internal(n)) => !n.is_whole(),
@@ -593,7 +601,7 @@ impl Inner {
             return Ok(());
         }
         if height > 0 {
-            let children = match &self.ensure(id)?.node {
+            let children = match &*self.ensure(id)?.node {
                 Node::Internal(n) => n.children.clone(),
                 Node::Leaf(_) => {
                     return Err(Error::Corrupt(format!(
@@ -620,7 +628,7 @@ impl Inner {
             return Ok(id);
         }
         self.ensure_full(id)?;
-        let node = self.cache[&id].node.clone();
+        let node = (*self.cache[&id].node).clone();
         if let Node::Internal(n) = &node {
             for &c in &n.children {
                 self.add_ref(c);
@@ -645,6 +653,7 @@ impl Inner {
     /// Drops a node that left the tree; its extent is freed by the next checkpoint.
     fn free_node(&mut self, id: NodeId) {
         debug_assert!(!self.is_shared(id), "node {id} freed while shared");
+        self.unpin_freed(id);
         if let Some(c) = self.cache.remove(&id) {
             self.uncharge(&c);
         }
@@ -753,8 +762,12 @@ impl Inner {
             )));
         }
         if self.log.blocks_for(rec.len(), bs) >= self.log.room() {
-            // The ring is full: a checkpoint moves replay's start past everything.
-            self.checkpoint()?;
+            // The ring is full: the checkpoint in flight, or a new one, moves replay's
+            // start past everything logged before it.
+            self.finish_checkpoint()?;
+            if self.log.blocks_for(rec.len(), bs) >= self.log.room() {
+                self.checkpoint()?;
+            }
         }
         self.log.append(&self.engine, &rec)?;
         for op in &ops {
@@ -1076,7 +1089,7 @@ impl Inner {
     }
 
     fn is_small(&self, id: NodeId) -> bool {
-        match self.cache.get(&id).map(|c| &c.node) {
+        match self.cache.get(&id).map(|c| &*c.node) {
             Some(Node::Leaf(l)) => l.entries().is_some() && l.bytes < self.geo.node_bytes / 4,
             Some(Node::Internal(n)) => n.children.len() < (self.geo.fanout / 4).max(2),
             None => false,
@@ -1115,7 +1128,7 @@ impl Inner {
         }
         self.ensure_full(ida)?;
         self.ensure_full(idb)?;
-        let fits = match (&self.cache[&ida].node, &self.cache[&idb].node) {
+        let fits = match (&*self.cache[&ida].node, &*self.cache[&idb].node) {
             (Node::Leaf(x), Node::Leaf(y)) => x.bytes + y.bytes <= self.geo.node_bytes * 3 / 4,
             (Node::Internal(x), Node::Internal(y)) => {
                 x.children.len() + y.children.len() <= self.geo.fanout
@@ -1177,7 +1190,7 @@ impl Inner {
         let mut key_here: std::borrow::Cow<[u8]> = std::borrow::Cow::Borrowed(key);
         let leaf = loop {
             let key: &[u8] = &key_here;
-            let (i, unread, lift) = match &self.ensure(id)?.node {
+            let (i, unread, lift) = match &*self.ensure(id)?.node {
                 Node::Internal(n) => {
                     let i = n.child_for(key);
                     (i, n.unread.get(i).cloned().flatten(), n.lifts[i].clone())
@@ -1196,12 +1209,12 @@ impl Inner {
                 } else {
                     self.stats.buffers_skipped += 1;
                 }
-                let Node::Internal(n) = &self.cache[&id].node else {
+                let Node::Internal(n) = &*self.cache[&id].node else {
                     unreachable!("internal")
                 };
                 id = n.children[i];
             } else {
-                match &self.cache[&id].node {
+                match &*self.cache[&id].node {
                     Node::Internal(n) => {
                         let b = &n.buffers[i];
                         levels.push((
@@ -1230,7 +1243,7 @@ impl Inner {
     }
 
     fn leaf_get(&mut self, id: NodeId, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        let part = match &self.cache[&id].node {
+        let part = match &*self.cache[&id].node {
             Node::Leaf(Leaf {
                 data: LeafData::Partial { index, .. },
                 ..
@@ -1247,7 +1260,7 @@ impl Inner {
     /// Reads the basements `a..b` of a cached partial leaf that are not loaded, in one
     /// read of the blocks that hold them.
     fn load_basements(&mut self, id: NodeId, a: usize, b: usize) -> Result<()> {
-        let want: Vec<(usize, node::BasementRef)> = match &self.cache[&id].node {
+        let want: Vec<(usize, node::BasementRef)> = match &*self.cache[&id].node {
             Node::Leaf(Leaf {
                 data: LeafData::Partial { index, loaded },
                 ..
@@ -1279,7 +1292,7 @@ impl Inner {
         if let Node::Leaf(Leaf {
             data: LeafData::Partial { loaded, .. },
             ..
-        }) = &mut c.node
+        }) = Arc::make_mut(&mut c.node)
         {
             for (i, es) in got {
                 loaded[i] = Some(es);
@@ -1293,7 +1306,7 @@ impl Inner {
     /// The entries of a cached leaf: all of them, or (`part`) those of one basement of a
     /// partial leaf, which is read if it is not loaded yet.
     fn leaf_entries(&mut self, id: NodeId, part: Option<usize>) -> Result<Option<&Entries>> {
-        let missing = match (&self.cache[&id].node, part) {
+        let missing = match (&*self.cache[&id].node, part) {
             (
                 Node::Leaf(Leaf {
                     data: LeafData::Partial { index, loaded },
@@ -1310,14 +1323,14 @@ impl Inner {
             if let Node::Leaf(Leaf {
                 data: LeafData::Partial { loaded, .. },
                 ..
-            }) = &mut c.node
+            }) = Arc::make_mut(&mut c.node)
             {
                 loaded[part.expect("a part")] = Some(es);
                 c.mem += add;
                 self.mem += add;
             }
         }
-        Ok(match (&self.cache[&id].node, part) {
+        Ok(match (&*self.cache[&id].node, part) {
             (
                 Node::Leaf(Leaf {
                     data: LeafData::Full(es),
@@ -1359,7 +1372,7 @@ impl Inner {
         let mut cursor_here = cursor.map(<[u8]>::to_vec);
         loop {
             let c = self.ensure(id)?;
-            let Node::Internal(n) = &c.node else { break };
+            let Node::Internal(n) = &*c.node else { break };
             let i = match (forward, &cursor_here) {
                 (true, c) => n.child_for(c.as_deref().unwrap_or(&lo_here)),
                 (false, None) => n.children.len() - 1,
@@ -1385,7 +1398,7 @@ impl Inner {
         let leaf_level = path.len();
         // A leaf not cached whole is read some basements at a time (one read): the
         // chunk narrows to them.
-        let parts = match &self.ensure(id)?.node {
+        let parts = match &*self.ensure(id)?.node {
             Node::Leaf(Leaf {
                 data: LeafData::Partial { index, .. },
                 ..
@@ -1459,7 +1472,7 @@ impl Inner {
             }
             // Pending messages for the window, from the deepest buffer up.
             for (level, &(pid, i)) in path.iter().enumerate().rev() {
-                let Some(Node::Internal(n)) = self.cache.get(&pid).map(|c| &c.node) else {
+                let Some(Node::Internal(n)) = self.cache.get(&pid).map(|c| &*c.node) else {
                     return Err(Error::Invalid("internal: scan path evicted".into()));
                 };
                 let lo_l = lifts.down(level, &wlo).into_owned();
@@ -1549,141 +1562,44 @@ impl Inner {
         self.log.write_tail(&self.engine)?;
         let engine = self.engine.clone();
         self.log.pending.retain(|p| !engine.is_durable(*p));
-        let mut befores = self.log.pending.clone();
-        // Records the last checkpoint took from the log's memory are durable with it.
-        befores.extend(self.log.header);
         self.stats.syncs += 1;
-        Ok(self.engine.empty(&befores))
+        Ok(self.engine.empty(&self.log.pending))
     }
 
-    /// Writes every dirty node (to fresh extents), the table and the next header, as
-    /// patches: the header waits for the nodes and the table. Returns the header's patch.
-    pub fn checkpoint(&mut self) -> Result<PatchId> {
-        self.check_failed()?;
-        self.release_frees();
-        let bs = self.geo.block_size;
-        let opts = ChangeOpts::default();
-        let mut befores: Vec<PatchId> = Vec::new();
-        let mut freeing = std::mem::take(&mut self.to_free);
-        let mut dirty: Vec<NodeId> = self
-            .cache
-            .iter()
-            .filter(|(_, c)| c.dirty)
-            .map(|(id, _)| *id)
-            .collect();
-        dirty.sort_unstable();
-        let r = (|| -> Result<()> {
-            for id in dirty {
-                let c = &self.cache[&id];
-                let bytes = node::encode(id, &c.node, bs, self.geo.basement_bytes);
-                let blocks = (bytes.len() / bs) as u64;
-                let e = self.alloc.alloc(blocks).ok_or(Error::Full(blocks))?;
-                let ps = self.engine.write_run(e.start, &bytes, &[], opts)?;
-                befores.extend(ps);
-                befores.dedup();
-                if let Some(old) = self.btt.insert(id, e) {
-                    freeing.push(old);
+    /// After a write: starts a checkpoint when dirty nodes (or the log) pass half their
+    /// limit and none is in flight, and evicts. Returns the checkpoint in flight when the
+    /// caller must wait for it before going on (dirty nodes and the one in flight past
+    /// the whole limit, the log ring nearly full, or the cache far over its budget with
+    /// nothing it may evict); the caller waits without the lock and calls again.
+    pub fn maintain(&mut self) -> Result<Option<Arc<checkpoint::Done>>> {
+        self.poll_checkpoint()?;
+        let limit = self.opts.dirty_bytes;
+        let cache = self.opts.cache_bytes;
+        let room = self.log.room();
+        let ring = self.geo.log_blocks;
+        let want = self.dirty_mem > limit / 2
+            || room < ring / 4
+            || (self.mem > cache && self.dirty_mem > cache / 4);
+        if want {
+            match &self.inflight {
+                None => self.start_checkpoint()?,
+                Some(f) => {
+                    if self.dirty_mem + f.bytes > limit
+                        || room < ring / 8
+                        || self.mem > cache + cache / 4
+                    {
+                        return Ok(Some(f.done()));
+                    }
                 }
-                let c = self.cache.get_mut(&id).expect("dirty node cached");
-                c.dirty = false;
-                self.dirty_mem -= c.mem;
-                self.stats.node_writes += 1;
-                self.stats.node_bytes_written += bytes.len() as u64;
             }
-            Ok(())
-        })();
-        if let Err(e) = r {
-            self.to_free = freeing;
-            return Err(e);
-        }
-        let mut entries: Vec<(NodeId, Extent)> = self.btt.iter().map(|(k, v)| (*k, *v)).collect();
-        entries.sort_unstable();
-        let mut refs: Vec<(NodeId, u32)> = self.refs.iter().map(|(k, v)| (*k, *v)).collect();
-        refs.sort_unstable();
-        let (bytes, table_crc) = format::encode_table(&entries, &refs, bs);
-        let blocks = (bytes.len() / bs) as u64;
-        let Some(table) = self.alloc.alloc(blocks) else {
-            self.to_free = freeing;
-            return Err(Error::Full(blocks));
-        };
-        befores.extend(self.engine.write_run(table.start, &bytes, &[], opts)?);
-        if self.table.blocks > 0 {
-            freeing.push(self.table);
-        }
-        self.table = table;
-        self.generation += 1;
-        let (log_lsn, log_offset) = if self.log.tail.is_empty() {
-            (self.log.tail_lsn, self.log.tail_offset)
-        } else {
-            (
-                self.log.tail_lsn + 1,
-                self.log.tail_offset + self.log.tail.len() as u64,
-            )
-        };
-        let h = Header {
-            instance: self.log.instance,
-            generation: self.generation,
-            geo: self.geo,
-            root: self.root,
-            table,
-            table_crc,
-            next_node: self.next_node,
-            next_msn: self.next_msn,
-            log_lsn,
-            log_offset,
-        };
-        befores.sort_unstable();
-        befores.dedup();
-        let hp = self
-            .engine
-            .write(h.slot(), 0, &h.encode(bs), &befores, opts)?;
-        self.pending_free.push((hp, freeing));
-        self.log.restart(hp);
-        debug_assert_eq!(
-            (self.log.tail_lsn, self.log.tail_offset),
-            (log_lsn, log_offset)
-        );
-        self.stats.checkpoints += 1;
-        Ok(hp)
-    }
-
-    /// Frees the extents whose checkpoint header is durable.
-    pub fn release_frees(&mut self) {
-        let engine = self.engine.clone();
-        let mut freed = Vec::new();
-        self.pending_free.retain_mut(|(p, ex)| {
-            if engine.is_durable(*p) {
-                freed.append(ex);
-                false
-            } else {
-                true
-            }
-        });
-        for e in freed {
-            self.alloc.free(e);
-        }
-    }
-
-    /// After a write: a checkpoint when dirty nodes or the log pass their limits (its
-    /// header is returned, for the caller to wait on without the lock), and eviction.
-    pub fn maintain(&mut self) -> Result<Option<PatchId>> {
-        let log_low = self.log.room() < self.geo.log_blocks / 4;
-        let mut header = None;
-        if self.dirty_mem > self.opts.dirty_bytes || log_low {
-            header = Some(self.checkpoint()?);
         }
         self.evict();
-        if self.mem > self.opts.cache_bytes
-            && header.is_none()
-            && self.dirty_mem > self.opts.cache_bytes / 2
-        {
-            header = Some(self.checkpoint()?);
-            self.evict();
-        }
-        Ok(header)
+        Ok(None)
     }
 
     pub fn after_read(&mut self) {
+        // (A failed checkpoint marks the tree failed: the next call reports it.)
+        let _ = self.poll_checkpoint();
         self.evict();
     }
 
@@ -1701,7 +1617,7 @@ impl Inner {
         let mut partial: Vec<(u64, NodeId)> = self
             .cache
             .iter()
-            .filter(|(_, c)| matches!(&c.node, Node::Leaf(l) if l.entries().is_none()))
+            .filter(|(_, c)| matches!(&*c.node, Node::Leaf(l) if l.entries().is_none()))
             .map(|(id, c)| (c.tick, *id))
             .collect();
         partial.sort_unstable();
@@ -1713,7 +1629,7 @@ impl Inner {
             if let Node::Leaf(Leaf {
                 data: LeafData::Partial { loaded, .. },
                 ..
-            }) = &mut c.node
+            }) = Arc::make_mut(&mut c.node)
             {
                 let freed: usize = loaded
                     .iter_mut()
@@ -1735,7 +1651,7 @@ impl Inner {
         let mut clean: Vec<(u8, u64, NodeId)> = self
             .cache
             .iter()
-            .filter(|(id, c)| !c.dirty && **id != self.root)
+            .filter(|(id, c)| !c.dirty && **id != self.root && !self.is_pinned(**id))
             .map(|(id, c)| (kind(&c.node), c.tick, *id))
             .collect();
         clean.sort_unstable();
@@ -1835,6 +1751,7 @@ impl Inner {
         self.ensure_full(id)?;
         let bad = |why: String| Err(Error::Corrupt(format!("check: node {id}: {why}")));
         let node = self.cache[&id].node.clone();
+        let node: &Node = &node;
         if let Some(h) = height {
             if node.height() != h {
                 return bad(format!("height {} where {h} was expected", node.height()));

@@ -482,11 +482,20 @@ impl Engine {
                 }
             }
         }
-        for i in missing {
+        // Each run of consecutive missing blocks is one device request (a node is read
+        // whole or a basement at a time: one pread instead of one per block).
+        let mut at = 0;
+        while at < missing.len() {
+            let start = missing[at];
+            let mut end = start + 1;
+            while at + (end - start) < missing.len() && missing[at + (end - start)] == end {
+                end += 1;
+            }
             self.sh
                 .dev
-                .read(first + i as u64, &mut out[i * bs..(i + 1) * bs])?;
-            THREAD_READS.with(|n| n.set(n.get() + 1));
+                .read_blocks(first + start as u64, &mut out[start * bs..end * bs])?;
+            THREAD_READS.with(|n| n.set(n.get() + (end - start) as u64));
+            at += end - start;
         }
         Ok(())
     }

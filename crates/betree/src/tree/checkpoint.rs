@@ -1,0 +1,408 @@
+//! Checkpoints that write behind the caller.
+//!
+//! A checkpoint has two halves. The *snapshot* runs under the tree's lock and copies
+//! nothing: it takes a shared reference to every dirty node (`Arc`), the block
+//! translation table and the header's fields, and marks the nodes clean. The *write*
+//! runs on a thread of its own, with no tree lock: it encodes each node, gives it a
+//! fresh extent (copy-on-write) and hands it to the patch engine as a run (one patch),
+//! then the table, then the header as a patch whose befores are all of them, and waits
+//! until the header is durable. Meanwhile the tree takes more batches; a node the
+//! snapshot holds that a batch changes is copied first (`Inner::take_cached`), so the
+//! thread encodes the snapshot's version.
+//!
+//! Order on disk, each step enforced where it says:
+//! 1. **Nodes and table before the header**: the header patch's befores (the engine).
+//! 2. **The header before the log reuses space its predecessor's replay needs**: the
+//!    header's replay starts at the exact stream position the snapshot reached, in the
+//!    middle of a log block if need be, and the log never restarts at a checkpoint: the
+//!    stream is one. Until the header is durable the ring's start stays where the older
+//!    header's replay starts (`LogWriter::room` counts from it), so a log block never
+//!    overwrites one that the durable header's replay still reads. Records logged
+//!    while the checkpoint is in flight are replayed by either header.
+//! 3. **Extents freed only once nothing durable references them**: the extents the
+//!    snapshot replaced (and the nodes dropped before it) return to the allocator when
+//!    the header is durable (`complete`).
+//!
+//! At most one checkpoint is in flight. Its nodes stay cached until it completes (the
+//! table the tree reads them by still names their old extents), and the tree learns
+//! their new extents then. The commit point of a checkpoint is the header's patch
+//! becoming durable.
+
+use super::Inner;
+use crate::alloc::Alloc;
+use crate::format::{self, Extent, Header};
+use crate::node::{self, Node, NodeId};
+use crate::{Error, Result};
+use quilt_patch::{ChangeOpts, Engine, PatchId};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Condvar, Mutex};
+
+/// Where the writer thread put the snapshot's nodes and table.
+#[derive(Clone)]
+pub(crate) struct Placed {
+    nodes: Vec<(NodeId, Extent)>,
+    table: Extent,
+}
+
+/// What the writer thread reports: where each node went as soon as the engine has it
+/// (so the tree may evict it and read it back from there), and the end.
+#[derive(Default)]
+pub(crate) struct Done {
+    placed: Mutex<HashMap<NodeId, Extent>>,
+    result: Mutex<Option<std::result::Result<Placed, String>>>,
+    cv: Condvar,
+}
+
+impl Done {
+    fn place(&self, id: NodeId, e: Extent) {
+        self.placed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, e);
+    }
+
+    fn placed(&self, id: NodeId) -> Option<Extent> {
+        self.placed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .copied()
+    }
+
+    fn finish(&self, r: std::result::Result<Placed, String>) {
+        *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        self.cv.notify_all();
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        self.result
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// Waits for the writer thread (holding no lock it needs: it takes none of the
+    /// tree's).
+    pub(crate) fn wait(&self) -> std::result::Result<Placed, String> {
+        let mut r = self.result.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(r) = r.as_ref() {
+                return r.clone();
+            }
+            r = self.cv.wait(r).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// A checkpoint whose writer thread may still be running.
+pub(crate) struct InFlight {
+    done: Arc<Done>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// The snapshot's nodes: cached until it completes (`evict` passes over them).
+    pub(crate) pinned: HashSet<NodeId>,
+    /// Their memory when the snapshot was taken.
+    pub(crate) bytes: usize,
+    /// Of those, the ones that left the tree meanwhile (their new extents are freed by
+    /// the next checkpoint).
+    freed: HashSet<NodeId>,
+    /// The extents the snapshot's table gave its nodes before, to be freed.
+    before: HashMap<NodeId, Extent>,
+    /// Where its header's replay starts: the ring's space before it is free once the
+    /// header is durable.
+    log_lsn: u64,
+    /// Extents that become free once the header is durable.
+    freeing: Vec<Extent>,
+}
+
+impl InFlight {
+    pub(crate) fn done(&self) -> Arc<Done> {
+        self.done.clone()
+    }
+
+    fn join(&mut self) {
+        if let Some(t) = self.thread.take() {
+            // A panic there is a bug; it shows as the missing result (`Done::wait`).
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for InFlight {
+    /// A tree dropped with a checkpoint in flight lets it finish: the thread writes to
+    /// the device the tree was opened on, which the caller may open again at once.
+    fn drop(&mut self) {
+        self.join();
+    }
+}
+
+/// The snapshot the writer thread works from.
+struct Job {
+    done: Arc<Done>,
+    engine: Engine,
+    alloc: Arc<Mutex<Alloc>>,
+    nodes: Vec<(NodeId, Arc<Node>)>,
+    /// The table as the snapshot saw it; the nodes' new extents replace their entries.
+    btt: HashMap<NodeId, Extent>,
+    refs: Vec<(NodeId, u32)>,
+    header: Header,
+    bs: usize,
+    basement_bytes: usize,
+    /// The engine's cache is written back every this many bytes, from this thread (not
+    /// by a caller's next log write finding it over its budget).
+    chunk_bytes: usize,
+}
+
+impl Job {
+    fn alloc(&self, blocks: u64) -> Result<Extent> {
+        self.alloc
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .alloc(blocks)
+            .ok_or(Error::Full(blocks))
+    }
+
+    fn run(mut self) -> Result<Placed> {
+        let opts = ChangeOpts::default();
+        let mut all: Vec<PatchId> = Vec::new();
+        let mut chunk: Vec<PatchId> = Vec::new();
+        let mut chunk_len = 0;
+        let mut placed = Vec::with_capacity(self.nodes.len());
+        let engine = self.engine.clone();
+        let chunk_bytes = self.chunk_bytes;
+        let mut write = |start: u64, bytes: &[u8]| -> Result<()> {
+            let ps = engine.write_run(start, bytes, &[], opts)?;
+            chunk.extend_from_slice(&ps);
+            all.extend(ps);
+            chunk_len += bytes.len();
+            if chunk_len >= chunk_bytes {
+                let join = engine.empty(&chunk);
+                engine.flush_until(join)?;
+                chunk.clear();
+                chunk_len = 0;
+            }
+            Ok(())
+        };
+        for (id, n) in std::mem::take(&mut self.nodes) {
+            let bytes = node::encode(id, &n, self.bs, self.basement_bytes);
+            drop(n);
+            let e = self.alloc((bytes.len() / self.bs) as u64)?;
+            write(e.start, &bytes)?;
+            self.done.place(id, e);
+            self.btt.insert(id, e);
+            placed.push((id, e));
+        }
+        let mut entries: Vec<(NodeId, Extent)> = self.btt.iter().map(|(k, v)| (*k, *v)).collect();
+        entries.sort_unstable();
+        let (bytes, table_crc) = format::encode_table(&entries, &self.refs, self.bs);
+        let table = self.alloc((bytes.len() / self.bs) as u64)?;
+        write(table.start, &bytes)?;
+        all.sort_unstable();
+        all.dedup();
+        let h = Header {
+            table,
+            table_crc,
+            ..self.header
+        };
+        // 1. Nodes and table before the header.
+        let hp = self
+            .engine
+            .write(h.slot(), 0, &h.encode(self.bs), &all, opts)?;
+        // The commit point: the header durable.
+        self.engine.flush_until(hp)?;
+        Ok(Placed {
+            nodes: placed,
+            table,
+        })
+    }
+}
+
+impl Inner {
+    /// The snapshot half of a checkpoint (see the module's doc): takes the dirty nodes,
+    /// the table and the header's fields, and starts the thread that writes them. Waits
+    /// first for a checkpoint still in flight.
+    pub(crate) fn start_checkpoint(&mut self) -> Result<()> {
+        self.finish_checkpoint()?;
+        self.check_failed()?;
+        let bs = self.geo.block_size;
+        let mut dirty: Vec<NodeId> = self
+            .cache
+            .iter()
+            .filter(|(_, c)| c.dirty)
+            .map(|(id, _)| *id)
+            .collect();
+        // The thread encodes the upper nodes first: every batch changes the root, and a
+        // node changed before the thread encoded it is copied.
+        dirty.sort_unstable_by_key(|id| (std::cmp::Reverse(self.cache[id].node.height()), *id));
+        let mut nodes = Vec::with_capacity(dirty.len());
+        let mut before = HashMap::new();
+        let mut bytes = 0;
+        for &id in &dirty {
+            let c = self.cache.get_mut(&id).expect("dirty node cached");
+            c.dirty = false;
+            self.dirty_mem -= c.mem;
+            bytes += c.mem;
+            nodes.push((id, c.node.clone()));
+            if let Some(&e) = self.btt.get(&id) {
+                before.insert(id, e);
+            }
+        }
+        let mut refs: Vec<(NodeId, u32)> = self.refs.iter().map(|(k, v)| (*k, *v)).collect();
+        refs.sort_unstable();
+        let mut freeing = std::mem::take(&mut self.to_free);
+        if self.table.blocks > 0 {
+            freeing.push(self.table);
+        }
+        self.generation += 1;
+        // Replay starts at the very next record, wherever it falls in its block.
+        let (log_lsn, log_offset) = self.log.position();
+        let header = Header {
+            instance: self.log.instance,
+            generation: self.generation,
+            geo: self.geo,
+            root: self.root,
+            table: Extent {
+                start: 0,
+                blocks: 0,
+            },
+            table_crc: 0,
+            next_node: self.next_node,
+            next_msn: self.next_msn,
+            log_lsn,
+            log_offset,
+        };
+        let done = Arc::new(Done::default());
+        let job = Job {
+            done: done.clone(),
+            engine: self.engine.clone(),
+            alloc: self.alloc.clone(),
+            nodes,
+            btt: self.btt.clone(),
+            refs,
+            header,
+            bs,
+            basement_bytes: self.geo.basement_bytes,
+            chunk_bytes: (self.engine.options().cache_bytes_max / 2).max(bs),
+        };
+        self.stats.node_writes += dirty.len() as u64;
+        let thread = {
+            let done = done.clone();
+            std::thread::Builder::new()
+                .name("quilt-betree-ckpt".into())
+                .spawn(move || done.finish(job.run().map_err(|e| e.to_string())))
+        };
+        let thread = match thread {
+            Ok(t) => t,
+            Err(e) => {
+                // The nodes are clean now and nothing will write them.
+                self.failed = Some(format!("cannot start a checkpoint thread: {e}"));
+                return Err(Error::Failed(e.to_string()));
+            }
+        };
+        self.inflight = Some(InFlight {
+            done,
+            thread: Some(thread),
+            pinned: dirty.into_iter().collect(),
+            bytes,
+            freed: HashSet::new(),
+            before,
+            log_lsn,
+            freeing,
+        });
+        self.stats.checkpoints += 1;
+        Ok(())
+    }
+
+    /// Completes the checkpoint in flight if its thread is done (without waiting).
+    pub(crate) fn poll_checkpoint(&mut self) -> Result<()> {
+        if self.inflight.as_ref().is_some_and(|f| f.done.is_done()) {
+            self.finish_checkpoint()?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the checkpoint in flight, if any, and completes it: its header is
+    /// durable, so the tree reads its nodes at their new extents, and the ring's space
+    /// before its replay start and the extents it replaced are free.
+    pub(crate) fn finish_checkpoint(&mut self) -> Result<()> {
+        let Some(mut f) = self.inflight.take() else {
+            return Ok(());
+        };
+        if !f.done.is_done() {
+            self.stats.checkpoint_waits += 1;
+        }
+        let r = f.done.wait();
+        f.join();
+        let placed = match r {
+            Ok(p) => p,
+            Err(e) => {
+                // The nodes were marked clean for extents that may never be written.
+                self.failed = Some(format!("checkpoint: {e}"));
+                return Err(Error::Failed(e));
+            }
+        };
+        // 2. and 3.: the header is durable.
+        self.log.start_lsn = f.log_lsn;
+        let mut alloc = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
+        for (id, e) in placed.nodes {
+            self.stats.node_bytes_written += e.blocks * self.geo.block_size as u64;
+            if f.freed.contains(&id) {
+                // The durable header names it; the next one will not.
+                self.to_free.push(e);
+                continue;
+            }
+            let old = self.btt.insert(id, e);
+            debug_assert_eq!(old, f.before.get(&id).copied(), "node {id} moved meanwhile");
+            if let Some(old) = old {
+                alloc.free(old);
+            }
+        }
+        self.table = placed.table;
+        for e in std::mem::take(&mut f.freeing) {
+            alloc.free(e);
+        }
+        Ok(())
+    }
+
+    /// Drops a node from the checkpoint in flight's bookkeeping when it leaves the tree.
+    pub(super) fn unpin_freed(&mut self, id: NodeId) {
+        if let Some(f) = &mut self.inflight {
+            if f.pinned.contains(&id) {
+                f.freed.insert(id);
+            }
+        }
+    }
+
+    /// Whether the checkpoint in flight holds the node and has not placed it yet (it
+    /// must stay cached: the table names its old extent).
+    pub(super) fn is_pinned(&self, id: NodeId) -> bool {
+        self.inflight
+            .as_ref()
+            .is_some_and(|f| f.pinned.contains(&id) && f.done.placed(id).is_none())
+    }
+
+    /// Where the checkpoint in flight put a node it holds, if it did yet.
+    pub(super) fn placed_inflight(&self, id: NodeId) -> Option<Extent> {
+        self.inflight
+            .as_ref()
+            .filter(|f| f.pinned.contains(&id))
+            .and_then(|f| f.done.placed(id))
+    }
+
+    /// A whole checkpoint, durable when this returns.
+    pub fn checkpoint(&mut self) -> Result<()> {
+        self.start_checkpoint()?;
+        self.finish_checkpoint()
+    }
+
+    /// The final checkpoint of a clean shutdown (see `LogWriter::skip_to_fresh_block`).
+    pub fn close(&mut self) -> Result<()> {
+        self.finish_checkpoint()?;
+        self.log.skip_to_fresh_block();
+        self.checkpoint()
+    }
+
+    /// What to wait on (without the lock) for the checkpoint in flight.
+    pub(crate) fn checkpoint_done(&self) -> Option<Arc<Done>> {
+        self.inflight.as_ref().map(InFlight::done)
+    }
+}
