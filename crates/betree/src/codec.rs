@@ -105,6 +105,10 @@ impl<'a> Reader<'a> {
     pub fn pos(&self) -> usize {
         self.pos
     }
+    /// What is left to read.
+    pub fn rest(&self) -> &'a [u8] {
+        &self.buf[self.pos..]
+    }
     pub fn remaining(&self) -> usize {
         self.buf.len() - self.pos
     }

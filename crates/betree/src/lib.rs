@@ -44,6 +44,7 @@ mod lift;
 mod log;
 mod msg;
 mod node;
+mod points;
 pub mod reference;
 mod tree;
 

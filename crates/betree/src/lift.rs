@@ -101,7 +101,7 @@ impl Lift {
 
 /// Applies an order-preserving key map to every message of a buffer.
 pub fn map_buffer(b: Buffer, f: impl Fn(&[u8]) -> Vec<u8>) -> Buffer {
-    let mut out = Buffer {
+    Buffer {
         ranges: b
             .ranges
             .into_iter()
@@ -112,11 +112,8 @@ pub fn map_buffer(b: Buffer, f: impl Fn(&[u8]) -> Vec<u8>) -> Buffer {
             })
             .filter(|r| r.start < r.end)
             .collect(),
-        points: b.points.into_iter().map(|(k, l)| (f(&k), l)).collect(),
-        bytes: 0,
-    };
-    out.recount();
-    out
+        points: b.points.map_keys(&f),
+    }
 }
 
 /// Composes the lifts of a path: maps keys between the outer space (the root's) and the

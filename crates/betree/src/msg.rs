@@ -2,8 +2,9 @@
 //! buffer to the leaf that holds its key and is applied there; a query applies the
 //! messages still pending on its root-to-leaf path on top of the leaf's value.
 
+use crate::points::{MsgRef, Points};
 use crate::{Error, Result};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// Message sequence number: the order in which operations were issued.
@@ -54,13 +55,16 @@ impl RangeDel {
 /// a child's whole buffer), so a query applies buffers from the deepest up.
 #[derive(Debug, Clone, Default)]
 pub struct Buffer {
-    pub points: BTreeMap<Vec<u8>, Vec<(Msn, Msg)>>,
+    pub points: Points,
     pub ranges: Vec<RangeDel>,
-    pub bytes: usize,
 }
 
 pub fn point_bytes(key: &[u8], msg: &Msg) -> usize {
     key.len() + msg.bytes()
+}
+
+fn range_bytes(r: &RangeDel) -> usize {
+    r.start.len() + r.end.len() + 16
 }
 
 impl Buffer {
@@ -68,109 +72,20 @@ impl Buffer {
         self.points.is_empty() && self.ranges.is_empty()
     }
 
-    /// Adds a point message. A put or delete supersedes what the buffer held for the key.
-    pub fn push(&mut self, key: Vec<u8>, msn: Msn, msg: Msg) {
-        let add = point_bytes(&key, &msg);
-        let supersedes = !matches!(msg, Msg::Upsert { .. });
-        match self.points.get_mut(&key) {
-            Some(list) => {
-                if supersedes {
-                    let old: usize = list.iter().map(|(_, m)| point_bytes(&key, m)).sum();
-                    self.bytes -= old;
-                    list.clear();
-                }
-                list.push((msn, msg));
-            }
-            None => {
-                self.points.insert(key, vec![(msn, msg)]);
-            }
-        }
-        self.bytes += add;
+    /// Bytes the buffer's messages take (what flushes are decided by).
+    pub fn bytes(&self) -> usize {
+        self.points.bytes + self.ranges.iter().map(range_bytes).sum::<usize>()
     }
 
-    /// Adds the messages of a parent's buffer (all newer than this buffer's), key by key
-    /// as `push` would; an empty buffer takes the map whole.
-    pub fn merge_points(&mut self, points: BTreeMap<Vec<u8>, Vec<(Msn, Msg)>>) {
-        let add: usize = points
-            .iter()
-            .map(|(k, l)| l.iter().map(|(_, m)| point_bytes(k, m)).sum::<usize>())
-            .sum();
-        if self.points.is_empty() {
-            self.points = points;
-            self.bytes += add;
-            return;
-        }
-        if points.len() * 8 >= self.points.len() {
-            // Comparable sizes: one merge of the two sorted maps and a bulk build beat a
-            // search per key.
-            let old = std::mem::take(&mut self.points);
-            let mut gone = 0;
-            let mut a = old.into_iter().peekable();
-            let mut b = points.into_iter().peekable();
-            let mut merged = Vec::with_capacity(a.len() + b.len());
-            loop {
-                let take_a = match (a.peek(), b.peek()) {
-                    (None, None) => break,
-                    (Some(_), None) => true,
-                    (None, Some(_)) => false,
-                    (Some((ka, _)), Some((kb, _))) if ka < kb => true,
-                    (Some((ka, _)), Some((kb, _))) if ka > kb => false,
-                    _ => {
-                        let (k, mut older) = a.next().expect("peeked");
-                        let (_, newer) = b.next().expect("peeked");
-                        if newer
-                            .first()
-                            .is_some_and(|(_, m)| !matches!(m, Msg::Upsert { .. }))
-                        {
-                            gone += older.iter().map(|(_, m)| point_bytes(&k, m)).sum::<usize>();
-                            merged.push((k, newer));
-                        } else {
-                            older.extend(newer);
-                            merged.push((k, older));
-                        }
-                        continue;
-                    }
-                };
-                merged.extend(if take_a { a.next() } else { b.next() });
-            }
-            self.points = merged.into_iter().collect();
-            self.bytes = self.bytes + add - gone;
-            return;
-        }
-        for (k, list) in points {
-            let supersedes = list
-                .first()
-                .is_some_and(|(_, m)| !matches!(m, Msg::Upsert { .. }));
-            match self.points.get_mut(&k) {
-                Some(old) => {
-                    if supersedes {
-                        self.bytes -= old.iter().map(|(_, m)| point_bytes(&k, m)).sum::<usize>();
-                        *old = list;
-                    } else {
-                        old.extend(list);
-                    }
-                }
-                None => {
-                    self.points.insert(k, list);
-                }
-            }
-        }
-        self.bytes += add;
+    /// Adds a point message. A put or delete supersedes what the buffer held for the key.
+    pub fn push(&mut self, key: Vec<u8>, msn: Msn, msg: Msg) {
+        self.points.push(key, msn, msg);
     }
 
     /// Adds a range delete (already clipped to this child's keys by the caller), dropping
     /// the older point messages it covers.
     pub fn push_range(&mut self, r: RangeDel) {
-        let doomed: Vec<Vec<u8>> = self
-            .points
-            .range(r.start.clone()..r.end.clone())
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in doomed {
-            if let Some(list) = self.points.remove(&k) {
-                self.bytes -= list.iter().map(|(_, m)| point_bytes(&k, m)).sum::<usize>();
-            }
-        }
+        self.points.remove_range(&r.start, &r.end);
         // A range inside an older one of this buffer adds nothing.
         if self
             .ranges
@@ -179,26 +94,11 @@ impl Buffer {
         {
             return;
         }
-        self.bytes += r.start.len() + r.end.len() + 16;
         self.ranges.push(r);
     }
 
     pub fn covered(&self, key: &[u8]) -> bool {
         self.ranges.iter().any(|r| r.covers(key))
-    }
-
-    /// Sets `bytes` from the contents.
-    pub fn recount(&mut self) {
-        self.bytes = self
-            .ranges
-            .iter()
-            .map(|r| r.start.len() + r.end.len() + 16)
-            .sum::<usize>()
-            + self
-                .points
-                .iter()
-                .map(|(k, l)| l.iter().map(|(_, m)| point_bytes(k, m)).sum::<usize>())
-                .sum::<usize>();
     }
 
     /// Cuts the buffer at `key`: keeps the messages below it, returns those at or above
@@ -228,8 +128,6 @@ impl Buffer {
             }
         }
         self.ranges = left;
-        self.recount();
-        right.recount();
         right
     }
 
@@ -237,9 +135,8 @@ impl Buffer {
     pub fn extract(&mut self, lo: &[u8], hi: &[u8]) -> Buffer {
         let mut mid = self.split_off(lo);
         let right = mid.split_off(hi);
-        self.points.extend(right.points);
+        self.points.merge_all(right.points);
         self.ranges.extend(right.ranges);
-        self.recount();
         mid
     }
 }
@@ -390,27 +287,38 @@ impl Upserts {
         match msg {
             Msg::Put(v) => Ok(Some(v.clone())),
             Msg::Delete => Ok(None),
-            Msg::Upsert { func, arg } => {
-                let f = self.fns.get(func).ok_or(Error::UnknownUpsert(*func))?;
-                // The message was accepted and logged long ago: a function that fails on
-                // this value leaves it unchanged (and is counted) rather than wedging every
-                // later flush of the node.
-                let why = match f(old.as_deref(), arg) {
-                    Ok(Some(v)) if v.len() > self.max_value => {
-                        format!(
-                            "result of {} bytes exceeds the value limit {}",
-                            v.len(),
-                            self.max_value
-                        )
-                    }
-                    Ok(new) => return Ok(new),
-                    Err(e) => e,
-                };
-                self.failures
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tracing::warn!(func, "upsert left the value unchanged: {why}");
-                Ok(old)
-            }
+            Msg::Upsert { func, arg } => self.upsert(old, *func, arg),
         }
+    }
+
+    /// Applies one message read in place.
+    pub fn apply_ref(&self, old: Option<Vec<u8>>, msg: MsgRef) -> Result<Option<Vec<u8>>> {
+        match msg {
+            MsgRef::Put(v) => Ok(Some(v.to_vec())),
+            MsgRef::Delete => Ok(None),
+            MsgRef::Upsert { func, arg } => self.upsert(old, func, arg),
+        }
+    }
+
+    fn upsert(&self, old: Option<Vec<u8>>, func: u16, arg: &[u8]) -> Result<Option<Vec<u8>>> {
+        let f = self.fns.get(&func).ok_or(Error::UnknownUpsert(func))?;
+        // The message was accepted and logged long ago: a function that fails on this
+        // value leaves it unchanged (and is counted) rather than wedging every later
+        // flush of the node.
+        let why = match f(old.as_deref(), arg) {
+            Ok(Some(v)) if v.len() > self.max_value => {
+                format!(
+                    "result of {} bytes exceeds the value limit {}",
+                    v.len(),
+                    self.max_value
+                )
+            }
+            Ok(new) => return Ok(new),
+            Err(e) => e,
+        };
+        self.failures
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tracing::warn!(func, "upsert left the value unchanged: {why}");
+        Ok(old)
     }
 }

@@ -15,6 +15,7 @@ use crate::codec::{crc32c, Reader, Writer};
 pub use crate::entries::Entries;
 use crate::lift::Lift;
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
+use crate::points::{MsgRef, Points};
 use crate::{Error, Result};
 use std::borrow::Cow;
 
@@ -80,9 +81,10 @@ fn filter_probes(key: &[u8], bits: usize) -> impl Iterator<Item = usize> {
 }
 
 fn filter_for(b: &Buffer) -> Vec<u64> {
-    let words = (b.points.len() * 10).div_ceil(64).max(1);
+    let points = b.points.settled();
+    let words = (points.groups_len() * 10).div_ceil(64).max(1);
     let mut f = vec![0u64; words];
-    for k in b.points.keys() {
+    for k in points.keys() {
         for bit in filter_probes(k, words * 64) {
             f[bit / 64] |= 1 << (bit % 64);
         }
@@ -145,7 +147,7 @@ impl Internal {
             + 4
             + self.children.len() * 16
             + self.pivots.iter().map(|p| p.len() + 4).sum::<usize>()
-            + self.buffers.iter().map(|b| b.bytes + 8).sum::<usize>()
+            + self.buffers.iter().map(|b| b.bytes() + 8).sum::<usize>()
             + self.lifts.iter().flatten().map(Lift::bytes).sum::<usize>()
     }
 
@@ -153,7 +155,7 @@ impl Internal {
     pub fn heaviest(&self) -> Option<usize> {
         (0..self.buffers.len())
             .filter(|&i| !self.buffers[i].is_empty())
-            .max_by_key(|&i| self.buffers[i].bytes)
+            .max_by_key(|&i| self.buffers[i].bytes())
     }
 
     pub fn route(&mut self, key: Vec<u8>, msn: Msn, msg: Msg) {
@@ -168,18 +170,27 @@ impl Internal {
         for r in &buf.ranges {
             self.route_range(r);
         }
-        let mut rest = buf.points;
-        for i in (1..self.children.len()).rev() {
-            if rest.is_empty() {
+        let mut points = buf.points;
+        points.settle();
+        // Each child takes its run of the parent's groups, merged into its buffer.
+        let n = points.groups_len();
+        let mut a = 0;
+        for i in 0..self.children.len() {
+            if a == n {
                 return;
             }
-            let piece = rest.split_off(&self.pivots[i - 1]);
-            if !piece.is_empty() {
-                self.buffers[i].merge_points(piece);
+            let b = match self.pivots.get(i) {
+                Some(p) => points.position(p),
+                None => n,
+            };
+            if b > a {
+                if self.buffers[i].points.is_empty() && a == 0 && b == n {
+                    self.buffers[i].points = points;
+                    return;
+                }
+                self.buffers[i].points.merge_range(&points, a, b);
             }
-        }
-        if !rest.is_empty() {
-            self.buffers[0].merge_points(rest);
+            a = b;
         }
     }
 
@@ -266,29 +277,34 @@ impl Leaf {
                 "internal: applying messages to a partial leaf".into(),
             ));
         };
-        let mut out = Entries::with_capacity(old.bytes() + buf.bytes, old.len() + buf.points.len());
+        let points = buf.points.settled();
+        let mut out =
+            Entries::with_capacity(old.bytes() + points.bytes, old.len() + points.groups_len());
         let kept = |k: &[u8]| !buf.ranges.iter().any(|r| r.covers(k));
         let mut i = 0;
-        for (k, msgs) in &buf.points {
+        for g in points.groups() {
+            let k = g.key;
             // Entries before this key: copied in runs.
             let start = i;
-            while i < old.len() && old.key(i) < k.as_slice() {
+            while i < old.len() && old.key(i) < k {
                 i += 1;
             }
             copy_kept(&mut out, old, start, i, &buf.ranges, &kept);
             // The value, borrowed until an upsert must compute a new one.
-            let mut v: Option<Cow<[u8]>> = if i < old.len() && old.key(i) == k.as_slice() {
+            let mut v: Option<Cow<[u8]>> = if i < old.len() && old.key(i) == k {
                 i += 1;
                 let (ek, ev) = old.get(i - 1);
                 kept(ek).then_some(Cow::Borrowed(ev))
             } else {
                 None
             };
-            for (_, m) in msgs {
+            for (_, m) in g.msgs() {
                 v = match m {
-                    Msg::Put(x) => Some(Cow::Borrowed(x.as_slice())),
-                    Msg::Delete => None,
-                    Msg::Upsert { .. } => up.apply(v.map(Cow::into_owned), m)?.map(Cow::Owned),
+                    MsgRef::Put(x) => Some(Cow::Borrowed(x)),
+                    MsgRef::Delete => None,
+                    MsgRef::Upsert { .. } => {
+                        up.apply_ref(v.map(Cow::into_owned), m)?.map(Cow::Owned)
+                    }
                 };
             }
             if let Some(v) = v {
@@ -405,7 +421,7 @@ impl Node {
                         .flatten()
                         .map(|r| r.filter.len() * 8 + 48)
                         .sum::<usize>()
-                    + n.buffers.iter().map(|b| b.points.len() * 48).sum::<usize>()
+                    + n.buffers.iter().map(|b| b.points.len() * 8).sum::<usize>()
             }
             Node::Leaf(l) => match &l.data {
                 LeafData::Full(e) => entries(e),
@@ -447,22 +463,6 @@ fn seal_section(w: &mut Writer, len: usize) {
     w.put_u32_at(CRC_AT, crc);
 }
 
-fn put_msg(w: &mut Writer, msn: Msn, m: &Msg) {
-    w.u64(msn);
-    match m {
-        Msg::Put(v) => {
-            w.u8(1);
-            w.bytes(v);
-        }
-        Msg::Delete => w.u8(2),
-        Msg::Upsert { func, arg } => {
-            w.u8(3);
-            w.u16(*func);
-            w.bytes(arg);
-        }
-    }
-}
-
 fn skip_msg(r: &mut Reader) -> Result<()> {
     r.u64()?;
     match r.u8()? {
@@ -494,44 +494,48 @@ fn get_msg(r: &mut Reader) -> Result<(Msn, Msg)> {
 }
 
 fn encode_buffer(b: &Buffer) -> Vec<u8> {
-    let mut w = Writer::with_capacity(b.bytes + 16);
+    let mut w = Writer::with_capacity(b.bytes() + 16);
     w.u32(b.ranges.len() as u32);
     for r in &b.ranges {
         w.u64(r.msn);
         w.bytes(&r.start);
         w.bytes(&r.end);
     }
-    w.u32(b.points.len() as u32);
-    for (k, msgs) in &b.points {
-        w.bytes(k);
-        w.u32(msgs.len() as u32);
-        for (msn, m) in msgs {
-            put_msg(&mut w, *msn, m);
-        }
-    }
+    b.points.encode(&mut w);
     w.buf
 }
 
-/// Decodes one buffer of an internal node (checksum verified): the window of every key.
+/// Decodes one buffer of an internal node (checksum verified).
 pub fn decode_buffer(body: &[u8], at: &BufferRef, id: NodeId) -> Result<Buffer> {
-    let (ranges, points) = buffer_window(body, at, id, &[], None)?;
-    let bytes = ranges
-        .iter()
-        .map(|r| r.start.len() + r.end.len() + 16)
-        .sum::<usize>()
-        + points
-            .iter()
-            .map(|(k, l)| {
-                l.iter()
-                    .map(|(_, m)| crate::msg::point_bytes(k, m))
-                    .sum::<usize>()
-            })
-            .sum::<usize>();
-    Ok(Buffer {
-        points: points.into_iter().collect(),
-        ranges,
-        bytes,
-    })
+    if crc32c(&[body]) != at.crc {
+        return Err(Error::Corrupt(format!(
+            "node {id}: buffer checksum mismatch"
+        )));
+    }
+    let mut r = Reader::new(body, "message buffer");
+    let nr = r.u32()? as usize;
+    if nr > r.remaining() {
+        return Err(r.corrupt("range count past the end"));
+    }
+    let mut ranges = Vec::with_capacity(nr);
+    for _ in 0..nr {
+        let msn = r.u64()?;
+        let (start, end) = (r.bytes()?, r.bytes()?);
+        ranges.push(RangeDel {
+            msn,
+            start: start.to_vec(),
+            end: end.to_vec(),
+        });
+    }
+    let np = r.u32()? as usize;
+    if np > r.remaining() {
+        return Err(r.corrupt("message count past the end"));
+    }
+    let points = Points::decode(&mut r, np)?;
+    if r.remaining() != 0 {
+        return Err(r.corrupt("trailing bytes"));
+    }
+    Ok(Buffer { points, ranges })
 }
 
 /// One key's messages in an encoded buffer, found without decoding the rest (checksum

@@ -990,7 +990,7 @@ impl Inner {
             }
         };
         self.stats.flushes += 1;
-        self.stats.flushed_bytes += buf.bytes as u64;
+        self.stats.flushed_bytes += buf.bytes() as u64;
         let buf = match &parent.lifts[idx] {
             Some(l) => l.buffer_to_inner(buf),
             None => buf,
@@ -1217,10 +1217,7 @@ impl Inner {
                 match &*self.cache[&id].node {
                     Node::Internal(n) => {
                         let b = &n.buffers[i];
-                        levels.push((
-                            b.covered(key),
-                            b.points.get(key).cloned().unwrap_or_default(),
-                        ));
+                        levels.push((b.covered(key), b.points.get(key)));
                         id = n.children[i];
                     }
                     Node::Leaf(_) => break id,
@@ -1487,16 +1484,7 @@ impl Inner {
                     }
                     None => {
                         let b = &n.buffers[i];
-                        let upper = match &hi_l {
-                            Some(h) => std::ops::Bound::Excluded(h.clone()),
-                            None => std::ops::Bound::Unbounded,
-                        };
-                        let points = b
-                            .points
-                            .range((std::ops::Bound::Included(lo_l.clone()), upper))
-                            .map(|(k, m)| (k.clone(), m.clone()))
-                            .collect();
-                        (b.ranges.clone(), points)
+                        (b.ranges.clone(), b.points.window(&lo_l, hi_l.as_deref()))
                     }
                 };
                 if ranges.is_empty() && points.is_empty() {
@@ -1790,7 +1778,8 @@ impl Inner {
                 for (i, b) in n.buffers.iter().enumerate() {
                     let (clo, chi) = n.child_range(i);
                     let cw = |k: &[u8]| clo.is_none_or(|l| k >= l) && chi.is_none_or(|h| k < h);
-                    for (k, msgs) in &b.points {
+                    for (k, msgs) in b.points.window(b"", None) {
+                        let k = k.as_slice();
                         if !cw(k) {
                             return bad(format!("message for {k:?} in the wrong buffer"));
                         }
