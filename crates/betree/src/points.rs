@@ -29,6 +29,9 @@ use std::borrow::Cow;
 /// Messages the tail holds before it is merged into the arena.
 const TAIL_MAX: usize = 64;
 
+/// Every message of a key range, owned: `(key, messages oldest first)`.
+pub type Window = Vec<(Vec<u8>, Vec<(Msn, Msg)>)>;
+
 /// A message read in place from an arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MsgRef<'a> {
@@ -148,7 +151,7 @@ impl<'a> Group<'a> {
     }
 
     /// The messages, owned.
-    pub fn to_vec(&self) -> Vec<(Msn, Msg)> {
+    pub fn owned(self) -> Vec<(Msn, Msg)> {
         self.msgs().map(|(n, m)| (n, m.to_msg())).collect()
     }
 
@@ -300,7 +303,7 @@ impl Points {
     pub fn get(&self, key: &[u8]) -> Vec<(Msn, Msg)> {
         let i = self.lower_bound(key);
         let mut out = if i < self.offs.len() && self.key_at(i) == key {
-            self.group(i).to_vec()
+            self.group(i).owned()
         } else {
             Vec::new()
         };
@@ -316,14 +319,14 @@ impl Points {
     }
 
     /// Every key's messages in `lo..hi` (`None`: to the end), owned, in key order.
-    pub fn window(&self, lo: &[u8], hi: Option<&[u8]>) -> Vec<(Vec<u8>, Vec<(Msn, Msg)>)> {
+    pub fn window(&self, lo: &[u8], hi: Option<&[u8]>) -> Window {
         let p = self.settled();
         let a = p.lower_bound(lo);
         let b = hi.map_or(p.offs.len(), |h| p.lower_bound(h));
         (a..b.max(a))
             .map(|i| {
                 let g = p.group(i);
-                (g.key.to_vec(), g.to_vec())
+                (g.key.to_vec(), g.owned())
             })
             .collect()
     }
