@@ -64,6 +64,12 @@ struct Args {
     /// Print each store's own counters after each phase.
     #[arg(long)]
     verbose: bool,
+    /// Point queries (default: a tenth of the keys, 1,000 to 200,000).
+    #[arg(long)]
+    queries: Option<u64>,
+    /// Range scans (default: one per 5,000 keys, 20 to 500).
+    #[arg(long)]
+    scans: Option<u64>,
 }
 
 const BATCH: usize = 100;
@@ -441,6 +447,21 @@ fn open(system: &str, path: &Path, a: &Args, create: bool) -> Result<Box<dyn Sto
     })
 }
 
+/// Resets the process's peak resident set (VmHWM), so that the next reading is the
+/// peak of what runs from now on.
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// The peak resident set since the last reset, MiB.
+fn peak_rss_mib() -> f64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
 fn io_written() -> u64 {
     let s = std::fs::read_to_string("/proc/self/io").unwrap_or_default();
     s.lines()
@@ -472,6 +493,9 @@ struct Measure {
     /// upsert phases).
     write_amp: Option<f64>,
     disk_bytes: u64,
+    /// The process's peak resident set during the phase, MiB (every system runs in this
+    /// process, one after the other; the peak is reset before each phase).
+    peak_rss_mib: f64,
 }
 
 /// Keys `key(0..n)` with values of `len` bytes, in batches, synced every `SYNC_EVERY`
@@ -506,7 +530,8 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
         if system == "redb" { p.join("db.redb") } else { p }
     };
     let mut record = |phase: &str, ops: u64, t: f64, wa: Option<f64>, disk: u64| {
-        eprintln!("  {system:8} {phase:20} {:>12.0} ops/s  ({t:.2} s{})", ops as f64 / t,
+        let rss = peak_rss_mib();
+        eprintln!("  {system:8} {phase:20} {:>12.0} ops/s  ({t:.2} s{}, peak RSS {rss:.0} MiB)", ops as f64 / t,
             wa.map(|w| format!(", write amp {w:.1}")).unwrap_or_default());
         out.push(Measure {
             system: system.into(),
@@ -517,6 +542,7 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
             ops_per_sec: ops as f64 / t,
             write_amp: wa,
             disk_bytes: disk,
+            peak_rss_mib: rss,
         });
     };
     let n = a.keys;
@@ -526,6 +552,7 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
     if want("seq_insert") {
         let p = path("seq");
         let s = open(system, &p, a, true)?;
+        reset_peak_rss();
         let (w0, t0) = (io_written(), Instant::now());
         insert(s.as_ref(), n, seq_key, VALUE)?;
         let t = t0.elapsed().as_secs_f64();
@@ -541,6 +568,7 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
     let p = path("rand");
     if want("rand_insert") {
         let s = open(system, &p, a, true)?;
+        reset_peak_rss();
         let (w0, t0) = (io_written(), Instant::now());
         insert(s.as_ref(), n, rand_key, VALUE)?;
         let t = t0.elapsed().as_secs_f64();
@@ -557,7 +585,8 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
     // The read phases run together, in this order, on the random store.
     if want("point_get") || want("scan_1000") || want("range_delete_10pct") {
         let s = open(system, &p, a, false)?;
-        let q = (n / 10).clamp(1000, 200_000);
+        let q = a.queries.unwrap_or((n / 10).clamp(1000, 200_000));
+        reset_peak_rss();
         let t0 = Instant::now();
         for i in 0..q {
             let k = mix(i ^ 0x5555) % n;
@@ -569,7 +598,8 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
         if a.verbose {
             eprintln!("    {}", s.counters().unwrap_or_default());
         }
-        let scans = (n / 5000).clamp(20, 500);
+        let scans = a.scans.unwrap_or((n / 5000).clamp(20, 500));
+        reset_peak_rss();
         let t0 = Instant::now();
         let mut got = 0;
         for i in 0..scans {
@@ -581,6 +611,7 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
         record("scan_1000", scans, t0.elapsed().as_secs_f64(), None, 0);
         // A tenth of the hash-prefixed key space, as one contiguous range.
         let end = (u64::MAX / 10).to_be_bytes();
+        reset_peak_rss();
         let t0 = Instant::now();
         s.delete_range(&[0u8; 8], &end)?;
         s.sync()?;
@@ -599,6 +630,7 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
         let s = open(system, &p, a, true)?;
         insert(s.as_ref(), m, rand_key, BIG_VALUE)?;
         let u = m * 4;
+        reset_peak_rss();
         let (w0, t0) = (io_written(), Instant::now());
         let mut ups = Vec::with_capacity(BATCH);
         for i in 0..u {
@@ -660,8 +692,8 @@ fn main() -> Result<()> {
     println!("# Key-value benchmark: {} keys, {} runs, cache {} MiB, Bε-tree nodes {} KiB / basements {} KiB / fanout {}",
         a.keys, a.runs, a.cache_mb, a.node_kb, a.basement_kb, a.fanout);
     println!();
-    println!("| phase | system | ops/s median (min–max) | vs redb | vs rocksdb | write amp | disk MiB |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| phase | system | ops/s median (min–max) | vs redb | vs rocksdb | write amp | disk MiB | peak RSS MiB |");
+    println!("|---|---|---|---|---|---|---|---|");
     let med = |sys: &str, ph: &str| {
         let v: Vec<f64> = out.iter().filter(|m| m.system == sys && m.phase == ph).map(|m| m.ops_per_sec).collect();
         if v.is_empty() { None } else { Some(median(&v)) }
@@ -676,16 +708,18 @@ fn main() -> Result<()> {
             r.sort_by(f64::total_cmp);
             let w: Vec<f64> = ms.iter().filter_map(|m| m.write_amp).collect();
             let d: Vec<f64> = ms.iter().map(|m| m.disk_bytes as f64).collect();
+            let rss: Vec<f64> = ms.iter().map(|m| m.peak_rss_mib).collect();
             let m = median(&r);
             let ratio = |o: &str| med(o, ph).map(|x| format!("{:.2}×", m / x)).unwrap_or("–".into());
             println!(
-                "| {ph} | {s} | {m:.0} ({:.0}–{:.0}) | {} | {} | {} | {} |",
+                "| {ph} | {s} | {m:.0} ({:.0}–{:.0}) | {} | {} | {} | {} | {:.0} |",
                 r[0],
                 r[r.len() - 1],
                 ratio("redb"),
                 ratio("rocksdb"),
                 if w.is_empty() { "–".into() } else { format!("{:.1}", median(&w)) },
                 if d.iter().all(|&x| x == 0.0) { "–".into() } else { format!("{:.0}", median(&d) / 1048576.0) },
+                median(&rss),
             );
         }
     }

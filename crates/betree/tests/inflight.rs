@@ -143,3 +143,44 @@ fn batches_synced_during_a_checkpoint_survive_a_crash_before_and_after_its_heade
         headers.len()
     );
 }
+
+#[test]
+fn a_full_device_stops_the_tree_with_a_typed_error_and_loses_nothing_synced() {
+    let blocks = 1536; // 6 MiB: the log, headers and a few hundred nodes
+    let mem = Arc::new(MemDevice::new(BS, blocks).unwrap());
+    let o = Options {
+        log_blocks: 256,
+        dirty_bytes: 1 << 20,
+        ..opts()
+    };
+    let t = Tree::create(mem.clone(), o.clone()).unwrap();
+    let value = vec![3u8; 200];
+    let mut synced = 0;
+    let err = loop {
+        let mut b = Batch::new();
+        for j in 0..PER_ROUND {
+            b.put(&key(synced * PER_ROUND + j), &value);
+        }
+        if let Err(e) = t.write(b).and_then(|()| t.sync()) {
+            break e;
+        }
+        synced += 1;
+        assert!(synced < 100_000, "the device never filled");
+    };
+    assert!(
+        matches!(err, quilt_betree::Error::Full(_)),
+        "a full device is Error::Full, not {err:?}"
+    );
+    // Nothing more is taken: the in-memory tree may be ahead of the disk.
+    assert!(t.put(b"more", b"x").is_err());
+    drop(t);
+    // The image, moved to a larger device, recovers every synced batch.
+    let mut img = mem.to_vec();
+    img.resize(img.len() * 2, 0);
+    let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
+    let t = Tree::open(dev, o).expect("recovery on a larger device");
+    t.check().unwrap();
+    let got: BTreeMap<Vec<u8>, Vec<u8>> = t.range(b"", None).map(|e| e.unwrap()).collect();
+    let n = batches_in(&got, &value).expect("a prefix of the batches");
+    assert!(n >= synced, "recovered {n} batches, {synced} were synced");
+}

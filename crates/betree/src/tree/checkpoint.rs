@@ -44,12 +44,29 @@ pub(crate) struct Placed {
     table: Extent,
 }
 
+/// Why the writer thread failed: the device was full (of `blocks` for an extent), or
+/// something else.
+#[derive(Clone)]
+pub(crate) enum Failure {
+    Full(u64),
+    Other(String),
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        match e {
+            Error::Full(n) => Failure::Full(n),
+            e => Failure::Other(e.to_string()),
+        }
+    }
+}
+
 /// What the writer thread reports: where each node went as soon as the engine has it
 /// (so the tree may evict it and read it back from there), and the end.
 #[derive(Default)]
 pub(crate) struct Done {
     placed: Mutex<HashMap<NodeId, Extent>>,
-    result: Mutex<Option<std::result::Result<Placed, String>>>,
+    result: Mutex<Option<std::result::Result<Placed, Failure>>>,
     cv: Condvar,
 }
 
@@ -69,7 +86,7 @@ impl Done {
             .copied()
     }
 
-    fn finish(&self, r: std::result::Result<Placed, String>) {
+    fn finish(&self, r: std::result::Result<Placed, Failure>) {
         *self.result.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
         self.cv.notify_all();
     }
@@ -83,7 +100,7 @@ impl Done {
 
     /// Waits for the writer thread (holding no lock it needs: it takes none of the
     /// tree's).
-    pub(crate) fn wait(&self) -> std::result::Result<Placed, String> {
+    pub(crate) fn wait(&self) -> std::result::Result<Placed, Failure> {
         let mut r = self.result.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(r) = r.as_ref() {
@@ -288,7 +305,7 @@ impl Inner {
             let done = done.clone();
             std::thread::Builder::new()
                 .name("quilt-betree-ckpt".into())
-                .spawn(move || done.finish(job.run().map_err(|e| e.to_string())))
+                .spawn(move || done.finish(job.run().map_err(Failure::from)))
         };
         let thread = match thread {
             Ok(t) => t,
@@ -335,9 +352,14 @@ impl Inner {
         let placed = match r {
             Ok(p) => p,
             Err(e) => {
-                // The nodes were marked clean for extents that may never be written.
-                self.failed = Some(format!("checkpoint: {e}"));
-                return Err(Error::Failed(e));
+                // The nodes were marked clean for extents that may never be written: the
+                // tree stops (a reopen recovers from the older header and the log).
+                let (why, err) = match e {
+                    Failure::Full(n) => ("the device is full".to_string(), Error::Full(n)),
+                    Failure::Other(m) => (m.clone(), Error::Failed(m)),
+                };
+                self.failed = Some(format!("checkpoint: {why}"));
+                return Err(err);
             }
         };
         // 2. and 3.: the header is durable.
