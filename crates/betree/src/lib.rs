@@ -37,6 +37,7 @@
 //! ```
 
 mod alloc;
+mod chunk;
 mod codec;
 mod entries;
 mod format;
@@ -55,7 +56,6 @@ pub use msg::{
 
 use quilt_block::BlockDevice;
 use quilt_patch::{Engine, EngineOptions, PatchError};
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Errors of the tree.
@@ -556,7 +556,11 @@ pub struct Iter<'a> {
     cursor: Option<Vec<u8>>,
     started: bool,
     done: bool,
-    chunk: VecDeque<(Vec<u8>, Vec<u8>)>,
+    chunk: chunk::Chunk,
+    /// Entries of `chunk` not returned yet: forward `taken..len`, backward `..len - taken`.
+    taken: usize,
+    /// Basements the next chunk reads at most from a leaf not cached whole.
+    basements: usize,
 }
 
 impl<'a> Iter<'a> {
@@ -574,21 +578,20 @@ impl<'a> Iter<'a> {
             },
             started: false,
             done: empty,
-            chunk: VecDeque::new(),
+            chunk: chunk::Chunk::default(),
+            taken: 0,
+            basements: tree::SCAN_BASEMENTS_FIRST,
         }
     }
 }
 
-impl Iterator for Iter<'_> {
-    type Item = Result<(Vec<u8>, Vec<u8>)>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        loop {
-            if let Some(e) = self.chunk.pop_front() {
-                return Some(Ok(e));
-            }
+impl Iter<'_> {
+    /// Makes sure the chunk has an entry left, reading the next one if need be. `false`
+    /// at the end (or after an error, which is returned once).
+    fn fill(&mut self) -> Result<bool> {
+        while self.taken == self.chunk.len() {
             if self.done {
-                return None;
+                return Ok(false);
             }
             let mut t = self.tree.lock();
             if !self.started {
@@ -600,16 +603,19 @@ impl Iterator for Iter<'_> {
                 self.hi.as_deref(),
                 self.forward,
                 self.cursor.as_deref(),
+                self.basements,
             );
+            self.basements = (self.basements * 2).min(tree::SCAN_BASEMENTS);
             t.after_read();
             drop(t);
             match r {
                 Err(e) => {
                     self.done = true;
-                    return Some(Err(e));
+                    return Err(e);
                 }
-                Ok((entries, next)) => {
-                    self.chunk = entries.into();
+                Ok((chunk, next)) => {
+                    self.chunk = chunk;
+                    self.taken = 0;
                     match next {
                         Some(c) => self.cursor = Some(c),
                         None => self.done = true,
@@ -617,6 +623,33 @@ impl Iterator for Iter<'_> {
                 }
             }
         }
+        Ok(true)
+    }
+
+    /// The next entry, lent rather than copied (valid until the next call): a scan
+    /// that only looks at its entries allocates nothing per entry.
+    pub fn next_entry(&mut self) -> Option<Result<(&[u8], &[u8])>> {
+        match self.fill() {
+            Err(e) => return Some(Err(e)),
+            Ok(false) => return None,
+            Ok(true) => {}
+        }
+        let i = if self.forward {
+            self.taken
+        } else {
+            self.chunk.len() - 1 - self.taken
+        };
+        self.taken += 1;
+        Some(Ok(self.chunk.get(i)))
+    }
+}
+
+impl Iterator for Iter<'_> {
+    type Item = Result<(Vec<u8>, Vec<u8>)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.next_entry()
+            .map(|r| r.map(|(k, v)| (k.to_vec(), v.to_vec())))
     }
 }
 

@@ -320,15 +320,39 @@ impl Points {
 
     /// Every key's messages in `lo..hi` (`None`: to the end), owned, in key order.
     pub fn window(&self, lo: &[u8], hi: Option<&[u8]>) -> Window {
-        let p = self.settled();
-        let a = p.lower_bound(lo);
-        let b = hi.map_or(p.offs.len(), |h| p.lower_bound(h));
-        (a..b.max(a))
+        let a = self.lower_bound(lo);
+        let b = hi.map_or(self.offs.len(), |h| self.lower_bound(h));
+        let mut out: Window = (a..b.max(a))
             .map(|i| {
-                let g = p.group(i);
+                let g = self.group(i);
                 (g.key.to_vec(), g.owned())
             })
-            .collect()
+            .collect();
+        // The tail's messages in the window, newer than the arena's: as `push` would.
+        let mut tail: Vec<&(Vec<u8>, Msn, Msg)> = self
+            .tail
+            .iter()
+            .filter(|(k, _, _)| k.as_slice() >= lo && hi.is_none_or(|h| k.as_slice() < h))
+            .collect();
+        if tail.is_empty() {
+            return out;
+        }
+        tail.sort_by(|x, y| x.0.cmp(&y.0)); // stable: MSN order within a key
+        for (k, msn, m) in tail {
+            let at = match out.binary_search_by(|(ok, _)| ok.as_slice().cmp(k)) {
+                Ok(at) => at,
+                Err(at) => {
+                    out.insert(at, (k.clone(), Vec::new()));
+                    at
+                }
+            };
+            let list = &mut out[at].1;
+            if msg_ref(m).supersedes() {
+                list.clear();
+            }
+            list.push((*msn, m.clone()));
+        }
+        out
     }
 
     /// Merges groups `a..b` of `newer` (whose messages are all newer than this one's)

@@ -11,8 +11,7 @@ use crate::log::{self, LogWriter};
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
 use crate::node::{self, Entries, Internal, Leaf, LeafData, Node, NodeId};
 
-/// A key and its value, as scans return them.
-pub type Entry = (Vec<u8>, Vec<u8>);
+use crate::chunk::Chunk;
 use crate::{Error, Op, Options, Result, Stats};
 use quilt_patch::{ChangeOpts, Engine, PatchId, RUN_BLOCKS_MAX};
 use std::collections::HashMap;
@@ -149,9 +148,13 @@ struct CheckWalk {
     edges: HashMap<NodeId, u32>,
 }
 
-/// Basements a scan reads at a time from a leaf not cached whole: 64 KiB of 4 KiB
-/// basements, one read, about 500 entries of 100 bytes.
-const SCAN_BASEMENTS: usize = 64;
+/// Basements a scan reads at a time from a leaf not cached whole, at most: a whole
+/// 256 KiB leaf of 4 KiB basements in one read. A scan starts with
+/// `SCAN_BASEMENTS_FIRST` and doubles its reads from chunk to chunk, so a short scan
+/// (a thousand keys from a random place: about 30 basements) reads little more than
+/// it returns and a long one (a file read whole) soon reads whole leaves.
+pub const SCAN_BASEMENTS: usize = 64;
+pub const SCAN_BASEMENTS_FIRST: usize = 16;
 
 /// Appends a basement's entries to the ones of the basements before it.
 fn append_basement(all: &mut Entries, es: &Entries, id: NodeId) -> Result<()> {
@@ -1356,7 +1359,8 @@ impl Inner {
         hi: Option<&[u8]>,
         forward: bool,
         cursor: Option<&[u8]>,
-    ) -> Result<(Vec<Entry>, Option<Vec<u8>>)> {
+        basements: usize,
+    ) -> Result<(Chunk, Option<Vec<u8>>)> {
         self.check_failed()?;
         let mut id = self.root;
         // Bounds of the chunk's leaf, in the outer (the caller's) space.
@@ -1408,9 +1412,9 @@ impl Inner {
                         .saturating_sub(1),
                 };
                 let (a, b) = if forward {
-                    (i, (i + SCAN_BASEMENTS).min(index.len()))
+                    (i, (i + basements).min(index.len()))
                 } else {
-                    ((i + 1).saturating_sub(SCAN_BASEMENTS), i + 1)
+                    ((i + 1).saturating_sub(basements), i + 1)
                 };
                 if a > 0 {
                     node_lo = Some(lifts.up(leaf_level, &index[a].lo).into_owned());
@@ -1440,7 +1444,7 @@ impl Inner {
             };
             (start, cursor.or(hi).map(<[u8]>::to_vec))
         };
-        let mut out: Vec<Entry> = Vec::new();
+        let mut out = Chunk::default();
         if whi.as_deref().is_none_or(|h| wlo.as_slice() < h) {
             let parts: Vec<Option<usize>> = match parts {
                 Some((a, b)) => (a..b).map(Some).collect(),
@@ -1456,15 +1460,14 @@ impl Inner {
                         Some(h) => es.search(h).unwrap_or_else(|i| i),
                         None => es.len(),
                     };
-                    out.extend((from..to.max(from)).map(|i| {
+                    for i in from..to.max(from) {
                         let (k, v) = es.get(i);
-                        let k = if plain {
-                            k.to_vec()
+                        if plain {
+                            out.push(k, v);
                         } else {
-                            lifts.up(leaf_level, k).into_owned()
-                        };
-                        (k, v.to_vec())
-                    }));
+                            out.push(&lifts.up(leaf_level, k), v);
+                        }
+                    }
                 }
             }
             // Pending messages for the window, from the deepest buffer up.
@@ -1502,26 +1505,36 @@ impl Inner {
                 // One merge pass: the buffer's range deletes, then its point messages
                 // (the buffer rule), over the sorted entries of the levels below.
                 let covered = |k: &[u8]| ranges.iter().any(|r| r.covers(k));
-                let mut merged: Vec<Entry> = Vec::with_capacity(out.len());
-                let mut below = std::mem::take(&mut out).into_iter().peekable();
+                let mut merged = Chunk::with_capacity(out.bytes_len(), out.len() + points.len());
+                let mut i = 0;
                 for (k, msgs) in points {
-                    while let Some(e) = below.next_if(|(ek, _)| *ek < k) {
-                        if !covered(&e.0) {
-                            merged.push(e);
+                    while i < out.len() && out.key(i) < k.as_slice() {
+                        let (ek, ev) = out.get(i);
+                        if !covered(ek) {
+                            merged.push(ek, ev);
                         }
+                        i += 1;
                     }
-                    let mut v = below
-                        .next_if(|(ek, _)| *ek == k)
-                        .map(|e| e.1)
-                        .filter(|_| !covered(&k));
+                    let mut v = None;
+                    if i < out.len() && out.key(i) == k.as_slice() {
+                        if !covered(&k) {
+                            v = Some(out.get(i).1.to_vec());
+                        }
+                        i += 1;
+                    }
                     for (_, msg) in &msgs {
                         v = self.upserts.apply(v, msg)?;
                     }
                     if let Some(v) = v {
-                        merged.push((k, v));
+                        merged.push(&k, &v);
                     }
                 }
-                merged.extend(below.filter(|(k, _)| !covered(k)));
+                for j in i..out.len() {
+                    let (ek, ev) = out.get(j);
+                    if !covered(ek) {
+                        merged.push(ek, ev);
+                    }
+                }
                 out = merged;
             }
         }
@@ -1536,9 +1549,7 @@ impl Inner {
                 _ => None,
             }
         };
-        if !forward {
-            out.reverse();
-        }
+        // (Ascending either way: a backward scan walks the chunk from its end.)
         Ok((out, next))
     }
 

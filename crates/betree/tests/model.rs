@@ -108,6 +108,23 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
                         .map(|r| r.unwrap())
                         .collect()
                 };
+                // The lending form returns the same entries.
+                let mut it = if forward {
+                    t.range(&lo, hi.as_deref())
+                } else {
+                    t.range_rev(&lo, hi.as_deref())
+                };
+                let mut lent = Vec::new();
+                while lent.len() < take {
+                    match it.next_entry() {
+                        Some(e) => {
+                            let (k, v) = e.unwrap();
+                            lent.push((k.to_vec(), v.to_vec()));
+                        }
+                        None => break,
+                    }
+                }
+                prop_assert_eq!(&lent, &got);
                 let want: Vec<_> = match &hi {
                     Some(h) if *h <= lo => Vec::new(),
                     Some(h) => {
