@@ -7,7 +7,7 @@
 //! is durable only once it returns, and only then may its afters be written. Epochs are
 //! serialised, so no patch is in flight outside step (2).
 
-use crate::engine::{is_wait, xor_word, Durability, Engine, State};
+use crate::engine::{is_wait, xor_word, Durability, Engine, State, RUN_BLOCKS_MAX};
 use crate::graph::{Kind, PatchId};
 use crate::{PatchError, Result};
 use quilt_block::BlockNo;
@@ -113,8 +113,32 @@ impl Engine {
         }
         let safe = self.sh.opts.durability == Durability::Safe;
         let io = (|| {
-            for b in &batch {
-                self.sh.dev.write(b.block, &b.image)?;
+            // Runs of consecutive blocks go down as one request each (a Bε-tree node is
+            // a run of 64 blocks): the epoch's writes have no order among them, only
+            // the flush after them all.
+            let mut order: Vec<usize> = (0..batch.len()).collect();
+            order.sort_unstable_by_key(|&i| batch[i].block);
+            let mut run = Vec::new();
+            let mut at = 0;
+            while at < order.len() {
+                let first = batch[order[at]].block;
+                let mut end = at + 1;
+                while end < order.len()
+                    && batch[order[end]].block == first + (end - at) as u64
+                    && end - at < RUN_BLOCKS_MAX as usize
+                {
+                    end += 1;
+                }
+                if end - at == 1 {
+                    self.sh.dev.write(first, &batch[order[at]].image)?;
+                } else {
+                    run.clear();
+                    for &i in &order[at..end] {
+                        run.extend_from_slice(&batch[i].image);
+                    }
+                    self.sh.dev.write_blocks(first, &run)?;
+                }
+                at = end;
             }
             // The commit point of the epoch: nothing in `batch` is durable before this.
             if safe {
