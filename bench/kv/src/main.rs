@@ -78,6 +78,13 @@ struct Args {
     /// Range scans (default: one per 1,000 keys, 100 to 5,000).
     #[arg(long)]
     scans: Option<u64>,
+    /// (Internal) Run only this system, round `--round`, and write its samples as JSON
+    /// here: each system and round runs in a process of its own, so that one's memory
+    /// (its allocator's retained pages, the peak RSS) is not charged to the next.
+    #[arg(long, hide = true)]
+    one: Option<PathBuf>,
+    #[arg(long, hide = true, default_value_t = 0)]
+    round: usize,
 }
 
 const BATCH: usize = 100;
@@ -524,7 +531,7 @@ fn du(path: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-#[derive(serde::Serialize, Clone)]
+#[derive(serde::Serialize, serde::Deserialize, Clone)]
 struct Measure {
     system: String,
     phase: String,
@@ -740,11 +747,43 @@ fn main() -> Result<()> {
     let systems: Vec<String> = a.systems.split(',').map(str::to_string).collect();
     std::fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
     let mut out = Vec::new();
+    if let Some(path) = &a.one {
+        run_system(&a.systems, a.round, &a, &mut out)
+            .with_context(|| format!("{}, run {}", a.systems, a.round))?;
+        std::fs::write(path, serde_json::to_string(&out)?)?;
+        return Ok(());
+    }
+    let me = std::env::current_exe().context("finding this program")?;
+    // The child gets the same settings, for one system and one round, no report.
+    let mut args = Vec::new();
+    let mut it = std::env::args().skip(1);
+    while let Some(x) = it.next() {
+        let name = x.split('=').next().unwrap_or_default();
+        if ["--systems", "--json", "--runs"].contains(&name) {
+            if !x.contains('=') {
+                it.next();
+            }
+            continue;
+        }
+        args.push(x);
+    }
     for run in 0..a.runs {
         for j in 0..systems.len() {
             let s = &systems[(j + run) % systems.len()];
             eprintln!("run {run}: {s}");
-            run_system(s, run, &a, &mut out).with_context(|| format!("{s}, run {run}"))?;
+            let samples = a.dir.join(format!("samples-{s}-{run}.json"));
+            let status = std::process::Command::new(&me)
+                .args(&args)
+                .args(["--systems", s, "--round", &run.to_string(), "--one"])
+                .arg(&samples)
+                .status()
+                .with_context(|| format!("starting {}", me.display()))?;
+            if !status.success() {
+                bail!("{s}, run {run}: {status}");
+            }
+            let got: Vec<Measure> = serde_json::from_str(&std::fs::read_to_string(&samples)?)?;
+            let _ = std::fs::remove_file(&samples);
+            out.extend(got);
         }
     }
     let phases = [
