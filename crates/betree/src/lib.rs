@@ -29,7 +29,7 @@
 //! tree.delete_range(b"b", b"c")?;
 //! tree.sync()?;
 //! assert_eq!(tree.get(b"apple")?, Some(b"Red".to_vec()));
-//! drop(tree); // a crash: nothing is written at drop
+//! drop(tree); // a crash: nothing more is logged (a checkpoint in flight finishes)
 //! let tree = Tree::open(dev, Options::default())?; // recovery replays the log
 //! let all: Vec<_> = tree.range(b"", None).collect::<Result<_, _>>()?;
 //! assert_eq!(all, vec![(b"apple".to_vec(), b"Red".to_vec())]);
