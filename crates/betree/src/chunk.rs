@@ -10,11 +10,14 @@ pub struct Chunk {
 }
 
 impl Chunk {
-    pub fn with_capacity(bytes: usize, entries: usize) -> Chunk {
-        Chunk {
-            bytes: Vec::with_capacity(bytes),
-            ents: Vec::with_capacity(entries),
-        }
+    pub fn clear(&mut self) {
+        self.bytes.clear();
+        self.ents.clear();
+    }
+
+    pub fn reserve(&mut self, bytes: usize, entries: usize) {
+        self.bytes.reserve(bytes);
+        self.ents.reserve(entries);
     }
 
     pub fn push(&mut self, k: &[u8], v: &[u8]) {
@@ -26,15 +29,6 @@ impl Chunk {
 
     pub fn len(&self) -> usize {
         self.ents.len()
-    }
-
-    pub fn bytes_len(&self) -> usize {
-        self.bytes.len()
-    }
-
-    pub fn key(&self, i: usize) -> &[u8] {
-        let (at, k, _) = self.ents[i];
-        &self.bytes[at as usize..(at + k) as usize]
     }
 
     pub fn get(&self, i: usize) -> (&[u8], &[u8]) {

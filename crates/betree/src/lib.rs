@@ -214,6 +214,11 @@ pub struct Options {
     pub engine_cache_bytes: usize,
     /// Update functions for upserts (the built-ins are always there).
     pub upserts: Upserts,
+    /// Bytes of a leaf a scan's first chunk takes; each next chunk takes twice as
+    /// much, up to a whole leaf. A short scan (a thousand keys from a random place)
+    /// then reads and copies little more than it returns, and a long one (a file
+    /// read whole) soon reads whole leaves.
+    pub scan_first_bytes: usize,
 }
 
 impl Default for Options {
@@ -229,6 +234,7 @@ impl Default for Options {
             dirty_bytes: 48 << 20,
             engine_cache_bytes: 8 << 20,
             upserts: Upserts::default(),
+            scan_first_bytes: 64 << 10,
         }
     }
 }
@@ -246,6 +252,7 @@ impl Options {
             dirty_bytes: 32 << 10,
             engine_cache_bytes: 1 << 20,
             upserts: Upserts::default(),
+            scan_first_bytes: 1024,
         }
     }
 }
@@ -559,8 +566,9 @@ pub struct Iter<'a> {
     chunk: chunk::Chunk,
     /// Entries of `chunk` not returned yet: forward `taken..len`, backward `..len - taken`.
     taken: usize,
-    /// Basements the next chunk reads at most from a leaf not cached whole.
-    basements: usize,
+    /// Bytes of a leaf the next chunk takes at most (`Options::scan_first_bytes`, then
+    /// doubling; 0 before the first).
+    reach: usize,
 }
 
 impl<'a> Iter<'a> {
@@ -580,7 +588,7 @@ impl<'a> Iter<'a> {
             done: empty,
             chunk: chunk::Chunk::default(),
             taken: 0,
-            basements: tree::SCAN_BASEMENTS_FIRST,
+            reach: 0,
         }
     }
 }
@@ -597,24 +605,27 @@ impl Iter<'_> {
             if !self.started {
                 t.stats.scans += 1;
                 self.started = true;
+                self.reach = t.opts.scan_first_bytes;
             }
             let r = t.scan_chunk(
                 &self.lo,
                 self.hi.as_deref(),
                 self.forward,
                 self.cursor.as_deref(),
-                self.basements,
+                self.reach,
+                &mut self.chunk,
             );
-            self.basements = (self.basements * 2).min(tree::SCAN_BASEMENTS);
+            self.reach = (self.reach * 2).clamp(1, t.geo.node_bytes);
             t.after_read();
             drop(t);
             match r {
                 Err(e) => {
                     self.done = true;
+                    self.chunk.clear();
+                    self.taken = 0;
                     return Err(e);
                 }
-                Ok((chunk, next)) => {
-                    self.chunk = chunk;
+                Ok(next) => {
                     self.taken = 0;
                     match next {
                         Some(c) => self.cursor = Some(c),

@@ -165,6 +165,25 @@ impl<'a> Group<'a> {
     }
 }
 
+/// One item of `Points::window_in_place`: a key's group of the arena, or one message of
+/// the tail.
+#[derive(Debug, Clone, Copy)]
+pub enum Item<'a> {
+    Group(Group<'a>),
+    One(Msn, MsgRef<'a>),
+}
+
+impl<'a> Item<'a> {
+    /// The item's messages, oldest first.
+    pub fn msgs(self) -> impl Iterator<Item = (Msn, MsgRef<'a>)> + 'a {
+        let (group, one) = match self {
+            Item::Group(g) => (Some(g.msgs()), None),
+            Item::One(msn, m) => (None, Some((msn, m))),
+        };
+        group.into_iter().flatten().chain(one)
+    }
+}
+
 /// Appends a group for `key` made of the messages of `parts` (each an encoded message
 /// list and its count).
 fn put_group(out: &mut Vec<u8>, key: &[u8], parts: &[(&[u8], u32)]) {
@@ -352,6 +371,42 @@ impl Points {
             }
             list.push((*msn, m.clone()));
         }
+        out
+    }
+
+    /// The messages of keys in `lo..hi` (`None`: to the end), in place and in key
+    /// order: each key's arena group first, then its tail messages (newer), one item
+    /// each. Applying every item of a key in this order gives what `window`'s list
+    /// gives (a superseding message makes the older ones irrelevant either way).
+    pub fn window_in_place(&self, lo: &[u8], hi: Option<&[u8]>) -> Vec<(&[u8], Item<'_>)> {
+        let a = self.lower_bound(lo);
+        let b = hi.map_or(self.offs.len(), |h| self.lower_bound(h)).max(a);
+        let mut tail: Vec<&(Vec<u8>, Msn, Msg)> = self
+            .tail
+            .iter()
+            .filter(|(k, _, _)| k.as_slice() >= lo && hi.is_none_or(|h| k.as_slice() < h))
+            .collect();
+        let mut out = Vec::with_capacity(b - a + tail.len());
+        if tail.is_empty() {
+            out.extend((a..b).map(|i| {
+                let g = self.group(i);
+                (g.key, Item::Group(g))
+            }));
+            return out;
+        }
+        tail.sort_by(|x, y| x.0.cmp(&y.0)); // stable: MSN order within a key
+        let mut t = tail.into_iter().peekable();
+        for i in a..b {
+            let g = self.group(i);
+            while let Some((k, msn, m)) = t.next_if(|(k, _, _)| k.as_slice() < g.key) {
+                out.push((k.as_slice(), Item::One(*msn, msg_ref(m))));
+            }
+            out.push((g.key, Item::Group(g)));
+            while let Some((k, msn, m)) = t.next_if(|(k, _, _)| k.as_slice() == g.key) {
+                out.push((k.as_slice(), Item::One(*msn, msg_ref(m))));
+            }
+        }
+        out.extend(t.map(|(k, msn, m)| (k.as_slice(), Item::One(*msn, msg_ref(m)))));
         out
     }
 
@@ -598,6 +653,66 @@ mod tests {
         m.iter()
             .map(|(k, l)| l.iter().map(|(_, x)| point_bytes(k, x)).sum::<usize>())
             .sum()
+    }
+
+    /// What a list of messages makes of no value (an upsert appends its argument).
+    fn fold<'a>(msgs: impl Iterator<Item = MsgRef<'a>>) -> Option<Vec<u8>> {
+        msgs.fold(None, |v, m| match m {
+            MsgRef::Put(x) => Some(x.to_vec()),
+            MsgRef::Delete => None,
+            MsgRef::Upsert { arg, .. } => Some([v.unwrap_or_default(), arg.to_vec()].concat()),
+        })
+    }
+
+    #[test]
+    fn a_window_in_place_applies_as_the_owned_window() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        for round in 0..300 {
+            let (mut p, mut m) = (Points::default(), Model::new());
+            let mut msn = 0;
+            // Some settled, then a tail of up to TAIL_MAX - 1 messages.
+            for _ in 0..(rng(&mut seed) % 200 + rng(&mut seed) % TAIL_MAX as u64) {
+                let k = format!("k{:03}", rng(&mut seed) % 40).into_bytes();
+                let x = random_msg(&mut seed);
+                msn += 1;
+                model_push(&mut m, &k, msn, x.clone());
+                p.push(k, msn, x);
+            }
+            let lo = format!("k{:03}", rng(&mut seed) % 45).into_bytes();
+            let hi = format!("k{:03}", rng(&mut seed) % 45).into_bytes();
+            let hi = (rng(&mut seed) % 4 != 0).then_some(hi);
+            let items = p.window_in_place(&lo, hi.as_deref());
+            assert!(
+                items.windows(2).all(|w| w[0].0 <= w[1].0),
+                "key order {round}"
+            );
+            let mut got: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
+            let mut i = 0;
+            while i < items.len() {
+                let k = items[i].0;
+                let mut j = i;
+                while j < items.len() && items[j].0 == k {
+                    j += 1;
+                }
+                let msgs: Vec<MsgRef> = items[i..j]
+                    .iter()
+                    .flat_map(|(_, it)| it.msgs().map(|(_, x)| x))
+                    .collect();
+                let msns: Vec<Msn> = items[i..j]
+                    .iter()
+                    .flat_map(|(_, it)| it.msgs().map(|(n, _)| n))
+                    .collect();
+                assert!(msns.windows(2).all(|w| w[0] < w[1]), "MSN order {round}");
+                got.insert(k.to_vec(), fold(msgs.into_iter()));
+                i = j;
+            }
+            let want: BTreeMap<Vec<u8>, Option<Vec<u8>>> = m
+                .range(lo.clone()..)
+                .filter(|(k, _)| hi.as_ref().is_none_or(|h| *k < h))
+                .map(|(k, l)| (k.clone(), fold(l.iter().map(|(_, x)| msg_ref(x)))))
+                .collect();
+            assert_eq!(got, want, "round {round}");
+        }
     }
 
     #[test]

@@ -148,14 +148,6 @@ struct CheckWalk {
     edges: HashMap<NodeId, u32>,
 }
 
-/// Basements a scan reads at a time from a leaf not cached whole, at most: a whole
-/// 256 KiB leaf of 4 KiB basements in one read. A scan starts with
-/// `SCAN_BASEMENTS_FIRST` and doubles its reads from chunk to chunk, so a short scan
-/// (a thousand keys from a random place: about 30 basements) reads little more than
-/// it returns and a long one (a file read whole) soon reads whole leaves.
-pub const SCAN_BASEMENTS: usize = 64;
-pub const SCAN_BASEMENTS_FIRST: usize = 16;
-
 /// Appends a basement's entries to the ones of the basements before it.
 fn append_basement(all: &mut Entries, es: &Entries, id: NodeId) -> Result<()> {
     if !all.is_empty() && !es.is_empty() && all.key(all.len() - 1) >= es.key(0) {
@@ -1349,18 +1341,22 @@ impl Inner {
         })
     }
 
-    /// One leaf's worth of a range scan (one basement's, when the leaf is not cached
-    /// whole). Forward, `cursor` is the first key to return;
-    /// backward, the bound below which to return keys (`None`: from `hi`, or the top).
-    /// Returns the entries (in scan order) and where the next chunk starts, if anywhere.
+    /// One chunk of a range scan: up to `reach` bytes of one leaf (basements read
+    /// from disk if the leaf is not cached whole). Forward, `cursor` is the first key
+    /// to return; backward, the bound below which to return keys (`None`: from `hi`,
+    /// or the top).
+    /// Fills `out` with the entries (ascending; its buffers are reused from chunk to
+    /// chunk) and returns where the next chunk starts, if anywhere.
+    #[allow(clippy::too_many_arguments)]
     pub fn scan_chunk(
         &mut self,
         lo: &[u8],
         hi: Option<&[u8]>,
         forward: bool,
         cursor: Option<&[u8]>,
-        basements: usize,
-    ) -> Result<(Chunk, Option<Vec<u8>>)> {
+        reach: usize,
+        out: &mut Chunk,
+    ) -> Result<Option<Vec<u8>>> {
         self.check_failed()?;
         let mut id = self.root;
         // Bounds of the chunk's leaf, in the outer (the caller's) space.
@@ -1397,8 +1393,11 @@ impl Inner {
             lifts.edges.push(lift);
         }
         let leaf_level = path.len();
-        // A leaf not cached whole is read some basements at a time (one read): the
-        // chunk narrows to them.
+        // A leaf not cached whole is read some basements at a time (one read), and a
+        // whole one is taken as much at a time: the chunk narrows to them (a short
+        // scan copies a few basements' worth, not the rest of the leaf).
+        let most = reach;
+        let basements = reach.div_ceil(self.geo.basement_bytes).max(1);
         let parts = match &*self.ensure(id)?.node {
             Node::Leaf(Leaf {
                 data: LeafData::Partial { index, .. },
@@ -1424,6 +1423,29 @@ impl Inner {
                 }
                 Some((a, b))
             }
+            Node::Leaf(Leaf {
+                data: LeafData::Full(es),
+                ..
+            }) if es.bytes() > most => {
+                let take = (most * es.len() / es.bytes()).max(1);
+                if forward {
+                    let from = es
+                        .search(cursor_here.as_deref().unwrap_or(&lo_here))
+                        .unwrap_or_else(|i| i);
+                    if let Some(cut) = from.checked_add(take).filter(|&c| c < es.len()) {
+                        node_hi = Some(lifts.up(leaf_level, es.key(cut)).into_owned());
+                    }
+                } else {
+                    let to = match cursor.or(hi) {
+                        Some(u) => es.search(&lifts.down(leaf_level, u)).unwrap_or_else(|i| i),
+                        None => es.len(),
+                    };
+                    if let Some(cut) = to.checked_sub(take).filter(|&c| c > 0) {
+                        node_lo = Some(lifts.up(leaf_level, es.key(cut)).into_owned());
+                    }
+                }
+                None
+            }
             _ => None,
         };
         if let Some((a, b)) = parts {
@@ -1444,99 +1466,32 @@ impl Inner {
             };
             (start, cursor.or(hi).map(<[u8]>::to_vec))
         };
-        let mut out = Chunk::default();
+        out.clear();
         if whi.as_deref().is_none_or(|h| wlo.as_slice() < h) {
-            let parts: Vec<Option<usize>> = match parts {
-                Some((a, b)) => (a..b).map(Some).collect(),
-                None => vec![None],
-            };
-            let leaf_wlo = lifts.down(leaf_level, &wlo).into_owned();
-            let leaf_whi = whi.as_ref().map(|h| lifts.down(leaf_level, h).into_owned());
-            let plain = lifts.none();
-            for part in parts {
-                if let Some(es) = self.leaf_entries(id, part)? {
-                    let from = es.search(&leaf_wlo).unwrap_or_else(|i| i);
-                    let to = match &leaf_whi {
-                        Some(h) => es.search(h).unwrap_or_else(|i| i),
-                        None => es.len(),
-                    };
-                    for i in from..to.max(from) {
-                        let (k, v) = es.get(i);
-                        if plain {
-                            out.push(k, v);
-                        } else {
-                            out.push(&lifts.up(leaf_level, k), v);
-                        }
-                    }
-                }
+            // A scan's chunks walk the same path again and again: the path's buffers
+            // are read and kept (a point query searches one where it lies instead).
+            for &(pid, i) in &path {
+                self.load_buffer(pid, i)?;
             }
-            // Pending messages for the window, from the deepest buffer up.
-            for (level, &(pid, i)) in path.iter().enumerate().rev() {
-                let Some(Node::Internal(n)) = self.cache.get(&pid).map(|c| &*c.node) else {
-                    return Err(Error::Invalid("internal: scan path evicted".into()));
-                };
-                let lo_l = lifts.down(level, &wlo).into_owned();
-                let hi_l = whi.as_ref().map(|h| lifts.down(level, h).into_owned());
-                // The buffer's messages in the window: from memory, or searched where
-                // the buffer lies (not decoded whole, not cached).
-                let (mut ranges, mut points) = match n.unread.get(i).cloned().flatten() {
-                    Some(at) => {
-                        let body = self.read_range(pid, at.offset, at.len)?;
-                        self.stats.buffer_reads += 1;
-                        node::buffer_window(&body, &at, pid, &lo_l, hi_l.as_deref())?
-                    }
-                    None => {
-                        let b = &n.buffers[i];
-                        (b.ranges.clone(), b.points.window(&lo_l, hi_l.as_deref()))
-                    }
-                };
-                if ranges.is_empty() && points.is_empty() {
-                    continue;
-                }
-                if level > 0 && !lifts.none() {
-                    for r in &mut ranges {
-                        r.start = lifts.up(level, &r.start).into_owned();
-                        r.end = lifts.up(level, &r.end).into_owned();
-                    }
-                    for (k, _) in &mut points {
-                        *k = lifts.up(level, k).into_owned();
-                    }
-                }
-                // One merge pass: the buffer's range deletes, then its point messages
-                // (the buffer rule), over the sorted entries of the levels below.
-                let covered = |k: &[u8]| ranges.iter().any(|r| r.covers(k));
-                let mut merged = Chunk::with_capacity(out.bytes_len(), out.len() + points.len());
-                let mut i = 0;
-                for (k, msgs) in points {
-                    while i < out.len() && out.key(i) < k.as_slice() {
-                        let (ek, ev) = out.get(i);
-                        if !covered(ek) {
-                            merged.push(ek, ev);
-                        }
-                        i += 1;
-                    }
-                    let mut v = None;
-                    if i < out.len() && out.key(i) == k.as_slice() {
-                        if !covered(&k) {
-                            v = Some(out.get(i).1.to_vec());
-                        }
-                        i += 1;
-                    }
-                    for (_, msg) in &msgs {
-                        v = self.upserts.apply(v, msg)?;
-                    }
-                    if let Some(v) = v {
-                        merged.push(&k, &v);
-                    }
-                }
-                for j in i..out.len() {
-                    let (ek, ev) = out.get(j);
-                    if !covered(ek) {
-                        merged.push(ek, ev);
-                    }
-                }
-                out = merged;
+            let mut nodes = Vec::with_capacity(path.len() + 1);
+            for &(pid, _) in &path {
+                let c = self
+                    .cache
+                    .get(&pid)
+                    .ok_or_else(|| Error::Invalid("internal: scan path evicted".into()))?;
+                nodes.push(c.node.clone());
             }
+            let leaf = self.cache[&id].node.clone();
+            self.merge_window(
+                &nodes,
+                &path,
+                &leaf,
+                parts,
+                &lifts,
+                &wlo,
+                whi.as_deref(),
+                out,
+            )?;
         }
         let next = if forward {
             match node_hi {
@@ -1550,7 +1505,246 @@ impl Inner {
             }
         };
         // (Ascending either way: a backward scan walks the chunk from its end.)
-        Ok((out, next))
+        Ok(next)
+    }
+
+    /// Decodes and keeps buffer `i` of the cached internal node `id` if it is unread.
+    fn load_buffer(&mut self, id: NodeId, i: usize) -> Result<()> {
+        let Some(at) = (match &*self.cache[&id].node {
+            Node::Internal(n) => n.unread.get(i).cloned().flatten(),
+            Node::Leaf(_) => None,
+        }) else {
+            return Ok(());
+        };
+        let body = self.read_range(id, at.offset, at.len)?;
+        self.stats.buffer_reads += 1;
+        let b = node::decode_buffer(&body, &at, id)?;
+        let c = self.cache.get_mut(&id).expect("cached");
+        let before = c.node.mem();
+        if let Node::Internal(n) = Arc::make_mut(&mut c.node) {
+            n.buffers[i] = b;
+            n.unread[i] = None;
+        }
+        let after = c.node.mem();
+        c.mem = (c.mem + after).saturating_sub(before);
+        self.mem = (self.mem + after).saturating_sub(before);
+        Ok(())
+    }
+
+    /// Fills `out` with the entries of `wlo..whi` (outer space): the leaf's entries
+    /// (of basements `parts`, or all) with the messages of the path's buffers applied,
+    /// in one pass over every source. At each key the leaf's value comes first, then
+    /// each level from the deepest up applies its range deletes, then its messages
+    /// (the buffer rule), which is the order they were issued in.
+    #[allow(clippy::too_many_arguments)]
+    fn merge_window(
+        &self,
+        nodes: &[Arc<Node>],
+        path: &[(NodeId, usize)],
+        leaf: &Node,
+        parts: Option<(usize, usize)>,
+        lifts: &PathLifts,
+        wlo: &[u8],
+        whi: Option<&[u8]>,
+        out: &mut Chunk,
+    ) -> Result<()> {
+        use crate::points::MsgRef;
+        use std::borrow::Cow;
+        let leaf_level = path.len();
+        // The leaf's entries in the window: runs of one basement (or of the whole leaf).
+        let leaf_lo = lifts.down(leaf_level, wlo);
+        let leaf_hi = whi.map(|h| lifts.down(leaf_level, h));
+        let mut runs: Vec<(&Entries, usize, usize)> = Vec::new();
+        let leaf_run = |es: &'_ Entries| -> (usize, usize) {
+            let from = es.search(&leaf_lo).unwrap_or_else(|i| i);
+            let to = match &leaf_hi {
+                Some(h) => es.search(h).unwrap_or_else(|i| i),
+                None => es.len(),
+            };
+            (from, to.max(from))
+        };
+        match (leaf, parts) {
+            (
+                Node::Leaf(Leaf {
+                    data: LeafData::Full(es),
+                    ..
+                }),
+                _,
+            ) => {
+                let (a, b) = leaf_run(es);
+                runs.push((es, a, b));
+            }
+            (
+                Node::Leaf(Leaf {
+                    data: LeafData::Partial { loaded, .. },
+                    ..
+                }),
+                Some((a, b)),
+            ) => {
+                for es in loaded[a..b.min(loaded.len())].iter().flatten() {
+                    let (x, y) = leaf_run(es);
+                    runs.push((es, x, y));
+                }
+            }
+            _ => {}
+        }
+        // Each level's range deletes and messages in the window, keys in outer space.
+        struct Level<'a> {
+            ranges: Vec<RangeDel>,
+            items: Vec<(Cow<'a, [u8]>, crate::points::Item<'a>)>,
+            at: usize,
+        }
+        let mut levels: Vec<Level> = Vec::new();
+        for (level, (n, &(_, i))) in nodes.iter().zip(path).enumerate().rev() {
+            let Node::Internal(n) = &**n else {
+                return Err(Error::Invalid("internal: a leaf on a scan's path".into()));
+            };
+            let b = &n.buffers[i];
+            let lo_l = lifts.down(level, wlo);
+            let hi_l = whi.map(|h| lifts.down(level, h));
+            let mut ranges: Vec<RangeDel> = b
+                .ranges
+                .iter()
+                .filter(|r| {
+                    r.end.as_slice() > &*lo_l
+                        && hi_l.as_deref().is_none_or(|h| r.start.as_slice() < h)
+                })
+                .cloned()
+                .collect();
+            let window = b.points.window_in_place(&lo_l, hi_l.as_deref());
+            if ranges.is_empty() && window.is_empty() {
+                continue;
+            }
+            let plain = lifts.edges[..level].iter().all(Option::is_none);
+            if !plain {
+                for r in &mut ranges {
+                    r.start = lifts.up(level, &r.start).into_owned();
+                    r.end = lifts.up(level, &r.end).into_owned();
+                }
+            }
+            let items = window
+                .into_iter()
+                .map(|(k, it)| {
+                    let k = if plain {
+                        Cow::Borrowed(k)
+                    } else {
+                        Cow::Owned(lifts.up(level, k).into_owned())
+                    };
+                    (k, it)
+                })
+                .collect();
+            levels.push(Level {
+                ranges,
+                items,
+                at: 0,
+            });
+        }
+        // The leaf's keys in outer space: borrowed unless an edge on the path is lifted.
+        let leaf_plain = lifts.none();
+        let lifted: Vec<Vec<u8>> = if leaf_plain {
+            Vec::new()
+        } else {
+            runs.iter()
+                .flat_map(|&(es, a, b)| (a..b).map(move |j| es.key(j)))
+                .map(|k| lifts.up(leaf_level, k).into_owned())
+                .collect()
+        };
+        let total: usize = runs.iter().map(|&(_, a, b)| b - a).sum();
+        if levels.is_empty() {
+            // Nothing pending: the leaf's entries as they are.
+            let bytes: usize = runs.iter().map(|&(es, a, b)| es.body(a, b).len()).sum();
+            out.reserve(bytes, total);
+            let mut n = 0;
+            for &(es, a, b) in &runs {
+                for j in a..b {
+                    let (k, v) = es.get(j);
+                    out.push(if leaf_plain { k } else { &lifted[n] }, v);
+                    n += 1;
+                }
+            }
+            return Ok(());
+        }
+        out.reserve(0, total);
+        let any_ranges = levels.iter().any(|l| !l.ranges.is_empty());
+        // (run, index in run, index over all runs)
+        let (mut r, mut j, mut n) = (0, runs.first().map_or(0, |x| x.1), 0);
+        let mut key: Vec<u8> = Vec::new();
+        loop {
+            // The level whose next message has the smallest key (messages are sparse
+            // among the leaf's entries: the entries below it are copied with one
+            // comparison each).
+            let mut first: Option<usize> = None;
+            for (x, l) in levels.iter().enumerate() {
+                if let Some((k, _)) = l.items.get(l.at) {
+                    if first.is_none_or(|f| k.as_ref() < levels[f].items[levels[f].at].0.as_ref()) {
+                        first = Some(x);
+                    }
+                }
+            }
+            let bound: Option<&[u8]> = first.map(|f| levels[f].items[levels[f].at].0.as_ref());
+            loop {
+                while r < runs.len() && j >= runs[r].2 {
+                    r += 1;
+                    j = runs.get(r).map_or(0, |x| x.1);
+                }
+                if r == runs.len() {
+                    break;
+                }
+                let (k, v) = runs[r].0.get(j);
+                let k = if leaf_plain { k } else { lifted[n].as_slice() };
+                if bound.is_some_and(|b| k >= b) {
+                    break;
+                }
+                // No message for this key: only a range delete may drop it.
+                if !(any_ranges
+                    && levels
+                        .iter()
+                        .any(|l| l.ranges.iter().any(|rd| rd.covers(k))))
+                {
+                    out.push(k, v);
+                }
+                j += 1;
+                n += 1;
+            }
+            let Some(b) = bound else { break };
+            key.clear();
+            key.extend_from_slice(b);
+            let mut v: Option<Cow<[u8]>> = None;
+            if r < runs.len() {
+                let (k, lv) = runs[r].0.get(j);
+                let k = if leaf_plain { k } else { lifted[n].as_slice() };
+                if k == key.as_slice() {
+                    v = Some(Cow::Borrowed(lv));
+                    j += 1;
+                    n += 1;
+                }
+            }
+            for l in &mut levels {
+                if l.ranges.iter().any(|rd| rd.covers(&key)) {
+                    v = None;
+                }
+                while let Some((k, it)) = l.items.get(l.at) {
+                    if k.as_ref() != key.as_slice() {
+                        break;
+                    }
+                    for (_, msg) in it.msgs() {
+                        v = match msg {
+                            MsgRef::Put(x) => Some(Cow::Borrowed(x)),
+                            MsgRef::Delete => None,
+                            MsgRef::Upsert { .. } => self
+                                .upserts
+                                .apply_ref(v.map(Cow::into_owned), msg)?
+                                .map(Cow::Owned),
+                        };
+                    }
+                    l.at += 1;
+                }
+            }
+            if let Some(v) = v {
+                out.push(&key, &v);
+            }
+        }
+        Ok(())
     }
 
     // ---- durability ----
