@@ -25,6 +25,7 @@
 
 use anyhow::{bail, Context, Result};
 
+#[cfg(not(feature = "system-alloc"))]
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use clap::Parser;
