@@ -54,6 +54,8 @@ pub(crate) struct Inner {
     to_free: Vec<Extent>,
     /// The checkpoint being written behind the caller (`checkpoint.rs`).
     inflight: Option<checkpoint::InFlight>,
+    /// The thread that writes checkpoints (after `inflight`: dropped last).
+    writer: Option<checkpoint::Writer>,
     log: LogWriter,
     failed: Option<String>,
     pub stats: Stats,
@@ -196,6 +198,7 @@ impl Inner {
             alloc: Arc::default(),
             to_free: Vec::new(),
             inflight: None,
+            writer: None,
             failed: None,
             stats: Stats::default(),
         }

@@ -27,6 +27,11 @@
 //! table the tree reads them by still names their old extents), and the tree learns
 //! their new extents then. The commit point of a checkpoint is the header's patch
 //! becoming durable.
+//!
+//! One writer thread serves every checkpoint of an open tree (`Writer`). A thread per
+//! checkpoint (106 of them for 2 M random inserts) left each one's allocator heap
+//! behind when it ended: with mimalloc, peak RSS 175-188 MiB against 163-171 MiB with
+//! one writer.
 
 use super::Inner;
 use crate::alloc::Alloc;
@@ -111,10 +116,49 @@ impl Done {
     }
 }
 
-/// A checkpoint whose writer thread may still be running.
+/// The thread that writes checkpoints, started with an open tree's first one. Dropping
+/// it lets the job it holds finish.
+pub(crate) struct Writer {
+    jobs: Option<std::sync::mpsc::Sender<Job>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Writer {
+    fn start() -> std::io::Result<Writer> {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let thread = std::thread::Builder::new()
+            .name("quilt-betree-ckpt".into())
+            .spawn(move || {
+                for job in rx {
+                    let done = job.done.clone();
+                    // A panic is a bug; reported as a failure, it stops the tree rather
+                    // than leaving a caller waiting for a result that never comes.
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.run()));
+                    done.finish(match r {
+                        Ok(r) => r.map_err(Failure::from),
+                        Err(_) => Err(Failure::Other("the checkpoint writer panicked".into())),
+                    });
+                }
+            })?;
+        Ok(Writer {
+            jobs: Some(tx),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A checkpoint the writer thread may still be writing.
 pub(crate) struct InFlight {
     done: Arc<Done>,
-    thread: Option<std::thread::JoinHandle<()>>,
     /// The snapshot's nodes: cached until it completes (`evict` passes over them).
     pub(crate) pinned: HashSet<NodeId>,
     /// Their memory when the snapshot was taken.
@@ -135,20 +179,13 @@ impl InFlight {
     pub(crate) fn done(&self) -> Arc<Done> {
         self.done.clone()
     }
-
-    fn join(&mut self) {
-        if let Some(t) = self.thread.take() {
-            // A panic there is a bug; it shows as the missing result (`Done::wait`).
-            let _ = t.join();
-        }
-    }
 }
 
 impl Drop for InFlight {
     /// A tree dropped with a checkpoint in flight lets it finish: the thread writes to
     /// the device the tree was opened on, which the caller may open again at once.
     fn drop(&mut self) {
-        self.join();
+        let _ = self.done.wait();
     }
 }
 
@@ -301,23 +338,27 @@ impl Inner {
             chunk_bytes: (self.engine.options().cache_bytes_max / 2).max(bs),
         };
         self.stats.node_writes += dirty.len() as u64;
-        let thread = {
-            let done = done.clone();
-            std::thread::Builder::new()
-                .name("quilt-betree-ckpt".into())
-                .spawn(move || done.finish(job.run().map_err(Failure::from)))
-        };
-        let thread = match thread {
-            Ok(t) => t,
-            Err(e) => {
-                // The nodes are clean now and nothing will write them.
-                self.failed = Some(format!("cannot start a checkpoint thread: {e}"));
-                return Err(Error::Failed(e.to_string()));
+        if self.writer.is_none() {
+            match Writer::start() {
+                Ok(w) => self.writer = Some(w),
+                Err(e) => {
+                    // The nodes are clean now and nothing will write them.
+                    self.failed = Some(format!("cannot start a checkpoint thread: {e}"));
+                    return Err(Error::Failed(e.to_string()));
+                }
             }
-        };
+        }
+        let sent = self
+            .writer
+            .as_ref()
+            .and_then(|w| w.jobs.as_ref())
+            .is_some_and(|tx| tx.send(job).is_ok());
+        if !sent {
+            self.failed = Some("the checkpoint thread is gone".into());
+            return Err(Error::Failed("the checkpoint thread is gone".into()));
+        }
         self.inflight = Some(InFlight {
             done,
-            thread: Some(thread),
             pinned: dirty.into_iter().collect(),
             bytes,
             freed: HashSet::new(),
@@ -348,7 +389,6 @@ impl Inner {
             self.stats.checkpoint_waits += 1;
         }
         let r = f.done.wait();
-        f.join();
         let placed = match r {
             Ok(p) => p,
             Err(e) => {
