@@ -1584,7 +1584,11 @@ impl Inner {
                 }),
                 Some((a, b)),
             ) => {
-                for es in loaded[a..b.min(loaded.len())].iter().flatten() {
+                for es in &loaded[a..b.min(loaded.len())] {
+                    // (Read by `load_basements` just before; nothing evicts meanwhile.)
+                    let es = es
+                        .as_ref()
+                        .ok_or_else(|| Error::Invalid("internal: scan basement evicted".into()))?;
                     let (x, y) = leaf_run(es);
                     runs.push((es, x, y));
                 }
