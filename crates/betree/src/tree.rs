@@ -1399,7 +1399,6 @@ impl Inner {
         // A leaf not cached whole is read some basements at a time (one read), and a
         // whole one is taken as much at a time: the chunk narrows to them (a short
         // scan copies a few basements' worth, not the rest of the leaf).
-        let most = reach;
         let basements = reach.div_ceil(self.geo.basement_bytes).max(1);
         let parts = match &*self.ensure(id)?.node {
             Node::Leaf(Leaf {
@@ -1429,8 +1428,8 @@ impl Inner {
             Node::Leaf(Leaf {
                 data: LeafData::Full(es),
                 ..
-            }) if es.bytes() > most => {
-                let take = (most * es.len() / es.bytes()).max(1);
+            }) if es.bytes() > reach => {
+                let take = (reach * es.len() / es.bytes()).max(1);
                 if forward {
                     let from = es
                         .search(cursor_here.as_deref().unwrap_or(&lo_here))
@@ -1657,21 +1656,8 @@ impl Inner {
                 .collect()
         };
         let total: usize = runs.iter().map(|&(_, a, b)| b - a).sum();
-        if levels.is_empty() {
-            // Nothing pending: the leaf's entries as they are.
-            let bytes: usize = runs.iter().map(|&(es, a, b)| es.body(a, b).len()).sum();
-            out.reserve(bytes, total);
-            let mut n = 0;
-            for &(es, a, b) in &runs {
-                for j in a..b {
-                    let (k, v) = es.get(j);
-                    out.push(if leaf_plain { k } else { &lifted[n] }, v);
-                    n += 1;
-                }
-            }
-            return Ok(());
-        }
-        out.reserve(0, total);
+        let bytes: usize = runs.iter().map(|&(es, a, b)| es.body(a, b).len()).sum();
+        out.reserve(bytes, total);
         let any_ranges = levels.iter().any(|l| !l.ranges.is_empty());
         // (run, index in run, index over all runs)
         let (mut r, mut j, mut n) = (0, runs.first().map_or(0, |x| x.1), 0);

@@ -472,30 +472,27 @@ impl Engine {
             }
             .into());
         }
-        let mut missing = Vec::new();
+        let mut missing: Vec<u64> = Vec::new();
         {
             let st = self.lock();
             for (i, chunk) in out.chunks_mut(bs).enumerate() {
                 match st.blocks.get(&(first + i as u64)) {
                     Some(c) => chunk.copy_from_slice(&c.data),
-                    None => missing.push(i),
+                    None => missing.push(i as u64),
                 }
             }
         }
         // Each run of consecutive missing blocks is one device request (a node is read
         // whole or a basement at a time: one pread instead of one per block).
-        let mut at = 0;
-        while at < missing.len() {
-            let start = missing[at];
-            let mut end = start + 1;
-            while at + (end - start) < missing.len() && missing[at + (end - start)] == end {
-                end += 1;
-            }
+        for r in consecutive_runs(&missing, usize::MAX) {
+            let (start, end) = (
+                missing[r.start] as usize,
+                missing[r.start] as usize + r.len(),
+            );
             self.sh
                 .dev
                 .read_blocks(first + start as u64, &mut out[start * bs..end * bs])?;
-            THREAD_READS.with(|n| n.set(n.get() + (end - start) as u64));
-            at += end - start;
+            THREAD_READS.with(|n| n.set(n.get() + r.len() as u64));
         }
         Ok(())
     }
@@ -1682,6 +1679,26 @@ impl State {
     }
 }
 
+/// The runs of consecutive values in `values` (ascending), each at most `max` long, as
+/// index ranges in order: what one device request each can read or write.
+pub(crate) fn consecutive_runs(
+    values: &[u64],
+    max: usize,
+) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        if at >= values.len() {
+            return None;
+        }
+        let start = at;
+        at += 1;
+        while at < values.len() && at - start < max && values[at] == values[at - 1] + 1 {
+            at += 1;
+        }
+        Some(start..at)
+    })
+}
+
 /// Is an edge from a patch on `after_block` onto `before` a wait (see `Patch::waits`)?
 /// Fixed for the edge's life: neither end changes block or kind, and a run is a run from
 /// its birth (its span may grow). An edge onto a run is always a wait: the dependency may
@@ -1697,4 +1714,19 @@ pub(crate) fn befores_durable(g: &Graph, id: PatchId) -> bool {
         None => true,
         Some(r) => r == id,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::consecutive_runs;
+
+    #[test]
+    fn runs_split_at_gaps_and_at_the_longest() {
+        let v = [3, 4, 5, 7, 8, 10];
+        let r: Vec<_> = consecutive_runs(&v, usize::MAX).collect();
+        assert_eq!(r, vec![0..3, 3..5, 5..6]);
+        let r: Vec<_> = consecutive_runs(&v, 2).collect();
+        assert_eq!(r, vec![0..2, 2..3, 3..5, 5..6]);
+        assert_eq!(consecutive_runs(&[], 4).count(), 0);
+    }
 }

@@ -7,7 +7,9 @@
 //! is durable only once it returns, and only then may its afters be written. Epochs are
 //! serialised, so no patch is in flight outside step (2).
 
-use crate::engine::{is_wait, xor_word, Durability, Engine, State, RUN_BLOCKS_MAX};
+use crate::engine::{
+    consecutive_runs, is_wait, xor_word, Durability, Engine, State, RUN_BLOCKS_MAX,
+};
 use crate::graph::{Kind, PatchId};
 use crate::{PatchError, Result};
 use quilt_block::BlockNo;
@@ -118,27 +120,19 @@ impl Engine {
             // the flush after them all.
             let mut order: Vec<usize> = (0..batch.len()).collect();
             order.sort_unstable_by_key(|&i| batch[i].block);
+            let blocks: Vec<BlockNo> = order.iter().map(|&i| batch[i].block).collect();
             let mut run = Vec::new();
-            let mut at = 0;
-            while at < order.len() {
-                let first = batch[order[at]].block;
-                let mut end = at + 1;
-                while end < order.len()
-                    && batch[order[end]].block == first + (end - at) as u64
-                    && end - at < RUN_BLOCKS_MAX as usize
-                {
-                    end += 1;
-                }
-                if end - at == 1 {
-                    self.sh.dev.write(first, &batch[order[at]].image)?;
+            for r in consecutive_runs(&blocks, RUN_BLOCKS_MAX as usize) {
+                let first = blocks[r.start];
+                if r.len() == 1 {
+                    self.sh.dev.write(first, &batch[order[r.start]].image)?;
                 } else {
                     run.clear();
-                    for &i in &order[at..end] {
+                    for &i in &order[r] {
                         run.extend_from_slice(&batch[i].image);
                     }
                     self.sh.dev.write_blocks(first, &run)?;
                 }
-                at = end;
             }
             // The commit point of the epoch: nothing in `batch` is durable before this.
             if safe {
