@@ -193,19 +193,59 @@ impl<F: FileSystem> Adapter<F> {
     /// How a file is opened: through the kernel's cache, or (writeback cache on, opened
     /// for writing, free space low) directly, so a write that does not fit fails in
     /// write(2) instead of at close.
+    ///
+    /// Without the writeback cache, a handle opened write-only writes directly: each
+    /// write(2) is then exactly one WRITE request, where the cached path splits a write
+    /// that starts inside a page into one request per partial page (about 1.8 requests
+    /// per write(2) in an untar), and the kernel asks nothing before it (the cached
+    /// path asks for `security.capability` on the first write of every inode; we drop
+    /// it ourselves, see `write`). Write-only handles cannot be mapped, and the kernel
+    /// drops its cached pages of the range a direct write covers, so readers through
+    /// other handles still see the data. What is lost: the written pages are not left
+    /// in the kernel's cache, so reading them back asks the server (which caches them).
     fn open_flags(&self, flags: i32) -> u32 {
-        let writes = flags & libc::O_ACCMODE != libc::O_RDONLY;
-        if self.writeback_cache && writes {
-            let low = self
-                .fs
-                .statfs()
-                .map(|s| s.blocks_free * s.block_size as u64 <= LOW_SPACE)
-                .unwrap_or(true);
-            if low {
-                return fopen::DIRECT_IO;
+        let access = flags & libc::O_ACCMODE;
+        if self.writeback_cache {
+            if access != libc::O_RDONLY {
+                let low = self
+                    .fs
+                    .statfs()
+                    .map(|s| s.blocks_free * s.block_size as u64 <= LOW_SPACE)
+                    .unwrap_or(true);
+                if low {
+                    return fopen::DIRECT_IO;
+                }
             }
+            return 0;
+        }
+        if access == libc::O_WRONLY {
+            return fopen::DIRECT_IO;
         }
         0
+    }
+
+    /// A write drops the file's capabilities (`security.capability`), whoever writes,
+    /// as the kernel does for its own file systems: the cached write path asks for the
+    /// attribute first, a direct write leaves it to us (HANDLE_KILLPRIV_V2).
+    fn drop_capability(&self, ino: u64, req: &Request<'_>) -> Result<(), FsError> {
+        const CAPABILITY: &[u8] = b"security.capability";
+        match self.fs.getxattr(ino, CAPABILITY) {
+            Ok(_) => {
+                // The kernel's removal is its own, not the writer's: no permission to
+                // check, but the writer's patchgroups still order it.
+                let c = Ctx {
+                    uid: 0,
+                    gid: 0,
+                    ..self.ctx(req)
+                };
+                match self.fs.removexattr(ino, CAPABILITY, &c) {
+                    Ok(()) | Err(FsError::NoAttr) => Ok(()),
+                    Err(e) => Err(e),
+                }
+            }
+            Err(FsError::NoAttr | FsError::NotSupported) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     /// Drops what the kernel cached of what a clone changed.
@@ -478,6 +518,9 @@ impl<F: FileSystem> Adapter<F> {
         if req.header.pid == 0 {
             // Writeback by the kernel: done for whoever opened the handle.
             c.pid = fh as u32;
+        }
+        if let Err(e) = self.drop_capability(self.inos.to_fs(ino), req) {
+            return reply.error(errno(e));
         }
         if wflags & quilt_fusewire::abi::WRITE_KILL_SUIDGID != 0 {
             // A writer without CAP_FSETID (the kernel decided): drop the privileges
