@@ -139,7 +139,10 @@ fn has_capability(p: &Path) -> bool {
         )
     };
     if r < 0 {
-        assert_eq!(std::io::Error::last_os_error().raw_os_error(), Some(libc::ENODATA));
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::ENODATA)
+        );
     }
     r > 0
 }
@@ -153,7 +156,10 @@ fn any_write_drops_capabilities_as_on_kernel_ext2() {
     let f = dir.path().join("tool");
     std::fs::write(&f, b"#!/bin/sh\n").unwrap();
     for (how, opts) in [
-        ("write-only", std::fs::OpenOptions::new().write(true).clone()),
+        (
+            "write-only",
+            std::fs::OpenOptions::new().write(true).clone(),
+        ),
         (
             "read-write",
             std::fs::OpenOptions::new().read(true).write(true).clone(),
@@ -164,7 +170,10 @@ fn any_write_drops_capabilities_as_on_kernel_ext2() {
         assert!(has_capability(&f));
         use std::io::Write;
         opts.open(&f).unwrap().write_all(b"#").unwrap();
-        assert!(!has_capability(&f), "a {how} write by root drops the capability");
+        assert!(
+            !has_capability(&f),
+            "a {how} write by root drops the capability"
+        );
     }
     session.umount_and_join().unwrap();
 }
@@ -181,7 +190,10 @@ fn direct_writes_leave_no_stale_pages_in_readers_caches() {
     let reader = std::fs::File::open(&f).unwrap();
     let mut buf = vec![0; 20_000];
     reader.read_exact_at(&mut buf, 0).unwrap();
-    assert!(buf.iter().all(|&b| b == b'a'), "the reader has the pages cached");
+    assert!(
+        buf.iter().all(|&b| b == b'a'),
+        "the reader has the pages cached"
+    );
     let writer = std::fs::OpenOptions::new().write(true).open(&f).unwrap();
     writer.write_all_at(&[b'b'; 5000], 3000).unwrap();
     writer.write_all_at(&[b'c'; 100], 20_000).unwrap();
@@ -191,7 +203,10 @@ fn direct_writes_leave_no_stale_pages_in_readers_caches() {
     let mut want = vec![b'a'; 20_100];
     want[3000..8000].fill(b'b');
     want[20_000..].fill(b'c');
-    assert!(after == want, "the reader sees what the write-only handle wrote");
+    assert!(
+        after == want,
+        "the reader sees what the write-only handle wrote"
+    );
     assert_eq!(reader.metadata().unwrap().len(), 20_100);
     drop(reader); // an open file keeps the mount busy
     session.umount_and_join().unwrap();

@@ -35,6 +35,7 @@ struct qfs_pg_args {
 #define QFS_PG_IOC_DISENGAGE _IOWR('Q', 5, struct qfs_pg_args)
 #define QFS_PG_IOC_SYNC      _IOWR('Q', 6, struct qfs_pg_args)
 #define QFS_PG_IOC_ABANDON   _IOWR('Q', 7, struct qfs_pg_args)
+#define QFS_PG_IOC_NEXT      _IOWR('Q', 9, struct qfs_pg_args)
 #define QFS_PG_IOC_LAST_ERROR _IOR('Q', 8, char[QFS_PG_ERROR_LEN])
 
 /* Opens <mount>/.quiltfs-control: the descriptor every other call takes. */
@@ -52,6 +53,9 @@ int qfs_pg_disengage(int fd, uint64_t pg);
 int qfs_pg_sync(int fd, uint64_t pg);
 /* Drops the handle; the group's changes keep their order. */
 int qfs_pg_abandon(int fd, uint64_t pg);
+/* Ends pg (engaged by this process) and engages a new group ordered after it, in one
+ * call (abandon_old: also drop pg's handle). Returns the new group, or 0 and errno. */
+uint64_t qfs_pg_next(int fd, uint64_t pg, int abandon_old);
 int qfs_pg_strerror(int fd, char *buf, size_t len);
 
 /* Clones on a mount that shares storage (betrfs). FICLONE/FICLONERANGE cannot reach a

@@ -36,6 +36,11 @@ pub const SYNC: u32 = ioc(READ | WRITE, 6, ARGS);
 pub const ABANDON: u32 = ioc(READ | WRITE, 7, ARGS);
 /// Why the calling process's last failed call failed (read only).
 pub const LAST_ERROR: u32 = ioc(READ, 8, ERROR_LEN);
+/// Ends the caller's group `a` and engages a new group ordered after it, in one call:
+/// `b` bit 0 also abandons `a`'s handle. Returns the new group in `a`.
+pub const NEXT: u32 = ioc(READ | WRITE, 9, ARGS);
+/// `NEXT`'s flag: abandon the old group's handle too.
+pub const NEXT_ABANDON: u64 = 1;
 
 impl PgArgs {
     pub fn to_bytes(self) -> [u8; ARGS] {
@@ -67,6 +72,7 @@ pub fn name(cmd: u32) -> &'static str {
         SYNC => "sync",
         ABANDON => "abandon",
         LAST_ERROR => "last_error",
+        NEXT => "next",
         CLONE_RANGE => "clone_range",
         CLONE_TREE => "clone_tree",
         _ => "unknown",

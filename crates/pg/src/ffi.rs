@@ -108,6 +108,23 @@ pub extern "C" fn qfs_pg_sync(fd: c_int, pg: u64) -> c_int {
 pub extern "C" fn qfs_pg_abandon(fd: c_int, pg: u64) -> c_int {
     ret(call(fd, abi::ABANDON, pg, 0))
 }
+/// Ends `pg` (engaged by this process) and engages a new group after it; returns the
+/// new group's id, or 0 with errno set (`pg` is then still engaged).
+#[no_mangle]
+pub extern "C" fn qfs_pg_next(fd: c_int, pg: u64, abandon_old: c_int) -> u64 {
+    let flags = if abandon_old != 0 {
+        abi::NEXT_ABANDON
+    } else {
+        0
+    };
+    match call(fd, abi::NEXT, pg, flags) {
+        Ok(r) => r.a,
+        Err(e) => {
+            set_errno(e.errno);
+            0
+        }
+    }
+}
 
 /// Copies the server's explanation of this process's last failed call into `buf`
 /// (NUL-terminated, cut to `len`). Returns 0, or -1 if there is none to give.

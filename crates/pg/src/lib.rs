@@ -154,6 +154,19 @@ impl Control {
         self.call(abi::ABANDON, g.0, 0).map(drop)
     }
 
+    /// Ends `current` (engaged by this process) and engages a new group that depends on
+    /// it, in one round trip: what create, disengage, depend, release and engage do one
+    /// by one. With `abandon_current`, `current`'s handle is dropped as well. On failure
+    /// `current` is still engaged and no new group is left behind.
+    pub fn next(&self, current: Group, abandon_current: bool) -> Result<Group, Error> {
+        let flags = if abandon_current {
+            abi::NEXT_ABANDON
+        } else {
+            0
+        };
+        self.call(abi::NEXT, current.0, flags).map(|r| Group(r.a))
+    }
+
     /// Creates a group that depends on `before`, and releases it: ready to engage.
     pub fn create_after(&self, before: Group) -> Result<Group, Error> {
         let g = self.create()?;

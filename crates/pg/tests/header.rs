@@ -12,11 +12,12 @@ fn the_c_header_agrees_with_the_abi() {
         r#"#include <stdio.h>
 #include "quiltfs_pg.h"
 int main(void) {
-    printf("%lu %lu %lu %lu %lu %lu %lu %lu %lu %lu %zu %zu\n",
+    printf("%lu %lu %lu %lu %lu %lu %lu %lu %lu %lu %lu %zu %zu\n",
         (unsigned long)QFS_PG_IOC_CREATE, (unsigned long)QFS_PG_IOC_DEPEND,
         (unsigned long)QFS_PG_IOC_RELEASE, (unsigned long)QFS_PG_IOC_ENGAGE,
         (unsigned long)QFS_PG_IOC_DISENGAGE, (unsigned long)QFS_PG_IOC_SYNC,
         (unsigned long)QFS_PG_IOC_ABANDON, (unsigned long)QFS_PG_IOC_LAST_ERROR,
+        (unsigned long)QFS_PG_IOC_NEXT,
         (unsigned long)QFS_IOC_CLONE_RANGE, (unsigned long)QFS_IOC_CLONE_TREE,
         sizeof(struct qfs_clone_range_args), sizeof(struct qfs_clone_tree_args));
     return 0;
@@ -54,6 +55,7 @@ int main(void) {
         abi::SYNC,
         abi::ABANDON,
         abi::LAST_ERROR,
+        abi::NEXT,
         abi::CLONE_RANGE,
         abi::CLONE_TREE,
     ]

@@ -215,35 +215,79 @@ fn a_group_reaches_the_disk_only_after_the_groups_before_it() {
         c.sync(q).unwrap();
         let after = m.on_disk();
         assert_eq!(content(&after, "data").as_deref(), Some(&big[..]), "{mode}");
-        // Every crash state of the recorded writes (each prefix at a flush, and subsets
-        // of the writes in flight before each flush): the new name never names
-        // anything but the complete data.
-        let log = m.rec.take_log();
-        let states =
-            quilt_crashtest::states::generate(&log, &mut quilt_crashtest::workload::Rng::new(1));
-        assert!(states.len() > 3, "{mode}: {} states", states.len());
-        for s in &states {
-            let img = MemDevice::from_bytes(4096, &m.base).unwrap();
-            log.replay_subset(s.len, &img, |i| s.keeps(i)).unwrap();
-            let fs = Ext2::open(
-                Engine::new(Arc::new(img), EngineOptions::default()),
-                MountOptions {
-                    mode: Mode::Async,
-                    read_only: false,
-                    ..Default::default()
-                },
-            )
-            .unwrap();
-            if let Some(got) = content(&fs, "data") {
-                assert!(
-                    got == big,
-                    "{mode}: at {s:?} /data has {} bytes of the {}",
-                    got.len(),
-                    big.len()
-                );
-            }
-        }
+        renamed_only_after_data(&m, mode, &big);
         c.abandon(p).unwrap();
+        c.abandon(q).unwrap();
+    }
+}
+
+/// Every crash state of the recorded writes (each prefix at a flush, and subsets of the
+/// writes in flight before each flush): `/data` never names anything but `big` whole.
+fn renamed_only_after_data(m: &Mounted, mode: Mode, big: &[u8]) {
+    let log = m.rec.take_log();
+    let states =
+        quilt_crashtest::states::generate(&log, &mut quilt_crashtest::workload::Rng::new(1));
+    assert!(states.len() > 3, "{mode}: {} states", states.len());
+    for s in &states {
+        let img = MemDevice::from_bytes(4096, &m.base).unwrap();
+        log.replay_subset(s.len, &img, |i| s.keeps(i)).unwrap();
+        let fs = Ext2::open(
+            Engine::new(Arc::new(img), EngineOptions::default()),
+            MountOptions {
+                mode: Mode::Async,
+                read_only: false,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        if let Some(got) = content(&fs, "data") {
+            assert!(
+                got == big,
+                "{mode}: at {s:?} /data has {} bytes of the {}",
+                got.len(),
+                big.len()
+            );
+        }
+    }
+}
+
+/// `next` (one call at each fsync of the LD_PRELOAD library) orders as the five calls
+/// it replaces: the group it engages reaches the disk only after the one it ended.
+#[test]
+fn next_ends_a_group_and_engages_one_after_it() {
+    if !fuse_available() {
+        return;
+    }
+    for mode in [Mode::SoftUpdates, Mode::FullJournal] {
+        let m = mount(mode);
+        let c = Control::open(m.dir.path()).unwrap();
+        let p = c.create().unwrap();
+        c.release(p).unwrap();
+        c.engage(p).unwrap();
+        let big: Vec<u8> = (0..300_000u32).map(|i| (i * 5 + 1) as u8).collect();
+        std::fs::write(m.path("data.tmp"), &big).unwrap();
+        let q = c.next(p, true).unwrap();
+        assert_ne!(q, p);
+        std::fs::rename(m.path("data.tmp"), m.path("data")).unwrap();
+        let before = m.on_disk();
+        assert!(
+            !exists(&before, "data") && !exists(&before, "data.tmp"),
+            "{mode}"
+        );
+        // p's handle went with the call; q is engaged (it cannot be engaged twice).
+        assert!(c.abandon(p).is_err(), "{mode}: p was abandoned by next");
+        assert!(c.engage(q).is_err(), "{mode}: q is engaged already");
+        // Ending a group this process has not engaged fails and changes nothing.
+        let e = c.next(p, false).unwrap_err();
+        assert!(e.errno != 0, "{mode}");
+        c.disengage(q).unwrap();
+        c.sync(q).unwrap();
+        assert_eq!(
+            content(&m.on_disk(), "data").as_deref(),
+            Some(&big[..]),
+            "{mode}"
+        );
+        renamed_only_after_data(&m, mode, &big);
         c.abandon(q).unwrap();
     }
 }

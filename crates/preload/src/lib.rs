@@ -132,28 +132,15 @@ static INIT: extern "C" fn() = init;
 /// Ends the current group and engages a new one after it. On failure the old group is
 /// engaged again (ordering still holds) and the errno is returned.
 fn next_group(s: &mut State) -> Result<(), i32> {
-    let ctl = &s.ctl;
-    let g = ctl.create().map_err(|e| e.errno)?;
-    // A group cannot take groups after it while engaged, so there is a moment between
-    // disengage and engage when this process is in no group (the mutex keeps other
-    // fsyncs out, not other threads' writes).
-    let switched = ctl.disengage(s.current).and_then(|()| {
-        ctl.depend(g, s.current)
-            .and_then(|()| ctl.release(g))
-            .and_then(|()| ctl.engage(g))
-            .inspect_err(|_| {
-                let _ = ctl.engage(s.current);
-            })
-    });
-    if let Err(e) = switched {
-        let _ = ctl.abandon(g);
-        return Err(e.errno);
-    }
+    // One call: the server ends the group and engages the next (see `Control::next`).
+    // Only the process that created a group drops its handle: a forked child's fsync
+    // must leave its parent's group usable.
     // SAFETY: getpid has no preconditions.
     let me = unsafe { libc::getpid() };
-    if s.creator == me {
-        let _ = ctl.abandon(s.current);
-    }
+    let g = s
+        .ctl
+        .next(s.current, s.creator == me)
+        .map_err(|e| e.errno)?;
     s.current = g;
     s.creator = me;
     Ok(())
