@@ -59,10 +59,12 @@ read -r durable durable_io < <(flushes_of durable QUILTFS_MOUNT="$mnt" QUILTFS_F
 echo "patchgroups: device flushes for 40 fsyncs: plain $plain, preload order $order, preload durable $durable (patchgroup ioctls: $plain_io, $order_io, $durable_io)"
 [ "$plain" -ge 40 ] || fail "plain fsyncs should each flush ($plain)"
 [ "$plain_io" -eq 0 ] || fail "no patchgroup calls without the library"
-[ "$order_io" -ge 160 ] || fail "the library should switch groups at each fsync ($order_io ioctls)"
+# One NEXT per fsync, plus create/release/engage in every process that loads the
+# library (python3 may be a shim that starts several).
+[ "$order_io" -ge 43 ] || fail "the library should switch groups at each fsync ($order_io ioctls)"
 [ "$order" -le 4 ] || fail "ordering fsyncs should not wait for the disk ($order flushes)"
 [ "$durable" -ge 40 ] || fail "durable mode keeps fsync durable ($durable flushes)"
-[ "$durable_io" -ge 160 ] || fail "durable mode orders as well ($durable_io ioctls)"
+[ "$durable_io" -ge 43 ] || fail "durable mode orders as well ($durable_io ioctls)"
 [ "$(cat "$work/outside")" = x ] || fail "fsync outside the mount"
 
 # 3. Nothing lost: after unmount every file is complete and e2fsck finds the image clean.

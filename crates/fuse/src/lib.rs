@@ -227,7 +227,7 @@ impl<F: FileSystem> Adapter<F> {
     /// A write drops the file's capabilities (`security.capability`), whoever writes,
     /// as the kernel does for its own file systems: the cached write path asks for the
     /// attribute first, a direct write leaves it to us (HANDLE_KILLPRIV_V2).
-    fn drop_capability(&self, ino: u64, req: &Request<'_>) -> Result<(), FsError> {
+    fn drop_capability(&self, ino: u64, writer: &Ctx) -> Result<(), FsError> {
         const CAPABILITY: &[u8] = b"security.capability";
         match self.fs.getxattr(ino, CAPABILITY) {
             Ok(_) => {
@@ -236,7 +236,7 @@ impl<F: FileSystem> Adapter<F> {
                 let c = Ctx {
                     uid: 0,
                     gid: 0,
-                    ..self.ctx(req)
+                    ..*writer
                 };
                 match self.fs.removexattr(ino, CAPABILITY, &c) {
                     Ok(()) | Err(FsError::NoAttr) => Ok(()),
@@ -519,7 +519,7 @@ impl<F: FileSystem> Adapter<F> {
             // Writeback by the kernel: done for whoever opened the handle.
             c.pid = fh as u32;
         }
-        if let Err(e) = self.drop_capability(self.inos.to_fs(ino), req) {
+        if let Err(e) = self.drop_capability(self.inos.to_fs(ino), &c) {
             return reply.error(errno(e));
         }
         if wflags & quilt_fusewire::abi::WRITE_KILL_SUIDGID != 0 {
