@@ -205,23 +205,21 @@ impl<F: FileSystem> Adapter<F> {
     /// in the kernel's cache, so reading them back asks the server (which caches them).
     fn open_flags(&self, flags: i32) -> u32 {
         let access = flags & libc::O_ACCMODE;
-        if self.writeback_cache {
-            if access != libc::O_RDONLY {
-                let low = self
+        let direct = if self.writeback_cache {
+            access != libc::O_RDONLY
+                && self
                     .fs
                     .statfs()
                     .map(|s| s.blocks_free * s.block_size as u64 <= LOW_SPACE)
-                    .unwrap_or(true);
-                if low {
-                    return fopen::DIRECT_IO;
-                }
-            }
-            return 0;
+                    .unwrap_or(true)
+        } else {
+            access == libc::O_WRONLY
+        };
+        if direct {
+            fopen::DIRECT_IO
+        } else {
+            0
         }
-        if access == libc::O_WRONLY {
-            return fopen::DIRECT_IO;
-        }
-        0
     }
 
     /// A write drops the file's capabilities (`security.capability`), whoever writes,

@@ -39,17 +39,21 @@ impl Mounted {
     /// The file system as a crash now would leave it: a copy of the device, mounted
     /// on its own (read-write, so a journal is replayed as after a crash).
     fn on_disk(&self) -> Ext2 {
-        let copy = Arc::new(MemDevice::from_bytes(4096, &self.dev.to_vec()).unwrap());
-        Ext2::open(
-            Engine::new(copy, EngineOptions::default()),
-            MountOptions {
-                mode: Mode::Async,
-                read_only: false,
-                ..Default::default()
-            },
-        )
-        .unwrap()
+        after_crash(MemDevice::from_bytes(4096, &self.dev.to_vec()).unwrap())
     }
+}
+
+/// Mounts `img` as after a crash: read-write, so a journal is replayed.
+fn after_crash(img: MemDevice) -> Ext2 {
+    Ext2::open(
+        Engine::new(Arc::new(img), EngineOptions::default()),
+        MountOptions {
+            mode: Mode::Async,
+            read_only: false,
+            ..Default::default()
+        },
+    )
+    .unwrap()
 }
 
 /// A fresh file system mounted with the kernel's writeback cache off, so every write
@@ -231,15 +235,7 @@ fn renamed_only_after_data(m: &Mounted, mode: Mode, big: &[u8]) {
     for s in &states {
         let img = MemDevice::from_bytes(4096, &m.base).unwrap();
         log.replay_subset(s.len, &img, |i| s.keeps(i)).unwrap();
-        let fs = Ext2::open(
-            Engine::new(Arc::new(img), EngineOptions::default()),
-            MountOptions {
-                mode: Mode::Async,
-                read_only: false,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let fs = after_crash(img);
         if let Some(got) = content(&fs, "data") {
             assert!(
                 got == big,
