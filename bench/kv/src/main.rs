@@ -61,6 +61,9 @@ struct Args {
     /// Bε-tree fanout.
     #[arg(long, default_value_t = 16)]
     fanout: usize,
+    /// Largest delta of a Bε-tree leaf, KiB (0: every flush rewrites the leaf).
+    #[arg(long, default_value_t = 64)]
+    delta_kb: usize,
     /// Drop the kernel's page cache before the read phases (needs root).
     #[arg(long)]
     drop_caches: bool,
@@ -152,6 +155,7 @@ fn betree_options(a: &Args) -> quilt_betree::Options {
         node_bytes: a.node_kb << 10,
         basement_bytes: a.basement_kb << 10,
         fanout: a.fanout,
+        delta_bytes: a.delta_kb << 10,
         cache_bytes: (a.cache_mb << 20) - engine,
         dirty_bytes: ((a.cache_mb << 20) - engine) / 4 * 3,
         engine_cache_bytes: engine,
@@ -795,8 +799,8 @@ fn main() -> Result<()> {
         "upsert_4b",
         "range_delete_10pct",
     ];
-    println!("# Key-value benchmark: {} keys, {} runs, cache {} MiB, Bε-tree nodes {} KiB / basements {} KiB / fanout {}",
-        a.keys, a.runs, a.cache_mb, a.node_kb, a.basement_kb, a.fanout);
+    println!("# Key-value benchmark: {} keys, {} runs, cache {} MiB, Bε-tree nodes {} KiB / basements {} KiB / fanout {} / leaf deltas up to {} KiB",
+        a.keys, a.runs, a.cache_mb, a.node_kb, a.basement_kb, a.fanout, a.delta_kb);
     println!();
     println!("| phase | system | ops/s median (min–max) | vs redb | vs rocksdb | write amp | disk MiB | peak RSS MiB |");
     println!("|---|---|---|---|---|---|---|---|");

@@ -153,18 +153,19 @@ impl Header {
     }
 }
 
-/// Version 2 of the table added the reference counts of shared nodes after the extents;
-/// version 1 tables (no sharing) still decode.
-const TABLE_VERSION: u32 = 2;
+/// Version 2 of the table added the reference counts of shared nodes after the extents,
+/// version 3 the base extents of delta leaves after those; older tables still decode.
+const TABLE_VERSION: u32 = 3;
 
 /// Encodes the block translation table (each node's extent, then the reference counts
 /// of shared nodes) into whole blocks; returns the bytes and the crc the header records.
 pub fn encode_table(
     entries: &[(NodeId, Extent)],
     refs: &[(NodeId, u32)],
+    bases: &[(NodeId, Extent)],
     bs: usize,
 ) -> (Vec<u8>, u32) {
-    let mut w = Writer::with_capacity(24 + entries.len() * 24 + refs.len() * 12);
+    let mut w = Writer::with_capacity(32 + (entries.len() + bases.len()) * 24 + refs.len() * 12);
     w.u32(TABLE_MAGIC);
     w.u32(TABLE_VERSION);
     w.u64(entries.len() as u64);
@@ -178,6 +179,12 @@ pub fn encode_table(
         w.u64(*id);
         w.u32(*n);
     }
+    w.u64(bases.len() as u64);
+    for (id, e) in bases {
+        w.u64(*id);
+        w.u64(e.start);
+        w.u64(e.blocks);
+    }
     let crc = crc32c(&[&w.buf]);
     w.pad_to(bs);
     (w.buf, crc)
@@ -188,13 +195,15 @@ pub type TableEntries = Vec<(NodeId, Extent)>;
 /// Reference counts of shared nodes.
 pub type TableRefs = Vec<(NodeId, u32)>;
 
-pub fn decode_table(b: &[u8], want_crc: u32) -> Result<(TableEntries, TableRefs)> {
+/// The table: each node's extent, reference counts, and the base extent of each node
+/// stored as a delta leaf (version 3; none before).
+pub fn decode_table(b: &[u8], want_crc: u32) -> Result<(TableEntries, TableRefs, TableEntries)> {
     let mut r = Reader::new(b, "block translation table");
     if r.u32()? != TABLE_MAGIC {
         return Err(Error::Corrupt("block translation table: bad magic".into()));
     }
     let version = r.u32()?;
-    if version != 1 && version != TABLE_VERSION {
+    if !(1..=TABLE_VERSION).contains(&version) {
         return Err(Error::Corrupt(format!(
             "block translation table: unknown version {version}"
         )));
@@ -205,17 +214,7 @@ pub fn decode_table(b: &[u8], want_crc: u32) -> Result<(TableEntries, TableRefs)
             "block translation table: {n} entries"
         )));
     }
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        let id = r.u64()?;
-        out.push((
-            id,
-            Extent {
-                start: r.u64()?,
-                blocks: r.u64()?,
-            },
-        ));
-    }
+    let out = read_extents(&mut r, n)?;
     let mut refs = Vec::new();
     if version >= 2 {
         let n = r.u64()? as usize;
@@ -228,12 +227,37 @@ pub fn decode_table(b: &[u8], want_crc: u32) -> Result<(TableEntries, TableRefs)
             refs.push((r.u64()?, r.u32()?));
         }
     }
+    let mut bases = Vec::new();
+    if version >= 3 {
+        let n = r.u64()? as usize;
+        if n > r.remaining() / 24 {
+            return Err(Error::Corrupt(format!(
+                "block translation table: {n} base extents"
+            )));
+        }
+        bases = read_extents(&mut r, n)?;
+    }
     if crc32c(&[&b[..r.pos()]]) != want_crc {
         return Err(Error::Corrupt(
             "block translation table: checksum mismatch".into(),
         ));
     }
-    Ok((out, refs))
+    Ok((out, refs, bases))
+}
+
+fn read_extents(r: &mut Reader, n: usize) -> Result<TableEntries> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let id = r.u64()?;
+        out.push((
+            id,
+            Extent {
+                start: r.u64()?,
+                blocks: r.u64()?,
+            },
+        ));
+    }
+    Ok(out)
 }
 
 /// Bytes of a log block before its data.

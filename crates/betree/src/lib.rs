@@ -212,6 +212,10 @@ pub struct Options {
     /// The patch engine's block cache: node blocks being written, log blocks (node reads
     /// bypass it, the node cache holds what they decode to).
     pub engine_cache_bytes: usize,
+    /// Largest delta of a leaf (see `node::Delta`): a flush into a leaf goes into its
+    /// delta while the delta stays below this, and a checkpoint writes the delta
+    /// alone; past it the leaf is read whole and rewritten. 0: never.
+    pub delta_bytes: usize,
     /// Update functions for upserts (the built-ins are always there).
     pub upserts: Upserts,
     /// Bytes of a leaf a scan's first chunk takes; each next chunk takes twice as
@@ -233,6 +237,7 @@ impl Default for Options {
             cache_bytes: 64 << 20,
             dirty_bytes: 48 << 20,
             engine_cache_bytes: 8 << 20,
+            delta_bytes: 64 << 10,
             upserts: Upserts::default(),
             scan_first_bytes: 64 << 10,
         }
@@ -251,6 +256,7 @@ impl Options {
             cache_bytes: 64 << 10,
             dirty_bytes: 32 << 10,
             engine_cache_bytes: 1 << 20,
+            delta_bytes: 2048,
             upserts: Upserts::default(),
             scan_first_bytes: 1024,
         }
@@ -284,6 +290,10 @@ pub struct Stats {
     /// Buffer flushes (parent → child), and the message bytes they moved.
     pub flushes: u64,
     pub flushed_bytes: u64,
+    /// Of the flushes, those into a leaf's delta (the leaf was not rewritten); and
+    /// deltas applied to their leaves (the leaf read whole and rewritten, or merged).
+    pub delta_flushes: u64,
+    pub delta_applies: u64,
     pub leaf_splits: u64,
     pub internal_splits: u64,
     pub merges: u64,

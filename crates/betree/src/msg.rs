@@ -97,6 +97,29 @@ impl Buffer {
         self.ranges.push(r);
     }
 
+    /// Takes a whole buffer whose messages are all newer than this one's (a flush
+    /// into a leaf's delta): its range deletes first (they drop the older messages
+    /// they cover), then its point messages merged in. The buffer rule holds after.
+    pub fn absorb(&mut self, newer: Buffer) {
+        for r in newer.ranges {
+            self.push_range(r);
+        }
+        let mut points = newer.points;
+        points.settle();
+        let n = points.groups_len();
+        if self.points.is_empty() {
+            self.points = points;
+        } else {
+            self.points.merge_range(&points, 0, n);
+        }
+    }
+
+    /// Whether any point message is an upsert (whose result may be far larger than
+    /// the message: a write at an offset).
+    pub fn has_upserts(&self) -> bool {
+        self.points.has_upserts()
+    }
+
     pub fn covered(&self, key: &[u8]) -> bool {
         self.ranges.iter().any(|r| r.covers(key))
     }

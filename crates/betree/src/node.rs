@@ -9,10 +9,16 @@
 //! * a **leaf**'s section is its basement index (first key, offset, length, entry count
 //!   and crc32c of each basement); the basements follow one after another (the first on
 //!   a block boundary), so a point query reads the index and the blocks of one
-//!   basement, not the whole leaf.
+//!   basement, not the whole leaf;
+//! * a **delta leaf**'s section names a leaf extent of the same node (its *base*), a copy
+//!   of the base's basement index, and where the delta lies: one message buffer, with
+//!   its filter, that follows the section. The leaf is the base's entries with the
+//!   delta's messages applied. A flush into a leaf whose delta has room writes the
+//!   delta alone at the next checkpoint, not the whole leaf (see `Delta`).
 
 use crate::codec::{crc32c, Reader, Writer};
 pub use crate::entries::Entries;
+use crate::format::Extent;
 use crate::lift::Lift;
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
 use crate::points::{MsgRef, Points};
@@ -23,6 +29,16 @@ pub type NodeId = u64;
 
 const MAGIC_INTERNAL: u32 = u32::from_le_bytes(*b"QBNI");
 const MAGIC_LEAF: u32 = u32::from_le_bytes(*b"QBNL");
+const MAGIC_DELTA: u32 = u32::from_le_bytes(*b"QBND");
+
+/// What a node's extent holds, by its magic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Internal,
+    Leaf,
+    /// A delta over a leaf extent of the same node.
+    Delta,
+}
 /// Version 2 added lifts to internal nodes; version 1 nodes (no lifts) still decode.
 const VERSION: u16 = 2;
 pub const PREFIX: usize = 32;
@@ -248,6 +264,53 @@ pub struct Leaf {
     pub data: LeafData,
     /// Entry bytes (`entry_bytes`) of a full leaf; the on-disk size of a partial one.
     pub bytes: usize,
+    pub delta: Delta,
+}
+
+/// Where a leaf's entries lie on disk: a leaf extent of the node, and its basement index.
+#[derive(Debug, Clone)]
+pub struct Base {
+    pub extent: Extent,
+    pub index: Vec<BasementRef>,
+}
+
+/// A leaf's messages that are not applied to its entries yet.
+///
+/// A random write reaches a leaf as a flush of a few KiB, and rewriting the whole leaf
+/// for it (256 KiB) was most of the tree's write amplification. While the entries in
+/// memory are exactly those of an extent on disk (`base`), a flush goes into the delta
+/// instead, and a checkpoint writes the delta alone, as a delta leaf pointing at the
+/// base. When the delta would outgrow its limit, the leaf is read whole, the delta
+/// applied, and the leaf written whole again.
+///
+/// Invariants: `base` is `None` as soon as the entries change in memory, and then the
+/// delta is empty (`Inner::take_full` applies it first); a dirty leaf's delta is loaded
+/// (`unread` is `None`). The delta's messages are newer than every entry and older than
+/// every message above the leaf.
+#[derive(Debug, Clone, Default)]
+pub struct Delta {
+    pub base: Option<Base>,
+    /// The messages, when loaded.
+    pub buf: Buffer,
+    /// Where the delta lies in the node's extent, while not read yet (a leaf read for
+    /// queries).
+    pub unread: Option<BufferRef>,
+}
+
+impl Delta {
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty() && self.unread.is_none()
+    }
+
+    fn mem(&self) -> usize {
+        self.buf.bytes()
+            + self.buf.points.len() * 8
+            + self.unread.as_ref().map_or(0, |r| r.filter.len() * 8 + 48)
+            + self
+                .base
+                .as_ref()
+                .map_or(0, |b| b.index.iter().map(|r| r.lo.len() + 64).sum())
+    }
 }
 
 impl Leaf {
@@ -259,6 +322,7 @@ impl Leaf {
         Leaf {
             bytes: entries.bytes(),
             data: LeafData::Full(entries),
+            delta: Delta::default(),
         }
     }
 
@@ -272,6 +336,32 @@ impl Leaf {
     /// Applies a flushed buffer to a full leaf: range deletes first, then point messages
     /// (see `Buffer`), in one merge pass over the sorted entries.
     pub fn apply(&mut self, buf: Buffer, up: &Upserts) -> Result<()> {
+        if !self.delta.is_empty() {
+            return Err(Error::Invalid(
+                "internal: applying messages past a leaf's delta".into(),
+            ));
+        }
+        let out = self.merged(&buf, up)?;
+        *self = Leaf::full(out);
+        Ok(())
+    }
+
+    /// Applies the leaf's loaded delta to its full entries: the leaf changes only if
+    /// that succeeds, and has no base and no delta after.
+    pub fn apply_delta(&mut self, up: &Upserts) -> Result<()> {
+        if self.delta.unread.is_some() {
+            return Err(Error::Invalid("internal: applying an unread delta".into()));
+        }
+        if !self.delta.buf.is_empty() {
+            let out = self.merged(&self.delta.buf, up)?;
+            *self = Leaf::full(out);
+        }
+        self.delta = Delta::default();
+        Ok(())
+    }
+
+    /// The full entries with `buf` applied.
+    fn merged(&self, buf: &Buffer, up: &Upserts) -> Result<Entries> {
         let LeafData::Full(old) = &self.data else {
             return Err(Error::Invalid(
                 "internal: applying messages to a partial leaf".into(),
@@ -312,8 +402,7 @@ impl Leaf {
             }
         }
         copy_kept(&mut out, old, i, old.len(), &buf.ranges, &kept);
-        *self = Leaf::full(out);
-        Ok(())
+        Ok(out)
     }
 
     /// Cuts a full leaf at `key`: keeps the entries below it, returns the others.
@@ -423,13 +512,16 @@ impl Node {
                         .sum::<usize>()
                     + n.buffers.iter().map(|b| b.points.len() * 8).sum::<usize>()
             }
-            Node::Leaf(l) => match &l.data {
-                LeafData::Full(e) => entries(e),
-                LeafData::Partial { index, loaded } => {
-                    index.iter().map(|b| b.lo.len() + 64).sum::<usize>()
-                        + loaded.iter().flatten().map(entries).sum::<usize>()
-                }
-            },
+            Node::Leaf(l) => {
+                l.delta.mem()
+                    + match &l.data {
+                        LeafData::Full(e) => entries(e),
+                        LeafData::Partial { index, loaded } => {
+                            index.iter().map(|b| b.lo.len() + 64).sum::<usize>()
+                                + loaded.iter().flatten().map(entries).sum::<usize>()
+                        }
+                    }
+            }
         }
     }
 
@@ -446,7 +538,11 @@ impl Node {
 fn prefix(w: &mut Writer, magic: u32, id: NodeId, height: u16) {
     w.u32(magic);
     w.u16(VERSION);
-    w.u8(if magic == MAGIC_LEAF { 0 } else { 1 });
+    w.u8(match magic {
+        MAGIC_LEAF => 0,
+        MAGIC_INTERNAL => 1,
+        _ => 2,
+    });
     w.u8(0);
     w.u64(id);
     w.u16(height);
@@ -676,9 +772,11 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
             w.pad_to(bs);
             w.buf
         }
+        Node::Leaf(l) if l.delta.base.is_some() => encode_delta(id, l, bs),
         Node::Leaf(l) => {
             let empty = Entries::default();
             debug_assert!(l.entries().is_some(), "only full leaves are written");
+            debug_assert!(l.delta.is_empty(), "a changed leaf has no delta");
             let entries = l.entries().unwrap_or(&empty);
             // Cut the entries into basements of about `basement_bytes`.
             let mut cuts = vec![0usize];
@@ -729,14 +827,126 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
     }
 }
 
-/// What the first block of a node says about its section: (is leaf, section length).
-pub fn section_len(first: &[u8], id: NodeId) -> Result<(bool, usize)> {
+/// A delta leaf: the base it applies to and its buffer after the section.
+fn encode_delta(id: NodeId, l: &Leaf, bs: usize) -> Vec<u8> {
+    let d = &l.delta;
+    let base = d.base.as_ref().expect("a delta leaf has a base");
+    debug_assert!(d.unread.is_none(), "a changed delta is loaded");
+    let body = encode_buffer(&d.buf);
+    let filter = filter_for(&d.buf);
+    let mut w = Writer::with_capacity(body.len() + bs * 2);
+    prefix(&mut w, MAGIC_DELTA, id, 0);
+    w.u64(base.extent.start);
+    w.u64(base.extent.blocks);
+    w.u32(base.index.len() as u32);
+    for b in &base.index {
+        w.bytes(&b.lo);
+        w.u32(b.offset);
+        w.u32(b.len);
+        w.u32(b.count);
+        w.u32(b.crc);
+    }
+    let section = w.len() + 20 + filter.len() * 8;
+    w.u32(section as u32);
+    w.u32(body.len() as u32);
+    w.u32(crc32c(&[&body]));
+    w.u32(d.buf.ranges.len() as u32);
+    w.u32(filter.len() as u32);
+    for word in &filter {
+        w.u64(*word);
+    }
+    debug_assert_eq!(w.len(), section);
+    seal_section(&mut w, section);
+    w.raw(&body);
+    w.pad_to(bs);
+    w.buf
+}
+
+/// A delta leaf's section (checksum verified): its base (the extent checked against
+/// nothing but itself: the caller checks it lies on the device) and where its buffer
+/// lies in the delta's own extent of `extent_bytes`.
+pub fn decode_delta(
+    sec: &[u8],
+    id: NodeId,
+    extent_bytes: usize,
+    bs: usize,
+) -> Result<(Base, BufferRef)> {
+    check_section(sec, id)?;
+    let mut r = Reader::new(&sec[PREFIX..], "delta leaf");
+    let extent = Extent {
+        start: r.u64()?,
+        blocks: r.u64()?,
+    };
+    let base_bytes = (extent.blocks as usize).saturating_mul(bs);
+    let nb = r.u32()? as usize;
+    if nb == 0 || nb > r.remaining() {
+        return Err(Error::Corrupt(format!("node {id}: {nb} basements")));
+    }
+    let mut index: Vec<BasementRef> = Vec::with_capacity(nb);
+    for _ in 0..nb {
+        let b = read_basement_ref(&mut r)?;
+        if (b.offset as usize) < PREFIX
+            || (b.offset as usize).saturating_add(b.len as usize) > base_bytes
+            || index.last().is_some_and(|p| p.lo > b.lo)
+        {
+            return Err(Error::Corrupt(format!(
+                "node {id}: base index out of bounds or order"
+            )));
+        }
+        index.push(b);
+    }
+    let at = read_buffer_ref(&mut r, id)?;
+    if (at.offset as usize) < sec.len()
+        || (at.offset as usize).saturating_add(at.len as usize) > extent_bytes
+    {
+        return Err(Error::Corrupt(format!("node {id}: delta out of bounds")));
+    }
+    if r.remaining() != 0 {
+        return Err(Error::Corrupt(format!(
+            "node {id}: trailing bytes in the section"
+        )));
+    }
+    Ok((Base { extent, index }, at))
+}
+
+fn read_basement_ref(r: &mut Reader) -> Result<BasementRef> {
+    let lo = r.bytes()?.to_vec();
+    Ok(BasementRef {
+        lo,
+        offset: r.u32()?,
+        len: r.u32()?,
+        count: r.u32()?,
+        crc: r.u32()?,
+    })
+}
+
+fn read_buffer_ref(r: &mut Reader, id: NodeId) -> Result<BufferRef> {
+    let (offset, len, crc, ranges) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
+    let words = r.u32()? as usize;
+    if words == 0 || words > r.remaining() / 8 {
+        return Err(Error::Corrupt(format!(
+            "node {id}: filter of {words} words"
+        )));
+    }
+    let filter = (0..words).map(|_| r.u64()).collect::<Result<Vec<u64>>>()?;
+    Ok(BufferRef {
+        offset,
+        len,
+        crc,
+        ranges,
+        filter,
+    })
+}
+
+/// What the first block of a node says about its section: (kind, section length).
+pub fn section_len(first: &[u8], id: NodeId) -> Result<(Kind, usize)> {
     let mut r = Reader::new(first, "node prefix");
     let magic = r.u32()?;
     let version = r.u16()?;
-    let leaf = match magic {
-        MAGIC_LEAF => true,
-        MAGIC_INTERNAL => false,
+    let kind = match magic {
+        MAGIC_LEAF => Kind::Leaf,
+        MAGIC_INTERNAL => Kind::Internal,
+        MAGIC_DELTA => Kind::Delta,
         _ => {
             return Err(Error::Corrupt(format!(
                 "node {id}: bad magic {magic:#010x}"
@@ -762,7 +972,7 @@ pub fn section_len(first: &[u8], id: NodeId) -> Result<(bool, usize)> {
     if len < PREFIX {
         return Err(Error::Corrupt(format!("node {id}: section length {len}")));
     }
-    Ok((leaf, len))
+    Ok((kind, len))
 }
 
 fn check_section(sec: &[u8], id: NodeId) -> Result<()> {
@@ -828,21 +1038,7 @@ pub fn decode_internal(
     }
     let mut unread = Vec::with_capacity(n);
     for _ in 0..n {
-        let (offset, len, crc, ranges) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
-        let words = r.u32()? as usize;
-        if words == 0 || words > r.remaining() / 8 {
-            return Err(Error::Corrupt(format!(
-                "node {id}: filter of {words} words"
-            )));
-        }
-        let filter = (0..words).map(|_| r.u64()).collect::<Result<Vec<u64>>>()?;
-        let at = BufferRef {
-            offset,
-            len,
-            crc,
-            ranges,
-            filter,
-        };
+        let at = read_buffer_ref(&mut r, id)?;
         if (at.offset as usize) < sec.len()
             || (at.offset as usize).saturating_add(at.len as usize) > extent_bytes
         {
@@ -875,14 +1071,7 @@ pub fn decode_leaf_index(sec: &[u8], id: NodeId, extent_bytes: usize) -> Result<
     }
     let mut index: Vec<BasementRef> = Vec::with_capacity(nb);
     for _ in 0..nb {
-        let lo = r.bytes()?.to_vec();
-        let b = BasementRef {
-            lo,
-            offset: r.u32()?,
-            len: r.u32()?,
-            count: r.u32()?,
-            crc: r.u32()?,
-        };
+        let b = read_basement_ref(&mut r)?;
         if (b.offset as usize) < sec.len()
             || (b.offset as usize).saturating_add(b.len as usize) > extent_bytes
             || index.last().is_some_and(|p| p.lo > b.lo)

@@ -212,6 +212,18 @@ impl Points {
         self.offs.is_empty() && self.tail.is_empty()
     }
 
+    /// Whether any message (arena or tail) is an upsert.
+    pub fn has_upserts(&self) -> bool {
+        self.tail
+            .iter()
+            .any(|(_, _, m)| matches!(m, Msg::Upsert { .. }))
+            || (0..self.offs.len()).any(|i| {
+                self.group(i)
+                    .msgs()
+                    .any(|(_, m)| matches!(m, MsgRef::Upsert { .. }))
+            })
+    }
+
     /// Keys in the arena, plus messages in the tail (an upper bound of the keys).
     pub fn len(&self) -> usize {
         self.offs.len() + self.tail.len()

@@ -9,7 +9,7 @@ mod checkpoint;
 mod surgery;
 use crate::log::{self, LogWriter};
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
-use crate::node::{self, Entries, Internal, Leaf, LeafData, Node, NodeId};
+use crate::node::{self, Base, Delta, Entries, Internal, Kind, Leaf, LeafData, Node, NodeId};
 
 use crate::chunk::Chunk;
 use crate::{Error, Op, Options, Result, Stats};
@@ -42,6 +42,10 @@ pub(crate) struct Inner {
     /// in place: a change that reaches it through one edge copies it first (`own`).
     /// Saved in the block translation table.
     refs: HashMap<NodeId, u32>,
+    /// The base extent of each node the newest checkpoint wrote as a delta leaf (its
+    /// `btt` extent is the delta). Saved in the table, so that opening knows the
+    /// extent is in use.
+    bases: HashMap<NodeId, Extent>,
     table: Extent,
     root: NodeId,
     next_node: NodeId,
@@ -150,6 +154,24 @@ struct CheckWalk {
     edges: HashMap<NodeId, u32>,
 }
 
+/// A whole leaf from the bytes of its extent (section `..len`): its entries and its
+/// basement index.
+fn decode_whole_leaf(
+    bytes: &[u8],
+    len: usize,
+    id: NodeId,
+) -> Result<(Entries, Vec<node::BasementRef>)> {
+    let index = node::decode_leaf_index(&bytes[..len], id, bytes.len())?;
+    let total: usize = index.iter().map(|b| b.len as usize).sum();
+    let mut all = Entries::with_capacity(total, index.iter().map(|b| b.count as usize).sum());
+    for b in &index {
+        let at = b.offset as usize;
+        let es = node::decode_basement(&bytes[at..at + b.len as usize], b, id)?;
+        append_basement(&mut all, &es, id)?;
+    }
+    Ok((all, index))
+}
+
 /// Appends a basement's entries to the ones of the basements before it.
 fn append_basement(all: &mut Entries, es: &Entries, id: NodeId) -> Result<()> {
     if !all.is_empty() && !es.is_empty() && all.key(all.len() - 1) >= es.key(0) {
@@ -187,6 +209,7 @@ impl Inner {
             dirty_mem: 0,
             btt: HashMap::new(),
             refs: HashMap::new(),
+            bases: HashMap::new(),
             table: Extent {
                 start: 0,
                 blocks: 0,
@@ -289,8 +312,8 @@ impl Inner {
         for b in h.table.start..h.table.start + h.table.blocks {
             bytes.extend_from_slice(&engine.read(b)?);
         }
-        let (entries, refs) = format::decode_table(&bytes, h.table_crc)?;
-        let mut used: Vec<Extent> = entries.iter().map(|(_, e)| *e).collect();
+        let (entries, refs, bases) = format::decode_table(&bytes, h.table_crc)?;
+        let mut used: Vec<Extent> = entries.iter().chain(&bases).map(|(_, e)| *e).collect();
         used.push(h.table);
         used.sort();
         for w in used.windows(2) {
@@ -312,6 +335,13 @@ impl Inner {
         }
         let mut t = Inner::new(engine, geo, opts, Some(h));
         t.btt = entries.into_iter().collect();
+        for (id, e) in bases {
+            if !t.btt.contains_key(&id) || t.bases.insert(id, e).is_some() {
+                return Err(Error::Corrupt(format!(
+                    "base extent of node {id}, which has no extent or two bases"
+                )));
+            }
+        }
         for (id, n) in refs {
             if n < 2 || !t.btt.contains_key(&id) {
                 return Err(Error::Corrupt(format!(
@@ -420,31 +450,74 @@ impl Inner {
         self.geo.fanout * 2 + 2
     }
 
-    /// Reads a whole node from its extent.
+    /// Reads a whole node from its extent (a delta leaf with its base and its delta,
+    /// not applied).
     fn read_node(&mut self, id: NodeId) -> Result<Node> {
         let e = self.extent_of(id)?;
         let bytes = self.read_blocks(e.start, e.blocks)?;
         self.stats.node_reads += 1;
-        let (leaf, len) = node::section_len(&bytes, id)?;
+        let (kind, len) = node::section_len(&bytes, id)?;
         if len > bytes.len() {
             return Err(Error::Corrupt(format!(
                 "node {id}: section longer than its extent"
             )));
         }
-        if !leaf {
-            let mut n = node::decode_internal(&bytes[..len], id, self.max_children(), bytes.len())?;
-            load_buffers(&mut n, &bytes, id)?;
-            return Ok(Node::Internal(n));
+        match kind {
+            Kind::Internal => {
+                let mut n =
+                    node::decode_internal(&bytes[..len], id, self.max_children(), bytes.len())?;
+                load_buffers(&mut n, &bytes, id)?;
+                Ok(Node::Internal(n))
+            }
+            Kind::Leaf => {
+                let (all, index) = decode_whole_leaf(&bytes, len, id)?;
+                let mut l = Leaf::full(all);
+                l.delta.base = Some(Base { extent: e, index });
+                Ok(Node::Leaf(l))
+            }
+            Kind::Delta => {
+                let (base, at) =
+                    node::decode_delta(&bytes[..len], id, bytes.len(), self.geo.block_size)?;
+                self.check_base(id, &base.extent)?;
+                let (from, to) = (at.offset as usize, at.offset as usize + at.len as usize);
+                let buf = node::decode_buffer(&bytes[from..to], &at, id)?;
+                let bb = self.read_blocks(base.extent.start, base.extent.blocks)?;
+                self.stats.node_reads += 1;
+                let (kind, blen) = node::section_len(&bb, id)?;
+                if kind != Kind::Leaf || blen > bb.len() {
+                    return Err(Error::Corrupt(format!(
+                        "node {id}: the base of its delta is not a leaf"
+                    )));
+                }
+                let (all, index) = decode_whole_leaf(&bb, blen, id)?;
+                let mut l = Leaf::full(all);
+                l.delta = Delta {
+                    base: Some(Base {
+                        extent: base.extent,
+                        index,
+                    }),
+                    buf,
+                    unread: None,
+                };
+                Ok(Node::Leaf(l))
+            }
         }
-        let index = node::decode_leaf_index(&bytes[..len], id, bytes.len())?;
-        let total: usize = index.iter().map(|b| b.len as usize).sum();
-        let mut all = Entries::with_capacity(total, index.iter().map(|b| b.count as usize).sum());
-        for b in &index {
-            let at = b.offset as usize;
-            let es = node::decode_basement(&bytes[at..at + b.len as usize], b, id)?;
-            append_basement(&mut all, &es, id)?;
+    }
+
+    /// A delta leaf's base must lie where nodes do.
+    fn check_base(&self, id: NodeId, e: &Extent) -> Result<()> {
+        let ok = e.blocks > 0
+            && e.start >= self.geo.data_first()
+            && e.start
+                .checked_add(e.blocks)
+                .is_some_and(|end| end <= self.engine.block_count());
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::Corrupt(format!(
+                "node {id}: base extent {e:?} out of bounds"
+            )))
         }
-        Ok(Node::Leaf(Leaf::full(all)))
     }
 
     /// Reads a node's section only: an internal node whole, a leaf's basement index.
@@ -452,7 +525,7 @@ impl Inner {
         let e = self.extent_of(id)?;
         let bs = self.geo.block_size;
         let first = self.read_blocks(e.start, 1)?;
-        let (leaf, len) = node::section_len(&first, id)?;
+        let (kind, len) = node::section_len(&first, id)?;
         let n = len.div_ceil(bs) as u64;
         if n > e.blocks {
             return Err(Error::Corrupt(format!(
@@ -463,25 +536,44 @@ impl Inner {
         if n > 1 {
             sec.extend(self.read_blocks(e.start + 1, n - 1)?);
         }
-        if !leaf {
-            let bytes = e.blocks as usize * bs;
-            return Ok(Node::Internal(node::decode_internal(
-                &sec[..len],
-                id,
-                self.max_children(),
-                bytes,
-            )?));
-        }
-        let index = node::decode_leaf_index(&sec[..len], id, e.blocks as usize * bs)?;
-        let loaded = vec![None; index.len()];
+        let bytes = e.blocks as usize * bs;
+        let (base, unread) = match kind {
+            Kind::Internal => {
+                return Ok(Node::Internal(node::decode_internal(
+                    &sec[..len],
+                    id,
+                    self.max_children(),
+                    bytes,
+                )?));
+            }
+            Kind::Leaf => {
+                let index = node::decode_leaf_index(&sec[..len], id, bytes)?;
+                (Base { extent: e, index }, None)
+            }
+            Kind::Delta => {
+                let (base, at) = node::decode_delta(&sec[..len], id, bytes, bs)?;
+                self.check_base(id, &base.extent)?;
+                (base, Some(at))
+            }
+        };
+        let loaded = vec![None; base.index.len()];
         Ok(Node::Leaf(Leaf {
-            data: LeafData::Partial { index, loaded },
-            bytes: e.blocks as usize * bs,
+            data: LeafData::Partial {
+                index: base.index.clone(),
+                loaded,
+            },
+            bytes: base.extent.blocks as usize * bs,
+            delta: Delta {
+                base: Some(base),
+                buf: Buffer::default(),
+                unread,
+            },
         }))
     }
 
     fn read_basement(&mut self, id: NodeId, b: &node::BasementRef) -> Result<Entries> {
-        let bytes = self.read_range(id, b.offset, b.len)?;
+        let base = self.leaf_base(id)?;
+        let bytes = self.read_range_in(base, id, b.offset, b.len)?;
         self.stats.basement_reads += 1;
         node::decode_basement(&bytes, b, id)
     }
@@ -490,24 +582,17 @@ impl Inner {
     /// the caller puts it back.
     fn take_full(&mut self, id: NodeId) -> Result<(Node, bool)> {
         match self.take_cached(id) {
-            Some((
-                Node::Leaf(Leaf {
-                    data: LeafData::Partial { index, mut loaded },
-                    ..
-                }),
-                dirty,
-            )) => {
+            Some((Node::Leaf(mut l), dirty)) => {
                 self.stats.cache_hits += 1;
-                let mut all = Entries::default();
-                for (i, b) in index.iter().enumerate() {
-                    let es = match loaded[i].take() {
-                        Some(es) => es,
-                        // (A partial leaf is clean: dropping it on an error loses nothing.)
-                        None => self.read_basement(id, b)?,
-                    };
-                    append_basement(&mut all, &es, id)?;
+                // (A leaf with a dirty delta may be partial: on an error it goes back.)
+                let r = self
+                    .read_whole(id, &mut l)
+                    .and_then(|()| self.apply_delta(id, &mut l));
+                if let Err(e) = r {
+                    self.put_node(id, Node::Leaf(l), dirty);
+                    return Err(e);
                 }
-                Ok((Node::Leaf(Leaf::full(all)), dirty))
+                Ok((Node::Leaf(l), dirty))
             }
             Some((Node::Internal(mut n), dirty)) if !n.is_whole() => {
                 // (A partial internal node is clean, like a partial leaf.)
@@ -524,8 +609,69 @@ impl Inner {
             }
             None => {
                 self.stats.cache_misses += 1;
-                Ok((self.read_node(id)?, false))
+                let mut n = self.read_node(id)?;
+                if let Node::Leaf(l) = &mut n {
+                    self.apply_delta(id, l)?;
+                }
+                Ok((n, false))
             }
+        }
+    }
+
+    /// Makes a partial leaf full: reads the basements it lacks from its base. On an
+    /// error the leaf is still partial (with more basements loaded).
+    fn read_whole(&mut self, id: NodeId, l: &mut Leaf) -> Result<()> {
+        let LeafData::Partial { index, loaded } = &mut l.data else {
+            return Ok(());
+        };
+        let base =
+            l.delta.base.as_ref().map(|b| b.extent).ok_or_else(|| {
+                Error::Invalid(format!("internal: partial leaf {id} without a base"))
+            })?;
+        for (b, slot) in index.iter().zip(loaded.iter_mut()) {
+            if slot.is_none() {
+                let bytes = self.read_range_in(base, id, b.offset, b.len)?;
+                self.stats.basement_reads += 1;
+                *slot = Some(node::decode_basement(&bytes, b, id)?);
+            }
+        }
+        let mut all = Entries::default();
+        for es in loaded.iter().flatten() {
+            append_basement(&mut all, es, id)?;
+        }
+        let delta = std::mem::take(&mut l.delta);
+        *l = Leaf::full(all);
+        l.delta = delta;
+        Ok(())
+    }
+
+    /// Applies a leaf's delta to its entries (reading the delta if it is not loaded):
+    /// the leaf is then changed in memory, with no base. Its contents do not change, so
+    /// a clean leaf stays clean (its extent on disk holds the same).
+    fn apply_delta(&mut self, id: NodeId, l: &mut Leaf) -> Result<()> {
+        if let Some(at) = l.delta.unread.clone() {
+            let body = self.read_range(id, at.offset, at.len)?;
+            self.stats.buffer_reads += 1;
+            l.delta.buf = node::decode_buffer(&body, &at, id)?;
+            l.delta.unread = None;
+        }
+        if !l.delta.buf.is_empty() {
+            self.stats.delta_applies += 1;
+        }
+        l.apply_delta(&self.upserts)
+    }
+
+    /// The extent a cached leaf's entries are read from: its base (a leaf read from
+    /// disk always has one; a leaf changed in memory is whole).
+    fn leaf_base(&self, id: NodeId) -> Result<Extent> {
+        match self.cache.get(&id).map(|c| &*c.node) {
+            Some(Node::Leaf(Leaf {
+                delta: Delta { base: Some(b), .. },
+                ..
+            })) => Ok(b.extent),
+            _ => Err(Error::Invalid(format!(
+                "internal: basements of leaf {id}, which has no base"
+            ))),
         }
     }
 
@@ -548,10 +694,17 @@ impl Inner {
     /// Bytes `offset..offset + len` of a node's extent (the blocks that hold them).
     fn read_range(&self, id: NodeId, offset: u32, len: u32) -> Result<Vec<u8>> {
         if len == 0 {
+            return Ok(Vec::new());
+        }
+        self.read_range_in(self.extent_of(id)?, id, offset, len)
+    }
+
+    /// Bytes `offset..offset + len` of extent `e` of node `id`.
+    fn read_range_in(&self, e: Extent, id: NodeId, offset: u32, len: u32) -> Result<Vec<u8>> {
+        if len == 0 {
             // An empty basement (a leaf with no entries) takes no bytes at all.
             return Ok(Vec::new());
         }
-        let e = self.extent_of(id)?;
         let bs = self.geo.block_size;
         let (start, end) = (offset as usize, offset as usize + len as usize);
         let first = start / bs;
@@ -565,11 +718,11 @@ impl Inner {
         Ok(bytes)
     }
 
-    /// Makes sure the node is cached whole.
+    /// Makes sure the node is cached whole (a leaf with its delta applied).
     fn ensure_full(&mut self, id: NodeId) -> Result<()> {
         let partial = match self.cache.get(&id).map(|c| &*c.node) {
             None => true,
-            Some(Node::Leaf(l)) => l.entries().is_none(),
+            Some(Node::Leaf(l)) => l.entries().is_none() || !l.delta.is_empty(),
             Some(Node::Internal(n)) => !n.is_whole(),
         };
         if partial {
@@ -656,6 +809,9 @@ impl Inner {
             self.uncharge(&c);
         }
         if let Some(e) = self.btt.remove(&id) {
+            self.to_free.push(e);
+        }
+        if let Some(e) = self.bases.remove(&id) {
             self.to_free.push(e);
         }
     }
@@ -979,6 +1135,9 @@ impl Inner {
             return Ok(());
         }
         let cid = self.own(parent, idx)?;
+        if parent.height == 1 && self.flush_into_delta(parent, idx, cid)? {
+            return Ok(());
+        }
         let buf = std::mem::take(&mut parent.buffers[idx]);
         let (mut child, dirty) = match self.take_full(cid) {
             Ok(c) => c,
@@ -1014,6 +1173,73 @@ impl Inner {
             self.maybe_merge(parent, idx)?;
         }
         Ok(())
+    }
+
+    /// Largest delta of a leaf; a leaf with its delta applied holds at most a node and
+    /// this many bytes.
+    fn delta_max(&self) -> usize {
+        self.opts.delta_bytes.min(self.geo.node_bytes / 2)
+    }
+
+    /// Moves the buffer for leaf `cid` (child `idx` of `parent`) into the leaf's delta
+    /// if the leaf is as on disk (it has a base) and the delta has room: the leaf is
+    /// neither read whole nor rewritten (see `node::Delta`). `false`: the caller
+    /// flushes into the whole leaf instead.
+    fn flush_into_delta(&mut self, parent: &mut Internal, idx: usize, cid: NodeId) -> Result<bool> {
+        let max = self.delta_max();
+        let incoming = parent.buffers[idx].bytes();
+        // Upserts stay out of deltas: one may grow a value far past its own size (a
+        // write at an offset), and the leaf with its delta applied must stay within a
+        // node and a delta (the next flush into the whole leaf splits it). Puts and
+        // deletes grow it by at most their bytes.
+        if incoming > max || parent.buffers[idx].has_upserts() {
+            return Ok(false);
+        }
+        let node_bytes = self.geo.node_bytes;
+        let room = |leaf: usize, delta: usize| {
+            delta + incoming <= max && leaf + delta + incoming <= node_bytes + max
+        };
+        let (fits, unread) = match &*self.ensure(cid)?.node {
+            Node::Leaf(l) => match (&l.delta.base, &l.delta.unread) {
+                (None, _) => (false, None),
+                (Some(_), Some(at)) => (room(l.bytes, at.len as usize), Some(at.clone())),
+                (Some(_), None) => (room(l.bytes, l.delta.buf.bytes()), None),
+            },
+            Node::Internal(_) => {
+                return Err(Error::Corrupt(format!(
+                    "node {cid}: an internal node below height 1"
+                )))
+            }
+        };
+        if !fits {
+            return Ok(false);
+        }
+        if unread.is_some() {
+            self.load_delta(cid)?;
+            let fits = match &*self.cache[&cid].node {
+                Node::Leaf(l) => room(l.bytes, l.delta.buf.bytes()),
+                Node::Internal(_) => false,
+            };
+            if !fits {
+                return Ok(false);
+            }
+        }
+        let buf = std::mem::take(&mut parent.buffers[idx]);
+        let buf = match &parent.lifts[idx] {
+            Some(l) => l.buffer_to_inner(buf),
+            None => buf,
+        };
+        let Some((Node::Leaf(mut leaf), _)) = self.take_cached(cid) else {
+            return Err(Error::Invalid(format!(
+                "internal: leaf {cid} left the cache"
+            )));
+        };
+        self.stats.flushes += 1;
+        self.stats.delta_flushes += 1;
+        self.stats.flushed_bytes += buf.bytes() as u64;
+        leaf.delta.buf.absorb(buf);
+        self.put_node(cid, Node::Leaf(leaf), true);
+        Ok(true)
     }
 
     /// Pushes pending messages down to the leaves, so that deletes free the space their
@@ -1225,6 +1451,31 @@ impl Inner {
                 key_here = std::borrow::Cow::Owned(k);
             }
         };
+        // The leaf's delta: the deepest messages (pushed last, applied first).
+        let delta = match &*self.cache[&leaf].node {
+            Node::Leaf(l) if !l.delta.buf.is_empty() => Some((
+                l.delta.buf.covered(&key_here),
+                l.delta.buf.points.get(&key_here),
+            )),
+            Node::Leaf(Leaf {
+                delta: Delta {
+                    unread: Some(at), ..
+                },
+                ..
+            }) => {
+                if at.may_hold(&key_here) {
+                    let at = at.clone();
+                    let body = self.read_range(leaf, at.offset, at.len)?;
+                    self.stats.buffer_reads += 1;
+                    Some(node::buffer_lookup(&body, &at, leaf, &key_here)?)
+                } else {
+                    self.stats.buffers_skipped += 1;
+                    None
+                }
+            }
+            _ => None,
+        };
+        levels.extend(delta);
         let mut v = self.leaf_get(leaf, &key_here)?;
         for (covered, msgs) in levels.into_iter().rev() {
             if covered {
@@ -1270,7 +1521,8 @@ impl Inner {
         };
         let start = first.1.offset;
         let end = last.1.offset.saturating_add(last.1.len);
-        let bytes = self.read_range(id, start, end.saturating_sub(start))?;
+        let base = self.leaf_base(id)?;
+        let bytes = self.read_range_in(base, id, start, end.saturating_sub(start))?;
         let mut add = 0;
         let mut got = Vec::with_capacity(want.len());
         for (i, r) in want {
@@ -1475,6 +1727,7 @@ impl Inner {
             for &(pid, i) in &path {
                 self.load_buffer(pid, i)?;
             }
+            self.load_delta(id)?;
             let mut nodes = Vec::with_capacity(path.len() + 1);
             for &(pid, _) in &path {
                 let c = self
@@ -1508,6 +1761,29 @@ impl Inner {
         };
         // (Ascending either way: a backward scan walks the chunk from its end.)
         Ok(next)
+    }
+
+    /// Decodes and keeps the delta of the cached leaf `id` if it is unread.
+    fn load_delta(&mut self, id: NodeId) -> Result<()> {
+        let Some(at) = (match &*self.cache[&id].node {
+            Node::Leaf(l) => l.delta.unread.clone(),
+            Node::Internal(_) => None,
+        }) else {
+            return Ok(());
+        };
+        let body = self.read_range(id, at.offset, at.len)?;
+        self.stats.buffer_reads += 1;
+        let b = node::decode_buffer(&body, &at, id)?;
+        let c = self.cache.get_mut(&id).expect("cached");
+        let before = c.node.mem();
+        if let Node::Leaf(l) = Arc::make_mut(&mut c.node) {
+            l.delta.buf = b;
+            l.delta.unread = None;
+        }
+        let after = c.node.mem();
+        c.mem = (c.mem + after).saturating_sub(before);
+        self.mem = (self.mem + after).saturating_sub(before);
+        Ok(())
     }
 
     /// Decodes and keeps buffer `i` of the cached internal node `id` if it is unread.
@@ -1601,11 +1877,23 @@ impl Inner {
             at: usize,
         }
         let mut levels: Vec<Level> = Vec::new();
+        // The leaf's delta, then each buffer on the path from the deepest up.
+        let Node::Leaf(leaf_node) = leaf else {
+            return Err(Error::Invalid("internal: a scan's leaf is internal".into()));
+        };
+        if leaf_node.delta.unread.is_some() {
+            return Err(Error::Invalid(
+                "internal: a scan's leaf delta is unread".into(),
+            ));
+        }
+        let mut sources: Vec<(usize, &Buffer)> = vec![(leaf_level, &leaf_node.delta.buf)];
         for (level, (n, &(_, i))) in nodes.iter().zip(path).enumerate().rev() {
             let Node::Internal(n) = &**n else {
                 return Err(Error::Invalid("internal: a leaf on a scan's path".into()));
             };
-            let b = &n.buffers[i];
+            sources.push((level, &n.buffers[i]));
+        }
+        for (level, b) in sources {
             let lo_l = lifts.down(level, wlo);
             let hi_l = whi.map(|h| lifts.down(level, h));
             let mut ranges: Vec<RangeDel> = b
@@ -1962,7 +2250,7 @@ impl Inner {
                 if let Some((k, _)) = es.iter().find(|(k, _)| !within(k)) {
                     return bad(format!("key {k:?} outside its range"));
                 }
-                if l.bytes > self.geo.node_bytes {
+                if l.bytes > self.geo.node_bytes + self.delta_max() {
                     return bad(format!("{} bytes in a leaf", l.bytes));
                 }
             }

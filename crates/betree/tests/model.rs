@@ -70,9 +70,11 @@ fn contents(t: &Tree) -> Model {
     t.range(b"", None).map(|r| r.unwrap()).collect()
 }
 
-fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
+/// `fanout` 8 makes flushes into leaves small enough for leaf deltas.
+fn run(steps: Vec<Step>, fanout: usize) -> Result<(), TestCaseError> {
     let dev = Arc::new(MemDevice::new(512, 16384).unwrap());
-    let opts = Options::tiny();
+    let mut opts = Options::tiny();
+    opts.fanout = fanout;
     let mut t = Tree::create(dev.clone(), opts.clone()).unwrap();
     let mut model = Model::new();
     // Model states since the last sync: a crash may leave any of them.
@@ -219,8 +221,11 @@ fn cases() -> u32 {
 proptest! {
     #![proptest_config(ProptestConfig { cases: cases(), max_shrink_iters: 2000, ..ProptestConfig::default() })]
     #[test]
-    fn tree_matches_a_btreemap(steps in prop::collection::vec(step(), 1..150)) {
-        run(steps)?;
+    fn tree_matches_a_btreemap(
+        steps in prop::collection::vec(step(), 1..150),
+        fanout in prop_oneof![Just(4usize), Just(8)],
+    ) {
+        run(steps, fanout)?;
     }
 }
 

@@ -37,6 +37,8 @@ pub struct KvReport {
     pub clean: usize,
     pub with_violations: usize,
     pub failures: Vec<KvFailure>,
+    /// Delta leaves the recorded histories wrote (see `Shape`).
+    pub delta_leaves_written: usize,
     pub seconds: f64,
     /// Whether this was the control run (syncs claimed, not made).
     pub lying: bool,
@@ -67,12 +69,45 @@ fn fingerprint(m: &BTreeMap<Vec<u8>, Vec<u8>>) -> u64 {
     h.finish()
 }
 
-fn random_op(r: &mut Rng) -> Op {
-    let key = |r: &mut Rng| format!("key{:03}", r.below(160)).into_bytes();
-    match r.below(22) {
+/// The history's tree: even seeds make trees of fanout 4 with every kind of operation;
+/// odd seeds trees of fanout 8, more keys and larger values and no upserts, so that
+/// buffers flushed into leaves fit their deltas (an upsert never goes into one) and
+/// crashes among delta writes are explored.
+struct Shape {
+    fanout: usize,
+    keys: u64,
+    max_value: u64,
+    no_upserts: bool,
+}
+
+fn shape(seed: u64) -> Shape {
+    if seed % 2 == 0 {
+        Shape {
+            fanout: 4,
+            keys: 160,
+            max_value: 90,
+            no_upserts: false,
+        }
+    } else {
+        Shape {
+            fanout: 8,
+            keys: 900,
+            max_value: 700,
+            no_upserts: true,
+        }
+    }
+}
+
+fn random_op(r: &mut Rng, sh: &Shape) -> Op {
+    let key = |r: &mut Rng| format!("key{:03}", r.below(sh.keys)).into_bytes();
+    let pick = match r.below(22) {
+        13..=17 if sh.no_upserts => 0,
+        x => x,
+    };
+    match pick {
         0..=9 => {
             let k = key(r);
-            let n = r.below(90) as usize;
+            let n = r.below(sh.max_value) as usize;
             let b = r.below(256) as u8;
             Op::Put {
                 key: k,
@@ -98,8 +133,8 @@ fn random_op(r: &mut Rng) -> Op {
             }
         }
         18 => {
-            let a = r.below(160);
-            let b = (a + 1 + r.below(30)).min(160);
+            let a = r.below(sh.keys);
+            let b = (a + 1 + r.below(30)).min(sh.keys);
             Op::DeleteRange {
                 start: format!("key{a:03}").into_bytes(),
                 end: format!("key{b:03}").into_bytes(),
@@ -151,11 +186,14 @@ fn record(seed: u64, lying: bool) -> Result<Recorded, String> {
     // The tree starts with some contents, checkpointed, so that the history runs on a
     // tree of a few levels.
     let mut r = Rng::new(seed);
+    let sh = shape(seed);
     let mut model = BTreeMap::new();
     {
-        let t = Tree::create(mem.clone(), options()).map_err(s)?;
-        for i in 0..150u32 {
-            let k = format!("key{:03}", (i * 7) % 160).into_bytes();
+        let mut o = options();
+        o.fanout = sh.fanout;
+        let t = Tree::create(mem.clone(), o).map_err(s)?;
+        for i in 0..(sh.keys * 15 / 16) as u32 {
+            let k = format!("key{:03}", (i * 7) % sh.keys as u32).into_bytes();
             let v = vec![i as u8; 40];
             model.insert(k.clone(), v.clone());
             t.put(&k, &v).map_err(s)?;
@@ -174,7 +212,7 @@ fn record(seed: u64, lying: bool) -> Result<Recorded, String> {
         } else {
             1
         };
-        let ops: Vec<Op> = (0..n).map(|_| random_op(&mut r)).collect();
+        let ops: Vec<Op> = (0..n).map(|_| random_op(&mut r, &sh)).collect();
         for o in &ops {
             apply(&mut model, o);
         }
@@ -265,6 +303,12 @@ pub fn run(
     while report.states_checked < states_wanted {
         let rec = record(run_seed, lying)?;
         report.runs += 1;
+        report.delta_leaves_written += rec
+            .log
+            .entries
+            .iter()
+            .filter(|e| matches!(e, quilt_block::LogEntry::Write { data, .. } if data.starts_with(b"QBND")))
+            .count();
         report.operations += OPS;
         let all = states::generate(&rec.log, &mut rng);
         report.states_generated += all.len();
@@ -301,11 +345,16 @@ pub fn run(
 impl KvReport {
     pub fn text(&self) -> String {
         let mut s = format!(
-            "betree crash exploration{}: {} runs of {} operations, {} states generated, {} checked \
-             ({} cuts), {} clean, {} with violations, {:.1} s\n",
-            if self.lying { " (control: syncs claimed, not made)" } else { "" },
+            "betree crash exploration{}: {} runs of {} operations ({} delta leaves written), \
+             {} states generated, {} checked ({} cuts), {} clean, {} with violations, {:.1} s\n",
+            if self.lying {
+                " (control: syncs claimed, not made)"
+            } else {
+                ""
+            },
             self.runs,
             OPS,
+            self.delta_leaves_written,
             self.states_generated,
             self.states_checked,
             self.cuts_checked,

@@ -42,10 +42,11 @@ use quilt_patch::{ChangeOpts, Engine, PatchId};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex};
 
-/// Where the writer thread put the snapshot's nodes and table.
+/// Where the writer thread put the snapshot's nodes (with the basement index of each
+/// whole leaf: the leaf's base once the header is durable) and the table.
 #[derive(Clone)]
 pub(crate) struct Placed {
-    nodes: Vec<(NodeId, Extent)>,
+    nodes: Vec<(NodeId, Extent, Option<Vec<node::BasementRef>>)>,
     table: Extent,
 }
 
@@ -168,6 +169,8 @@ pub(crate) struct InFlight {
     freed: HashSet<NodeId>,
     /// The extents the snapshot's table gave its nodes before, to be freed.
     before: HashMap<NodeId, Extent>,
+    /// The base each of its leaves is written over (`None`: written whole).
+    bases: HashMap<NodeId, Option<Extent>>,
     /// Where its header's replay starts: the ring's space before it is free once the
     /// header is durable.
     log_lsn: u64,
@@ -198,6 +201,8 @@ struct Job {
     /// The table as the snapshot saw it; the nodes' new extents replace their entries.
     btt: HashMap<NodeId, Extent>,
     refs: Vec<(NodeId, u32)>,
+    /// The base extents of delta leaves, as the snapshot leaves them.
+    bases: Vec<(NodeId, Extent)>,
     header: Header,
     bs: usize,
     basement_bytes: usize,
@@ -238,16 +243,24 @@ impl Job {
         };
         for (id, n) in std::mem::take(&mut self.nodes) {
             let bytes = node::encode(id, &n, self.bs, self.basement_bytes);
+            let whole_leaf = matches!(&*n, Node::Leaf(l) if l.delta.base.is_none());
             drop(n);
+            // A whole leaf's index, for the leaf to take deltas over this extent.
+            let index = if whole_leaf {
+                let (_, len) = node::section_len(&bytes, id)?;
+                Some(node::decode_leaf_index(&bytes[..len], id, bytes.len())?)
+            } else {
+                None
+            };
             let e = self.alloc((bytes.len() / self.bs) as u64)?;
             write(e.start, &bytes)?;
             self.done.place(id, e);
             self.btt.insert(id, e);
-            placed.push((id, e));
+            placed.push((id, e, index));
         }
         let mut entries: Vec<(NodeId, Extent)> = self.btt.iter().map(|(k, v)| (*k, *v)).collect();
         entries.sort_unstable();
-        let (bytes, table_crc) = format::encode_table(&entries, &self.refs, self.bs);
+        let (bytes, table_crc) = format::encode_table(&entries, &self.refs, &self.bases, self.bs);
         let table = self.alloc((bytes.len() / self.bs) as u64)?;
         write(table.start, &bytes)?;
         all.sort_unstable();
@@ -289,19 +302,32 @@ impl Inner {
         dirty.sort_unstable_by_key(|id| (std::cmp::Reverse(self.cache[id].node.height()), *id));
         let mut nodes = Vec::with_capacity(dirty.len());
         let mut before = HashMap::new();
+        let mut new_bases = HashMap::new();
+        let mut table_bases = self.bases.clone();
         let mut bytes = 0;
         for &id in &dirty {
             let c = self.cache.get_mut(&id).expect("dirty node cached");
             c.dirty = false;
             self.dirty_mem -= c.mem;
             bytes += c.mem;
+            let base = match &*c.node {
+                Node::Leaf(l) => l.delta.base.as_ref().map(|b| b.extent),
+                Node::Internal(_) => None,
+            };
             nodes.push((id, c.node.clone()));
             if let Some(&e) = self.btt.get(&id) {
                 before.insert(id, e);
             }
+            match base {
+                Some(b) => table_bases.insert(id, b),
+                None => table_bases.remove(&id),
+            };
+            new_bases.insert(id, base);
         }
         let mut refs: Vec<(NodeId, u32)> = self.refs.iter().map(|(k, v)| (*k, *v)).collect();
         refs.sort_unstable();
+        let mut table_bases: Vec<(NodeId, Extent)> = table_bases.into_iter().collect();
+        table_bases.sort_unstable();
         let mut freeing = std::mem::take(&mut self.to_free);
         if self.table.blocks > 0 {
             freeing.push(self.table);
@@ -332,6 +358,7 @@ impl Inner {
             nodes,
             btt: self.btt.clone(),
             refs,
+            bases: table_bases,
             header,
             bs,
             basement_bytes: self.geo.basement_bytes,
@@ -363,6 +390,7 @@ impl Inner {
             bytes,
             freed: HashSet::new(),
             before,
+            bases: new_bases,
             log_lsn,
             freeing,
         });
@@ -405,17 +433,44 @@ impl Inner {
         // 2. and 3.: the header is durable.
         self.log.start_lsn = f.log_lsn;
         let mut alloc = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
-        for (id, e) in placed.nodes {
+        for (id, e, index) in placed.nodes {
             self.stats.node_bytes_written += e.blocks * self.geo.block_size as u64;
             if f.freed.contains(&id) {
-                // The durable header names it; the next one will not.
+                // The durable header names it; the next one will not. (Its base, if it
+                // is a delta, was its extent or its base before, which `free_node`
+                // already gave back.)
                 self.to_free.push(e);
                 continue;
             }
             let old = self.btt.insert(id, e);
             debug_assert_eq!(old, f.before.get(&id).copied(), "node {id} moved meanwhile");
-            if let Some(old) = old {
-                alloc.free(old);
+            // A delta leaf keeps its base: the leaf's extent before, or its base before.
+            let base = f.bases.get(&id).copied().flatten();
+            let old_base = match base {
+                Some(b) => self.bases.insert(id, b),
+                None => self.bases.remove(&id),
+            };
+            debug_assert!(
+                base.is_none() || base == old || base == old_base,
+                "node {id}: a delta over an extent it did not have"
+            );
+            for x in [old, old_base].into_iter().flatten() {
+                if Some(x) != base {
+                    alloc.free(x);
+                }
+            }
+            // A whole leaf still cached as written takes deltas over its new extent.
+            if let (Some(index), Some(c)) = (index, self.cache.get_mut(&id)) {
+                if !c.dirty {
+                    if let Node::Leaf(l) = Arc::make_mut(&mut c.node) {
+                        if l.delta.base.is_none() && l.delta.is_empty() && l.entries().is_some() {
+                            l.delta.base = Some(node::Base { extent: e, index });
+                            let mem = c.node.mem();
+                            self.mem = (self.mem + mem).saturating_sub(c.mem);
+                            c.mem = mem;
+                        }
+                    }
+                }
             }
         }
         self.table = placed.table;
