@@ -61,6 +61,9 @@ struct Args {
     /// Bε-tree fanout.
     #[arg(long, default_value_t = 16)]
     fanout: usize,
+    /// Bε-tree dirty nodes at most, in percent of its node cache.
+    #[arg(long, default_value_t = 75)]
+    dirty_pct: usize,
     /// Largest delta of a Bε-tree leaf, KiB (0: every flush rewrites the leaf).
     #[arg(long, default_value_t = 64)]
     delta_kb: usize,
@@ -157,7 +160,7 @@ fn betree_options(a: &Args) -> quilt_betree::Options {
         fanout: a.fanout,
         delta_bytes: a.delta_kb << 10,
         cache_bytes: (a.cache_mb << 20) - engine,
-        dirty_bytes: ((a.cache_mb << 20) - engine) / 4 * 3,
+        dirty_bytes: ((a.cache_mb << 20) - engine) / 100 * a.dirty_pct,
         engine_cache_bytes: engine,
         ..Default::default()
     }

@@ -10,11 +10,13 @@
 //!   and crc32c of each basement); the basements follow one after another (the first on
 //!   a block boundary), so a point query reads the index and the blocks of one
 //!   basement, not the whole leaf;
-//! * a **delta leaf**'s section names a leaf extent of the same node (its *base*), a copy
-//!   of the base's basement index, and where the delta lies: one message buffer, with
-//!   its filter, that follows the section. The leaf is the base's entries with the
-//!   delta's messages applied. A flush into a leaf whose delta has room writes the
-//!   delta alone at the next checkpoint, not the whole leaf (see `Delta`).
+//! * a **delta**'s section names an extent of the same node written whole (its *base*),
+//!   holds a copy of the base's section (a leaf's basement index, an internal node's
+//!   children, pivots and buffer places, each pointing into the base), and says where
+//!   the delta lies: one message buffer, with its filter, that follows the section. The
+//!   node is the base with the delta's messages applied. A flush into a node whose
+//!   delta has room writes the delta alone at the next checkpoint, not the whole node
+//!   (see `Delta`).
 
 use crate::codec::{crc32c, Reader, Writer};
 pub use crate::entries::Entries;
@@ -40,7 +42,8 @@ pub enum Kind {
     Delta,
 }
 /// Version 2 added lifts to internal nodes; version 1 nodes (no lifts) still decode.
-const VERSION: u16 = 2;
+/// Version 3 added deltas (written with version 3; the other kinds keep 2's layout).
+const VERSION: u16 = 3;
 pub const PREFIX: usize = 32;
 const CRC_AT: usize = 24;
 
@@ -58,6 +61,9 @@ pub struct Internal {
     /// where buffer `i` lies in the extent (empty: every buffer is loaded). Only whole
     /// nodes are changed.
     pub unread: Vec<Option<BufferRef>>,
+    /// Messages flushed in since the node was as `delta.base` holds it, for any child
+    /// (see `Delta`; the buffers' places in `unread` are in the base's extent).
+    pub delta: Delta,
 }
 
 /// Where one buffer of an internal node lies in its extent, and what a point query may
@@ -122,6 +128,7 @@ impl Internal {
             children,
             buffers,
             unread: Vec::new(),
+            delta: Delta::default(),
         }
     }
 
@@ -140,6 +147,7 @@ impl Internal {
             buffers,
             lifts,
             unread: Vec::new(),
+            delta: Delta::default(),
         }
     }
 
@@ -267,26 +275,28 @@ pub struct Leaf {
     pub delta: Delta,
 }
 
-/// Where a leaf's entries lie on disk: a leaf extent of the node, and its basement index.
+/// Where a node's contents lie on disk: an extent of the node written whole, and that
+/// extent's section (its magic, checksum and all), which a delta over it copies.
 #[derive(Debug, Clone)]
 pub struct Base {
     pub extent: Extent,
-    pub index: Vec<BasementRef>,
+    pub section: Vec<u8>,
 }
 
-/// A leaf's messages that are not applied to its entries yet.
+/// A node's messages that are not applied to it yet.
 ///
-/// A random write reaches a leaf as a flush of a few KiB, and rewriting the whole leaf
-/// for it (256 KiB) was most of the tree's write amplification. While the entries in
-/// memory are exactly those of an extent on disk (`base`), a flush goes into the delta
-/// instead, and a checkpoint writes the delta alone, as a delta leaf pointing at the
-/// base. When the delta would outgrow its limit, the leaf is read whole, the delta
-/// applied, and the leaf written whole again.
+/// A random write reaches a node as a flush of a few KiB, and rewriting the whole node
+/// for it (256 KiB) was most of the tree's write amplification. While a node in memory
+/// is exactly as an extent on disk holds it (`base`), a flush into it goes into the
+/// delta instead, and a checkpoint writes the delta alone, pointing at the base. When
+/// the delta would outgrow its limit, the node is read whole, the delta applied (a
+/// leaf's entries updated, an internal node's buffers given their messages), and the
+/// node written whole again.
 ///
-/// Invariants: `base` is `None` as soon as the entries change in memory, and then the
-/// delta is empty (`Inner::take_full` applies it first); a dirty leaf's delta is loaded
-/// (`unread` is `None`). The delta's messages are newer than every entry and older than
-/// every message above the leaf.
+/// Invariants: `base` is `None` as soon as the node changes in memory, and then the
+/// delta is empty (`Inner::take_full` applies it first); a dirty node's delta is loaded
+/// (`unread` is `None`). The delta's messages are newer than everything the base holds
+/// and older than every message above the node.
 #[derive(Debug, Clone, Default)]
 pub struct Delta {
     pub base: Option<Base>,
@@ -306,10 +316,7 @@ impl Delta {
         self.buf.bytes()
             + self.buf.points.len() * 8
             + self.unread.as_ref().map_or(0, |r| r.filter.len() * 8 + 48)
-            + self
-                .base
-                .as_ref()
-                .map_or(0, |b| b.index.iter().map(|r| r.lo.len() + 64).sum())
+            + self.base.as_ref().map_or(0, |b| b.section.len())
     }
 }
 
@@ -505,6 +512,7 @@ impl Node {
         match self {
             Node::Internal(n) => {
                 n.bytes()
+                    + n.delta.mem()
                     + n.unread
                         .iter()
                         .flatten()
@@ -726,8 +734,10 @@ pub fn buffer_window(
 /// Serializes a node into whole blocks of `bs` bytes.
 pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<u8> {
     match node {
+        Node::Internal(n) if n.delta.base.is_some() => encode_delta(id, n.height, &n.delta, bs),
         Node::Internal(n) => {
             debug_assert!(n.is_whole(), "only whole internal nodes are written");
+            debug_assert!(n.delta.is_empty(), "a changed node has no delta");
             // The section: children, pivots, and where each buffer lies; the buffers
             // follow it, packed, each with its own checksum.
             let bodies: Vec<Vec<u8>> = n.buffers.iter().map(encode_buffer).collect();
@@ -772,7 +782,7 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
             w.pad_to(bs);
             w.buf
         }
-        Node::Leaf(l) if l.delta.base.is_some() => encode_delta(id, l, bs),
+        Node::Leaf(l) if l.delta.base.is_some() => encode_delta(id, 0, &l.delta, bs),
         Node::Leaf(l) => {
             let empty = Entries::default();
             debug_assert!(l.entries().is_some(), "only full leaves are written");
@@ -827,25 +837,18 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
     }
 }
 
-/// A delta leaf: the base it applies to and its buffer after the section.
-fn encode_delta(id: NodeId, l: &Leaf, bs: usize) -> Vec<u8> {
-    let d = &l.delta;
-    let base = d.base.as_ref().expect("a delta leaf has a base");
+/// A delta: the base it applies to (with a copy of the base's section) and its buffer
+/// after the section.
+fn encode_delta(id: NodeId, height: u16, d: &Delta, bs: usize) -> Vec<u8> {
+    let base = d.base.as_ref().expect("a delta has a base");
     debug_assert!(d.unread.is_none(), "a changed delta is loaded");
     let body = encode_buffer(&d.buf);
     let filter = filter_for(&d.buf);
-    let mut w = Writer::with_capacity(body.len() + bs * 2);
-    prefix(&mut w, MAGIC_DELTA, id, 0);
+    let mut w = Writer::with_capacity(body.len() + base.section.len() + bs * 2);
+    prefix(&mut w, MAGIC_DELTA, id, height);
     w.u64(base.extent.start);
     w.u64(base.extent.blocks);
-    w.u32(base.index.len() as u32);
-    for b in &base.index {
-        w.bytes(&b.lo);
-        w.u32(b.offset);
-        w.u32(b.len);
-        w.u32(b.count);
-        w.u32(b.crc);
-    }
+    w.bytes(&base.section);
     let section = w.len() + 20 + filter.len() * 8;
     w.u32(section as u32);
     w.u32(body.len() as u32);
@@ -862,38 +865,26 @@ fn encode_delta(id: NodeId, l: &Leaf, bs: usize) -> Vec<u8> {
     w.buf
 }
 
-/// A delta leaf's section (checksum verified): its base (the extent checked against
-/// nothing but itself: the caller checks it lies on the device) and where its buffer
-/// lies in the delta's own extent of `extent_bytes`.
-pub fn decode_delta(
-    sec: &[u8],
-    id: NodeId,
-    extent_bytes: usize,
-    bs: usize,
-) -> Result<(Base, BufferRef)> {
+/// A delta's section (checksum verified): the height of its node, its base (the
+/// extent checked by nothing but the caller, the copied section by whoever decodes
+/// it) and where its buffer lies in the delta's own extent of `extent_bytes`.
+pub fn decode_delta(sec: &[u8], id: NodeId, extent_bytes: usize) -> Result<(u16, Base, BufferRef)> {
     check_section(sec, id)?;
-    let mut r = Reader::new(&sec[PREFIX..], "delta leaf");
+    let mut r = Reader::new(sec, "delta");
+    r.skip(6)?; // magic, version: checked by `section_len`
+    r.skip(10)?; // kind, id: checked by `section_len`
+    let height = r.u16()?;
+    let mut r = Reader::new(&sec[PREFIX..], "delta");
     let extent = Extent {
         start: r.u64()?,
         blocks: r.u64()?,
     };
-    let base_bytes = (extent.blocks as usize).saturating_mul(bs);
-    let nb = r.u32()? as usize;
-    if nb == 0 || nb > r.remaining() {
-        return Err(Error::Corrupt(format!("node {id}: {nb} basements")));
-    }
-    let mut index: Vec<BasementRef> = Vec::with_capacity(nb);
-    for _ in 0..nb {
-        let b = read_basement_ref(&mut r)?;
-        if (b.offset as usize) < PREFIX
-            || (b.offset as usize).saturating_add(b.len as usize) > base_bytes
-            || index.last().is_some_and(|p| p.lo > b.lo)
-        {
-            return Err(Error::Corrupt(format!(
-                "node {id}: base index out of bounds or order"
-            )));
-        }
-        index.push(b);
+    let section = r.bytes()?.to_vec();
+    if section.len() < PREFIX {
+        return Err(Error::Corrupt(format!(
+            "node {id}: base section of {} bytes",
+            section.len()
+        )));
     }
     let at = read_buffer_ref(&mut r, id)?;
     if (at.offset as usize) < sec.len()
@@ -906,7 +897,7 @@ pub fn decode_delta(
             "node {id}: trailing bytes in the section"
         )));
     }
-    Ok((Base { extent, index }, at))
+    Ok((height, Base { extent, section }, at))
 }
 
 fn read_basement_ref(r: &mut Reader) -> Result<BasementRef> {
@@ -1058,6 +1049,7 @@ pub fn decode_internal(
         buffers: vec![Buffer::default(); n],
         lifts,
         unread,
+        delta: Delta::default(),
     })
 }
 

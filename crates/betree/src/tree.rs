@@ -154,6 +154,10 @@ struct CheckWalk {
     edges: HashMap<NodeId, u32>,
 }
 
+/// One level's messages for a key: whether a range delete covers it, and its messages,
+/// oldest first.
+type Level = (bool, Vec<(Msn, Msg)>);
+
 /// A whole leaf from the bytes of its extent (section `..len`): its entries and its
 /// basement index.
 fn decode_whole_leaf(
@@ -450,7 +454,7 @@ impl Inner {
         self.geo.fanout * 2 + 2
     }
 
-    /// Reads a whole node from its extent (a delta leaf with its base and its delta,
+    /// Reads a whole node from its extent (a delta with its base and its messages,
     /// not applied).
     fn read_node(&mut self, id: NodeId) -> Result<Node> {
         let e = self.extent_of(id)?;
@@ -462,49 +466,55 @@ impl Inner {
                 "node {id}: section longer than its extent"
             )));
         }
-        match kind {
-            Kind::Internal => {
-                let mut n =
-                    node::decode_internal(&bytes[..len], id, self.max_children(), bytes.len())?;
-                load_buffers(&mut n, &bytes, id)?;
-                Ok(Node::Internal(n))
-            }
-            Kind::Leaf => {
-                let (all, index) = decode_whole_leaf(&bytes, len, id)?;
-                let mut l = Leaf::full(all);
-                l.delta.base = Some(Base { extent: e, index });
-                Ok(Node::Leaf(l))
-            }
-            Kind::Delta => {
-                let (base, at) =
-                    node::decode_delta(&bytes[..len], id, bytes.len(), self.geo.block_size)?;
-                self.check_base(id, &base.extent)?;
-                let (from, to) = (at.offset as usize, at.offset as usize + at.len as usize);
-                let buf = node::decode_buffer(&bytes[from..to], &at, id)?;
-                let bb = self.read_blocks(base.extent.start, base.extent.blocks)?;
-                self.stats.node_reads += 1;
-                let (kind, blen) = node::section_len(&bb, id)?;
-                if kind != Kind::Leaf || blen > bb.len() {
-                    return Err(Error::Corrupt(format!(
-                        "node {id}: the base of its delta is not a leaf"
-                    )));
-                }
-                let (all, index) = decode_whole_leaf(&bb, blen, id)?;
-                let mut l = Leaf::full(all);
-                l.delta = Delta {
-                    base: Some(Base {
-                        extent: base.extent,
-                        index,
-                    }),
-                    buf,
-                    unread: None,
-                };
-                Ok(Node::Leaf(l))
-            }
+        if kind != Kind::Delta {
+            let base = Base {
+                extent: e,
+                section: bytes[..len].to_vec(),
+            };
+            return self.decode_whole(id, kind, &bytes, len, base);
         }
+        let (_, base, at) = node::decode_delta(&bytes[..len], id, bytes.len())?;
+        self.check_base(id, &base.extent)?;
+        let (from, to) = (at.offset as usize, at.offset as usize + at.len as usize);
+        let buf = node::decode_buffer(&bytes[from..to], &at, id)?;
+        let bb = self.read_blocks(base.extent.start, base.extent.blocks)?;
+        self.stats.node_reads += 1;
+        let (kind, blen) = node::section_len(&bb, id)?;
+        if kind == Kind::Delta || blen > bb.len() || bb[..blen] != base.section[..] {
+            return Err(Error::Corrupt(format!(
+                "node {id}: the base of its delta does not hold what the delta copied"
+            )));
+        }
+        let mut n = self.decode_whole(id, kind, &bb, blen, base)?;
+        match &mut n {
+            Node::Leaf(l) => l.delta.buf = buf,
+            Node::Internal(x) => x.delta.buf = buf,
+        }
+        Ok(n)
     }
 
-    /// A delta leaf's base must lie where nodes do.
+    /// A node from the bytes of an extent written whole (section `..len`), with `base`.
+    fn decode_whole(
+        &self,
+        id: NodeId,
+        kind: Kind,
+        bytes: &[u8],
+        len: usize,
+        base: Base,
+    ) -> Result<Node> {
+        if kind == Kind::Leaf {
+            let (all, _) = decode_whole_leaf(bytes, len, id)?;
+            let mut l = Leaf::full(all);
+            l.delta.base = Some(base);
+            return Ok(Node::Leaf(l));
+        }
+        let mut n = node::decode_internal(&bytes[..len], id, self.max_children(), bytes.len())?;
+        load_buffers(&mut n, bytes, id)?;
+        n.delta.base = Some(base);
+        Ok(Node::Internal(n))
+    }
+
+    /// A delta's base must lie where nodes do.
     fn check_base(&self, id: NodeId, e: &Extent) -> Result<()> {
         let ok = e.blocks > 0
             && e.start >= self.geo.data_first()
@@ -520,7 +530,9 @@ impl Inner {
         }
     }
 
-    /// Reads a node's section only: an internal node whole, a leaf's basement index.
+    /// Reads a node's section only: an internal node's children, pivots and where its
+    /// buffers lie, a leaf's basement index; for a delta, its base's (copied into it)
+    /// and where the delta's messages lie.
     fn read_section(&mut self, id: NodeId) -> Result<Node> {
         let e = self.extent_of(id)?;
         let bs = self.geo.block_size;
@@ -536,43 +548,54 @@ impl Inner {
         if n > 1 {
             sec.extend(self.read_blocks(e.start + 1, n - 1)?);
         }
-        let bytes = e.blocks as usize * bs;
-        let (base, unread) = match kind {
-            Kind::Internal => {
-                return Ok(Node::Internal(node::decode_internal(
-                    &sec[..len],
-                    id,
-                    self.max_children(),
-                    bytes,
-                )?));
+        sec.truncate(len);
+        let (kind, base, unread) = if kind == Kind::Delta {
+            let (_, base, at) = node::decode_delta(&sec, id, e.blocks as usize * bs)?;
+            self.check_base(id, &base.extent)?;
+            let (kind, blen) = node::section_len(&base.section, id)?;
+            if kind == Kind::Delta || blen != base.section.len() {
+                return Err(Error::Corrupt(format!("node {id}: a delta over a delta")));
             }
-            Kind::Leaf => {
-                let index = node::decode_leaf_index(&sec[..len], id, bytes)?;
-                (Base { extent: e, index }, None)
-            }
-            Kind::Delta => {
-                let (base, at) = node::decode_delta(&sec[..len], id, bytes, bs)?;
-                self.check_base(id, &base.extent)?;
-                (base, Some(at))
-            }
+            (kind, base, Some(at))
+        } else {
+            (
+                kind,
+                Base {
+                    extent: e,
+                    section: sec,
+                },
+                None,
+            )
         };
-        let loaded = vec![None; base.index.len()];
+        // Places in the section are in the base's extent.
+        let bytes = base.extent.blocks as usize * bs;
+        let delta = node::Delta {
+            buf: Buffer::default(),
+            unread,
+            base: None,
+        };
+        if kind == Kind::Internal {
+            let mut n = node::decode_internal(&base.section, id, self.max_children(), bytes)?;
+            n.delta = Delta {
+                base: Some(base),
+                ..delta
+            };
+            return Ok(Node::Internal(n));
+        }
+        let index = node::decode_leaf_index(&base.section, id, bytes)?;
+        let loaded = vec![None; index.len()];
         Ok(Node::Leaf(Leaf {
-            data: LeafData::Partial {
-                index: base.index.clone(),
-                loaded,
-            },
-            bytes: base.extent.blocks as usize * bs,
+            data: LeafData::Partial { index, loaded },
+            bytes,
             delta: Delta {
                 base: Some(base),
-                buf: Buffer::default(),
-                unread,
+                ..delta
             },
         }))
     }
 
     fn read_basement(&mut self, id: NodeId, b: &node::BasementRef) -> Result<Entries> {
-        let base = self.leaf_base(id)?;
+        let base = self.base_of(id)?;
         let bytes = self.read_range_in(base, id, b.offset, b.len)?;
         self.stats.basement_reads += 1;
         node::decode_basement(&bytes, b, id)
@@ -581,41 +604,62 @@ impl Inner {
     /// Takes a node out of the cache, whole (a partial leaf gets its other basements);
     /// the caller puts it back.
     fn take_full(&mut self, id: NodeId) -> Result<(Node, bool)> {
-        match self.take_cached(id) {
-            Some((Node::Leaf(mut l), dirty)) => {
+        let (mut n, dirty) = match self.take_cached(id) {
+            Some(x) => {
                 self.stats.cache_hits += 1;
-                // (A leaf with a dirty delta may be partial: on an error it goes back.)
-                let r = self
-                    .read_whole(id, &mut l)
-                    .and_then(|()| self.apply_delta(id, &mut l));
-                if let Err(e) = r {
-                    self.put_node(id, Node::Leaf(l), dirty);
-                    return Err(e);
-                }
-                Ok((Node::Leaf(l), dirty))
-            }
-            Some((Node::Internal(mut n), dirty)) if !n.is_whole() => {
-                // (A partial internal node is clean, like a partial leaf.)
-                self.stats.cache_hits += 1;
-                let e = self.extent_of(id)?;
-                let bytes = self.read_blocks(e.start, e.blocks)?;
-                self.stats.node_reads += 1;
-                load_buffers(&mut n, &bytes, id)?;
-                Ok((Node::Internal(n), dirty))
-            }
-            Some(n) => {
-                self.stats.cache_hits += 1;
-                Ok(n)
+                x
             }
             None => {
                 self.stats.cache_misses += 1;
-                let mut n = self.read_node(id)?;
-                if let Node::Leaf(l) = &mut n {
-                    self.apply_delta(id, l)?;
+                (self.read_node(id)?, false)
+            }
+        };
+        // (A node with a dirty delta may be partial: on an error it goes back.)
+        if let Err(e) = self.make_whole(id, &mut n) {
+            self.put_node(id, n, dirty);
+            return Err(e);
+        }
+        Ok((n, dirty))
+    }
+
+    /// Reads what a node lacks and applies its delta: the node is then whole and has no
+    /// base (its caller may change it). Its contents do not change, so a clean node
+    /// stays clean (its extent on disk holds the same).
+    fn make_whole(&mut self, id: NodeId, n: &mut Node) -> Result<()> {
+        match n {
+            Node::Leaf(l) => {
+                self.read_whole(id, l)?;
+                self.apply_delta(id, l)
+            }
+            Node::Internal(x) => {
+                if !x.is_whole() {
+                    let base = x.delta.base.as_ref().map(|b| b.extent).ok_or_else(|| {
+                        Error::Invalid(format!("internal: partial node {id} without a base"))
+                    })?;
+                    let bytes = self.read_blocks(base.start, base.blocks)?;
+                    self.stats.node_reads += 1;
+                    load_buffers(x, &bytes, id)?;
                 }
-                Ok((n, false))
+                if let Some(at) = x.delta.unread.clone() {
+                    x.delta.buf = self.read_delta(id, &at)?;
+                    x.delta.unread = None;
+                }
+                let buf = std::mem::take(&mut x.delta.buf);
+                if !buf.is_empty() {
+                    self.stats.delta_applies += 1;
+                    x.absorb(buf);
+                }
+                x.delta = Delta::default();
+                Ok(())
             }
         }
+    }
+
+    /// A node's delta messages, from its own extent.
+    fn read_delta(&mut self, id: NodeId, at: &node::BufferRef) -> Result<Buffer> {
+        let body = self.read_range(id, at.offset, at.len)?;
+        self.stats.buffer_reads += 1;
+        node::decode_buffer(&body, at, id)
     }
 
     /// Makes a partial leaf full: reads the basements it lacks from its base. On an
@@ -628,11 +672,27 @@ impl Inner {
             l.delta.base.as_ref().map(|b| b.extent).ok_or_else(|| {
                 Error::Invalid(format!("internal: partial leaf {id} without a base"))
             })?;
-        for (b, slot) in index.iter().zip(loaded.iter_mut()) {
-            if slot.is_none() {
-                let bytes = self.read_range_in(base, id, b.offset, b.len)?;
-                self.stats.basement_reads += 1;
-                *slot = Some(node::decode_basement(&bytes, b, id)?);
+        // The missing basements in one read of the blocks from the first to the last.
+        let missing = || {
+            index
+                .iter()
+                .zip(loaded.iter())
+                .filter(|(_, l)| l.is_none())
+                .map(|(b, _)| b)
+        };
+        let start = missing().map(|b| b.offset).min();
+        let end = missing().map(|b| b.offset.saturating_add(b.len)).max();
+        if let (Some(start), Some(end)) = (start, end) {
+            let bytes = self.read_range_in(base, id, start, end - start)?;
+            self.stats.node_reads += 1;
+            for (b, slot) in index.iter().zip(loaded.iter_mut()) {
+                if slot.is_none() {
+                    let at = (b.offset - start) as usize;
+                    let body = bytes.get(at..at + b.len as usize).ok_or_else(|| {
+                        Error::Corrupt(format!("node {id}: basement past its leaf"))
+                    })?;
+                    *slot = Some(node::decode_basement(body, b, id)?);
+                }
             }
         }
         let mut all = Entries::default();
@@ -650,9 +710,7 @@ impl Inner {
     /// a clean leaf stays clean (its extent on disk holds the same).
     fn apply_delta(&mut self, id: NodeId, l: &mut Leaf) -> Result<()> {
         if let Some(at) = l.delta.unread.clone() {
-            let body = self.read_range(id, at.offset, at.len)?;
-            self.stats.buffer_reads += 1;
-            l.delta.buf = node::decode_buffer(&body, &at, id)?;
+            l.delta.buf = self.read_delta(id, &at)?;
             l.delta.unread = None;
         }
         if !l.delta.buf.is_empty() {
@@ -663,16 +721,15 @@ impl Inner {
 
     /// The extent a cached leaf's entries are read from: its base (a leaf read from
     /// disk always has one; a leaf changed in memory is whole).
-    fn leaf_base(&self, id: NodeId) -> Result<Extent> {
-        match self.cache.get(&id).map(|c| &*c.node) {
-            Some(Node::Leaf(Leaf {
-                delta: Delta { base: Some(b), .. },
-                ..
-            })) => Ok(b.extent),
-            _ => Err(Error::Invalid(format!(
-                "internal: basements of leaf {id}, which has no base"
-            ))),
-        }
+    fn base_of(&self, id: NodeId) -> Result<Extent> {
+        let base = match self.cache.get(&id).map(|c| &*c.node) {
+            Some(Node::Leaf(l)) => l.delta.base.as_ref(),
+            Some(Node::Internal(n)) => n.delta.base.as_ref(),
+            None => None,
+        };
+        base.map(|b| b.extent).ok_or_else(|| {
+            Error::Invalid(format!("internal: parts of node {id}, which has no base"))
+        })
     }
 
     /// Makes sure the node is cached (a leaf possibly partial) and marks it used.
@@ -720,10 +777,16 @@ impl Inner {
 
     /// Makes sure the node is cached whole (a leaf with its delta applied).
     fn ensure_full(&mut self, id: NodeId) -> Result<()> {
+        // (A node with a base is taken too: whoever wants it whole may change it, and a
+        // changed node must not keep a base; see `node::Delta`.)
         let partial = match self.cache.get(&id).map(|c| &*c.node) {
             None => true,
-            Some(Node::Leaf(l)) => l.entries().is_none() || !l.delta.is_empty(),
-            Some(Node::Internal(n)) => !n.is_whole(),
+            Some(Node::Leaf(l)) => {
+                l.entries().is_none() || l.delta.base.is_some() || !l.delta.is_empty()
+            }
+            Some(Node::Internal(n)) => {
+                !n.is_whole() || n.delta.base.is_some() || !n.delta.is_empty()
+            }
         };
         if partial {
             let (n, dirty) = self.take_full(id)?;
@@ -1135,7 +1198,7 @@ impl Inner {
             return Ok(());
         }
         let cid = self.own(parent, idx)?;
-        if parent.height == 1 && self.flush_into_delta(parent, idx, cid)? {
+        if self.flush_into_delta(parent, idx, cid)? {
             return Ok(());
         }
         let buf = std::mem::take(&mut parent.buffers[idx]);
@@ -1181,46 +1244,51 @@ impl Inner {
         self.opts.delta_bytes.min(self.geo.node_bytes / 2)
     }
 
-    /// Moves the buffer for leaf `cid` (child `idx` of `parent`) into the leaf's delta
-    /// if the leaf is as on disk (it has a base) and the delta has room: the leaf is
+    /// Moves the buffer for child `cid` (`idx` of `parent`) into the child's delta if
+    /// the child is as on disk (it has a base) and its delta has room: the child is
     /// neither read whole nor rewritten (see `node::Delta`). `false`: the caller
-    /// flushes into the whole leaf instead.
+    /// flushes into the whole child instead.
     fn flush_into_delta(&mut self, parent: &mut Internal, idx: usize, cid: NodeId) -> Result<bool> {
         let max = self.delta_max();
         let incoming = parent.buffers[idx].bytes();
-        // Upserts stay out of deltas: one may grow a value far past its own size (a
-        // write at an offset), and the leaf with its delta applied must stay within a
-        // node and a delta (the next flush into the whole leaf splits it). Puts and
-        // deletes grow it by at most their bytes.
-        if incoming > max || parent.buffers[idx].has_upserts() {
+        if incoming > max {
             return Ok(false);
         }
+        // A leaf with its delta applied must stay within a node and a delta (the next
+        // flush into the whole leaf splits it), so upserts stay out of leaf deltas (one
+        // may grow a value far past its own size: a write at an offset); puts and
+        // deletes grow it by at most their bytes. An internal node with its delta
+        // applied flushes itself back within a node.
+        let leaf = parent.height == 1;
         let node_bytes = self.geo.node_bytes;
-        let room = |leaf: usize, delta: usize| {
-            delta + incoming <= max && leaf + delta + incoming <= node_bytes + max
+        let room = |size: usize, delta: usize| {
+            delta + incoming <= max && (!leaf || size + delta + incoming <= node_bytes + max)
         };
-        let (fits, unread) = match &*self.ensure(cid)?.node {
-            Node::Leaf(l) => match (&l.delta.base, &l.delta.unread) {
-                (None, _) => (false, None),
-                (Some(_), Some(at)) => (room(l.bytes, at.len as usize), Some(at.clone())),
-                (Some(_), None) => (room(l.bytes, l.delta.buf.bytes()), None),
-            },
-            Node::Internal(_) => {
+        let fits = |d: &Delta, size: usize| match (&d.base, &d.unread) {
+            (None, _) => (false, false),
+            (Some(_), Some(at)) => (room(size, at.len as usize), true),
+            (Some(_), None) => (room(size, d.buf.bytes()), false),
+        };
+        let (ok, unread) = match &*self.ensure(cid)?.node {
+            Node::Leaf(l) if leaf => fits(&l.delta, l.bytes),
+            Node::Internal(n) if !leaf => fits(&n.delta, 0),
+            _ => {
                 return Err(Error::Corrupt(format!(
-                    "node {cid}: an internal node below height 1"
+                    "node {cid}: its height does not match its parent's"
                 )))
             }
         };
-        if !fits {
+        // (Checked last: it walks every message.)
+        if !ok || (leaf && parent.buffers[idx].has_upserts()) {
             return Ok(false);
         }
-        if unread.is_some() {
+        if unread {
             self.load_delta(cid)?;
-            let fits = match &*self.cache[&cid].node {
-                Node::Leaf(l) => room(l.bytes, l.delta.buf.bytes()),
-                Node::Internal(_) => false,
+            let ok = match &*self.cache[&cid].node {
+                Node::Leaf(l) => fits(&l.delta, l.bytes).0,
+                Node::Internal(n) => fits(&n.delta, 0).0,
             };
-            if !fits {
+            if !ok {
                 return Ok(false);
             }
         }
@@ -1229,16 +1297,19 @@ impl Inner {
             Some(l) => l.buffer_to_inner(buf),
             None => buf,
         };
-        let Some((Node::Leaf(mut leaf), _)) = self.take_cached(cid) else {
+        let Some((mut child, _)) = self.take_cached(cid) else {
             return Err(Error::Invalid(format!(
-                "internal: leaf {cid} left the cache"
+                "internal: node {cid} left the cache"
             )));
         };
         self.stats.flushes += 1;
         self.stats.delta_flushes += 1;
         self.stats.flushed_bytes += buf.bytes() as u64;
-        leaf.delta.buf.absorb(buf);
-        self.put_node(cid, Node::Leaf(leaf), true);
+        match &mut child {
+            Node::Leaf(l) => l.delta.buf.absorb(buf),
+            Node::Internal(n) => n.delta.buf.absorb(buf),
+        }
+        self.put_node(cid, child, true);
         Ok(true)
     }
 
@@ -1408,7 +1479,9 @@ impl Inner {
     pub fn get(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         self.check_failed()?;
         self.stats.gets += 1;
-        let mut levels: Vec<(bool, Vec<(Msn, Msg)>)> = Vec::new();
+        // Each level's messages for the key, root first: a node's delta (newer) before
+        // its buffer for the child (older); applied in reverse.
+        let mut levels: Vec<Level> = Vec::new();
         let mut id = self.root;
         // The key in the space of the node at hand (lifted edges map it).
         let mut key_here: std::borrow::Cow<[u8]> = std::borrow::Cow::Borrowed(key);
@@ -1421,61 +1494,34 @@ impl Inner {
                 }
                 Node::Leaf(_) => break id,
             };
+            levels.extend(self.delta_lookup(id, key)?);
             let next_key = lift.map(|l| l.to_inner(key).into_owned());
             if let Some(at) = unread {
                 // A buffer not read yet: skipped if its filter rules the key out, else
                 // searched where it lies, without decoding or caching it (a query
                 // needs one key's messages; whole buffers would crowd the leaves out).
                 if at.may_hold(key) {
-                    let body = self.read_range(id, at.offset, at.len)?;
+                    let base = self.base_of(id)?;
+                    let body = self.read_range_in(base, id, at.offset, at.len)?;
                     levels.push(node::buffer_lookup(&body, &at, id, key)?);
                     self.stats.buffer_reads += 1;
                 } else {
                     self.stats.buffers_skipped += 1;
                 }
-                let Node::Internal(n) = &*self.cache[&id].node else {
-                    unreachable!("internal")
-                };
-                id = n.children[i];
-            } else {
-                match &*self.cache[&id].node {
-                    Node::Internal(n) => {
-                        let b = &n.buffers[i];
-                        levels.push((b.covered(key), b.points.get(key)));
-                        id = n.children[i];
-                    }
-                    Node::Leaf(_) => break id,
-                }
+            } else if let Node::Internal(n) = &*self.cache[&id].node {
+                let b = &n.buffers[i];
+                levels.push((b.covered(key), b.points.get(key)));
             }
+            let Node::Internal(n) = &*self.cache[&id].node else {
+                unreachable!("internal")
+            };
+            id = n.children[i];
             if let Some(k) = next_key {
                 key_here = std::borrow::Cow::Owned(k);
             }
         };
         // The leaf's delta: the deepest messages (pushed last, applied first).
-        let delta = match &*self.cache[&leaf].node {
-            Node::Leaf(l) if !l.delta.buf.is_empty() => Some((
-                l.delta.buf.covered(&key_here),
-                l.delta.buf.points.get(&key_here),
-            )),
-            Node::Leaf(Leaf {
-                delta: Delta {
-                    unread: Some(at), ..
-                },
-                ..
-            }) => {
-                if at.may_hold(&key_here) {
-                    let at = at.clone();
-                    let body = self.read_range(leaf, at.offset, at.len)?;
-                    self.stats.buffer_reads += 1;
-                    Some(node::buffer_lookup(&body, &at, leaf, &key_here)?)
-                } else {
-                    self.stats.buffers_skipped += 1;
-                    None
-                }
-            }
-            _ => None,
-        };
-        levels.extend(delta);
+        levels.extend(self.delta_lookup(leaf, &key_here)?);
         let mut v = self.leaf_get(leaf, &key_here)?;
         for (covered, msgs) in levels.into_iter().rev() {
             if covered {
@@ -1486,6 +1532,28 @@ impl Inner {
             }
         }
         Ok(v)
+    }
+
+    /// The messages a cached node's delta holds for `key` (read where they lie if the
+    /// delta is not loaded and its filter does not rule the key out).
+    fn delta_lookup(&mut self, id: NodeId, key: &[u8]) -> Result<Option<Level>> {
+        let d = match &*self.cache[&id].node {
+            Node::Leaf(l) => &l.delta,
+            Node::Internal(n) => &n.delta,
+        };
+        if !d.buf.is_empty() {
+            return Ok(Some((d.buf.covered(key), d.buf.points.get(key))));
+        }
+        let Some(at) = d.unread.clone() else {
+            return Ok(None);
+        };
+        if !at.may_hold(key) {
+            self.stats.buffers_skipped += 1;
+            return Ok(None);
+        }
+        let body = self.read_range(id, at.offset, at.len)?;
+        self.stats.buffer_reads += 1;
+        Ok(Some(node::buffer_lookup(&body, &at, id, key)?))
     }
 
     fn leaf_get(&mut self, id: NodeId, key: &[u8]) -> Result<Option<Vec<u8>>> {
@@ -1521,7 +1589,7 @@ impl Inner {
         };
         let start = first.1.offset;
         let end = last.1.offset.saturating_add(last.1.len);
-        let base = self.leaf_base(id)?;
+        let base = self.base_of(id)?;
         let bytes = self.read_range_in(base, id, start, end.saturating_sub(start))?;
         let mut add = 0;
         let mut got = Vec::with_capacity(want.len());
@@ -1726,6 +1794,7 @@ impl Inner {
             // are read and kept (a point query searches one where it lies instead).
             for &(pid, i) in &path {
                 self.load_buffer(pid, i)?;
+                self.load_delta(pid)?;
             }
             self.load_delta(id)?;
             let mut nodes = Vec::with_capacity(path.len() + 1);
@@ -1763,23 +1832,23 @@ impl Inner {
         Ok(next)
     }
 
-    /// Decodes and keeps the delta of the cached leaf `id` if it is unread.
+    /// Decodes and keeps the delta of the cached node `id` if it is unread.
     fn load_delta(&mut self, id: NodeId) -> Result<()> {
         let Some(at) = (match &*self.cache[&id].node {
             Node::Leaf(l) => l.delta.unread.clone(),
-            Node::Internal(_) => None,
+            Node::Internal(n) => n.delta.unread.clone(),
         }) else {
             return Ok(());
         };
-        let body = self.read_range(id, at.offset, at.len)?;
-        self.stats.buffer_reads += 1;
-        let b = node::decode_buffer(&body, &at, id)?;
+        let b = self.read_delta(id, &at)?;
         let c = self.cache.get_mut(&id).expect("cached");
         let before = c.node.mem();
-        if let Node::Leaf(l) = Arc::make_mut(&mut c.node) {
-            l.delta.buf = b;
-            l.delta.unread = None;
-        }
+        let d = match Arc::make_mut(&mut c.node) {
+            Node::Leaf(l) => &mut l.delta,
+            Node::Internal(n) => &mut n.delta,
+        };
+        d.buf = b;
+        d.unread = None;
         let after = c.node.mem();
         c.mem = (c.mem + after).saturating_sub(before);
         self.mem = (self.mem + after).saturating_sub(before);
@@ -1794,7 +1863,8 @@ impl Inner {
         }) else {
             return Ok(());
         };
-        let body = self.read_range(id, at.offset, at.len)?;
+        let base = self.base_of(id)?;
+        let body = self.read_range_in(base, id, at.offset, at.len)?;
         self.stats.buffer_reads += 1;
         let b = node::decode_buffer(&body, &at, id)?;
         let c = self.cache.get_mut(&id).expect("cached");
@@ -1886,12 +1956,19 @@ impl Inner {
                 "internal: a scan's leaf delta is unread".into(),
             ));
         }
+        // (Each node's buffer, then its delta: newer.)
         let mut sources: Vec<(usize, &Buffer)> = vec![(leaf_level, &leaf_node.delta.buf)];
         for (level, (n, &(_, i))) in nodes.iter().zip(path).enumerate().rev() {
             let Node::Internal(n) = &**n else {
                 return Err(Error::Invalid("internal: a leaf on a scan's path".into()));
             };
+            if n.delta.unread.is_some() {
+                return Err(Error::Invalid(
+                    "internal: a scan's path delta is unread".into(),
+                ));
+            }
             sources.push((level, &n.buffers[i]));
+            sources.push((level, &n.delta.buf));
         }
         for (level, b) in sources {
             let lo_l = lifts.down(level, wlo);

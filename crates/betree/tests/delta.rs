@@ -1,5 +1,5 @@
-//! Leaf deltas (`node::Delta`): a flush into a leaf whose delta has room is written as a
-//! delta over the leaf's unchanged extent. Checked against a `BTreeMap` through
+//! Deltas (`node::Delta`): a flush into a node (leaf or internal) whose delta has room
+//! is written as a delta over the node's unchanged extent. Checked against a `BTreeMap` through
 //! checkpoints and reopenings (a reopened tree reads deltas from disk, for point
 //! queries, scans in both directions and further flushes), and a damaged delta is a
 //! typed error.
@@ -113,12 +113,14 @@ fn without_deltas_every_flush_rewrites_its_leaf() {
     assert_eq!((flushes, applies), (0, 0));
 }
 
-/// Finds the blocks that start a delta leaf ("QBND").
-fn delta_blocks(dev: &MemDevice) -> Vec<u64> {
+/// The blocks that start a delta ("QBND"), and the height of each one's node (in the
+/// node prefix at byte 16).
+fn delta_blocks(dev: &MemDevice) -> Vec<(u64, u16)> {
     (0..dev.block_count())
-        .filter(|&b| {
+        .filter_map(|b| {
             let mut x = vec![0u8; BS];
-            dev.read(b, &mut x).is_ok() && x.starts_with(b"QBND")
+            (dev.read(b, &mut x).is_ok() && x.starts_with(b"QBND"))
+                .then(|| (b, u16::from_le_bytes([x[16], x[17]])))
         })
         .collect()
 }
@@ -137,11 +139,21 @@ fn a_damaged_delta_is_a_typed_error() {
     drop(t);
     let image = dev.to_vec();
     let found = delta_blocks(&dev);
-    assert!(!found.is_empty(), "the image holds no delta leaf");
+    assert!(
+        found.iter().any(|&(_, h)| h == 0),
+        "the image holds no leaf delta"
+    );
+    assert!(
+        found.iter().any(|&(_, h)| h > 0),
+        "the image holds no internal delta"
+    );
     let mut errors = 0;
     // One byte flipped in each place of a few delta leaves: the head's section, and
     // the block after it (the delta's messages, or the rest of the section).
-    for &b in found.iter().take(6) {
+    // A few of each kind.
+    let leaves = found.iter().filter(|d| d.1 == 0).take(4);
+    let internal = found.iter().filter(|d| d.1 > 0).take(4);
+    for &(b, _) in leaves.chain(internal) {
         for (block, at) in [(b, 40usize), (b + 1, 10)] {
             let d = Arc::new(MemDevice::from_bytes(BS, &image).unwrap());
             let mut x = vec![0u8; BS];

@@ -37,8 +37,10 @@ pub struct KvReport {
     pub clean: usize,
     pub with_violations: usize,
     pub failures: Vec<KvFailure>,
-    /// Delta leaves the recorded histories wrote (see `Shape`).
-    pub delta_leaves_written: usize,
+    /// Deltas the recorded histories wrote, of leaves and of internal nodes (see
+    /// `Shape`).
+    pub leaf_deltas_written: usize,
+    pub internal_deltas_written: usize,
     pub seconds: f64,
     /// Whether this was the control run (syncs claimed, not made).
     pub lying: bool,
@@ -303,12 +305,18 @@ pub fn run(
     while report.states_checked < states_wanted {
         let rec = record(run_seed, lying)?;
         report.runs += 1;
-        report.delta_leaves_written += rec
-            .log
-            .entries
-            .iter()
-            .filter(|e| matches!(e, quilt_block::LogEntry::Write { data, .. } if data.starts_with(b"QBND")))
-            .count();
+        for e in &rec.log.entries {
+            if let quilt_block::LogEntry::Write { data, .. } = e {
+                // A node's prefix: magic, version, kind, id, then its height at 16.
+                if data.starts_with(b"QBND") && data.len() >= 18 {
+                    if data[16..18] == [0, 0] {
+                        report.leaf_deltas_written += 1;
+                    } else {
+                        report.internal_deltas_written += 1;
+                    }
+                }
+            }
+        }
         report.operations += OPS;
         let all = states::generate(&rec.log, &mut rng);
         report.states_generated += all.len();
@@ -345,7 +353,8 @@ pub fn run(
 impl KvReport {
     pub fn text(&self) -> String {
         let mut s = format!(
-            "betree crash exploration{}: {} runs of {} operations ({} delta leaves written), \
+            "betree crash exploration{}: {} runs of {} operations (deltas written: {} of leaves, \
+             {} of internal nodes), \
              {} states generated, {} checked ({} cuts), {} clean, {} with violations, {:.1} s\n",
             if self.lying {
                 " (control: syncs claimed, not made)"
@@ -354,7 +363,8 @@ impl KvReport {
             },
             self.runs,
             OPS,
-            self.delta_leaves_written,
+            self.leaf_deltas_written,
+            self.internal_deltas_written,
             self.states_generated,
             self.states_checked,
             self.cuts_checked,

@@ -42,11 +42,11 @@ use quilt_patch::{ChangeOpts, Engine, PatchId};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex};
 
-/// Where the writer thread put the snapshot's nodes (with the basement index of each
-/// whole leaf: the leaf's base once the header is durable) and the table.
+/// Where the writer thread put the snapshot's nodes (with the section of each node
+/// written whole: the node's base once the header is durable) and the table.
 #[derive(Clone)]
 pub(crate) struct Placed {
-    nodes: Vec<(NodeId, Extent, Option<Vec<node::BasementRef>>)>,
+    nodes: Vec<(NodeId, Extent, Option<Vec<u8>>)>,
     table: Extent,
 }
 
@@ -243,12 +243,15 @@ impl Job {
         };
         for (id, n) in std::mem::take(&mut self.nodes) {
             let bytes = node::encode(id, &n, self.bs, self.basement_bytes);
-            let whole_leaf = matches!(&*n, Node::Leaf(l) if l.delta.base.is_none());
+            let whole = match &*n {
+                Node::Leaf(l) => l.delta.base.is_none(),
+                Node::Internal(x) => x.delta.base.is_none(),
+            };
             drop(n);
-            // A whole leaf's index, for the leaf to take deltas over this extent.
-            let index = if whole_leaf {
+            // A whole node's section, for the node to take deltas over this extent.
+            let section = if whole {
                 let (_, len) = node::section_len(&bytes, id)?;
-                Some(node::decode_leaf_index(&bytes[..len], id, bytes.len())?)
+                Some(bytes[..len].to_vec())
             } else {
                 None
             };
@@ -256,7 +259,7 @@ impl Job {
             write(e.start, &bytes)?;
             self.done.place(id, e);
             self.btt.insert(id, e);
-            placed.push((id, e, index));
+            placed.push((id, e, section));
         }
         let mut entries: Vec<(NodeId, Extent)> = self.btt.iter().map(|(k, v)| (*k, *v)).collect();
         entries.sort_unstable();
@@ -312,7 +315,7 @@ impl Inner {
             bytes += c.mem;
             let base = match &*c.node {
                 Node::Leaf(l) => l.delta.base.as_ref().map(|b| b.extent),
-                Node::Internal(_) => None,
+                Node::Internal(n) => n.delta.base.as_ref().map(|b| b.extent),
             };
             nodes.push((id, c.node.clone()));
             if let Some(&e) = self.btt.get(&id) {
@@ -433,7 +436,7 @@ impl Inner {
         // 2. and 3.: the header is durable.
         self.log.start_lsn = f.log_lsn;
         let mut alloc = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
-        for (id, e, index) in placed.nodes {
+        for (id, e, section) in placed.nodes {
             self.stats.node_bytes_written += e.blocks * self.geo.block_size as u64;
             if f.freed.contains(&id) {
                 // The durable header names it; the next one will not. (Its base, if it
@@ -444,7 +447,7 @@ impl Inner {
             }
             let old = self.btt.insert(id, e);
             debug_assert_eq!(old, f.before.get(&id).copied(), "node {id} moved meanwhile");
-            // A delta leaf keeps its base: the leaf's extent before, or its base before.
+            // A delta keeps its base: the node's extent before, or its base before.
             let base = f.bases.get(&id).copied().flatten();
             let old_base = match base {
                 Some(b) => self.bases.insert(id, b),
@@ -459,16 +462,19 @@ impl Inner {
                     alloc.free(x);
                 }
             }
-            // A whole leaf still cached as written takes deltas over its new extent.
-            if let (Some(index), Some(c)) = (index, self.cache.get_mut(&id)) {
+            // A whole node still cached as written takes deltas over its new extent.
+            if let (Some(section), Some(c)) = (section, self.cache.get_mut(&id)) {
                 if !c.dirty {
-                    if let Node::Leaf(l) = Arc::make_mut(&mut c.node) {
-                        if l.delta.base.is_none() && l.delta.is_empty() && l.entries().is_some() {
-                            l.delta.base = Some(node::Base { extent: e, index });
-                            let mem = c.node.mem();
-                            self.mem = (self.mem + mem).saturating_sub(c.mem);
-                            c.mem = mem;
-                        }
+                    let delta = match Arc::make_mut(&mut c.node) {
+                        Node::Leaf(l) if l.entries().is_some() => Some(&mut l.delta),
+                        Node::Internal(n) if n.is_whole() => Some(&mut n.delta),
+                        _ => None,
+                    };
+                    if let Some(d) = delta.filter(|d| d.base.is_none() && d.is_empty()) {
+                        d.base = Some(node::Base { extent: e, section });
+                        let mem = c.node.mem();
+                        self.mem = (self.mem + mem).saturating_sub(c.mem);
+                        c.mem = mem;
                     }
                 }
             }
