@@ -189,3 +189,53 @@ fn a_damaged_delta_is_a_typed_error() {
     // (A block found may hold a delta no checkpoint references any more; not all.)
     assert!(errors > 0, "no damage was noticed");
 }
+
+/// A shared node (a range clone shares subtrees) is copied before it changes; the copy
+/// is a new node, and must be written whole, not as a delta over the original's extent.
+#[test]
+fn a_copy_of_a_shared_node_is_written_whole() {
+    let dev = Arc::new(MemDevice::new(BS, 16384).unwrap());
+    let mut t = Tree::create(dev.clone(), opts()).unwrap();
+    let mut model = BTreeMap::new();
+    for i in 0..1500u64 {
+        let k = format!("a/{:05}", i * 7919 % 1500).into_bytes();
+        let v = format!("v{i}").into_bytes();
+        model.insert(k.clone(), v.clone());
+        t.put(&k, &v).unwrap();
+    }
+    // Written whole: every cached node now has a base.
+    t.checkpoint().unwrap();
+    let mut b = Batch::new();
+    b.clone_prefix(b"a/", b"b/");
+    t.write(b).unwrap();
+    for (k, v) in model.clone() {
+        model.insert([b"b/", &k[2..]].concat(), v);
+    }
+    // Changes on both sides reach the shared nodes and copy them.
+    let mut copies = 0;
+    for round in 0..6u64 {
+        for i in 0..1500u64 {
+            if i % 3 != round % 3 {
+                continue;
+            }
+            let side = if (i + round) % 2 == 0 { "a" } else { "b" };
+            let k = format!("{side}/{:05}", i * 7919 % 1500).into_bytes();
+            let v = format!("r{round}-{i}").into_bytes();
+            model.insert(k.clone(), v.clone());
+            t.put(&k, &v).unwrap();
+        }
+        t.checkpoint().unwrap();
+        agrees_on(&t, &model);
+        copies += t.stats().cow_copies;
+        t.sync().unwrap();
+        drop(t);
+        t = Tree::open(dev.clone(), opts()).unwrap();
+        agrees_on(&t, &model);
+    }
+    assert!(copies > 0, "no shared node was copied");
+}
+
+fn agrees_on(t: &Tree, model: &BTreeMap<Vec<u8>, Vec<u8>>) {
+    assert_eq!(&contents(t), model);
+    t.check().expect("the tree is sound");
+}
