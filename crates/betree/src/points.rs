@@ -616,6 +616,56 @@ impl Points {
         })
     }
 
+    /// The groups cut into runs of about `target` bytes, in order: each run's first
+    /// key, its groups' bytes exactly as `decode` reads them, and how many (no tail).
+    pub fn runs(&self, target: usize) -> Vec<(&[u8], &[u8], u32)> {
+        debug_assert!(self.tail.is_empty(), "cutting a buffer with a tail");
+        let mut out = Vec::new();
+        let mut a = 0;
+        while a < self.offs.len() {
+            let start = self.offs[a] as usize;
+            let mut b = a + 1;
+            while b < self.offs.len() && (self.offs[b] as usize) - start < target {
+                b += 1;
+            }
+            let end = self.offs.get(b).map_or(self.arena.len(), |&e| e as usize);
+            out.push((self.key_at(a), &self.arena[start..end], (b - a) as u32));
+            a = b;
+        }
+        out
+    }
+
+    /// Appends `other`'s groups, whose keys are all above this one's (neither has a tail).
+    pub fn append(&mut self, other: Points) -> Result<()> {
+        if let Some(last) = self.offs.len().checked_sub(1) {
+            if !other.offs.is_empty() && self.key_at(last) >= other.key_at(0) {
+                return Err(Error::Corrupt("message runs out of order".into()));
+            }
+        }
+        let base = self.arena.len() as u32;
+        self.arena.extend_from_slice(&other.arena);
+        self.offs.extend(other.offs.iter().map(|o| o + base));
+        self.bytes += other.bytes;
+        Ok(())
+    }
+
+    /// The messages for `key` among `count` encoded groups (checked as they are
+    /// walked), oldest first.
+    pub fn lookup_encoded(body: &[u8], count: usize, key: &[u8]) -> Result<Vec<(Msn, Msg)>> {
+        let mut at = 0;
+        for _ in 0..count {
+            let (g, len) = Group::at(body.get(at..).unwrap_or_default())?;
+            if g.key == key {
+                return Ok(g.owned());
+            }
+            if g.key > key {
+                break;
+            }
+            at += len;
+        }
+        Ok(Vec::new())
+    }
+
     /// Writes the groups as `decode` reads them (count first).
     pub fn encode(&self, w: &mut Writer) {
         let p = self.settled();
@@ -674,6 +724,49 @@ mod tests {
             MsgRef::Delete => None,
             MsgRef::Upsert { arg, .. } => Some([v.unwrap_or_default(), arg.to_vec()].concat()),
         })
+    }
+
+    /// A delta's runs (`runs`), decoded one by one and appended, give back the groups;
+    /// each key's messages are found in the run `lo` points at (`lookup_encoded`).
+    #[test]
+    fn runs_round_trip_and_hold_their_keys() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..200 {
+            let (mut p, mut m) = (Points::default(), Model::new());
+            for msn in 0..(rng(&mut seed) % 300) {
+                let k = format!("k{:04}", rng(&mut seed) % 500).into_bytes();
+                let x = random_msg(&mut seed);
+                model_push(&mut m, &k, msn, x.clone());
+                p.push(k, msn, x);
+            }
+            p.settle();
+            let target = 1 + (rng(&mut seed) % 2000) as usize;
+            let runs = p.runs(target);
+            assert_eq!(runs.iter().map(|r| r.2 as usize).sum::<usize>(), m.len());
+            let mut back = Points::default();
+            for (i, (lo, bytes, groups)) in runs.iter().enumerate() {
+                let mut r = Reader::new(bytes, "run");
+                let q = Points::decode(&mut r, *groups as usize).unwrap();
+                assert_eq!(r.remaining(), 0);
+                assert_eq!(q.key_at(0), *lo);
+                // Every key of this run, and only those, is found in it.
+                let hi = runs.get(i + 1).map(|r| r.0);
+                for (k, msgs) in &m {
+                    let mine = k.as_slice() >= *lo && hi.is_none_or(|h| k.as_slice() < h);
+                    let got = Points::lookup_encoded(bytes, *groups as usize, k).unwrap();
+                    assert_eq!(got, if mine { msgs.clone() } else { Vec::new() });
+                }
+                back.append(q).unwrap();
+            }
+            assert_eq!(contents(&back), m);
+            assert_eq!(back.bytes, bytes_of(&m));
+            // Out of order: an error, not a wrong buffer.
+            if runs.len() > 1 {
+                let mut r = Reader::new(runs[0].1, "run");
+                let first = Points::decode(&mut r, runs[0].2 as usize).unwrap();
+                assert!(back.append(first).is_err());
+            }
+        }
     }
 
     #[test]

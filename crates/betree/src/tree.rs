@@ -475,8 +475,8 @@ impl Inner {
         }
         let (_, base, at) = node::decode_delta(&bytes[..len], id, bytes.len())?;
         self.check_base(id, &base.extent)?;
-        let (from, to) = (at.offset as usize, at.offset as usize + at.len as usize);
-        let buf = node::decode_buffer(&bytes[from..to], &at, id)?;
+        let (from, n) = at.span();
+        let buf = node::decode_delta_runs(&bytes[from as usize..(from + n) as usize], &at, id)?;
         let bb = self.read_blocks(base.extent.start, base.extent.blocks)?;
         self.stats.node_reads += 1;
         let (kind, blen) = node::section_len(&bb, id)?;
@@ -656,10 +656,11 @@ impl Inner {
     }
 
     /// A node's delta messages, from its own extent.
-    fn read_delta(&mut self, id: NodeId, at: &node::BufferRef) -> Result<Buffer> {
-        let body = self.read_range(id, at.offset, at.len)?;
+    fn read_delta(&mut self, id: NodeId, at: &node::DeltaRef) -> Result<Buffer> {
+        let (offset, len) = at.span();
+        let body = self.read_range(id, offset, len)?;
         self.stats.buffer_reads += 1;
-        node::decode_buffer(&body, at, id)
+        node::decode_delta_runs(&body, at, id)
     }
 
     /// Makes a partial leaf full: reads the basements it lacks from its base. On an
@@ -1266,7 +1267,7 @@ impl Inner {
         };
         let fits = |d: &Delta, size: usize| match (&d.base, &d.unread) {
             (None, _) => (false, false),
-            (Some(_), Some(at)) => (room(size, at.len as usize), true),
+            (Some(_), Some(at)) => (room(size, at.bytes()), true),
             (Some(_), None) => (room(size, d.buf.bytes()), false),
         };
         let (ok, unread) = match &*self.ensure(cid)?.node {
@@ -1487,20 +1488,25 @@ impl Inner {
         let mut key_here: std::borrow::Cow<[u8]> = std::borrow::Cow::Borrowed(key);
         let leaf = loop {
             let key: &[u8] = &key_here;
+            // A buffer not read yet is skipped if its filter rules the key out, else
+            // searched where it lies, without decoding or caching it (a query needs one
+            // key's messages; whole buffers would crowd the leaves out). `unread`:
+            // `Some(None)` skipped, `Some(Some(place))` to search.
             let (i, unread, lift) = match &*self.ensure(id)?.node {
                 Node::Internal(n) => {
                     let i = n.child_for(key);
-                    (i, n.unread.get(i).cloned().flatten(), n.lifts[i].clone())
+                    let unread = match n.unread.get(i) {
+                        Some(Some(at)) => Some(at.may_hold(key).then(|| at.place())),
+                        _ => None,
+                    };
+                    (i, unread, n.lifts[i].clone())
                 }
                 Node::Leaf(_) => break id,
             };
             levels.extend(self.delta_lookup(id, key)?);
             let next_key = lift.map(|l| l.to_inner(key).into_owned());
-            if let Some(at) = unread {
-                // A buffer not read yet: skipped if its filter rules the key out, else
-                // searched where it lies, without decoding or caching it (a query
-                // needs one key's messages; whole buffers would crowd the leaves out).
-                if at.may_hold(key) {
+            if let Some(hit) = unread {
+                if let Some(at) = hit {
                     let base = self.base_of(id)?;
                     let body = self.read_range_in(base, id, at.offset, at.len)?;
                     levels.push(node::buffer_lookup(&body, &at, id, key)?);
@@ -1544,16 +1550,23 @@ impl Inner {
         if !d.buf.is_empty() {
             return Ok(Some((d.buf.covered(key), d.buf.points.get(key))));
         }
-        let Some(at) = d.unread.clone() else {
+        let Some(at) = d.unread.as_ref() else {
             return Ok(None);
         };
-        if !at.may_hold(key) {
+        // The range deletes are in the section; of the point messages, only the run
+        // that would hold the key is read, if the filter admits it.
+        let covered = at.ranges.iter().any(|r| r.covers(key));
+        let run = at.may_hold(key).then(|| at.run_for(key).cloned()).flatten();
+        let Some(run) = run else {
             self.stats.buffers_skipped += 1;
-            return Ok(None);
-        }
-        let body = self.read_range(id, at.offset, at.len)?;
+            return Ok(covered.then(|| (true, Vec::new())));
+        };
+        let bytes = self.read_range(id, run.offset, run.len)?;
         self.stats.buffer_reads += 1;
-        Ok(Some(node::buffer_lookup(&body, &at, id, key)?))
+        Ok(Some((
+            covered,
+            node::delta_run_lookup(&bytes, &run, id, key)?,
+        )))
     }
 
     fn leaf_get(&mut self, id: NodeId, key: &[u8]) -> Result<Option<Vec<u8>>> {
