@@ -1807,9 +1807,15 @@ impl Inner {
             // are read and kept (a point query searches one where it lies instead).
             for &(pid, i) in &path {
                 self.load_buffer(pid, i)?;
-                self.load_delta(pid)?;
             }
-            self.load_delta(id)?;
+            // Deltas not read yet: the runs that meet the window only (by level, the
+            // path's nodes then the leaf; `None` where the delta is loaded).
+            let mut windows = Vec::with_capacity(path.len() + 1);
+            for (level, &nid) in path.iter().map(|(p, _)| p).chain([&id]).enumerate() {
+                let lo_l = lifts.down(level, &wlo).into_owned();
+                let hi_l = whi.as_deref().map(|h| lifts.down(level, h).into_owned());
+                windows.push(self.delta_window(nid, &lo_l, hi_l.as_deref())?);
+            }
             let mut nodes = Vec::with_capacity(path.len() + 1);
             for &(pid, _) in &path {
                 let c = self
@@ -1825,6 +1831,7 @@ impl Inner {
                 &leaf,
                 parts,
                 &lifts,
+                &windows,
                 &wlo,
                 whi.as_deref(),
                 out,
@@ -1843,6 +1850,32 @@ impl Inner {
         };
         // (Ascending either way: a backward scan walks the chunk from its end.)
         Ok(next)
+    }
+
+    /// The messages of the cached node `id`'s unread delta that a scan's window
+    /// `lo..hi` (in the node's space) may need: its range deletes and the runs that meet
+    /// the window, read in one piece (`None` if the delta is loaded or empty).
+    fn delta_window(&mut self, id: NodeId, lo: &[u8], hi: Option<&[u8]>) -> Result<Option<Buffer>> {
+        let at = match &*self.cache[&id].node {
+            Node::Leaf(l) => l.delta.unread.clone(),
+            Node::Internal(n) => n.delta.unread.clone(),
+        };
+        let Some(mut at) = at else {
+            return Ok(None);
+        };
+        // Run `i` holds keys `runs[i].lo..runs[i + 1].lo`.
+        let first = at
+            .runs
+            .partition_point(|r| r.lo.as_slice() <= lo)
+            .saturating_sub(1);
+        let end = hi.map_or(at.runs.len(), |h| {
+            at.runs.partition_point(|r| r.lo.as_slice() < h)
+        });
+        at.runs = at.runs.drain(first..end.max(first)).collect();
+        if at.runs.is_empty() && at.ranges.is_empty() {
+            return Ok(Some(Buffer::default()));
+        }
+        Ok(Some(self.read_delta(id, &at)?))
     }
 
     /// Decodes and keeps the delta of the cached node `id` if it is unread.
@@ -1905,6 +1938,7 @@ impl Inner {
         leaf: &Node,
         parts: Option<(usize, usize)>,
         lifts: &PathLifts,
+        windows: &[Option<Buffer>],
         wlo: &[u8],
         whi: Option<&[u8]>,
         out: &mut Chunk,
@@ -1964,24 +1998,25 @@ impl Inner {
         let Node::Leaf(leaf_node) = leaf else {
             return Err(Error::Invalid("internal: a scan's leaf is internal".into()));
         };
-        if leaf_node.delta.unread.is_some() {
-            return Err(Error::Invalid(
-                "internal: a scan's leaf delta is unread".into(),
-            ));
+        // A level's delta: loaded, or the runs of it the window needs.
+        fn delta_at<'a>(window: &'a Option<Buffer>, d: &'a node::Delta) -> Result<&'a Buffer> {
+            match (window, &d.unread) {
+                (Some(w), _) => Ok(w),
+                (None, None) => Ok(&d.buf),
+                (None, Some(_)) => Err(Error::Invalid("internal: a scan's delta is unread".into())),
+            }
         }
         // (Each node's buffer, then its delta: newer.)
-        let mut sources: Vec<(usize, &Buffer)> = vec![(leaf_level, &leaf_node.delta.buf)];
+        let mut sources: Vec<(usize, &Buffer)> = vec![(
+            leaf_level,
+            delta_at(&windows[leaf_level], &leaf_node.delta)?,
+        )];
         for (level, (n, &(_, i))) in nodes.iter().zip(path).enumerate().rev() {
             let Node::Internal(n) = &**n else {
                 return Err(Error::Invalid("internal: a leaf on a scan's path".into()));
             };
-            if n.delta.unread.is_some() {
-                return Err(Error::Invalid(
-                    "internal: a scan's path delta is unread".into(),
-                ));
-            }
             sources.push((level, &n.buffers[i]));
-            sources.push((level, &n.delta.buf));
+            sources.push((level, delta_at(&windows[level], &n.delta)?));
         }
         for (level, b) in sources {
             let lo_l = lifts.down(level, wlo);
