@@ -1625,8 +1625,12 @@ impl Inner {
             for (i, es) in got {
                 loaded[i] = Some(es);
             }
+            // (A partial node may be dirty: its delta took a flush.)
             c.mem += add;
             self.mem += add;
+            if c.dirty {
+                self.dirty_mem += add;
+            }
         }
         Ok(())
     }
@@ -1656,6 +1660,9 @@ impl Inner {
                 loaded[part.expect("a part")] = Some(es);
                 c.mem += add;
                 self.mem += add;
+                if c.dirty {
+                    self.dirty_mem += add;
+                }
             }
         }
         Ok(match (&*self.cache[&id].node, part) {
@@ -1898,6 +1905,9 @@ impl Inner {
         let after = c.node.mem();
         c.mem = (c.mem + after).saturating_sub(before);
         self.mem = (self.mem + after).saturating_sub(before);
+        if c.dirty {
+            self.dirty_mem = (self.dirty_mem + after).saturating_sub(before);
+        }
         Ok(())
     }
 
@@ -1919,9 +1929,13 @@ impl Inner {
             n.buffers[i] = b;
             n.unread[i] = None;
         }
+        // (A partial node may be dirty: its delta took a flush.)
         let after = c.node.mem();
         c.mem = (c.mem + after).saturating_sub(before);
         self.mem = (self.mem + after).saturating_sub(before);
+        if c.dirty {
+            self.dirty_mem = (self.dirty_mem + after).saturating_sub(before);
+        }
         Ok(())
     }
 
@@ -2245,6 +2259,9 @@ impl Inner {
                     .sum();
                 c.mem -= freed;
                 self.mem -= freed;
+                if c.dirty {
+                    self.dirty_mem -= freed;
+                }
             }
         }
         // Then whole nodes: whole leaves (large; read again only by a flush or a scan),
@@ -2336,6 +2353,16 @@ impl Inner {
         if let Some(id) = self.btt.keys().find(|id| !walk.edges.contains_key(id)) {
             return Err(Error::Corrupt(format!(
                 "check: node {id} holds an extent but no edge reaches it"
+            )));
+        }
+        // The cache's charges add up (a drift in `dirty_mem` misjudges when to
+        // checkpoint, or underflows when the snapshot takes the nodes).
+        let mem: usize = self.cache.values().map(|c| c.mem).sum();
+        let dirty: usize = self.cache.values().filter(|c| c.dirty).map(|c| c.mem).sum();
+        if (mem, dirty) != (self.mem, self.dirty_mem) {
+            return Err(Error::Invalid(format!(
+                "check: the cache charges {} bytes ({} dirty) for nodes of {mem} ({dirty})",
+                self.mem, self.dirty_mem
             )));
         }
         Ok(())

@@ -239,3 +239,41 @@ fn agrees_on(t: &Tree, model: &BTreeMap<Vec<u8>, Vec<u8>>) {
     assert_eq!(&contents(t), model);
     t.check().expect("the tree is sound");
 }
+
+/// Nodes read for queries take flushes into their deltas (so a partial node may be
+/// dirty), then queries load more of them: the cache's charges must still add up
+/// (`check` compares them), and the next checkpoint takes the dirty nodes.
+#[test]
+fn partial_nodes_with_dirty_deltas_are_charged_right() {
+    let dev = Arc::new(MemDevice::new(BS, 16384).unwrap());
+    let mut t = Tree::create(dev.clone(), opts()).unwrap();
+    let mut model = BTreeMap::new();
+    for i in 0..3000u64 {
+        let (k, v) = (key(i), format!("v{i}").into_bytes());
+        model.insert(k.clone(), v.clone());
+        t.put(&k, &v).unwrap();
+    }
+    t.sync().unwrap();
+    drop(t);
+    for round in 0..8u64 {
+        // Cold: every node is read for queries first.
+        t = Tree::open(dev.clone(), opts()).unwrap();
+        for i in 0..200u64 {
+            let _ = t.get(&key(i * 13 + round)).unwrap();
+        }
+        for i in 0..600u64 {
+            let (k, v) = (key(i * 7 + round), format!("r{round}-{i}").into_bytes());
+            model.insert(k.clone(), v.clone());
+            t.put(&k, &v).unwrap();
+            if i % 50 == 0 {
+                // Scans and gets load buffers, basements and deltas of dirty nodes.
+                let _ = t.range(&key(i), None).take(300).count();
+                let _ = t.get(&key(i * 3)).unwrap();
+            }
+        }
+        t.checkpoint().unwrap();
+        agrees_on(&t, &model);
+        t.sync().unwrap();
+        drop(t);
+    }
+}
