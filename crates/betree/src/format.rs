@@ -208,13 +208,7 @@ pub fn decode_table(b: &[u8], want_crc: u32) -> Result<(TableEntries, TableRefs,
             "block translation table: unknown version {version}"
         )));
     }
-    let n = r.u64()? as usize;
-    if n > r.remaining() / 24 {
-        return Err(Error::Corrupt(format!(
-            "block translation table: {n} entries"
-        )));
-    }
-    let out = read_extents(&mut r, n)?;
+    let out = read_extents(&mut r, "entries")?;
     let mut refs = Vec::new();
     if version >= 2 {
         let n = r.u64()? as usize;
@@ -229,13 +223,7 @@ pub fn decode_table(b: &[u8], want_crc: u32) -> Result<(TableEntries, TableRefs,
     }
     let mut bases = Vec::new();
     if version >= 3 {
-        let n = r.u64()? as usize;
-        if n > r.remaining() / 24 {
-            return Err(Error::Corrupt(format!(
-                "block translation table: {n} base extents"
-            )));
-        }
-        bases = read_extents(&mut r, n)?;
+        bases = read_extents(&mut r, "base extents")?;
     }
     if crc32c(&[&b[..r.pos()]]) != want_crc {
         return Err(Error::Corrupt(
@@ -245,7 +233,14 @@ pub fn decode_table(b: &[u8], want_crc: u32) -> Result<(TableEntries, TableRefs,
     Ok((out, refs, bases))
 }
 
-fn read_extents(r: &mut Reader, n: usize) -> Result<TableEntries> {
+/// A count, then that many (node, extent) entries (`what` names them in an error).
+fn read_extents(r: &mut Reader, what: &str) -> Result<TableEntries> {
+    let n = r.u64()? as usize;
+    if n > r.remaining() / 24 {
+        return Err(Error::Corrupt(format!(
+            "block translation table: {n} {what}"
+        )));
+    }
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let id = r.u64()?;

@@ -156,7 +156,7 @@ struct CheckWalk {
 
 /// One level's messages for a key: whether a range delete covers it, and its messages,
 /// oldest first.
-type Level = (bool, Vec<(Msn, Msg)>);
+type KeyMsgs = (bool, Vec<(Msn, Msg)>);
 
 /// A whole leaf from the bytes of its extent (section `..len`): its entries and its
 /// basement index.
@@ -414,6 +414,23 @@ impl Inner {
         if c.dirty {
             self.dirty_mem -= c.mem;
         }
+    }
+
+    /// Changes a cached node in place without making it dirty (parts read or dropped, a
+    /// base learned) and charges the cache the difference, to the dirty bytes too if it
+    /// is dirty (a node read for queries is dirty once its delta took a flush). `None`
+    /// if it is not cached.
+    fn change_cached<R>(&mut self, id: NodeId, f: impl FnOnce(&mut Node) -> R) -> Option<R> {
+        let c = self.cache.get_mut(&id)?;
+        let before = c.node.mem();
+        let r = f(Arc::make_mut(&mut c.node));
+        let after = c.node.mem();
+        c.mem = (c.mem + after).saturating_sub(before);
+        self.mem = (self.mem + after).saturating_sub(before);
+        if c.dirty {
+            self.dirty_mem = (self.dirty_mem + after).saturating_sub(before);
+        }
+        Some(r)
     }
 
     fn take_cached(&mut self, id: NodeId) -> Option<(Node, bool)> {
@@ -1252,7 +1269,10 @@ impl Inner {
     fn flush_into_delta(&mut self, parent: &mut Internal, idx: usize, cid: NodeId) -> Result<bool> {
         let max = self.delta_max();
         let incoming = parent.buffers[idx].bytes();
-        if incoming > max {
+        let leaf = parent.height == 1;
+        // (Upserts checked before the child is read: the check walks the messages, but
+        // reading the child's section first cost a read more per flush of upserts.)
+        if incoming > max || (leaf && parent.buffers[idx].has_upserts()) {
             return Ok(false);
         }
         // A leaf with its delta applied must stay within a node and a delta (the next
@@ -1260,7 +1280,6 @@ impl Inner {
         // may grow a value far past its own size: a write at an offset); puts and
         // deletes grow it by at most their bytes. An internal node with its delta
         // applied flushes itself back within a node.
-        let leaf = parent.height == 1;
         let node_bytes = self.geo.node_bytes;
         let room = |size: usize, delta: usize| {
             delta + incoming <= max && (!leaf || size + delta + incoming <= node_bytes + max)
@@ -1279,8 +1298,7 @@ impl Inner {
                 )))
             }
         };
-        // (Checked last: it walks every message.)
-        if !ok || (leaf && parent.buffers[idx].has_upserts()) {
+        if !ok {
             return Ok(false);
         }
         if unread {
@@ -1482,7 +1500,7 @@ impl Inner {
         self.stats.gets += 1;
         // Each level's messages for the key, root first: a node's delta (newer) before
         // its buffer for the child (older); applied in reverse.
-        let mut levels: Vec<Level> = Vec::new();
+        let mut levels: Vec<KeyMsgs> = Vec::new();
         let mut id = self.root;
         // The key in the space of the node at hand (lifted edges map it).
         let mut key_here: std::borrow::Cow<[u8]> = std::borrow::Cow::Borrowed(key);
@@ -1542,7 +1560,7 @@ impl Inner {
 
     /// The messages a cached node's delta holds for `key` (read where they lie if the
     /// delta is not loaded and its filter does not rule the key out).
-    fn delta_lookup(&mut self, id: NodeId, key: &[u8]) -> Result<Option<Level>> {
+    fn delta_lookup(&mut self, id: NodeId, key: &[u8]) -> Result<Option<KeyMsgs>> {
         let d = match &*self.cache[&id].node {
             Node::Leaf(l) => &l.delta,
             Node::Internal(n) => &n.delta,
@@ -1604,7 +1622,6 @@ impl Inner {
         let end = last.1.offset.saturating_add(last.1.len);
         let base = self.base_of(id)?;
         let bytes = self.read_range_in(base, id, start, end.saturating_sub(start))?;
-        let mut add = 0;
         let mut got = Vec::with_capacity(want.len());
         for (i, r) in want {
             let at = (r.offset - start) as usize;
@@ -1612,26 +1629,20 @@ impl Inner {
                 .get(at..at + r.len as usize)
                 .ok_or_else(|| Error::Corrupt(format!("node {id}: basements out of order")))?;
             let es = node::decode_basement(body, &r, id)?;
-            add += es.bytes() + es.len() * 4 + 64;
             got.push((i, es));
             self.stats.basement_reads += 1;
         }
-        let c = self.cache.get_mut(&id).expect("cached");
-        if let Node::Leaf(Leaf {
-            data: LeafData::Partial { loaded, .. },
-            ..
-        }) = Arc::make_mut(&mut c.node)
-        {
-            for (i, es) in got {
-                loaded[i] = Some(es);
+        self.change_cached(id, |n| {
+            if let Node::Leaf(Leaf {
+                data: LeafData::Partial { loaded, .. },
+                ..
+            }) = n
+            {
+                for (i, es) in got {
+                    loaded[i] = Some(es);
+                }
             }
-            // (A partial node may be dirty: its delta took a flush.)
-            c.mem += add;
-            self.mem += add;
-            if c.dirty {
-                self.dirty_mem += add;
-            }
-        }
+        });
         Ok(())
     }
 
@@ -1650,20 +1661,15 @@ impl Inner {
         };
         if let Some(b) = missing {
             let es = self.read_basement(id, &b)?;
-            let add = es.bytes() + es.len() * 4 + 64;
-            let c = self.cache.get_mut(&id).expect("cached");
-            if let Node::Leaf(Leaf {
-                data: LeafData::Partial { loaded, .. },
-                ..
-            }) = Arc::make_mut(&mut c.node)
-            {
-                loaded[part.expect("a part")] = Some(es);
-                c.mem += add;
-                self.mem += add;
-                if c.dirty {
-                    self.dirty_mem += add;
+            self.change_cached(id, |n| {
+                if let Node::Leaf(Leaf {
+                    data: LeafData::Partial { loaded, .. },
+                    ..
+                }) = n
+                {
+                    loaded[part.expect("a part")] = Some(es);
                 }
-            }
+            });
         }
         Ok(match (&*self.cache[&id].node, part) {
             (
@@ -1894,20 +1900,14 @@ impl Inner {
             return Ok(());
         };
         let b = self.read_delta(id, &at)?;
-        let c = self.cache.get_mut(&id).expect("cached");
-        let before = c.node.mem();
-        let d = match Arc::make_mut(&mut c.node) {
-            Node::Leaf(l) => &mut l.delta,
-            Node::Internal(n) => &mut n.delta,
-        };
-        d.buf = b;
-        d.unread = None;
-        let after = c.node.mem();
-        c.mem = (c.mem + after).saturating_sub(before);
-        self.mem = (self.mem + after).saturating_sub(before);
-        if c.dirty {
-            self.dirty_mem = (self.dirty_mem + after).saturating_sub(before);
-        }
+        self.change_cached(id, |n| {
+            let d = match n {
+                Node::Leaf(l) => &mut l.delta,
+                Node::Internal(n) => &mut n.delta,
+            };
+            d.buf = b;
+            d.unread = None;
+        });
         Ok(())
     }
 
@@ -1923,19 +1923,12 @@ impl Inner {
         let body = self.read_range_in(base, id, at.offset, at.len)?;
         self.stats.buffer_reads += 1;
         let b = node::decode_buffer(&body, &at, id)?;
-        let c = self.cache.get_mut(&id).expect("cached");
-        let before = c.node.mem();
-        if let Node::Internal(n) = Arc::make_mut(&mut c.node) {
-            n.buffers[i] = b;
-            n.unread[i] = None;
-        }
-        // (A partial node may be dirty: its delta took a flush.)
-        let after = c.node.mem();
-        c.mem = (c.mem + after).saturating_sub(before);
-        self.mem = (self.mem + after).saturating_sub(before);
-        if c.dirty {
-            self.dirty_mem = (self.dirty_mem + after).saturating_sub(before);
-        }
+        self.change_cached(id, |n| {
+            if let Node::Internal(n) = n {
+                n.buffers[i] = b;
+                n.unread[i] = None;
+            }
+        });
         Ok(())
     }
 
@@ -2246,23 +2239,15 @@ impl Inner {
             if self.mem <= target {
                 return;
             }
-            let c = self.cache.get_mut(&id).expect("listed");
-            if let Node::Leaf(Leaf {
-                data: LeafData::Partial { loaded, .. },
-                ..
-            }) = Arc::make_mut(&mut c.node)
-            {
-                let freed: usize = loaded
-                    .iter_mut()
-                    .filter_map(Option::take)
-                    .map(|es| es.bytes() + es.len() * 4 + 64)
-                    .sum();
-                c.mem -= freed;
-                self.mem -= freed;
-                if c.dirty {
-                    self.dirty_mem -= freed;
+            self.change_cached(id, |n| {
+                if let Node::Leaf(Leaf {
+                    data: LeafData::Partial { loaded, .. },
+                    ..
+                }) = n
+                {
+                    loaded.iter_mut().for_each(|l| *l = None);
                 }
-            }
+            });
         }
         // Then whole nodes: whole leaves (large; read again only by a flush or a scan),
         // then leaf indexes, then internal nodes. every query passes through the internal nodes, which are few

@@ -26,6 +26,19 @@ fn contents(t: &Tree) -> BTreeMap<Vec<u8>, Vec<u8>> {
     t.range(b"", None).map(|e| e.unwrap()).collect()
 }
 
+/// A tree on a fresh device holding keys `key(0..n)`, and the model of it.
+fn filled(n: u64) -> (Arc<MemDevice>, Tree, BTreeMap<Vec<u8>, Vec<u8>>) {
+    let dev = Arc::new(MemDevice::new(BS, 16384).unwrap());
+    let t = Tree::create(dev.clone(), opts()).unwrap();
+    let mut model = BTreeMap::new();
+    for i in 0..n {
+        let (k, v) = (key(i), format!("v{i}").into_bytes());
+        model.insert(k.clone(), v.clone());
+        t.put(&k, &v).unwrap();
+    }
+    (dev, t, model)
+}
+
 /// Everything the model holds, by point query, and both scan directions.
 fn agrees(t: &Tree, model: &BTreeMap<Vec<u8>, Vec<u8>>) {
     assert_eq!(&contents(t), model, "forward scan");
@@ -127,14 +140,7 @@ fn delta_blocks(dev: &MemDevice) -> Vec<(u64, u16)> {
 
 #[test]
 fn a_damaged_delta_is_a_typed_error() {
-    let dev = Arc::new(MemDevice::new(BS, 16384).unwrap());
-    let t = Tree::create(dev.clone(), opts()).unwrap();
-    let mut model = BTreeMap::new();
-    for i in 0..4000u64 {
-        let (k, v) = (key(i), format!("v{i}").into_bytes());
-        model.insert(k.clone(), v.clone());
-        t.put(&k, &v).unwrap();
-    }
+    let (dev, t, model) = filled(4000);
     t.checkpoint().unwrap();
     drop(t);
     let image = dev.to_vec();
@@ -225,19 +231,14 @@ fn a_copy_of_a_shared_node_is_written_whole() {
             t.put(&k, &v).unwrap();
         }
         t.checkpoint().unwrap();
-        agrees_on(&t, &model);
+        agrees(&t, &model);
         copies += t.stats().cow_copies;
         t.sync().unwrap();
         drop(t);
         t = Tree::open(dev.clone(), opts()).unwrap();
-        agrees_on(&t, &model);
+        agrees(&t, &model);
     }
     assert!(copies > 0, "no shared node was copied");
-}
-
-fn agrees_on(t: &Tree, model: &BTreeMap<Vec<u8>, Vec<u8>>) {
-    assert_eq!(&contents(t), model);
-    t.check().expect("the tree is sound");
 }
 
 /// Nodes read for queries take flushes into their deltas (so a partial node may be
@@ -245,14 +246,7 @@ fn agrees_on(t: &Tree, model: &BTreeMap<Vec<u8>, Vec<u8>>) {
 /// (`check` compares them), and the next checkpoint takes the dirty nodes.
 #[test]
 fn partial_nodes_with_dirty_deltas_are_charged_right() {
-    let dev = Arc::new(MemDevice::new(BS, 16384).unwrap());
-    let mut t = Tree::create(dev.clone(), opts()).unwrap();
-    let mut model = BTreeMap::new();
-    for i in 0..3000u64 {
-        let (k, v) = (key(i), format!("v{i}").into_bytes());
-        model.insert(k.clone(), v.clone());
-        t.put(&k, &v).unwrap();
-    }
+    let (dev, mut t, mut model) = filled(3000);
     t.sync().unwrap();
     drop(t);
     for round in 0..8u64 {
@@ -272,7 +266,7 @@ fn partial_nodes_with_dirty_deltas_are_charged_right() {
             }
         }
         t.checkpoint().unwrap();
-        agrees_on(&t, &model);
+        agrees(&t, &model);
         t.sync().unwrap();
         drop(t);
     }

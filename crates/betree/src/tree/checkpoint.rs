@@ -435,7 +435,8 @@ impl Inner {
         };
         // 2. and 3.: the header is durable.
         self.log.start_lsn = f.log_lsn;
-        let mut alloc = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
+        let alloc = self.alloc.clone();
+        let mut alloc = alloc.lock().unwrap_or_else(|e| e.into_inner());
         for (id, e, section) in placed.nodes {
             self.stats.node_bytes_written += e.blocks * self.geo.block_size as u64;
             if f.freed.contains(&id) {
@@ -463,20 +464,18 @@ impl Inner {
                 }
             }
             // A whole node still cached as written takes deltas over its new extent.
-            if let (Some(section), Some(c)) = (section, self.cache.get_mut(&id)) {
-                if !c.dirty {
-                    let delta = match Arc::make_mut(&mut c.node) {
+            let clean = self.cache.get(&id).is_some_and(|c| !c.dirty);
+            if let (Some(section), true) = (section, clean) {
+                self.change_cached(id, |n| {
+                    let delta = match n {
                         Node::Leaf(l) if l.entries().is_some() => Some(&mut l.delta),
                         Node::Internal(n) if n.is_whole() => Some(&mut n.delta),
                         _ => None,
                     };
                     if let Some(d) = delta.filter(|d| d.base.is_none() && d.is_empty()) {
                         d.base = Some(node::Base { extent: e, section });
-                        let mem = c.node.mem();
-                        self.mem = (self.mem + mem).saturating_sub(c.mem);
-                        c.mem = mem;
                     }
-                }
+                });
             }
         }
         self.table = placed.table;
