@@ -675,6 +675,9 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
             bail!("{system}: scans returned {got} entries for {scans} scans");
         }
         record("scan_1000", scans, t0.elapsed().as_secs_f64(), None, 0);
+        if a.verbose {
+            eprintln!("    {}", s.counters().unwrap_or_default());
+        }
         // A tenth of the hash-prefixed key space, as one contiguous range.
         let end = (u64::MAX / 10).to_be_bytes();
         reset_peak_rss();

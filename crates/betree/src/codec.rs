@@ -9,6 +9,21 @@ pub fn crc32c(parts: &[&[u8]]) -> u32 {
     parts.iter().fold(0, |c, p| crc32c::crc32c_append(c, p))
 }
 
+/// Orders keys exactly as `<[u8]>::cmp` does, but compares their first eight bytes as
+/// one big-endian word first. Random keys nearly always differ there, which spares the
+/// call to `memcmp` that a slice comparison makes (scans and basement reads compare a
+/// key per entry: a sixth of a scan's time went to `memcmp`).
+#[inline]
+pub fn key_cmp(a: &[u8], b: &[u8]) -> std::cmp::Ordering {
+    if let (Some(x), Some(y)) = (a.first_chunk::<8>(), b.first_chunk::<8>()) {
+        let (x, y) = (u64::from_be_bytes(*x), u64::from_be_bytes(*y));
+        if x != y {
+            return x.cmp(&y);
+        }
+    }
+    a.cmp(b)
+}
+
 /// Appends little-endian values to a byte vector.
 #[derive(Default)]
 pub struct Writer {

@@ -3,7 +3,38 @@
 //! table finds the i-th. A basement read from disk becomes one of these with one copy
 //! and no allocation per entry, and writing a basement is a copy of a slice.
 
+use crate::codec::key_cmp;
 use crate::{Error, Result};
+
+/// The first index in `from..to` that is not `below` (`to` if all are), where `below`
+/// holds for a prefix of the range: probed at distances 1, 2, 4, ... from `from`, then
+/// bisected, so finding an index `d` places on costs about 2 log d probes (a scan's next
+/// message is usually near, sometimes a whole basement away).
+pub fn gallop(from: usize, to: usize, below: impl Fn(usize) -> bool) -> usize {
+    // `lo`: the first index not known to be below; `hi`: one known not to be (or `to`).
+    let (mut lo, mut hi, mut step) = (from, to, 1);
+    while lo < hi {
+        let probe = lo + step - 1;
+        if probe >= hi {
+            break;
+        }
+        if below(probe) {
+            lo = probe + 1;
+            step *= 2;
+        } else {
+            hi = probe;
+        }
+    }
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if below(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
 
 #[derive(Debug, Clone, Default)]
 pub struct Entries {
@@ -47,7 +78,7 @@ impl Entries {
                 return bad("truncated value");
             }
             if let Some((ps, pe)) = prev {
-                if buf[ps..pe] >= buf[at + 4..kend] {
+                if key_cmp(&buf[ps..pe], &buf[at + 4..kend]).is_ge() {
                     return bad("keys out of order");
                 }
             }
@@ -90,7 +121,7 @@ impl Entries {
         let (mut lo, mut hi) = (0, self.len());
         while lo < hi {
             let mid = (lo + hi) / 2;
-            match self.key(mid).cmp(key) {
+            match key_cmp(self.key(mid), key) {
                 std::cmp::Ordering::Less => lo = mid + 1,
                 std::cmp::Ordering::Greater => hi = mid,
                 std::cmp::Ordering::Equal => return Ok(mid),
@@ -147,5 +178,61 @@ impl Entries {
 
     pub fn iter(&self) -> impl DoubleEndedIterator<Item = (&[u8], &[u8])> + '_ {
         (0..self.len()).map(move |i| self.get(i))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::key_cmp;
+
+    /// `gallop` finds the end of the prefix wherever it lies, over ranges of every
+    /// length and start (against a linear walk).
+    #[test]
+    fn gallop_finds_the_end_of_the_prefix() {
+        for from in 0..6 {
+            for to in from..70 {
+                for cut in from..=to {
+                    let probes = std::cell::Cell::new(0);
+                    let got = gallop(from, to, |i| {
+                        assert!((from..to).contains(&i), "probe {i} outside {from}..{to}");
+                        probes.set(probes.get() + 1);
+                        i < cut
+                    });
+                    assert_eq!(got, cut, "range {from}..{to}, prefix ends at {cut}");
+                    let d = (cut - from + 1) as f64;
+                    assert!(probes.get() as f64 <= 2.0 * d.log2() + 3.0, "{} probes", probes.get());
+                }
+            }
+        }
+    }
+
+    /// `key_cmp` orders as the slice order does, also for keys shorter than a word and
+    /// keys equal in their first eight bytes.
+    #[test]
+    fn key_cmp_is_the_slice_order() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for _ in 0..20_000 {
+            let len = |r: u64| (r % 12) as usize;
+            let a: Vec<u8> = (0..len(next())).map(|_| (next() % 3) as u8).collect();
+            let mut b = a.clone();
+            match next() % 3 {
+                0 => b.truncate(len(next()).min(b.len())),
+                1 => b.push((next() % 3) as u8),
+                _ => {
+                    if let Some(x) = b.get_mut(len(next()) % a.len().max(1)) {
+                        *x = (next() % 3) as u8;
+                    }
+                }
+            }
+            assert_eq!(key_cmp(&a, &b), a.cmp(&b), "{a:?} {b:?}");
+            assert_eq!(key_cmp(&b, &a), b.cmp(&a), "{b:?} {a:?}");
+        }
     }
 }

@@ -21,7 +21,7 @@
 //! Rule kept by every operation: a put or a delete supersedes the older messages of its
 //! key (they are dropped), an upsert queues behind them.
 
-use crate::codec::{Reader, Writer};
+use crate::codec::{key_cmp, Reader, Writer};
 use crate::msg::{point_bytes, Msg, Msn};
 use crate::{Error, Result};
 use std::borrow::Cow;
@@ -55,14 +55,6 @@ impl MsgRef<'_> {
     /// A put or a delete: nothing older of the key matters after it.
     pub fn supersedes(self) -> bool {
         !matches!(self, MsgRef::Upsert { .. })
-    }
-
-    fn bytes(self) -> usize {
-        match self {
-            MsgRef::Put(v) => v.len() + 16,
-            MsgRef::Delete => 16,
-            MsgRef::Upsert { arg, .. } => arg.len() + 18,
-        }
     }
 }
 
@@ -155,9 +147,10 @@ impl<'a> Group<'a> {
         self.msgs().map(|(n, m)| (n, m.to_msg())).collect()
     }
 
-    /// Bytes the buffer is charged for this key (`msg::point_bytes` of each message).
+    /// Bytes the buffer is charged for this key (`msg::point_bytes` of each message),
+    /// from the header alone: each message is charged its encoded size, the key, and 3.
     pub fn bytes(&self) -> usize {
-        self.msgs().map(|(_, m)| self.key.len() + m.bytes()).sum()
+        self.body.len() + self.count as usize * (self.key.len() + 3)
     }
 
     fn first_supersedes(&self) -> bool {
@@ -229,15 +222,22 @@ impl Points {
         self.offs.len() + self.tail.len()
     }
 
+    /// Group `i`, read from its header: the arena was validated as it was filled, so
+    /// the messages need no second pass (this runs for every group a merge touches).
     fn group(&self, i: usize) -> Group<'_> {
         let start = self.offs[i] as usize;
         let end = self
             .offs
             .get(i + 1)
             .map_or(self.arena.len(), |&e| e as usize);
-        Group::at(&self.arena[start..end])
-            .expect("a validated arena")
-            .0
+        let g = &self.arena[start..end];
+        let klen = u32::from_le_bytes(g[..4].try_into().expect("4 bytes")) as usize;
+        let count = u32::from_le_bytes(g[4 + klen..8 + klen].try_into().expect("4 bytes"));
+        Group {
+            key: &g[4..4 + klen],
+            count,
+            body: &g[8 + klen..],
+        }
     }
 
     fn key_at(&self, i: usize) -> &[u8] {
@@ -251,7 +251,7 @@ impl Points {
         let (mut lo, mut hi) = (0, self.offs.len());
         while lo < hi {
             let mid = (lo + hi) / 2;
-            if self.key_at(mid) < key {
+            if key_cmp(self.key_at(mid), key).is_lt() {
                 lo = mid + 1;
             } else {
                 hi = mid;
@@ -454,9 +454,9 @@ impl Points {
         let mut delta: isize = 0;
         // Runs of groups from one side only are copied whole.
         while i < self.offs.len() || j < b {
-            if j == b || (i < self.offs.len() && self.key_at(i) < newer.key_at(j)) {
+            if j == b || (i < self.offs.len() && key_cmp(self.key_at(i), newer.key_at(j)).is_lt()) {
                 let mut e = i + 1;
-                while e < self.offs.len() && (j == b || self.key_at(e) < newer.key_at(j)) {
+                while e < self.offs.len() && (j == b || key_cmp(self.key_at(e), newer.key_at(j)).is_lt()) {
                     e += 1;
                 }
                 let (s, end) = span(self, i, e);
@@ -464,9 +464,9 @@ impl Points {
                 offs.extend(self.offs[i..e].iter().map(|&o| o - s as u32 + base));
                 arena.extend_from_slice(&self.arena[s..end]);
                 i = e;
-            } else if i == self.offs.len() || newer.key_at(j) < self.key_at(i) {
+            } else if i == self.offs.len() || key_cmp(newer.key_at(j), self.key_at(i)).is_lt() {
                 let mut e = j + 1;
-                while e < b && (i == self.offs.len() || newer.key_at(e) < self.key_at(i)) {
+                while e < b && (i == self.offs.len() || key_cmp(newer.key_at(e), self.key_at(i)).is_lt()) {
                     e += 1;
                 }
                 let (s, end) = span(newer, j, e);

@@ -12,10 +12,28 @@ use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
 use crate::node::{self, Base, Delta, Entries, Internal, Kind, Leaf, LeafData, Node, NodeId};
 
 use crate::chunk::Chunk;
+use crate::codec::key_cmp;
+use crate::entries::gallop;
 use crate::{Error, Op, Options, Result, Stats};
 use quilt_patch::{ChangeOpts, Engine, PatchId, RUN_BLOCKS_MAX};
 use std::collections::HashMap;
 use std::sync::Arc;
+
+/// Bytes of a node read from disk: the blocks that hold them, and where they lie in
+/// those blocks (handing out a slice instead of cutting the blocks spares moving the
+/// whole read down by the offset of its first byte).
+#[derive(Debug, Default)]
+struct Span {
+    blocks: Vec<u8>,
+    range: std::ops::Range<usize>,
+}
+
+impl std::ops::Deref for Span {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.blocks[self.range.clone()]
+    }
+}
 
 struct Cached {
     /// Shared with a checkpoint in flight while it encodes the node (a change takes a
@@ -767,18 +785,18 @@ impl Inner {
     }
 
     /// Bytes `offset..offset + len` of a node's extent (the blocks that hold them).
-    fn read_range(&self, id: NodeId, offset: u32, len: u32) -> Result<Vec<u8>> {
+    fn read_range(&self, id: NodeId, offset: u32, len: u32) -> Result<Span> {
         if len == 0 {
-            return Ok(Vec::new());
+            return Ok(Span::default());
         }
         self.read_range_in(self.extent_of(id)?, id, offset, len)
     }
 
     /// Bytes `offset..offset + len` of extent `e` of node `id`.
-    fn read_range_in(&self, e: Extent, id: NodeId, offset: u32, len: u32) -> Result<Vec<u8>> {
+    fn read_range_in(&self, e: Extent, id: NodeId, offset: u32, len: u32) -> Result<Span> {
         if len == 0 {
             // An empty basement (a leaf with no entries) takes no bytes at all.
-            return Ok(Vec::new());
+            return Ok(Span::default());
         }
         let bs = self.geo.block_size;
         let (start, end) = (offset as usize, offset as usize + len as usize);
@@ -787,10 +805,11 @@ impl Inner {
         if (first + blocks) as u64 > e.blocks {
             return Err(Error::Corrupt(format!("node {id}: part past its extent")));
         }
-        let mut bytes = self.read_blocks(e.start + first as u64, blocks as u64)?;
-        bytes.truncate(end - first * bs);
-        bytes.drain(..start - first * bs);
-        Ok(bytes)
+        let blocks = self.read_blocks(e.start + first as u64, blocks as u64)?;
+        Ok(Span {
+            blocks,
+            range: start - first * bs..end - first * bs,
+        })
     }
 
     /// Makes sure the node is cached whole (a leaf with its delta applied).
@@ -2089,7 +2108,9 @@ impl Inner {
             let mut first: Option<usize> = None;
             for (x, l) in levels.iter().enumerate() {
                 if let Some((k, _)) = l.items.get(l.at) {
-                    if first.is_none_or(|f| k.as_ref() < levels[f].items[levels[f].at].0.as_ref()) {
+                    if first.is_none_or(|f| {
+                        key_cmp(k, &levels[f].items[levels[f].at].0).is_lt()
+                    }) {
                         first = Some(x);
                     }
                 }
@@ -2103,9 +2124,32 @@ impl Inner {
                 if r == runs.len() {
                     break;
                 }
+                if !any_ranges {
+                    // Every entry below the next message is copied as it is: find
+                    // where they end, then copy them with no comparison each.
+                    let (es, _, end) = runs[r];
+                    let stop = match bound {
+                        None => end,
+                        Some(b) if leaf_plain => {
+                            gallop(j, end, |x| key_cmp(es.key(x), b).is_lt())
+                        }
+                        Some(b) => gallop(j, end, |x| key_cmp(&lifted[n + x - j], b).is_lt()),
+                    };
+                    for x in j..stop {
+                        let (k, v) = es.get(x);
+                        let k = if leaf_plain { k } else { lifted[n + x - j].as_slice() };
+                        out.push(k, v);
+                    }
+                    n += stop - j;
+                    j = stop;
+                    if j < end {
+                        break;
+                    }
+                    continue;
+                }
                 let (k, v) = runs[r].0.get(j);
                 let k = if leaf_plain { k } else { lifted[n].as_slice() };
-                if bound.is_some_and(|b| k >= b) {
+                if bound.is_some_and(|b| key_cmp(k, b).is_ge()) {
                     break;
                 }
                 // No message for this key: only a range delete may drop it.
