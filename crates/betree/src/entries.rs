@@ -201,7 +201,11 @@ mod tests {
                     });
                     assert_eq!(got, cut, "range {from}..{to}, prefix ends at {cut}");
                     let d = (cut - from + 1) as f64;
-                    assert!(probes.get() as f64 <= 2.0 * d.log2() + 3.0, "{} probes", probes.get());
+                    assert!(
+                        probes.get() as f64 <= 2.0 * d.log2() + 3.0,
+                        "{} probes",
+                        probes.get()
+                    );
                 }
             }
         }

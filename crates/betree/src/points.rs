@@ -456,7 +456,9 @@ impl Points {
         while i < self.offs.len() || j < b {
             if j == b || (i < self.offs.len() && key_cmp(self.key_at(i), newer.key_at(j)).is_lt()) {
                 let mut e = i + 1;
-                while e < self.offs.len() && (j == b || key_cmp(self.key_at(e), newer.key_at(j)).is_lt()) {
+                while e < self.offs.len()
+                    && (j == b || key_cmp(self.key_at(e), newer.key_at(j)).is_lt())
+                {
                     e += 1;
                 }
                 let (s, end) = span(self, i, e);
@@ -466,7 +468,9 @@ impl Points {
                 i = e;
             } else if i == self.offs.len() || key_cmp(newer.key_at(j), self.key_at(i)).is_lt() {
                 let mut e = j + 1;
-                while e < b && (i == self.offs.len() || key_cmp(newer.key_at(e), self.key_at(i)).is_lt()) {
+                while e < b
+                    && (i == self.offs.len() || key_cmp(newer.key_at(e), self.key_at(i)).is_lt())
+                {
                     e += 1;
                 }
                 let (s, end) = span(newer, j, e);

@@ -2108,9 +2108,7 @@ impl Inner {
             let mut first: Option<usize> = None;
             for (x, l) in levels.iter().enumerate() {
                 if let Some((k, _)) = l.items.get(l.at) {
-                    if first.is_none_or(|f| {
-                        key_cmp(k, &levels[f].items[levels[f].at].0).is_lt()
-                    }) {
+                    if first.is_none_or(|f| key_cmp(k, &levels[f].items[levels[f].at].0).is_lt()) {
                         first = Some(x);
                     }
                 }
@@ -2130,14 +2128,16 @@ impl Inner {
                     let (es, _, end) = runs[r];
                     let stop = match bound {
                         None => end,
-                        Some(b) if leaf_plain => {
-                            gallop(j, end, |x| key_cmp(es.key(x), b).is_lt())
-                        }
+                        Some(b) if leaf_plain => gallop(j, end, |x| key_cmp(es.key(x), b).is_lt()),
                         Some(b) => gallop(j, end, |x| key_cmp(&lifted[n + x - j], b).is_lt()),
                     };
                     for x in j..stop {
                         let (k, v) = es.get(x);
-                        let k = if leaf_plain { k } else { lifted[n + x - j].as_slice() };
+                        let k = if leaf_plain {
+                            k
+                        } else {
+                            lifted[n + x - j].as_slice()
+                        };
                         out.push(k, v);
                     }
                     n += stop - j;
