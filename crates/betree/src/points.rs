@@ -225,18 +225,17 @@ impl Points {
     /// Group `i`, read from its header: the arena was validated as it was filled, so
     /// the messages need no second pass (this runs for every group a merge touches).
     fn group(&self, i: usize) -> Group<'_> {
-        let start = self.offs[i] as usize;
         let end = self
             .offs
             .get(i + 1)
             .map_or(self.arena.len(), |&e| e as usize);
-        let g = &self.arena[start..end];
-        let klen = u32::from_le_bytes(g[..4].try_into().expect("4 bytes")) as usize;
-        let count = u32::from_le_bytes(g[4 + klen..8 + klen].try_into().expect("4 bytes"));
+        let key = self.key_at(i);
+        let at = self.offs[i] as usize + 4 + key.len();
+        let count = u32::from_le_bytes(self.arena[at..at + 4].try_into().expect("4 bytes"));
         Group {
-            key: &g[4..4 + klen],
+            key,
             count,
-            body: &g[8 + klen..],
+            body: &self.arena[at + 4..end],
         }
     }
 
