@@ -386,7 +386,15 @@ fn cloning_a_large_range_shares_nodes_until_they_change() {
         after.subtrees_shared > 0 && after.shared_nodes > 0,
         "{after:?}"
     );
-    assert!(written < 60, "a clone of 20,000 keys wrote {written} nodes");
+    // A copy would write every leaf of the range (339 here); sharing writes the cut
+    // ends and the nodes above them. How many depends on which nodes background
+    // checkpoints left with deltas while the keys went in (31 to 66 seen in one build),
+    // so the bound is a share of the leaves, not a count.
+    let leaves = before.leaf_splits + 1;
+    assert!(
+        written < leaves / 3,
+        "a clone of 20,000 keys wrote {written} nodes (of {leaves} leaves)"
+    );
     t.check().unwrap();
     assert_eq!(contents(&t), model);
     // Interleaved writes to both copies: each sees only its own.
