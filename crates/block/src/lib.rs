@@ -138,6 +138,12 @@ pub trait BlockDevice: Send + Sync {
         }
         Ok(())
     }
+    /// Writes `parts` (each whole blocks), one after another, to consecutive blocks from
+    /// `first`: [`write_blocks`](Self::write_blocks) of their concatenation, without
+    /// making it where the device can gather them itself (an image file: `pwritev`).
+    fn write_blocks_gather(&self, first: BlockNo, parts: &[&[u8]]) -> Result<()> {
+        self.write_blocks(first, &parts.concat())
+    }
     /// Writes `buf` (whole blocks, kept together and in order) at whichever of
     /// `candidates` the device finds cheapest, and returns the block it chose (range
     /// writes, as in Bark). A device that models a disk's timing ([`DiskModel`]) takes the
@@ -231,6 +237,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
         (**self).read_blocks(first, buf)
+    }
+    fn write_blocks_gather(&self, first: BlockNo, parts: &[&[u8]]) -> Result<()> {
+        (**self).write_blocks_gather(first, parts)
     }
     fn write_range(&self, candidates: &[BlockNo], buf: &[u8]) -> Result<BlockNo> {
         (**self).write_range(candidates, buf)

@@ -121,17 +121,13 @@ impl Engine {
             let mut order: Vec<usize> = (0..batch.len()).collect();
             order.sort_unstable_by_key(|&i| batch[i].block);
             let blocks: Vec<BlockNo> = order.iter().map(|&i| batch[i].block).collect();
-            let mut run = Vec::new();
             for r in consecutive_runs(&blocks, RUN_BLOCKS_MAX as usize) {
                 let first = blocks[r.start];
                 if r.len() == 1 {
                     self.sh.dev.write(first, &batch[order[r.start]].image)?;
                 } else {
-                    run.clear();
-                    for &i in &order[r] {
-                        run.extend_from_slice(&batch[i].image);
-                    }
-                    self.sh.dev.write_blocks(first, &run)?;
+                    let parts: Vec<&[u8]> = order[r].iter().map(|&i| &batch[i].image[..]).collect();
+                    self.sh.dev.write_blocks_gather(first, &parts)?;
                 }
             }
             // The commit point of the epoch: nothing in `batch` is durable before this.
