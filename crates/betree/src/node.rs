@@ -75,7 +75,7 @@ pub struct BufferRef {
     pub len: u32,
     pub crc: u32,
     pub ranges: u32,
-    /// A Bloom filter of the buffer's keys (`filter_probes`), ten bits per key.
+    /// A Bloom filter of the buffer's keys (`Probes`), ten bits per key.
     pub filter: Vec<u64>,
 }
 
@@ -90,9 +90,7 @@ impl BufferRef {
 
     /// `false` only if the buffer surely holds no message for `key`.
     pub fn may_hold(&self, key: &[u8]) -> bool {
-        self.ranges > 0
-            || filter_probes(key, self.filter.len() * 64)
-                .all(|b| self.filter[b / 64] & (1 << (b % 64)) != 0)
+        self.ranges > 0 || Probes::admits(&self.filter, key)
     }
 }
 
@@ -118,25 +116,70 @@ fn second_hash(h1: u32, key: &[u8]) -> u32 {
     h1 ^ TERMS.get_or_init(|| std::array::from_fn(term))[key.len()]
 }
 
-fn filter_probes(key: &[u8], bits: usize) -> impl Iterator<Item = usize> {
-    let h1 = crc32c::crc32c(key);
-    let h2 = (second_hash(h1, key) as u64) | 1;
-    let h1 = h1 as u64;
-    (0..FILTER_PROBES as u64).map(move |j| {
-        if bits == 0 {
-            0
+/// Where a key's bits lie in a filter of `words` words: `(h1 + j * h2) % bits` for
+/// `j` in `0..FILTER_PROBES`, the layout every filter on disk was built with. The
+/// remainders come from one multiplication each (Lemire's fastmod; `h1`, `h2` and
+/// `bits` fit 32 bits) and the later probes by stepping: a filter is built for every
+/// key of a node a checkpoint writes whole, and three divisions a key were a tenth of
+/// the checkpoint thread's time.
+#[derive(Clone, Copy)]
+struct Probes {
+    bits: u64,
+    /// `u64::MAX / bits + 1`; 0 when `bits` does not fit 32 bits (plain remainders).
+    m: u64,
+}
+
+impl Probes {
+    /// `None` for an empty filter (it rules nothing out).
+    fn new(words: usize) -> Option<Probes> {
+        let bits = (words as u64).checked_mul(64).filter(|&b| b > 0)?;
+        let m = if bits <= u32::MAX as u64 {
+            u64::MAX / bits + 1
         } else {
-            (h1.wrapping_add(j.wrapping_mul(h2)) % bits as u64) as usize
+            0
+        };
+        Some(Probes { bits, m })
+    }
+
+    fn rem(&self, a: u32) -> u64 {
+        if self.m == 0 {
+            return a as u64 % self.bits;
         }
-    })
+        let low = self.m.wrapping_mul(a as u64);
+        ((low as u128 * self.bits as u128) >> 64) as u64
+    }
+
+    fn of(&self, key: &[u8]) -> [usize; FILTER_PROBES as usize] {
+        let h1 = crc32c::crc32c(key);
+        let h2 = second_hash(h1, key) | 1;
+        let (mut x, step) = (self.rem(h1), self.rem(h2));
+        std::array::from_fn(|_| {
+            let at = x as usize;
+            x += step;
+            if x >= self.bits {
+                x -= self.bits;
+            }
+            at
+        })
+    }
+
+    fn admits(filter: &[u64], key: &[u8]) -> bool {
+        let Some(p) = Probes::new(filter.len()) else {
+            return true;
+        };
+        p.of(key)
+            .iter()
+            .all(|&b| filter[b / 64] & (1 << (b % 64)) != 0)
+    }
 }
 
 fn filter_for(b: &Buffer) -> Vec<u64> {
     let points = b.points.settled();
     let words = (points.groups_len() * 10).div_ceil(64).max(1);
     let mut f = vec![0u64; words];
+    let p = Probes::new(words).expect("at least one word");
     for k in points.keys() {
-        for bit in filter_probes(k, words * 64) {
+        for bit in p.of(k) {
             f[bit / 64] |= 1 << (bit % 64);
         }
     }
@@ -367,8 +410,7 @@ impl DeltaRef {
 
     /// `false` only if no point message of the delta is for `key`.
     pub fn may_hold(&self, key: &[u8]) -> bool {
-        filter_probes(key, self.filter.len() * 64)
-            .all(|b| self.filter[b / 64] & (1 << (b % 64)) != 0)
+        Probes::admits(&self.filter, key)
     }
 
     /// The run that holds `key` if any does.
@@ -1298,7 +1340,7 @@ mod tests {
     /// Filters on disk were built with the second hash computed over the key; the
     /// shortcut must give the same bits for every length, tabled or not.
     #[test]
-    fn second_hash_is_the_seeded_crc() {
+    fn filter_probes_are_the_seeded_crc_remainders() {
         let mut x = 0x1234_5678_9abc_def0u64;
         for len in 0..200 {
             for _ in 0..8 {
@@ -1316,6 +1358,16 @@ mod tests {
                     crc32c::crc32c_append(FILTER_SEED, &key),
                     "key length {len}"
                 );
+                // And the probes are the remainders the filters were built with.
+                let h2 = crc32c::crc32c_append(FILTER_SEED, &key) as u64 | 1;
+                for words in [1usize, 2, 3, 7, 40, 1000, 67_108_863, 67_108_864, 1 << 30] {
+                    let bits = words as u64 * 64;
+                    let want: Vec<usize> = (0..FILTER_PROBES as u64)
+                        .map(|j| ((h1 as u64 + j * h2) % bits) as usize)
+                        .collect();
+                    let got = Probes::new(words).unwrap().of(&key);
+                    assert_eq!(&got[..], &want[..], "{words} words, key length {len}");
+                }
             }
         }
     }

@@ -904,11 +904,15 @@ impl State {
             return;
         }
         let target = max - max / 8;
+        // Only clean blocks can go. Once the walk has found them all it stops: a cache
+        // full of dirty blocks (a Bε-tree checkpoint's nodes, between two flushes) was
+        // walked whole by the eviction after every run written to it.
+        let mut clean = self.blocks.len().saturating_sub(self.dirty.len());
         let mut victims: Vec<(u64, BlockNo)> = Vec::new();
         let mut passed: Vec<(u64, BlockNo)> = Vec::new();
         let mut freeing = 0;
         for (&tick, &block) in self.lru.iter() {
-            if self.cached_bytes - freeing <= target {
+            if self.cached_bytes - freeing <= target || clean == 0 {
                 break;
             }
             if self.dirty.contains(&block) {
@@ -916,6 +920,7 @@ impl State {
                 continue;
             }
             freeing += self.blocks.get(&block).map_or(0, |b| b.data.len());
+            clean -= 1;
             victims.push((tick, block));
         }
         for (tick, block) in victims {
@@ -1210,13 +1215,29 @@ impl State {
             }
             return Ok(ids);
         }
+        // (The caller checked the run is on the device.) One hash lookup a block: a
+        // Bε-tree checkpoint writes every node through here.
         for (i, chunk) in data.chunks(bs).enumerate() {
             let b = first + i as u64;
-            let cached = self.blocks.contains_key(&b);
-            let blk = self.load(sh, b, Init::Bytes(chunk))?;
-            if cached {
-                blk.data_mut().copy_from_slice(chunk);
+            match self.blocks.entry(b) {
+                std::collections::hash_map::Entry::Occupied(mut e) => {
+                    self.stats.cache_hits += 1;
+                    e.get_mut().data_mut().copy_from_slice(chunk);
+                }
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    self.stats.cache_misses += 1;
+                    self.cached_bytes += chunk.len();
+                    e.insert(CachedBlock {
+                        data: crate::block_buf(chunk.to_vec()),
+                        pending: Vec::new(),
+                        overlap_index: Vec::new(),
+                        extern_afters: 0,
+                        hard: None,
+                        last_use: 0,
+                    });
+                }
             }
+            self.touch(b);
         }
         let ordering_caller = if self.capture.is_some() {
             None

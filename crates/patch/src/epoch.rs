@@ -355,17 +355,35 @@ impl State {
                 continue;
             }
             self.stats.blocks_examined += 1;
-            let ready = self.ready_on(block);
+            // A block of a run found ready on an earlier block of this epoch, holding
+            // nothing else, is ready as it is: the walk would find just that (a Bε-tree
+            // checkpoint writes thousands of such blocks, and the walk's maps and sets
+            // per block were a tenth of its write-back).
+            let ready = match self.blocks[&block].pending[..] {
+                [p] if self.g.get(p).in_flight && self.g.get(p).run => vec![p],
+                _ => self.ready_on(block),
+            };
             if ready.is_empty() {
                 continue;
             }
             let blk = &self.blocks[&block];
-            let ready_set: HashSet<PatchId> = ready.iter().copied().collect();
+            let ready_set: HashSet<PatchId> = if ready.len() > 8 {
+                ready.iter().copied().collect()
+            } else {
+                HashSet::default()
+            };
+            let is_ready = |p: &PatchId| {
+                if ready.len() > 8 {
+                    ready_set.contains(p)
+                } else {
+                    ready.contains(p)
+                }
+            };
             let mut not_ready: Vec<PatchId> = blk
                 .pending
                 .iter()
                 .copied()
-                .filter(|p| !ready_set.contains(p))
+                .filter(|p| !is_ready(p))
                 .collect();
             // Newest first: each rollback restores the bytes its patch found.
             not_ready.sort_by_key(|&p| std::cmp::Reverse(self.g.get(p).seq));
@@ -390,7 +408,7 @@ impl State {
                 }
             }
             if let Some(h) = self.blocks[&block].hard {
-                if ready_set.contains(&h) {
+                if is_ready(&h) {
                     self.blocks
                         .get_mut(&block)
                         .expect("dirty block is cached")
