@@ -18,7 +18,7 @@
 //!   delta has room writes the delta alone at the next checkpoint, not the whole node
 //!   (see `Delta`).
 
-use crate::codec::{crc32c, Reader, Writer};
+use crate::codec::{crc32c, key_cmp, Reader, Writer};
 pub use crate::entries::Entries;
 use crate::format::Extent;
 use crate::lift::Lift;
@@ -228,7 +228,7 @@ impl Internal {
     }
 
     pub fn child_for(&self, key: &[u8]) -> usize {
-        self.pivots.partition_point(|p| p.as_slice() <= key)
+        self.pivots.partition_point(|p| key_cmp(p, key).is_le())
     }
 
     /// Keys of child `i`: `lo..hi` (`None`: unbounded on that side, within this node).
@@ -415,7 +415,7 @@ impl DeltaRef {
 
     /// The run that holds `key` if any does.
     pub fn run_for(&self, key: &[u8]) -> Option<&RunRef> {
-        let i = self.runs.partition_point(|r| r.lo.as_slice() <= key);
+        let i = self.runs.partition_point(|r| key_cmp(&r.lo, key).is_le());
         i.checked_sub(1).map(|i| &self.runs[i])
     }
 
@@ -676,10 +676,15 @@ pub enum Node {
     Leaf(Leaf),
 }
 
+/// What the cache charges for a basement's or leaf's entries (part of `Node::mem`).
+pub fn entries_mem(e: &Entries) -> usize {
+    e.bytes() + e.len() * 4 + 64
+}
+
 impl Node {
     /// Memory the cache charges for the node (an estimate).
     pub fn mem(&self) -> usize {
-        let entries = |e: &Entries| e.bytes() + e.len() * 4 + 64;
+        let entries = entries_mem;
         match self {
             Node::Internal(n) => {
                 n.bytes()
@@ -1329,7 +1334,7 @@ pub fn decode_basement(body: &[u8], b: &BasementRef, id: NodeId) -> Result<Entri
 /// The basement of `index` that holds `key`.
 pub fn basement_for(index: &[BasementRef], key: &[u8]) -> usize {
     index
-        .partition_point(|b| b.lo.as_slice() <= key)
+        .partition_point(|b| key_cmp(&b.lo, key).is_le())
         .saturating_sub(1)
 }
 

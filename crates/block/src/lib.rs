@@ -113,6 +113,21 @@ pub trait BlockDevice: Send + Sync {
         }
         Ok(())
     }
+    /// Reads `buf.len()` bytes starting `skip` bytes into block `first` (they may run on
+    /// into the blocks after it): what a reader of a part of a run needs, without the
+    /// rest of its first and last blocks where the device can read bytes (an image
+    /// file). By default the blocks are read whole and the part copied out.
+    fn read_part(&self, first: BlockNo, skip: usize, buf: &mut [u8]) -> Result<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let bs = self.block_size();
+        let blocks = (skip + buf.len()).div_ceil(bs);
+        let mut whole = vec![0u8; blocks * bs];
+        self.read_blocks(first, &mut whole)?;
+        buf.copy_from_slice(&whole[skip..skip + buf.len()]);
+        Ok(())
+    }
     /// Makes sure blocks `first..first + count` have storage behind them, so that
     /// writing them later cannot fail for lack of room where the image lives (a sparse
     /// image file on a host file system that fills up). A file system calls it when it
@@ -237,6 +252,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
         (**self).read_blocks(first, buf)
+    }
+    fn read_part(&self, first: BlockNo, skip: usize, buf: &mut [u8]) -> Result<()> {
+        (**self).read_part(first, skip, buf)
     }
     fn write_blocks_gather(&self, first: BlockNo, parts: &[&[u8]]) -> Result<()> {
         (**self).write_blocks_gather(first, parts)

@@ -580,3 +580,38 @@ fn consecutive_pointer_writes_merge_into_one_patch_even_behind_a_hard_patch() {
     e.sync().unwrap();
     e.check_invariants().unwrap();
 }
+
+/// A part read gives the bytes the block reads would: the engine's pending data for
+/// blocks it holds, the device's for the others, across block edges.
+#[test]
+fn part_reads_see_pending_and_device_bytes() {
+    let (e, dev) = setup(EngineOptions::default());
+    let bs = e.block_size();
+    // Blocks 10..14 on the device; block 11 and 13 changed in the engine, not written.
+    for b in 10..14u64 {
+        dev.write(b, &vec![b as u8; bs]).unwrap();
+    }
+    e.write(11, 0, &vec![0xaa; bs], &[], ChangeOpts::default())
+        .unwrap();
+    e.write(13, 5, &[0xbb; 7], &[], ChangeOpts::default())
+        .unwrap();
+    let mut whole = vec![0u8; 4 * bs];
+    e.read_uncached(10, &mut whole).unwrap();
+    for (skip, len) in [
+        (0, 4 * bs),
+        (bs - 3, 10),
+        (100, 2 * bs),
+        (3 * bs + 4, 9),
+        (7, 1),
+        (bs, 0),
+    ] {
+        let mut part = vec![0u8; len];
+        e.read_part_uncached(10, skip, &mut part).unwrap();
+        assert_eq!(part, whole[skip..skip + len], "skip {skip} len {len}");
+    }
+    assert_eq!(whole[bs], 0xaa);
+    assert_eq!(whole[3 * bs + 5], 0xbb);
+    let mut past = vec![0u8; 2];
+    let count = e.block_count();
+    assert!(e.read_part_uncached(count - 1, bs - 1, &mut past).is_err());
+}
