@@ -81,6 +81,10 @@ pub(crate) struct Inner {
     log: LogWriter,
     failed: Option<String>,
     pub stats: Stats,
+    /// What basement reads land in, kept from read to read: a fresh zeroed buffer for
+    /// each of a scan's chunks (64-256 KiB) cost its allocation and a `memset` every
+    /// time.
+    read_buf: Vec<u8>,
 }
 
 fn instance_id() -> u64 {
@@ -246,6 +250,7 @@ impl Inner {
             writer: None,
             failed: None,
             stats: Stats::default(),
+            read_buf: Vec::new(),
         }
     }
 
@@ -631,9 +636,13 @@ impl Inner {
 
     fn read_basement(&mut self, id: NodeId, b: &node::BasementRef) -> Result<Entries> {
         let base = self.base_of(id)?;
-        let bytes = self.read_range_in(base, id, b.offset, b.len)?;
+        let mut buf = std::mem::take(&mut self.read_buf);
+        let r = self
+            .read_range_into(base, id, b.offset, b.len, &mut buf)
+            .and_then(|part| node::decode_basement(part, b, id));
+        self.read_buf = buf;
         self.stats.basement_reads += 1;
-        node::decode_basement(&bytes, b, id)
+        r
     }
 
     /// Takes a node out of the cache, whole (a partial leaf gets its other basements);
@@ -794,9 +803,28 @@ impl Inner {
 
     /// Bytes `offset..offset + len` of extent `e` of node `id`.
     fn read_range_in(&self, e: Extent, id: NodeId, offset: u32, len: u32) -> Result<Span> {
+        let mut part = Vec::new();
+        self.read_range_into(e, id, offset, len, &mut part)?;
+        Ok(Span {
+            blocks: part,
+            range: 0..len as usize,
+        })
+    }
+
+    /// Bytes `offset..offset + len` of extent `e` of node `id`, read into the front of
+    /// `buf` (which keeps its length when it is longer: only bytes it never held are
+    /// zeroed before a read).
+    fn read_range_into<'b>(
+        &self,
+        e: Extent,
+        id: NodeId,
+        offset: u32,
+        len: u32,
+        buf: &'b mut Vec<u8>,
+    ) -> Result<&'b [u8]> {
         if len == 0 {
             // An empty basement (a leaf with no entries) takes no bytes at all.
-            return Ok(Span::default());
+            return Ok(&[]);
         }
         let bs = self.geo.block_size;
         let (start, end) = (offset as usize, offset as usize + len as usize);
@@ -806,13 +834,13 @@ impl Inner {
             return Err(Error::Corrupt(format!("node {id}: part past its extent")));
         }
         // Only the part's bytes, not its blocks whole (see `read_part_uncached`).
-        let mut part = vec![0u8; len as usize];
+        if buf.len() < len as usize {
+            buf.resize(len as usize, 0);
+        }
+        let part = &mut buf[..len as usize];
         self.engine
-            .read_part_uncached(e.start + first as u64, start - first * bs, &mut part)?;
-        Ok(Span {
-            blocks: part,
-            range: 0..len as usize,
-        })
+            .read_part_uncached(e.start + first as u64, start - first * bs, part)?;
+        Ok(part)
     }
 
     /// Makes sure the node is cached whole (a leaf with its delta applied).
@@ -1643,17 +1671,23 @@ impl Inner {
         let start = first.1.offset;
         let end = last.1.offset.saturating_add(last.1.len);
         let base = self.base_of(id)?;
-        let bytes = self.read_range_in(base, id, start, end.saturating_sub(start))?;
-        let mut got = Vec::with_capacity(want.len());
-        for (i, r) in want {
-            let at = (r.offset - start) as usize;
-            let body = bytes
-                .get(at..at + r.len as usize)
-                .ok_or_else(|| Error::Corrupt(format!("node {id}: basements out of order")))?;
-            let es = node::decode_basement(body, &r, id)?;
-            got.push((i, es));
-            self.stats.basement_reads += 1;
-        }
+        let mut bytes = std::mem::take(&mut self.read_buf);
+        let decoded = self
+            .read_range_into(base, id, start, end.saturating_sub(start), &mut bytes)
+            .and_then(|bytes| {
+                let mut got = Vec::with_capacity(want.len());
+                for (i, r) in want {
+                    let at = (r.offset - start) as usize;
+                    let body = bytes.get(at..at + r.len as usize).ok_or_else(|| {
+                        Error::Corrupt(format!("node {id}: basements out of order"))
+                    })?;
+                    got.push((i, node::decode_basement(body, &r, id)?));
+                }
+                Ok(got)
+            });
+        self.read_buf = bytes;
+        let got = decoded?;
+        self.stats.basement_reads += got.len() as u64;
         self.change_cached(id, |n| {
             if let Node::Leaf(Leaf {
                 data: LeafData::Partial { loaded, .. },
