@@ -555,20 +555,25 @@ mod tests {
         roundtrip(true);
     }
 
+    /// A fresh image of `blocks` blocks of 512 bytes (kept while the directory lives).
+    fn device_512(blocks: u64, direct: bool) -> (tempfile::TempDir, FileDevice) {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = FileDeviceOptions {
+            block_size: 512,
+            direct,
+            read_only: false,
+            lock: true,
+        };
+        let dev = FileDevice::create(dir.path().join("img"), blocks, opts).unwrap();
+        (dir, dev)
+    }
+
     /// A gathered write of more parts than one `pwritev` takes lands exactly where the
     /// concatenation would, and refuses runs past the end or of partial blocks.
     #[test]
     fn gathered_write_matches_the_concatenation() {
         for direct in [false, true] {
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("img");
-            let opts = FileDeviceOptions {
-                block_size: 512,
-                direct,
-                read_only: false,
-                lock: true,
-            };
-            let dev = FileDevice::create(&path, 1200, opts).unwrap();
+            let (_dir, dev) = device_512(1200, direct);
             let parts: Vec<Vec<u8>> = (0..1100u32)
                 .map(|i| (0..512u32).map(|j| (i * 7 + j) as u8).collect())
                 .collect();
@@ -591,15 +596,7 @@ mod tests {
     #[test]
     fn part_reads_match_the_blocks() {
         for direct in [false, true] {
-            let dir = tempfile::tempdir().unwrap();
-            let path = dir.path().join("img");
-            let opts = FileDeviceOptions {
-                block_size: 512,
-                direct,
-                read_only: false,
-                lock: true,
-            };
-            let dev = FileDevice::create(&path, 8, opts).unwrap();
+            let (_dir, dev) = device_512(8, direct);
             let all: Vec<u8> = (0..8 * 512u32).map(|i| (i * 31 % 253) as u8).collect();
             dev.write_blocks(0, &all).unwrap();
             for (first, skip, len) in [

@@ -122,6 +122,9 @@ pub trait BlockDevice: Send + Sync {
             return Ok(());
         }
         let bs = self.block_size();
+        if skip == 0 && buf.len() % bs == 0 {
+            return self.read_blocks(first, buf);
+        }
         let blocks = (skip + buf.len()).div_ceil(bs);
         let mut whole = vec![0u8; blocks * bs];
         self.read_blocks(first, &mut whole)?;

@@ -124,6 +124,18 @@ pub(crate) enum Change<'a> {
 
 impl CachedBlock {
     /// The block's bytes for changing, copied first if an epoch still holds them.
+    /// A block as read or written, with no pending patch.
+    fn new(data: crate::BlockBuf) -> CachedBlock {
+        CachedBlock {
+            data,
+            pending: Vec::new(),
+            overlap_index: Vec::new(),
+            extern_afters: 0,
+            hard: None,
+            last_use: 0,
+        }
+    }
+
     pub fn data_mut(&mut self) -> &mut [u8] {
         if Arc::get_mut(&mut self.data).is_none() {
             self.data = crate::block_buf(self.data.to_vec());
@@ -459,42 +471,10 @@ impl Engine {
     /// changed by another thread meanwhile may be returned in either version; the caller
     /// orders its reads and writes of a block itself.
     pub fn read_uncached(&self, first: BlockNo, out: &mut [u8]) -> Result<()> {
-        let bs = self.sh.block_size;
-        if out.len() % bs != 0 {
+        if out.len() % self.sh.block_size != 0 {
             return Err(PatchError::Invalid("a read is a whole number of blocks"));
         }
-        let n = (out.len() / bs) as u64;
-        let count = self.sh.dev.block_count();
-        if first.checked_add(n).is_none_or(|end| end > count) {
-            return Err(quilt_block::BlockError::OutOfRange {
-                block: first.saturating_add(n.saturating_sub(1)),
-                count,
-            }
-            .into());
-        }
-        let mut missing: Vec<u64> = Vec::new();
-        {
-            let st = self.lock();
-            for (i, chunk) in out.chunks_mut(bs).enumerate() {
-                match st.blocks.get(&(first + i as u64)) {
-                    Some(c) => chunk.copy_from_slice(&c.data),
-                    None => missing.push(i as u64),
-                }
-            }
-        }
-        // Each run of consecutive missing blocks is one device request (a node is read
-        // whole or a basement at a time: one pread instead of one per block).
-        for r in consecutive_runs(&missing, usize::MAX) {
-            let (start, end) = (
-                missing[r.start] as usize,
-                missing[r.start] as usize + r.len(),
-            );
-            self.sh
-                .dev
-                .read_blocks(first + start as u64, &mut out[start * bs..end * bs])?;
-            THREAD_READS.with(|n| n.set(n.get() + r.len() as u64));
-        }
-        Ok(())
+        self.read_part_uncached(first, 0, out)
     }
 
     /// Reads `out.len()` bytes from `skip` bytes into block `first` on, as
@@ -532,6 +512,8 @@ impl Engine {
                 }
             }
         }
+        // Each run of consecutive missing blocks is one device request (a node is read
+        // whole or a basement at a time: one pread instead of one per block).
         for r in consecutive_runs(&missing, usize::MAX) {
             let (i, j) = (
                 missing[r.start] as usize,
@@ -931,17 +913,7 @@ impl State {
     pub fn insert_block(&mut self, block: BlockNo, data: crate::BlockBuf) {
         self.stats.cache_misses += 1;
         self.cached_bytes += data.len();
-        self.blocks.insert(
-            block,
-            CachedBlock {
-                data,
-                pending: Vec::new(),
-                overlap_index: Vec::new(),
-                extern_afters: 0,
-                hard: None,
-                last_use: 0,
-            },
-        );
+        self.blocks.insert(block, CachedBlock::new(data));
         // Into the LRU now: a block read ahead (`prefetch`) may never be accessed.
         self.touch(block);
     }
@@ -1276,14 +1248,7 @@ impl State {
                 std::collections::hash_map::Entry::Vacant(e) => {
                     self.stats.cache_misses += 1;
                     self.cached_bytes += chunk.len();
-                    e.insert(CachedBlock {
-                        data: crate::block_buf(chunk.to_vec()),
-                        pending: Vec::new(),
-                        overlap_index: Vec::new(),
-                        extern_afters: 0,
-                        hard: None,
-                        last_use: 0,
-                    });
+                    e.insert(CachedBlock::new(crate::block_buf(chunk.to_vec())));
                 }
             }
             self.touch(b);

@@ -595,8 +595,13 @@ fn part_reads_see_pending_and_device_bytes() {
         .unwrap();
     e.write(13, 5, &[0xbb; 7], &[], ChangeOpts::default())
         .unwrap();
+    // What blocks 10..14 hold, built by hand (`read_uncached` is a part read too).
+    let mut want: Vec<u8> = (10..14u8).flat_map(|b| vec![b; bs]).collect();
+    want[bs..2 * bs].fill(0xaa);
+    want[3 * bs + 5..3 * bs + 12].fill(0xbb);
     let mut whole = vec![0u8; 4 * bs];
     e.read_uncached(10, &mut whole).unwrap();
+    assert_eq!(whole, want);
     for (skip, len) in [
         (0, 4 * bs),
         (bs - 3, 10),
