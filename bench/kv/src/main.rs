@@ -79,6 +79,11 @@ struct Args {
     /// Print each store's own counters after each phase.
     #[arg(long)]
     verbose: bool,
+    /// Keep the random store after the run, and read the one an earlier `--reuse` run
+    /// kept when `rand_insert` is not among the phases (to compare two builds' read
+    /// paths on one store; with `--runs 1`).
+    #[arg(long)]
+    reuse: bool,
     /// Point queries (default: a tenth of the keys, 1,000 to 200,000).
     #[arg(long)]
     queries: Option<u64>,
@@ -204,9 +209,11 @@ impl Store for Betree {
         Ok(self.0.get(k)?)
     }
     fn scan(&self, from: &[u8], n: usize) -> Result<usize> {
-        // The lending iterator: entries are read in place, as redb's guards are.
+        // The lending iterator: entries are read in place, as redb's guards are. The
+        // count is passed on (as a limit, which sizes the tree's reads), since the
+        // caller knows it.
         let mut c = 0;
-        let mut it = self.0.range(from, None);
+        let mut it = self.0.range(from, None).limit(n);
         while c < n {
             let Some(e) = it.next_entry() else { break };
             std::hint::black_box(e?);
@@ -578,7 +585,9 @@ fn insert(store: &dyn Store, n: u64, key: fn(u64) -> [u8; 16], len: usize) -> Re
 
 fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Result<()> {
     let dir = a.dir.join(format!("{system}-{run}"));
-    let _ = std::fs::remove_dir_all(&dir);
+    if !a.reuse {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     std::fs::create_dir_all(&dir)?;
     let path = |name: &str| {
         let p = dir.join(name);
@@ -652,50 +661,58 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
     if want("point_get") || want("scan_1000") || want("range_delete_10pct") {
         let s = open(system, &p, a, false)?;
         let q = a.queries.unwrap_or((n / 10).clamp(1000, 200_000));
-        reset_peak_rss();
-        let t0 = Instant::now();
-        for i in 0..q {
-            let k = mix(i ^ 0x5555) % n;
-            if s.get(&rand_key(k))?.is_none() {
-                bail!("{system}: key {k} missing");
+        if want("point_get") {
+            reset_peak_rss();
+            let t0 = Instant::now();
+            for i in 0..q {
+                let k = mix(i ^ 0x5555) % n;
+                if s.get(&rand_key(k))?.is_none() {
+                    bail!("{system}: key {k} missing");
+                }
+            }
+            record("point_get", q, t0.elapsed().as_secs_f64(), None, 0);
+            if a.verbose {
+                eprintln!("    {}", s.counters().unwrap_or_default());
             }
         }
-        record("point_get", q, t0.elapsed().as_secs_f64(), None, 0);
-        if a.verbose {
-            eprintln!("    {}", s.counters().unwrap_or_default());
-        }
         let scans = a.scans.unwrap_or((n / 1000).clamp(100, 5000));
-        reset_peak_rss();
-        let t0 = Instant::now();
-        let mut got = 0;
-        for i in 0..scans {
-            got += s.scan(&rand_key(mix(i ^ 0xaaaa) % n), 1000)?;
+        if want("scan_1000") {
+            reset_peak_rss();
+            let t0 = Instant::now();
+            let mut got = 0;
+            for i in 0..scans {
+                got += s.scan(&rand_key(mix(i ^ 0xaaaa) % n), 1000)?;
+            }
+            if got < scans as usize * 900 {
+                bail!("{system}: scans returned {got} entries for {scans} scans");
+            }
+            record("scan_1000", scans, t0.elapsed().as_secs_f64(), None, 0);
+            if a.verbose {
+                eprintln!("    {}", s.counters().unwrap_or_default());
+            }
         }
-        if got < scans as usize * 900 {
-            bail!("{system}: scans returned {got} entries for {scans} scans");
+        if want("range_delete_10pct") {
+            // A tenth of the hash-prefixed key space, as one contiguous range.
+            let end = (u64::MAX / 10).to_be_bytes();
+            reset_peak_rss();
+            let t0 = Instant::now();
+            s.delete_range(&[0u8; 8], &end)?;
+            s.sync()?;
+            let t = t0.elapsed().as_secs_f64();
+            if s.get(&rand_key(
+                (0..n).find(|&i| mix(i) < u64::MAX / 10).unwrap_or(0),
+            ))?
+            .is_some()
+            {
+                bail!("{system}: a deleted key is still there");
+            }
+            record("range_delete_10pct", n / 10, t, None, 0);
         }
-        record("scan_1000", scans, t0.elapsed().as_secs_f64(), None, 0);
-        if a.verbose {
-            eprintln!("    {}", s.counters().unwrap_or_default());
-        }
-        // A tenth of the hash-prefixed key space, as one contiguous range.
-        let end = (u64::MAX / 10).to_be_bytes();
-        reset_peak_rss();
-        let t0 = Instant::now();
-        s.delete_range(&[0u8; 8], &end)?;
-        s.sync()?;
-        let t = t0.elapsed().as_secs_f64();
-        if s.get(&rand_key(
-            (0..n).find(|&i| mix(i) < u64::MAX / 10).unwrap_or(0),
-        ))?
-        .is_some()
-        {
-            bail!("{system}: a deleted key is still there");
-        }
-        record("range_delete_10pct", n / 10, t, None, 0);
         s.close()?;
     }
-    let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
+    if !a.reuse {
+        let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
+    }
     // Upserts into 4 KiB values.
     if want("upsert_4b") {
         let p = path("upsert");
@@ -744,7 +761,9 @@ fn run_system(system: &str, run: usize, a: &Args, out: &mut Vec<Measure>) -> Res
         record("upsert_4b", u, t, Some(wa), du(&p));
         let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    if !a.reuse {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     Ok(())
 }
 

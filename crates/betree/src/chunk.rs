@@ -15,9 +15,17 @@ impl Chunk {
         self.ents.clear();
     }
 
+    /// Room for what the next chunk is expected to hold. Called on an empty chunk: a
+    /// buffer too small is replaced rather than grown, since growing one would copy
+    /// its old (cleared) bytes for nothing.
     pub fn reserve(&mut self, bytes: usize, entries: usize) {
-        self.bytes.reserve(bytes);
-        self.ents.reserve(entries);
+        debug_assert!(self.ents.is_empty());
+        if self.bytes.capacity() < bytes {
+            self.bytes = Vec::with_capacity(bytes);
+        }
+        if self.ents.capacity() < entries {
+            self.ents = Vec::with_capacity(entries);
+        }
     }
 
     pub fn push(&mut self, k: &[u8], v: &[u8]) {
@@ -25,6 +33,11 @@ impl Chunk {
             .push((self.bytes.len() as u32, k.len() as u32, v.len() as u32));
         self.bytes.extend_from_slice(k);
         self.bytes.extend_from_slice(v);
+    }
+
+    /// Bytes its buffers hold room for.
+    pub fn capacity(&self) -> usize {
+        self.bytes.capacity() + self.ents.capacity() * 12
     }
 
     pub fn len(&self) -> usize {

@@ -24,6 +24,21 @@ pub fn key_cmp(a: &[u8], b: &[u8]) -> std::cmp::Ordering {
     a.cmp(b)
 }
 
+/// `a == b`, deciding most unequal keys by their first eight bytes (no call to
+/// `memcmp`; a scan's merge tests every message against each level's next one).
+#[inline]
+pub fn key_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    if let (Some(x), Some(y)) = (a.first_chunk::<8>(), b.first_chunk::<8>()) {
+        if x != y {
+            return false;
+        }
+    }
+    a == b
+}
+
 /// Appends little-endian values to a byte vector.
 #[derive(Default)]
 pub struct Writer {

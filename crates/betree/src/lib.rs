@@ -348,6 +348,10 @@ pub struct Space {
 pub struct Tree {
     inner: Mutex<tree::Inner>,
     engine: Engine,
+    /// The buffers of the last iterator dropped, for the next: a short scan's chunk is
+    /// 100-300 KiB, and a fresh one each scan is an allocation the allocator may meet
+    /// with fresh (faulted, zeroed) pages.
+    spare_chunk: Mutex<Option<chunk::Chunk>>,
 }
 
 fn engine_for(dev: Arc<dyn BlockDevice>, opts: &Options) -> Engine {
@@ -378,6 +382,7 @@ impl Tree {
         Ok(Tree {
             inner: Mutex::new(inner),
             engine,
+            spare_chunk: Mutex::default(),
         })
     }
 
@@ -388,6 +393,7 @@ impl Tree {
         Ok(Tree {
             inner: Mutex::new(inner),
             engine,
+            spare_chunk: Mutex::default(),
         })
     }
 
@@ -579,6 +585,8 @@ pub struct Iter<'a> {
     /// Bytes of a leaf the next chunk takes at most (`Options::scan_first_bytes`, then
     /// doubling; 0 before the first).
     reach: usize,
+    /// Entries still to return, under [`Iter::limit`].
+    left: Option<usize>,
 }
 
 impl<'a> Iter<'a> {
@@ -599,7 +607,17 @@ impl<'a> Iter<'a> {
             chunk: chunk::Chunk::default(),
             taken: 0,
             reach: 0,
+            left: None,
         }
+    }
+
+    /// Returns at most `n` entries, and reads the tree for about that many: a chunk is
+    /// as many basements as hold the entries still wanted, where an iterator that
+    /// cannot know how far it will go reads a few basements, then twice as many.
+    pub fn limit(mut self, n: usize) -> Iter<'a> {
+        self.left = Some(n);
+        self.done |= n == 0;
+        self
     }
 }
 
@@ -610,6 +628,17 @@ impl Iter<'_> {
         while self.taken == self.chunk.len() {
             if self.done {
                 return Ok(false);
+            }
+            if !self.started {
+                if let Some(c) = self
+                    .tree
+                    .spare_chunk
+                    .try_lock()
+                    .ok()
+                    .and_then(|mut s| s.take())
+                {
+                    self.chunk = c;
+                }
             }
             let mut t = self.tree.lock();
             if !self.started {
@@ -623,6 +652,7 @@ impl Iter<'_> {
                 self.forward,
                 self.cursor.as_deref(),
                 self.reach,
+                self.left,
                 &mut self.chunk,
             );
             self.reach = (self.reach * 2).clamp(1, t.geo.node_bytes);
@@ -650,10 +680,16 @@ impl Iter<'_> {
     /// The next entry, lent rather than copied (valid until the next call): a scan
     /// that only looks at its entries allocates nothing per entry.
     pub fn next_entry(&mut self) -> Option<Result<(&[u8], &[u8])>> {
+        if self.left == Some(0) {
+            return None;
+        }
         match self.fill() {
             Err(e) => return Some(Err(e)),
             Ok(false) => return None,
             Ok(true) => {}
+        }
+        if let Some(left) = &mut self.left {
+            *left -= 1;
         }
         let i = if self.forward {
             self.taken
@@ -662,6 +698,19 @@ impl Iter<'_> {
         };
         self.taken += 1;
         Some(Ok(self.chunk.get(i)))
+    }
+}
+
+impl Drop for Iter<'_> {
+    fn drop(&mut self) {
+        // (A chunk that held a huge value is not worth keeping.)
+        if self.chunk.capacity() <= 4 << 20 {
+            if let Ok(mut s) = self.tree.spare_chunk.try_lock() {
+                let mut c = std::mem::take(&mut self.chunk);
+                c.clear();
+                *s = Some(c);
+            }
+        }
     }
 }
 

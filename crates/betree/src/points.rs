@@ -167,6 +167,17 @@ pub enum Item<'a> {
 }
 
 impl<'a> Item<'a> {
+    /// About how many bytes of entries the item's messages may yield (their encoded
+    /// size, or a put's value): what a scan reserves for it.
+    pub fn size_hint(&self) -> usize {
+        match self {
+            Item::Group(g) => g.body.len(),
+            Item::One(_, MsgRef::Put(v)) => v.len(),
+            Item::One(_, MsgRef::Upsert { arg, .. }) => arg.len(),
+            Item::One(_, MsgRef::Delete) => 0,
+        }
+    }
+
     /// The item's messages, oldest first.
     pub fn msgs(self) -> impl Iterator<Item = (Msn, MsgRef<'a>)> + 'a {
         let (group, one) = match self {

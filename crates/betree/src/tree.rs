@@ -12,7 +12,7 @@ use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
 use crate::node::{self, Base, Delta, Entries, Internal, Kind, Leaf, LeafData, Node, NodeId};
 
 use crate::chunk::Chunk;
-use crate::codec::key_cmp;
+use crate::codec::{key_cmp, key_eq};
 use crate::entries::gallop;
 use crate::{Error, Op, Options, Result, Stats};
 use quilt_patch::{ChangeOpts, Engine, PatchId, RUN_BLOCKS_MAX};
@@ -1747,9 +1747,10 @@ impl Inner {
     }
 
     /// One chunk of a range scan: up to `reach` bytes of one leaf (basements read
-    /// from disk if the leaf is not cached whole). Forward, `cursor` is the first key
-    /// to return; backward, the bound below which to return keys (`None`: from `hi`,
-    /// or the top).
+    /// from disk if the leaf is not cached whole), or, when the caller says how many
+    /// entries it still `want`s, about as many as hold them. Forward, `cursor` is the
+    /// first key to return; backward, the bound below which to return keys (`None`:
+    /// from `hi`, or the top).
     /// Fills `out` with the entries (ascending; its buffers are reused from chunk to
     /// chunk) and returns where the next chunk starts, if anywhere.
     #[allow(clippy::too_many_arguments)]
@@ -1760,6 +1761,7 @@ impl Inner {
         forward: bool,
         cursor: Option<&[u8]>,
         reach: usize,
+        want: Option<usize>,
         out: &mut Chunk,
     ) -> Result<Option<Vec<u8>>> {
         self.check_failed()?;
@@ -1814,6 +1816,29 @@ impl Inner {
                         .partition_point(|b| key_cmp(&b.lo, u).is_lt())
                         .saturating_sub(1),
                 };
+                // With a count wanted: basement `i` (the cursor's; how many of its
+                // entries lie past the cursor is unknown until it is read) and the next
+                // ones until their counts hold the count. A scan of 1,000 keys then reads
+                // about 32 basements instead of 16 + 32 in two chunks.
+                let basements = match want {
+                    None => basements,
+                    Some(w) => {
+                        let beyond = |k: usize| -> Option<&node::BasementRef> {
+                            if forward {
+                                index.get(i + k)
+                            } else {
+                                i.checked_sub(k).map(|j| &index[j])
+                            }
+                        };
+                        let (mut k, mut got) = (1, 0usize);
+                        while got < w {
+                            let Some(b) = beyond(k) else { break };
+                            got += b.count as usize;
+                            k += 1;
+                        }
+                        k
+                    }
+                };
                 let (a, b) = if forward {
                     (i, (i + basements).min(index.len()))
                 } else {
@@ -1830,8 +1855,11 @@ impl Inner {
             Node::Leaf(Leaf {
                 data: LeafData::Full(es),
                 ..
-            }) if es.bytes() > reach => {
-                let take = (reach * es.len() / es.bytes()).max(1);
+            }) if want.is_some_and(|w| w < es.len()) || es.bytes() > reach => {
+                let take = match want {
+                    Some(w) => w.max(1),
+                    None => (reach * es.len() / es.bytes()).max(1),
+                };
                 if forward {
                     let from = es
                         .search(cursor_here.as_deref().unwrap_or(&lo_here))
@@ -2131,8 +2159,17 @@ impl Inner {
                 .map(|k| lifts.up(leaf_level, k).into_owned())
                 .collect()
         };
-        let total: usize = runs.iter().map(|&(_, a, b)| b - a).sum();
-        let bytes: usize = runs.iter().map(|&(es, a, b)| es.body(a, b).len()).sum();
+        // Room for the leaf's entries and what the messages may add (a chunk that
+        // outgrows its buffers copies them, and a fresh large buffer is page faults).
+        let items = || levels.iter().flat_map(|l| &l.items);
+        let total = runs.iter().map(|&(_, a, b)| b - a).sum::<usize>() + items().count();
+        let bytes = runs
+            .iter()
+            .map(|&(es, a, b)| es.body(a, b).len())
+            .sum::<usize>()
+            + items()
+                .map(|(k, it)| k.len() + it.size_hint())
+                .sum::<usize>();
         out.reserve(bytes, total);
         let any_ranges = levels.iter().any(|l| !l.ranges.is_empty());
         // (run, index in run, index over all runs)
@@ -2207,7 +2244,7 @@ impl Inner {
             if r < runs.len() {
                 let (k, lv) = runs[r].0.get(j);
                 let k = if leaf_plain { k } else { lifted[n].as_slice() };
-                if k == key.as_slice() {
+                if key_eq(k, &key) {
                     v = Some(Cow::Borrowed(lv));
                     j += 1;
                     n += 1;
@@ -2218,7 +2255,7 @@ impl Inner {
                     v = None;
                 }
                 while let Some((k, it)) = l.items.get(l.at) {
-                    if k.as_ref() != key.as_slice() {
+                    if !key_eq(k, &key) {
                         break;
                     }
                     for (_, msg) in it.msgs() {

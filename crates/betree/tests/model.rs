@@ -127,6 +127,15 @@ fn run(steps: Vec<Step>, fanout: usize) -> Result<(), TestCaseError> {
                     }
                 }
                 prop_assert_eq!(&lent, &got);
+                // So does a limited iterator, which sizes its reads by the count and
+                // ends by itself.
+                let it = if forward {
+                    t.range(&lo, hi.as_deref())
+                } else {
+                    t.range_rev(&lo, hi.as_deref())
+                };
+                let limited: Vec<_> = it.limit(take).map(|r| r.unwrap()).collect();
+                prop_assert_eq!(&limited, &got);
                 let want: Vec<_> = match &hi {
                     Some(h) if *h <= lo => Vec::new(),
                     Some(h) => {
