@@ -24,6 +24,16 @@ pub fn key_cmp(a: &[u8], b: &[u8]) -> std::cmp::Ordering {
     a.cmp(b)
 }
 
+/// A key's first eight bytes as a big-endian number, zero-padded: where two keys'
+/// prefixes differ, they order as the keys do (equal prefixes decide nothing).
+#[inline]
+pub fn key_prefix(k: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    let n = k.len().min(8);
+    b[..n].copy_from_slice(&k[..n]);
+    u64::from_be_bytes(b)
+}
+
 /// `a == b`, deciding most unequal keys by their first eight bytes (no call to
 /// `memcmp`; a scan's merge tests every message against each level's next one).
 #[inline]

@@ -1576,8 +1576,14 @@ impl Inner {
             if let Some(hit) = unread {
                 if let Some(at) = hit {
                     let base = self.base_of(id)?;
-                    let body = self.read_range_in(base, id, at.offset, at.len)?;
-                    levels.push(node::buffer_lookup(&body, &at, id, key)?);
+                    // (Into the kept buffer: a fresh one per query was an allocation,
+                    // a memset and, often, page faults.)
+                    let mut buf = std::mem::take(&mut self.read_buf);
+                    let found = self
+                        .read_range_into(base, id, at.offset, at.len, &mut buf)
+                        .and_then(|body| node::buffer_lookup(body, &at, id, key));
+                    self.read_buf = buf;
+                    levels.push(found?);
                     self.stats.buffer_reads += 1;
                 } else {
                     self.stats.buffers_skipped += 1;
@@ -1629,12 +1635,14 @@ impl Inner {
             self.stats.buffers_skipped += 1;
             return Ok(covered.then(|| (true, Vec::new())));
         };
-        let bytes = self.read_range(id, run.offset, run.len)?;
+        let e = self.extent_of(id)?;
+        let mut buf = std::mem::take(&mut self.read_buf);
+        let found = self
+            .read_range_into(e, id, run.offset, run.len, &mut buf)
+            .and_then(|bytes| node::delta_run_lookup(bytes, &run, id, key));
+        self.read_buf = buf;
         self.stats.buffer_reads += 1;
-        Ok(Some((
-            covered,
-            node::delta_run_lookup(&bytes, &run, id, key)?,
-        )))
+        Ok(Some((covered, found?)))
     }
 
     fn leaf_get(&mut self, id: NodeId, key: &[u8]) -> Result<Option<Vec<u8>>> {
