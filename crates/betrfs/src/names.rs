@@ -136,7 +136,8 @@ impl Betrfs {
     pub(crate) fn has_children(&self, n: &Node) -> Result<bool> {
         let lo = keys::meta_key(&keys::child_key(&Self::prefix_of(n)?, b""));
         let hi = keys::prefix_end(&lo);
-        match self.tree.range(&lo, Some(&hi)).next() {
+        // (Limited: one entry answers, and the tree then reads one basement, not a chunk.)
+        match self.tree.range(&lo, Some(&hi)).limit(1).next() {
             None => Ok(false),
             Some(Ok(_)) => Ok(true),
             Some(Err(e)) => Err(io(e)),

@@ -172,7 +172,11 @@ pub fn run(c: KvCommand) -> Result<()> {
             } else {
                 t.range(from.as_bytes(), to.as_deref().map(str::as_bytes))
             };
-            for e in it.take(limit.unwrap_or(usize::MAX)) {
+            let it = match limit {
+                Some(n) => it.limit(n),
+                None => it,
+            };
+            for e in it {
                 let (k, v) = e?;
                 println!(
                     "{}\t{}",
