@@ -43,7 +43,9 @@ pub enum Kind {
 }
 /// Version 2 added lifts to internal nodes; version 1 nodes (no lifts) still decode.
 /// Version 3 added deltas (written with version 3; the other kinds keep 2's layout).
-const VERSION: u16 = 3;
+/// Version 4 cuts an internal node's buffers into runs for point queries (see
+/// `BufferRef::runs`); nodes of versions 1-3 still decode.
+const VERSION: u16 = 4;
 pub const PREFIX: usize = 32;
 const CRC_AT: usize = 24;
 
@@ -69,6 +71,13 @@ pub struct Internal {
 /// Where one buffer of an internal node lies in its extent, and what a point query may
 /// skip it by: a buffer with no range delete whose filter rules the key out holds no
 /// message for it (most buffers, for most keys: they hold only recent changes).
+///
+/// From version 4 the buffer's point messages are also indexed in runs of about a
+/// basement (`runs`), and `crc` covers only the buffer's head (its range deletes and
+/// message count) while each run has its own: a point query reads the head only if the
+/// buffer has range deletes, and then the one run that would hold its key, instead of
+/// the whole buffer (about 21 KiB at 10 M keys, 60% of the bytes a query read). A
+/// buffer's bytes are laid out as before, so a whole read decodes it the same way.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BufferRef {
     pub offset: u32,
@@ -77,6 +86,24 @@ pub struct BufferRef {
     pub ranges: u32,
     /// A Bloom filter of the buffer's keys (`Probes`), ten bits per key.
     pub filter: Vec<u64>,
+    /// Its point messages' runs, following its head and one another to its end (offsets
+    /// in the extent). Empty in nodes before version 4 (`crc` covers the whole buffer)
+    /// and for a buffer with no point message.
+    pub runs: Vec<RunRef>,
+}
+
+/// What a point query reads of an unread buffer for one key.
+pub enum BufferProbe {
+    /// Nothing: the buffer holds no message for the key.
+    Skip,
+    /// All of it (a buffer before version 4), searched in place.
+    Whole(BufferRef),
+    /// Its head (where the range deletes are: offset, length, crc32c) if it has range
+    /// deletes, and the run that would hold the key if the filter admits it.
+    Parts {
+        head: Option<(u32, u32, u32)>,
+        run: Option<RunRef>,
+    },
 }
 
 impl BufferRef {
@@ -84,6 +111,7 @@ impl BufferRef {
     pub fn place(&self) -> BufferRef {
         BufferRef {
             filter: Vec::new(),
+            runs: self.runs.clone(),
             ..*self
         }
     }
@@ -92,6 +120,35 @@ impl BufferRef {
     pub fn may_hold(&self, key: &[u8]) -> bool {
         self.ranges > 0 || Probes::admits(&self.filter, key)
     }
+
+    /// What a point query for `key` must read of the buffer.
+    pub fn probe(&self, key: &[u8]) -> BufferProbe {
+        if !self.may_hold(key) {
+            return BufferProbe::Skip;
+        }
+        let Some(first) = self.runs.first() else {
+            return BufferProbe::Whole(self.place());
+        };
+        // (`read_buffer_ref` checked that the runs follow the head.)
+        let head_len = first.offset.saturating_sub(self.offset);
+        BufferProbe::Parts {
+            head: (self.ranges > 0).then_some((self.offset, head_len, self.crc)),
+            run: Probes::admits(&self.filter, key)
+                .then(|| run_for(&self.runs, key).cloned())
+                .flatten(),
+        }
+    }
+
+    /// Memory its place takes beyond the struct (filter and run index).
+    pub fn mem(&self) -> usize {
+        self.filter.len() * 8 + self.runs.iter().map(|x| x.lo.len() + 48).sum::<usize>()
+    }
+}
+
+/// The run of `runs` (ascending first keys) that would hold `key`.
+fn run_for<'a>(runs: &'a [RunRef], key: &[u8]) -> Option<&'a RunRef> {
+    let i = runs.partition_point(|r| key_cmp(&r.lo, key).is_le());
+    i.checked_sub(1).map(|i| &runs[i])
 }
 
 const FILTER_PROBES: u32 = 3;
@@ -394,9 +451,9 @@ pub struct DeltaRef {
     pub filter: Vec<u64>,
 }
 
-/// One run of a delta's point messages: its first key, where it lies, how many keys
+/// One run of a delta's or a buffer's point messages: its first key, where it lies, how many keys
 /// (groups) and its crc32c.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunRef {
     pub lo: Vec<u8>,
     pub offset: u32,
@@ -418,8 +475,7 @@ impl DeltaRef {
 
     /// The run that holds `key` if any does.
     pub fn run_for(&self, key: &[u8]) -> Option<&RunRef> {
-        let i = self.runs.partition_point(|r| key_cmp(&r.lo, key).is_le());
-        i.checked_sub(1).map(|i| &self.runs[i])
+        run_for(&self.runs, key)
     }
 
     /// The byte range of the extent that holds every run (they follow one another).
@@ -461,22 +517,44 @@ pub fn decode_delta_runs(body: &[u8], at: &DeltaRef, id: NodeId) -> Result<Buffe
     })
 }
 
-/// The messages for `key` in one run read from disk (checksum verified).
-pub fn delta_run_lookup(
-    bytes: &[u8],
-    run: &RunRef,
-    id: NodeId,
-    key: &[u8],
-) -> Result<Vec<(Msn, Msg)>> {
+/// The messages for `key` in one run of a delta or a buffer, read from disk (checksum
+/// verified).
+pub fn run_lookup(bytes: &[u8], run: &RunRef, id: NodeId, key: &[u8]) -> Result<Vec<(Msn, Msg)>> {
     if crc32c(&[bytes]) != run.crc {
         return Err(Error::Corrupt(format!(
-            "node {id}: delta checksum mismatch"
+            "node {id}: message run checksum mismatch"
         )));
     }
     Points::lookup_encoded(bytes, run.groups as usize, key).map_err(|e| match e {
         Error::Corrupt(m) => Error::Corrupt(format!("node {id}: {m}")),
         e => e,
     })
+}
+
+/// Whether one of the range deletes in a buffer's head (read from disk, checksum
+/// verified) covers `key`.
+pub fn head_covers(head: &[u8], crc: u32, id: NodeId, key: &[u8]) -> Result<bool> {
+    if crc32c(&[head]) != crc {
+        return Err(Error::Corrupt(format!(
+            "node {id}: buffer checksum mismatch"
+        )));
+    }
+    let mut r = Reader::new(head, "message buffer");
+    let nr = r.u32()? as usize;
+    if nr > r.remaining() {
+        return Err(r.corrupt("range count past the end"));
+    }
+    let mut covered = false;
+    for _ in 0..nr {
+        r.u64()?; // MSN
+        let (start, end) = (r.bytes()?, r.bytes()?);
+        covered |= start <= key && key < end; // as `RangeDel::covers`
+    }
+    r.u32()?; // the message count
+    if r.remaining() != 0 {
+        return Err(r.corrupt("trailing bytes in a buffer's head"));
+    }
+    Ok(covered)
 }
 
 impl Delta {
@@ -695,7 +773,7 @@ impl Node {
                     + n.unread
                         .iter()
                         .flatten()
-                        .map(|r| r.filter.len() * 8 + 48)
+                        .map(|r| r.mem() + 48)
                         .sum::<usize>()
                     + n.buffers.iter().map(|b| b.points.len() * 8).sum::<usize>()
             }
@@ -776,24 +854,41 @@ fn get_msg(r: &mut Reader) -> Result<(Msn, Msg)> {
     Ok((msn, m))
 }
 
-/// Appends one buffer of an internal node to `w`.
-fn encode_buffer(w: &mut Writer, b: &Buffer) {
-    w.u32(b.ranges.len() as u32);
-    for r in &b.ranges {
-        w.u64(r.msn);
-        w.bytes(&r.start);
-        w.bytes(&r.end);
+/// Checks the checksums of a whole buffer read from disk: of all of it before version
+/// 4, of its head and each run after (`decode_internal` checked that the runs follow
+/// the head and one another to the buffer's end).
+fn check_buffer(body: &[u8], at: &BufferRef, id: NodeId) -> Result<()> {
+    let bad = || {
+        Err(Error::Corrupt(format!(
+            "node {id}: buffer checksum mismatch"
+        )))
+    };
+    let Some(first) = at.runs.first() else {
+        return if crc32c(&[body]) == at.crc {
+            Ok(())
+        } else {
+            bad()
+        };
+    };
+    let part = |offset: u32, len: u32| {
+        let from = offset.wrapping_sub(at.offset) as usize;
+        body.get(from..from.saturating_add(len as usize))
+    };
+    let head = part(at.offset, first.offset.saturating_sub(at.offset));
+    if head.is_none_or(|h| crc32c(&[h]) != at.crc) {
+        return bad();
     }
-    b.points.encode(w);
+    for run in &at.runs {
+        if part(run.offset, run.len).is_none_or(|b| crc32c(&[b]) != run.crc) {
+            return bad();
+        }
+    }
+    Ok(())
 }
 
-/// Decodes one buffer of an internal node (checksum verified).
+/// Decodes one buffer of an internal node (checksums verified).
 pub fn decode_buffer(body: &[u8], at: &BufferRef, id: NodeId) -> Result<Buffer> {
-    if crc32c(&[body]) != at.crc {
-        return Err(Error::Corrupt(format!(
-            "node {id}: buffer checksum mismatch"
-        )));
-    }
+    check_buffer(body, at, id)?;
     let mut r = Reader::new(body, "message buffer");
     let nr = r.u32()? as usize;
     if nr > r.remaining() {
@@ -851,11 +946,7 @@ pub fn buffer_window(
     lo: &[u8],
     hi: Option<&[u8]>,
 ) -> Result<(Vec<RangeDel>, Vec<(Vec<u8>, Vec<(Msn, Msg)>)>)> {
-    if crc32c(&[body]) != at.crc {
-        return Err(Error::Corrupt(format!(
-            "node {id}: buffer checksum mismatch"
-        )));
-    }
+    check_buffer(body, at, id)?;
     let mut r = Reader::new(body, "message buffer");
     let nr = r.u32()? as usize;
     if nr > r.remaining() {
@@ -918,11 +1009,19 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
         Node::Internal(n) => {
             debug_assert!(n.is_whole(), "only whole internal nodes are written");
             debug_assert!(n.delta.is_empty(), "a changed node has no delta");
-            // The section: children, pivots, and where each buffer lies; the buffers
-            // follow it, packed, each with its own checksum. They are encoded in place
-            // after the section, whose places are filled in afterwards.
+            // The section: children, pivots, and where each buffer and each run of its
+            // point messages lies; the buffers follow it, packed. They are encoded in
+            // place after the section, whose places are filled in afterwards.
             let filters: Vec<Vec<u64>> = n.buffers.iter().map(filter_for).collect();
-            let filter_bytes: usize = filters.iter().map(|f| 20 + f.len() * 8).sum();
+            let settled: Vec<Cow<Points>> = n.buffers.iter().map(|b| b.points.settled()).collect();
+            let runs: Vec<Vec<_>> = settled.iter().map(|p| p.runs(basement_bytes)).collect();
+            let filter_bytes: usize = filters
+                .iter()
+                .zip(&runs)
+                .map(|(f, r)| {
+                    24 + f.len() * 8 + r.iter().map(|x| 4 + x.0.len() + 16).sum::<usize>()
+                })
+                .sum();
             let mut w = Writer::with_capacity(n.bytes() + filter_bytes + bs);
             prefix(&mut w, MAGIC_INTERNAL, id, n.height);
             w.u32(n.children.len() as u32);
@@ -943,9 +1042,10 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
                 }
             }
             let section = w.len() + filter_bytes;
-            let mut places = Vec::with_capacity(n.buffers.len());
-            for (buf, f) in n.buffers.iter().zip(&filters) {
-                places.push(w.len());
+            // (Where each buffer's place and each of its runs' is, to fill in.)
+            let mut places: Vec<(usize, Vec<usize>)> = Vec::with_capacity(n.buffers.len());
+            for ((buf, f), rs) in n.buffers.iter().zip(&filters).zip(&runs) {
+                let at = w.len();
                 w.u32(0); // offset, length, crc: below
                 w.u32(0);
                 w.u32(0);
@@ -954,12 +1054,37 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
                 for word in f {
                     w.u64(*word);
                 }
+                w.u32(rs.len() as u32);
+                let mut run_at = Vec::with_capacity(rs.len());
+                for (lo, bytes, groups) in rs {
+                    w.bytes(lo);
+                    run_at.push(w.len());
+                    w.u32(0); // offset: below
+                    w.u32(bytes.len() as u32);
+                    w.u32(*groups);
+                    w.u32(crc32c(&[bytes]));
+                }
+                places.push((at, run_at));
             }
             debug_assert_eq!(w.len(), section);
-            for (buf, at) in n.buffers.iter().zip(places) {
+            for (((buf, p), rs), (at, run_at)) in
+                n.buffers.iter().zip(&settled).zip(&runs).zip(places)
+            {
+                // The head: range deletes and the message count (`decode_buffer`).
                 let off = w.len();
-                encode_buffer(&mut w, buf);
+                w.u32(buf.ranges.len() as u32);
+                for r in &buf.ranges {
+                    w.u64(r.msn);
+                    w.bytes(&r.start);
+                    w.bytes(&r.end);
+                }
+                w.u32(p.groups_len() as u32);
                 let crc = crc32c(&[&w.buf[off..]]);
+                // Then the groups, run by run (together, exactly the settled arena).
+                for ((_, bytes, _), ra) in rs.iter().zip(run_at) {
+                    w.put_u32_at(ra, w.len() as u32);
+                    w.raw(bytes);
+                }
                 w.put_u32_at(at, off as u32);
                 w.put_u32_at(at + 4, (w.len() - off) as u32);
                 w.put_u32_at(at + 8, crc);
@@ -1156,7 +1281,8 @@ fn read_basement_ref(r: &mut Reader) -> Result<BasementRef> {
     })
 }
 
-fn read_buffer_ref(r: &mut Reader, id: NodeId) -> Result<BufferRef> {
+/// One buffer's place in an internal node's section (a node of `version`).
+fn read_buffer_ref(r: &mut Reader, id: NodeId, version: u16) -> Result<BufferRef> {
     let (offset, len, crc, ranges) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
     let words = r.u32()? as usize;
     if words == 0 || words > r.remaining() / 8 {
@@ -1165,12 +1291,51 @@ fn read_buffer_ref(r: &mut Reader, id: NodeId) -> Result<BufferRef> {
         )));
     }
     let filter = (0..words).map(|_| r.u64()).collect::<Result<Vec<u64>>>()?;
+    let mut runs: Vec<RunRef> = Vec::new();
+    if version >= 4 {
+        let n = r.u32()? as usize;
+        if n > r.remaining() / 20 {
+            return Err(Error::Corrupt(format!("node {id}: {n} buffer runs")));
+        }
+        runs.reserve(n);
+        // The head is at least its two counts; the runs follow it and one another,
+        // keys ascending, to the buffer's end.
+        let end = offset as u64 + len as u64;
+        let mut next = offset as u64 + 8;
+        for i in 0..n {
+            let run = RunRef {
+                lo: r.bytes()?.to_vec(),
+                offset: r.u32()?,
+                len: r.u32()?,
+                groups: r.u32()?,
+                crc: r.u32()?,
+            };
+            let at = run.offset as u64;
+            if (i == 0 && at < next)
+                || (i > 0 && at != next)
+                || run.groups == 0
+                || runs.last().is_some_and(|p| p.lo >= run.lo)
+            {
+                return Err(Error::Corrupt(format!(
+                    "node {id}: buffer runs out of bounds or order"
+                )));
+            }
+            next = at + run.len as u64;
+            runs.push(run);
+        }
+        if !runs.is_empty() && next != end {
+            return Err(Error::Corrupt(format!(
+                "node {id}: buffer runs do not end with their buffer"
+            )));
+        }
+    }
     Ok(BufferRef {
         offset,
         len,
         crc,
         ranges,
         filter,
+        runs,
     })
 }
 
@@ -1274,7 +1439,7 @@ pub fn decode_internal(
     }
     let mut unread = Vec::with_capacity(n);
     for _ in 0..n {
-        let at = read_buffer_ref(&mut r, id)?;
+        let at = read_buffer_ref(&mut r, id, version)?;
         if (at.offset as usize) < sec.len()
             || (at.offset as usize).saturating_add(at.len as usize) > extent_bytes
         {
@@ -1349,6 +1514,97 @@ pub fn basement_for(index: &[BasementRef], key: &[u8]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An internal node's buffers are written with runs (version 4): the runs tile each
+    /// buffer after its head, a point query's parts (head and one run) find what the
+    /// whole buffer holds for every key, a whole read decodes the buffer as it was, and
+    /// a flipped byte in a run or a head is a checksum error.
+    #[test]
+    fn buffers_are_read_by_run() {
+        let bs = 512;
+        let key = |i: u32| format!("key{:06}", i * 7).into_bytes();
+        let mut buffers = vec![Buffer::default(), Buffer::default(), Buffer::default()];
+        for i in 0..600u32 {
+            let msg = match i % 3 {
+                0 => Msg::Put(vec![i as u8; (i % 50) as usize]),
+                1 => Msg::Delete,
+                _ => Msg::Upsert {
+                    func: 1,
+                    arg: vec![1; 3],
+                },
+            };
+            buffers[(i % 2) as usize].push(key(i), i as u64 + 10, msg);
+        }
+        buffers[1].push_range(RangeDel {
+            msn: 5000,
+            start: key(100),
+            end: key(110),
+        });
+        // (Buffer 2 stays empty: no runs.)
+        let node = Node::Internal(Internal::new(
+            1,
+            vec![b"m".to_vec(), b"n".to_vec()],
+            vec![7, 8, 9],
+            buffers.clone(),
+        ));
+        let bytes = encode(3, &node, bs, 1024);
+        let (kind, len) = section_len(&bytes, 3).unwrap();
+        assert_eq!(kind, Kind::Internal);
+        let n = decode_internal(&bytes[..len], 3, 16, bytes.len()).unwrap();
+        for (b, at) in buffers.iter().zip(&n.unread) {
+            let at = at.as_ref().unwrap();
+            let body = &bytes[at.offset as usize..(at.offset + at.len) as usize];
+            assert_eq!(at.runs.is_empty(), b.points.is_empty());
+            if !b.points.is_empty() {
+                assert!(at.runs.len() > 5, "{} runs of about 1 KiB", at.runs.len());
+            }
+            // Whole, as before.
+            let whole = decode_buffer(body, at, 3).unwrap();
+            assert_eq!(whole.ranges, b.ranges);
+            for i in 0..600u32 {
+                let k = key(i);
+                let want = (b.ranges.iter().any(|r| r.covers(&k)), b.points.get(&k));
+                assert_eq!(whole.points.get(&k), want.1);
+                // In parts, as a point query reads them.
+                let got = match at.probe(&k) {
+                    BufferProbe::Skip => (false, Vec::new()),
+                    BufferProbe::Whole(_) => panic!("a version 4 buffer read whole"),
+                    BufferProbe::Parts { head, run } => {
+                        let covered = head.is_some_and(|(o, l, crc)| {
+                            head_covers(&bytes[o as usize..(o + l) as usize], crc, 3, &k).unwrap()
+                        });
+                        let msgs = run.map_or(Vec::new(), |r| {
+                            let b = &bytes[r.offset as usize..(r.offset + r.len) as usize];
+                            run_lookup(b, &r, 3, &k).unwrap()
+                        });
+                        (covered, msgs)
+                    }
+                };
+                assert_eq!(got, want, "key {i}");
+            }
+        }
+        // Damage: a byte of a run, then of a head.
+        let at = n.unread[1].as_ref().unwrap();
+        let run = &at.runs[2];
+        let mut bad = bytes.clone();
+        bad[run.offset as usize + 3] ^= 1;
+        let b = &bad[run.offset as usize..(run.offset + run.len) as usize];
+        assert!(matches!(
+            run_lookup(b, run, 3, &run.lo),
+            Err(Error::Corrupt(_))
+        ));
+        let body = &bad[at.offset as usize..(at.offset + at.len) as usize];
+        assert!(matches!(decode_buffer(body, at, 3), Err(Error::Corrupt(_))));
+        let mut bad = bytes.clone();
+        bad[at.offset as usize + 6] ^= 1;
+        let head = &bad[at.offset as usize..at.runs[0].offset as usize];
+        assert!(matches!(
+            head_covers(head, at.crc, 3, b"x"),
+            Err(Error::Corrupt(_))
+        ));
+        let body = &bad[at.offset as usize..(at.offset + at.len) as usize];
+        assert!(matches!(decode_buffer(body, at, 3), Err(Error::Corrupt(_))));
+    }
 
     /// `basement_for` (prefixes first) picks the basement a linear walk picks, with
     /// keys that tie in their first eight bytes, are shorter than eight, or end in

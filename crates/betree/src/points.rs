@@ -21,7 +21,9 @@
 //! Rule kept by every operation: a put or a delete supersedes the older messages of its
 //! key (they are dropped), an upsert queues behind them.
 
-use crate::codec::{key_cmp, Reader, Writer};
+#[cfg(test)]
+use crate::codec::Writer;
+use crate::codec::{key_cmp, Reader};
 use crate::msg::{point_bytes, Msg, Msn};
 use crate::{Error, Result};
 use std::borrow::Cow;
@@ -680,7 +682,9 @@ impl Points {
         Ok(Vec::new())
     }
 
-    /// Writes the groups as `decode` reads them (count first).
+    /// Writes the groups as `decode` reads them (count first). (Nodes write their
+    /// buffers' groups run by run: `runs`.)
+    #[cfg(test)]
     pub fn encode(&self, w: &mut Writer) {
         let p = self.settled();
         w.u32(p.offs.len() as u32);

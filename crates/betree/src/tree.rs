@@ -1559,12 +1559,12 @@ impl Inner {
             // A buffer not read yet is skipped if its filter rules the key out, else
             // searched where it lies, without decoding or caching it (a query needs one
             // key's messages; whole buffers would crowd the leaves out). `unread`:
-            // `Some(None)` skipped, `Some(Some(place))` to search.
+            // `None`: the buffer is loaded.
             let (i, unread, lift) = match &*self.ensure(id)?.node {
                 Node::Internal(n) => {
                     let i = n.child_for(key);
                     let unread = match n.unread.get(i) {
-                        Some(Some(at)) => Some(at.may_hold(key).then(|| at.place())),
+                        Some(Some(at)) => Some(at.probe(key)),
                         _ => None,
                     };
                     (i, unread, n.lifts[i].clone())
@@ -1573,20 +1573,42 @@ impl Inner {
             };
             levels.extend(self.delta_lookup(id, key)?);
             let next_key = lift.map(|l| l.to_inner(key).into_owned());
-            if let Some(hit) = unread {
-                if let Some(at) = hit {
-                    let base = self.base_of(id)?;
-                    // (Into the kept buffer: a fresh one per query was an allocation,
-                    // a memset and, often, page faults.)
-                    let mut buf = std::mem::take(&mut self.read_buf);
-                    let found = self
-                        .read_range_into(base, id, at.offset, at.len, &mut buf)
-                        .and_then(|body| node::buffer_lookup(body, &at, id, key));
-                    self.read_buf = buf;
-                    levels.push(found?);
-                    self.stats.buffer_reads += 1;
-                } else {
-                    self.stats.buffers_skipped += 1;
+            if let Some(probe) = unread {
+                match probe {
+                    node::BufferProbe::Skip => self.stats.buffers_skipped += 1,
+                    node::BufferProbe::Whole(at) => {
+                        let base = self.base_of(id)?;
+                        // (Into the kept buffer: a fresh one per query was an
+                        // allocation, a memset and, often, page faults.)
+                        let mut buf = std::mem::take(&mut self.read_buf);
+                        let found = self
+                            .read_range_into(base, id, at.offset, at.len, &mut buf)
+                            .and_then(|body| node::buffer_lookup(body, &at, id, key));
+                        self.read_buf = buf;
+                        levels.push(found?);
+                        self.stats.buffer_reads += 1;
+                    }
+                    node::BufferProbe::Parts { head, run } => {
+                        let base = self.base_of(id)?;
+                        let mut buf = std::mem::take(&mut self.read_buf);
+                        let found = (|| -> Result<KeyMsgs> {
+                            let mut covered = false;
+                            if let Some((offset, len, crc)) = head {
+                                let h = self.read_range_into(base, id, offset, len, &mut buf)?;
+                                covered = node::head_covers(h, crc, id, key)?;
+                            }
+                            let mut msgs = Vec::new();
+                            if let Some(run) = &run {
+                                let b =
+                                    self.read_range_into(base, id, run.offset, run.len, &mut buf)?;
+                                msgs = node::run_lookup(b, run, id, key)?;
+                            }
+                            Ok((covered, msgs))
+                        })();
+                        self.read_buf = buf;
+                        levels.push(found?);
+                        self.stats.buffer_reads += 1;
+                    }
                 }
             } else if let Node::Internal(n) = &*self.cache[&id].node {
                 let b = &n.buffers[i];
@@ -1639,7 +1661,7 @@ impl Inner {
         let mut buf = std::mem::take(&mut self.read_buf);
         let found = self
             .read_range_into(e, id, run.offset, run.len, &mut buf)
-            .and_then(|bytes| node::delta_run_lookup(bytes, &run, id, key));
+            .and_then(|bytes| node::run_lookup(bytes, &run, id, key));
         self.read_buf = buf;
         self.stats.buffer_reads += 1;
         Ok(Some((covered, found?)))
