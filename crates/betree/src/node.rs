@@ -89,7 +89,66 @@ pub struct BufferRef {
     /// Its point messages' runs, following its head and one another to its end (offsets
     /// in the extent). Empty in nodes before version 4 (`crc` covers the whole buffer)
     /// and for a buffer with no point message.
-    pub runs: Vec<RunRef>,
+    pub runs: RunIndex,
+}
+
+/// A buffer's run index as its node's section holds it: per run its first key (u32
+/// length, bytes), then offset, length, key count and crc32c. Kept encoded, one
+/// allocation however many runs: decoding each run's key into a vector of its own cost
+/// opening an internal node some eighty allocations, and scans 7%.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunIndex {
+    raw: Vec<u8>,
+}
+
+/// Where one run lies, how many keys it holds and its crc32c.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunPlace {
+    pub offset: u32,
+    pub len: u32,
+    pub groups: u32,
+    pub crc: u32,
+}
+
+impl RunIndex {
+    #[cfg(test)]
+    pub fn is_empty(&self) -> bool {
+        self.raw.is_empty()
+    }
+
+    /// The runs in order, with their first keys (checked when the index was read).
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], RunPlace)> + '_ {
+        let mut r = Reader::new(&self.raw, "run index");
+        std::iter::from_fn(move || {
+            if r.remaining() == 0 {
+                return None;
+            }
+            let lo = r.bytes().ok()?;
+            let (offset, len) = (r.u32().ok()?, r.u32().ok()?);
+            let (groups, crc) = (r.u32().ok()?, r.u32().ok()?);
+            Some((
+                lo,
+                RunPlace {
+                    offset,
+                    len,
+                    groups,
+                    crc,
+                },
+            ))
+        })
+    }
+
+    pub fn first(&self) -> Option<RunPlace> {
+        self.iter().next().map(|(_, p)| p)
+    }
+
+    /// The run that would hold `key`: the last whose first key is not above it.
+    pub fn find(&self, key: &[u8]) -> Option<RunPlace> {
+        self.iter()
+            .take_while(|(lo, _)| key_cmp(lo, key).is_le())
+            .last()
+            .map(|(_, p)| p)
+    }
 }
 
 /// What a point query reads of an unread buffer for one key.
@@ -102,7 +161,7 @@ pub enum BufferProbe {
     /// deletes, and the run that would hold the key if the filter admits it.
     Parts {
         head: Option<(u32, u32, u32)>,
-        run: Option<RunRef>,
+        run: Option<RunPlace>,
     },
 }
 
@@ -134,21 +193,15 @@ impl BufferRef {
         BufferProbe::Parts {
             head: (self.ranges > 0).then_some((self.offset, head_len, self.crc)),
             run: Probes::admits(&self.filter, key)
-                .then(|| run_for(&self.runs, key).cloned())
+                .then(|| self.runs.find(key))
                 .flatten(),
         }
     }
 
     /// Memory its place takes beyond the struct (filter and run index).
     pub fn mem(&self) -> usize {
-        self.filter.len() * 8 + self.runs.iter().map(|x| x.lo.len() + 48).sum::<usize>()
+        self.filter.len() * 8 + self.runs.raw.len()
     }
-}
-
-/// The run of `runs` (ascending first keys) that would hold `key`.
-fn run_for<'a>(runs: &'a [RunRef], key: &[u8]) -> Option<&'a RunRef> {
-    let i = runs.partition_point(|r| key_cmp(&r.lo, key).is_le());
-    i.checked_sub(1).map(|i| &runs[i])
 }
 
 const FILTER_PROBES: u32 = 3;
@@ -475,7 +528,8 @@ impl DeltaRef {
 
     /// The run that holds `key` if any does.
     pub fn run_for(&self, key: &[u8]) -> Option<&RunRef> {
-        run_for(&self.runs, key)
+        let i = self.runs.partition_point(|r| key_cmp(&r.lo, key).is_le());
+        i.checked_sub(1).map(|i| &self.runs[i])
     }
 
     /// The byte range of the extent that holds every run (they follow one another).
@@ -517,15 +571,21 @@ pub fn decode_delta_runs(body: &[u8], at: &DeltaRef, id: NodeId) -> Result<Buffe
     })
 }
 
-/// The messages for `key` in one run of a delta or a buffer, read from disk (checksum
-/// verified).
-pub fn run_lookup(bytes: &[u8], run: &RunRef, id: NodeId, key: &[u8]) -> Result<Vec<(Msn, Msg)>> {
-    if crc32c(&[bytes]) != run.crc {
+/// The messages for `key` in one run of a delta or a buffer (`groups` keys), read from
+/// disk (checksum verified).
+pub fn run_lookup(
+    bytes: &[u8],
+    groups: u32,
+    crc: u32,
+    id: NodeId,
+    key: &[u8],
+) -> Result<Vec<(Msn, Msg)>> {
+    if crc32c(&[bytes]) != crc {
         return Err(Error::Corrupt(format!(
             "node {id}: message run checksum mismatch"
         )));
     }
-    Points::lookup_encoded(bytes, run.groups as usize, key).map_err(|e| match e {
+    Points::lookup_encoded(bytes, groups as usize, key).map_err(|e| match e {
         Error::Corrupt(m) => Error::Corrupt(format!("node {id}: {m}")),
         e => e,
     })
@@ -878,7 +938,7 @@ fn check_buffer(body: &[u8], at: &BufferRef, id: NodeId) -> Result<()> {
     if head.is_none_or(|h| crc32c(&[h]) != at.crc) {
         return bad();
     }
-    for run in &at.runs {
+    for (_, run) in at.runs.iter() {
         if part(run.offset, run.len).is_none_or(|b| crc32c(&[b]) != run.crc) {
             return bad();
         }
@@ -1291,43 +1351,40 @@ fn read_buffer_ref(r: &mut Reader, id: NodeId, version: u16) -> Result<BufferRef
         )));
     }
     let filter = (0..words).map(|_| r.u64()).collect::<Result<Vec<u64>>>()?;
-    let mut runs: Vec<RunRef> = Vec::new();
+    let mut runs = RunIndex::default();
     if version >= 4 {
         let n = r.u32()? as usize;
         if n > r.remaining() / 20 {
             return Err(Error::Corrupt(format!("node {id}: {n} buffer runs")));
         }
-        runs.reserve(n);
         // The head is at least its two counts; the runs follow it and one another,
         // keys ascending, to the buffer's end.
+        let index = r.rest();
         let end = offset as u64 + len as u64;
         let mut next = offset as u64 + 8;
+        let mut prev: Option<&[u8]> = None;
         for i in 0..n {
-            let run = RunRef {
-                lo: r.bytes()?.to_vec(),
-                offset: r.u32()?,
-                len: r.u32()?,
-                groups: r.u32()?,
-                crc: r.u32()?,
-            };
-            let at = run.offset as u64;
+            let lo = r.bytes()?;
+            let (at, run_len, groups) = (r.u32()? as u64, r.u32()?, r.u32()?);
+            r.u32()?; // crc
             if (i == 0 && at < next)
                 || (i > 0 && at != next)
-                || run.groups == 0
-                || runs.last().is_some_and(|p| p.lo >= run.lo)
+                || groups == 0
+                || prev.is_some_and(|p| p >= lo)
             {
                 return Err(Error::Corrupt(format!(
                     "node {id}: buffer runs out of bounds or order"
                 )));
             }
-            next = at + run.len as u64;
-            runs.push(run);
+            prev = Some(lo);
+            next = at + run_len as u64;
         }
-        if !runs.is_empty() && next != end {
+        if n > 0 && next != end {
             return Err(Error::Corrupt(format!(
                 "node {id}: buffer runs do not end with their buffer"
             )));
         }
+        runs.raw = index[..index.len() - r.remaining()].to_vec();
     }
     Ok(BufferRef {
         offset,
@@ -1556,7 +1613,8 @@ mod tests {
             let body = &bytes[at.offset as usize..(at.offset + at.len) as usize];
             assert_eq!(at.runs.is_empty(), b.points.is_empty());
             if !b.points.is_empty() {
-                assert!(at.runs.len() > 5, "{} runs of about 1 KiB", at.runs.len());
+                let n = at.runs.iter().count();
+                assert!(n > 5, "{n} runs of about 1 KiB");
             }
             // Whole, as before.
             let whole = decode_buffer(body, at, 3).unwrap();
@@ -1575,7 +1633,7 @@ mod tests {
                         });
                         let msgs = run.map_or(Vec::new(), |r| {
                             let b = &bytes[r.offset as usize..(r.offset + r.len) as usize];
-                            run_lookup(b, &r, 3, &k).unwrap()
+                            run_lookup(b, r.groups, r.crc, 3, &k).unwrap()
                         });
                         (covered, msgs)
                     }
@@ -1585,19 +1643,19 @@ mod tests {
         }
         // Damage: a byte of a run, then of a head.
         let at = n.unread[1].as_ref().unwrap();
-        let run = &at.runs[2];
+        let (lo, run) = at.runs.iter().nth(2).unwrap();
         let mut bad = bytes.clone();
         bad[run.offset as usize + 3] ^= 1;
         let b = &bad[run.offset as usize..(run.offset + run.len) as usize];
         assert!(matches!(
-            run_lookup(b, run, 3, &run.lo),
+            run_lookup(b, run.groups, run.crc, 3, lo),
             Err(Error::Corrupt(_))
         ));
         let body = &bad[at.offset as usize..(at.offset + at.len) as usize];
         assert!(matches!(decode_buffer(body, at, 3), Err(Error::Corrupt(_))));
         let mut bad = bytes.clone();
         bad[at.offset as usize + 6] ^= 1;
-        let head = &bad[at.offset as usize..at.runs[0].offset as usize];
+        let head = &bad[at.offset as usize..at.runs.first().unwrap().offset as usize];
         assert!(matches!(
             head_covers(head, at.crc, 3, b"x"),
             Err(Error::Corrupt(_))

@@ -702,9 +702,14 @@ impl Inner {
     /// A node's delta messages, from its own extent.
     fn read_delta(&mut self, id: NodeId, at: &node::DeltaRef) -> Result<Buffer> {
         let (offset, len) = at.span();
-        let body = self.read_range(id, offset, len)?;
+        let e = self.extent_of(id)?;
+        let mut buf = std::mem::take(&mut self.read_buf);
+        let decoded = self
+            .read_range_into(e, id, offset, len, &mut buf)
+            .and_then(|body| node::decode_delta_runs(body, at, id));
+        self.read_buf = buf;
         self.stats.buffer_reads += 1;
-        node::decode_delta_runs(&body, at, id)
+        decoded
     }
 
     /// Makes a partial leaf full: reads the basements it lacks from its base. On an
@@ -791,14 +796,6 @@ impl Inner {
         let c = self.cache.get_mut(&id).expect("just cached");
         c.tick = tick;
         Ok(c)
-    }
-
-    /// Bytes `offset..offset + len` of a node's extent (the blocks that hold them).
-    fn read_range(&self, id: NodeId, offset: u32, len: u32) -> Result<Span> {
-        if len == 0 {
-            return Ok(Span::default());
-        }
-        self.read_range_in(self.extent_of(id)?, id, offset, len)
     }
 
     /// Bytes `offset..offset + len` of extent `e` of node `id`.
@@ -1598,10 +1595,10 @@ impl Inner {
                                 covered = node::head_covers(h, crc, id, key)?;
                             }
                             let mut msgs = Vec::new();
-                            if let Some(run) = &run {
+                            if let Some(run) = run {
                                 let b =
                                     self.read_range_into(base, id, run.offset, run.len, &mut buf)?;
-                                msgs = node::run_lookup(b, run, id, key)?;
+                                msgs = node::run_lookup(b, run.groups, run.crc, id, key)?;
                             }
                             Ok((covered, msgs))
                         })();
@@ -1661,7 +1658,7 @@ impl Inner {
         let mut buf = std::mem::take(&mut self.read_buf);
         let found = self
             .read_range_into(e, id, run.offset, run.len, &mut buf)
-            .and_then(|bytes| node::run_lookup(bytes, &run, id, key));
+            .and_then(|bytes| node::run_lookup(bytes, run.groups, run.crc, id, key));
         self.read_buf = buf;
         self.stats.buffer_reads += 1;
         Ok(Some((covered, found?)))
@@ -2034,9 +2031,14 @@ impl Inner {
             return Ok(());
         };
         let base = self.base_of(id)?;
-        let body = self.read_range_in(base, id, at.offset, at.len)?;
+        // (Decoding copies it: read into the kept buffer.)
+        let mut buf = std::mem::take(&mut self.read_buf);
+        let decoded = self
+            .read_range_into(base, id, at.offset, at.len, &mut buf)
+            .and_then(|body| node::decode_buffer(body, &at, id));
+        self.read_buf = buf;
         self.stats.buffer_reads += 1;
-        let b = node::decode_buffer(&body, &at, id)?;
+        let b = decoded?;
         self.change_cached(id, |n| {
             if let Node::Internal(n) = n {
                 n.buffers[i] = b;
