@@ -636,13 +636,10 @@ impl Inner {
 
     fn read_basement(&mut self, id: NodeId, b: &node::BasementRef) -> Result<Entries> {
         let base = self.base_of(id)?;
-        let mut buf = std::mem::take(&mut self.read_buf);
-        let r = self
-            .read_range_into(base, id, b.offset, b.len, &mut buf)
-            .and_then(|part| node::decode_basement(part, b, id));
-        self.read_buf = buf;
         self.stats.basement_reads += 1;
-        r
+        self.read_with(base, id, b.offset, b.len, |part| {
+            node::decode_basement(part, b, id)
+        })
     }
 
     /// Takes a node out of the cache, whole (a partial leaf gets its other basements);
@@ -703,13 +700,10 @@ impl Inner {
     fn read_delta(&mut self, id: NodeId, at: &node::DeltaRef) -> Result<Buffer> {
         let (offset, len) = at.span();
         let e = self.extent_of(id)?;
-        let mut buf = std::mem::take(&mut self.read_buf);
-        let decoded = self
-            .read_range_into(e, id, offset, len, &mut buf)
-            .and_then(|body| node::decode_delta_runs(body, at, id));
-        self.read_buf = buf;
         self.stats.buffer_reads += 1;
-        decoded
+        self.read_with(e, id, offset, len, |body| {
+            node::decode_delta_runs(body, at, id)
+        })
     }
 
     /// Makes a partial leaf full: reads the basements it lacks from its base. On an
@@ -806,6 +800,26 @@ impl Inner {
             blocks: part,
             range: 0..len as usize,
         })
+    }
+
+    /// Bytes `offset..offset + len` of extent `e` of node `id`, read into the tree's
+    /// kept read buffer and handed to `f`, which copies what it keeps: a part read for
+    /// a query or a scan costs no allocation (a fresh buffer each time was an
+    /// allocation, a memset and, often, page faults).
+    fn read_with<T>(
+        &mut self,
+        e: Extent,
+        id: NodeId,
+        offset: u32,
+        len: u32,
+        f: impl FnOnce(&[u8]) -> Result<T>,
+    ) -> Result<T> {
+        let mut buf = std::mem::take(&mut self.read_buf);
+        let r = self
+            .read_range_into(e, id, offset, len, &mut buf)
+            .and_then(f);
+        self.read_buf = buf;
+        r
     }
 
     /// Bytes `offset..offset + len` of extent `e` of node `id`, read into the front of
@@ -1575,36 +1589,27 @@ impl Inner {
                     node::BufferProbe::Skip => self.stats.buffers_skipped += 1,
                     node::BufferProbe::Whole(at) => {
                         let base = self.base_of(id)?;
-                        // (Into the kept buffer: a fresh one per query was an
-                        // allocation, a memset and, often, page faults.)
-                        let mut buf = std::mem::take(&mut self.read_buf);
-                        let found = self
-                            .read_range_into(base, id, at.offset, at.len, &mut buf)
-                            .and_then(|body| node::buffer_lookup(body, &at, id, key));
-                        self.read_buf = buf;
-                        levels.push(found?);
                         self.stats.buffer_reads += 1;
+                        levels.push(self.read_with(base, id, at.offset, at.len, |body| {
+                            node::buffer_lookup(body, &at, id, key)
+                        })?);
                     }
                     node::BufferProbe::Parts { head, run } => {
                         let base = self.base_of(id)?;
-                        let mut buf = std::mem::take(&mut self.read_buf);
-                        let found = (|| -> Result<KeyMsgs> {
-                            let mut covered = false;
-                            if let Some((offset, len, crc)) = head {
-                                let h = self.read_range_into(base, id, offset, len, &mut buf)?;
-                                covered = node::head_covers(h, crc, id, key)?;
-                            }
-                            let mut msgs = Vec::new();
-                            if let Some(run) = run {
-                                let b =
-                                    self.read_range_into(base, id, run.offset, run.len, &mut buf)?;
-                                msgs = node::run_lookup(b, run.groups, run.crc, id, key)?;
-                            }
-                            Ok((covered, msgs))
-                        })();
-                        self.read_buf = buf;
-                        levels.push(found?);
                         self.stats.buffer_reads += 1;
+                        let mut covered = false;
+                        if let Some((offset, len, crc)) = head {
+                            covered = self.read_with(base, id, offset, len, |h| {
+                                node::head_covers(h, crc, id, key)
+                            })?;
+                        }
+                        let mut msgs = Vec::new();
+                        if let Some(run) = run {
+                            msgs = self.read_with(base, id, run.offset, run.len, |b| {
+                                node::run_lookup(b, run.groups, run.crc, id, key)
+                            })?;
+                        }
+                        levels.push((covered, msgs));
                     }
                 }
             } else if let Node::Internal(n) = &*self.cache[&id].node {
@@ -1655,13 +1660,11 @@ impl Inner {
             return Ok(covered.then(|| (true, Vec::new())));
         };
         let e = self.extent_of(id)?;
-        let mut buf = std::mem::take(&mut self.read_buf);
-        let found = self
-            .read_range_into(e, id, run.offset, run.len, &mut buf)
-            .and_then(|bytes| node::run_lookup(bytes, run.groups, run.crc, id, key));
-        self.read_buf = buf;
         self.stats.buffer_reads += 1;
-        Ok(Some((covered, found?)))
+        let found = self.read_with(e, id, run.offset, run.len, |bytes| {
+            node::run_lookup(bytes, run.groups, run.crc, id, key)
+        })?;
+        Ok(Some((covered, found)))
     }
 
     fn leaf_get(&mut self, id: NodeId, key: &[u8]) -> Result<Option<Vec<u8>>> {
@@ -1698,22 +1701,18 @@ impl Inner {
         let start = first.1.offset;
         let end = last.1.offset.saturating_add(last.1.len);
         let base = self.base_of(id)?;
-        let mut bytes = std::mem::take(&mut self.read_buf);
-        let decoded = self
-            .read_range_into(base, id, start, end.saturating_sub(start), &mut bytes)
-            .and_then(|bytes| {
-                let mut got = Vec::with_capacity(want.len());
-                for (i, r) in want {
-                    let at = (r.offset - start) as usize;
-                    let body = bytes.get(at..at + r.len as usize).ok_or_else(|| {
-                        Error::Corrupt(format!("node {id}: basements out of order"))
-                    })?;
-                    got.push((i, node::decode_basement(body, &r, id)?));
-                }
-                Ok(got)
-            });
-        self.read_buf = bytes;
-        let got = decoded?;
+        let got = self.read_with(base, id, start, end.saturating_sub(start), |bytes| {
+            let mut got = Vec::with_capacity(want.len());
+            for (i, r) in want {
+                // (Offsets out of order wrap to a place past the end.)
+                let at = r.offset.wrapping_sub(start) as usize;
+                let body = bytes
+                    .get(at..at.saturating_add(r.len as usize))
+                    .ok_or_else(|| Error::Corrupt(format!("node {id}: basements out of order")))?;
+                got.push((i, node::decode_basement(body, &r, id)?));
+            }
+            Ok(got)
+        })?;
         self.stats.basement_reads += got.len() as u64;
         self.change_cached(id, |n| {
             if let Node::Leaf(Leaf {
@@ -2031,14 +2030,10 @@ impl Inner {
             return Ok(());
         };
         let base = self.base_of(id)?;
-        // (Decoding copies it: read into the kept buffer.)
-        let mut buf = std::mem::take(&mut self.read_buf);
-        let decoded = self
-            .read_range_into(base, id, at.offset, at.len, &mut buf)
-            .and_then(|body| node::decode_buffer(body, &at, id));
-        self.read_buf = buf;
         self.stats.buffer_reads += 1;
-        let b = decoded?;
+        let b = self.read_with(base, id, at.offset, at.len, |body| {
+            node::decode_buffer(body, &at, id)
+        })?;
         self.change_cached(id, |n| {
             if let Node::Internal(n) = n {
                 n.buffers[i] = b;
