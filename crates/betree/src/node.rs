@@ -111,7 +111,6 @@ pub struct RunPlace {
 }
 
 impl RunIndex {
-    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.raw.is_empty()
     }
@@ -600,16 +599,7 @@ pub fn head_covers(head: &[u8], crc: u32, id: NodeId, key: &[u8]) -> Result<bool
         )));
     }
     let mut r = Reader::new(head, "message buffer");
-    let nr = r.u32()? as usize;
-    if nr > r.remaining() {
-        return Err(r.corrupt("range count past the end"));
-    }
-    let mut covered = false;
-    for _ in 0..nr {
-        r.u64()?; // MSN
-        let (start, end) = (r.bytes()?, r.bytes()?);
-        covered |= start <= key && key < end; // as `RangeDel::covers`
-    }
+    let covered = read_ranges(&mut r)?.iter().any(|x| x.covers(key));
     r.u32()?; // the message count
     if r.remaining() != 0 {
         return Err(r.corrupt("trailing bytes in a buffer's head"));
@@ -950,20 +940,7 @@ fn check_buffer(body: &[u8], at: &BufferRef, id: NodeId) -> Result<()> {
 pub fn decode_buffer(body: &[u8], at: &BufferRef, id: NodeId) -> Result<Buffer> {
     check_buffer(body, at, id)?;
     let mut r = Reader::new(body, "message buffer");
-    let nr = r.u32()? as usize;
-    if nr > r.remaining() {
-        return Err(r.corrupt("range count past the end"));
-    }
-    let mut ranges = Vec::with_capacity(nr);
-    for _ in 0..nr {
-        let msn = r.u64()?;
-        let (start, end) = (r.bytes()?, r.bytes()?);
-        ranges.push(RangeDel {
-            msn,
-            start: start.to_vec(),
-            end: end.to_vec(),
-        });
-    }
+    let ranges = read_ranges(&mut r)?;
     let np = r.u32()? as usize;
     if np > r.remaining() {
         return Err(r.corrupt("message count past the end"));
@@ -1008,22 +985,8 @@ pub fn buffer_window(
 ) -> Result<(Vec<RangeDel>, Vec<(Vec<u8>, Vec<(Msn, Msg)>)>)> {
     check_buffer(body, at, id)?;
     let mut r = Reader::new(body, "message buffer");
-    let nr = r.u32()? as usize;
-    if nr > r.remaining() {
-        return Err(r.corrupt("range count past the end"));
-    }
-    let mut ranges = Vec::new();
-    for _ in 0..nr {
-        let msn = r.u64()?;
-        let (start, end) = (r.bytes()?, r.bytes()?);
-        if end > lo && hi.is_none_or(|h| start < h) {
-            ranges.push(RangeDel {
-                msn,
-                start: start.to_vec(),
-                end: end.to_vec(),
-            });
-        }
-    }
+    let mut ranges = read_ranges(&mut r)?;
+    ranges.retain(|x| x.end.as_slice() > lo && hi.is_none_or(|h| x.start.as_slice() < h));
     let np = r.u32()? as usize;
     if np > r.remaining() {
         return Err(r.corrupt("message count past the end"));
@@ -1132,12 +1095,7 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
             {
                 // The head: range deletes and the message count (`decode_buffer`).
                 let off = w.len();
-                w.u32(buf.ranges.len() as u32);
-                for r in &buf.ranges {
-                    w.u64(r.msn);
-                    w.bytes(&r.start);
-                    w.bytes(&r.end);
-                }
+                write_ranges(&mut w, &buf.ranges);
                 w.u32(p.groups_len() as u32);
                 let crc = crc32c(&[&w.buf[off..]]);
                 // Then the groups, run by run (together, exactly the settled arena).
@@ -1224,12 +1182,7 @@ fn encode_delta(id: NodeId, height: u16, d: &Delta, bs: usize, run_bytes: usize)
     w.u64(base.extent.start);
     w.u64(base.extent.blocks);
     w.bytes(&base.section);
-    w.u32(d.buf.ranges.len() as u32);
-    for r in &d.buf.ranges {
-        w.u64(r.msn);
-        w.bytes(&r.start);
-        w.bytes(&r.end);
-    }
+    write_ranges(&mut w, &d.buf.ranges);
     let section =
         w.len() + 4 + runs.iter().map(|r| r.0.len() + 4 + 16).sum::<usize>() + 4 + filter.len() * 8;
     w.u32(runs.len() as u32);
@@ -1274,42 +1227,22 @@ pub fn decode_delta(sec: &[u8], id: NodeId, extent_bytes: usize) -> Result<(u16,
     if section.len() < PREFIX {
         return Err(bad("base section too short"));
     }
-    let nr = r.u32()? as usize;
-    if nr > r.remaining() {
-        return Err(bad("range count past the end"));
+    let ranges = read_ranges(&mut r)?;
+    // Runs follow the section and one another, within the delta's extent.
+    let (index, end) = read_runs(&mut r, id, sec.len() as u64, true)?;
+    if end > extent_bytes as u64 {
+        return Err(bad("delta runs out of bounds or order"));
     }
-    let mut ranges = Vec::with_capacity(nr);
-    for _ in 0..nr {
-        let msn = r.u64()?;
-        let (start, end) = (r.bytes()?.to_vec(), r.bytes()?.to_vec());
-        ranges.push(RangeDel { msn, start, end });
-    }
-    let nruns = r.u32()? as usize;
-    if nruns > r.remaining() {
-        return Err(bad("run count past the end"));
-    }
-    let mut runs: Vec<RunRef> = Vec::with_capacity(nruns);
-    let mut next = sec.len();
-    for _ in 0..nruns {
-        let lo = r.bytes()?.to_vec();
-        let run = RunRef {
-            lo,
-            offset: r.u32()?,
-            len: r.u32()?,
-            groups: r.u32()?,
-            crc: r.u32()?,
-        };
-        // Runs follow the section and one another, keys ascending.
-        if run.offset as usize != next
-            || run.groups == 0
-            || (run.offset as usize).saturating_add(run.len as usize) > extent_bytes
-            || runs.last().is_some_and(|p| p.lo >= run.lo)
-        {
-            return Err(bad("delta runs out of bounds or order"));
-        }
-        next += run.len as usize;
-        runs.push(run);
-    }
+    let runs: Vec<RunRef> = index
+        .iter()
+        .map(|(lo, p)| RunRef {
+            lo: lo.to_vec(),
+            offset: p.offset,
+            len: p.len,
+            groups: p.groups,
+            crc: p.crc,
+        })
+        .collect();
     let words = r.u32()? as usize;
     if words == 0 || words > r.remaining() / 8 {
         return Err(bad("delta filter size"));
@@ -1341,6 +1274,65 @@ fn read_basement_ref(r: &mut Reader) -> Result<BasementRef> {
     })
 }
 
+/// Range deletes as buffers and deltas hold them: a count, then each one's MSN, start
+/// and end.
+fn write_ranges(w: &mut Writer, ranges: &[RangeDel]) {
+    w.u32(ranges.len() as u32);
+    for r in ranges {
+        w.u64(r.msn);
+        w.bytes(&r.start);
+        w.bytes(&r.end);
+    }
+}
+
+/// What `write_ranges` wrote.
+fn read_ranges(r: &mut Reader) -> Result<Vec<RangeDel>> {
+    let n = r.u32()? as usize;
+    if n > r.remaining() {
+        return Err(r.corrupt("range count past the end"));
+    }
+    let mut ranges = Vec::with_capacity(n);
+    for _ in 0..n {
+        let msn = r.u64()?;
+        let (start, end) = (r.bytes()?.to_vec(), r.bytes()?.to_vec());
+        ranges.push(RangeDel { msn, start, end });
+    }
+    Ok(ranges)
+}
+
+/// A run index as a delta's or a buffer's section holds it (a count, then per run its
+/// first key, offset, length, key count and crc32c), checked: every run holds keys,
+/// first keys ascend, and the runs follow one another from `first` (exactly there if
+/// `exact`, else anywhere after it). Returns it with where the last run ends (`first`
+/// if there is none).
+fn read_runs(r: &mut Reader, id: NodeId, first: u64, exact: bool) -> Result<(RunIndex, u64)> {
+    let bad = |why: String| Err(Error::Corrupt(format!("node {id}: {why}")));
+    let n = r.u32()? as usize;
+    if n > r.remaining() / 20 {
+        return bad(format!("{n} message runs"));
+    }
+    let index = r.rest();
+    let mut next = first;
+    let mut prev: Option<&[u8]> = None;
+    for i in 0..n {
+        let lo = r.bytes()?;
+        let (at, len, groups) = (r.u32()? as u64, r.u32()?, r.u32()?);
+        r.u32()?; // crc
+        let placed = if i == 0 && !exact {
+            at >= next
+        } else {
+            at == next
+        };
+        if !placed || groups == 0 || prev.is_some_and(|p| p >= lo) {
+            return bad("message runs out of bounds or order".into());
+        }
+        prev = Some(lo);
+        next = at + len as u64;
+    }
+    let raw = index[..index.len() - r.remaining()].to_vec();
+    Ok((RunIndex { raw }, next))
+}
+
 /// One buffer's place in an internal node's section (a node of `version`).
 fn read_buffer_ref(r: &mut Reader, id: NodeId, version: u16) -> Result<BufferRef> {
     let (offset, len, crc, ranges) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
@@ -1353,38 +1345,15 @@ fn read_buffer_ref(r: &mut Reader, id: NodeId, version: u16) -> Result<BufferRef
     let filter = (0..words).map(|_| r.u64()).collect::<Result<Vec<u64>>>()?;
     let mut runs = RunIndex::default();
     if version >= 4 {
-        let n = r.u32()? as usize;
-        if n > r.remaining() / 20 {
-            return Err(Error::Corrupt(format!("node {id}: {n} buffer runs")));
-        }
-        // The head is at least its two counts; the runs follow it and one another,
-        // keys ascending, to the buffer's end.
-        let index = r.rest();
-        let end = offset as u64 + len as u64;
-        let mut next = offset as u64 + 8;
-        let mut prev: Option<&[u8]> = None;
-        for i in 0..n {
-            let lo = r.bytes()?;
-            let (at, run_len, groups) = (r.u32()? as u64, r.u32()?, r.u32()?);
-            r.u32()?; // crc
-            if (i == 0 && at < next)
-                || (i > 0 && at != next)
-                || groups == 0
-                || prev.is_some_and(|p| p >= lo)
-            {
-                return Err(Error::Corrupt(format!(
-                    "node {id}: buffer runs out of bounds or order"
-                )));
-            }
-            prev = Some(lo);
-            next = at + run_len as u64;
-        }
-        if n > 0 && next != end {
+        // The head is at least its two counts; the runs follow it and one another to
+        // the buffer's end.
+        let (index, end) = read_runs(r, id, offset as u64 + 8, false)?;
+        if !index.is_empty() && end != offset as u64 + len as u64 {
             return Err(Error::Corrupt(format!(
                 "node {id}: buffer runs do not end with their buffer"
             )));
         }
-        runs.raw = index[..index.len() - r.remaining()].to_vec();
+        runs = index;
     }
     Ok(BufferRef {
         offset,
