@@ -137,6 +137,46 @@ fn renames_over_names_and_unlinks_of_open_files_show_at_once() {
     drop(s);
 }
 
+/// An unlinked file is freed at its FORGET, which the kernel queues on /dev/fuse while
+/// the ring carries everything else. A request that reports or allocates space (and an
+/// unlink) drains the FORGETs queued before it; the last file's FORGET has no request
+/// after it, and the /dev/fuse thread's sweep must still free it soon, even while that
+/// thread pauses after sweeping the ones before. Checked through the native API, which
+/// sends no FUSE request.
+#[test]
+fn unlinked_files_are_freed_with_no_request_after_them() {
+    if !fuse_available() {
+        return;
+    }
+    let (dir, fs, s) = mounted(true);
+    let files = 20u64;
+    for i in 0..files {
+        std::fs::write(dir.path().join(format!("doomed{i}")), vec![7u8; 64 * 1024]).unwrap();
+    }
+    let before = fs.statfs().unwrap();
+    for i in 0..files {
+        std::fs::remove_file(dir.path().join(format!("doomed{i}"))).unwrap();
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let mut now = fs.statfs().unwrap();
+    while now.files_free != before.files_free + files && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        now = fs.statfs().unwrap();
+    }
+    assert_eq!(
+        now.files_free,
+        before.files_free + files,
+        "every unlinked file's inode is freed, the last one without a request after it"
+    );
+    assert!(
+        now.blocks_free >= before.blocks_free + files * 16,
+        "their blocks are freed too ({} -> {})",
+        before.blocks_free,
+        now.blocks_free
+    );
+    drop(s);
+}
+
 fn nix_free_inodes(p: &Path) -> u64 {
     let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: statvfs fills the struct it is given; the path is NUL-terminated.

@@ -209,6 +209,12 @@ fn after_forgets(opc: u32) -> bool {
     )
 }
 
+/// How long the /dev/fuse thread leaves FORGETs to the ring workers' drains between
+/// its own sweeps ([`Drainer::serve`]). Short enough that an unlinked file's space is
+/// freed promptly when nothing else comes (requests that report or allocate space
+/// drain first anyway), long enough to batch a burst.
+const SWEEP_PAUSE: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// A worker's ring, set up and registered (so the caller learns of failure before it
 /// decides how many /dev/fuse workers it needs).
 pub(crate) struct Worker {
@@ -266,7 +272,17 @@ impl Drainer {
         }
     }
 
-    /// Serves /dev/fuse until the connection ends: waits until it is readable, drains.
+    /// Serves /dev/fuse until the connection ends: waits until it is readable, drains,
+    /// and pauses for [`SWEEP_PAUSE`] before waiting again.
+    ///
+    /// The pause is what keeps `rm -rf` fast. Every unlinked file's FORGET is queued on
+    /// /dev/fuse before unlink(2) returns; a thread waiting in poll is woken for each
+    /// one (often on the other, idle, vCPU), and frees the inode under the file
+    /// system's lock while the ring serves the caller's next request, so the two
+    /// contend and wake each other. Not waiting most of the time, this thread is not
+    /// woken, and the FORGETs are served inline by the ring worker whose next request
+    /// drains first ([`after_forgets`]); this thread only sweeps up what no request
+    /// came to drain, within a pause. (Delete of linux-source: 4.8 s -> 3.3 s.)
     pub(crate) fn serve(
         &self,
         proto: Proto,
@@ -290,6 +306,7 @@ impl Drainer {
             if !self.drain(proto, serve)? {
                 return Ok(());
             }
+            std::thread::sleep(SWEEP_PAUSE);
             if p.revents & (libc::POLLERR | libc::POLLHUP) != 0 && p.revents & libc::POLLIN == 0 {
                 return Ok(());
             }
