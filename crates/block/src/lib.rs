@@ -101,7 +101,8 @@ pub trait BlockDevice: Send + Sync {
     fn block_size(&self) -> usize;
     /// Number of blocks on the device.
     fn block_count(&self) -> u64;
-    /// Reads block `block` into `buf`, which must be exactly one block long.
+    /// Reads block `block` into `buf`, which must be exactly one block long, filling all
+    /// of it or failing (callers pass reused buffers: bytes left unwritten would leak).
     fn read(&self, block: BlockNo, buf: &mut [u8]) -> Result<()>;
     /// Reads consecutive blocks from `first` into `buf` (whole blocks): one request to a
     /// device that models its timing, block reads otherwise.

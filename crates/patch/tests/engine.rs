@@ -244,6 +244,53 @@ fn cache_stays_within_budget_by_evicting_and_writing_back() {
 }
 
 #[test]
+fn reused_buffers_of_evicted_blocks_show_none_of_their_old_bytes() {
+    // Evicted blocks' buffers are reused for blocks coming in (zeroed, read, written
+    // whole, written as a run): none may show the bytes they held before.
+    let dev = Arc::new(MemDevice::new(BS, 1024).unwrap());
+    let e = Engine::new(
+        dev.clone(),
+        EngineOptions {
+            cache_bytes_max: 16 * BS,
+            ..EngineOptions::default()
+        },
+    );
+    let zeros = vec![0u8; BS];
+    for i in 0..60u64 {
+        // Churn: whole blocks of 0xab, written back so that they can be evicted.
+        for k in 0..4 {
+            e.write(600 + (i * 4 + k) % 400, 0, &[0xab; BS], &[], NONE)
+                .unwrap();
+        }
+        e.sync().unwrap();
+        let b = 4 * i;
+        e.zero_block(b, &[], NONE).unwrap();
+        assert_eq!(e.read(b).unwrap(), zeros, "zeroed block {b}");
+        e.write(b + 1, 0, &[1], &[], NONE).unwrap();
+        let mut want = zeros.clone();
+        want[0] = 1;
+        assert_eq!(e.read(b + 1).unwrap(), want, "partly written block {}", b + 1);
+        assert_eq!(e.read(b + 2).unwrap(), zeros, "read block {}", b + 2);
+        e.write_run(b + 3, &[0x11; BS], &[], NONE).unwrap();
+        assert_eq!(e.read(b + 3).unwrap(), vec![0x11; BS], "run block {}", b + 3);
+    }
+    e.sync().unwrap();
+    for b in 0..240u64 {
+        let want = match b % 4 {
+            0 | 2 => zeros.clone(),
+            1 => {
+                let mut w = zeros.clone();
+                w[0] = 1;
+                w
+            }
+            _ => vec![0x11; BS],
+        };
+        assert_eq!(disk(&dev, b), want, "block {b} on the device");
+    }
+    assert!(e.stats().evictions > 200, "{:?}", e.stats());
+}
+
+#[test]
 fn background_flusher_writes_back_on_its_interval() {
     let dev = Arc::new(MemDevice::new(BS, 8).unwrap());
     let e = Engine::new(
