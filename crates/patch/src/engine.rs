@@ -260,6 +260,16 @@ thread_local! {
     static THREAD_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
+/// A block-sized buffer, a spare one (`State::spare`) if there is one. Its contents are
+/// arbitrary: the caller fills all of it. (A function of the spares alone, so that it
+/// can be called while another field of the state is borrowed.)
+fn take_spare(spare: &mut Vec<Box<[u8]>>, block_size: usize) -> Box<[u8]> {
+    match spare.pop() {
+        Some(b) if b.len() == block_size => b,
+        _ => vec![0u8; block_size].into_boxed_slice(),
+    }
+}
+
 /// How many times a read outside the lock is retried when blocks were evicted while it
 /// ran (its copy might predate a write-back) before reading under the lock.
 const READ_RETRIES: usize = 3;
@@ -919,13 +929,9 @@ impl State {
         Ok(self.blocks.get_mut(&block).expect("just inserted"))
     }
 
-    /// A block-sized buffer for a block coming into the cache, a spare one if there is
-    /// one. Its contents are arbitrary: the caller fills all of it.
+    /// A block-sized buffer for a block coming into the cache (see [`take_spare`]).
     pub fn fresh_buf(&mut self, block_size: usize) -> Box<[u8]> {
-        match self.spare.pop() {
-            Some(b) if b.len() == block_size => b,
-            _ => vec![0u8; block_size].into_boxed_slice(),
-        }
+        take_spare(&mut self.spare, block_size)
     }
 
     /// A block buffer holding a copy of `bytes` (a whole block).
@@ -1280,11 +1286,7 @@ impl State {
                 std::collections::hash_map::Entry::Vacant(e) => {
                     self.stats.cache_misses += 1;
                     self.cached_bytes += chunk.len();
-                    let mut buf = self
-                        .spare
-                        .pop()
-                        .filter(|b| b.len() == bs)
-                        .unwrap_or_else(|| vec![0u8; bs].into_boxed_slice());
+                    let mut buf = take_spare(&mut self.spare, bs);
                     buf.copy_from_slice(chunk);
                     e.insert(CachedBlock::new(Arc::new(buf)));
                 }

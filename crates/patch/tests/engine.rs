@@ -269,10 +269,20 @@ fn reused_buffers_of_evicted_blocks_show_none_of_their_old_bytes() {
         e.write(b + 1, 0, &[1], &[], NONE).unwrap();
         let mut want = zeros.clone();
         want[0] = 1;
-        assert_eq!(e.read(b + 1).unwrap(), want, "partly written block {}", b + 1);
+        assert_eq!(
+            e.read(b + 1).unwrap(),
+            want,
+            "partly written block {}",
+            b + 1
+        );
         assert_eq!(e.read(b + 2).unwrap(), zeros, "read block {}", b + 2);
         e.write_run(b + 3, &[0x11; BS], &[], NONE).unwrap();
-        assert_eq!(e.read(b + 3).unwrap(), vec![0x11; BS], "run block {}", b + 3);
+        assert_eq!(
+            e.read(b + 3).unwrap(),
+            vec![0x11; BS],
+            "run block {}",
+            b + 3
+        );
     }
     e.sync().unwrap();
     for b in 0..240u64 {
