@@ -126,10 +126,7 @@ fn renames_over_names_and_unlinks_of_open_files_show_at_once() {
     // Closed: the inode is freed. On this plain FUSE mount the kernel sends RELEASE in
     // the background after close(2) returns (a fuseblk mount, as `quiltfs mount` makes,
     // sends it before), so statfs may briefly lag.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while nix_free_inodes(d) != free_before + 1 && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    eventually(5, || nix_free_inodes(d) == free_before + 1);
     assert_eq!(nix_free_inodes(d), free_before + 1);
     let mut f = std::fs::File::create(d.join("c")).unwrap();
     f.write_all(b"x").unwrap();
@@ -157,12 +154,10 @@ fn unlinked_files_are_freed_with_no_request_after_them() {
     for i in 0..files {
         std::fs::remove_file(dir.path().join(format!("doomed{i}"))).unwrap();
     }
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
-    let mut now = fs.statfs().unwrap();
-    while now.files_free != before.files_free + files && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(1));
-        now = fs.statfs().unwrap();
-    }
+    eventually(2, || {
+        fs.statfs().unwrap().files_free == before.files_free + files
+    });
+    let now = fs.statfs().unwrap();
     assert_eq!(
         now.files_free,
         before.files_free + files,
@@ -175,6 +170,14 @@ fn unlinked_files_are_freed_with_no_request_after_them() {
         now.blocks_free
     );
     drop(s);
+}
+
+/// Polls `done` until it holds or `secs` seconds have passed (the caller then asserts).
+fn eventually(secs: u64, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while !done() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
 }
 
 fn nix_free_inodes(p: &Path) -> u64 {

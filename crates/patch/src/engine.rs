@@ -262,12 +262,20 @@ thread_local! {
 
 /// A block-sized buffer, a spare one (`State::spare`) if there is one. Its contents are
 /// arbitrary: the caller fills all of it. (A function of the spares alone, so that it
-/// can be called while another field of the state is borrowed.)
+/// can be called while another field of the state is borrowed, and on a guard.)
 fn take_spare(spare: &mut Vec<Box<[u8]>>, block_size: usize) -> Box<[u8]> {
     match spare.pop() {
         Some(b) if b.len() == block_size => b,
         _ => vec![0u8; block_size].into_boxed_slice(),
     }
+}
+
+/// A block buffer holding a copy of `bytes` (a whole block), in a spare buffer if there
+/// is one.
+fn spare_copy(spare: &mut Vec<Box<[u8]>>, bytes: &[u8]) -> crate::BlockBuf {
+    let mut b = take_spare(spare, bytes.len());
+    b.copy_from_slice(bytes);
+    Arc::new(b)
 }
 
 /// How many times a read outside the lock is retried when blocks were evicted while it
@@ -456,7 +464,7 @@ impl Engine {
             }
             st.reading.insert(block);
             let evictions = st.stats.evictions;
-            let mut data = st.fresh_buf(self.sh.block_size);
+            let mut data = take_spare(&mut st.spare, self.sh.block_size);
             drop(st);
             let read = self.sh.dev.read(block, &mut data);
             THREAD_READS.with(|n| n.set(n.get() + 1));
@@ -911,34 +919,22 @@ impl State {
                 Init::Read => {
                     // Engine calls bring the block in first, without the lock
                     // (`lock_cached`); this is the fallback under it.
-                    let mut data = self.fresh_buf(sh.block_size);
+                    let mut data = take_spare(&mut self.spare, sh.block_size);
                     sh.dev.read(block, &mut data)?;
                     THREAD_READS.with(|n| n.set(n.get() + 1));
                     Arc::new(data)
                 }
                 Init::Zero => {
-                    let mut data = self.fresh_buf(sh.block_size);
+                    let mut data = take_spare(&mut self.spare, sh.block_size);
                     data.fill(0);
                     Arc::new(data)
                 }
-                Init::Bytes(b) => self.buf_of(b),
+                Init::Bytes(b) => spare_copy(&mut self.spare, b),
             };
             self.insert_block(block, data);
         }
         self.touch(block);
         Ok(self.blocks.get_mut(&block).expect("just inserted"))
-    }
-
-    /// A block-sized buffer for a block coming into the cache (see [`take_spare`]).
-    pub fn fresh_buf(&mut self, block_size: usize) -> Box<[u8]> {
-        take_spare(&mut self.spare, block_size)
-    }
-
-    /// A block buffer holding a copy of `bytes` (a whole block).
-    pub fn buf_of(&mut self, bytes: &[u8]) -> crate::BlockBuf {
-        let mut b = self.fresh_buf(bytes.len());
-        b.copy_from_slice(bytes);
-        Arc::new(b)
     }
 
     /// Caches `block` (not cached yet) with `data` and no pending patches.
@@ -1286,9 +1282,7 @@ impl State {
                 std::collections::hash_map::Entry::Vacant(e) => {
                     self.stats.cache_misses += 1;
                     self.cached_bytes += chunk.len();
-                    let mut buf = take_spare(&mut self.spare, bs);
-                    buf.copy_from_slice(chunk);
-                    e.insert(CachedBlock::new(Arc::new(buf)));
+                    e.insert(CachedBlock::new(spare_copy(&mut self.spare, chunk)));
                 }
             }
             self.touch(b);
