@@ -120,6 +120,22 @@ pub fn lock_file(file: &File, path: &Path, exclusive: bool) -> Result<()> {
     })
 }
 
+/// A handle on the lock an open image holds, to let go of it before the device is
+/// dropped: a server ends its unmount with it, so that the image is free for the next
+/// mount or mkfs the moment umount(8) returns, not when the server process exits.
+#[derive(Debug)]
+pub struct ImageLock(File);
+
+impl ImageLock {
+    /// Lets go of the lock. Nothing may write the image through its device afterwards.
+    pub fn release(self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a descriptor we own; the lock belongs to the open file
+        // description this one shares with the device's.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
 /// The processes holding a `flock` on `file` (from /proc/locks; empty if unknown).
 pub fn lock_holders(file: &File) -> Vec<u32> {
     use std::os::unix::fs::MetadataExt;
@@ -290,6 +306,14 @@ impl FileDevice {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// A handle on this device's image lock (None if it was opened without one).
+    pub fn image_lock(&self) -> Option<ImageLock> {
+        if !self.opts.lock {
+            return None;
+        }
+        self.file.try_clone().ok().map(ImageLock)
     }
 
     fn fallocate(&self, off: u64, len: u64) -> std::io::Result<()> {

@@ -24,7 +24,7 @@ mod overlay;
 mod recording;
 
 pub use counters::{IoCounters, IoStats};
-pub use file::{lock_file, lock_holders, FileDevice, FileDeviceOptions};
+pub use file::{lock_file, lock_holders, FileDevice, FileDeviceOptions, ImageLock};
 pub use mem::MemDevice;
 pub use model::{
     Clock, DiskModel, DiskParams, ModelCounters, Place, SeekCurve, Zone, LATENCY_BUCKETS,

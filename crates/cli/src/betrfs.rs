@@ -33,7 +33,13 @@ pub fn detect(image: &Path) -> Result<Format> {
     })
 }
 
-pub fn open_device(image: &Path, bs: usize, read_only: bool) -> Result<Arc<dyn BlockDevice>> {
+/// Opens a betrfs image's device; `locks` gets a handle on the lock it took.
+pub fn open_device(
+    image: &Path,
+    bs: usize,
+    read_only: bool,
+    locks: &mut Vec<quilt_block::ImageLock>,
+) -> Result<Arc<dyn BlockDevice>> {
     let dev = FileDevice::open(
         image,
         FileDeviceOptions {
@@ -44,13 +50,19 @@ pub fn open_device(image: &Path, bs: usize, read_only: bool) -> Result<Arc<dyn B
         },
     )
     .map_err(|e| crate::image::in_use(image, e))?;
+    locks.extend(dev.image_lock());
     Ok(Arc::new(dev))
 }
 
 /// Mounts the betrfs image (read-only: on a copy-on-write view, so a log replay
 /// changes nothing on disk).
-pub fn open(image: &Path, bs: usize, opts: MountOptions) -> Result<Betrfs> {
-    let dev = open_device(image, bs, opts.read_only)?;
+pub fn open(
+    image: &Path,
+    bs: usize,
+    opts: MountOptions,
+    locks: &mut Vec<quilt_block::ImageLock>,
+) -> Result<Betrfs> {
+    let dev = open_device(image, bs, opts.read_only, locks)?;
     let dev: Arc<dyn BlockDevice> = if opts.read_only {
         Arc::new(quilt_block::OverlayDevice::new(dev))
     } else {
@@ -124,7 +136,7 @@ pub fn fsck(a: FsckArgs) -> Result<i32> {
         }
         Format::Tree(bs) => bs,
     };
-    let dev = match open_device(&a.image, bs, !a.yes) {
+    let dev = match open_device(&a.image, bs, !a.yes, &mut Vec::new()) {
         Ok(d) => d,
         Err(e) => {
             eprintln!("quiltfs fsck: {e:#}");

@@ -2,7 +2,7 @@
 //! shared by `mount`, `stats` and the tests.
 
 use anyhow::{bail, Context, Result};
-use quilt_block::{BlockDevice, FileDevice, FileDeviceOptions};
+use quilt_block::{BlockDevice, FileDevice, FileDeviceOptions, ImageLock};
 use quilt_ext2::{format::Superblock, Ext2, Mode, MountOptions};
 use quilt_patch::{Durability, Engine, EngineOptions};
 use std::path::Path;
@@ -135,21 +135,28 @@ fn open_error(image: &Path, e: quilt_block::BlockError) -> anyhow::Error {
     }
 }
 
+/// The loop devices (`loopN`) attached over `path`.
+pub fn loop_devices_over(path: &Path) -> Vec<String> {
+    let Ok(canon) = path.canonicalize() else {
+        return Vec::new();
+    };
+    let Ok(dir) = std::fs::read_dir("/sys/block") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with("loop"))
+        .filter(|name| {
+            std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"))
+                .is_ok_and(|b| Path::new(b.trim()) == canon)
+        })
+        .collect()
+}
+
 /// A loop device over `path` that the kernel has mounted, described.
 fn kernel_loop_mount(path: &Path) -> Option<String> {
-    let canon = path.canonicalize().ok()?;
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    for entry in std::fs::read_dir("/sys/block").ok()?.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !name.starts_with("loop") {
-            continue;
-        }
-        let Ok(backing) = std::fs::read_to_string(entry.path().join("loop/backing_file")) else {
-            continue;
-        };
-        if Path::new(backing.trim()) != canon {
-            continue;
-        }
+    for name in loop_devices_over(path) {
         let dev = format!("/dev/{name}");
         // mountinfo: ... mount point is field 5; the source follows " - TYPE ".
         for l in mountinfo.lines() {
@@ -363,6 +370,7 @@ fn host_flush(s: &OpenSettings, m: quilt_block::DiskModel) -> quilt_block::DiskM
 fn open_journal_dev(
     s: &OpenSettings,
     block_size: usize,
+    locks: &mut Vec<ImageLock>,
 ) -> Result<Option<quilt_ext2::JournalDevice>> {
     let Some(path) = &s.journal_dev else {
         if s.journal_model {
@@ -379,6 +387,7 @@ fn open_journal_dev(
         },
     )
     .map_err(|e| open_error(path, e))?;
+    locks.extend(dev.image_lock());
     let dev: Arc<dyn quilt_block::BlockDevice> = Arc::new(dev);
     let dev: Arc<dyn quilt_block::BlockDevice> = if s.journal_model {
         Arc::new(host_flush(
@@ -396,7 +405,9 @@ fn open_journal_dev(
     Ok(Some(quilt_ext2::JournalDevice(dev)))
 }
 
-pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
+/// Opens an ext2 image as `s` says; `locks` gets handles on the locks it took (the
+/// image's, an external journal's), for the server to let go of at unmount.
+pub fn open_fs(image: &Path, s: &OpenSettings, locks: &mut Vec<ImageLock>) -> Result<Ext2> {
     let bs = probe_block_size(image)?;
     let dev = FileDevice::open(
         image,
@@ -412,6 +423,7 @@ pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
             bail!("{} is in use: {l}", image.display());
         }
     }
+    locks.extend(dev.image_lock());
     let dev: Arc<dyn quilt_block::BlockDevice> = if s.model {
         // A desktop disk as it ships: its write cache on (the journal's disk, modelled
         // for log skipping, keeps it off).
@@ -450,7 +462,7 @@ pub fn open_fs(image: &Path, s: &OpenSettings) -> Result<Ext2> {
             acl: s.acl,
             errors: s.errors,
             journal_placement: s.journal_placement,
-            journal_device: open_journal_dev(s, bs)?,
+            journal_device: open_journal_dev(s, bs, locks)?,
             journal_observer: None,
         },
     )

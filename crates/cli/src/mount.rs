@@ -265,12 +265,15 @@ impl Served for quilt_betrfs::Betrfs {
 fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
     match crate::betrfs::detect(&a.image)? {
         crate::betrfs::Format::Ext2 => {
-            serve_fs(a, p.fuse.clone(), Arc::new(open_fs(&a.image, &p.settings)?))
+            let mut locks = Vec::new();
+            let fs = open_fs(&a.image, &p.settings, &mut locks)?;
+            serve_fs(a, p.fuse.clone(), Arc::new(fs), locks)
         }
         // (A bare key-value tree fails here: it has no betrfs superblock record.)
         crate::betrfs::Format::Tree(bs) => {
             crate::set_allocator_purge_delay(10);
             let s = &p.settings;
+            let mut locks = Vec::new();
             let fs = crate::betrfs::open(
                 &a.image,
                 bs,
@@ -279,17 +282,33 @@ fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
                     acl: s.acl,
                     commit_interval: s.flush_interval_ms.map(std::time::Duration::from_millis),
                 },
+                &mut locks,
             )?;
-            serve_fs(a, p.fuse.clone(), Arc::new(fs))
+            serve_fs(a, p.fuse.clone(), Arc::new(fs), locks)
         }
     }
 }
 
 /// Serves until unmounted: runs FUSE on this thread, the control socket on another.
-fn serve_fs<F: Served>(a: &MountArgs, fuse_opts: FuseOptions, fs: Arc<F>) -> Result<()> {
+/// `locks` are the image's: let go of once the file system is written back and marked
+/// clean, before the kernel's DESTROY is answered, so that the image is free when
+/// umount(8) returns (a mount or mkfs right after it must not find it in use).
+fn serve_fs<F: Served>(
+    a: &MountArgs,
+    fuse_opts: FuseOptions,
+    fs: Arc<F>,
+    locks: Vec<quilt_block::ImageLock>,
+) -> Result<()> {
     let (sock, _) = runtime_paths(&a.mountpoint);
-    let listener = start_control(&sock, a.image.clone(), fs.clone(), fuse_opts.stats.clone())?;
     let unmounted = Arc::new(Mutex::new(false));
+    let listener = start_control(
+        &sock,
+        a.image.clone(),
+        fs.clone(),
+        fuse_opts.stats.clone(),
+        unmounted.clone(),
+    )?;
+    let locks = Arc::new(Mutex::new(locks));
     let finish = {
         let fs = fs.clone();
         let unmounted = unmounted.clone();
@@ -298,7 +317,14 @@ fn serve_fs<F: Served>(a: &MountArgs, fuse_opts: FuseOptions, fs: Arc<F>) -> Res
             if !*done {
                 *done = true;
                 match fs.finish() {
-                    Ok(()) => tracing::info!("flushed and marked clean"),
+                    Ok(()) => {
+                        tracing::info!("flushed and marked clean");
+                        for l in locks.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+                            l.release();
+                        }
+                    }
+                    // The locks stay until the process exits: what failed to reach the
+                    // image may still be in flight.
                     Err(e) => eprintln!("quiltfs: error while unmounting: {e}"),
                 }
             }
@@ -379,6 +405,7 @@ fn start_control<F: Served>(
     image: PathBuf,
     fs: Arc<F>,
     requests: Arc<quilt_fuse::RequestStats>,
+    unmounted: Arc<Mutex<bool>>,
 ) -> Result<Arc<UnixListener>> {
     std::fs::create_dir_all(sock.parent().expect("has a parent"))?;
     if sock.exists() {
@@ -413,10 +440,19 @@ fn start_control<F: Served>(
                 "image" => image.display().to_string(),
                 // What sync(1) does through the mount, for scripts and for plain FUSE
                 // mounts (not root), which the kernel sends no FUSE_SYNCFS.
-                "sync" => match fs.sync_all() {
-                    Ok(()) => "ok".to_string(),
-                    Err(e) => format!("error: {e}"),
-                },
+                // Held while syncing: the unmount waits, and after it (the image's
+                // lock let go) nothing writes.
+                "sync" => {
+                    let done = unmounted.lock().unwrap_or_else(|e| e.into_inner());
+                    if *done {
+                        "error: the file system is unmounted".to_string()
+                    } else {
+                        match fs.sync_all() {
+                            Ok(()) => "ok".to_string(),
+                            Err(e) => format!("error: {e}"),
+                        }
+                    }
+                }
                 other => format!("{{\"error\":\"unknown command {other:?}\"}}"),
             };
             let _ = conn.write_all(reply.as_bytes());
@@ -531,6 +567,19 @@ pub fn unmount_and_wait(mountpoint: &Path, lazy: bool) -> Result<()> {
             if quilt_block::lock_file(&f, &img, false).is_ok() {
                 break;
             }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        // And the block mount's loop device gone (ours are the autoclear ones): autoclear
+        // detaches it after umount(2) returns, and until then it holds the image open
+        // (the host file system under the image cannot be unmounted: "target is busy").
+        let start = std::time::Instant::now();
+        let ours = |name: &String| {
+            std::fs::read_to_string(format!("/sys/block/{name}/loop/autoclear"))
+                .is_ok_and(|a| a.trim() == "1")
+        };
+        while start.elapsed() < std::time::Duration::from_secs(30)
+            && crate::image::loop_devices_over(&img).iter().any(ours)
+        {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
     }

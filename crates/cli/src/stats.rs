@@ -23,7 +23,7 @@ pub fn run(a: StatsArgs) -> Result<()> {
             commit_interval: None,
             ..Default::default()
         };
-        match crate::betrfs::open(&a.target, bs, opts) {
+        match crate::betrfs::open(&a.target, bs, opts, &mut Vec::new()) {
             Ok(fs) => {
                 let mut v = crate::mount::stats_json(&fs);
                 if let Some(m) = v.as_object_mut() {
@@ -45,6 +45,7 @@ pub fn run(a: StatsArgs) -> Result<()> {
                 flush_interval_ms: None,
                 ..Default::default()
             },
+            &mut Vec::new(),
         )?;
         crate::mount::stats_json(&fs)
     };
