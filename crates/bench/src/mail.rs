@@ -41,6 +41,10 @@ pub struct MailArgs {
     /// Where the images live while a run lasts (a local disk).
     #[arg(long, default_value = "/var/tmp/quiltfs-bench-mail")]
     pub work: PathBuf,
+    /// More mount options for every quiltfs configuration (for comparisons, such as
+    /// handoff=never); the report names them.
+    #[arg(long)]
+    pub mount_options: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -260,7 +264,13 @@ fn message(i: usize, size: usize) -> Vec<u8> {
     m
 }
 
-fn setup(conf: &Conf, work: &Path, n: usize, size: usize) -> Result<Mounted> {
+fn setup(
+    conf: &Conf,
+    work: &Path,
+    n: usize,
+    size: usize,
+    options: Option<&str>,
+) -> Result<Mounted> {
     let image = work.join(format!("{}.img", conf.name));
     let mnt = work.join(format!("{}.mnt", conf.name));
     std::fs::create_dir_all(&mnt)?;
@@ -315,6 +325,9 @@ fn setup(conf: &Conf, work: &Path, n: usize, size: usize) -> Result<Mounted> {
                 .arg(&dev)
                 .arg(&mnt)
                 .args(["-o", "allow_other"]);
+            if let Some(o) = options {
+                c.args(["-o", o]);
+            }
             if mode != "betrfs" {
                 c.args(["--mode", mode]);
             }
@@ -450,7 +463,7 @@ impl Imap {
 }
 
 fn one_run(conf: &Conf, run: usize, a: &MailArgs, n: usize, preload_lib: &Path) -> Result<Sample> {
-    let m = setup(conf, &a.work, n, a.message_size)?;
+    let m = setup(conf, &a.work, n, a.message_size, a.mount_options.as_deref())?;
     let dev = m.dev.clone().unwrap_or_default();
     let home = m.mnt.join("home");
     let dconf = dovecot_conf(&a.work, conf.fsync, conf.preload)?;
@@ -628,7 +641,12 @@ pub fn run(a: MailArgs) -> Result<()> {
         }
     }
     bar.finish();
-    let report = report(&confs, &samples, n, a.message_size, runs);
+    let mut report = report(&confs, &samples, n, a.message_size, runs);
+    if let Some(o) = &a.mount_options {
+        report.push_str(&format!(
+            "\nEvery quiltfs configuration was mounted with `-o {o}` as well.\n"
+        ));
+    }
     print!("{report}");
     if let Some(out) = &a.out {
         std::fs::create_dir_all(out)?;

@@ -43,9 +43,10 @@ pub struct MountArgs {
     /// over io_uring, each served on its caller's CPU, where the kernel offers it, that
     /// is when /sys/module/fuse/parameters/enable_uring is Y; /dev/fuse otherwise) or
     /// nouring (always /dev/fuse), ring_threads=N (workers per CPU, 2 by default),
-    /// handoff (ring workers wait under SCHED_IDLE while some CPU is idle, so an
-    /// answer wakes its caller on the worker's CPU, not on an idle one; off by default,
-    /// nohandoff),
+    /// handoff=auto|always|never (ring workers submit answers under SCHED_IDLE, so an
+    /// answer wakes its caller on the worker's CPU, not on an idle one; auto, the
+    /// default, does it while callers ping-pong between CPUs and some CPU is idle;
+    /// handoff and nohandoff are always and never),
     /// journal=ring|skip|null (where journal commits go: JBD2's ring, log skipping, or
     /// nowhere, for measuring; default: what mkfs made the journal for),
     /// journal_dev=PATH (the external journal of an image made with mkfs --journal-dev),
@@ -135,9 +136,24 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
             }
             ("handoff" | "nohandoff", None) => {
                 fuse.ring = fuse.ring.map(|r| quilt_fuse::RingOptions {
-                    handoff: k == "handoff",
+                    handoff: if k == "handoff" {
+                        quilt_fuse::HandoffMode::Always
+                    } else {
+                        quilt_fuse::HandoffMode::Never
+                    },
                     ..r
                 });
+            }
+            ("handoff", Some(v)) => {
+                let mode = match v {
+                    "auto" => quilt_fuse::HandoffMode::Auto,
+                    "always" => quilt_fuse::HandoffMode::Always,
+                    "never" => quilt_fuse::HandoffMode::Never,
+                    _ => bail!("handoff={v}: expected auto, always or never"),
+                };
+                fuse.ring = fuse
+                    .ring
+                    .map(|r| quilt_fuse::RingOptions { handoff: mode, ..r });
             }
             // fstab and mount(8) bookkeeping.
             (

@@ -25,7 +25,7 @@ mod fileattr;
 mod stats;
 use callers::Callers;
 use control::{is_control, CONTROL_INO};
-pub use quilt_fusewire::{MountKind, RingOptions};
+pub use quilt_fusewire::{HandoffMode, MountKind, RingOptions};
 use stats::Op as Stat;
 pub use stats::RequestStats;
 

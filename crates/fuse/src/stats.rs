@@ -79,6 +79,7 @@ impl RequestStats {
         if let (Some(w), true) = (self.ring_waits.get(), self.ring()) {
             v.push(("fuse.ring.waits".to_string(), w.waits()));
             v.push(("fuse.ring.handoffs".to_string(), w.handed_off()));
+            v.push(("fuse.ring.migrated".to_string(), w.migrated()));
         }
         for (i, name) in NAMES.iter().enumerate() {
             let c = self.count[i].load(Relaxed);

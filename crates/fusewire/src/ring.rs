@@ -419,6 +419,9 @@ impl Worker {
                 }
                 let unique = self.slots[i].unique();
                 let opc = u32::from_le_bytes(self.slots[i].headers[4..8].try_into().unwrap());
+                // fuse_in_header: len, opcode, unique, nodeid, uid, gid, pid.
+                let pid = u32::from_le_bytes(self.slots[i].headers[32..36].try_into().unwrap());
+                self.handoff.arrived(pid, self.qid);
                 if after_forgets(opc) {
                     self.dev.drain(proto, serve)?;
                 }

@@ -73,18 +73,17 @@ pub struct RingOptions {
     /// Workers per CPU queue, each pinned to the queue's CPU with one entry (a worker
     /// busy with a slow request, an fsync, leaves the others of its CPU to serve).
     pub threads_per_queue: usize,
-    /// Workers submit their answers under `SCHED_IDLE` while some CPU is idle, so that
-    /// an answer wakes its caller on the worker's CPU instead of an idle one (see
-    /// `handoff.rs`). Off by default: it wins only while the server has little work of
-    /// its own in the background.
-    pub handoff: bool,
+    /// When workers submit their answers under `SCHED_IDLE`, so that an answer wakes
+    /// its caller on the worker's CPU instead of an idle one (see `handoff.rs`). Auto
+    /// by default: while callers ping-pong between CPUs.
+    pub handoff: crate::HandoffMode,
 }
 
 impl Default for RingOptions {
     fn default() -> Self {
         RingOptions {
             threads_per_queue: 2,
-            handoff: false,
+            handoff: crate::HandoffMode::Auto,
         }
     }
 }

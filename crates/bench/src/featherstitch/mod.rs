@@ -36,8 +36,10 @@ pub struct FeatherstitchArgs {
     pub out: PathBuf,
     /// Comma-separated systems (default: all). quiltfs: quilt-su, quilt-meta, quilt-full,
     /// quilt-async and their -unsafe twins, quilt-su-wbcache (kernel writeback cache),
-    /// quilt-su-dev (over /dev/fuse, not io_uring), quilt-su-handoff (io_uring
-    /// handing the CPU to the caller); the optimization table's
+    /// quilt-su-dev (over /dev/fuse, not io_uring), quilt-su-handoff and
+    /// quilt-su-nohandoff (io_uring handing the CPU to the caller at every answer, and
+    /// never; the default does while callers ping-pong between CPUs); the optimization
+    /// table's
     /// quilt-su-opt-none, -opt-hard, -opt-merge; kernel: ext2, ext3-writeback,
     /// ext3-journal, ext4; FUSE peers: fuse2fs, bindfs (passthrough over ext4: the floor).
     #[arg(long)]

@@ -82,16 +82,28 @@ pub const SYSTEMS: &[System] = &[
         safe: true,
         opt: None,
     },
-    // The ring handing the CPU to the caller at each answer (fusewire's handoff.rs,
-    // off by default): what keeping caller and worker on one CPU buys.
+    // The ring handing the CPU to the caller at every answer, and never (fusewire's
+    // handoff.rs; the default hands off only while callers ping-pong between CPUs).
     System {
         name: "quilt-su-handoff",
-        what: "quiltfs soft updates over io_uring, CPU handoff",
+        what: "quiltfs soft updates over io_uring, CPU handoff always",
         kind: Kind::Quilt {
             fs: QuiltFs::Ext2,
             mode: "soft-updates",
             unsafe_: false,
-            options: "handoff",
+            options: "handoff=always",
+        },
+        safe: true,
+        opt: None,
+    },
+    System {
+        name: "quilt-su-nohandoff",
+        what: "quiltfs soft updates over io_uring, CPU handoff never",
+        kind: Kind::Quilt {
+            fs: QuiltFs::Ext2,
+            mode: "soft-updates",
+            unsafe_: false,
+            options: "handoff=never",
         },
         safe: true,
         opt: None,
