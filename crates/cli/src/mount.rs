@@ -134,22 +134,14 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
                     ..fuse.ring.unwrap_or_default()
                 });
             }
-            ("handoff" | "nohandoff", None) => {
-                fuse.ring = fuse.ring.map(|r| quilt_fuse::RingOptions {
-                    handoff: if k == "handoff" {
-                        quilt_fuse::HandoffMode::Always
-                    } else {
+            ("handoff" | "nohandoff", _) => {
+                let mode = match (k, v) {
+                    ("nohandoff", None) | ("handoff", Some("never")) => {
                         quilt_fuse::HandoffMode::Never
-                    },
-                    ..r
-                });
-            }
-            ("handoff", Some(v)) => {
-                let mode = match v {
-                    "auto" => quilt_fuse::HandoffMode::Auto,
-                    "always" => quilt_fuse::HandoffMode::Always,
-                    "never" => quilt_fuse::HandoffMode::Never,
-                    _ => bail!("handoff={v}: expected auto, always or never"),
+                    }
+                    ("handoff", None | Some("always")) => quilt_fuse::HandoffMode::Always,
+                    ("handoff", Some("auto")) => quilt_fuse::HandoffMode::Auto,
+                    _ => bail!("{o}: expected handoff=auto|always|never, handoff or nohandoff"),
                 };
                 fuse.ring = fuse
                     .ring
