@@ -5,6 +5,7 @@ use crate::{
     IoStats, Result,
 };
 use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -50,7 +51,6 @@ pub struct FileDevice {
 
 /// `pwritev` of `parts` at `offset`, again for what a short write left.
 fn write_all_vectored_at(file: &File, parts: &[&[u8]], mut offset: u64) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
     const IOV_MAX: usize = 1024;
     let mut parts: Vec<&[u8]> = parts.iter().copied().filter(|p| !p.is_empty()).collect();
     let mut at = 0;
@@ -97,7 +97,6 @@ pub const RESERVE_CHUNK: u64 = 1 << 20;
 /// Takes the image lock on `file`'s open file description without waiting: exclusive
 /// to write, shared to read. On conflict the error names the processes holding it.
 pub fn lock_file(file: &File, path: &Path, exclusive: bool) -> Result<()> {
-    use std::os::fd::AsRawFd;
     let op = if exclusive {
         libc::LOCK_EX
     } else {
@@ -129,7 +128,6 @@ pub struct ImageLock(File);
 impl ImageLock {
     /// Lets go of the lock. Nothing may write the image through its device afterwards.
     pub fn release(self) {
-        use std::os::fd::AsRawFd;
         // SAFETY: flock on a descriptor we own; the lock belongs to the open file
         // description this one shares with the device's.
         unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
@@ -317,7 +315,6 @@ impl FileDevice {
     }
 
     fn fallocate(&self, off: u64, len: u64) -> std::io::Result<()> {
-        use std::os::fd::AsRawFd;
         // SAFETY: fallocate on our descriptor; mode 0 allocates without changing size.
         let r = unsafe { libc::fallocate(self.file.as_raw_fd(), 0, off as i64, len as i64) };
         if r == 0 {
@@ -406,6 +403,23 @@ impl BlockDevice for FileDevice {
         }
         self.counters.read(buf.len());
         Ok(())
+    }
+    fn will_need(&self, first: BlockNo, count: u64) {
+        // Through the page cache only: O_DIRECT reads would not find what it reads.
+        if self.opts.direct || count == 0 || first >= self.block_count {
+            return;
+        }
+        let bs = self.opts.block_size as u64;
+        let count = count.min(self.block_count - first);
+        // SAFETY: a valid descriptor; the call only starts reads into the page cache.
+        unsafe {
+            libc::posix_fadvise(
+                self.file.as_raw_fd(),
+                (first * bs) as libc::off_t,
+                (count * bs) as libc::off_t,
+                libc::POSIX_FADV_WILLNEED,
+            );
+        }
     }
     fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
         let Some(backed) = &self.backed else {

@@ -141,6 +141,13 @@ pub trait BlockDevice: Send + Sync {
         let _ = (first, count);
         Ok(())
     }
+    /// A hint that blocks `first..first + count` will be read soon: a device that can
+    /// start reading them in the background (an image file, through the host's page
+    /// cache) does, so that the reads that follow, one at a time on the path of some
+    /// caller, find them there. Never fails; nothing by default.
+    fn will_need(&self, first: BlockNo, count: u64) {
+        let _ = (first, count);
+    }
     /// Writes `buf` (exactly one block) to block `block`. Not durable until `flush`.
     fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()>;
     /// Durability barrier: every write that returned before this call is durable when it
@@ -247,6 +254,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
         (**self).reserve(first, count)
+    }
+    fn will_need(&self, first: BlockNo, count: u64) {
+        (**self).will_need(first, count)
     }
     fn flush(&self) -> Result<()> {
         (**self).flush()

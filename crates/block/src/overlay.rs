@@ -57,6 +57,9 @@ impl BlockDevice for OverlayDevice {
         self.counters.write(buf.len());
         Ok(())
     }
+    fn will_need(&self, first: BlockNo, count: u64) {
+        self.inner.will_need(first, count)
+    }
     fn flush(&self) -> Result<()> {
         self.counters.flush();
         Ok(())

@@ -166,6 +166,9 @@ impl BlockDevice for RecordingDevice {
     fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
         self.inner.reserve(first, count)
     }
+    fn will_need(&self, first: BlockNo, count: u64) {
+        self.inner.will_need(first, count)
+    }
     fn flush(&self) -> Result<()> {
         let mut g = self.lock();
         self.inner.flush()?;

@@ -272,6 +272,11 @@ pub struct Ext2 {
 /// Attempts of a read-only request without device I/O (`reading`) before it reads
 /// under the shared lock.
 const MISS_RETRIES: usize = 8;
+/// Blocks of a directory hinted before it is listed (`will_readdir`): those its inode
+/// maps directly, at most.
+const READDIR_AHEAD_BLOCKS: u64 = NDIR_BLOCKS as u64;
+/// Inode table blocks read ahead from a miss (ext4's default `inode_readahead_blks`).
+const INODE_READAHEAD_BLOCKS: u64 = 32;
 
 /// Fsync lists longer than this fold into one empty patch.
 const HEADS_FOLD: usize = 32;
@@ -562,7 +567,10 @@ impl Ext2 {
             let (r, missed) = engine.without_io(|| f(&self.read_lock()));
             match missed {
                 None => return r,
-                Some(b) => engine.prefetch(b, ahead).map_err(Self::io)?,
+                Some(b) => {
+                    self.read_ahead_inodes(b);
+                    engine.prefetch(b, ahead).map_err(Self::io)?
+                }
             }
         }
         // Many blocks missed one after another (a cold directory of many blocks: each
@@ -590,6 +598,38 @@ impl Ext2 {
             }
             Ok(())
         });
+    }
+
+    /// A miss on an inode table block: a hint to the device for it and the table's
+    /// next blocks, as ext4 reads its inode tables ahead (`inode_readahead_blks`).
+    /// Inodes made one after another (an untar) sit together in the table, and a walk
+    /// of the tree they were made in (`rm -rf`, `find`) asks for them in that order;
+    /// read one block per wait, each listing waited for the device a few times.
+    fn read_ahead_inodes(&self, missed: u64) {
+        if self
+            .engine()
+            .was_hinted(missed + INODE_READAHEAD_BLOCKS / 2)
+        {
+            // Well inside a read-ahead already asked for: extended when half used.
+            return;
+        }
+        let run = {
+            let st = self.read_lock();
+            let g = missed.saturating_sub(self.geo.first_data_block as u64) / self.geo.bpg as u64;
+            st.gd.get(g as usize).and_then(|d| {
+                let table = d.inode_table as u64..d.inode_table as u64 + self.geo.itb as u64;
+                table.contains(&missed).then(|| {
+                    missed
+                        ..table
+                            .end
+                            .min(missed + INODE_READAHEAD_BLOCKS)
+                            .min(self.geo.blocks_count as u64)
+                })
+            })
+        };
+        if let Some(run) = run.filter(|r| r.end - r.start > 1) {
+            self.engine().will_need(&mut run.collect());
+        }
     }
 
     /// [`Ext2::warm_name`] for a change of one inode, and its map around `offset`.
@@ -1284,6 +1324,9 @@ impl FileSystem for Ext2 {
     }
 
     fn readdir(&self, ino: Ino, offset: u64, emit: &mut dyn FnMut(DirEntry) -> bool) -> Result<()> {
+        if offset == 0 {
+            self.will_readdir(&[ino]);
+        }
         // An attempt cut short by a miss resumes after the last entry it emitted.
         let mut from = offset;
         let r = self.reading(1, |st| {
@@ -1297,6 +1340,46 @@ impl FileSystem for Ext2 {
             })
         });
         self.checked(r)
+    }
+
+    fn will_getattr(&self, inos: &[Ino]) {
+        let mut blocks: Vec<u64> = {
+            let st = self.read_lock();
+            inos.iter()
+                .filter_map(|&i| Self::to_ino(i).ok())
+                .filter_map(|i| self.inode_loc(&st, i).ok())
+                .map(|(blk, _)| blk as u64)
+                .collect()
+        };
+        self.engine().will_need(&mut blocks);
+    }
+
+    /// The directories' blocks that their inodes map directly (the first
+    /// [`READDIR_AHEAD_BLOCKS`] of each), for directories whose inode is cached: a hint
+    /// must not wait itself. Without it a walk of a cold tree (`rm -rf`) waited for the
+    /// device once per directory it listed.
+    fn will_readdir(&self, dirs: &[Ino]) {
+        let (mut blocks, _) = self.engine().without_io(|| {
+            let st = self.read_lock();
+            let mut blocks = Vec::new();
+            for &d in dirs {
+                let Ok(Ok(inode)) = Self::to_ino(d).map(|i| self.read_live_inode(&st, i)) else {
+                    continue;
+                };
+                if !inode.is_dir() {
+                    continue;
+                }
+                let n = (inode.size / self.geo.bs as u64).min(READDIR_AHEAD_BLOCKS) as usize;
+                blocks.extend(
+                    inode.block[..n]
+                        .iter()
+                        .filter(|&&b| b != 0 && b < self.geo.blocks_count)
+                        .map(|&b| b as u64),
+                );
+            }
+            blocks
+        });
+        self.engine().will_need(&mut blocks);
     }
 
     fn statfs(&self) -> Result<StatFs> {

@@ -341,9 +341,19 @@ impl<F: FileSystem> Adapter<F> {
         if let Err(e) = r {
             return reply.error(errno(e));
         }
+        let listed: Vec<quilt_vfs::Ino> = names
+            .iter()
+            .filter(|e| e.name != b"." && e.name != b"..")
+            .map(|e| e.ino)
+            .collect();
+        self.fs.will_getattr(&listed);
         let mut buf = DirBuf::new(size);
+        let mut dirs = Vec::new();
         for e in names {
             let bare = e.name == b"." || e.name == b"..";
+            if !bare && e.kind == quilt_vfs::FileType::Directory {
+                dirs.push(e.ino);
+            }
             let attr = if bare {
                 None
             } else {
@@ -375,10 +385,15 @@ impl<F: FileSystem> Adapter<F> {
                 ),
             };
             if !added {
+                if dirs.last() == Some(&e.ino) {
+                    dirs.pop();
+                }
                 break;
             }
         }
-        buf.send(reply)
+        buf.send(reply);
+        // After the answer: the caller goes on meanwhile.
+        self.fs.will_readdir(&dirs);
     }
 
     fn reply_unit(&self, r: Result<(), FsError>, reply: Reply<'_>) {

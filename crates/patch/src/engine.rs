@@ -73,6 +73,9 @@ pub struct ChangeOpts {
 /// Bounds the reachability search that guards merges: past it a merge is refused, which
 /// costs a patch but never correctness.
 const MERGE_CYCLE_SEARCH_LIMIT: usize = 64;
+/// Hinted blocks remembered (`State::hinted`): 256 MiB of 4 KiB blocks, more than the
+/// host keeps of a hint's reads for long on a busy machine.
+const HINTED_MAX: usize = 1 << 16;
 
 /// The most blocks one run patch covers (`Engine::write_run`): 4 MiB of 4 KiB blocks. A
 /// run is written in one epoch, so this bounds the images one epoch holds for it.
@@ -208,6 +211,10 @@ pub(crate) struct State {
     /// Blocks some thread is reading from the device outside the lock (`lock_cached`):
     /// others wanting them wait for that read instead of issuing their own.
     pub reading: HashSet<BlockNo>,
+    /// Blocks recently hinted to the device (`will_need`), so that a hint is given once
+    /// and not again on every access that finds the block still uncached. Cleared
+    /// whole at [`HINTED_MAX`].
+    pub hinted: HashSet<BlockNo>,
     /// Buffers of evicted blocks, reused for blocks coming in. An eviction frees an
     /// eighth of the cache at once and the next writes fill it again: through the
     /// allocator, each refill paged fresh memory in (it had given the freed pages back),
@@ -318,6 +325,7 @@ impl Engine {
                     held_floor: (0, 0),
                     capture: None,
                     reading: HashSet::default(),
+                    hinted: HashSet::default(),
                     spare: Vec::new(),
                 }),
                 epoch: Mutex::new(()),
@@ -576,6 +584,40 @@ impl Engine {
             drop(self.lock_cached(b)?);
         }
         Ok(())
+    }
+
+    /// A hint that `blocks` will be read soon (a listing's inodes): those neither
+    /// cached nor hinted lately are asked of the device in runs of consecutive blocks,
+    /// which may start reading them in the background (see `BlockDevice::will_need`).
+    /// Reorders `blocks`.
+    pub fn will_need(&self, blocks: &mut Vec<BlockNo>) {
+        blocks.sort_unstable();
+        blocks.dedup();
+        {
+            let mut st = self.lock();
+            let st = &mut *st;
+            if st.hinted.len() + blocks.len() > HINTED_MAX {
+                st.hinted.clear();
+            }
+            let count = self.sh.dev.block_count();
+            blocks.retain(|&b| b < count && !st.blocks.contains_key(&b) && st.hinted.insert(b));
+        }
+        let mut rest = &blocks[..];
+        while let Some(&first) = rest.first() {
+            let n = rest
+                .iter()
+                .zip(first..)
+                .take_while(|(&b, want)| b == *want)
+                .count();
+            self.sh.dev.will_need(first, n as u64);
+            rest = &rest[n..];
+        }
+    }
+
+    /// Whether `block` was hinted lately ([`Engine::will_need`]): its read is under way
+    /// or done, and a read-ahead from it was already asked for.
+    pub fn was_hinted(&self, block: BlockNo) -> bool {
+        self.lock().hinted.contains(&block)
     }
 
     /// Device reads made so far by the calling thread (through any engine).

@@ -677,3 +677,54 @@ fn part_reads_see_pending_and_device_bytes() {
     let count = e.block_count();
     assert!(e.read_part_uncached(count - 1, bs - 1, &mut past).is_err());
 }
+
+/// A memory device that logs the hints it is given.
+struct Hinted {
+    inner: MemDevice,
+    hints: std::sync::Mutex<Vec<(u64, u64)>>,
+}
+
+impl BlockDevice for Hinted {
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+    fn block_count(&self) -> u64 {
+        self.inner.block_count()
+    }
+    fn read(&self, block: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
+        self.inner.read(block, buf)
+    }
+    fn will_need(&self, first: u64, count: u64) {
+        self.hints.lock().unwrap().push((first, count));
+    }
+    fn write(&self, block: u64, buf: &[u8]) -> quilt_block::Result<()> {
+        self.inner.write(block, buf)
+    }
+    fn flush(&self) -> quilt_block::Result<()> {
+        self.inner.flush()
+    }
+    fn stats(&self) -> quilt_block::IoStats {
+        self.inner.stats()
+    }
+}
+
+#[test]
+fn hints_go_to_the_device_in_runs_once_and_never_for_cached_blocks() {
+    let dev = Arc::new(Hinted {
+        inner: MemDevice::new(BS, 64).unwrap(),
+        hints: Default::default(),
+    });
+    let e = Engine::new(dev.clone(), EngineOptions::default());
+    let taken = || std::mem::take(&mut *dev.hints.lock().unwrap());
+    // Block 4 is cached (read through the engine); the rest are not.
+    e.with_block(4, |_| ()).unwrap();
+    e.will_need(&mut vec![9, 3, 5, 4, 2, 3, 10]);
+    assert_eq!(taken(), vec![(2, 2), (5, 1), (9, 2)]);
+    // Given once: only the blocks not hinted yet.
+    e.will_need(&mut vec![1, 2, 3, 5, 6]);
+    assert_eq!(taken(), vec![(1, 1), (6, 1)]);
+    assert!(e.was_hinted(9) && !e.was_hinted(11));
+    // Past the end of the device: left out (a hint never fails).
+    e.will_need(&mut vec![63, 64, u64::MAX]);
+    assert_eq!(taken(), vec![(63, 1)]);
+}

@@ -419,6 +419,15 @@ pub trait FileSystem: Send + Sync {
     fn unreference(&self, ino: Ino) -> Result<()> {
         self.release(ino)
     }
+    /// A hint that the attributes of `inos` will be asked for next (a listing with
+    /// attributes: READDIRPLUS, which `rm -rf`, `find` and `ls -l` use): a module may
+    /// start reading where they are kept, so that the getattrs that follow, one at a
+    /// time, do not each wait for the device. Nothing by default.
+    fn will_getattr(&self, _inos: &[Ino]) {}
+    /// A hint that `dirs` may be listed soon (a listing with attributes named them, and
+    /// a tree walk descends into them next): a module may start reading their entries.
+    /// Nothing by default.
+    fn will_readdir(&self, _dirs: &[Ino]) {}
     /// A regular file with no name in directory `parent` (open(2)'s O_TMPFILE): it is
     /// freed at its last `release` unless `link` names it first.
     fn tmpfile(&self, _parent: Ino, _mode: u32, _ctx: &Ctx) -> Result<Attr> {
