@@ -227,6 +227,12 @@ pub(crate) struct State {
     /// Open handles per inode; an unlinked inode is freed at its last release.
     pub open: HashMap<u32, u32>,
     pub orphans: HashSet<u32>,
+    /// The on-disk orphan list's back links (journal modes): each member's predecessor,
+    /// 0 for the head (the superblock points to it). The list is singly linked on
+    /// disk, newest first, and files leave it oldest first (`rm -rf`: each unlinked
+    /// file at its FORGET, in batches), so finding the predecessor by walking cost a
+    /// walk of the whole list per file.
+    pub orphan_prev: HashMap<u32, u32>,
     pub dir_cursor: u32,
     pub counters: Counters,
     /// Superblock counts changed since they were last written.
@@ -421,6 +427,7 @@ impl Ext2 {
                 parents: HashMap::default(),
                 open: HashMap::default(),
                 orphans: HashSet::default(),
+                orphan_prev: HashMap::default(),
                 dir_cursor: 0,
                 counters: Counters::default(),
                 sb_dirty: false,

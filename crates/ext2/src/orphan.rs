@@ -29,6 +29,10 @@ impl Ext2 {
             return Ok(());
         }
         inode.dtime = st.sb.last_orphan;
+        if st.sb.last_orphan != 0 {
+            st.orphan_prev.insert(st.sb.last_orphan, ino);
+        }
+        st.orphan_prev.insert(ino, 0);
         st.sb.last_orphan = ino;
         self.write_super(op, st)
     }
@@ -40,17 +44,33 @@ impl Ext2 {
             return Ok(());
         }
         let next = self.read_inode(st, ino)?.dtime;
+        let prev = match st.orphan_prev.remove(&ino) {
+            // The back link is checked against the forward one it mirrors.
+            Some(p) if p != 0 && self.read_inode(st, p)?.dtime == ino => Some(p),
+            _ => None,
+        };
+        if let Some(p) = prev.or_else(|| (st.sb.last_orphan == ino).then_some(0)) {
+            if next != 0 {
+                st.orphan_prev.insert(next, p);
+            }
+        }
         if st.sb.last_orphan == ino {
             st.sb.last_orphan = next;
             self.write_super(op, st)?;
+        } else if let Some(p) = prev {
+            self.modify_inode(op, st, p, &[], |i| i.dtime = next)?;
         } else {
-            // The list is short (files open while unlinked): walk it, bounded.
+            // No back link (a list left by an older mount of this image): walk it,
+            // bounded.
             let mut at = st.sb.last_orphan;
             let mut steps = 0u32;
             while at != 0 && steps <= self.geo.inodes_count {
                 let i = self.read_inode(st, at)?;
                 if i.dtime == ino {
                     self.modify_inode(op, st, at, &[], |p| p.dtime = next)?;
+                    if next != 0 {
+                        st.orphan_prev.insert(next, at);
+                    }
                     break;
                 }
                 at = i.dtime;

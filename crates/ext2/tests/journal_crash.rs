@@ -362,6 +362,14 @@ fn commits_from_another_thread_never_split_an_operation() {
         let a = fs.mkdir(root, b"a", 0o755, &c).unwrap().ino;
         let b = fs.mkdir(root, b"b", 0o755, &c).unwrap().ino;
         for i in 0..150u32 {
+            if i % 5 == 0 {
+                // Let the committer get a commit in before going on: on a loaded
+                // machine it could otherwise miss most of the workload.
+                let seen = commits.load(std::sync::atomic::Ordering::SeqCst);
+                while commits.load(std::sync::atomic::Ordering::SeqCst) == seen {
+                    std::thread::yield_now();
+                }
+            }
             let name = format!("f{i}");
             let f = fs
                 .mknod(a, name.as_bytes(), libc::S_IFREG | 0o644, 0, &c)

@@ -326,29 +326,87 @@ fn files_unlinked_while_open_are_freed_after_a_crash() {
         fs.unmount().unwrap();
         drop(fs);
         assert_eq!(superblock(&dev).last_orphan, 0);
-        if std::process::Command::new("e2fsck")
-            .arg("-V")
-            .output()
-            .is_ok()
-        {
-            let path = std::env::temp_dir()
-                .join(format!("quilt-orphans-{}-{mode}.img", std::process::id()));
-            let mut img = vec![0u8; dev.block_count() as usize * 4096];
-            for (i, b) in img.chunks_mut(4096).enumerate() {
-                dev.read(i as u64, b).unwrap();
+        assert_e2fsck_clean(&dev, &format!("{mode}"));
+    }
+}
+
+/// `e2fsck -fn` finds the image clean (where e2fsck is installed).
+fn assert_e2fsck_clean(dev: &MemDevice, what: &str) {
+    if std::process::Command::new("e2fsck")
+        .arg("-V")
+        .output()
+        .is_err()
+    {
+        return;
+    }
+    let path = std::env::temp_dir().join(format!(
+        "quilt-orphans-{}-{}.img",
+        std::process::id(),
+        what.replace(' ', "-")
+    ));
+    let mut img = vec![0u8; dev.block_count() as usize * 4096];
+    for (i, b) in img.chunks_mut(4096).enumerate() {
+        dev.read(i as u64, b).unwrap();
+    }
+    std::fs::write(&path, &img).unwrap();
+    let out = std::process::Command::new("e2fsck")
+        .arg("-fn")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        out.status.success(),
+        "{what}: e2fsck -fn: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// Many files on the orphan list, leaving it in the order `rm -rf` makes (oldest
+/// first: each file's FORGET after the unlinks that followed it), newest first, and
+/// from the middle out; then a crash. The list on disk must still chain exactly the
+/// files not yet released: recovery frees those and only those, and the image is
+/// clean. (Files leave the list through in-memory back links, not a walk.)
+#[test]
+fn the_orphan_list_stays_whole_whatever_order_files_leave_it() {
+    const N: usize = 10;
+    let orders: [(&str, Vec<usize>); 3] = [
+        ("oldest first", (0..N).collect()),
+        ("newest first", (0..N).rev().collect()),
+        ("middle out", vec![5, 4, 6, 3, 7, 2, 8, 1, 9, 0]),
+    ];
+    for mode in [Mode::MetaJournal, Mode::FullJournal] {
+        for (name, order) in &orders {
+            let dev = image(true);
+            let fs = mount(&dev, mode).unwrap();
+            let c = Ctx::root();
+            let root = fs.root();
+            let free_before = fs.statfs().unwrap().files_free;
+            let mut inos = Vec::new();
+            for i in 0..N {
+                let n = format!("f{i}");
+                let f = fs.mknod(root, n.as_bytes(), 0o100644, 0, &c).unwrap().ino;
+                fs.write(f, 0, &[1u8; 5000], &c).unwrap();
+                fs.open(f).unwrap();
+                fs.unlink(root, n.as_bytes(), &c).unwrap();
+                inos.push(f);
             }
-            std::fs::write(&path, &img).unwrap();
-            let out = std::process::Command::new("e2fsck")
-                .arg("-fn")
-                .arg(&path)
-                .output()
-                .unwrap();
-            let _ = std::fs::remove_file(&path);
-            assert!(
-                out.status.success(),
-                "{mode}: e2fsck -fn: {}",
-                String::from_utf8_lossy(&out.stdout)
+            // Seven leave; three are still open at the crash.
+            for &i in &order[..7] {
+                fs.release(inos[i]).unwrap();
+            }
+            fs.sync_all().unwrap();
+            drop(fs);
+            let fs = mount(&dev, mode).unwrap();
+            assert_eq!(
+                fs.statfs().unwrap().files_free,
+                free_before,
+                "{mode}, {name}: the three left are freed by recovery"
             );
+            fs.unmount().unwrap();
+            drop(fs);
+            assert_eq!(superblock(&dev).last_orphan, 0, "{mode}, {name}");
+            assert_e2fsck_clean(&dev, &format!("{mode} {name}"));
         }
     }
 }

@@ -5,6 +5,16 @@
 use quilt_block::BlockNo;
 use rustc_hash::FxHashSet as HashSet;
 
+/// Searches visiting at most this many patches keep them in a list (see
+/// `Graph::reaches_small`).
+const SMALL_SEARCH: usize = 64;
+
+thread_local! {
+    /// The stack and the patches seen of the thread's bounded searches.
+    static SMALL_SEARCH_SCRATCH: std::cell::RefCell<(Vec<PatchId>, Vec<PatchId>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
 /// A handle on a patch. Generation-checked: once the patch is durable its slot is reused
 /// under a new generation and the old id resolves to "durable".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -276,6 +286,9 @@ impl Graph {
     /// Is `target` reachable from `start` by following befores? Visits at most
     /// `limit` patches; `None` means "gave up" (callers treat it as "maybe").
     pub fn reaches(&self, start: PatchId, target: PatchId, limit: usize) -> Option<bool> {
+        if limit <= SMALL_SEARCH {
+            return self.reaches_small(start, target, limit);
+        }
         let mut seen = HashSet::default();
         let mut stack = vec![start];
         while let Some(id) = stack.pop() {
@@ -292,6 +305,33 @@ impl Graph {
             stack.extend(self.get(id).befores.iter().copied());
         }
         Some(false)
+    }
+
+    /// [`Graph::reaches`] for a bounded search (the merge's cycle check, made for
+    /// most changes): the patches seen fit a short list, and the list and the stack
+    /// are the thread's, reused, so the search allocates nothing.
+    fn reaches_small(&self, start: PatchId, target: PatchId, limit: usize) -> Option<bool> {
+        SMALL_SEARCH_SCRATCH.with(|scratch| {
+            let (stack, seen) = &mut *scratch.borrow_mut();
+            stack.clear();
+            seen.clear();
+            stack.push(start);
+            while let Some(id) = stack.pop() {
+                let Some(id) = self.resolve(id) else { continue };
+                if id == target {
+                    return Some(true);
+                }
+                if seen.contains(&id) {
+                    continue;
+                }
+                seen.push(id);
+                if seen.len() > limit {
+                    return None;
+                }
+                stack.extend(self.get(id).befores.iter().copied());
+            }
+            Some(false)
+        })
     }
 
     pub fn iter_live(&self) -> impl Iterator<Item = (PatchId, &Patch)> {
