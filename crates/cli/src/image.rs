@@ -463,7 +463,7 @@ pub fn open_fs(image: &Path, s: &OpenSettings, locks: &mut Vec<ImageLock>) -> Re
             errors: s.errors,
             journal_placement: s.journal_placement,
             journal_device: open_journal_dev(s, bs, locks)?,
-            journal_observer: None,
+            ..Default::default()
         },
     )
     .with_context(|| format!("cannot mount {}", image.display()))?;

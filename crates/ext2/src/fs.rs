@@ -76,6 +76,8 @@ pub struct MountOptions {
     pub journal_device: Option<JournalDevice>,
     /// Hears each journal transaction as it commits (the crash explorer's model).
     pub journal_observer: Option<quilt_journal::Observer>,
+    /// The journal retires transactions only by forced checkpoints (tests).
+    pub journal_forced_checkpoints_only: bool,
 }
 
 /// An external journal's device (a newtype for `Debug`).
@@ -121,6 +123,7 @@ impl Default for MountOptions {
             journal_placement: None,
             journal_device: None,
             journal_observer: None,
+            journal_forced_checkpoints_only: false,
         }
     }
 }

@@ -346,6 +346,7 @@ impl Ext2 {
             data: mode == crate::Mode::FullJournal,
             placement,
             observer: mo.journal_observer.clone(),
+            forced_checkpoints_only: mo.journal_forced_checkpoints_only,
             ..Default::default()
         };
         quilt_journal::Journal::start_on(self.engine().clone(), dev, map, opts).map_err(jerr)

@@ -55,6 +55,10 @@ pub struct JournalOptions {
     /// Told every transaction as it is committed (for the crash explorer's model of
     /// what recovery must yield).
     pub observer: Option<Observer>,
+    /// Retire transactions only by forced checkpoints (their blocks read back from the
+    /// log and written home), never because write-back put them home: for tests of
+    /// the forced checkpoint, which write-back makes rare.
+    pub forced_checkpoints_only: bool,
 }
 
 /// Hears each transaction as it commits: its sequence, its blocks' new contents, and
@@ -111,6 +115,7 @@ impl Default for JournalOptions {
             max_txn_blocks: None,
             placement: Placement::Ring,
             observer: None,
+            forced_checkpoints_only: false,
         }
     }
 }
@@ -798,7 +803,7 @@ impl Journal {
     /// writes the tail durably when `always` or when they fill a quarter of the log.
     fn reclaim(&self, st: &mut State, always: bool) -> Result<()> {
         while let Some(t) = st.live.front() {
-            if !self.inner.engine.is_durable(t.done) {
+            if self.inner.opts.forced_checkpoints_only || !self.inner.engine.is_durable(t.done) {
                 break;
             }
             self.pop_oldest(st);

@@ -81,6 +81,22 @@ impl State {
         !takes || c.patches.last() == Some(&run)
     }
 
+    /// May a change to `block` (of file data if `data`) join pending patch `p` (merge
+    /// into it, or fold with it into one hard patch)? Under an open capture that takes
+    /// the change, only if `p` is this capture's too. Joining a patch of an older,
+    /// committed transaction ties that transaction's checkpoint to this one's commit;
+    /// with a block changed in every transaction (a bitmap, an inode table) no
+    /// transaction was ever retired by write-back, and every one waited for a forced
+    /// checkpoint that read its blocks back from the log (a full-journal untar: 91 of
+    /// 91).
+    pub(crate) fn capture_may_join(&self, p: PatchId, block: BlockNo, data: bool) -> bool {
+        let Some(c) = &self.capture else {
+            return true;
+        };
+        let takes = !data || c.data || c.revoked.contains(&block);
+        !takes || self.g.get(p).befores.contains(&c.hold)
+    }
+
     fn open_capture(&mut self, data: bool) {
         let hold = self.new_empty(&[], 1);
         self.capture = Some(Capture {

@@ -1261,7 +1261,18 @@ impl State {
         // blocks onto it, so "no afters elsewhere" cannot be read off the others. Changes
         // there merge into the run (`merge_target`, with a cycle check) or follow it.
         let on_run = self.blocks[&block].hard.is_some_and(|h| self.g.get(h).run);
-        let id = if sh.opts.hard_patches && !on_run && self.blocks[&block].extern_afters == 0 {
+        let may_fold = || {
+            self.blocks[&block]
+                .pending
+                .iter()
+                .filter(|&&p| !self.g.get(p).in_flight)
+                .all(|&p| self.capture_may_join(p, block, opts.data))
+        };
+        let id = if sh.opts.hard_patches
+            && !on_run
+            && self.blocks[&block].extern_afters == 0
+            && may_fold()
+        {
             self.fold_block_into_hard(block, change, &befores, opts.data)
         } else if let Some(target) = self.merge_target(sh, block, &probe, &befores) {
             self.merge_into(target, block, change, &befores, opts.data);
@@ -1518,6 +1529,7 @@ impl State {
             // otherwise restore bytes older than the change).
             if sh.opts.hard_patches
                 && over.iter().all(|&p| p == h)
+                && self.capture_may_join(h, block, probe.data)
                 && self.merge_is_acyclic(h, befores)
             {
                 return Some(h);
@@ -1582,7 +1594,10 @@ impl State {
             }
         };
         let t = self.g.get(target);
-        if t.in_flight || !self.merge_is_acyclic(target, befores) {
+        if t.in_flight
+            || !self.capture_may_join(target, block, probe.data)
+            || !self.merge_is_acyclic(target, befores)
+        {
             return None;
         }
         Some(target)
