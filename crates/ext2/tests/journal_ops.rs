@@ -229,6 +229,55 @@ fn forced_checkpoints_never_take_a_block_back_in_time() {
     }
 }
 
+/// Blocks changed in every transaction (the bitmaps, an inode table block, a
+/// directory) must not keep the committed transactions from being retired by
+/// write-back: a change of the running transaction that joined a committed one's patch
+/// made every transaction wait for a forced checkpoint, which reads its blocks back from
+/// the log (a full-journal untar: 91 of 91). A small log that the workload fills many
+/// times over, write-back while the running transaction holds changes to the hot
+/// blocks: every transaction goes home through write-back.
+#[test]
+fn write_back_retires_transactions_that_share_hot_blocks() {
+    for mode in [Mode::FullJournal, Mode::MetaJournal] {
+        let dev = image(true);
+        let fs = mount(&dev, mode).unwrap();
+        let c = Ctx::root();
+        let root = fs.root();
+        for i in 0..400u32 {
+            let f = fs
+                .mknod(
+                    root,
+                    format!("f{i}").as_bytes(),
+                    libc::S_IFREG | 0o644,
+                    0,
+                    &c,
+                )
+                .unwrap()
+                .ino;
+            fs.write(f, 0, &[i as u8; 6000], &c).unwrap();
+            // Write-back while the running transaction has changed the hot blocks
+            // again, as the flusher meets it in the middle of an untar.
+            fs.engine().write_back_ready().unwrap();
+            fs.fsync(f, false).unwrap();
+        }
+        let (retired, forced) = (
+            counter(&fs, "journal.checkpoints"),
+            counter(&fs, "journal.forced_checkpoints"),
+        );
+        assert!(
+            retired > 100,
+            "{mode}: {retired} transactions retired: the log did not cycle"
+        );
+        assert_eq!(
+            forced, 0,
+            "{mode}: {forced} of {retired} checkpoints forced"
+        );
+        fs.unmount().unwrap();
+        drop(fs);
+        assert_e2fsck_clean(&dev, &format!("{mode} hot blocks"));
+    }
+}
+
 /// A forced checkpoint reads each block's committed copy back from the log; a copy whose
 /// first four bytes were the JBD2 magic is escaped there (zeroed) and must get its magic
 /// back on the way home. Full journaling, so file data goes through the log.
