@@ -24,6 +24,15 @@ pub(crate) struct Capture {
     revoked: HashSet<BlockNo>,
 }
 
+impl Capture {
+    /// Whether a change to `block` (of file data if `data`) belongs to the transaction:
+    /// metadata always, file data in full mode, or when it lands in a block this
+    /// transaction freed (see `State::capture_change`).
+    fn takes(&self, block: BlockNo, data: bool) -> bool {
+        !data || self.data || self.revoked.contains(&block)
+    }
+}
+
 /// A closed capture: one transaction's worth of changes.
 #[derive(Debug)]
 pub struct CapturedTxn {
@@ -47,7 +56,7 @@ impl State {
         let Some((hold, take)) = self
             .capture
             .as_ref()
-            .map(|c| (c.hold, !data || c.data || c.revoked.contains(&block)))
+            .map(|c| (c.hold, c.takes(block, data)))
         else {
             return;
         };
@@ -77,7 +86,7 @@ impl State {
         let Some(c) = &self.capture else {
             return true;
         };
-        let takes = (first..first + n).any(|b| !data || c.data || c.revoked.contains(&b));
+        let takes = (first..first + n).any(|b| c.takes(b, data));
         !takes || c.patches.last() == Some(&run)
     }
 
@@ -93,8 +102,7 @@ impl State {
         let Some(c) = &self.capture else {
             return true;
         };
-        let takes = !data || c.data || c.revoked.contains(&block);
-        !takes || self.g.get(p).befores.contains(&c.hold)
+        !c.takes(block, data) || self.g.get(p).befores.contains(&c.hold)
     }
 
     fn open_capture(&mut self, data: bool) {
