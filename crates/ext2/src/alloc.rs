@@ -186,30 +186,80 @@ impl Ext2 {
     pub(crate) fn free_block(
         &self,
         op: &Op<'_>,
-
         st: &mut State,
         blk: u32,
         befores: Head,
     ) -> Result<()> {
-        self.check_data_block(blk)?;
-        let g = self.group_of_block(blk);
-        let bit = blk - self.geo.group_first_block(g);
-        let bitmap = st.gd[g as usize].block_bitmap;
-        if !self.bit_is_set(bitmap, bit)? {
-            return Err(corrupt(format!(
-                "freeing block {blk}, which is already free"
-            )));
+        self.free_blocks(op, st, &mut [blk], befores)
+    }
+
+    /// Frees `blks` (sorting them) after `befores` with one bitmap change per 32-bit
+    /// word of bits: a file's blocks lie mostly together, so freeing a file changes a
+    /// few words, not one per block. (Freeing files was most of the CPU that `rm -rf`
+    /// spent under the module's exclusive lock.) A block already free, or named twice,
+    /// is damage: nothing of its word is freed, nor anything after it.
+    pub(crate) fn free_blocks(
+        &self,
+        op: &Op<'_>,
+        st: &mut State,
+        blks: &mut [u32],
+        befores: Head,
+    ) -> Result<()> {
+        for &b in blks.iter() {
+            self.check_data_block(b)?;
         }
-        self.flip_bit(op, bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
-        // A journal must not replay an old copy of this block over its next owner's data.
-        self.engine().capture_revoke(blk as u64);
-        if let Some(b) = befores {
-            self.note_freed_block(st, blk, b);
+        blks.sort_unstable();
+        let head = befores;
+        let befores = self.cross(&head.into_iter().collect::<Vec<_>>());
+        let mut rest = &blks[..];
+        while let Some(&blk) = rest.first() {
+            let g = self.group_of_block(blk);
+            let first = self.geo.group_first_block(g);
+            let word = (blk - first) / 32;
+            let n = rest
+                .iter()
+                .take_while(|&&b| self.group_of_block(b) == g && (b - first) / 32 == word)
+                .count();
+            let (these, after) = rest.split_at(n);
+            rest = after;
+            let mut mask = 0u32;
+            for &b in these {
+                let m = 1u32 << ((b - first) % 32);
+                if mask & m != 0 {
+                    return Err(corrupt(format!("freeing block {b} twice")));
+                }
+                mask |= m;
+            }
+            let bitmap = st.gd[g as usize].block_bitmap;
+            let set = self
+                .engine()
+                .with_block(bitmap as u64, |d| le32(d, word as usize * 4))
+                .map_err(Self::io)?;
+            if let Some(&free) = these
+                .iter()
+                .find(|&&b| set & (1 << ((b - first) % 32)) == 0)
+            {
+                return Err(corrupt(format!(
+                    "freeing block {free}, which is already free"
+                )));
+            }
+            op.tx
+                .xor_bits(bitmap as u64, word as usize * 4, mask, &befores)
+                .map_err(Self::io)?;
+            for &b in these {
+                // A journal must not replay an old copy of this block over its next
+                // owner's data.
+                self.engine().capture_revoke(b as u64);
+                if let Some(p) = head {
+                    self.note_freed_block(st, b, p);
+                }
+            }
+            let k = these.len() as u32;
+            st.gd[g as usize].free_blocks = st.gd[g as usize].free_blocks.saturating_add(k as u16);
+            st.sb.free_blocks_count = st.sb.free_blocks_count.saturating_add(k);
+            self.write_gd(st, g)?;
+            st.counters.blocks_freed += k as u64;
         }
-        st.gd[g as usize].free_blocks = st.gd[g as usize].free_blocks.saturating_add(1);
-        st.sb.free_blocks_count = st.sb.free_blocks_count.saturating_add(1);
-        self.write_gd(st, g)?;
-        st.counters.blocks_freed += 1;
         Ok(())
     }
 

@@ -1508,6 +1508,13 @@ impl FileSystem for Ext2 {
 
     fn release(&self, ino: Ino) -> Result<()> {
         let ino = Self::to_ino(ino)?;
+        let frees = {
+            let st = self.read_lock();
+            st.open.get(&ino) == Some(&1) && st.orphans.contains(&ino) && !self.read_only
+        };
+        if frees {
+            self.warm_free(ino);
+        }
         // The last release of an unlinked file frees it: a change, so it is an op.
         let op = self.begin_internal();
         let r = self.change_in(&op, |op, st| {

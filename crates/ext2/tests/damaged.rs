@@ -269,3 +269,49 @@ fn damage_found_while_mounted_marks_the_superblock_and_follows_errors_option() {
         );
     }
 }
+
+#[test]
+fn freeing_a_block_the_bitmap_says_is_free_is_reported_damage() {
+    let clean = populated();
+    let le32 = |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap()) as usize;
+    let le16 = |b: &[u8], o: usize| u16::from_le_bytes(b[o..o + 2].try_into().unwrap()) as usize;
+    let (bb, it) = (le32(&clean, 2 * BS), le32(&clean, 2 * BS + 8));
+    // `big`'s inode, from the root directory's entries.
+    let dir = le32(&clean, it * BS + 256 + 0x28) * BS;
+    let mut at = dir;
+    let big = loop {
+        assert!(at < dir + BS, "big is in the root directory");
+        let (ino, rec, len) = (
+            le32(&clean, at),
+            le16(&clean, at + 4),
+            clean[at + 6] as usize,
+        );
+        if &clean[at + 8..at + 8 + len] == b"big" {
+            break ino;
+        }
+        at += rec;
+    };
+    // Its fifth data block, marked free in the bitmap (one group: bit = block - 1).
+    let inode = it * BS + (big - 1) * 256;
+    let victim = le32(&clean, inode + 0x28 + 4 * 4);
+    let mut img = clean.clone();
+    img[bb * BS + (victim - 1) / 8] &= !(1 << ((victim - 1) % 8));
+    let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
+    let fs = Ext2::open(
+        Engine::new(dev.clone(), EngineOptions::default()),
+        MountOptions::default(),
+    )
+    .unwrap();
+    let err = fs.unlink(fs.root(), b"big", &Ctx::root()).unwrap_err();
+    assert!(
+        matches!(&err, FsError::Corrupt(m) if m.contains(&format!("freeing block {victim}, which is already free"))),
+        "{err}"
+    );
+    let _ = fs.unmount();
+    let sb = quilt_ext2::format::Superblock::decode(&dev.to_vec()[1024..2048]).unwrap();
+    assert_ne!(
+        sb.state & quilt_ext2::format::STATE_ERROR,
+        0,
+        "the superblock records it"
+    );
+}

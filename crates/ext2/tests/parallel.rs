@@ -289,3 +289,37 @@ fn throttled_write_back_holds_up_no_reader() {
     assert_eq!(fs.read(n.ino, 7 * 4096, 4).unwrap(), [7u8; 4]);
     fs.unmount().unwrap();
 }
+
+#[test]
+fn freeing_an_unlinked_file_at_its_last_release_holds_up_no_other_request() {
+    let (dev, fs) = image(EngineOptions::default());
+    let b = warm_b(&fs);
+    let a = fs.lookup(fs.root(), b"a").unwrap().ino;
+    // `f` (64 KiB: twelve direct blocks and an indirect one) stays open while its name
+    // goes, as the kernel holds a file `rm -rf` unlinks until it FORGETs it. Its
+    // indirect block is not cached: freeing the file reads it.
+    let f = fs.lookup(a, b"f").unwrap().ino;
+    fs.open(f).unwrap();
+    fs.unlink(a, b"f", &root()).unwrap();
+    let free_before = fs.statfs().unwrap().blocks_free;
+    let fs2 = fs.clone();
+    while_stalled(
+        &dev,
+        move || fs2.release(f).unwrap(),
+        || {
+            // (Nothing that keeps a block: the count below is the release's.)
+            fs.mknod(b, b"x", libc::S_IFREG | 0o600, 0, &root())
+                .unwrap();
+            fs.rename(b, b"x", b, b"y", Default::default(), &root())
+                .unwrap();
+            fs.unlink(b, b"y", &root()).unwrap();
+            fs.getattr(a).unwrap();
+        },
+    );
+    assert_eq!(
+        fs.statfs().unwrap().blocks_free,
+        free_before + 17,
+        "the release freed the file's 16 data blocks and its indirect block"
+    );
+    fs.unmount().unwrap();
+}
