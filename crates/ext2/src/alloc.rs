@@ -246,11 +246,12 @@ impl Ext2 {
             op.tx
                 .xor_bits(bitmap as u64, word as usize * 4, mask, &befores)
                 .map_err(Self::io)?;
-            for &b in these {
-                // A journal must not replay an old copy of this block over its next
-                // owner's data.
-                self.engine().capture_revoke(b as u64);
-                if let Some(p) = head {
+            // A journal must not replay an old copy of these blocks over their next
+            // owners' data.
+            self.engine()
+                .capture_revoke(these.iter().map(|&b| b as u64));
+            if let Some(p) = head {
+                for &b in these {
                     self.note_freed_block(st, b, p);
                 }
             }

@@ -281,6 +281,8 @@ pub struct Ext2 {
 /// Attempts of a read-only request without device I/O (`reading`) before it reads
 /// under the shared lock.
 const MISS_RETRIES: usize = 8;
+/// The most files one op lets go of (`release_all`).
+const RELEASE_BATCH: usize = 64;
 /// Blocks of a directory hinted before it is listed (`will_readdir`): those its inode
 /// maps directly, at most.
 const READDIR_AHEAD_BLOCKS: u64 = NDIR_BLOCKS as u64;
@@ -548,6 +550,81 @@ impl Ext2 {
             op.tx.end()?;
         }
         self.engine().sync().map_err(Self::io)
+    }
+
+    /// Drops one open (or kernel reference) of each of `inos`. The last of an unlinked
+    /// file frees it: all such files together, in one op and one hold of the exclusive
+    /// lock, after what freeing them reads was read without it (`warm_free`). A FORGET
+    /// batch of `rm -rf` frees dozens of files; one at a time, each took the lock from
+    /// the requests the ring was serving, and woke them at the other CPU when done.
+    /// Every ino is let go even when one fails; the first error is returned. At most
+    /// [`RELEASE_BATCH`] per op, so that a huge batch (FORGETs of thousands of files
+    /// at unmount) never makes one transaction too big for a journal.
+    fn release_all(&self, inos: &[Ino]) -> Result<()> {
+        let mut first = Ok(());
+        for chunk in inos.chunks(RELEASE_BATCH) {
+            if let (Err(e), true) = (self.release_chunk(chunk), first.is_ok()) {
+                first = Err(e);
+            }
+        }
+        first
+    }
+
+    fn release_chunk(&self, inos: &[Ino]) -> Result<()> {
+        let mut first = Ok(());
+        let mut inos: Vec<u32> = inos
+            .iter()
+            .filter_map(|&i| match Self::to_ino(i) {
+                Ok(i) => Some(i),
+                Err(e) => {
+                    if first.is_ok() {
+                        first = Err(e);
+                    }
+                    None
+                }
+            })
+            .collect();
+        if !self.read_only {
+            let frees: Vec<u32> = {
+                let st = self.read_lock();
+                let mut opens: HashMap<u32, u32> = HashMap::default();
+                for &i in &inos {
+                    *opens.entry(i).or_default() += 1;
+                }
+                opens
+                    .into_iter()
+                    .filter(|&(i, n)| st.open.get(&i) == Some(&n) && st.orphans.contains(&i))
+                    .map(|(i, _)| i)
+                    .collect()
+            };
+            for ino in frees {
+                self.warm_free(ino);
+            }
+        }
+        // The last release of an unlinked file frees it: a change, so it is an op.
+        let op = self.begin_internal();
+        let r = self.change_in(&op, |op, st| {
+            let mut first = Ok(());
+            for ino in inos.drain(..) {
+                let n = st.open.entry(ino).or_default();
+                *n = n.saturating_sub(1);
+                if *n > 0 {
+                    continue;
+                }
+                st.open.remove(&ino);
+                if st.orphans.remove(&ino) && !self.read_only {
+                    let r = self
+                        .orphan_remove(op, st, ino)
+                        .and_then(|()| self.destroy_inode(op, st, ino, None).map(|_| ()));
+                    if let (Err(e), true) = (r, first.is_ok()) {
+                        first = Err(e);
+                    }
+                }
+            }
+            first
+        });
+        op.tx.end()?;
+        first.and(r)
     }
 
     /// Locks the state. A change needs an op begun first (`begin`): an op waits at the
@@ -1507,30 +1584,11 @@ impl FileSystem for Ext2 {
     }
 
     fn release(&self, ino: Ino) -> Result<()> {
-        let ino = Self::to_ino(ino)?;
-        let frees = {
-            let st = self.read_lock();
-            st.open.get(&ino) == Some(&1) && st.orphans.contains(&ino) && !self.read_only
-        };
-        if frees {
-            self.warm_free(ino);
-        }
-        // The last release of an unlinked file frees it: a change, so it is an op.
-        let op = self.begin_internal();
-        let r = self.change_in(&op, |op, st| {
-            let n = st.open.entry(ino).or_default();
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                st.open.remove(&ino);
-                if st.orphans.remove(&ino) && !self.read_only {
-                    self.orphan_remove(op, st, ino)?;
-                    self.destroy_inode(op, st, ino, None)?;
-                }
-            }
-            Ok(())
-        });
-        op.tx.end()?;
-        r
+        self.release_all(&[ino])
+    }
+
+    fn unreference_all(&self, inos: &[Ino]) -> Result<()> {
+        self.release_all(inos)
     }
 
     fn counters(&self) -> Vec<(String, u64)> {

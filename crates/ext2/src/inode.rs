@@ -1096,10 +1096,12 @@ impl Ext2 {
                 }
             }
             // One level at a time, each hinted whole first: a big file's map blocks are
-            // read together rather than one wait each.
+            // read together rather than one wait each. (A lone block is just read.)
             while !level.is_empty() {
-                let mut hint: Vec<u64> = level.iter().map(|&(b, _)| b as u64).collect();
-                engine.will_need(&mut hint);
+                if level.len() > 1 {
+                    let mut hint: Vec<u64> = level.iter().map(|&(b, _)| b as u64).collect();
+                    engine.will_need(&mut hint);
+                }
                 let mut next = Vec::new();
                 for (blk, lvl) in level {
                     groups.insert(self.group_of_block(blk));

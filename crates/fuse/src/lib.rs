@@ -302,16 +302,28 @@ impl<F: FileSystem> Adapter<F> {
         Ok(())
     }
 
-    fn forget_n(&self, ino: u64, nlookup: u64) {
+    /// Takes `nlookup` of the kernel's lookups of `ino`; true when none are left.
+    fn forgotten(&self, ino: u64, nlookup: u64) -> bool {
         let mut m = self.lookups.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(n) = m.get_mut(&ino) else { return };
+        let Some(n) = m.get_mut(&ino) else {
+            return false;
+        };
         *n = n.saturating_sub(nlookup);
         if *n == 0 {
             m.remove(&ino);
-            drop(m);
-            if let Err(e) = self.fs.unreference(ino) {
-                tracing::warn!("releasing inode {ino} after FORGET: {e}");
-            }
+            return true;
+        }
+        false
+    }
+
+    /// Lets the module go of inodes the kernel no longer knows, all at once (an
+    /// `rm -rf` forgets its unlinked files in batches, which the module frees together).
+    fn unreference_all(&self, inos: &[u64]) {
+        if inos.is_empty() {
+            return;
+        }
+        if let Err(e) = self.fs.unreference_all(inos) {
+            tracing::warn!("releasing inodes {inos:?} after FORGET: {e}");
         }
     }
 
@@ -364,8 +376,8 @@ impl<F: FileSystem> Adapter<F> {
                     Ok(()) => {
                         let added =
                             buf.add_plus(&entry(&wire_attr(&a, self.inos)), e.next_offset, &e.name);
-                        if !added {
-                            self.forget_n(a.ino, 1);
+                        if !added && self.forgotten(a.ino, 1) {
+                            self.unreference_all(&[a.ino]);
                         }
                         added
                     }
@@ -602,17 +614,21 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 self.reply_entry(self.fs.lookup(self.inos.to_fs(ino), name), reply);
             }
             Op::Forget { nlookup } => {
-                if ino != CONTROL_INO {
-                    self.forget_n(self.inos.to_fs(ino), *nlookup);
+                let fs_ino = self.inos.to_fs(ino);
+                if ino != CONTROL_INO && self.forgotten(fs_ino, *nlookup) {
+                    self.unreference_all(&[fs_ino]);
                 }
                 reply.none();
             }
             Op::BatchForget(nodes) => {
-                for &(node, n) in nodes {
-                    if node != CONTROL_INO {
-                        self.forget_n(self.inos.to_fs(node), n);
-                    }
-                }
+                let gone: Vec<u64> = nodes
+                    .iter()
+                    .filter(|&&(node, _)| node != CONTROL_INO)
+                    .map(|&(node, n)| (self.inos.to_fs(node), n))
+                    .filter(|&(i, n)| self.forgotten(i, n))
+                    .map(|(i, _)| i)
+                    .collect();
+                self.unreference_all(&gone);
                 reply.none();
             }
             Op::Getattr { .. } => {

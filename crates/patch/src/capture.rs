@@ -164,10 +164,11 @@ impl Engine {
         }))
     }
 
-    /// Records that `block` was freed, for the open capture's revoke records.
-    pub fn capture_revoke(&self, block: BlockNo) {
+    /// Records that `blocks` were freed, for the open capture's revoke records. (Pass
+    /// the blocks freed together in one call: each call takes the engine's lock.)
+    pub fn capture_revoke(&self, blocks: impl IntoIterator<Item = BlockNo>) {
         if let Some(c) = self.lock().capture.as_mut() {
-            c.revoked.insert(block);
+            c.revoked.extend(blocks);
         }
     }
 
@@ -231,7 +232,7 @@ mod tests {
             data: true,
         };
         e.write(3, 0, &[1], &[], data).unwrap();
-        e.capture_revoke(5);
+        e.capture_revoke([5]);
         e.write(5, 0, &[2], &[], data).unwrap();
         let t = e.capture_rotate(false).unwrap().unwrap();
         let blocks: Vec<u64> = t.blocks.iter().map(|(b, _)| *b).collect();

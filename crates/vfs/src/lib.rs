@@ -419,6 +419,19 @@ pub trait FileSystem: Send + Sync {
     fn unreference(&self, ino: Ino) -> Result<()> {
         self.release(ino)
     }
+    /// The kernel forgot the last references to each of `inos` at once (a FORGET
+    /// batch): [`FileSystem::unreference`] of each by default. A module may free the
+    /// unlinked ones among them together. Each is let go even when another fails; the
+    /// first error is returned.
+    fn unreference_all(&self, inos: &[Ino]) -> Result<()> {
+        let mut r = Ok(());
+        for &ino in inos {
+            if let (Err(e), true) = (self.unreference(ino), r.is_ok()) {
+                r = Err(e);
+            }
+        }
+        r
+    }
     /// A hint that the attributes of `inos` will be asked for next (a listing with
     /// attributes: READDIRPLUS, which `rm -rf`, `find` and `ls -l` use): a module may
     /// start reading where they are kept, so that the getattrs that follow, one at a
