@@ -446,3 +446,89 @@ fn the_orphan_list_stays_whole_whatever_order_files_leave_it() {
         }
     }
 }
+
+/// A FORGET batch (`unreference_all`, as `rm -rf` makes them: many files, some named
+/// twice, more than one op's worth) frees exactly the unlinked files whose last
+/// reference it drops, in every mode, and nothing else; the image is clean, before and
+/// after a crash right after it.
+#[test]
+fn a_forget_batch_frees_exactly_the_unlinked_files_it_lets_go() {
+    for (journal, mode) in [
+        (false, Mode::SoftUpdates),
+        (true, Mode::MetaJournal),
+        (true, Mode::FullJournal),
+    ] {
+        let dev = image(journal);
+        let fs = mount(&dev, mode).unwrap();
+        let c = Ctx::root();
+        let r = fs.root();
+        // 100 files of 5 blocks; every fourth has 64 KiB more (an indirect block).
+        let mut files = Vec::new();
+        for i in 0..100u32 {
+            let f = fs
+                .mknod(r, format!("f{i}").as_bytes(), libc::S_IFREG | 0o644, 0, &c)
+                .unwrap()
+                .ino;
+            let len = if i % 4 == 0 { 20480 + 65536 } else { 20480 };
+            fs.write(f, 0, &vec![i as u8; len], &c).unwrap();
+            fs.reference(f).unwrap();
+            if (40..80).contains(&i) {
+                fs.reference(f).unwrap();
+            }
+            files.push(f);
+        }
+        for i in 0..80 {
+            fs.unlink(r, format!("f{i}").as_bytes(), &c).unwrap();
+        }
+        let before = fs.statfs().unwrap();
+        // f0-f39 (one reference: freed), f40-f59 (two, one dropped: kept), f60-f79 (two,
+        // both dropped in the batch: freed), f80-f99 (still named: kept).
+        let mut batch: Vec<u64> = files[0..60].to_vec();
+        batch.extend(&files[60..80]);
+        batch.extend(&files[60..80]);
+        batch.extend(&files[80..100]);
+        fs.unreference_all(&batch).unwrap();
+        let after = fs.statfs().unwrap();
+        let freed: u64 = (0..40)
+            .chain(60..80)
+            .map(|i| if i % 4 == 0 { 5 + 16 + 1 } else { 5 })
+            .sum();
+        assert_eq!(
+            after.files_free - before.files_free,
+            60,
+            "{mode:?}: inodes freed"
+        );
+        assert_eq!(
+            after.blocks_free - before.blocks_free,
+            freed,
+            "{mode:?}: blocks freed"
+        );
+        for (i, &f) in files.iter().enumerate() {
+            let kept = (40..60).contains(&i) || i >= 80;
+            match fs.getattr(f) {
+                Ok(a) if kept => {
+                    assert!(a.size >= 20480, "{mode:?}: f{i}");
+                    assert_eq!(fs.read(f, 0, 1).unwrap(), [i as u8], "{mode:?}: f{i} kept");
+                }
+                Err(_) if !kept => {}
+                r => panic!("{mode:?}: f{i} (kept: {kept}): {r:?}"),
+            }
+        }
+        // A crash now: what the batch freed stays freed, what it kept stays. f40-f59
+        // are orphans still: a journal's recovery frees them, as the kernel's would;
+        // without a journal they are let go first (ext2 leaves such inodes to e2fsck).
+        if !journal {
+            fs.unreference_all(&files[40..60]).unwrap();
+        }
+        fs.sync_all().unwrap();
+        let crashed = Arc::new(MemDevice::from_bytes(4096, &dev.to_vec()).unwrap());
+        drop(fs);
+        let fs = mount(&crashed, mode).unwrap();
+        for i in 80..100 {
+            fs.lookup(fs.root(), format!("f{i}").as_bytes())
+                .unwrap_or_else(|e| panic!("{mode:?}: f{i} lost: {e}"));
+        }
+        fs.unmount().unwrap();
+        assert_e2fsck_clean(&crashed, &format!("{mode:?} after the batch and a crash"));
+    }
+}
