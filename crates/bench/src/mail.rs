@@ -51,6 +51,9 @@ pub struct MailArgs {
 enum Fs {
     /// The kernel's ext3 with data=journal.
     Ext3Journal,
+    /// A FUSE passthrough (Debian's bindfs) over the kernel's ext3 with data=journal:
+    /// what any FUSE file system pays on this kernel for the same calls (the floor).
+    Bindfs,
     Quilt(&'static str),
 }
 
@@ -119,6 +122,13 @@ const CONFS: &[Conf] = &[
         name: "ext3-journal-nofsync",
         what: "UNSAFE: kernel ext3 data=journal, fsync disabled",
         fs: Fs::Ext3Journal,
+        fsync: "never",
+        preload: false,
+    },
+    Conf {
+        name: "bindfs-nofsync",
+        what: "UNSAFE: bindfs (FUSE passthrough) over kernel ext3 data=journal, fsync disabled",
+        fs: Fs::Bindfs,
         fsync: "never",
         preload: false,
     },
@@ -220,6 +230,43 @@ struct Mounted {
     mounted: bool,
     quilt: bool,
     server: Option<u32>,
+    /// The kernel file system a passthrough serves, mounted beside `mnt`.
+    lower: Option<PathBuf>,
+}
+
+impl Mounted {
+    /// Unmounts the mount and the one under a passthrough.
+    fn unmount(&mut self) -> Result<()> {
+        if self.mounted {
+            if self.quilt {
+                sh(Command::new(std::env::current_exe()?)
+                    .arg("umount")
+                    .arg(&self.mnt))?;
+            } else {
+                sh(Command::new("umount").arg(&self.mnt))?;
+            }
+            self.mounted = false;
+        }
+        if let Some(l) = self.lower.take() {
+            sh(Command::new("umount").arg(&l))?;
+            let _ = std::fs::remove_dir(&l);
+        }
+        Ok(())
+    }
+
+    /// Makes everything written so far durable: through the mount for quiltfs and
+    /// kernel file systems, and for a passthrough on the file system under it (a FUSE
+    /// mount without a block device gets no syncfs).
+    fn sync(&self) -> Result<()> {
+        if self.quilt {
+            quilt_mountctl::sync(&self.mnt)?;
+        } else {
+            sh(Command::new("sync")
+                .arg("-f")
+                .arg(self.lower.as_ref().unwrap_or(&self.mnt)))?;
+        }
+        Ok(())
+    }
 }
 
 impl Drop for Mounted {
@@ -236,6 +283,16 @@ impl Drop for Mounted {
             if !r.is_ok_and(|s| s.success()) {
                 let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
             }
+        }
+        if let Some(l) = &self.lower {
+            if !Command::new("umount")
+                .arg(l)
+                .status()
+                .is_ok_and(|s| s.success())
+            {
+                let _ = Command::new("umount").arg("-l").arg(l).status();
+            }
+            let _ = std::fs::remove_dir(l);
         }
         if let Some(d) = &self.dev {
             let _ = Command::new("losetup").arg("-d").arg(d).status();
@@ -282,10 +339,11 @@ fn setup(
         mounted: false,
         quilt: matches!(conf.fs, Fs::Quilt(_)),
         server: None,
+        lower: None,
     };
     let size_mib = 256 + n * size / (1 << 20) * 3;
     match conf.fs {
-        Fs::Ext3Journal => {
+        Fs::Ext3Journal | Fs::Bindfs => {
             let f = std::fs::File::create(&image)?;
             f.set_len((size_mib as u64) << 20)?;
             sh(Command::new("mkfs.ext3")
@@ -318,6 +376,21 @@ fn setup(
                 .args(["-t", "ext3", "-o", "data=journal"])
                 .arg(&dev)
                 .arg(&mnt))?;
+        }
+        Fs::Bindfs => {
+            let lower = work.join(format!("{}.lower", conf.name));
+            std::fs::create_dir_all(&lower)?;
+            sh(Command::new("mount")
+                .args(["-t", "ext3", "-o", "data=journal"])
+                .arg(&dev)
+                .arg(&lower))?;
+            m.lower = Some(lower.clone());
+            // Run as root, it adds allow_other and creates files as their creator; it
+            // returns once mounted, its server in the background.
+            sh(Command::new("bindfs").arg(&lower).arg(&mnt))?;
+            m.server = sh(Command::new("pgrep").args(["-n", "-x", "bindfs"]))
+                .ok()
+                .and_then(|p| p.trim().parse().ok());
         }
         Fs::Quilt(mode) => {
             let mut c = Command::new(&quiltfs);
@@ -473,11 +546,7 @@ fn one_run(conf: &Conf, run: usize, a: &MailArgs, n: usize, preload_lib: &Path) 
     w.cmd("SELECT INBOX")?;
     w.cmd("LOGOUT")?;
     w.finish()?;
-    if m.quilt {
-        quilt_mountctl::sync(&m.mnt)?;
-    } else {
-        sh(Command::new("sync").arg("-f").arg(&m.mnt))?;
-    }
+    m.sync()?;
     let (w0, f0) = loop_stat(&dev)?;
     let fs_pid = m.server.or_else(|| jbd2_thread(&dev));
     let fs0 = fs_pid.map(cpu_of).map(|(u, s)| u + s).unwrap_or(0.0);
@@ -502,11 +571,7 @@ fn one_run(conf: &Conf, run: usize, a: &MailArgs, n: usize, preload_lib: &Path) 
     let seconds = t0.elapsed().as_secs_f64();
     let (w1, f1) = loop_stat(&dev)?;
     let t1 = Instant::now();
-    if m.quilt {
-        quilt_mountctl::sync(&m.mnt)?;
-    } else {
-        sh(Command::new("sync").arg("-f").arg(&m.mnt))?;
-    }
+    m.sync()?;
     let sync_seconds = t1.elapsed().as_secs_f64();
     let (w2, f2) = loop_stat(&dev)?;
     let fs_cpu = fs_pid.map(cpu_of).map(|(u, s)| u + s).unwrap_or(0.0) - fs0;
@@ -541,14 +606,7 @@ fn one_run(conf: &Conf, run: usize, a: &MailArgs, n: usize, preload_lib: &Path) 
     let image = m.image.clone();
     // Unmount, then the image must be clean.
     let mut m = m;
-    if m.quilt {
-        sh(Command::new(std::env::current_exe()?)
-            .arg("umount")
-            .arg(&m.mnt))?;
-    } else {
-        sh(Command::new("umount").arg(&m.mnt))?;
-    }
-    m.mounted = false;
+    m.unmount()?;
     if let Some(d) = m.dev.take() {
         sh(Command::new("losetup").arg("-d").arg(&d))?;
     }
@@ -612,6 +670,13 @@ pub fn run(a: MailArgs) -> Result<()> {
             })
             .collect::<Result<_>>()?,
     };
+    if confs.iter().any(|c| c.fs == Fs::Bindfs) && !super::have("bindfs") {
+        eprintln!("bench mail: installing bindfs");
+        sh(Command::new("apt-get")
+            .args(["install", "-y", "-qq", "bindfs"])
+            .env("DEBIAN_FRONTEND", "noninteractive"))
+        .context("installing bindfs")?;
+    }
     let exe = std::env::current_exe()?;
     let lib = exe
         .parent()
@@ -702,7 +767,7 @@ fn report(confs: &[Conf], samples: &[Sample], n: usize, size: usize, runs: usize
     t.push_str(
         "\nTime is the IMAP session from start to logout. imap CPU is Dovecot's process \
          (for the kernel's ext3 this includes the file system's work in system calls); \
-         fs CPU is the quiltfs server, or ext3's jbd2 thread. Device requests are write \
+         fs CPU is the FUSE server (quiltfs, bindfs), or ext3's jbd2 thread. Device requests are write \
          and flush requests completed by the loop device under each file system, during \
          the session and then including a `sync -f` of the mount after logout (the \
          patchgroup and fsync-disabled configurations promise order, or nothing, when the \
