@@ -99,6 +99,11 @@ fn allowed(l: &str) -> bool {
         || l.starts_with("Free blocks count wrong")
         || l.starts_with("Free inodes count wrong")
         || (l.starts_with("'..' in") && l.contains("<The NULL inode>"))
+        // An inode with no links whose free had not reached the disk: a file unlinked
+        // while still held (open, or referenced by a FUSE mount), which e2fsck frees,
+        // as after kernel ext2 crashes with such a file. A name left pointing at it is
+        // reported apart (as a deleted/unused inode) and stays a violation.
+        || (l.starts_with("Deleted inode ") && l.contains(" has zero dtime"))
     {
         return true;
     }
@@ -505,13 +510,14 @@ mod tests {
             Pass 4: Checking reference counts\n\
             Inode 13 ref count is 2, should be 1.  Fix? no\n\
             Unattached inode 14\n\
+            Deleted inode 15 has zero dtime.  Fix? no\n\
             Pass 5: Checking group summary information\n\
             Block bitmap differences:  -(100--103) -200\n\
             Fix? no\n\
             Free blocks count wrong (10, counted=14).\n\
             img: 14/64 files (0.0% non-contiguous), 30/256 blocks\n";
         let p = classify(report);
-        assert_eq!(p.len(), 5, "{p:?}");
+        assert_eq!(p.len(), 6, "{p:?}");
         assert!(p.iter().all(|x| x.verdict == Verdict::Allowed), "{p:?}");
         let bad = "Block bitmap differences:  +150 -160\n\
             Inode 13 ref count is 1, should be 2.  Fix? no\n\

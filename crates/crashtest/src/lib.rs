@@ -146,6 +146,16 @@ pub struct Report {
 /// What a run does to a fresh image before recording starts.
 type Setup = Box<dyn Fn(&dyn FileSystem) -> Result<(), String> + Send + Sync>;
 
+/// The rmrf workloads' setup: the untar tree of seed `seed + 6`, made durable.
+fn untar_tree(seed: u64) -> Setup {
+    Box::new(move |fs| {
+        let dev = MemDevice::new(BS, 1).map_err(|e| e.to_string())?;
+        let mut r = Recorder::new(&dev, fs);
+        workload::untar(&mut r, seed.wrapping_add(6), 3, 24);
+        Ok(())
+    })
+}
+
 /// A workload run: its name, and how to set up and drive it.
 struct RunSpec {
     name: String,
@@ -201,18 +211,21 @@ fn specs(workload: &str, seed: u64, betrfs: bool) -> Result<Vec<RunSpec>, String
             setup: none(),
             body: Box::new(move |r| workload::untar(r, seed, 3, 24)),
         }],
-        "rmrf" => vec![RunSpec {
-            name: "rmrf".into(),
-            // The tree to remove (the default seed 1 gives the tree of seed 7 that earlier
-            // versions always removed).
-            setup: Box::new(move |fs| {
-                let dev = MemDevice::new(BS, 1).map_err(|e| e.to_string())?;
-                let mut r = Recorder::new(&dev, fs);
-                workload::untar(&mut r, seed.wrapping_add(6), 3, 24);
-                Ok(())
-            }),
-            body: Box::new(|r| workload::rmrf(r, 3, 24)),
-        }],
+        "rmrf" => vec![
+            RunSpec {
+                name: "rmrf".into(),
+                // The tree to remove (the default seed 1 gives the tree of seed 7 that earlier
+                // versions always removed).
+                setup: untar_tree(seed),
+                body: Box::new(|r| workload::rmrf(r, 3, 24)),
+            },
+            RunSpec {
+                // The same through a FUSE mount's eyes: files held, forgotten in batches.
+                name: "rmrf-held".into(),
+                setup: untar_tree(seed),
+                body: Box::new(|r| workload::rmrf_held(r, 3, 24)),
+            },
+        ],
         "postmark" => vec![RunSpec {
             name: "postmark".into(),
             setup: none(),

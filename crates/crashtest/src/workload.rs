@@ -112,6 +112,9 @@ pub struct Recorder<'a> {
     caller: u32,
     /// The patchgroup engaged (`pg_start`, `pg_next`).
     group: Option<u64>,
+    /// Inodes referenced as the kernel references what it looked up (`hold`), oldest
+    /// first, until `forget` lets them go.
+    held: Vec<u64>,
 }
 
 fn parent(p: &str) -> &str {
@@ -136,6 +139,7 @@ impl<'a> Recorder<'a> {
             errors: 0,
             caller: 0,
             group: None,
+            held: Vec::new(),
         }
     }
 
@@ -268,6 +272,27 @@ impl<'a> Recorder<'a> {
             let (d, n) = self.split(to)?;
             self.fs.link(i, d, n.as_bytes(), &self.ctx())
         });
+        self.note(r);
+    }
+
+    /// A reference to `path`'s inode, as a FUSE mount takes one for every name it
+    /// looks up or lists (READDIRPLUS) and keeps until the kernel forgets it: a file
+    /// unlinked meanwhile lives on, nameless, until then.
+    pub fn hold(&mut self, path: &str) {
+        self.begin(format!("lookup /{path} (held)"), &[path]);
+        let r = self
+            .resolve(path)
+            .and_then(|i| self.fs.reference(i).map(|()| i));
+        if let Some(i) = self.note(r) {
+            self.held.push(i);
+        }
+    }
+
+    /// The kernel forgets the `n` oldest inodes held, in one batch (BATCH_FORGET).
+    pub fn forget(&mut self, n: usize) {
+        let batch: Vec<u64> = self.held.drain(..n.min(self.held.len())).collect();
+        self.begin(format!("forget {} inodes", batch.len()), &[]);
+        let r = self.fs.unreference_all(&batch);
         self.note(r);
     }
 
@@ -797,6 +822,44 @@ pub fn rmrf(r: &mut Recorder, dirs: usize, files: usize) {
             };
             r.unlink(&p);
         }
+        r.rmdir(&format!("{dp}/sub"));
+        r.fsync(&dp);
+        r.rmdir(&dp);
+        r.fsync("");
+    }
+    r.sync();
+}
+
+/// rm -rf of the untar tree as it reaches a FUSE mount: the listing holds each
+/// directory's files before they are unlinked, and the kernel forgets them in batches
+/// (of five here) after their unlinks, so files are freed after their names are gone,
+/// several in one operation. An fsync before each batch makes the unlinks durable
+/// first: a crash may leave files unlinked but not yet freed.
+pub fn rmrf_held(r: &mut Recorder, dirs: usize, files: usize) {
+    for d in 0..dirs {
+        let dp = format!("src{d}");
+        let paths: Vec<String> = (0..files)
+            .map(|f| {
+                if f % 3 == 0 {
+                    format!("{dp}/sub/file{f}")
+                } else {
+                    format!("{dp}/file{f}")
+                }
+            })
+            .collect();
+        for p in &paths {
+            r.hold(p);
+        }
+        for (k, p) in paths.iter().enumerate() {
+            r.unlink(p);
+            if k % 5 == 4 {
+                // Durable before they are forgotten (another process's sync, say): a
+                // crash finds them nameless and not yet freed.
+                r.fsync(&dp);
+                r.forget(5);
+            }
+        }
+        r.forget(files);
         r.rmdir(&format!("{dp}/sub"));
         r.fsync(&dp);
         r.rmdir(&dp);
