@@ -271,28 +271,15 @@ impl Mounted {
 
 impl Drop for Mounted {
     fn drop(&mut self) {
-        if self.mounted {
-            let r = if self.quilt {
-                Command::new(std::env::current_exe().unwrap_or_else(|_| "quiltfs".into()))
-                    .arg("umount")
-                    .arg(&self.mnt)
-                    .status()
-            } else {
-                Command::new("umount").arg(&self.mnt).status()
-            };
-            if !r.is_ok_and(|s| s.success()) {
+        if self.unmount().is_err() {
+            // Nothing may stay mounted: what the orderly unmount left, lazily.
+            if self.mounted {
                 let _ = Command::new("umount").arg("-l").arg(&self.mnt).status();
             }
-        }
-        if let Some(l) = &self.lower {
-            if !Command::new("umount")
-                .arg(l)
-                .status()
-                .is_ok_and(|s| s.success())
-            {
-                let _ = Command::new("umount").arg("-l").arg(l).status();
+            if let Some(l) = self.lower.take() {
+                let _ = Command::new("umount").arg("-l").arg(&l).status();
+                let _ = std::fs::remove_dir(&l);
             }
-            let _ = std::fs::remove_dir(l);
         }
         if let Some(d) = &self.dev {
             let _ = Command::new("losetup").arg("-d").arg(d).status();

@@ -784,6 +784,15 @@ pub fn ace_setup(fs: &dyn FileSystem) -> Result<(), FsError> {
     fs.sync_all()
 }
 
+/// File `f` of the untar tree's directory `dp`: every third one in its `sub`.
+fn tree_file(dp: &str, f: usize) -> String {
+    if f % 3 == 0 {
+        format!("{dp}/sub/file{f}")
+    } else {
+        format!("{dp}/file{f}")
+    }
+}
+
 /// Creates a small tree (the shape of an untar): `dirs` directories of `files` files
 /// of varied sizes, an fsync every tenth file, a sync at the end.
 pub fn untar(r: &mut Recorder, seed: u64, dirs: usize, files: usize) {
@@ -793,11 +802,7 @@ pub fn untar(r: &mut Recorder, seed: u64, dirs: usize, files: usize) {
         r.mkdir(&dp);
         r.mkdir(&format!("{dp}/sub"));
         for f in 0..files {
-            let p = if f % 3 == 0 {
-                format!("{dp}/sub/file{f}")
-            } else {
-                format!("{dp}/file{f}")
-            };
+            let p = tree_file(&dp, f);
             r.create(&p);
             let len = [10usize, 700, 4096, 5000, 20000, 60000][rng.below(6) as usize];
             r.write(&p, 0, &pattern(rng.next_u64(), len));
@@ -815,12 +820,7 @@ pub fn rmrf(r: &mut Recorder, dirs: usize, files: usize) {
     for d in 0..dirs {
         let dp = format!("src{d}");
         for f in 0..files {
-            let p = if f % 3 == 0 {
-                format!("{dp}/sub/file{f}")
-            } else {
-                format!("{dp}/file{f}")
-            };
-            r.unlink(&p);
+            r.unlink(&tree_file(&dp, f));
         }
         r.rmdir(&format!("{dp}/sub"));
         r.fsync(&dp);
@@ -838,15 +838,7 @@ pub fn rmrf(r: &mut Recorder, dirs: usize, files: usize) {
 pub fn rmrf_held(r: &mut Recorder, dirs: usize, files: usize) {
     for d in 0..dirs {
         let dp = format!("src{d}");
-        let paths: Vec<String> = (0..files)
-            .map(|f| {
-                if f % 3 == 0 {
-                    format!("{dp}/sub/file{f}")
-                } else {
-                    format!("{dp}/file{f}")
-                }
-            })
-            .collect();
+        let paths: Vec<String> = (0..files).map(|f| tree_file(&dp, f)).collect();
         for p in &paths {
             r.hold(p);
         }

@@ -561,29 +561,24 @@ impl Ext2 {
     /// [`RELEASE_BATCH`] per op, so that a huge batch (FORGETs of thousands of files
     /// at unmount) never makes one transaction too big for a journal.
     fn release_all(&self, inos: &[Ino]) -> Result<()> {
+        // Not `try_fold`: every chunk runs; `and` keeps the first error.
         let mut first = Ok(());
         for chunk in inos.chunks(RELEASE_BATCH) {
-            if let (Err(e), true) = (self.release_chunk(chunk), first.is_ok()) {
-                first = Err(e);
-            }
+            first = first.and(self.release_chunk(chunk));
         }
         first
     }
 
     fn release_chunk(&self, inos: &[Ino]) -> Result<()> {
         let mut first = Ok(());
-        let mut inos: Vec<u32> = inos
-            .iter()
-            .filter_map(|&i| match Self::to_ino(i) {
-                Ok(i) => Some(i),
-                Err(e) => {
-                    if first.is_ok() {
-                        first = Err(e);
-                    }
-                    None
-                }
-            })
-            .collect();
+        let mut valid = Vec::with_capacity(inos.len());
+        for &i in inos {
+            match Self::to_ino(i) {
+                Ok(i) => valid.push(i),
+                Err(e) => first = first.and(Err(e)),
+            }
+        }
+        let inos = valid;
         if !self.read_only {
             let frees: Vec<u32> = {
                 let st = self.read_lock();
@@ -605,7 +600,7 @@ impl Ext2 {
         let op = self.begin_internal();
         let r = self.change_in(&op, |op, st| {
             let mut first = Ok(());
-            for ino in inos.drain(..) {
+            for &ino in &inos {
                 let n = st.open.entry(ino).or_default();
                 *n = n.saturating_sub(1);
                 if *n > 0 {
@@ -616,9 +611,7 @@ impl Ext2 {
                     let r = self
                         .orphan_remove(op, st, ino)
                         .and_then(|()| self.destroy_inode(op, st, ino, None).map(|_| ()));
-                    if let (Err(e), true) = (r, first.is_ok()) {
-                        first = Err(e);
-                    }
+                    first = first.and(r);
                 }
             }
             first

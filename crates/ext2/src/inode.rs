@@ -1080,53 +1080,27 @@ impl Ext2 {
         let Ok(inode) = self.reading(1, |st| self.read_inode(st, ino)) else {
             return;
         };
-        let engine = self.engine();
-        let mut groups = std::collections::BTreeSet::new();
+        // The blocks it will free, found as the free finds them (`collect_subtree`
+        // reads each indirect block through the engine, which caches it); then their
+        // groups' bitmaps.
+        let mut blocks = Vec::new();
         if inode.has_block_map() {
-            let mut level: Vec<(u32, u32)> = Vec::new();
-            for (slot, b) in inode.block.iter().enumerate() {
+            for (slot, &b) in inode.block.iter().enumerate() {
                 match slot {
-                    _ if *b == 0 || self.check_data_block(*b).is_err() => {}
-                    IND_BLOCK => level.push((*b, 1)),
-                    DIND_BLOCK => level.push((*b, 2)),
-                    TIND_BLOCK => level.push((*b, 3)),
-                    _ => {
-                        groups.insert(self.group_of_block(*b));
+                    _ if b == 0 => {}
+                    IND_BLOCK | DIND_BLOCK | TIND_BLOCK => {
+                        let level = (slot - IND_BLOCK + 1) as u32;
+                        let _ = self.collect_subtree(b, level, &mut blocks);
                     }
+                    _ => blocks.push(b),
                 }
-            }
-            // One level at a time, each hinted whole first: a big file's map blocks are
-            // read together rather than one wait each. (A lone block is just read.)
-            while !level.is_empty() {
-                if level.len() > 1 {
-                    let mut hint: Vec<u64> = level.iter().map(|&(b, _)| b as u64).collect();
-                    engine.will_need(&mut hint);
-                }
-                let mut next = Vec::new();
-                for (blk, lvl) in level {
-                    groups.insert(self.group_of_block(blk));
-                    let Ok(ptrs) = engine.with_block(blk as u64, |d| {
-                        (0..d.len() / 4)
-                            .map(|i| le32(d, i * 4))
-                            .filter(|&x| x != 0)
-                            .collect::<Vec<u32>>()
-                    }) else {
-                        continue;
-                    };
-                    for c in ptrs
-                        .into_iter()
-                        .filter(|&c| self.check_data_block(c).is_ok())
-                    {
-                        if lvl > 1 {
-                            next.push((c, lvl - 1));
-                        } else {
-                            groups.insert(self.group_of_block(c));
-                        }
-                    }
-                }
-                level = next;
             }
         }
+        let groups: std::collections::BTreeSet<u32> = blocks
+            .into_iter()
+            .filter(|&b| self.check_data_block(b).is_ok())
+            .map(|b| self.group_of_block(b))
+            .collect();
         let bitmaps: Vec<u32> = {
             let st = self.read_lock();
             let mut v: Vec<u32> = groups
@@ -1139,14 +1113,13 @@ impl Ext2 {
             v
         };
         for b in bitmaps {
-            let _ = engine.with_block(b as u64, |_| ());
+            let _ = self.engine().with_block(b as u64, |_| ());
         }
     }
 
-    /// Frees an inode whose last name is gone, after `removal` (the patch that removed
-    /// its entry): the cleared inode waits for the removal, the bitmap frees wait for the
-    /// cleared inode.
-    /// Frees an inode and its blocks after `removal`; returns the patch clearing it.
+    /// Frees an inode whose last name is gone, and its blocks, after `removal` (the patch
+    /// that removed its entry): the cleared inode waits for the removal, the bitmap frees
+    /// wait for the cleared inode. Returns the patch clearing it.
     pub(crate) fn destroy_inode(
         &self,
         op: &Op<'_>,

@@ -51,6 +51,17 @@ fn mount_forcing(dev: &Arc<MemDevice>, mode: Mode) -> Ext2 {
     .unwrap()
 }
 
+/// A new regular file `name` in `dir` holding `data`.
+fn file(fs: &Ext2, dir: u64, name: &[u8], data: &[u8]) -> u64 {
+    let c = Ctx::root();
+    let f = fs
+        .mknod(dir, name, libc::S_IFREG | 0o644, 0, &c)
+        .unwrap()
+        .ino;
+    fs.write(f, 0, data, &c).unwrap();
+    f
+}
+
 fn counter(fs: &Ext2, name: &str) -> u64 {
     fs.counters()
         .into_iter()
@@ -159,12 +170,7 @@ fn needs_recovery_is_set_while_mounted_and_cleared_by_unmount() {
     let dev = image(true);
     let fs = mount(&dev, Mode::FullJournal).unwrap();
     assert_ne!(superblock(&dev).feature_incompat & INCOMPAT_RECOVER, 0);
-    let c = Ctx::root();
-    let f = fs
-        .mknod(fs.root(), b"a", libc::S_IFREG | 0o644, 0, &c)
-        .unwrap()
-        .ino;
-    fs.write(f, 0, &vec![7u8; 300_000], &c).unwrap();
+    file(&fs, fs.root(), b"a", &vec![7u8; 300_000]);
     fs.sync_all().unwrap();
     assert!(
         counter(&fs, "journal.journal_blocks_written") > 70,
@@ -207,11 +213,7 @@ fn forced_checkpoints_never_take_a_block_back_in_time() {
             let d = boxes[(i % 4) as usize];
             let keep = boxes[((i + 2) % 4) as usize];
             let name = format!("msg{i}");
-            let f = fs
-                .mknod(d, name.as_bytes(), libc::S_IFREG | 0o644, 0, &c)
-                .unwrap()
-                .ino;
-            fs.write(f, 0, &[i as u8; 1500], &c).unwrap();
+            let f = file(&fs, d, name.as_bytes(), &[i as u8; 1500]);
             fs.link(f, keep, format!("copy{i}").as_bytes(), &c).unwrap();
             if i >= 8 {
                 fs.unlink(d, format!("msg{}", i - 8).as_bytes(), &c)
@@ -241,20 +243,9 @@ fn write_back_retires_transactions_that_share_hot_blocks() {
     for mode in [Mode::FullJournal, Mode::MetaJournal] {
         let dev = image(true);
         let fs = mount(&dev, mode).unwrap();
-        let c = Ctx::root();
         let root = fs.root();
         for i in 0..400u32 {
-            let f = fs
-                .mknod(
-                    root,
-                    format!("f{i}").as_bytes(),
-                    libc::S_IFREG | 0o644,
-                    0,
-                    &c,
-                )
-                .unwrap()
-                .ino;
-            fs.write(f, 0, &[i as u8; 6000], &c).unwrap();
+            let f = file(&fs, root, format!("f{i}").as_bytes(), &[i as u8; 6000]);
             // Write-back while the running transaction has changed the hot blocks
             // again, as the flusher meets it in the middle of an untar.
             fs.engine().write_back_ready().unwrap();
@@ -301,17 +292,7 @@ fn forced_checkpoints_restore_escaped_blocks() {
     // many new files whose first block starts with the magic too.
     for i in 0..700u32 {
         fs.write(f, 0, &contents(i), &c).unwrap();
-        let g = fs
-            .mknod(
-                root,
-                format!("f{i}").as_bytes(),
-                libc::S_IFREG | 0o644,
-                0,
-                &c,
-            )
-            .unwrap()
-            .ino;
-        fs.write(g, 0, &contents(i + 10_000), &c).unwrap();
+        let g = file(&fs, root, format!("f{i}").as_bytes(), &contents(i + 10_000));
         fs.fsync(g, false).unwrap();
     }
     assert!(
@@ -353,8 +334,7 @@ fn files_unlinked_while_open_are_freed_after_a_crash() {
         let free_before = fs.statfs().unwrap().files_free;
         let mut inos = Vec::new();
         for name in [&b"a"[..], b"b", b"c"] {
-            let f = fs.mknod(root, name, 0o100644, 0, &c).unwrap().ino;
-            fs.write(f, 0, &vec![7u8; 50_000], &c).unwrap();
+            let f = file(&fs, root, name, &[7u8; 50_000]);
             fs.open(f).unwrap();
             inos.push(f);
         }
@@ -421,8 +401,7 @@ fn the_orphan_list_stays_whole_whatever_order_files_leave_it() {
             let mut inos = Vec::new();
             for i in 0..N {
                 let n = format!("f{i}");
-                let f = fs.mknod(root, n.as_bytes(), 0o100644, 0, &c).unwrap().ino;
-                fs.write(f, 0, &[1u8; 5000], &c).unwrap();
+                let f = file(&fs, root, n.as_bytes(), &[1u8; 5000]);
                 fs.open(f).unwrap();
                 fs.unlink(root, n.as_bytes(), &c).unwrap();
                 inos.push(f);
@@ -465,12 +444,8 @@ fn a_forget_batch_frees_exactly_the_unlinked_files_it_lets_go() {
         // 100 files of 5 blocks; every fourth has 64 KiB more (an indirect block).
         let mut files = Vec::new();
         for i in 0..100u32 {
-            let f = fs
-                .mknod(r, format!("f{i}").as_bytes(), libc::S_IFREG | 0o644, 0, &c)
-                .unwrap()
-                .ino;
             let len = if i % 4 == 0 { 20480 + 65536 } else { 20480 };
-            fs.write(f, 0, &vec![i as u8; len], &c).unwrap();
+            let f = file(&fs, r, format!("f{i}").as_bytes(), &vec![i as u8; len]);
             fs.reference(f).unwrap();
             if (40..80).contains(&i) {
                 fs.reference(f).unwrap();

@@ -424,13 +424,12 @@ pub trait FileSystem: Send + Sync {
     /// unlinked ones among them together. Each is let go even when another fails; the
     /// first error is returned.
     fn unreference_all(&self, inos: &[Ino]) -> Result<()> {
-        let mut r = Ok(());
+        // Not `try_fold`: every inode is let go; `and` keeps the first error.
+        let mut first = Ok(());
         for &ino in inos {
-            if let (Err(e), true) = (self.unreference(ino), r.is_ok()) {
-                r = Err(e);
-            }
+            first = first.and(self.unreference(ino));
         }
-        r
+        first
     }
     /// A hint that the attributes of `inos` will be asked for next (a listing with
     /// attributes: READDIRPLUS, which `rm -rf`, `find` and `ls -l` use): a module may
