@@ -1,12 +1,28 @@
 //! Block and inode bitmaps: allocation with locality (file blocks near their inode and
-//! their previous block, directories spread across groups) and freeing. Every bitmap
-//! change is a bit patch; the group descriptor counts follow with no ordering (they are
-//! summaries e2fsck recomputes, as in Featherstitch).
+//! their previous block, a tree's directories near each other, separate trees apart)
+//! and freeing. Every bitmap change is a bit patch; the group descriptor counts follow
+//! with no ordering (they are summaries e2fsck recomputes, as in Featherstitch).
 
 use crate::format::*;
 use crate::fs::{Ext2, Head, Op, State};
 use quilt_patch::{PatchError, PatchId};
 use quilt_vfs::{FsError, Result};
+
+/// The front of each group kept for its directory and map blocks is the group's size
+/// divided by this (2,048 blocks, 8 MiB, of a 128 MiB group), before the file data.
+const META_ZONE_SHARE: u32 = 16;
+
+/// What an inode is allocated for, which decides the group it goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum NewInode {
+    /// A file (anything but a directory): in its directory's group.
+    File,
+    /// A directory inside a tree: near its parent ([`Ext2::group_near`]).
+    Dir,
+    /// A directory of the root, or of a directory flagged TOPDIR: the start of a tree of
+    /// its own, spread out so that unrelated trees grow apart ([`Ext2::group_apart`]).
+    TopDir,
+}
 
 /// How many recently freed items an allocation passes over before it takes one. In the
 /// journal modes a freed block is pending until its transaction commits and it is home;
@@ -264,35 +280,22 @@ impl Ext2 {
         Ok(())
     }
 
-    /// Allocates an inode: directories go to a group with few directories and room to
-    /// spare, files to their parent's group.
+    /// Allocates an inode in the group `kind` chooses (see [`NewInode`]), or the next
+    /// one after it with a free inode.
     pub(crate) fn alloc_inode(
         &self,
         op: &Op<'_>,
 
         st: &mut State,
         parent: u32,
-        dir: bool,
+        kind: NewInode,
     ) -> Result<(u32, PatchId)> {
         let ng = self.geo.groups;
-        let pg = self.group_of_inode(parent);
-        let start = if dir {
-            let avg_free = st.sb.free_inodes_count / ng;
-            let mut best: Option<u32> = None;
-            for k in 0..ng {
-                let g = (st.dir_cursor + k) % ng;
-                let d = &st.gd[g as usize];
-                if d.free_inodes == 0 || (d.free_inodes as u32) < avg_free {
-                    continue;
-                }
-                if best.is_none_or(|b| d.used_dirs < st.gd[b as usize].used_dirs) {
-                    best = Some(g);
-                }
-            }
-            st.dir_cursor = (st.dir_cursor + 1) % ng;
-            best.unwrap_or(pg)
-        } else {
-            pg
+        let dir = !matches!(kind, NewInode::File);
+        let start = match kind {
+            NewInode::File => self.group_of_inode(parent),
+            NewInode::Dir => self.group_near(st, parent),
+            NewInode::TopDir => self.group_apart(st, parent),
         };
         for k in 0..ng {
             let g = (start + k) % ng;
@@ -325,6 +328,87 @@ impl Ext2 {
             return Ok((ino, p));
         }
         Err(FsError::NoSpace)
+    }
+
+    /// Where group `g`'s directory and map (indirect) blocks go: from the start of its
+    /// data, right after its inode table. File data starts further on
+    /// ([`Ext2::data_goal`]), so a group's small metadata sits together in front of it,
+    /// in the order it was made. A walk of a tree (`rm -rf`, `find`) then reads its
+    /// directories, and a delete its files' indirect blocks, as runs the device's
+    /// read-ahead brings in together, where between the data they cost a read each:
+    /// linux-source's 5,100 directory blocks and 3,900 indirect blocks were 9,000 of
+    /// the 10,000 reads of its delete. (Kernel ext2's layout has the same property, by
+    /// its per-process colour: a process's files start a sixteenth of a group apart
+    /// from where its directories go.)
+    pub(crate) fn meta_goal(&self, st: &State, g: u32) -> u32 {
+        let g = g.min(self.geo.groups - 1);
+        st.gd[g as usize].inode_table + self.geo.itb
+    }
+
+    /// Where group `g`'s file data starts: [`META_ZONE_SHARE`] of the group past
+    /// [`Ext2::meta_goal`]. Nothing is reserved: a group whose data fills up takes the
+    /// blocks in front too (the allocation wraps round the group), and directories and
+    /// maps that outgrow the front spill past it.
+    pub(crate) fn data_goal(&self, st: &State, g: u32) -> u32 {
+        let g = g.min(self.geo.groups - 1);
+        let last = self.geo.group_first_block(g) + self.geo.group_block_count(g) - 1;
+        (self.meta_goal(st, g) + self.geo.bpg / META_ZONE_SHARE).min(last)
+    }
+
+    /// A group for a directory that starts a tree of its own: among the groups with at
+    /// least the average of free inodes and of free blocks, the one with the fewest
+    /// directories, looking from a cursor that moves on with every such directory (so
+    /// that ties go round the disk).
+    fn group_apart(&self, st: &mut State, parent: u32) -> u32 {
+        let ng = self.geo.groups;
+        let avg_inodes = st.sb.free_inodes_count / ng;
+        let avg_blocks = st.sb.free_blocks_count / ng;
+        let mut best: Option<u32> = None;
+        for k in 0..ng {
+            let g = (st.dir_cursor + k) % ng;
+            let d = &st.gd[g as usize];
+            if d.free_inodes == 0
+                || (d.free_inodes as u32) < avg_inodes
+                || (d.free_blocks as u32) < avg_blocks
+            {
+                continue;
+            }
+            if best.is_none_or(|b| d.used_dirs < st.gd[b as usize].used_dirs) {
+                best = Some(g);
+            }
+        }
+        st.dir_cursor = (st.dir_cursor + 1) % ng;
+        best.unwrap_or_else(|| self.group_near(st, parent))
+    }
+
+    /// A group for a directory inside a tree: its parent's, or the first after it, that
+    /// holds no more than its share of directories (the average plus a sixteenth of a
+    /// group's inodes) and is not much shorter of free inodes or blocks than the average
+    /// (by a quarter of a group). This is the Orlov allocator's rule for subdirectories,
+    /// as kernel ext2 and ext4 use it: a tree's directories, and the files in them, stay
+    /// in a few neighbouring groups, so a walk of the tree (`rm -rf`, `find`, `du`) reads
+    /// inode tables in runs instead of a block in another group for every directory.
+    /// Spreading every directory (the old ext2 rule) put linux-source's 5,000
+    /// directories evenly over all groups, and kernel ext2 took 1.5 s to delete that
+    /// tree against 0.6 s for the same tree laid out by itself.
+    fn group_near(&self, st: &State, parent: u32) -> u32 {
+        let ng = self.geo.groups;
+        let pg = self.group_of_inode(parent).min(ng - 1);
+        let avg_inodes = st.sb.free_inodes_count / ng;
+        let avg_blocks = st.sb.free_blocks_count / ng;
+        let dirs: u32 = st.gd.iter().map(|d| d.used_dirs as u32).sum();
+        let max_dirs = dirs / ng + self.geo.ipg / 16;
+        let min_inodes = avg_inodes.saturating_sub(self.geo.ipg / 4).max(1);
+        let min_blocks = avg_blocks.saturating_sub(self.geo.bpg / 4);
+        let fits = |g: u32| {
+            let d = &st.gd[g as usize];
+            (d.used_dirs as u32) < max_dirs
+                && d.free_inodes as u32 >= min_inodes
+                && d.free_blocks as u32 >= min_blocks
+        };
+        let roomy = |g: u32| st.gd[g as usize].free_inodes as u32 >= avg_inodes.max(1);
+        let after = |p: &dyn Fn(u32) -> bool| (0..ng).map(|k| (pg + k) % ng).find(|&g| p(g));
+        after(&fits).or_else(|| after(&roomy)).unwrap_or(pg)
     }
 
     pub(crate) fn free_inode(

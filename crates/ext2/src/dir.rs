@@ -8,6 +8,7 @@
 //! - rename: link count up → new entry → old entry removed → link count down; for a
 //!   directory moving between parents, the new parent's count and ".." in between.
 
+use crate::alloc::NewInode;
 use crate::flags;
 use crate::format::*;
 use crate::fs::{check_name, Ext2, Head, Op, State};
@@ -147,7 +148,7 @@ impl Ext2 {
         let goal = if lblk > 0 {
             self.bmap(&dir, lblk - 1)? + 1
         } else {
-            0
+            self.meta_goal(st, self.group_of_inode(dir_ino))
         };
         let (_, head) = self.bmap_alloc(
             op, st, dir_ino, &mut dir, lblk, &content, befores, false, goal, None,
@@ -320,16 +321,21 @@ impl Ext2 {
         } else {
             ctx.gid
         };
-        let (ino, bit) = self.alloc_inode(op, st, parent, is_dir)?;
+        let kind = if !is_dir {
+            NewInode::File
+        } else if parent == ROOT_INO || dir.flags & quilt_vfs::flags::TOPDIR != 0 {
+            NewInode::TopDir
+        } else {
+            NewInode::Dir
+        };
+        let (ino, bit) = self.alloc_inode(op, st, parent, kind)?;
         let mut inode = self.new_inode(mode, ctx.uid, gid);
         inode.links = 1;
         inode.flags = flags::inherited(dir.flags, mode);
         let mut befores = vec![bit];
         let bs = self.geo.bs;
-        let goal = {
-            let g = self.group_of_inode(ino);
-            st.gd[g as usize].inode_table + self.geo.itb
-        };
+        // A directory's or a symlink's block: in front of the group's data.
+        let goal = self.meta_goal(st, self.group_of_inode(ino));
         let mut block_with = |st: &mut State, inode: &mut Inode, content: &[u8]| -> Result<()> {
             let (blk, alloc) = self.alloc_block(op, st, goal)?;
             let freed: Vec<_> = st.freed.get(&blk).copied().into_iter().collect();
@@ -464,7 +470,7 @@ impl Ext2 {
             ctx.gid
         };
         let (mode, acls) = self.acl_for_new(st, parent, mode, ctx.umask)?;
-        let (ino, bit) = self.alloc_inode(op, st, parent, false)?;
+        let (ino, bit) = self.alloc_inode(op, st, parent, NewInode::File)?;
         let mut inode = self.new_inode(mode, ctx.uid, gid);
         inode.links = links;
         inode.flags = flags::inherited(dir.flags, mode);

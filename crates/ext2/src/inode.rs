@@ -409,7 +409,8 @@ impl Ext2 {
         let (path, slots, nodes, depth) = self.empty_slot(ino, inode, lblk)?;
         // Slot `slots[depth]` of node `nodes[depth]` is empty: levels depth+1.. are new.
         let levels = path.rest.len() - depth + 1;
-        let mut goal = blk;
+        // Map blocks go in front of the group's data, with its directories (`meta_goal`).
+        let goal = self.meta_goal(st, self.group_of_inode(ino));
         let init = *child_befores
             .last()
             .ok_or_else(|| corrupt("no initialization patch"))?;
@@ -425,7 +426,6 @@ impl Ext2 {
             befores.extend(st.freed.get(&ind).copied());
             let init = self.put_block(op, ind, &b, &befores, false)?;
             child = (ind, vec![alloc, init]);
-            goal = ind;
         }
         inode.blocks = inode
             .blocks
@@ -612,8 +612,8 @@ impl Ext2 {
         let last = (end - 1) / bs;
         // (logical block, physical block, bitmap patch)
         let mut stretch: Vec<(u64, u32, PatchId)> = Vec::new();
-        // Map blocks the first block's mapping creates, allocated before its data (where
-        // the kernel puts them); the stretch stops before a block that would need map
+        // Map blocks the first block's mapping creates, allocated before its data (in
+        // front of the group's data: `meta_goal`); the stretch stops before a block that would need map
         // blocks of its own, so a full disk fails a branch whole (data and map blocks),
         // as the kernel's does, instead of filling up with data it cannot map.
         let mut pre: Vec<(u32, PatchId)> = Vec::new();
@@ -638,10 +638,10 @@ impl Ext2 {
                 }
             };
             if lblk == first {
+                let meta = self.meta_goal(st, self.group_of_inode(ino));
                 for _ in 0..need {
-                    match self.alloc_block(op, st, *goal) {
+                    match self.alloc_block(op, st, meta) {
                         Ok((b, a)) => {
-                            *goal = b + 1;
                             pre.insert(0, (b, a));
                         }
                         Err(e) => {
@@ -744,8 +744,8 @@ impl Ext2 {
         (done, result)
     }
 
-    /// Where to put logical block `lblk`: after the previous block of the file, or at the
-    /// start of the inode's group.
+    /// Where to put logical block `lblk`: after the previous block of the file, or where
+    /// the inode's group keeps file data (`data_goal`).
     fn goal_for(&self, st: &State, ino: u32, inode: &Inode, lblk: u64) -> u32 {
         if lblk > 0 {
             if let Ok(p) = self.bmap(inode, lblk - 1) {
@@ -754,8 +754,7 @@ impl Ext2 {
                 }
             }
         }
-        let g = self.group_of_inode(ino);
-        st.gd[g as usize].inode_table + self.geo.itb
+        self.data_goal(st, self.group_of_inode(ino))
     }
 
     /// Frees every block of logical blocks `from..to`, and each indirect block whose whole

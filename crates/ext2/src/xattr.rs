@@ -337,7 +337,7 @@ impl Ext2 {
                     self.track(st, ino, Some(h));
                     before.push(h);
                 } else {
-                    let goal = st.gd[self.group_of_inode(ino) as usize].inode_table + self.geo.itb;
+                    let goal = self.meta_goal(st, self.group_of_inode(ino));
                     let (blk, alloc) = self.alloc_block(op, st, goal)?;
                     let freed: Vec<_> = st.freed.get(&blk).copied().into_iter().collect();
                     let init = self.put_block(op, blk, &img, &freed, false)?;
