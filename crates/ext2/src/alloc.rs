@@ -12,6 +12,15 @@ use quilt_vfs::{FsError, Result};
 /// divided by this (2,048 blocks, 8 MiB, of a 128 MiB group), before the file data.
 const META_ZONE_SHARE: u32 = 16;
 
+/// What a block is allocated for, which decides where in a group it goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BlockUse {
+    /// A regular file's data: from `data_goal` on.
+    Data,
+    /// A directory, symlink, EA or map block (or the journal's): from `meta_goal` on.
+    Meta,
+}
+
 /// What an inode is allocated for, which decides the group it goes to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum NewInode {
@@ -127,13 +136,18 @@ impl Ext2 {
     }
 
     /// Allocates a block, preferring `goal` and its group. Returns the block and the
-    /// bitmap patch.
+    /// bitmap patch. File data (`BlockUse::Data`) never starts looking in the front of a
+    /// group (`meta_goal..data_goal`), which is kept for directory and map blocks: not
+    /// when its goal falls there (a file that grew past the end of the group before),
+    /// and not in the next groups it moves on to. It only ends up there when the rest
+    /// of the group is full (the search wraps round the group).
     pub(crate) fn alloc_block(
         &self,
         op: &Op<'_>,
 
         st: &mut State,
         goal: u32,
+        use_: BlockUse,
     ) -> Result<(u32, PatchId)> {
         // The last r_blocks_count free blocks are root's (kernel ext2's rule), so a full
         // disk still leaves root room to log in and clean up.
@@ -150,10 +164,14 @@ impl Ext2 {
             }
             let first = self.geo.group_first_block(g);
             let count = self.geo.group_block_count(g);
-            let start = if k == 0 {
+            let front = match use_ {
+                BlockUse::Data => self.data_goal(st, g),
+                BlockUse::Meta => self.meta_goal(st, g),
+            };
+            let start = if k == 0 && (goal >= front || use_ == BlockUse::Meta) {
                 goal.saturating_sub(first).min(count - 1)
             } else {
-                0
+                front.saturating_sub(first).min(count - 1)
             };
             let bitmap = st.gd[g as usize].block_bitmap;
             let pending = |bit: u32| {

@@ -8,7 +8,7 @@
 //! - rename: link count up → new entry → old entry removed → link count down; for a
 //!   directory moving between parents, the new parent's count and ".." in between.
 
-use crate::alloc::NewInode;
+use crate::alloc::{BlockUse, NewInode};
 use crate::flags;
 use crate::format::*;
 use crate::fs::{check_name, Ext2, Head, Op, State};
@@ -337,7 +337,7 @@ impl Ext2 {
         // A directory's or a symlink's block: in front of the group's data.
         let goal = self.meta_goal(st, self.group_of_inode(ino));
         let mut block_with = |st: &mut State, inode: &mut Inode, content: &[u8]| -> Result<()> {
-            let (blk, alloc) = self.alloc_block(op, st, goal)?;
+            let (blk, alloc) = self.alloc_block(op, st, goal, BlockUse::Meta)?;
             let freed: Vec<_> = st.freed.get(&blk).copied().into_iter().collect();
             let init = self.put_block(op, blk, content, &freed, false)?;
             befores.push(alloc);

@@ -6,6 +6,7 @@
 //! pointer in an indirect block (a crash leaves them too high, never too low), and after
 //! pointers are cleared on truncation, for the same reason.
 
+use crate::alloc::BlockUse;
 use crate::format::*;
 use crate::fs::{Ext2, Head, Op, State};
 use quilt_patch::PatchId;
@@ -329,7 +330,12 @@ impl Ext2 {
     ) -> Result<(u32, PatchId)> {
         // Mapped already (damage)? Refused before anything is allocated.
         self.empty_slot(ino, inode, lblk)?;
-        let (blk, alloc) = self.alloc_block(op, st, goal)?;
+        let use_ = if is_data {
+            BlockUse::Data
+        } else {
+            BlockUse::Meta
+        };
+        let (blk, alloc) = self.alloc_block(op, st, goal, use_)?;
         let mut befores: Vec<PatchId> = content_befores.to_vec();
         befores.extend(st.freed.get(&blk).copied());
         let init = self.put_block(op, blk, content, &befores, is_data)?;
@@ -418,7 +424,7 @@ impl Ext2 {
         for level in (depth + 1..=path.rest.len()).rev() {
             let (ind, alloc) = match pre.pop() {
                 Some(p) => p,
-                None => self.alloc_block(op, st, goal)?,
+                None => self.alloc_block(op, st, goal, BlockUse::Meta)?,
             };
             let mut b = vec![0u8; self.geo.bs as usize];
             put32(&mut b, slots[level] * 4, child.0);
@@ -640,7 +646,7 @@ impl Ext2 {
             if lblk == first {
                 let meta = self.meta_goal(st, self.group_of_inode(ino));
                 for _ in 0..need {
-                    match self.alloc_block(op, st, meta) {
+                    match self.alloc_block(op, st, meta, BlockUse::Meta) {
                         Ok((b, a)) => {
                             pre.insert(0, (b, a));
                         }
@@ -657,7 +663,7 @@ impl Ext2 {
             } else if need > 0 && leaf.as_ref() != Some(&key) {
                 break;
             }
-            match self.alloc_block(op, st, *goal) {
+            match self.alloc_block(op, st, *goal, BlockUse::Data) {
                 Ok((b, a)) => {
                     *goal = b + 1;
                     stretch.push((lblk, b, a));

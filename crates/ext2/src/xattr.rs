@@ -4,6 +4,7 @@
 //! bytes while they fit there, else in one EA block (`i_file_acl`). A block shared with
 //! other inodes (refcount > 1, as the kernel's mbcache makes) is copied before it changes.
 
+use crate::alloc::BlockUse;
 use crate::format::*;
 use crate::fs::{Ext2, Head, Op, State};
 use quilt_patch::PatchId;
@@ -338,7 +339,7 @@ impl Ext2 {
                     before.push(h);
                 } else {
                     let goal = self.meta_goal(st, self.group_of_inode(ino));
-                    let (blk, alloc) = self.alloc_block(op, st, goal)?;
+                    let (blk, alloc) = self.alloc_block(op, st, goal, BlockUse::Meta)?;
                     let freed: Vec<_> = st.freed.get(&blk).copied().into_iter().collect();
                     let init = self.put_block(op, blk, &img, &freed, false)?;
                     inode.file_acl = blk;

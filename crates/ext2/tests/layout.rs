@@ -293,3 +293,41 @@ fn directory_and_map_blocks_sit_in_front_of_their_groups_file_data() {
         );
     }
 }
+
+#[test]
+fn a_file_that_outgrows_its_group_leaves_the_next_groups_front_to_directories() {
+    if !have_e2fsprogs() {
+        return;
+    }
+    let (dev, fs) = fresh();
+    let c = Ctx::root();
+    let r = fs.root();
+    let top = fs.mkdir(r, b"top", DIR, &c).unwrap().ino;
+    // 12 MiB: more than a group (8 MiB) holds, written as a program writes, 64 KiB at
+    // a time.
+    let big = fs.mknod(top, b"big", REG, 0, &c).unwrap().ino;
+    let chunk = vec![0xa5u8; 64 << 10];
+    for i in 0..192u64 {
+        fs.write(big, i * chunk.len() as u64, &chunk, &c).unwrap();
+    }
+    // Directories made afterwards in the tree still find their groups' fronts free.
+    for d in 0..4 {
+        fs.mkdir(top, format!("d{d}").as_bytes(), DIR, &c).unwrap();
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let img = image(&dev, fs, tmp.path());
+    let fronts = data_starts(&img);
+    let (data, maps) = blocks_of(&img, "/top/big");
+    assert_eq!(data.len(), 12 * 1024);
+    let in_a_front = |b: u64| fronts.iter().any(|&f| (f..f + 8192 / 16).contains(&b));
+    let stray: Vec<u64> = data.iter().copied().filter(|&b| in_a_front(b)).collect();
+    assert!(stray.is_empty(), "file data in a group's front: {stray:?}");
+    assert!(maps.iter().all(|&b| in_a_front(b)), "map blocks: {maps:?}");
+    for d in 0..4 {
+        let (blocks, _) = blocks_of(&img, &format!("/top/d{d}"));
+        assert!(in_a_front(blocks[0]), "/top/d{d} at {}", blocks[0]);
+    }
+    // The file spans groups: the test reached the case it is about.
+    let groups: BTreeSet<u64> = data.iter().map(|b| (b - 1) / 8192).collect();
+    assert!(groups.len() >= 2, "{groups:?}");
+}
