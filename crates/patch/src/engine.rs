@@ -97,7 +97,7 @@ pub(crate) struct CachedBlock {
     pub pending: Vec<PatchId>,
     /// The pending patches an overlap search must look at: a patch fully covered by a
     /// newer one is dropped, since anything overlapping it overlaps the newer one.
-    pub overlap_index: Vec<PatchId>,
+    pub overlap_index: crate::overlap::OverlapIndex,
     /// Dependency edges from patches off this block onto patches on it. Zero means no
     /// other block waits for this one, so its changes need no undo bytes.
     pub extern_afters: u64,
@@ -132,7 +132,7 @@ impl CachedBlock {
         CachedBlock {
             data,
             pending: Vec::new(),
-            overlap_index: Vec::new(),
+            overlap_index: Default::default(),
             extern_afters: 0,
             hard: None,
             last_use: 0,
@@ -1191,8 +1191,7 @@ impl State {
     fn overlapping(&self, block: BlockNo, probe: &Patch) -> Vec<PatchId> {
         self.blocks[&block]
             .overlap_index
-            .iter()
-            .copied()
+            .near(probe.range())
             .filter(|&p| self.g.get(p).overlaps(probe))
             .collect()
     }
@@ -1400,7 +1399,8 @@ impl State {
         for b in first..first + n {
             let blk = self.blocks.get_mut(&b).expect("loaded above");
             blk.pending = vec![id];
-            blk.overlap_index = vec![id];
+            blk.overlap_index.clear();
+            blk.overlap_index.insert(id, (0, bs as u32));
             blk.hard = Some(id);
             self.dirty.insert(b);
         }
@@ -1487,11 +1487,15 @@ impl State {
                 self.add_edge(survivor, b);
             }
         }
+        let ranges: Vec<(u32, u32)> = in_flight.iter().map(|&f| self.g.get(f).range()).collect();
         let blk = self.blocks.get_mut(&block).expect("loaded");
         blk.pending = in_flight.clone();
         blk.pending.push(survivor);
-        blk.overlap_index = in_flight;
-        blk.overlap_index.push(survivor);
+        blk.overlap_index.clear();
+        for (&f, r) in in_flight.iter().zip(ranges) {
+            blk.overlap_index.insert(f, r);
+        }
+        blk.overlap_index.insert(survivor, (0, bs));
         blk.hard = Some(survivor);
         change.apply(blk.data_mut());
         self.dirty.insert(block);
@@ -1560,10 +1564,12 @@ impl State {
                     0,
                     false,
                 );
+                // (From the overlap index: a patch on the word that a newer one covers
+                // is left out. The newer one depends on it, so whatever merges into
+                // the newer one follows it too.)
                 let on_word: Vec<PatchId> = blk
-                    .pending
-                    .iter()
-                    .copied()
+                    .overlap_index
+                    .near(word.range())
                     .filter(|&p| self.g.get(p).overlaps(&word))
                     .collect();
                 match on_word[..] {
@@ -1618,10 +1624,10 @@ impl State {
     /// where `probe`'s begin or begin where they end.
     fn adjacent_patch(&self, block: BlockNo, probe: &Patch) -> Option<PatchId> {
         let (p0, p1) = probe.range();
+        // A patch that ends at p0 holds byte p0 - 1; one that begins at p1 holds p1.
         self.blocks[&block]
             .overlap_index
-            .iter()
-            .copied()
+            .near((p0.saturating_sub(1), p1 + 1))
             .filter(|&id| {
                 let p = self.g.get(id);
                 let (a0, a1) = p.range();
@@ -1645,6 +1651,7 @@ impl State {
         let bs = self.blocks[&block].data.len();
         let (n0, n1) = change.range(bs);
         let mut undo_added = 0u64;
+        let mut grew = None;
         {
             let data = &self.blocks[&block].data;
             let p = self.g.get_mut(target);
@@ -1665,6 +1672,7 @@ impl State {
                         *undo = grown.into_boxed_slice();
                         *offset = u0 as u32;
                         *len = (u1 - u0) as u32;
+                        grew = Some(((t0 as u32, t1 as u32), (u0 as u32, u1 as u32)));
                     }
                 }
                 Kind::Bit { xor: t, .. } => {
@@ -1685,6 +1693,12 @@ impl State {
             }
         }
         let blk = self.blocks.get_mut(&block).expect("loaded");
+        // A patch that grew is filed again where it now lies (if it was filed at all).
+        if let Some((was, now)) = grew {
+            if blk.overlap_index.remove(target, was) {
+                blk.overlap_index.insert(target, now);
+            }
+        }
         change.apply(blk.data_mut());
     }
 
@@ -1721,18 +1735,20 @@ impl State {
                 self.add_edge(id, b);
             }
         }
-        let covered: Vec<PatchId> = {
-            let new = self.g.get(id);
-            self.blocks[&block]
-                .overlap_index
-                .iter()
-                .copied()
-                .filter(|&p| new.covers(self.g.get(p)))
-                .collect()
-        };
+        let new = self.g.get(id);
+        let range = new.range();
+        // What the new patch covers overlaps it, so it is near it.
+        let covered: Vec<(PatchId, (u32, u32))> = self.blocks[&block]
+            .overlap_index
+            .near(range)
+            .filter(|&p| new.covers(self.g.get(p)))
+            .map(|p| (p, self.g.get(p).range()))
+            .collect();
         let blk = self.blocks.get_mut(&block).expect("loaded");
-        blk.overlap_index.retain(|p| !covered.contains(p));
-        blk.overlap_index.push(id);
+        for (p, r) in covered {
+            blk.overlap_index.remove(p, r);
+        }
+        blk.overlap_index.insert(id, range);
         blk.pending.push(id);
         change.apply(blk.data_mut());
         self.dirty.insert(block);

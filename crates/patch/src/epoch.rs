@@ -471,7 +471,7 @@ impl State {
                 .get_mut(&b.block)
                 .expect("written block is cached");
             blk.pending.retain(|p| !done.contains(p));
-            blk.overlap_index.retain(|p| !done.contains(p));
+            blk.overlap_index.retain(|p| !done.contains(&p));
             if blk.pending.is_empty() {
                 self.dirty.remove(&b.block);
             }

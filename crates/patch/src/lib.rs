@@ -45,6 +45,7 @@ mod capture;
 mod engine;
 mod epoch;
 mod graph;
+mod overlap;
 mod patchgroup;
 mod services;
 mod stats;
