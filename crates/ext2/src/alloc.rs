@@ -355,9 +355,8 @@ impl Ext2 {
     /// directories, and a delete its files' indirect blocks, as runs the device's
     /// read-ahead brings in together, where between the data they cost a read each:
     /// linux-source's 5,100 directory blocks and 3,900 indirect blocks were 9,000 of
-    /// the 10,000 reads of its delete. (Kernel ext2's layout has the same property, by
-    /// its per-process colour: a process's files start a sixteenth of a group apart
-    /// from where its directories go.)
+    /// the 10,000 reads of its delete. (Kernel ext2's layout of the same tree has its
+    /// directory and indirect blocks packed together too, though by other means.)
     pub(crate) fn meta_goal(&self, st: &State, g: u32) -> u32 {
         let g = g.min(self.geo.groups - 1);
         st.gd[g as usize].inode_table + self.geo.itb

@@ -619,9 +619,10 @@ impl Ext2 {
         // (logical block, physical block, bitmap patch)
         let mut stretch: Vec<(u64, u32, PatchId)> = Vec::new();
         // Map blocks the first block's mapping creates, allocated before its data (in
-        // front of the group's data: `meta_goal`); the stretch stops before a block that would need map
-        // blocks of its own, so a full disk fails a branch whole (data and map blocks),
-        // as the kernel's does, instead of filling up with data it cannot map.
+        // front of the group's data: `meta_goal`); the stretch stops before a block that
+        // would need map blocks of its own, so a full disk fails a branch whole (data and
+        // map blocks), as the kernel's does, instead of filling up with data it cannot
+        // map.
         let mut pre: Vec<(u32, PatchId)> = Vec::new();
         let mut leaf: Option<Vec<usize>> = None;
         let mut result = Ok(());

@@ -7,7 +7,8 @@
 //! several times (its overlaps, the word's patch to merge into, the patches it covers).
 //! When an untar fills one group after another, as a tree laid out near itself does,
 //! the allocations of a whole transaction land on one or two bitmap blocks, and those
-//! searches were a fifth of the full-journal untar's server CPU.
+//! searches took nearly a third of the full-journal untar's server CPU (13.2-14.1 s
+//! against 9.7-9.9 s with this index).
 
 use crate::graph::PatchId;
 
