@@ -55,6 +55,17 @@ fn fresh() -> (Arc<MemDevice>, Ext2) {
     (dev, fs)
 }
 
+/// A fresh file system with one directory, `/top`, at the root (None without
+/// e2fsprogs, which the checks need).
+fn fresh_with_top() -> Option<(Arc<MemDevice>, Ext2, u64)> {
+    if !have_e2fsprogs() {
+        return None;
+    }
+    let (dev, fs) = fresh();
+    let top = fs.mkdir(fs.root(), b"top", DIR, &Ctx::root()).unwrap().ino;
+    Some((dev, fs, top))
+}
+
 /// Unmounts and writes the image to `dir`; e2fsck must find it clean.
 fn image(dev: &MemDevice, fs: Ext2, dir: &Path) -> std::path::PathBuf {
     fs.unmount().unwrap();
@@ -228,13 +239,10 @@ fn a_trees_directories_stay_together_and_trees_start_apart() {
 
 #[test]
 fn directory_and_map_blocks_sit_in_front_of_their_groups_file_data() {
-    if !have_e2fsprogs() {
+    let Some((dev, fs, top)) = fresh_with_top() else {
         return;
-    }
-    let (dev, fs) = fresh();
+    };
     let c = Ctx::root();
-    let r = fs.root();
-    let top = fs.mkdir(r, b"top", DIR, &c).unwrap().ino;
     // As an untar makes them: directories and files in turn, some files past the 12
     // direct blocks (a map block each).
     let mut dirs = vec!["/top".to_string()];
@@ -296,13 +304,10 @@ fn directory_and_map_blocks_sit_in_front_of_their_groups_file_data() {
 
 #[test]
 fn a_file_that_outgrows_its_group_leaves_the_next_groups_front_to_directories() {
-    if !have_e2fsprogs() {
+    let Some((dev, fs, top)) = fresh_with_top() else {
         return;
-    }
-    let (dev, fs) = fresh();
+    };
     let c = Ctx::root();
-    let r = fs.root();
-    let top = fs.mkdir(r, b"top", DIR, &c).unwrap().ino;
     // 12 MiB: more than a group (8 MiB) holds, written as a program writes, 64 KiB at
     // a time.
     let big = fs.mknod(top, b"big", REG, 0, &c).unwrap().ino;
