@@ -316,14 +316,20 @@ impl<F: FileSystem> Adapter<F> {
         false
     }
 
-    /// Lets the module go of inodes the kernel no longer knows, all at once (an
-    /// `rm -rf` forgets its unlinked files in batches, which the module frees together).
-    fn unreference_all(&self, inos: &[u64]) {
-        if inos.is_empty() {
+    /// Takes the kernel's lookups `(ino, nlookup)` and lets the module go of the inodes
+    /// left with none, all at once (an `rm -rf` forgets its unlinked files in batches,
+    /// which the module frees together).
+    fn forget_all(&self, forgets: impl IntoIterator<Item = (u64, u64)>) {
+        let gone: Vec<u64> = forgets
+            .into_iter()
+            .filter(|&(ino, n)| self.forgotten(ino, n))
+            .map(|(ino, _)| ino)
+            .collect();
+        if gone.is_empty() {
             return;
         }
-        if let Err(e) = self.fs.unreference_all(inos) {
-            tracing::warn!("releasing inodes {inos:?} after FORGET: {e}");
+        if let Err(e) = self.fs.unreference_all(&gone) {
+            tracing::warn!("releasing inodes {gone:?} after FORGET: {e}");
         }
     }
 
@@ -376,8 +382,8 @@ impl<F: FileSystem> Adapter<F> {
                     Ok(()) => {
                         let added =
                             buf.add_plus(&entry(&wire_attr(&a, self.inos)), e.next_offset, &e.name);
-                        if !added && self.forgotten(a.ino, 1) {
-                            self.unreference_all(&[a.ino]);
+                        if !added {
+                            self.forget_all([(a.ino, 1)]);
                         }
                         added
                     }
@@ -614,21 +620,18 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
                 self.reply_entry(self.fs.lookup(self.inos.to_fs(ino), name), reply);
             }
             Op::Forget { nlookup } => {
-                let fs_ino = self.inos.to_fs(ino);
-                if ino != CONTROL_INO && self.forgotten(fs_ino, *nlookup) {
-                    self.unreference_all(&[fs_ino]);
+                if ino != CONTROL_INO {
+                    self.forget_all([(self.inos.to_fs(ino), *nlookup)]);
                 }
                 reply.none();
             }
             Op::BatchForget(nodes) => {
-                let gone: Vec<u64> = nodes
-                    .iter()
-                    .filter(|&&(node, _)| node != CONTROL_INO)
-                    .map(|&(node, n)| (self.inos.to_fs(node), n))
-                    .filter(|&(i, n)| self.forgotten(i, n))
-                    .map(|(i, _)| i)
-                    .collect();
-                self.unreference_all(&gone);
+                self.forget_all(
+                    nodes
+                        .iter()
+                        .filter(|&&(node, _)| node != CONTROL_INO)
+                        .map(|&(node, n)| (self.inos.to_fs(node), n)),
+                );
                 reply.none();
             }
             Op::Getattr { .. } => {

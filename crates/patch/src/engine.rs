@@ -1567,11 +1567,7 @@ impl State {
                 // (From the overlap index: a patch on the word that a newer one covers
                 // is left out. The newer one depends on it, so whatever merges into
                 // the newer one follows it too.)
-                let on_word: Vec<PatchId> = blk
-                    .overlap_index
-                    .near(word.range())
-                    .filter(|&p| self.g.get(p).overlaps(&word))
-                    .collect();
+                let on_word = self.overlapping(block, &word);
                 match on_word[..] {
                     [t] => match self.g.get(t).kind {
                         Kind::Bit { xor: tx, .. }
