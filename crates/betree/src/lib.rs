@@ -72,7 +72,7 @@ pub enum Error {
     Invalid(String),
     #[error("upsert function {0} is not registered")]
     UnknownUpsert(u16),
-    #[error("the device is full: no run of {0} free blocks for a node")]
+    #[error("the device is full ({0} more blocks needed)")]
     Full(u64),
     /// An earlier failure left the in-memory tree unusable; reopen the device.
     #[error("the tree stopped after an earlier failure ({0}); reopen it to recover")]
@@ -276,6 +276,8 @@ pub struct Stats {
     /// Lifts pushed one level down (a merge of differently lifted children).
     pub lifts_pushed: u64,
     pub range_clones: u64,
+    /// Subtrees a range delete covered whole, let go of without reading their leaves.
+    pub subtrees_dropped: u64,
     /// Subtrees a range clone shared between its source and its destination.
     pub subtrees_shared: u64,
     /// Shared nodes copied because a change reached one of their places
@@ -310,6 +312,9 @@ pub struct Stats {
     pub cache_misses: u64,
     pub evictions: u64,
     pub checkpoints: u64,
+    /// Checkpoints that found no room for the nodes they write (the tree went on with
+    /// them dirty; see `Tree::space`).
+    pub checkpoints_failed: u64,
     /// Times a caller waited for the checkpoint in flight (it wrote faster than the
     /// checkpoint thread, or asked for a checkpoint).
     pub checkpoint_waits: u64,
@@ -336,11 +341,29 @@ pub struct Stats {
     pub dirty_bytes: u64,
 }
 
+/// Passes of [`Tree::compact`] at most: each pushes down what one checkpoint has room
+/// for, so a nearly full device takes several.
+pub const COMPACT_PASSES_MAX: usize = 256;
+
 /// See [`Tree::space`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Space {
+    /// Blocks for nodes and tables (the device less its headers and log).
     pub blocks: u64,
+    /// Of which free now (extents a checkpoint still waits to free count as used).
     pub free: u64,
+    /// What the next checkpoint may take at most: the dirty nodes' copies (their old
+    /// extents are freed only once it is durable).
+    pub pending: u64,
+    /// Kept free beyond `pending` so that the checkpoint a change leads to always fits.
+    pub margin: u64,
+}
+
+impl Space {
+    /// Blocks that changes may still take: free, less what the next checkpoint needs.
+    pub fn avail(&self) -> u64 {
+        self.free.saturating_sub(self.pending + self.margin)
+    }
 }
 
 /// A Bε-tree on a block device. Cheap operations take one internal lock; a checkpoint's
@@ -474,12 +497,21 @@ impl Tree {
         t.write(batch.ops)?;
         // Checkpoints write behind the caller; it waits only when it gets too far ahead
         // of the one in flight, and then without the lock.
-        while let Some(done) = t.maintain()? {
-            drop(t);
-            let _ = done.wait();
-            t = self.lock();
+        loop {
+            match t.maintain() {
+                Ok(Some(done)) => {
+                    drop(t);
+                    let _ = done.wait();
+                    t = self.lock();
+                }
+                Ok(None) => return Ok(()),
+                // The batch is in. A checkpoint that found no room left the tree as it
+                // was (its nodes dirty again); what needs room next is refused
+                // (`space`), and a compaction or a later checkpoint catches up.
+                Err(Error::Full(_)) => return Ok(()),
+                Err(e) => return Err(e),
+            }
         }
-        Ok(())
     }
 
     /// Makes every batch written so far durable. Callers syncing together share the
@@ -505,14 +537,25 @@ impl Tree {
 
     /// Pushes every pending message down to the leaves (so that deleted keys free their
     /// space), then checkpoints: what a caller short of space does after deleting.
+    ///
+    /// On a full device it goes a piece at a time: it pushes messages down while a
+    /// checkpoint of what it made dirty still fits in what is free, checkpoints (which
+    /// frees the extents of what was deleted or rewritten), and goes on, until a pass
+    /// finds nothing left to push (or after `COMPACT_PASSES_MAX` passes).
     pub fn compact(&self) -> Result<()> {
-        {
-            let mut t = self.lock();
-            for _ in 0..3 {
-                t.flush_all()?;
+        for _ in 0..COMPACT_PASSES_MAX {
+            let walk = {
+                let mut t = self.lock();
+                t.finish_checkpoint()?;
+                let budget = t.free_blocks().saturating_sub(t.margin_blocks());
+                t.flush_all(budget)?
+            };
+            if !walk.changed {
+                return Ok(());
             }
+            self.checkpoint()?;
         }
-        self.checkpoint()
+        Ok(())
     }
 
     /// A checkpoint, then the tree is closed (the next open replays nothing).
@@ -547,18 +590,15 @@ impl Tree {
         self.lock().opts.dirty_bytes
     }
 
-    /// Blocks for nodes and tables (the device less its headers and log), and how many
-    /// of them are free now (extents a checkpoint still waits to free count as used).
+    /// Blocks for nodes and tables, how many are free, and what the next checkpoint
+    /// needs of them (see [`Space`]).
     pub fn space(&self) -> Space {
         let t = self.lock();
-        let free = t
-            .alloc
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .free_blocks;
         Space {
             blocks: self.engine.block_count().saturating_sub(t.geo.data_first()),
-            free,
+            free: t.free_blocks(),
+            pending: t.pending_blocks(),
+            margin: t.margin_blocks(),
         }
     }
 

@@ -336,6 +336,22 @@ impl Internal {
         self.unread.iter().all(Option::is_none)
     }
 
+    /// Whether buffer `i` holds a message, loaded or not (an encoded buffer with no
+    /// message is its two counts: 8 bytes).
+    pub fn holds_messages(&self, i: usize) -> bool {
+        !self.buffers[i].is_empty()
+            || self
+                .unread
+                .get(i)
+                .and_then(Option::as_ref)
+                .is_some_and(|r| r.ranges > 0 || r.len > 8)
+    }
+
+    /// Whether any message waits here: in a buffer, or in the node's delta.
+    pub fn holds_any_message(&self) -> bool {
+        !self.delta.is_empty() || (0..self.children.len()).any(|i| self.holds_messages(i))
+    }
+
     pub fn child_for(&self, key: &[u8]) -> usize {
         self.pivots.partition_point(|p| key_cmp(p, key).is_le())
     }
@@ -1142,7 +1158,9 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
                     .iter()
                     .map(|&(a, b)| first_key(a, b).len() + 4 + 16)
                     .sum::<usize>();
-            let mut off = index_len.div_ceil(bs) * bs;
+            // The basements follow the index at once (not on the next block: with 64 KiB
+            // leaves of 4 KiB file blocks, the padding was one block in thirteen).
+            let mut off = index_len;
             for &(a, b) in &groups {
                 let body = entries.body(a, b);
                 w.bytes(first_key(a, b));
@@ -1154,7 +1172,6 @@ pub fn encode(id: NodeId, node: &Node, bs: usize, basement_bytes: usize) -> Vec<
             }
             debug_assert_eq!(w.len(), index_len);
             seal_section(&mut w, index_len);
-            w.pad_to(bs);
             // Basements one after another, not each on a block boundary: a 4 KiB file
             // block with its key is a little over a block, and padding each basement
             // doubled the space a file system's data took. A basement read covers the

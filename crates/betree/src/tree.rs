@@ -53,6 +53,15 @@ pub(crate) struct Inner {
     tick: u64,
     mem: usize,
     dirty_mem: usize,
+    /// Dirty nodes cached: each may take a block more on disk than its bytes (its
+    /// extent is whole blocks), counted in what a checkpoint needs (`pending_blocks`).
+    dirty_nodes: usize,
+    /// Set while `flush_all` pushes messages down for space: flushes then go into the
+    /// leaves themselves, never into their deltas (a delete in a delta frees nothing).
+    compacting: bool,
+    /// Free blocks when a checkpoint last failed for want of room: space-driven
+    /// checkpoints wait until something was freed (each retry would fail the same way).
+    full_at: Option<u64>,
     /// Where each node written by a checkpoint lives.
     btt: HashMap<NodeId, Extent>,
     /// Nodes that more than one edge references (a range clone shares subtrees), and
@@ -167,6 +176,15 @@ fn load_buffers(n: &mut Internal, extent: &[u8], id: NodeId) -> Result<()> {
 /// A node's lower or upper key bound (`None`: its parent's).
 type Bound = Option<Vec<u8>>;
 
+/// How far a compaction pass got (`Inner::flush_all`).
+pub struct FlushAll {
+    /// It walked every node that held messages.
+    pub complete: bool,
+    /// It moved a message or rewrote a node.
+    pub changed: bool,
+    budget_blocks: u64,
+}
+
 /// What `Inner::check` has seen: (node, range) pairs checked, nodes visited, and the
 /// edges counted into each node.
 #[derive(Default)]
@@ -233,6 +251,9 @@ impl Inner {
             tick: 0,
             mem: 0,
             dirty_mem: 0,
+            dirty_nodes: 0,
+            compacting: false,
+            full_at: None,
             btt: HashMap::new(),
             refs: HashMap::new(),
             bases: HashMap::new(),
@@ -417,6 +438,7 @@ impl Inner {
         self.mem += mem;
         if dirty {
             self.dirty_mem += mem;
+            self.dirty_nodes += 1;
         }
         if let Some(old) = self.cache.insert(
             id,
@@ -436,6 +458,7 @@ impl Inner {
         self.mem -= c.mem;
         if c.dirty {
             self.dirty_mem -= c.mem;
+            self.dirty_nodes -= 1;
         }
     }
 
@@ -1048,6 +1071,7 @@ impl Inner {
         for op in &ops {
             self.validate(op)?;
         }
+        self.admit(&ops)?;
         let rec = log::record(self.next_msn, &ops);
         let bs = self.geo.block_size;
         if self.log.blocks_for(rec.len(), bs) + 1 > self.geo.log_blocks / 4 {
@@ -1276,6 +1300,9 @@ impl Inner {
         if parent.buffers[idx].is_empty() {
             return Ok(());
         }
+        if self.drop_if_covered(parent, idx)? {
+            return Ok(());
+        }
         let cid = self.own(parent, idx)?;
         if self.flush_into_delta(parent, idx, cid)? {
             return Ok(());
@@ -1317,6 +1344,123 @@ impl Inner {
         Ok(())
     }
 
+    /// A child whose whole key range a range delete in its buffer covers holds nothing
+    /// the buffer leaves alive (what it holds is older than the buffer): its subtree is
+    /// let go of without reading its leaves, so an `rm` of a large file frees its
+    /// leaves without reading them. Then every range delete of the buffer has done its
+    /// work (the router clipped them to the child's range, and the point messages they
+    /// cover are newer than them), and the child's place goes to a neighbour: the
+    /// buffer's point messages join the neighbour's buffer (their keys are disjoint
+    /// from the neighbour's, so their order against what lies below it does not
+    /// matter) and the pivot between them goes. Returns whether the child is gone (the
+    /// caller's flush is done). A neighbour with a lift cannot take keys outside its
+    /// prefix; with no plain neighbour an empty subtree of the child's height takes
+    /// its place instead, and the flush goes on into it. (Only children with a pivot
+    /// on both sides: a node does not know its own bounds.)
+    fn drop_if_covered(&mut self, parent: &mut Internal, idx: usize) -> Result<bool> {
+        let (Some(lo), Some(hi)) = parent.child_range(idx) else {
+            return Ok(false);
+        };
+        let covered = parent.buffers[idx]
+            .ranges
+            .iter()
+            .any(|r| r.start.as_slice() <= lo && hi <= r.end.as_slice());
+        if !covered {
+            return Ok(false);
+        }
+        self.stats.subtrees_dropped += 1;
+        parent.buffers[idx].ranges.clear();
+        if self.remove_child(parent, idx)? {
+            return Ok(true);
+        }
+        let height = parent.height - 1;
+        let old = parent.children[idx];
+        self.drop_ref(old, height)?;
+        parent.children[idx] = self.build_empty(height);
+        Ok(false)
+    }
+
+    /// Whether a cached subtree holds nothing: an empty leaf, or a chain of single
+    /// children with empty buffers down to one (what deletes leave behind).
+    fn holds_nothing(&self, id: NodeId) -> bool {
+        match self.cache.get(&id).map(|c| &*c.node) {
+            Some(Node::Leaf(l)) => l.delta.is_empty() && l.entries().is_some_and(Entries::is_empty),
+            Some(Node::Internal(n)) => {
+                n.children.len() == 1
+                    && n.is_whole()
+                    && !n.holds_any_message()
+                    && self.holds_nothing(n.children[0])
+            }
+            None => false,
+        }
+    }
+
+    /// Lets go of child `idx`'s subtree and gives its key range to a neighbour that has
+    /// no lift (one with a lift cannot take keys outside its prefix): the left one's
+    /// range grows up, or the right one's down. Its buffer's messages (which may hold
+    /// no range delete: the caller cleared those it may) join the neighbour's buffer;
+    /// their keys are disjoint from the neighbour's, so their order against what lies
+    /// below it does not matter. `false` (nothing changed) when the parent has one
+    /// child or no plain neighbour.
+    fn remove_child(&mut self, parent: &mut Internal, idx: usize) -> Result<bool> {
+        let n = parent.children.len();
+        let h = parent.height - 1;
+        let take = if idx > 0
+            && parent.lifts[idx - 1].is_none()
+            && !self.edge_lifted(parent.children[idx - 1], h, true)?
+        {
+            Some((idx - 1, idx - 1))
+        } else if idx + 1 < n
+            && parent.lifts[idx + 1].is_none()
+            && !self.edge_lifted(parent.children[idx + 1], h, false)?
+        {
+            Some((idx + 1, idx))
+        } else {
+            None
+        };
+        let Some((to, pivot)) = take else {
+            return Ok(false);
+        };
+        debug_assert!(parent.buffers[idx].ranges.is_empty());
+        let old = parent.children[idx];
+        self.drop_ref(old, parent.height - 1)?;
+        let buf = std::mem::take(&mut parent.buffers[idx]);
+        parent.buffers[to].absorb(buf);
+        parent.pivots.remove(pivot);
+        parent.children.remove(idx);
+        parent.buffers.remove(idx);
+        parent.lifts.remove(idx);
+        // (Only whole nodes change: every buffer is loaded.)
+        debug_assert!(parent.is_whole());
+        parent.unread.clear();
+        self.stats.merges += 1;
+        Ok(true)
+    }
+
+    /// Whether a lifted edge lies on the subtree's right (or left) edge: a subtree whose
+    /// range grows on that side would give that lifted child keys outside its prefix.
+    fn edge_lifted(&mut self, mut id: NodeId, mut height: u16, right: bool) -> Result<bool> {
+        while height > 0 {
+            let (lifted, next) = match &*self.ensure(id)?.node {
+                Node::Internal(n) => {
+                    let i = if right { n.children.len() - 1 } else { 0 };
+                    (n.lifts[i].is_some(), n.children[i])
+                }
+                Node::Leaf(_) => {
+                    return Err(Error::Corrupt(format!(
+                        "node {id}: a leaf where a subtree of height {height} was"
+                    )))
+                }
+            };
+            if lifted {
+                return Ok(true);
+            }
+            id = next;
+            height -= 1;
+        }
+        Ok(false)
+    }
+
     /// Largest delta of a leaf; a leaf with its delta applied holds at most a node and
     /// this many bytes.
     fn delta_max(&self) -> usize {
@@ -1333,7 +1477,7 @@ impl Inner {
         let leaf = parent.height == 1;
         // (Upserts checked before the child is read: the check walks the messages, but
         // reading the child's section first cost a read more per flush of upserts.)
-        if incoming > max || (leaf && parent.buffers[idx].has_upserts()) {
+        if self.compacting || incoming > max || (leaf && parent.buffers[idx].has_upserts()) {
             return Ok(false);
         }
         // A leaf with its delta applied must stay within a node and a delta (the next
@@ -1394,52 +1538,120 @@ impl Inner {
     }
 
     /// Pushes pending messages down to the leaves, so that deletes free the space their
-    /// keys held (a buffered range delete frees nothing until it reaches the leaves).
-    /// Best effort: a merge of a child with one already visited may leave messages
-    /// deeper down; the caller runs it again if it needs more.
-    pub fn flush_all(&mut self) -> Result<()> {
+    /// keys held (a buffered range delete frees nothing until it reaches the leaves, and
+    /// a delete in a leaf's delta nothing until the leaf is written whole). Only nodes
+    /// that hold messages are read, and only those a message reaches become dirty: a
+    /// compaction costs what it frees, not a copy of the tree (which a full device has
+    /// no room for).
+    ///
+    /// Stops early, leaving the rest in the buffers, once a checkpoint of what it made
+    /// dirty would need more than `budget_blocks`. Returns whether it got to the end
+    /// (a merge with a child already visited may still leave messages deeper down:
+    /// the caller runs it again until it changes nothing).
+    pub fn flush_all(&mut self, budget_blocks: u64) -> Result<FlushAll> {
         self.check_failed()?;
-        let (mut root, _) = self.take_full(self.root)?;
-        let r = match &mut root {
-            Node::Internal(n) => self.flush_subtree(n),
-            Node::Leaf(_) => Ok(()),
+        self.compacting = true;
+        let (mut root, dirty) = match self.take_full(self.root) {
+            Ok(x) => x,
+            Err(e) => {
+                self.compacting = false;
+                return Err(e);
+            }
         };
-        self.put_node(self.root, root, true);
+        let mut walk = FlushAll {
+            complete: true,
+            changed: false,
+            budget_blocks,
+        };
+        let r = match &mut root {
+            Node::Internal(n) => self.flush_subtree(n, &mut walk),
+            Node::Leaf(_) => Ok(false),
+        };
+        self.compacting = false;
+        let changed = *r.as_ref().unwrap_or(&true);
+        self.put_node(self.root, root, dirty || changed);
         r?;
-        self.fix_root()
+        if changed {
+            self.fix_root()?;
+        }
+        Ok(walk)
     }
 
-    /// (Shared subtrees are left alone: pushing messages into them would copy them,
-    /// which takes space rather than freeing it.)
-    fn flush_subtree(&mut self, n: &mut Internal) -> Result<()> {
+    /// Whether a compaction must rewrite this leaf: one stored as a delta over a base
+    /// (the delta may hold deletes; written whole, the leaf frees both extents), or
+    /// one with messages in its delta in memory. Other leaves are not read.
+    fn leaf_holds_messages(&self, id: NodeId) -> bool {
+        if self.is_shared(id) {
+            return false;
+        }
+        self.bases.contains_key(&id)
+            || self.cache.get(&id).is_some_and(|c| match &*c.node {
+                Node::Leaf(l) => !l.delta.is_empty(),
+                Node::Internal(_) => false,
+            })
+    }
+
+    /// Pushes the messages of `n`'s buffers down its subtree (internal nodes are all
+    /// visited: messages may wait deep below a node whose own buffers are empty, left
+    /// there by a pass that stopped early). Shared subtrees are left alone: pushing
+    /// messages into them would copy them, which takes space rather than freeing it.
+    /// Returns whether `n` changed.
+    fn flush_subtree(&mut self, n: &mut Internal, walk: &mut FlushAll) -> Result<bool> {
+        let mut changed = false;
         let mut i = 0;
         while i < n.children.len() {
+            if self.pending_blocks() > walk.budget_blocks && walk.changed {
+                walk.complete = false;
+                return Ok(changed);
+            }
             if self.is_shared(n.children[i]) {
                 i += 1;
                 continue;
             }
-            self.flush_child(n, i)?;
-            if i >= n.children.len() {
-                break;
+            if !n.buffers[i].is_empty() {
+                self.flush_child(n, i)?;
+                walk.changed = true;
+                changed = true;
+                if i >= n.children.len() {
+                    break;
+                }
             }
             let cid = n.children[i];
-            let (mut child, _) = self.take_full(cid)?;
+            if n.height == 1 && !self.leaf_holds_messages(cid) {
+                i += 1;
+                continue;
+            }
+            let (mut child, dirty) = self.take_full(cid)?;
             let r = match &mut child {
-                Node::Internal(c) => self.flush_subtree(c),
-                Node::Leaf(_) => Ok(()),
+                Node::Internal(c) => self.flush_subtree(c, walk),
+                Node::Leaf(_) => Ok(true),
             };
-            let sibs = if r.is_ok() {
+            let child_changed = *r.as_ref().unwrap_or(&true);
+            let sibs = if r.is_ok() && child_changed {
                 self.split(&mut child)
             } else {
                 Vec::new()
             };
-            self.put_node(cid, child, true);
+            self.put_node(cid, child, dirty || child_changed);
             r?;
+            if !child_changed {
+                i += 1;
+                continue;
+            }
+            walk.changed = true;
+            changed = true;
             let pieces = sibs.len();
             self.adopt(n, i, sibs);
+            if pieces == 0 {
+                // An emptied child goes, or joins a neighbour.
+                self.maybe_merge(n, i)?;
+                if i >= n.children.len() {
+                    break;
+                }
+            }
             i += 1 + pieces;
         }
-        Ok(())
+        Ok(changed)
     }
 
     /// The pieces child `idx` split into become its right siblings in `parent`. Each
@@ -1474,6 +1686,13 @@ impl Inner {
     /// Merges a small child with a neighbour when the two fit in one node.
     fn maybe_merge(&mut self, parent: &mut Internal, idx: usize) -> Result<()> {
         if parent.children.len() < 2 || !self.is_small(parent.children[idx]) {
+            return Ok(());
+        }
+        // An emptied subtree goes without reading a neighbour to merge with.
+        if parent.buffers[idx].is_empty()
+            && self.holds_nothing(parent.children[idx])
+            && self.remove_child(parent, idx)?
+        {
             return Ok(());
         }
         let j = if idx + 1 < parent.children.len() {
@@ -2305,6 +2524,82 @@ impl Inner {
         Ok(())
     }
 
+    // ---- space ----
+
+    /// Blocks the next checkpoint may take at most: every dirty node (its bytes, and a
+    /// block more for its extent's last block), the one in flight until it is done,
+    /// and the table. A change may be accepted only while this fits in what is free:
+    /// copy-on-write needs the new copies before the old ones can go.
+    pub fn pending_blocks(&self) -> u64 {
+        let bs = self.geo.block_size as u64;
+        let inflight = self
+            .inflight
+            .as_ref()
+            .filter(|f| !f.done().is_done())
+            .map_or(0, |f| (f.bytes as u64).div_ceil(bs) + f.pinned.len() as u64);
+        let table = ((self.btt.len() + self.dirty_nodes) as u64 * 48).div_ceil(bs) + 1;
+        (self.dirty_mem as u64).div_ceil(bs) + self.dirty_nodes as u64 + inflight + table
+    }
+
+    /// Blocks always kept free beyond `pending_blocks`, so that the checkpoint a batch
+    /// leads to fits: what one batch may dirty besides what was counted (a root flush
+    /// down every level, each child split) and the slack of fitting whole nodes into
+    /// the free runs left between others.
+    pub fn margin_blocks(&self) -> u64 {
+        let node = (self.geo.node_bytes / self.geo.block_size) as u64 + 1;
+        16 * node
+    }
+
+    pub fn free_blocks(&self) -> u64 {
+        self.alloc
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free_blocks
+    }
+
+    /// Refuses, before anything is logged, a batch that adds keys or bytes while what
+    /// it adds would not fit beside the next checkpoint and the margin: once accepted, a
+    /// batch must be checkpointed, and a checkpoint that cannot be written leaves the
+    /// tree unable to move its log on. Batches that only delete, rename or clone are
+    /// let through on the margin (they are how a full tree gets room back). When short,
+    /// it first checkpoints, which frees the extents the dirty nodes replace.
+    fn admit(&mut self, ops: &[Op]) -> Result<()> {
+        let grows: usize = ops
+            .iter()
+            .map(|op| match op {
+                Op::Put { key, value } => key.len() + value.len() + 16,
+                Op::Upsert { key, arg, .. } => key.len() + arg.len() + 18,
+                _ => 0,
+            })
+            .sum();
+        if grows == 0 {
+            return Ok(());
+        }
+        let need = (grows as u64).div_ceil(self.geo.block_size as u64);
+        let fits = |t: &Self| t.pending_blocks() + t.margin_blocks() + need <= t.free_blocks();
+        if fits(self) {
+            return Ok(());
+        }
+        if self.dirty_nodes > 0 || self.inflight.is_some() {
+            self.finish_checkpoint()?;
+            if !fits(self) && self.dirty_nodes > 0 {
+                self.checkpoint()?;
+            }
+            if fits(self) {
+                return Ok(());
+            }
+        }
+        Err(Error::Full(need))
+    }
+
+    /// Whether the next checkpoint must start now for the space it needs: what it must
+    /// write passes what is free less the margin.
+    fn short_of_space(&self) -> bool {
+        self.dirty_nodes > 0
+            && self.pending_blocks() + self.margin_blocks() / 2 >= self.free_blocks()
+            && self.full_at != Some(self.free_blocks())
+    }
+
     // ---- durability ----
 
     /// A patch that is durable once every batch written so far is.
@@ -2336,9 +2631,11 @@ impl Inner {
         // a stream of writes keeps dirty, so the fewer the better; the last quarter
         // still lets writers go on while one is in flight. (2 M random inserts: 62
         // checkpoints instead of 105, write amplification 9.8 instead of 11.1.)
+        let short = self.short_of_space();
         let want = self.dirty_mem > limit / 4 * 3
             || room < ring / 4
-            || (self.mem > cache && self.dirty_mem > cache / 4);
+            || (self.mem > cache && self.dirty_mem > cache / 4)
+            || short;
         if want {
             match &self.inflight {
                 None => self.start_checkpoint()?,
@@ -2346,6 +2643,7 @@ impl Inner {
                     if self.dirty_mem + f.bytes > limit
                         || room < ring / 8
                         || self.mem > cache + cache / 4
+                        || short
                     {
                         return Ok(Some(f.done()));
                     }
@@ -2507,10 +2805,11 @@ impl Inner {
         // checkpoint, or underflows when the snapshot takes the nodes).
         let mem: usize = self.cache.values().map(|c| c.mem).sum();
         let dirty: usize = self.cache.values().filter(|c| c.dirty).map(|c| c.mem).sum();
-        if (mem, dirty) != (self.mem, self.dirty_mem) {
+        let dirty_nodes = self.cache.values().filter(|c| c.dirty).count();
+        if (mem, dirty, dirty_nodes) != (self.mem, self.dirty_mem, self.dirty_nodes) {
             return Err(Error::Invalid(format!(
-                "check: the cache charges {} bytes ({} dirty) for nodes of {mem} ({dirty})",
-                self.mem, self.dirty_mem
+                "check: the cache charges {} bytes ({} dirty, {} nodes) for nodes of {mem} ({dirty}, {dirty_nodes})",
+                self.mem, self.dirty_mem, self.dirty_nodes
             )));
         }
         Ok(())

@@ -21,6 +21,7 @@ impl Betrfs {
     pub(crate) fn delete_blocks(&self, b: &mut Batch, loc: &Loc, from: u64, size: u64) {
         self.counters.range_deletes.fetch_add(1, Relaxed);
         let end = size.div_ceil(BLOCK);
+        self.freeing.deleted(end.saturating_sub(from));
         if end.saturating_sub(from) <= POINT_DELETES_MAX {
             for blk in from..end {
                 b.delete(&loc.data_key(blk));

@@ -178,12 +178,43 @@ pub(crate) struct Counters {
     pub keys_moved: AtomicU64,
     pub range_deletes: AtomicU64,
     pub upsert_writes: AtomicU64,
-    /// `range_deletes` when the tree was last compacted for space.
+    /// The tree's deletes and range deletes when it was last compacted for space.
     pub compacted_at: AtomicU64,
     pub block_puts: AtomicU64,
     /// Range and tree clones, and copy_file_range calls.
     pub clones: AtomicU64,
     pub copied_ranges: AtomicU64,
+}
+
+/// Data deleted and not yet compacted: a delete frees space only once its message
+/// reaches the leaves (`Tree::compact`), so the commit thread compacts once enough is
+/// owed, and `sync` whenever anything is, so that `rm; sync; df` tells the truth.
+#[derive(Default)]
+pub(crate) struct Freeing {
+    /// Blocks of file data deleted (a sparse file's holes counted too).
+    deleted_blocks: AtomicU64,
+    /// `deleted_blocks` when the tree was last compacted.
+    compacted_at: AtomicU64,
+}
+
+impl Freeing {
+    pub(crate) fn deleted(&self, blocks: u64) {
+        self.deleted_blocks.fetch_add(blocks, Relaxed);
+    }
+
+    fn owed(&self) -> u64 {
+        self.deleted_blocks
+            .load(Relaxed)
+            .saturating_sub(self.compacted_at.load(Relaxed))
+    }
+
+    /// Compacts the tree, and marks what was deleted before as compacted.
+    fn compact(&self, tree: &Tree) -> quilt_betree::Result<()> {
+        let d = self.deleted_blocks.load(Relaxed);
+        tree.compact()?;
+        self.compacted_at.fetch_max(d, Relaxed);
+        Ok(())
+    }
 }
 
 /// The file system on a Bε-tree.
@@ -192,6 +223,7 @@ pub struct Betrfs {
     pub(crate) st: Mutex<State>,
     pub(crate) opts: MountOptions,
     pub(crate) counters: Counters,
+    pub(crate) freeing: Arc<Freeing>,
     pub(crate) errored: AtomicBool,
     /// Most data bytes (and moved key and value bytes) in one batch: what the tree's log
     /// takes in one record, halved, at most 1 MiB.
@@ -199,12 +231,18 @@ pub struct Betrfs {
     /// Patchgroup bookkeeping (the rules that keep groups acyclic); the order itself is
     /// the log's.
     svc: quilt_patch::Services,
-    /// Blocks a change leaves free (fixed at mount): room for a checkpoint (every dirty
-    /// node written again before the old copies are freed), a few whole nodes, and a
-    /// fiftieth of the device.
+    /// Blocks a change that grows the file system leaves to those that do not (fixed
+    /// at mount: a sixty-fourth of the tree's space, at least two nodes), beyond what
+    /// the tree keeps for its own checkpoints (`quilt_betree::Space`): unlinks,
+    /// renames, truncates and attribute changes still go on when writes get ENOSPC,
+    /// and so does the compaction that makes deleted space free again.
     pub(crate) reserve: u64,
     /// The tree's block size.
     block_size: u64,
+    /// File blocks per leaf, and the device blocks such a leaf takes, for a file
+    /// written in order: leaves split three quarters full, each block stored with its
+    /// key, and the leaf's index in front (`statfs` answers in file blocks).
+    leaf_fill: (u64, u64),
     /// Largest encoded inode (the tree's value limit, less room).
     max_record: usize,
     flusher: Mutex<Option<Flusher>>,
@@ -303,14 +341,22 @@ impl Betrfs {
             .clamp(8 << 10, BATCH_DATA_MAX);
         let max_record = g.max_value().saturating_sub(256);
         let bs = g.block_size as u64;
-        let reserve = tree.space().blocks / 50
-            + tree.dirty_limit() as u64 / bs
-            + 8 * (g.node_bytes as u64 / bs);
+        let space = tree.space();
+        let reserve = (space.blocks / 64).max(2 * g.node_bytes as u64 / bs);
+        let leaf_fill = {
+            // An entry: the block, a key of about 40 bytes and the entry's lengths; the
+            // index: a prefix and a basement reference per block.
+            let entry = bs + 48;
+            let per_leaf = ((g.node_bytes as u64 * 3 / 4) / entry).max(1);
+            let bytes = per_leaf * entry + 64 + per_leaf * 40;
+            (per_leaf, bytes.div_ceil(bs))
+        };
         let svc = quilt_patch::Services::new(tree.engine().clone());
         let tree = Arc::new(tree);
         let fs = Betrfs {
             svc,
             reserve,
+            leaf_fill,
             block_size: bs,
             batch_bytes,
             max_record,
@@ -323,6 +369,7 @@ impl Betrfs {
             }),
             opts,
             counters: Counters::default(),
+            freeing: Arc::default(),
             errored: AtomicBool::new(sup.error),
             flusher: Mutex::new(None),
         };
@@ -366,6 +413,10 @@ impl Betrfs {
     pub(crate) fn start_flusher(&self, every: std::time::Duration) {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let tree = self.tree.clone();
+        let freeing = self.freeing.clone();
+        // Compacting for deleted data once a sixty-fourth of the space is owed: an `rm`
+        // of large files frees its space within a commit interval or two.
+        let owed_max = (self.tree.space().blocks / 64).max(256);
         let s = stop.clone();
         let thread = std::thread::Builder::new()
             .name("betrfs-commit".into())
@@ -381,6 +432,11 @@ impl Betrfs {
                         drop(stopped);
                         if let Err(e) = tree.sync() {
                             tracing::warn!("betrfs: periodic commit failed: {e}");
+                        }
+                        if freeing.owed() >= owed_max {
+                            if let Err(e) = freeing.compact(&tree) {
+                                tracing::warn!("betrfs: compaction for deleted data failed: {e}");
+                            }
                         }
                         stopped = m.lock().unwrap_or_else(|e| e.into_inner());
                     }
@@ -448,22 +504,37 @@ impl Betrfs {
         Ok(())
     }
 
-    /// Refuses growth when the tree is close to full: a checkpoint needs room for a copy
-    /// of every dirty node, so ENOSPC comes while there is still room to write it.
+    /// Blocks `bytes` of file data take in the tree's leaves (see `leaf_fill`).
+    pub(crate) fn blocks_for(&self, bytes: u64) -> u64 {
+        let (per_leaf, leaf_blocks) = self.leaf_fill;
+        (bytes.div_ceil(self.block_size) * leaf_blocks).div_ceil(per_leaf) + 1
+    }
+
+    /// Refuses growth when the tree is close to full: the tree's next checkpoint needs
+    /// room for a copy of every dirty node, and unlinks, renames and the compaction
+    /// that frees what they deleted need the reserve, so ENOSPC comes while there is
+    /// room for all of them. Before answering ENOSPC it makes what it can free: a
+    /// compaction when something was deleted since the last (deletes free their space
+    /// only once they reach the leaves), else a checkpoint when it would free the
+    /// extents of the nodes it rewrites (`Space::pending` counts their copies whole).
     pub(crate) fn room(&self, bytes: u64) -> Result<()> {
-        let need = bytes.div_ceil(self.block_size) * 3 + self.reserve;
-        if self.tree.space().free >= need {
+        let need = self.blocks_for(bytes) + self.reserve;
+        let sp = self.tree.space();
+        if sp.avail() >= need {
             return Ok(());
         }
-        // Deletes since the last compaction may hold space in buffered messages: push
-        // them down once before answering ENOSPC.
-        let deletes = self.counters.range_deletes.load(Relaxed);
+        let ts = self.tree.stats();
+        let deletes = ts.deletes + ts.range_deletes;
         if self.counters.compacted_at.swap(deletes, Relaxed) != deletes {
             tracing::info!("betrfs: short of space, compacting the tree");
-            self.tree.compact().map_err(io)?;
-            if self.tree.space().free >= need {
-                return Ok(());
-            }
+            self.freeing.compact(&self.tree).map_err(io)?;
+        } else if sp.pending > sp.margin {
+            self.tree.checkpoint().map_err(io)?;
+        } else {
+            return Err(FsError::NoSpace);
+        }
+        if self.tree.space().avail() >= need {
+            return Ok(());
         }
         Err(FsError::NoSpace)
     }
@@ -479,10 +550,9 @@ impl Betrfs {
             Ok(()) => Ok(()),
             // Refused before anything was logged: the tree is unchanged.
             Err(quilt_betree::Error::Invalid(m)) => Err(FsError::Io(m)),
-            Err(quilt_betree::Error::Full(_)) => {
-                st.failed = Some("the device is full".into());
-                Err(FsError::NoSpace)
-            }
+            // Refused before anything was logged (a checkpoint the log needed found no
+            // room): the tree and the state are as they were.
+            Err(quilt_betree::Error::Full(_)) => Err(FsError::NoSpace),
             Err(e) => {
                 st.failed = Some(e.to_string());
                 Err(io(e))
@@ -1316,14 +1386,20 @@ impl FileSystem for Betrfs {
     }
 
     fn statfs(&self) -> Result<StatFs> {
+        // Free is what changes may still take (the tree's next checkpoint and margin
+        // set aside); available, what writes may (the reserve for unlinks and renames
+        // set aside too), in blocks of file data (a block's key and entry count).
         let sp = self.tree.space();
         let bs = self.block_size;
-        let avail = sp.free.saturating_sub(self.reserve);
+        let (per_leaf, leaf_blocks) = self.leaf_fill;
+        let data = |blocks: u64| blocks * per_leaf / leaf_blocks;
+        let free = sp.avail();
+        let avail = free.saturating_sub(self.reserve);
         Ok(StatFs {
             block_size: bs as u32,
-            blocks: sp.blocks,
-            blocks_free: sp.free,
-            blocks_avail: avail,
+            blocks: data(sp.blocks.saturating_sub(sp.margin)),
+            blocks_free: data(free),
+            blocks_avail: data(avail),
             // No inode table: as many names as blocks could hold.
             files: sp.blocks * (bs / 256),
             files_free: avail * (bs / 256),
@@ -1346,6 +1422,10 @@ impl FileSystem for Betrfs {
         self.counters.syncs.fetch_add(1, Relaxed);
         if self.opts.read_only {
             return Ok(());
+        }
+        if self.freeing.owed() > 0 {
+            // (A compaction ends with a checkpoint.)
+            return self.freeing.compact(&self.tree).map_err(io);
         }
         self.tree.checkpoint().map_err(io)
     }

@@ -43,6 +43,13 @@ pub fn tree_options(block_size: usize, blocks: u64) -> Options {
     if bytes < (256 << 20) {
         o.node_bytes = (64 << 10).max(block_size * 8);
     }
+    // The tree keeps sixteen nodes free for its checkpoints (`Space::margin`): a
+    // device of a few MiB takes smaller nodes (fewer children each, so that a key
+    // may still hold a path of half a KiB).
+    if bytes < (8 << 20) {
+        o.node_bytes = (16 << 10).max(block_size * 4);
+        o.fanout = 8;
+    }
     // The log takes every batch's data: a ring much smaller than what a file system
     // writes between checkpoints makes checkpoints follow the log's size instead of the
     // dirty nodes (a 16 MiB ring checkpointed every 12 MB of a sequential write). Large

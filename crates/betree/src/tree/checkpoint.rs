@@ -312,6 +312,7 @@ impl Inner {
             let c = self.cache.get_mut(&id).expect("dirty node cached");
             c.dirty = false;
             self.dirty_mem -= c.mem;
+            self.dirty_nodes -= 1;
             bytes += c.mem;
             let base = match &*c.node {
                 Node::Leaf(l) => l.delta.base.as_ref().map(|b| b.extent),
@@ -422,17 +423,19 @@ impl Inner {
         let r = f.done.wait();
         let placed = match r {
             Ok(p) => p,
-            Err(e) => {
-                // The nodes were marked clean for extents that may never be written: the
-                // tree stops (a reopen recovers from the older header and the log).
-                let (why, err) = match e {
-                    Failure::Full(n) => ("the device is full".to_string(), Error::Full(n)),
-                    Failure::Other(m) => (m.clone(), Error::Failed(m)),
-                };
-                self.failed = Some(format!("checkpoint: {why}"));
-                return Err(err);
+            Err(Failure::Full(n)) => {
+                self.undo_checkpoint(f);
+                return Err(Error::Full(n));
+            }
+            Err(Failure::Other(m)) => {
+                // The nodes were marked clean for extents that may never be written, and
+                // the header may be half written: the tree stops (a reopen recovers from
+                // the older header and the log).
+                self.failed = Some(format!("checkpoint: {m}"));
+                return Err(Error::Failed(m));
             }
         };
+        self.full_at = None;
         // 2. and 3.: the header is durable.
         self.log.start_lsn = f.log_lsn;
         let alloc = self.alloc.clone();
@@ -485,6 +488,59 @@ impl Inner {
         Ok(())
     }
 
+    /// Puts back what a checkpoint that found no room took, so that the tree goes on
+    /// as if it had not started: its nodes dirty again (each is still cached: they stay
+    /// pinned until the checkpoint ends), the extents it placed them in free, the
+    /// extents it was to free owed to the next one, and its generation unused (the
+    /// next header must go to the slot the durable one is not in). Nothing durable
+    /// names what it wrote: the header is the last thing written, after every
+    /// allocation succeeded.
+    fn undo_checkpoint(&mut self, mut f: InFlight) {
+        let placed: Vec<Extent> = f
+            .done
+            .placed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .copied()
+            .collect();
+        {
+            let alloc = self.alloc.clone();
+            let mut alloc = alloc.lock().unwrap_or_else(|e| e.into_inner());
+            for e in placed {
+                alloc.free(e);
+            }
+            self.full_at = Some(alloc.free_blocks);
+        }
+        for &id in &f.pinned {
+            if f.freed.contains(&id) {
+                continue;
+            }
+            match self.cache.get_mut(&id) {
+                Some(c) if !c.dirty => {
+                    c.dirty = true;
+                    self.dirty_mem += c.mem;
+                    self.dirty_nodes += 1;
+                }
+                Some(_) => {} // changed since: a dirty copy
+                None => debug_assert!(false, "node {id} of a failed checkpoint left the cache"),
+            }
+        }
+        let table = self.table;
+        self.to_free.extend(
+            std::mem::take(&mut f.freeing)
+                .into_iter()
+                .filter(|e| *e != table),
+        );
+        self.generation -= 1;
+        self.stats.checkpoints_failed += 1;
+        tracing::warn!(
+            "betree: a checkpoint found no room ({} blocks free, {} needed); the tree goes on",
+            self.free_blocks(),
+            self.pending_blocks()
+        );
+    }
+
     /// Drops a node from the checkpoint in flight's bookkeeping when it leaves the tree.
     pub(super) fn unpin_freed(&mut self, id: NodeId) {
         if let Some(f) = &mut self.inflight {
@@ -494,12 +550,13 @@ impl Inner {
         }
     }
 
-    /// Whether the checkpoint in flight holds the node and has not placed it yet (it
-    /// must stay cached: the table names its old extent).
+    /// Whether the checkpoint in flight holds the node: it stays cached until the
+    /// checkpoint ends, since the durable table names its old extent, and if the
+    /// checkpoint finds no room the node is dirty again (`undo_checkpoint`).
     pub(super) fn is_pinned(&self, id: NodeId) -> bool {
         self.inflight
             .as_ref()
-            .is_some_and(|f| f.pinned.contains(&id) && f.done.placed(id).is_none())
+            .is_some_and(|f| f.pinned.contains(&id))
     }
 
     /// Where the checkpoint in flight put a node it holds, if it did yet.

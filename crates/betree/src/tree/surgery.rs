@@ -374,7 +374,7 @@ impl Inner {
 
     /// A new subtree of `height` holding nothing: single-child nodes down to an empty
     /// leaf.
-    fn build_empty(&mut self, height: u16) -> NodeId {
+    pub(super) fn build_empty(&mut self, height: u16) -> NodeId {
         let mut id = self.new_id();
         self.put_node(id, Node::Leaf(Leaf::empty()), true);
         for h in 1..=height {
