@@ -38,6 +38,10 @@ if [ "$(id -u)" = 0 ]; then
   install -m 755 target/release/quiltfs /usr/local/bin/quiltfs
   ln -sf /usr/local/bin/quiltfs /usr/sbin/mount.fuse.quiltfs
   ln -sf /usr/local/bin/quiltfs /usr/sbin/umount.fuse.quiltfs
+  # Root's mounts are block-device FUSE mounts (fuseblk.quiltfs): without this helper
+  # util-linux's umount returns before the server has let go of the image, and cannot
+  # report a failed final write-back.
+  ln -sf /usr/local/bin/quiltfs /usr/sbin/umount.fuseblk.quiltfs
   # The patchgroup libraries for programs: C interface and LD_PRELOAD.
   install -m 755 target/release/libquilt_pg.so target/release/libquilt_preload.so /usr/local/lib/
   install -m 644 crates/pg/include/quiltfs_pg.h /usr/local/include/

@@ -50,6 +50,24 @@ impl Alloc {
         Some(Extent { start, blocks })
     }
 
+    /// The lowest free runs, cut to hold `blocks` in all (fewer if less is free): where
+    /// first fit puts the next extents.
+    pub fn lowest(&self, mut blocks: u64) -> Vec<Extent> {
+        let mut out = Vec::new();
+        for (&start, &len) in &self.free {
+            if blocks == 0 {
+                break;
+            }
+            let take = len.min(blocks);
+            out.push(Extent {
+                start,
+                blocks: take,
+            });
+            blocks -= take;
+        }
+        out
+    }
+
     pub fn free(&mut self, e: Extent) {
         if e.blocks == 0 {
             return;

@@ -216,6 +216,23 @@ fn decode_whole_leaf(
     Ok((all, index))
 }
 
+/// Storage behind the headers and the log ring, where the device is a sparse image
+/// file: log writes (every batch, every sync) must never fail for a full host.
+/// (Node extents are reserved as checkpoints allocate them.)
+fn reserve_log(engine: &Engine, geo: &Geometry) -> Result<()> {
+    engine
+        .reserve(0, geo.data_first())
+        .map_err(|e| match e {
+            quilt_patch::PatchError::Block(quilt_block::BlockError::NoSpace { path, .. }) => {
+                Error::Invalid(format!(
+                    "{path}: the host file system has no room for the tree's log ({} blocks)",
+                    geo.data_first()
+                ))
+            }
+            e => e.into(),
+        })
+}
+
 /// Appends a basement's entries to the ones of the basements before it.
 fn append_basement(all: &mut Entries, es: &Entries, id: NodeId) -> Result<()> {
     if !all.is_empty() && !es.is_empty() && all.key(all.len() - 1) >= es.key(0) {
@@ -295,6 +312,7 @@ impl Inner {
         }
         let join = engine.empty(&wiped);
         engine.flush_until(join)?;
+        reserve_log(&engine, &geo)?;
         let mut t = Inner::new(engine, geo, opts, None);
         t.alloc = Arc::new(Alloc::new(geo.data_first(), t.engine.block_count(), &[]).into());
         t.put_node(t.root, Node::Leaf(Leaf::empty()), true);
@@ -381,6 +399,7 @@ impl Inner {
                 h.root
             )));
         }
+        reserve_log(&engine, &geo)?;
         let mut t = Inner::new(engine, geo, opts, Some(h));
         t.btt = entries.into_iter().collect();
         for (id, e) in bases {
@@ -2576,20 +2595,47 @@ impl Inner {
             return Ok(());
         }
         let need = (grows as u64).div_ceil(self.geo.block_size as u64);
-        let fits = |t: &Self| t.pending_blocks() + t.margin_blocks() + need <= t.free_blocks();
-        if fits(self) {
+        // (`full_at`: the last checkpoint found no room where the allocator saw some,
+        // the host under a sparse image being full: only a checkpoint that succeeds
+        // shows there is room again.)
+        let fits = |t: &Self| {
+            t.full_at.is_none() && t.pending_blocks() + t.margin_blocks() + need <= t.free_blocks()
+        };
+        if fits(self) && self.reserve_ahead(need)? {
             return Ok(());
         }
-        if self.dirty_nodes > 0 || self.inflight.is_some() {
-            self.finish_checkpoint()?;
-            if !fits(self) && self.dirty_nodes > 0 {
-                self.checkpoint()?;
-            }
-            if fits(self) {
-                return Ok(());
-            }
+        self.finish_checkpoint()?;
+        if !fits(self) && (self.dirty_nodes > 0 || self.full_at.is_some()) {
+            self.checkpoint()?;
+        }
+        if fits(self) && self.reserve_ahead(need)? {
+            return Ok(());
         }
         Err(Error::Full(need))
+    }
+
+    /// Makes sure the device has storage behind the free runs the next checkpoints
+    /// will take (first fit: the lowest), twice what they may need (runs too short for
+    /// a node are passed over), so that a sparse image on a host file system that fills
+    /// up refuses the batch that would not fit instead of a checkpoint that cannot be
+    /// written (`false`). The device remembers what it reserved: cheap when done.
+    fn reserve_ahead(&mut self, need: u64) -> Result<bool> {
+        let want = 2 * (self.pending_blocks() + self.margin_blocks() + need);
+        let runs = self
+            .alloc
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .lowest(want);
+        for r in runs {
+            match self.engine.reserve(r.start, r.blocks) {
+                Ok(()) => {}
+                Err(quilt_patch::PatchError::Block(quilt_block::BlockError::NoSpace {
+                    ..
+                })) => return Ok(false),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(true)
     }
 
     /// Whether the next checkpoint must start now for the space it needs: what it must

@@ -147,7 +147,12 @@ fn main() {
         }
         return;
     }
-    if name.starts_with("umount.fuse.quiltfs") || name == "umount.quiltfs" {
+    // (util-linux runs umount.fuseblk.quiltfs for root's block-device mounts, and
+    // umount.fuse.quiltfs for plain FUSE ones.)
+    if name.starts_with("umount.fuse.quiltfs")
+        || name.starts_with("umount.fuseblk.quiltfs")
+        || name == "umount.quiltfs"
+    {
         if let Err(e) = mount::umount_helper_main(argv) {
             eprintln!("quiltfs: error: {e:#}");
             std::process::exit(1);

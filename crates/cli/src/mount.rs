@@ -317,14 +317,18 @@ fn serve_fs<F: Served>(
         unmounted.clone(),
     )?;
     let locks = Arc::new(Mutex::new(locks));
+    // How the module's final write-back ended, once it has.
+    let outcome: Arc<Mutex<Option<Result<(), String>>>> = Arc::default();
     let finish = {
         let fs = fs.clone();
         let unmounted = unmounted.clone();
+        let outcome = outcome.clone();
         move || {
             let mut done = unmounted.lock().unwrap_or_else(|e| e.into_inner());
             if !*done {
                 *done = true;
-                match fs.finish() {
+                let r = fs.finish();
+                match &r {
                     Ok(()) => {
                         tracing::info!("flushed and marked clean");
                         for l in locks.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
@@ -335,6 +339,8 @@ fn serve_fs<F: Served>(
                     // image may still be in flight.
                     Err(e) => eprintln!("quiltfs: error while unmounting: {e}"),
                 }
+                *outcome.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some(r.map_err(|e| e.to_string()));
             }
         }
     };
@@ -380,7 +386,27 @@ fn serve_fs<F: Served>(
     edit_utab(|lines| lines.retain(|l| *l != utab_line));
     drop(listener);
     let _ = std::fs::remove_file(&sock);
-    r.with_context(|| format!("serving {}", a.mountpoint.display()))
+    // The outcome for `quiltfs umount` (and the exit status): the module's final
+    // write-back, then the session's end (the loop device let go of included).
+    let finished = outcome
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+        .unwrap_or(Ok(()));
+    let r = match (finished, r) {
+        (Err(e), _) => Err(anyhow::anyhow!("the final write-back failed: {e}")),
+        (Ok(()), r) => r.with_context(|| format!("serving {}", a.mountpoint.display())),
+    };
+    let status = quilt_mountctl::status_path(&a.mountpoint, std::process::id());
+    let text = match &r {
+        Ok(()) => "ok\n".to_string(),
+        Err(e) => format!("error: {e:#}\n"),
+    };
+    let tmp = status.with_extension("tmp");
+    if std::fs::write(&tmp, text).is_ok() {
+        let _ = std::fs::rename(&tmp, &status);
+    }
+    r
 }
 
 /// SIGTERM, SIGINT or SIGHUP unmount the file system, which ends the session cleanly.
@@ -528,70 +554,114 @@ pub fn helper_main(args: Vec<String>) -> Result<()> {
 }
 
 /// Unmounts `mountpoint` and waits until its server has written everything back and
-/// exited. The kernel sends FUSE servers no DESTROY for plain (non-block) mounts, so a
-/// bare umount(2) returns before the final write-back; util-linux's `umount` runs this as
-/// the `umount.fuse.quiltfs` helper, which makes `umount MOUNTPOINT` wait too.
+/// exited, and reports how that ended: an error if the final write-back failed (the
+/// server leaves its outcome in a status file: the kernel ignores a FUSE server's
+/// answer to DESTROY), if the server vanished without saying, or if something still
+/// holds the image afterwards. When this returns Ok, no process and no loop device of
+/// ours holds the image. util-linux's `umount` runs this as the `umount.fuse.quiltfs`
+/// and `umount.fuseblk.quiltfs` helpers, so `umount MOUNTPOINT` waits and reports too.
 pub fn unmount_and_wait(mountpoint: &Path, lazy: bool) -> Result<()> {
-    let pid: Option<i32> = ask(mountpoint, "pid")
+    let pid: Option<u32> = ask(mountpoint, "pid")
         .ok()
         .and_then(|b| b.trim().parse().ok());
     let image = ask(mountpoint, "image").ok().map(PathBuf::from);
-    let c = std::ffi::CString::new(mountpoint.as_os_str().as_encoded_bytes())?;
-    // SAFETY: plain system call on a NUL-terminated path.
-    let r = unsafe { libc::umount2(c.as_ptr(), if lazy { libc::MNT_DETACH } else { 0 }) };
-    if r != 0 {
-        let e = std::io::Error::last_os_error();
-        bail!("cannot unmount {}: {e}", mountpoint.display());
-    }
+    // A pidfd taken before the unmount: it becomes readable once every thread of the
+    // server has exited (its descriptors closed), and it cannot name another process.
+    let pidfd = pid.and_then(pidfd_open);
     if let Some(pid) = pid {
-        let proc_dir = PathBuf::from(format!("/proc/{pid}"));
-        let start = std::time::Instant::now();
-        let mut told = false;
-        while proc_dir.exists() {
-            // A zombie has finished its work.
-            let stat = std::fs::read_to_string(proc_dir.join("stat")).unwrap_or_default();
-            if stat
-                .rsplit(')')
-                .next()
-                .is_some_and(|r| r.trim_start().starts_with('Z'))
-            {
-                break;
-            }
-            if !told && start.elapsed() > std::time::Duration::from_secs(5) {
-                eprintln!("quiltfs: waiting for server {pid} to finish writing back");
-                told = true;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
+        let _ = std::fs::remove_file(quilt_mountctl::status_path(mountpoint, pid));
+    }
+    quilt_fuse::unmount(mountpoint, lazy)
+        .with_context(|| format!("cannot unmount {}", mountpoint.display()))?;
+    if lazy {
+        // The kernel lets go of a lazily unmounted file system only once nothing uses
+        // it: there is nothing to wait for here.
+        return Ok(());
+    }
+    let log = quilt_mountctl::runtime_paths(mountpoint).1;
+    if let (Some(pid), Some(fd)) = (pid, pidfd) {
+        wait_exit(&fd, pid);
+        let status = quilt_mountctl::status_path(mountpoint, pid);
+        let text = std::fs::read_to_string(&status);
+        let _ = std::fs::remove_file(&status);
+        match text {
+            Ok(t) if t.trim() == "ok" => {}
+            Ok(t) => bail!(
+                "the server of {} ended badly: {} (its log: {})",
+                mountpoint.display(),
+                t.trim().trim_start_matches("error: "),
+                log.display()
+            ),
+            Err(_) => bail!(
+                "the server of {} (pid {pid}) exited without saying how its unmount ended \
+                 (killed?); its log: {}",
+                mountpoint.display(),
+                log.display()
+            ),
         }
     }
-    // And the image free again: the next mount, fsck or mkfs of a script must not find
-    // it locked (the server's exclusive lock goes with its last descriptor).
     if let Some(img) = image.filter(|i| i.is_absolute()) {
+        // A server killed outright leaves its loop device to autoclear, which the kernel
+        // does once the mount has gone; and the image's lock goes with the server.
         let start = std::time::Instant::now();
-        while start.elapsed() < std::time::Duration::from_secs(30) {
-            let Ok(f) = std::fs::File::open(&img) else {
-                break;
-            };
-            if quilt_block::lock_file(&f, &img, false).is_ok() {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        // And the block mount's loop device gone (ours are the autoclear ones): autoclear
-        // detaches it after umount(2) returns, and until then it holds the image open
-        // (the host file system under the image cannot be unmounted: "target is busy").
-        let start = std::time::Instant::now();
+        let wait = std::time::Duration::from_secs(30);
         let ours = |name: &String| {
             std::fs::read_to_string(format!("/sys/block/{name}/loop/autoclear"))
                 .is_ok_and(|a| a.trim() == "1")
         };
-        while start.elapsed() < std::time::Duration::from_secs(30)
-            && crate::image::loop_devices_over(&img).iter().any(ours)
-        {
+        loop {
+            let loops: Vec<String> = crate::image::loop_devices_over(&img)
+                .into_iter()
+                .filter(ours)
+                .collect();
+            let locked = std::fs::File::open(&img)
+                .is_ok_and(|f| quilt_block::lock_file(&f, &img, false).is_err());
+            if loops.is_empty() && !locked {
+                break;
+            }
+            if start.elapsed() > wait {
+                bail!(
+                    "{} is still held after the unmount ({}{})",
+                    img.display(),
+                    if loops.is_empty() { String::new() } else { format!("by {}", loops.join(", ")) },
+                    if locked { "; a process has it locked" } else { "" }
+                );
+            }
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
     }
     Ok(())
+}
+
+fn pidfd_open(pid: u32) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    // SAFETY: a fresh descriptor we own.
+    (fd >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Waits until the process behind `pidfd` has exited, saying so after five seconds.
+fn wait_exit(pidfd: &std::os::fd::OwnedFd, pid: u32) {
+    use std::os::fd::AsRawFd;
+    let start = std::time::Instant::now();
+    let mut told = false;
+    loop {
+        let mut p = libc::pollfd {
+            fd: pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, a bounded timeout.
+        let n = unsafe { libc::poll(&mut p, 1, 1000) };
+        if n > 0 || (n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted) {
+            return;
+        }
+        if !told && start.elapsed() > std::time::Duration::from_secs(5) {
+            eprintln!("quiltfs: waiting for server {pid} to finish writing back");
+            told = true;
+        }
+    }
 }
 
 /// `umount MOUNTPOINT` runs us as `umount.fuse.quiltfs MOUNTPOINT [-flnrv] [-t TYPE]`.

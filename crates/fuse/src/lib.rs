@@ -25,7 +25,7 @@ mod fileattr;
 mod stats;
 use callers::Callers;
 use control::{is_control, CONTROL_INO};
-pub use quilt_fusewire::{HandoffMode, MountKind, RingOptions};
+pub use quilt_fusewire::{unmount, HandoffMode, MountKind, RingOptions};
 use stats::Op as Stat;
 pub use stats::RequestStats;
 
@@ -1127,14 +1127,19 @@ pub fn serve<F: FileSystem + 'static>(
 ) -> std::io::Result<()> {
     let adapter = adapter(fs, opts, on_unmount);
     let mounted = mount(mountpoint, opts)?;
+    let loop_dev = mounted.loop_dev;
     let session = Session::new(mounted.channel, opts.threads).with_ring(opts.ring);
     let _ = adapter.notifier.set(session.notifier());
     opts.stats.set_ring_stats(session.ring_stats());
     ready(mounted.kind);
     let stats = opts.stats.clone();
-    session.run_reporting(Arc::new(adapter), &move |t| {
+    let r = session.run_reporting(Arc::new(adapter), &move |t| {
         stats.set_ring(t == Transport::Ring)
-    })
+    });
+    // The kernel has let go of the mount: the loop device over the image goes now, so
+    // that nothing holds the image once this process ends.
+    let detached = loop_dev.map_or(Ok(()), |l| l.detach());
+    r.and(detached)
 }
 
 /// Tells the kernel that the file system changed under its mount by another way than

@@ -21,7 +21,7 @@ mod session;
 pub use abi::{Attr, Entry};
 pub use channel::Channel;
 pub use handoff::{HandoffMode, RingStats};
-pub use mount::{mount, unmount, BlockSource, MountKind, MountOptions, Mounted};
+pub use mount::{mount, unmount, BlockSource, LoopDevice, MountKind, MountOptions, Mounted};
 pub use notify::Notifier;
 pub use reply::{DirBuf, Reply, Statfs};
 pub use request::{Header, Op, Proto, Request, SetattrIn};

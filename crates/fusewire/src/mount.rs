@@ -55,6 +55,55 @@ pub struct Mounted {
     pub kind: MountKind,
     /// The mount's source (the loop device for an image file under fuseblk).
     pub source: String,
+    /// The loop device attached over an image file, held open until the server has
+    /// finished with the image (`LoopDevice::detach`).
+    pub loop_dev: Option<LoopDevice>,
+}
+
+/// A loop device this server attached (with autoclear, so that a server killed
+/// outright still leaves none behind once its mount goes) and holds open: a clean end
+/// detaches it and waits until it is gone, so that nothing holds the image when the
+/// server exits (the host file system under it can then be unmounted at once).
+pub struct LoopDevice {
+    pub path: PathBuf,
+    fd: OwnedFd,
+}
+
+/// How long a detached loop device may take to let go of its file (a udev rule or
+/// blkid that opened it meanwhile delays it until they close it).
+const LOOP_DETACH_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+impl LoopDevice {
+    /// Detaches the device (`LOOP_CLR_FD`: at once if nobody else has it open, else at
+    /// its last close) and waits until it has let go of its backing file.
+    pub fn detach(self) -> io::Result<()> {
+        const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
+        // SAFETY: LOOP_CLR_FD takes no argument.
+        let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), LOOP_CLR_FD, 0) };
+        let e = io::Error::last_os_error();
+        drop(self.fd);
+        // ENXIO: already detached.
+        if r != 0 && e.raw_os_error() != Some(libc::ENXIO) {
+            return Err(io::Error::new(
+                e.kind(),
+                format!("detaching {}: {e}", self.path.display()),
+            ));
+        }
+        let name = self.path.file_name().map(|n| n.to_string_lossy().into_owned());
+        let backing = format!("/sys/block/{}/loop/backing_file", name.unwrap_or_default());
+        let start = std::time::Instant::now();
+        while Path::new(&backing).exists() {
+            if start.elapsed() > LOOP_DETACH_WAIT {
+                return Err(io::Error::other(format!(
+                    "{} still holds its file {}s after it was detached (something has it open)",
+                    self.path.display(),
+                    LOOP_DETACH_WAIT.as_secs()
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        Ok(())
+    }
 }
 
 /// Mounts at `mountpoint` and returns the connection to serve.
@@ -77,23 +126,31 @@ pub fn mount(mountpoint: &Path, o: MountOptions) -> io::Result<Mounted> {
                 }
             },
         };
-        if let Some((dev, _hold)) = dev {
+        if let Some((dev, hold)) = dev {
             let source = dev.display().to_string();
+            let loop_dev = hold.map(|fd| LoopDevice {
+                path: dev.clone(),
+                fd,
+            });
             let chan = Channel::open()?;
             let data = kernel_data(&o, chan.raw(), Some(o.block_size));
-            mount2(
+            if let Err(e) = mount2(
                 &source,
                 mountpoint,
                 &format!("fuseblk.{}", o.subtype),
                 &o,
                 &data,
-            )?;
-            // `_hold` (our descriptor of the loop device) closes here; the mount keeps
-            // the device, and autoclear detaches it when the mount goes.
+            ) {
+                if let Some(l) = loop_dev {
+                    let _ = l.detach();
+                }
+                return Err(e);
+            }
             return Ok(Mounted {
                 channel: chan,
                 kind: MountKind::Fuseblk,
                 source,
+                loop_dev,
             });
         }
     }
@@ -110,6 +167,7 @@ pub fn mount(mountpoint: &Path, o: MountOptions) -> io::Result<Mounted> {
         channel: chan,
         kind: MountKind::Fuse,
         source: o.fs_name.clone(),
+        loop_dev: None,
     })
 }
 
@@ -284,6 +342,7 @@ fn fusermount(mountpoint: &Path, o: &MountOptions) -> io::Result<Mounted> {
         channel: Channel::from_fd(fd),
         kind: MountKind::Fusermount,
         source: o.fs_name.clone(),
+        loop_dev: None,
     })
 }
 

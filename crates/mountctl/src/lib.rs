@@ -27,6 +27,15 @@ pub fn runtime_paths(mountpoint: &Path) -> (PathBuf, PathBuf) {
     )
 }
 
+/// Where the server of `mountpoint` with process id `pid` leaves how its unmount ended
+/// (`ok`, or `error: ...`), for `quiltfs umount` to read once the process is gone:
+/// the kernel ignores a FUSE server's answer to DESTROY, so this is the only way the
+/// outcome of the final write-back reaches the one who unmounted.
+pub fn status_path(mountpoint: &Path, pid: u32) -> PathBuf {
+    let (sock, _) = runtime_paths(mountpoint);
+    sock.with_extension(format!("{pid}.status"))
+}
+
 /// One request to the server of `mountpoint`; its answer.
 pub fn ask(mountpoint: &Path, what: &str) -> std::io::Result<String> {
     let (sock, _) = runtime_paths(mountpoint);

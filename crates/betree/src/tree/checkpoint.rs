@@ -38,7 +38,7 @@ use crate::alloc::Alloc;
 use crate::format::{self, Extent, Header};
 use crate::node::{self, Node, NodeId};
 use crate::{Error, Result};
-use quilt_patch::{ChangeOpts, Engine, PatchId};
+use quilt_patch::{ChangeOpts, Engine, PatchError, PatchId};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -212,12 +212,23 @@ struct Job {
 }
 
 impl Job {
+    /// A fresh extent, with storage behind it where the device is a sparse image file
+    /// (a host file system that fills up fails this allocation, not a write-back).
     fn alloc(&self, blocks: u64) -> Result<Extent> {
-        self.alloc
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .alloc(blocks)
-            .ok_or(Error::Full(blocks))
+        let mut alloc = self.alloc.lock().unwrap_or_else(|e| e.into_inner());
+        let e = alloc.alloc(blocks).ok_or(Error::Full(blocks))?;
+        match self.engine.reserve(e.start, e.blocks) {
+            Ok(()) => Ok(e),
+            Err(err) => {
+                alloc.free(e);
+                Err(match err {
+                    PatchError::Block(quilt_block::BlockError::NoSpace { .. }) => {
+                        Error::Full(blocks)
+                    }
+                    err => err.into(),
+                })
+            }
+        }
     }
 
     fn run(mut self) -> Result<Placed> {
