@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# betrfs gives space back, and df tells what can be written, through real mounts:
+#  1. Fill-and-delete cycles: writers (one, then four at once) fill the file system with
+#     dd until write(2) fails with ENOSPC; what they wrote is within 10% of what df
+#     said was available; everything is deleted and sync'd, and the next cycle writes
+#     at least 90% of what was deleted and of what the first cycle wrote. Every few
+#     cycles the image is unmounted and `quiltfs fsck -n` must find it clean.
+#  2. A sparse 1 GiB image on a 100 MiB host file system (tmpfs): when the host fills,
+#     write(2) fails with ENOSPC, fsync and close succeed, the unmount succeeds, and
+#     after a remount the file holds exactly what was acknowledged; deleting it gives
+#     the room back.
+# CI (CI=true): 128 MiB, 4 cycles. Full (humans): 128 MiB and 512 MiB, 100 cycles each
+# (about an hour). Needs root. Usage: tests/betrfs-space.sh [QUILTFS_BINARY]
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+q="${1:-$here/../target/release/quiltfs}"
+py=(python3 "$here/silentloss.py")
+work="$(mktemp -d /tmp/quiltfs-space.XXXXXX)"
+m="$work/m"; host="$work/host"; mkdir -p "$m" "$host"
+cleanup() {
+  for d in "$m" "$host"; do
+    mountpoint -q "$d" && { umount "$d" 2>/dev/null || umount -l "$d" || true; }
+  done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fail() { echo "betrfs-space: FAIL: $*" >&2; exit 1; }
+jget() { python3 -c 'import json,sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "$1" "$2"; }
+if [ "${CI:-}" = true ]; then sizes=(128M); cycles=4; else sizes=(128M 512M); cycles=100; fi
+cycles="${QUILT_SPACE_CYCLES:-$cycles}"
+
+avail_bytes() { echo $(( $(df --output=avail -k "$m" | tail -1) * 1024 )); }
+
+# Writers fill the mount with dd until ENOSPC; prints the bytes they stored.
+fill() { # WRITERS CYCLE
+  local n="$1" c="$2" i pids=()
+  for i in $(seq 1 "$n"); do
+    ( dd if=/dev/urandom of="$m/c$c-w$i" bs=1M status=none 2>"$work/dd$i.err" || true
+      grep -q 'No space left on device' "$work/dd$i.err" ||
+        { cat "$work/dd$i.err" >&2; echo "writer $i did not end with ENOSPC" >"$work/dd$i.fail"; } ) &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  for i in $(seq 1 "$n"); do [ ! -e "$work/dd$i.fail" ] || fail "cycle $c: $(cat "$work/dd$i.fail")"; done
+  local total=0
+  for i in $(seq 1 "$n"); do total=$((total + $(stat -c %s "$m/c$c-w$i"))); done
+  echo "$total"
+}
+
+for size in "${sizes[@]}"; do
+  img="$work/space.img"
+  rm -f "$img"
+  "$q" mkfs --fs betrfs "$img" --size "$size" >/dev/null
+  "$q" mount "$img" "$m" >/dev/null
+  first=0; deleted=0
+  for c in $(seq 1 "$cycles"); do
+    writers=$(( c % 2 == 1 ? 1 : 4 ))
+    before="$(avail_bytes)"
+    wrote="$(fill "$writers" "$c")"
+    # df's available space against what could be written: within 10% either way.
+    [ $((wrote * 10)) -ge $((before * 9)) ] && [ $((wrote * 10)) -le $((before * 11)) ] ||
+      fail "$size cycle $c ($writers writers): df said $before bytes available, $wrote were written"
+    [ "$first" -gt 0 ] || first="$wrote"
+    [ $((wrote * 10)) -ge $((first * 9)) ] ||
+      fail "$size cycle $c: $wrote bytes written, the first cycle wrote $first"
+    [ $((wrote * 10)) -ge $((deleted * 9)) ] ||
+      fail "$size cycle $c: $wrote bytes written after $deleted were deleted"
+    rm -f "$m"/c"$c"-w*
+    sync
+    deleted="$wrote"
+    if [ $((c % 10)) -eq 0 ] || [ "$c" -eq "$cycles" ] || [ "${CI:-}" = true ]; then
+      umount "$m" || fail "$size cycle $c: umount failed"
+      "$q" fsck -n "$img" >"$work/fsck.out" 2>&1 || { cat "$work/fsck.out"; fail "$size cycle $c: fsck"; }
+      "$q" mount "$img" "$m" >/dev/null
+    fi
+    echo "betrfs-space: $size cycle $c ($writers writers): $wrote bytes written, $before available before"
+  done
+  umount "$m"
+done
+
+echo "betrfs-space: a sparse image on a host file system that fills up"
+mount -t tmpfs -o size=100m quiltfs-test-host "$host"
+"$q" mkfs --fs betrfs "$host/s.img" --size 1G >/dev/null
+"$q" mount "$host/s.img" "$m" >/dev/null
+r="$("${py[@]}" fill "$m/f" 5 262144)"
+[ "$(jget "$r" write_errno)" = ENOSPC ] || fail "a full host did not fail write(2) with ENOSPC: $r"
+[ "$(jget "$r" fsync_errno)" = None ] && [ "$(jget "$r" close_errno)" = None ] ||
+  fail "fsync or close failed after write(2) had acknowledged (full host): $r"
+acked="$(jget "$r" acked)"
+[ "$acked" -gt $((40 << 20)) ] || fail "only $acked bytes stored on a 100 MiB host"
+umount "$m" || fail "the unmount on a full host failed"
+"$q" fsck -n "$host/s.img" >"$work/fsck.out" 2>&1 || { cat "$work/fsck.out"; fail "fsck after a full host"; }
+"$q" mount "$host/s.img" "$m" >/dev/null
+"${py[@]}" verify "$m/f" 5 "$acked" >/dev/null || fail "after a full host, the file is not what was acknowledged"
+rm "$m/f"
+sync
+r="$("${py[@]}" fill "$m/g" 6 262144)"
+[ "$(jget "$r" acked)" -gt $((acked * 9 / 10)) ] || fail "after deleting on a full host, only $(jget "$r" acked) bytes fit again ($acked before)"
+umount "$m"
+umount "$host"
+echo "betrfs-space: all checks passed"
