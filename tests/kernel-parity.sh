@@ -31,6 +31,10 @@
 #     with errors and the kernel's error record (count, block), then errors=continue
 #     going on and errors=remount-ro (the default) refusing changes, as the kernel's
 #     driver does with the same option; e2fsck -p then checks the image.
+# 11. Who may use a root mount: with no options every user may (as on the kernel's
+#     loop mount), under the permission checks: another user reads a 0644 file and may
+#     not write it or create in a 0755 directory, with the kernel's errno values;
+#     -o noallow_other keeps the mount to root (EACCES for everyone else).
 # Needs root. Usage: tests/kernel-parity.sh [QUILTFS_BINARY]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -262,5 +266,27 @@ for opt in continue remount-ro default; do
   e2fsck -p "$work/eq.img" >"$work/fsck.out" 2>&1 && fail "e2fsck -p finds nothing to check: $(cat "$work/fsck.out")"
   grep -q "contains a file system with errors, check forced" "$work/fsck.out" || fail "e2fsck -p did not check: $(cat "$work/fsck.out")"
 done
+
+echo "kernel-parity: other users on a root mount"
+"$q" mkfs "$work/uq.img" --size 16M >/dev/null
+cp "$work/uq.img" "$work/uk.img"
+as_user() { # DIR: what another user can do there, one line per call
+  setpriv --reuid=65534 --regid=65534 --clear-groups sh -c '
+    cat "$1/f" 2>/dev/null || echo "cat: $?"
+    (echo x >>"$1/f") 2>/dev/null; echo "append: $?"
+    (touch "$1/new") 2>/dev/null; echo "create: $?"
+    ls "$1" >/dev/null 2>&1; echo "list: $?"' sh "$1"
+}
+for img in uq uk; do
+  if [ "$img" = uk ]; then mount -o loop "$work/uk.img" "$k"; d="$k"; else "$q" mount "$work/uq.img" "$m" >/dev/null; d="$m"; fi
+  echo hello >"$d/f"; chmod 644 "$d/f"; chmod 755 "$d"
+  as_user "$d" >"$work/user.$img"
+  umount "$d"
+done
+diff -u "$work/user.uk" "$work/user.uq" || fail "another user on a root mount: quiltfs differs from the kernel"
+grep -qx hello "$work/user.uq" || fail "another user could not read a 0644 file on a root mount"
+"$q" mount "$work/uq.img" "$m" -o noallow_other >/dev/null
+setpriv --reuid=65534 --regid=65534 --clear-groups ls "$m" >/dev/null 2>&1 && fail "noallow_other: another user listed the mount"
+umount "$m"
 
 echo "kernel-parity: all checks passed"

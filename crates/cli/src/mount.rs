@@ -32,7 +32,9 @@ pub struct MountArgs {
     /// Block-cache budget in MiB.
     #[arg(long, default_value_t = crate::image::DEFAULT_CACHE_MIB)]
     pub cache_mib: usize,
-    /// Comma-separated options: ro, rw, allow_other, mode=M, unsafe, cache_mib=N,
+    /// Comma-separated options: ro, rw, allow_other (the default for root: every user
+    /// may use the mount, under its permissions and ACLs) or noallow_other (only the
+    /// user who mounted), mode=M, unsafe, cache_mib=N,
     /// acl (POSIX ACLs, the default) or noacl, errors=remount-ro (the default: after
     /// damage is found, marked in the superblock, no more changes) or errors=continue,
     /// flusher_ms=N (background write-back every N ms, 1000 by default; 0: only when
@@ -79,6 +81,11 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
     };
     let mut fuse = FuseOptions {
         fs_name: a.image.display().to_string(),
+        // Root's mounts serve every user, as a kernel file system does, under the
+        // kernel's permission checks (default_permissions) and the module's own ACLs;
+        // noallow_other keeps a mount to its owner, as FUSE does by default.
+        // SAFETY: geteuid has no preconditions.
+        allow_other: unsafe { libc::geteuid() } == 0,
         ..Default::default()
     };
     for o in a.options.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
@@ -90,6 +97,7 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
             ("ro", None) => settings.read_only = true,
             ("rw", None) => settings.read_only = false,
             ("allow_other", None) => fuse.allow_other = true,
+            ("noallow_other", None) => fuse.allow_other = false,
             ("unsafe", None) => settings.unsafe_durability = true,
             ("nowbcache", None) => fuse.writeback_cache = false,
             ("wbcache", None) => fuse.writeback_cache = true,

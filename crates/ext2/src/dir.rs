@@ -388,17 +388,22 @@ impl Ext2 {
                 self.modify_inode(op, st, parent, &[], |d| d.links = d.links.saturating_add(1))?;
             befores.extend(p);
         }
-        let mut n = self.init_inode(op, st, ino, &inode, &befores)?;
-        if !acls.is_empty() {
-            // The ACLs are in place before any name leads to the inode.
-            n = self
-                .apply_xattrs(op, st, ino, &mut inode, &acls, &[n])?
-                .unwrap_or(n);
-        }
-        let entry = match self.add_entry(op, st, parent, name, ino, self.ftype(mode), &[n]) {
+        let n = self.init_inode(op, st, ino, &inode, &befores)?;
+        let named = (|| {
+            let mut n = n;
+            if !acls.is_empty() {
+                // The ACLs are in place before any name leads to the inode.
+                n = self
+                    .apply_xattrs(op, st, ino, &mut inode, &acls, &[n])?
+                    .unwrap_or(n);
+            }
+            self.add_entry(op, st, parent, name, ino, self.ftype(mode), &[n])
+        })();
+        let entry = match named {
             Ok(e) => e,
             Err(e) => {
-                // No room for the entry: take the inode back.
+                // No room for the ACLs' block or the entry: take the inode back (its
+                // blocks too; nothing names it).
                 if is_dir {
                     self.modify_inode(op, st, parent, &[], |d| {
                         d.links = d.links.saturating_sub(1)
@@ -476,9 +481,14 @@ impl Ext2 {
         inode.flags = flags::inherited(dir.flags, mode);
         let mut init = self.init_inode(op, st, ino, &inode, &[bit])?;
         if !acls.is_empty() {
-            init = self
-                .apply_xattrs(op, st, ino, &mut inode, &acls, &[init])?
-                .unwrap_or(init);
+            match self.apply_xattrs(op, st, ino, &mut inode, &acls, &[init]) {
+                Ok(i) => init = i.unwrap_or(init),
+                Err(e) => {
+                    // No room for the ACLs' block: the inode goes back.
+                    self.destroy_inode(op, st, ino, None)?;
+                    return Err(e);
+                }
+            }
         }
         st.counters.inodes_created += 1;
         Ok((ino, init))
@@ -618,7 +628,8 @@ impl Ext2 {
         })?;
         // An O_TMPFILE file given its first name is no longer an orphan (the kernel
         // lets only those, and no other unnamed inode, be linked).
-        if st.orphans.remove(&ino) {
+        let was_orphan = st.orphans.remove(&ino);
+        if was_orphan {
             self.orphan_remove(op, st, ino)?;
         }
         let e = self.add_entry(
@@ -634,6 +645,14 @@ impl Ext2 {
             Ok(e) => e,
             Err(err) => {
                 self.modify_inode(op, st, ino, &[], |i| i.links = i.links.saturating_sub(1))?;
+                if was_orphan {
+                    // Still nameless: an orphan again, freed at its last release.
+                    st.orphans.insert(ino);
+                    let mut inode = self.read_inode(st, ino)?;
+                    self.orphan_add(op, st, ino, &mut inode)?;
+                    let n = self.write_inode(op, st, ino, &inode, &[])?;
+                    self.track(st, ino, n);
+                }
                 return Err(err);
             }
         };

@@ -328,29 +328,53 @@ impl Ext2 {
         goal: u32,
         defer: Option<&mut Vec<PatchId>>,
     ) -> Result<(u32, PatchId)> {
-        // Mapped already (damage)? Refused before anything is allocated.
-        self.empty_slot(ino, inode, lblk)?;
+        // Mapped already (damage)? Refused before anything is allocated. The map blocks
+        // the mapping creates are allocated before the block itself (in front of the
+        // group's data: `meta_goal`), as the kernel allocates a branch: a full disk fails
+        // it whole, and whatever was taken goes back before the error does (nothing
+        // points at it yet: the link is the last step).
+        let (need, _) = self.new_map_blocks(ino, inode, lblk)?;
         let use_ = if is_data {
             BlockUse::Data
         } else {
             BlockUse::Meta
         };
-        let (blk, alloc) = self.alloc_block(op, st, goal, use_)?;
-        let mut befores: Vec<PatchId> = content_befores.to_vec();
-        befores.extend(st.freed.get(&blk).copied());
-        let init = self.put_block(op, blk, content, &befores, is_data)?;
-        let head = self.bmap_map(
-            op,
-            st,
-            ino,
-            inode,
-            lblk,
-            blk,
-            &[alloc, init],
-            &mut Vec::new(),
-            defer,
-        )?;
-        Ok((blk, head))
+        let mut pre: Vec<(u32, PatchId)> = Vec::with_capacity(need);
+        let mut taken: Option<u32> = None;
+        let r = (|| {
+            let meta = self.meta_goal(st, self.group_of_inode(ino));
+            for _ in 0..need {
+                let a = self.alloc_block(op, st, meta, BlockUse::Meta)?;
+                pre.insert(0, a);
+            }
+            let (blk, alloc) = self.alloc_block(op, st, goal, use_)?;
+            taken = Some(blk);
+            let mut befores: Vec<PatchId> = content_befores.to_vec();
+            befores.extend(st.freed.get(&blk).copied());
+            let init = self.put_block(op, blk, content, &befores, is_data)?;
+            let head = self.bmap_map(
+                op,
+                st,
+                ino,
+                inode,
+                lblk,
+                blk,
+                &[alloc, init],
+                &mut pre,
+                defer,
+            )?;
+            Ok((blk, head))
+        })();
+        if r.is_err() {
+            let linked = taken.is_some_and(|b| self.bmap(inode, lblk).ok() == Some(b));
+            let unlinked = taken.filter(|_| !linked);
+            for blk in pre.iter().map(|&(b, _)| b).chain(unlinked) {
+                if let Err(e) = self.free_block(op, st, blk, None) {
+                    tracing::warn!("freeing unmapped block {blk} after an error: {e}");
+                }
+            }
+        }
+        r
     }
 
     /// How many map blocks the mapping of hole `lblk` would create, and the key of the
@@ -421,17 +445,39 @@ impl Ext2 {
             .last()
             .ok_or_else(|| corrupt("no initialization patch"))?;
         let mut child = (blk, child_befores.to_vec());
+        // Map blocks taken so far, and whether from `pre`: on an error before the link
+        // those go back to `pre` (the caller frees what is left there) and the others
+        // to the allocator.
+        let mut taken: Vec<((u32, PatchId), bool)> = Vec::new();
         for level in (depth + 1..=path.rest.len()).rev() {
-            let (ind, alloc) = match pre.pop() {
-                Some(p) => p,
-                None => self.alloc_block(op, st, goal, BlockUse::Meta)?,
+            let next = match pre.pop() {
+                Some(p) => Ok((p, true)),
+                None => self
+                    .alloc_block(op, st, goal, BlockUse::Meta)
+                    .map(|a| (a, false)),
             };
-            let mut b = vec![0u8; self.geo.bs as usize];
-            put32(&mut b, slots[level] * 4, child.0);
-            let mut befores = child.1.clone();
-            befores.extend(st.freed.get(&ind).copied());
-            let init = self.put_block(op, ind, &b, &befores, false)?;
-            child = (ind, vec![alloc, init]);
+            let r = next.and_then(|((ind, alloc), from_pre)| {
+                taken.push(((ind, alloc), from_pre));
+                let mut b = vec![0u8; self.geo.bs as usize];
+                put32(&mut b, slots[level] * 4, child.0);
+                let mut befores = child.1.clone();
+                befores.extend(st.freed.get(&ind).copied());
+                let init = self.put_block(op, ind, &b, &befores, false)?;
+                Ok((ind, vec![alloc, init]))
+            });
+            match r {
+                Ok(c) => child = c,
+                Err(e) => {
+                    for (p, from_pre) in taken.into_iter().rev() {
+                        if from_pre {
+                            pre.push(p);
+                        } else if let Err(e) = self.free_block(op, st, p.0, None) {
+                            tracing::warn!("freeing unmapped block {} after an error: {e}", p.0);
+                        }
+                    }
+                    return Err(e);
+                }
+            }
         }
         inode.blocks = inode
             .blocks
@@ -448,8 +494,16 @@ impl Ext2 {
                 .ok_or_else(|| corrupt("inode write changed nothing"))?
         } else {
             // Pointers this request deferred are in `inode` too: their befores come along.
-            let pending: Vec<PatchId> = defer.map(|d| d.clone()).unwrap_or_default();
+            let pending: Vec<PatchId> = defer.as_deref().cloned().unwrap_or_default();
             let i = self.write_inode(op, st, ino, inode, &pending)?;
+            // Those pointers are now in an inode write that waits for their befores, and
+            // every later write of the inode overlaps it and so comes after it: the
+            // caller's list starts again. (Kept whole, it grew by a dozen ids a block,
+            // and each merge's cycle search walked it: a 64 MiB journal's mkfs took
+            // half a minute.)
+            if let Some(d) = defer {
+                d.clear();
+            }
             let mut befores = child.1.clone();
             befores.extend(i);
             let mut b = [0u8; 4];
@@ -582,9 +636,16 @@ impl Ext2 {
                 break;
             }
         }
-        // A short write (ENOSPC midway) still reports what was written.
+        // A short write (ENOSPC midway) still reports what was written; one that wrote
+        // nothing leaves the size as it was (as kernel ext2 does). (The size raised
+        // above may have reached the disk with a map block's pointer: too high for a
+        // moment, never too low.)
         if written < data.len() {
-            inode.size = old_size.max(offset + written as u64);
+            inode.size = if written == 0 {
+                old_size
+            } else {
+                old_size.max(offset + written as u64)
+            };
         }
         let h = self.write_inode(op, st, ino, &inode, &deferred)?;
         self.track(st, ino, h);
@@ -989,6 +1050,9 @@ impl Ext2 {
         let mut result = Ok(());
         // Logical blocks below this are mapped (from `offset` on).
         let mut reached = offset / bs;
+        // Whether this call mapped a block: one that mapped none leaves the size alone.
+        let mut grew = false;
+        let keep = mode & KEEP_SIZE != 0;
         for lblk in offset / bs..end.div_ceil(bs) {
             match self.bmap(&inode, lblk) {
                 Ok(0) => {}
@@ -1001,6 +1065,13 @@ impl Ext2 {
                     result = Err(e);
                     break;
                 }
+            }
+            // The size covers the block before it is mapped: a map block's pointer may
+            // reach the disk with the inode written for it (soft updates: the size on
+            // disk may be too high for a moment, never too low for a mapped block).
+            let size_before = inode.size;
+            if !keep {
+                inode.size = inode.size.max(((lblk + 1) * bs).min(end));
             }
             match self.bmap_alloc(
                 op,
@@ -1017,21 +1088,26 @@ impl Ext2 {
                 Ok((b, h)) => {
                     goal = b + 1;
                     reached = lblk + 1;
+                    grew = true;
                     self.track(st, ino, Some(h));
                 }
                 Err(e) => {
+                    inode.size = size_before;
                     result = Err(e);
                     break;
                 }
             }
         }
-        if mode & KEEP_SIZE == 0 {
+        if !keep {
             // On failure what was allocated stays, and the size covers it: blocks past
-            // the size would make the inode invalid.
+            // the size would make the inode invalid. A call that mapped nothing changes
+            // no size.
             let covered = if result.is_ok() {
                 end
-            } else {
+            } else if grew {
                 (reached * bs).min(end)
+            } else {
+                0
             };
             inode.size = inode.size.max(covered);
         }

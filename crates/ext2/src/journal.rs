@@ -256,6 +256,12 @@ impl Ext2 {
             return Err(FsError::Exists);
         }
         let bs = self.geo.bs;
+        // Room for the journal and its map blocks, checked first: a journal that does
+        // not fit fails before a block is taken.
+        let n = blocks as u64;
+        if (st.sb.free_blocks_count as u64) < n + map_blocks(n, (bs / 4) as u64) {
+            return Err(FsError::NoSpace);
+        }
         let mut inode = self.new_inode(libc::S_IFREG | 0o600, 0, 0);
         inode.links = 1;
         let ino = JOURNAL_INO;
@@ -350,5 +356,43 @@ impl Ext2 {
             ..Default::default()
         };
         quilt_journal::Journal::start_on(self.engine().clone(), dev, map, opts).map_err(jerr)
+    }
+}
+
+/// Map blocks (indirect, double and triple indirect) a file of `n` blocks needs, with
+/// `ppb` pointers per block.
+fn map_blocks(n: u64, ppb: u64) -> u64 {
+    let mut left = n.saturating_sub(12);
+    let mut maps = 0;
+    // Single indirect.
+    if left > 0 {
+        maps += 1;
+        left = left.saturating_sub(ppb);
+    }
+    // Double indirect: itself and one indirect block per `ppb`.
+    if left > 0 {
+        let here = left.min(ppb * ppb);
+        maps += 1 + here.div_ceil(ppb);
+        left -= here;
+    }
+    // Triple indirect: itself, a double indirect per `ppb²`, an indirect per `ppb`.
+    if left > 0 {
+        maps += 1 + left.div_ceil(ppb * ppb) + left.div_ceil(ppb);
+    }
+    maps
+}
+
+#[cfg(test)]
+mod map_tests {
+    use super::map_blocks;
+
+    #[test]
+    fn map_blocks_counts_each_level() {
+        assert_eq!(map_blocks(12, 1024), 0);
+        assert_eq!(map_blocks(13, 1024), 1);
+        assert_eq!(map_blocks(12 + 1024, 1024), 1);
+        assert_eq!(map_blocks(12 + 1024 + 1, 1024), 3);
+        assert_eq!(map_blocks(16384, 1024), 1 + 1 + 15);
+        assert_eq!(map_blocks(12 + 256 + 65536 + 1, 256), 1 + 1 + 256 + 1 + 1 + 1);
     }
 }
