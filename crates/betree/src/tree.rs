@@ -220,17 +220,15 @@ fn decode_whole_leaf(
 /// file: log writes (every batch, every sync) must never fail for a full host.
 /// (Node extents are reserved as checkpoints allocate them.)
 fn reserve_log(engine: &Engine, geo: &Geometry) -> Result<()> {
-    engine
-        .reserve(0, geo.data_first())
-        .map_err(|e| match e {
-            quilt_patch::PatchError::Block(quilt_block::BlockError::NoSpace { path, .. }) => {
-                Error::Invalid(format!(
-                    "{path}: the host file system has no room for the tree's log ({} blocks)",
-                    geo.data_first()
-                ))
-            }
-            e => e.into(),
-        })
+    engine.reserve(0, geo.data_first()).map_err(|e| match e {
+        quilt_patch::PatchError::Block(quilt_block::BlockError::NoSpace { path, .. }) => {
+            Error::Invalid(format!(
+                "{path}: the host file system has no room for the tree's log ({} blocks)",
+                geo.data_first()
+            ))
+        }
+        e => e.into(),
+    })
 }
 
 /// Appends a basement's entries to the ones of the basements before it.

@@ -631,8 +631,16 @@ pub fn unmount_and_wait(mountpoint: &Path, lazy: bool) -> Result<()> {
                 bail!(
                     "{} is still held after the unmount ({}{})",
                     img.display(),
-                    if loops.is_empty() { String::new() } else { format!("by {}", loops.join(", ")) },
-                    if locked { "; a process has it locked" } else { "" }
+                    if loops.is_empty() {
+                        String::new()
+                    } else {
+                        format!("by {}", loops.join(", "))
+                    },
+                    if locked {
+                        "; a process has it locked"
+                    } else {
+                        ""
+                    }
                 );
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
@@ -662,7 +670,9 @@ fn wait_exit(pidfd: &std::os::fd::OwnedFd, pid: u32) {
         };
         // SAFETY: one pollfd, a bounded timeout.
         let n = unsafe { libc::poll(&mut p, 1, 1000) };
-        if n > 0 || (n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted) {
+        if n > 0
+            || (n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted)
+        {
             return;
         }
         if !told && start.elapsed() > std::time::Duration::from_secs(5) {

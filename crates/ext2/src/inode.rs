@@ -859,8 +859,10 @@ impl Ext2 {
             if from <= start && start + span <= to {
                 self.collect_subtree(blk, level, frees)?;
                 inode.block[slot] = 0;
-            } else {
-                self.cut_subtree(op, blk, level, start, (from, to), frees, clears)?;
+            } else if self.cut_subtree(op, blk, level, start, (from, to), frees, clears)? {
+                // Nothing left below it: the map block goes too.
+                frees.push(blk);
+                inode.block[slot] = 0;
             }
         }
         Ok(())
@@ -891,7 +893,9 @@ impl Ext2 {
     }
 
     /// Cuts the part of the subtree at `blk` (covering logical blocks from `start`) inside
-    /// `from..to`, clearing the pointers in `blk` itself.
+    /// `from..to`, clearing the pointers in `blk` itself. Returns whether `blk` points at
+    /// nothing any more: the caller frees it and clears its pointer (a map block that a
+    /// punched hole or an undone allocation emptied is not kept).
     #[allow(clippy::too_many_arguments)]
     fn cut_subtree(
         &self,
@@ -902,7 +906,7 @@ impl Ext2 {
         (from, to): (u64, u64),
         frees: &mut Vec<u32>,
         clears: &mut Vec<PatchId>,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let p = self.ptrs();
         let child_span = p.pow(level - 1);
         let mut img = self.engine().read(blk as u64).map_err(Self::io)?;
@@ -922,16 +926,19 @@ impl Ext2 {
                 }
                 put32(&mut img, i * 4, 0);
                 changed = true;
-            } else {
-                self.cut_subtree(op, c, level - 1, cstart, (from, to), frees, clears)?;
+            } else if self.cut_subtree(op, c, level - 1, cstart, (from, to), frees, clears)? {
+                frees.push(c);
+                put32(&mut img, i * 4, 0);
+                changed = true;
             }
         }
-        if changed {
+        let empty = img.chunks_exact(4).all(|w| w == [0; 4]);
+        if changed && !empty {
             if let Some(h) = self.put(op, blk, 0, &img, &[], false)? {
                 clears.push(h);
             }
         }
-        Ok(())
+        Ok(empty)
     }
 
     /// Frees logical blocks `range` of `ino` and writes the inode (with `inode`'s other
@@ -1048,17 +1055,15 @@ impl Ext2 {
         let mut goal = self.goal_for(st, ino, &inode, offset / bs);
         let mut deferred: Vec<PatchId> = Vec::new();
         let mut result = Ok(());
-        // Logical blocks below this are mapped (from `offset` on).
-        let mut reached = offset / bs;
-        // Whether this call mapped a block: one that mapped none leaves the size alone.
-        let mut grew = false;
+        let size_at_start = inode.size;
+        // The blocks this call mapped, in order: one that fails gives them back.
+        let mut mapped: Vec<u64> = Vec::new();
         let keep = mode & KEEP_SIZE != 0;
         for lblk in offset / bs..end.div_ceil(bs) {
             match self.bmap(&inode, lblk) {
                 Ok(0) => {}
                 Ok(p) => {
                     goal = p + 1;
-                    reached = lblk + 1;
                     continue;
                 }
                 Err(e) => {
@@ -1087,8 +1092,7 @@ impl Ext2 {
             ) {
                 Ok((b, h)) => {
                     goal = b + 1;
-                    reached = lblk + 1;
-                    grew = true;
+                    mapped.push(lblk);
                     self.track(st, ino, Some(h));
                 }
                 Err(e) => {
@@ -1098,18 +1102,23 @@ impl Ext2 {
                 }
             }
         }
-        if !keep {
-            // On failure what was allocated stays, and the size covers it: blocks past
-            // the size would make the inode invalid. A call that mapped nothing changes
-            // no size.
-            let covered = if result.is_ok() {
-                end
-            } else if grew {
-                (reached * bs).min(end)
-            } else {
-                0
-            };
-            inode.size = inode.size.max(covered);
+        if result.is_err() {
+            // All or nothing: a preallocation that runs out gives back what it took
+            // (the kernel's ext4 keeps it, and grows the size over it; a caller that
+            // got ENOSPC is then left with a file it did not ask for). The size is as
+            // it was, which covers no block this call mapped.
+            inode.size = size_at_start;
+            let mut i = 0;
+            while i < mapped.len() {
+                let mut j = i + 1;
+                while j < mapped.len() && mapped[j] == mapped[j - 1] + 1 {
+                    j += 1;
+                }
+                self.free_range(op, st, ino, &mut inode, (mapped[i], mapped[j - 1] + 1))?;
+                i = j;
+            }
+        } else if !keep {
+            inode.size = inode.size.max(end);
         }
         Self::touch_times(&mut inode, false, true);
         let h = self.write_inode(op, st, ino, &inode, &deferred)?;

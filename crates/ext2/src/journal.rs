@@ -393,6 +393,9 @@ mod map_tests {
         assert_eq!(map_blocks(12 + 1024, 1024), 1);
         assert_eq!(map_blocks(12 + 1024 + 1, 1024), 3);
         assert_eq!(map_blocks(16384, 1024), 1 + 1 + 15);
-        assert_eq!(map_blocks(12 + 256 + 65536 + 1, 256), 1 + 1 + 256 + 1 + 1 + 1);
+        assert_eq!(
+            map_blocks(12 + 256 + 65536 + 1, 256),
+            1 + 1 + 256 + 1 + 1 + 1
+        );
     }
 }

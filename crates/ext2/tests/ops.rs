@@ -231,12 +231,14 @@ fn fallocate_frees_and_allocates_whole_blocks_of_the_map() {
         Err(FsError::NotSupported),
         "no blocks past the size on ext2"
     );
-    // No room: what was allocated is covered by the size, so the image stays valid.
+    // No room: all or nothing, the call gives back what it took before it answers.
     let big = fs.mknod(r, b"big", REG, 0, &c()).unwrap().ino;
+    let free = fs.statfs().unwrap().blocks_free;
     assert_eq!(
         fs.fallocate(big, 0, 64 << 20, 0, &c()),
         Err(FsError::NoSpace)
     );
     let a = fs.getattr(big).unwrap();
-    assert!(a.size > 0 && a.size.div_ceil(4096) * 8 <= a.blocks, "{a:?}");
+    assert_eq!((a.size, a.blocks), (0, 0), "{a:?}");
+    assert_eq!(fs.statfs().unwrap().blocks_free, free);
 }

@@ -89,7 +89,10 @@ impl LoopDevice {
                 format!("detaching {}: {e}", self.path.display()),
             ));
         }
-        let name = self.path.file_name().map(|n| n.to_string_lossy().into_owned());
+        let name = self
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned());
         let backing = format!("/sys/block/{}/loop/backing_file", name.unwrap_or_default());
         let start = std::time::Instant::now();
         while Path::new(&backing).exists() {
