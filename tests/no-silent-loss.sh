@@ -14,7 +14,8 @@
 #     fail naming the mount; after kill -9 of the server a new mount works.
 #  6. umount then at once mkfs or mount (100 rounds): the image is free, never "in use".
 #  7. mkfs over a file system refuses without --force (ext2 with files, ext4) and leaves
-#     it intact; --force replaces it.
+#     it intact; --force replaces it. Sizes that cannot be made are refused and leave no
+#     file; a directory given as the image is named as such.
 #  8. sync(1) and syncfs(2) (sync -f) make everything durable: after each, kill -9 of the
 #     server, remount, nothing lost.
 #  9. A sparse 1 GiB image on a 100 MiB host file system (tmpfs): when the host fills,
@@ -196,6 +197,17 @@ echo "$out" | grep -q "already holds an ext4 file system" || fail "mkfs does not
 [ ! -e "$m/d" ] || fail "mkfs --force kept the old files"
 umount "$m"
 fsck_clean "$work/c.img"
+# A size that cannot be made is refused with a message that names the module, and no
+# file is left behind.
+for args in "--size 1K" "--size 100T" "--fs betrfs --size 1K"; do
+  # shellcheck disable=SC2086
+  if out="$("$q" mkfs "$work/n.img" $args 2>&1)"; then fail "mkfs $args succeeded"; fi
+  [ ! -e "$work/n.img" ] || fail "a refused mkfs $args left $work/n.img behind"
+  case "$args" in *betrfs*) ! echo "$out" | grep -q ext2 || fail "betrfs mkfs talks of ext2: $out";; esac
+done
+mkdir "$work/adir"
+if out="$("$q" mount "$work/adir" "$m" 2>&1)"; then fail "a directory was mounted as an image"; fi
+echo "$out" | grep -q "$work/adir is a directory" || fail "mounting a directory does not say so: $out"
 
 echo "no-silent-loss: sync(1) and syncfs(2) reach the server"
 head -c 20M /dev/urandom >"$work/src.bin"

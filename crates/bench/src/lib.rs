@@ -171,7 +171,9 @@ pub fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
     (med, v[0], v[n - 1])
 }
 
-/// Serializable rows as CSV, one column per field.
+/// Serializable rows as CSV (RFC 4180, by the csv crate), one column per field; a
+/// field that is itself a structure (a map of request counts) is a cell of JSON,
+/// quoted like any cell holding commas or quotes.
 pub fn csv<T: serde::Serialize>(rows: &[T]) -> Result<String> {
     let rows = serde_json::to_value(rows)?;
     let rows = rows.as_array().cloned().unwrap_or_default();
@@ -179,19 +181,18 @@ pub fn csv<T: serde::Serialize>(rows: &[T]) -> Result<String> {
         return Ok(String::new());
     };
     let keys: Vec<String> = first.keys().cloned().collect();
-    let mut out = keys.join(",") + "\n";
+    let mut w = ::csv::Writer::from_writer(Vec::new());
+    w.write_record(&keys)?;
     for r in &rows {
-        let cells: Vec<String> = keys
-            .iter()
-            .map(|k| match &r[k] {
-                serde_json::Value::String(s) => s.clone(),
-                serde_json::Value::Null => String::new(),
-                v => v.to_string(),
-            })
-            .collect();
-        out += &(cells.join(",") + "\n");
+        w.write_record(keys.iter().map(|k| match &r[k] {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Null => String::new(),
+            v => v.to_string(),
+        }))?;
     }
-    Ok(out)
+    Ok(String::from_utf8(
+        w.into_inner().map_err(|e| e.into_error())?,
+    )?)
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -405,4 +406,49 @@ pub fn preload_lib() -> Result<std::path::PathBuf> {
         }
     }
     bail!("libquilt_preload.so is neither beside {} nor in /usr/local/lib (cargo build --release -p quilt-preload)", exe.display())
+}
+
+#[cfg(test)]
+mod csv_tests {
+    /// Read back by a CSV reader, every row has every column, and a cell of JSON with
+    /// commas and quotes comes back whole (Python's csv module and pandas shifted every
+    /// column after `requests` when it was written unquoted).
+    #[test]
+    fn cells_with_commas_and_quotes_read_back_whole() {
+        #[derive(serde::Serialize)]
+        struct Row {
+            system: String,
+            seconds: f64,
+            requests: std::collections::BTreeMap<String, u64>,
+            note: Option<String>,
+        }
+        let rows = vec![
+            Row {
+                system: "quilt-su".into(),
+                seconds: 1.5,
+                requests: [("LOOKUP".to_string(), 3), ("GETATTR".to_string(), 7)].into(),
+                note: Some("a \"quoted\", note".into()),
+            },
+            Row {
+                system: "ext2".into(),
+                seconds: 0.75,
+                requests: Default::default(),
+                note: None,
+            },
+        ];
+        let text = super::csv(&rows).unwrap();
+        let mut r = csv::Reader::from_reader(text.as_bytes());
+        let head: Vec<String> = r.headers().unwrap().iter().map(String::from).collect();
+        let col = |name: &str| head.iter().position(|h| h == name).unwrap();
+        assert_eq!(head.len(), 4);
+        let got: Vec<csv::StringRecord> = r.records().map(Result::unwrap).collect();
+        assert_eq!(got.len(), 2);
+        assert!(got.iter().all(|row| row.len() == 4));
+        let req: serde_json::Value = serde_json::from_str(&got[0][col("requests")]).unwrap();
+        assert_eq!(req["GETATTR"], 7);
+        assert_eq!(&got[0][col("note")], "a \"quoted\", note");
+        assert_eq!(&got[1][col("system")], "ext2");
+        assert_eq!(&got[1][col("seconds")], "0.75");
+        assert_eq!(&got[1][col("note")], "");
+    }
 }

@@ -518,7 +518,19 @@ impl Betrfs {
     /// only once they reach the leaves), else a checkpoint when it would free the
     /// extents of the nodes it rewrites (`Space::pending` counts their copies whole).
     pub(crate) fn room(&self, bytes: u64) -> Result<()> {
-        let need = self.blocks_for(bytes) + self.reserve;
+        self.room_beyond(bytes, self.reserve)
+    }
+
+    /// Room for a new name (an inode record and an entry): it may take the reserve,
+    /// as root may take ext2's, so that a file system full of data still takes an
+    /// empty file or a directory while `statfs` shows free blocks. (The tree keeps its
+    /// own margin for checkpoints and deletes whatever this lets through.)
+    pub(crate) fn room_for_name(&self) -> Result<()> {
+        self.room_beyond(BLOCK, 0)
+    }
+
+    fn room_beyond(&self, bytes: u64, reserve: u64) -> Result<()> {
+        let need = self.blocks_for(bytes) + reserve;
         let sp = self.tree.space();
         if sp.avail() >= need {
             return Ok(());
@@ -1174,36 +1186,49 @@ impl FileSystem for Betrfs {
             }
         } else {
             // Preallocation: blocks without data become present zero blocks (an empty
-            // value), so SEEK_DATA sees them as the kernel's allocated blocks.
+            // value), so SEEK_DATA sees them as the kernel's allocated blocks. The room
+            // is checked first: the call fails with ENOSPC, as ext4's does, when the
+            // tree cannot take it now (a copy-on-write tree can promise no more: a
+            // later write there takes new space whatever was done now).
             self.room(length)?;
             let first = offset / BLOCK;
-            // With KEEP_SIZE, nothing past the end (no block lies past a file's size).
+            // With KEEP_SIZE, only the part inside the file: no block lies past a file's
+            // size here (unlink, truncate and fsck rely on it). A range wholly past the
+            // end allocates nothing and succeeds, as on ext4 (whose blocks there would
+            // be invisible until the file grows).
             let last = if mode & KEEP != 0 {
-                end.min(n.inode.size).div_ceil(BLOCK)
+                end.min(n.inode.size).div_ceil(BLOCK).max(first)
             } else {
                 end.div_ceil(BLOCK)
             };
-            let present: std::collections::HashSet<u64> = {
-                let prefix = n.loc.data_prefix();
-                let mut s = std::collections::HashSet::new();
+            // In batches the log takes (a key and an empty value a block).
+            let per_key = n.loc.data_key(first).len() + 32;
+            let per_batch = (self.batch_bytes / per_key).max(1) as u64;
+            let prefix = n.loc.data_prefix();
+            let mut at = first;
+            while at < last {
+                let to = (at + per_batch).min(last);
+                let mut present = std::collections::HashSet::new();
                 for kv in self
                     .tree
-                    .range(&n.loc.data_key(first), Some(&n.loc.data_key(last)))
+                    .range(&n.loc.data_key(at), Some(&n.loc.data_key(to)))
                 {
                     let (k, _) = kv.map_err(io)?;
                     if let Some(blk) = keys::block_of(&prefix, &k) {
-                        s.insert(blk);
+                        present.insert(blk);
                     }
                 }
-                s
-            };
-            if (last - first) as usize > self.batch_bytes / 16 {
-                return Err(FsError::NotSupported);
-            }
-            for blk in first..last {
-                if !present.contains(&blk) {
-                    b.put(&n.loc.data_key(blk), b"");
-                    n.inode.blocks += 1;
+                for blk in at..to {
+                    if !present.contains(&blk) {
+                        b.put(&n.loc.data_key(blk), b"");
+                        n.inode.blocks += 1;
+                    }
+                }
+                at = to;
+                if at < last {
+                    Self::put_inode(&mut b, &n);
+                    self.commit(&mut st, std::mem::take(&mut b))?;
+                    st.nodes.insert(ino, n.clone());
                 }
             }
             if mode & KEEP == 0 && end > n.inode.size {

@@ -4,7 +4,7 @@
 
 use crate::fs::{check_name, io, now, Betrfs, Kvs, Node, State, LINK_MAX, RANGE_RENAME_BYTES};
 use crate::keys::{self, Loc};
-use crate::record::{Inode, BLOCK};
+use crate::record::Inode;
 use quilt_betree::Batch;
 use quilt_vfs::acl::{self, Acl};
 use quilt_vfs::{rules, Attr, Ctx, FsError, Result, Timespec};
@@ -30,7 +30,7 @@ impl Betrfs {
         }
         let mut st = self.lock();
         self.writable(&st)?;
-        self.room(BLOCK)?;
+        self.room_for_name()?;
         let key = if tmp {
             Vec::new()
         } else {

@@ -55,9 +55,40 @@ pub fn run(a: MkfsArgs) -> Result<()> {
             a.block_size
         );
     }
+    // A size that cannot be made is refused before anything is created.
+    let asked = a.size.as_deref().map(parse_size).transpose()?;
+    if let Some(bytes) = asked {
+        check_size(&a, bytes)?;
+    }
+    let created = !a.image.exists();
     let target = crate::image::open_target(&a.image)?;
-    let bytes = match &a.size {
-        Some(s) => parse_size(s)?,
+    let r = format(&a, target, asked);
+    if r.is_err() && created {
+        // Nothing of ours may stay behind a refusal: the file did not exist before.
+        let _ = std::fs::remove_file(&a.image);
+    }
+    r
+}
+
+/// Whether `bytes` makes a file system of the kind asked for.
+fn check_size(a: &MkfsArgs, bytes: u64) -> Result<()> {
+    let blocks = bytes / a.block_size as u64;
+    if a.fs == "ext2" && blocks > u32::MAX as u64 {
+        bail!(
+            "a size of {bytes} bytes is too large for ext2 with {}-byte blocks (at most {} bytes)",
+            a.block_size,
+            u32::MAX as u64 * a.block_size as u64
+        );
+    }
+    if blocks < 64 {
+        bail!("a size of {bytes} bytes is too small for a file system (at least 64 blocks)");
+    }
+    Ok(())
+}
+
+fn format(a: &MkfsArgs, target: crate::image::Target, asked: Option<u64>) -> Result<()> {
+    let bytes = match asked {
+        Some(b) => b,
         None if target.existed => target.len,
         None => bail!(
             "{} does not exist: give its size with --size (e.g. --size 1G)",
@@ -70,16 +101,8 @@ pub fn run(a: MkfsArgs) -> Result<()> {
             target.len
         );
     }
+    check_size(a, bytes)?;
     let blocks = bytes / a.block_size as u64;
-    if blocks > u32::MAX as u64 {
-        bail!(
-            "a size of {bytes} bytes is too large for ext2 with {}-byte blocks",
-            a.block_size
-        );
-    }
-    if blocks < 64 {
-        bail!("a size of {bytes} bytes is too small for a file system (at least 64 blocks)");
-    }
     if let Some(found) = crate::image::probe_contents(&target.file, &a.image) {
         if !a.force {
             bail!(
@@ -92,7 +115,16 @@ pub fn run(a: MkfsArgs) -> Result<()> {
     let file = target.file;
     if !target.is_device {
         // Emptied, then extended: the new image reads as zeros without writing them.
-        let io = |e| anyhow::anyhow!("cannot resize {}: {e}", a.image.display());
+        let io = |e: std::io::Error| {
+            if e.raw_os_error() == Some(libc::EFBIG) {
+                anyhow::anyhow!(
+                    "the file system under {} does not take a file of {bytes} bytes ({e})",
+                    a.image.display()
+                )
+            } else {
+                anyhow::anyhow!("cannot resize {}: {e}", a.image.display())
+            }
+        };
         file.set_len(0).map_err(io)?;
         file.set_len(bytes).map_err(io)?;
     }

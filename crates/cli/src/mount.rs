@@ -193,6 +193,19 @@ pub fn run(mut a: MountArgs) -> Result<()> {
             a.image.display()
         );
     }
+    {
+        use std::os::unix::fs::FileTypeExt;
+        let t = std::fs::metadata(&a.image)
+            .with_context(|| format!("cannot read {}", a.image.display()))?
+            .file_type();
+        if !t.is_file() && !t.is_block_device() {
+            bail!(
+                "{} is {}: quiltfs mount takes an image file or a block device (quiltfs mount IMAGE MOUNTPOINT)",
+                a.image.display(),
+                if t.is_dir() { "a directory" } else { "neither a file nor a block device" }
+            );
+        }
+    }
     if a.foreground {
         return serve(&a, p);
     }
