@@ -159,7 +159,7 @@ fn format(a: &MkfsArgs, target: crate::image::Target, asked: Option<u64>) -> Res
     let mut kind = "ext2".to_string();
     let skip = a.journal_placement == "skip";
     if let Some(jpath) = &a.journal_dev {
-        let jblocks = external_journal(&a, jpath, &engine, skip, blocks)?;
+        let jblocks = external_journal(a, jpath, &engine, skip, blocks)?;
         kind = format!(
             "ext3 (external journal {} of {jblocks} blocks, {} MiB{})",
             jpath.display(),
