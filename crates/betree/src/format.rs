@@ -3,7 +3,10 @@
 //! crc32c; a damaged one is a typed error.
 //!
 //! Layout: block 0 and block 1 are the header slots (checkpoint `g` writes slot `g % 2`);
-//! the log region follows; node and table extents fill the rest.
+//! the log region follows; node and table extents fill the rest, up to the device's
+//! last block, which (from header version 3) holds a mirror of the newest header: a
+//! damaged or zeroed newest slot is then read from the mirror instead of silently
+//! falling back to the checkpoint before it.
 
 use crate::codec::{crc32c, Reader, Writer};
 use crate::node::NodeId;
@@ -17,8 +20,9 @@ pub const VERSION: u32 = 1;
 /// Headers: version 2 lets replay start in the middle of a log block (`log_offset` is
 /// the stream offset of the first record to replay; version 1 always named a block's
 /// start, which means the same). Version 1 binaries refuse version 2 headers rather than
-/// stop replay at once.
-const HEADER_VERSION: u32 = 2;
+/// stop replay at once. Version 3 adds the mirror's block (`Geometry::mirror`); version
+/// 2 binaries refuse it (they would allocate nodes over the mirror).
+const HEADER_VERSION: u32 = 3;
 pub const HEADER_SLOTS: u64 = 2;
 
 /// A run of blocks.
@@ -37,11 +41,22 @@ pub struct Geometry {
     pub fanout: usize,
     pub log_first: BlockNo,
     pub log_blocks: u64,
+    /// The block that mirrors the newest header (the device's last), or 0 for trees
+    /// made before mirrors (header version 2 and older).
+    pub mirror: BlockNo,
 }
 
 impl Geometry {
     pub fn data_first(&self) -> BlockNo {
         self.log_first + self.log_blocks
+    }
+    /// Where node and table extents end: the mirror, or the device's end.
+    pub fn data_end(&self, block_count: u64) -> BlockNo {
+        if self.mirror == 0 {
+            block_count
+        } else {
+            self.mirror
+        }
     }
     pub fn max_key(&self) -> usize {
         (self.node_bytes / (4 * self.fanout)).clamp(16, 4096)
@@ -78,7 +93,12 @@ impl Header {
     pub fn encode(&self, bs: usize) -> Vec<u8> {
         let mut w = Writer::with_capacity(bs);
         w.u64(HEADER_MAGIC);
-        w.u32(HEADER_VERSION);
+        // A tree without a mirror keeps writing version 2, which older binaries read.
+        w.u32(if self.geo.mirror == 0 {
+            2
+        } else {
+            HEADER_VERSION
+        });
         w.u32(0); // crc
         w.u64(self.instance);
         w.u64(self.generation);
@@ -97,6 +117,9 @@ impl Header {
         w.u64(self.next_msn);
         w.u64(self.log_lsn);
         w.u64(self.log_offset);
+        if self.geo.mirror != 0 {
+            w.u64(self.geo.mirror);
+        }
         let len = w.len();
         w.buf.resize(bs, 0);
         let crc = crc32c(&[&w.buf[..len]]);
@@ -111,7 +134,7 @@ impl Header {
             return Ok(None);
         }
         let version = r.u32()?;
-        if version != 1 && version != HEADER_VERSION {
+        if !(1..=HEADER_VERSION).contains(&version) {
             return Err(Error::Corrupt(format!("header: unknown version {version}")));
         }
         let crc = r.u32()?;
@@ -125,6 +148,7 @@ impl Header {
                 fanout: r.u32()? as usize,
                 log_first: r.u64()?,
                 log_blocks: r.u64()?,
+                mirror: 0,
             },
             root: r.u64()?,
             table: Extent {
@@ -140,6 +164,10 @@ impl Header {
             log_lsn: r.u64()?,
             log_offset: r.u64()?,
         };
+        let mut h = h;
+        if version >= 3 {
+            h.geo.mirror = r.u64()?;
+        }
         let len = r.pos();
         let mut copy = b[..len].to_vec();
         copy[12..16].fill(0);

@@ -595,11 +595,28 @@ impl Tree {
     pub fn space(&self) -> Space {
         let t = self.lock();
         Space {
-            blocks: self.engine.block_count().saturating_sub(t.geo.data_first()),
+            blocks: t
+                .geo
+                .data_end(self.engine.block_count())
+                .saturating_sub(t.geo.data_first()),
             free: t.free_blocks(),
             pending: t.pending_blocks(),
             margin: t.margin_blocks(),
         }
+    }
+
+    /// Damage to the header blocks found when the tree was opened that lost nothing
+    /// (see `Inner::open`): what `fsck` reports, and `repair_headers` rewrites.
+    pub fn damage(&self) -> Vec<String> {
+        self.lock().damage.clone()
+    }
+
+    /// Rewrites both header slots and the mirror (two checkpoints).
+    pub fn repair_headers(&self) -> Result<()> {
+        self.checkpoint()?;
+        self.checkpoint()?;
+        self.lock().damage.clear();
+        Ok(())
     }
 
     /// The patch engine below (for the crash explorer's marks, and tests).

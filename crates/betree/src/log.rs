@@ -248,16 +248,23 @@ pub fn replay(
     blocks: u64,
     mut lsn: u64,
     mut offset: u64,
-) -> Result<(Vec<Replayed>, u64, u64)> {
-    // Returns the records and where the stream read ends (next block, its offset).
+) -> Result<Replay> {
     let cap = LogWriter::cap(engine.block_size());
     let start = lsn;
     let mut stream = Vec::new();
+    let mut future = None;
     while lsn - start < blocks - 1 {
         let raw = engine.read(first + lsn % blocks)?;
         let Some(b) = LogBlock::decode(&raw) else {
             break;
         };
+        if b.instance == instance && b.lsn > lsn {
+            // Written on a later lap of the ring: the stream went past here, which only a
+            // newer checkpoint's header allows. The header replay started from is not
+            // the newest.
+            future = Some(b.lsn);
+            break;
+        }
         // The first block may hold records the checkpoint already has, before `offset`;
         // each later block continues the stream exactly.
         let skip = if lsn == start {
@@ -302,5 +309,20 @@ pub fn replay(
         out.push(Replayed { msn, ops });
         r.skip(len)?;
     }
-    Ok((out, lsn, offset))
+    Ok(Replay {
+        records: out,
+        next_lsn: lsn,
+        next_offset: offset,
+        future,
+    })
+}
+
+/// What `replay` read: the records, where the stream it read ends (the next block and
+/// its stream offset), and the LSN of a block from a later lap of the ring where it
+/// expected the stream to go on, if it met one (see `replay`).
+pub struct Replay {
+    pub records: Vec<Replayed>,
+    pub next_lsn: u64,
+    pub next_offset: u64,
+    pub future: Option<u64>,
 }

@@ -89,6 +89,9 @@ pub(crate) struct Inner {
     writer: Option<checkpoint::Writer>,
     log: LogWriter,
     failed: Option<String>,
+    /// Damage to the header blocks found at open that lost nothing (a mirror stood in,
+    /// or a stale slot): for fsck to report and `repair_headers` to rewrite.
+    pub(crate) damage: Vec<String>,
     pub stats: Stats,
     /// What basement reads land in, kept from read to read: a fresh zeroed buffer for
     /// each of a scan's chunks (64-256 KiB) cost its allocation and a `memset` every
@@ -135,8 +138,15 @@ fn check_geometry(geo: &Geometry, block_count: u64) -> std::result::Result<(), S
             geo.log_first, geo.log_blocks
         ));
     }
+    if geo.mirror != 0 && geo.mirror + 1 != block_count {
+        return Err(format!(
+            "the header mirror is at block {}, not the device's last ({})",
+            geo.mirror,
+            block_count.saturating_sub(1)
+        ));
+    }
     let node_blocks = (geo.node_bytes / bs) as u64;
-    if geo.data_first().saturating_add(8 * node_blocks) > block_count {
+    if geo.data_first().saturating_add(8 * node_blocks) > geo.data_end(block_count) {
         return Err(format!(
             "a device of {block_count} blocks is too small for a log of {} blocks and nodes of {} bytes",
             geo.log_blocks, geo.node_bytes
@@ -285,6 +295,7 @@ impl Inner {
             inflight: None,
             writer: None,
             failed: None,
+            damage: Vec::new(),
             stats: Stats::default(),
             read_buf: Vec::new(),
         }
@@ -299,56 +310,162 @@ impl Inner {
             fanout: opts.fanout,
             log_first: HEADER_SLOTS,
             log_blocks: opts.log_blocks,
+            mirror: engine.block_count().saturating_sub(1),
         };
         check_geometry(&geo, engine.block_count()).map_err(Error::Invalid)?;
-        // Old headers go first, durably: a crash must never find an older tree's header
-        // (whatever its generation) beside this one's.
+        // Old headers go first, durably, the mirror's too: a crash must never find an
+        // older tree's header (whatever its generation) beside this one's.
         let zeros = vec![0u8; bs];
         let mut wiped = Vec::new();
-        for slot in 0..HEADER_SLOTS {
+        for slot in (0..HEADER_SLOTS).chain([geo.mirror]) {
             wiped.push(engine.write(slot, 0, &zeros, &[], ChangeOpts::default())?);
         }
         let join = engine.empty(&wiped);
         engine.flush_until(join)?;
         reserve_log(&engine, &geo)?;
+        engine.reserve(geo.mirror, 1)?;
         let mut t = Inner::new(engine, geo, opts, None);
-        t.alloc = Arc::new(Alloc::new(geo.data_first(), t.engine.block_count(), &[]).into());
+        let end = geo.data_end(t.engine.block_count());
+        t.alloc = Arc::new(Alloc::new(geo.data_first(), end, &[]).into());
         t.put_node(t.root, Node::Leaf(Leaf::empty()), true);
         t.checkpoint()?;
         Ok(t)
     }
 
+    /// Opens the newest checkpoint: the newest header of the two slots and the mirror.
+    ///
+    /// Which single damaged header block loses nothing, and why (see ARCHITECTURE.md):
+    /// - the newest slot: the mirror holds the same header (written with it, durable
+    ///   at the same flush); noted in `damage`;
+    /// - the older slot: nothing reads it; noted, unless it is what a crash that tore
+    ///   the next header's write leaves (the mirror then names the newest slot's
+    ///   generation, as it does before that header's flush);
+    /// - the mirror: the slots hold the newest; noted.
+    ///
+    /// A tree made before mirrors falls back to the older slot when the newer does not
+    /// decode; the log then shows whether that loses anything: a newer header was
+    /// durable and the log written past it exactly when replay meets a block from a
+    /// later lap of the ring, which is refused (`open_at`) rather than rolled back.
+    /// Damage below the chosen header (its table, its nodes) is an error too.
     pub fn open(engine: Engine, opts: Options) -> Result<Inner> {
         let mut found: Vec<Header> = Vec::new();
-        let mut damaged: Vec<String> = Vec::new();
+        let mut damaged: Vec<(quilt_block::BlockNo, String)> = Vec::new();
+        let mut empty: Vec<quilt_block::BlockNo> = Vec::new();
         for slot in 0..HEADER_SLOTS {
             let raw = engine.read(slot)?;
             match Header::decode(&raw) {
                 Ok(Some(h)) if h.slot() == slot => found.push(h),
-                Ok(Some(h)) => {
-                    damaged.push(format!("slot {slot} holds generation {}", h.generation))
-                }
-                Ok(None) => {}
-                Err(e) => damaged.push(e.to_string()),
+                Ok(Some(h)) => damaged.push((
+                    slot,
+                    format!("header slot {slot} holds generation {}", h.generation),
+                )),
+                Ok(None) => empty.push(slot),
+                Err(e) => damaged.push((slot, format!("header slot {slot}: {e}"))),
             }
         }
-        // The newest header that decodes.
-        found.sort_by_key(|h| std::cmp::Reverse(h.generation));
-        if found.is_empty() {
-            return Err(if damaged.is_empty() {
-                Error::NotFormatted
-            } else {
-                Error::Corrupt(format!("no valid header: {}", damaged.join("; ")))
-            });
+        // The mirror: where a slot's geometry says it is (or, with no slot readable, the
+        // device's last block if it holds a mirror).
+        let last = engine.block_count().saturating_sub(1);
+        let mirror_at = found.first().map_or(last, |h| h.geo.mirror).min(last);
+        let mut mirror = None;
+        if mirror_at >= HEADER_SLOTS {
+            match Header::decode(&engine.read(mirror_at)?) {
+                Ok(Some(h)) if h.geo.mirror == mirror_at => mirror = Some(h),
+                Ok(Some(_)) if found.is_empty() => {}
+                Ok(_) if found.iter().all(|h| h.geo.mirror == 0) => {} // no mirror
+                Ok(_) => damaged.push((
+                    mirror_at,
+                    format!("the header mirror (block {mirror_at}) is empty"),
+                )),
+                Err(e) => {
+                    if found.iter().any(|h| h.geo.mirror == mirror_at) {
+                        damaged.push((
+                            mirror_at,
+                            format!("the header mirror (block {mirror_at}): {e}"),
+                        ));
+                    }
+                }
+            }
         }
-        // Only a header that does not decode (torn by a crash mid-write) falls back to
-        // the other one. Damage below a valid header (its table, its nodes) is an error:
-        // opening the older checkpoint instead would silently lose what the newer one
-        // holds.
-        Inner::open_at(engine, opts, &found[0])
+        // Headers of another tree (a stale mirror) do not count.
+        if let (Some(m), Some(h)) = (&mirror, found.first()) {
+            if m.instance != h.instance {
+                mirror = None;
+            }
+        }
+        let newest_slot = found.iter().map(|h| h.generation).max();
+        let mut damage: Vec<String> = Vec::new();
+        let chosen = match (&mirror, newest_slot) {
+            (Some(m), Some(g)) if m.generation > g => {
+                let slot = m.slot();
+                tracing::warn!(
+                    "betree: header slot {slot} (generation {}) is damaged or missing; using its mirror",
+                    m.generation
+                );
+                damage.push(format!(
+                    "header slot {slot} lost generation {} (recovered from the mirror)",
+                    m.generation
+                ));
+                m.clone()
+            }
+            (_, Some(g)) => found
+                .iter()
+                .find(|h| h.generation == g)
+                .cloned()
+                .expect("the newest slot"),
+            (Some(m), None) => {
+                damage.push(format!(
+                    "both header slots are damaged or empty (recovered from the mirror, generation {})",
+                    m.generation
+                ));
+                m.clone()
+            }
+            (None, None) => {
+                return Err(if damaged.is_empty() {
+                    Error::NotFormatted
+                } else {
+                    Error::Corrupt(format!(
+                        "no valid header: {}",
+                        damaged
+                            .iter()
+                            .map(|d| d.1.as_str())
+                            .collect::<Vec<_>>()
+                            .join("; ")
+                    ))
+                });
+            }
+        };
+        // The slot the next checkpoint writes may be torn by a crash during that write
+        // (the mirror still names the chosen generation then): not damage.
+        let next_slot = (chosen.generation + 1) % HEADER_SLOTS;
+        let torn_next = |slot: quilt_block::BlockNo| {
+            slot == next_slot
+                && mirror
+                    .as_ref()
+                    .is_none_or(|m| m.generation == chosen.generation)
+        };
+        for (blk, what) in &damaged {
+            if *blk == chosen.slot() || torn_next(*blk) {
+                continue;
+            }
+            damage.push(what.clone());
+        }
+        // After two checkpoints both slots hold a header.
+        for &slot in &empty {
+            if chosen.generation >= 2 && slot != chosen.slot() && !torn_next(slot) {
+                damage.push(format!("header slot {slot} is empty"));
+            }
+        }
+        let damaged_text: Vec<String> = damaged.into_iter().map(|d| d.1).collect();
+        let mut t = Inner::open_at(engine, opts, &chosen, &damaged_text)?;
+        for d in &damage {
+            tracing::warn!("betree: {d}");
+        }
+        t.damage = damage;
+        Ok(t)
     }
 
-    fn open_at(engine: Engine, opts: Options, h: &Header) -> Result<Inner> {
+    fn open_at(engine: Engine, opts: Options, h: &Header, damaged: &[String]) -> Result<Inner> {
         let geo = h.geo;
         if geo.block_size != engine.block_size() {
             return Err(Error::Corrupt(format!(
@@ -358,7 +475,7 @@ impl Inner {
             )));
         }
         check_geometry(&geo, engine.block_count()).map_err(Error::Corrupt)?;
-        let count = engine.block_count();
+        let count = geo.data_end(engine.block_count());
         let in_data = |e: &Extent| {
             e.blocks > 0
                 && e.start >= geo.data_first()
@@ -418,7 +535,12 @@ impl Inner {
         t.table = h.table;
         t.alloc = Arc::new(Alloc::new(geo.data_first(), count, &used).into());
         // Redo what the log holds past the checkpoint.
-        let (records, next_lsn, next_offset) = log::replay(
+        let log::Replay {
+            records,
+            next_lsn,
+            next_offset,
+            future,
+        } = log::replay(
             &t.engine,
             h.instance,
             geo.log_first,
@@ -426,6 +548,19 @@ impl Inner {
             h.log_lsn,
             h.log_offset,
         )?;
+        if let Some(lsn) = future {
+            return Err(Error::Corrupt(format!(
+                "the newest readable header (generation {}) is not the newest: the log \
+                 was written past it (block {lsn} where replay expected {next_lsn}), so a \
+                 newer header was lost{}; opening this one would roll the tree back",
+                h.generation,
+                if damaged.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", damaged.join("; "))
+                }
+            )));
+        }
         for rec in records {
             if rec.msn != t.next_msn {
                 break; // a gap: nothing after it may be applied

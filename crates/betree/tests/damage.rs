@@ -140,7 +140,130 @@ fn a_torn_header_falls_back_to_the_other_one() {
         let t = Tree::open(Arc::new(crash), opts()).unwrap();
         let got: BTreeMap<_, _> = t.range(b"", None).map(|e| e.unwrap()).collect();
         assert_eq!(got, model, "after a torn header at entry {h}");
+        assert_eq!(
+            t.damage(),
+            Vec::<String>::new(),
+            "a torn header is a crash, not damage"
+        );
         t.check().unwrap();
+    }
+}
+
+/// A tree cleanly closed after many checkpoints, its log having wrapped round its ring
+/// several times; and which header slot holds the newest header.
+fn closed_after_wraps() -> (Vec<u8>, BTreeMap<Vec<u8>, Vec<u8>>, usize) {
+    let dev = Arc::new(MemDevice::new(BS, 4096).unwrap());
+    let t = Tree::create(dev.clone(), opts()).unwrap();
+    let mut model = BTreeMap::new();
+    for i in 0..3000u32 {
+        let k = format!("k{:05}", (i * 7919) % 2000).into_bytes();
+        let v = format!("value-{i}-{}", "x".repeat((i % 40) as usize)).into_bytes();
+        t.put(&k, &v).unwrap();
+        model.insert(k, v);
+        if i % 400 == 0 {
+            t.checkpoint().unwrap();
+        }
+    }
+    assert!(
+        t.stats().log_blocks_written > 3 * 64,
+        "the log did not wrap"
+    );
+    t.close().unwrap();
+    let img = dev.to_vec();
+    let generation = |slot: usize| {
+        let b = &img[slot * BS..(slot + 1) * BS];
+        u64::from_le_bytes(b[24..32].try_into().unwrap())
+    };
+    let newest = if generation(0) > generation(1) { 0 } else { 1 };
+    (img, model, newest)
+}
+
+fn zeroed(img: &[u8], blocks: &[usize]) -> Vec<u8> {
+    let mut bad = img.to_vec();
+    for &b in blocks {
+        bad[b * BS..(b + 1) * BS].fill(0);
+    }
+    bad
+}
+
+type Contents = BTreeMap<Vec<u8>, Vec<u8>>;
+
+fn open_all(img: &[u8]) -> Result<(Tree, Contents), Error> {
+    let t = Tree::open(Arc::new(MemDevice::from_bytes(BS, img).unwrap()), opts())?;
+    let got = t.range(b"", None).collect::<Result<_, _>>()?;
+    Ok((t, got))
+}
+
+/// One header block damaged loses nothing: the newest slot is read from the mirror,
+/// the older slot and the mirror are not needed; the newest slot and the mirror are
+/// reported, and a repair rewrites them. With the mirror lost as well, the older header cannot be brought up to
+/// date (its log was overwritten): the open is refused, never rolled back.
+#[test]
+fn a_damaged_header_block_loses_nothing_and_is_reported() {
+    let (img, model, newest) = closed_after_wraps();
+    let mirror = img.len() / BS - 1;
+    for (what, blocks) in [
+        ("the newest slot", vec![newest]),
+        ("the older slot", vec![1 - newest]),
+        ("the mirror", vec![mirror]),
+    ] {
+        let (t, got) = open_all(&zeroed(&img, &blocks)).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(got, model, "{what} zeroed");
+        // (The older slot zeroed looks like what a crash tearing the next header's
+        // write leaves: nothing is lost either way, and the next checkpoint writes it.)
+        assert!(
+            what == "the older slot" || !t.damage().is_empty(),
+            "{what} zeroed: no damage reported"
+        );
+        t.repair_headers().unwrap();
+        assert!(t.damage().is_empty());
+        drop(t);
+    }
+}
+
+/// The newest header and its mirror both lost (two blocks), after the log was written
+/// past the older header's replay start: the older header cannot be brought up to
+/// date, and the open says so instead of rolling the tree back.
+#[test]
+fn an_older_header_whose_log_was_overwritten_is_refused() {
+    let dev = Arc::new(MemDevice::new(BS, 4096).unwrap());
+    let t = Tree::create(dev.clone(), opts()).unwrap();
+    // Values of 900 bytes: each synced put takes about two blocks of the 64-block ring.
+    let mut i = 0u32;
+    let mut puts = |t: &Tree, n: u32| {
+        for _ in 0..n {
+            t.put(format!("k{i:06}").as_bytes(), &[7u8; 900]).unwrap();
+            t.sync().unwrap();
+            i += 1;
+        }
+    };
+    // Checkpoint A (the older header), about 36 blocks of log, checkpoint B (the
+    // newest), then about 40 more: the log now overwrites what A's replay would read.
+    puts(&t, 5);
+    t.checkpoint().unwrap();
+    puts(&t, 18);
+    t.checkpoint().unwrap();
+    let checkpoints = t.stats().checkpoints;
+    puts(&t, 20);
+    assert_eq!(
+        t.stats().checkpoints,
+        checkpoints,
+        "a checkpoint came in between"
+    );
+    drop(t); // a crash: no close
+    let img = dev.to_vec();
+    let generation =
+        |slot: usize| u64::from_le_bytes(img[slot * BS + 24..slot * BS + 32].try_into().unwrap());
+    let newest = if generation(0) > generation(1) { 0 } else { 1 };
+    let mirror = img.len() / BS - 1;
+    assert!(open_all(&img).is_ok());
+    match open_all(&zeroed(&img, &[newest, mirror])) {
+        Err(Error::Corrupt(m)) => assert!(m.contains("newer header was lost"), "{m}"),
+        Err(e) => panic!("refused with {e:?}"),
+        Ok((_, got)) => panic!(
+            "opened the older header ({} keys): a silent rollback",
+            got.len()
+        ),
     }
 }
 

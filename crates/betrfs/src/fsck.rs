@@ -66,6 +66,19 @@ pub fn fsck(dev: Arc<dyn BlockDevice>, repair: bool) -> Result<Report> {
         },
     )?;
     let mut report = Report::default();
+    // Header blocks found damaged at open, whose loss the mirror or the other slot
+    // covered: rewritten by a repair.
+    let damage = fs.tree().damage();
+    if !damage.is_empty() {
+        if repair {
+            fs.tree()
+                .repair_headers()
+                .map_err(|e| FsError::Io(e.to_string()))?;
+            report.fixed.extend(damage);
+        } else {
+            report.problems.extend(damage);
+        }
+    }
     if let Err(e) = fs.tree().check() {
         report.problems.push(format!("the tree: {e}"));
         return Ok(report);

@@ -22,6 +22,10 @@
 //! 3. **Extents freed only once nothing durable references them**: the extents the
 //!    snapshot replaced (and the nodes dropped before it) return to the allocator when
 //!    the header is durable (`complete`).
+//! 4. **The mirror after the header**: the device's last block gets a copy of the
+//!    header once the header is durable, and is flushed before the checkpoint counts
+//!    as done. A crash between the two leaves the mirror one generation behind, which
+//!    open tells from a damaged newest slot (the mirror then is ahead of both slots).
 //!
 //! At most one checkpoint is in flight. Its nodes stay cached until it completes (the
 //! table the tree reads them by still names their old extents), and the tree learns
@@ -285,11 +289,17 @@ impl Job {
             ..self.header
         };
         // 1. Nodes and table before the header.
-        let hp = self
-            .engine
-            .write(h.slot(), 0, &h.encode(self.bs), &all, opts)?;
+        let header = h.encode(self.bs);
+        let hp = self.engine.write(h.slot(), 0, &header, &all, opts)?;
         // The commit point: the header durable.
         self.engine.flush_until(hp)?;
+        // 4. The mirror after it (a flush more): so a mirror newer than both slots means
+        // the newest slot was damaged after it was durable, never a torn write (see
+        // `Inner::open`).
+        if h.geo.mirror != 0 {
+            let mp = self.engine.write(h.geo.mirror, 0, &header, &[hp], opts)?;
+            self.engine.flush_until(mp)?;
+        }
         Ok(Placed {
             nodes: placed,
             table,
