@@ -235,10 +235,12 @@ impl Betrfs {
             if s.inode.nlink == 0 {
                 return Err(FsError::NotFound);
             }
+            self.fit_name(&mut st, new_parent, new_name.len())?;
             let (dkey, existing) = self.lookup_in(&mut st, new_parent, new_name)?;
             if existing.is_some() {
                 return Err(FsError::Exists);
             }
+            self.key_fits(&dkey)?;
             let dp = self.dir_node(&mut st, new_parent)?.clone();
             if dp.inode.nlink == 0 {
                 return Err(FsError::NotFound);
@@ -248,36 +250,35 @@ impl Betrfs {
             if is_dir && dp.inode.nlink >= crate::fs::LINK_MAX {
                 return Err(FsError::TooManyLinks);
             }
-            if let Loc::Path(skey) = &s.loc {
-                if is_dir && dkey.starts_with(&keys::dir_prefix(skey)) {
+            if let Loc::Path(dp_key) = dp.loc.clone() {
+                if is_dir && self.is_within(&mut st, &s, new_parent, &dp_key)? {
                     return Err(FsError::Invalid("a tree cannot be cloned into itself"));
                 }
             }
-            self.evict_orphans(&mut st, &dkey, is_dir)?;
+            // (A copied tree is a zone of its own: nothing lands below its key.)
+            self.evict_orphans(&mut st, &dkey, false)?;
             let t = now();
             let mut b = Batch::new();
             let mut top = s.inode.clone();
             top.ctime = t;
             top.nlink = if is_dir { s.inode.nlink } else { 1 };
             if is_dir {
-                let Loc::Path(skey) = s.loc.clone() else {
+                if !matches!(s.loc, Loc::Path(_)) {
                     return Err(FsError::Corrupt(format!("directory {src} has no path")));
-                };
+                }
                 let ns = Self::new_ns(&mut st)?;
                 top.ino = record::compose(ns, top.ino);
                 top.marker = Some(ns);
-                let (from, to) = (keys::dir_prefix(&skey), keys::dir_prefix(&dkey));
-                self.fix_clone(&mut st, &mut b, &from, &to)?;
-                // The tree's keys after the fixes: a batch applies in order, and the
-                // fixes overwrite copies the clones make.
-                let fixes = std::mem::take(&mut b.ops);
-                for space in [keys::META, keys::DATA, keys::INDEX] {
-                    b.clone_prefix(
-                        &[&[space], &from[..]].concat(),
-                        &[&[space], &to[..]].concat(),
-                    );
-                }
-                b.ops.extend(fixes);
+                // The copy is a zone's root (its keys start again from it: a tree copied
+                // deeper than it was could outgrow the key limit otherwise).
+                let from = Self::prefix_of(&s)?;
+                let zone = self.new_zone(&mut st, &mut b, top.ino);
+                top.zone = Some(zone);
+                let to = keys::zone_prefix(zone);
+                let mut ops = std::mem::take(&mut b.ops);
+                self.clone_zones(&mut st, &mut b, from, to)?;
+                ops.append(&mut b.ops);
+                b.ops = ops;
                 b.put(&keys::index_key(&dkey), b"");
             } else {
                 // One file: a new inode in the directory's namespace, its data shared.
@@ -318,16 +319,46 @@ impl Betrfs {
         Ok(st.next_ns - 1)
     }
 
+    /// Into `b`: the tree below prefix `from` cloned to `to` (range clones of its key
+    /// spaces, then the fixes), and so every zone it holds, each to a new zone of its
+    /// own (`fix_clone` finds them in the index).
+    fn clone_zones(
+        &self,
+        st: &mut crate::fs::State,
+        b: &mut Batch,
+        from: Vec<u8>,
+        to: Vec<u8>,
+    ) -> Result<()> {
+        let mut work = vec![(from, to)];
+        let mut fixes = Batch::new();
+        // Bounded by the zones there are: each is cloned once.
+        while let Some((from, to)) = work.pop() {
+            for space in [keys::META, keys::DATA, keys::INDEX] {
+                b.clone_prefix(
+                    &[&[space], &from[..]].concat(),
+                    &[&[space], &to[..]].concat(),
+                );
+            }
+            work.extend(self.fix_clone(st, &mut fixes, &from, &to)?);
+        }
+        // The tree's keys after the fixes: a batch applies in order, and the fixes
+        // overwrite copies the clones make.
+        b.ops.append(&mut fixes.ops);
+        Ok(())
+    }
+
     /// Into `b`, for a clone of the tree below prefix `from` to `to`: what the index
-    /// lists below `from` (markers, link stubs), fixed in the copy; the copies of
-    /// orphans' data dropped.
+    /// lists below `from` (markers, link stubs, zones' roots), fixed in the copy; the
+    /// copies of orphans' data dropped. Returns the zones below to clone as well (each
+    /// copy of a zone's root gets a new zone, and a namespace of its own).
     fn fix_clone(
         &self,
         st: &mut crate::fs::State,
         b: &mut Batch,
         from: &[u8],
         to: &[u8],
-    ) -> Result<()> {
+    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        let mut zones = Vec::new();
         let moved = |p: &[u8]| [to, &p[from.len()..]].concat();
         let lo = keys::index_key(from);
         let mut namespaces: BTreeMap<u64, u64> = BTreeMap::new();
@@ -343,6 +374,18 @@ impl Betrfs {
                 .map_err(io)?
                 .ok_or_else(|| FsError::Corrupt("an index key names no entry".into()))?;
             let put = match Entry::decode(&v)? {
+                Entry::Inode(mut i) if i.zone.is_some() => {
+                    // A zone's root: its copy roots a new zone, in a namespace of its
+                    // own (which the zone's unmarked records take from its record).
+                    let old = i.zone.unwrap_or_default();
+                    let ns = Self::new_ns(st)?;
+                    i.marker = Some(ns);
+                    i.ino = record::compose(ns, i.ino);
+                    let z = self.new_zone(st, b, i.ino);
+                    i.zone = Some(z);
+                    zones.push((keys::zone_prefix(old), keys::zone_prefix(z)));
+                    i.encode()
+                }
                 Entry::Inode(mut i) => {
                     let Some(m) = i.marker else {
                         return Err(FsError::Corrupt(
@@ -416,7 +459,7 @@ impl Betrfs {
             let pre = Loc::Path(moved(&p)).data_prefix();
             b.delete_range(&pre, &keys::prefix_end(&pre));
         }
-        Ok(())
+        Ok(zones)
     }
 }
 

@@ -162,6 +162,10 @@ pub(crate) struct State {
     pub moves_base: u64,
     pub next_ino: u64,
     pub next_ns: u64,
+    /// The next zone number (`keys`, "Zones").
+    pub next_zone: u64,
+    /// Zone → the number of the directory at its root, as its record says (read once).
+    pub zones: HashMap<u64, u64>,
     pub cookies: HashMap<u64, (u64, Vec<u8>)>,
     pub cookie_order: VecDeque<u64>,
     pub next_cookie: u64,
@@ -175,6 +179,8 @@ pub(crate) struct Counters {
     pub syncs: AtomicU64,
     pub moves_chunked: AtomicU64,
     pub range_renames: AtomicU64,
+    /// Directories made zones' roots (at creation or when they moved).
+    pub zones_made: AtomicU64,
     pub keys_moved: AtomicU64,
     pub range_deletes: AtomicU64,
     pub upsert_writes: AtomicU64,
@@ -311,6 +317,7 @@ impl Betrfs {
             &Super {
                 next_ino: LOST_FOUND_INO + 1,
                 next_ns: 1,
+                next_zone: 1,
                 version: 2,
                 dirty: false,
                 error: false,
@@ -364,6 +371,7 @@ impl Betrfs {
             st: Mutex::new(State {
                 next_ino: sup.next_ino,
                 next_ns: sup.next_ns,
+                next_zone: sup.next_zone,
                 next_cookie: 3,
                 ..State::default()
             }),
@@ -560,8 +568,14 @@ impl Betrfs {
         self.counters.ops.fetch_add(1, Relaxed);
         match self.tree.write(b) {
             Ok(()) => Ok(()),
-            // Refused before anything was logged: the tree is unchanged.
-            Err(quilt_betree::Error::Invalid(m)) => Err(FsError::Io(m)),
+            // Refused before anything was logged: the tree is unchanged, but the
+            // caller may have changed the cache for it (paths below a moved directory):
+            // the module stops rather than serve what the tree does not hold.
+            Err(quilt_betree::Error::Invalid(m)) => {
+                tracing::error!("betrfs: the tree refused a batch: {m}");
+                st.failed = Some(m.clone());
+                Err(FsError::Io(m))
+            }
             // Refused before anything was logged (a checkpoint the log needed found no
             // room): the tree and the state are as they were.
             Err(quilt_betree::Error::Full(_)) => Err(FsError::NoSpace),
@@ -602,8 +616,14 @@ impl Betrfs {
         }
     }
 
-    /// The node of `ino`, its path current.
+    /// The node of `ino`, its path current. After a failure that stopped the module,
+    /// an error: what the cache holds may be ahead of the tree, and is never served.
     pub(crate) fn node<'a>(&self, st: &'a mut State, ino: u64) -> Result<&'a Node> {
+        if let Some(f) = &st.failed {
+            return Err(FsError::Io(format!(
+                "the file system stopped after a failure: {f}; unmount and mount it again"
+            )));
+        }
         st.fresh(ino).map(|n| &*n).ok_or(FsError::Stale)
     }
 
@@ -615,14 +635,69 @@ impl Betrfs {
         Ok(n)
     }
 
-    /// The prefix of a directory's children (its own path-key turned into a prefix).
+    /// The prefix of a directory's children: its zone's for a zone's root, else its own
+    /// path-key turned into a prefix.
     pub(crate) fn prefix_of(n: &Node) -> Result<Vec<u8>> {
+        if let Some(z) = n.inode.zone {
+            return Ok(keys::zone_prefix(z));
+        }
         match &n.loc {
             Loc::Path(p) => Ok(keys::dir_prefix(p)),
             Loc::Ino(i) | Loc::Orphan { ino: i, .. } => {
                 Err(FsError::Corrupt(format!("directory {i} has no path")))
             }
         }
+    }
+
+    /// The number of the directory at the root of zone `z` (its record, read once).
+    pub(crate) fn zone_root(&self, st: &mut State, z: u64) -> Result<u64> {
+        if let Some(&ino) = st.zones.get(&z) {
+            return Ok(ino);
+        }
+        let v = self
+            .tree
+            .get(&keys::zone_key(z))
+            .map_err(io)?
+            .ok_or_else(|| FsError::Corrupt(format!("zone {z} has no record")))?;
+        let root = record::Zone::decode(&v)?.root;
+        st.zones.insert(z, root);
+        Ok(root)
+    }
+
+    /// The number of the directory holding the entry at path-key `key` (not the root).
+    pub(crate) fn parent_ino(&self, st: &mut State, key: &[u8]) -> Result<u64> {
+        match keys::up(key) {
+            keys::Up::Zone(z) => self.zone_root(st, z),
+            keys::Up::Dir(pk) => self.load(st, &pk)?.ok_or_else(|| {
+                FsError::Corrupt(format!(
+                    "the directory of {} is missing",
+                    String::from_utf8_lossy(key)
+                ))
+            }),
+        }
+    }
+
+    /// Longest prefix a directory outside a zone's root may have (`keys`, "Zones"): a
+    /// new directory whose prefix would be longer is made a zone's root, so that every
+    /// key of an entry below it, a name of up to 255 bytes and a data block's suffix
+    /// included, stays within the tree's key limit, at any depth. (A directory that
+    /// becomes a zone's root when it moves may leave its subtree's prefixes up to 16
+    /// bytes longer than this: the zone prefix is longer than a top directory's own.)
+    pub(crate) fn zone_threshold(&self) -> usize {
+        self.tree
+            .geometry()
+            .max_key()
+            .saturating_sub(2 + NAME_MAX + 1 + 8 + 16 + 16)
+    }
+
+    /// A new zone for the directory numbered `root`, its record into `b` (the caller
+    /// writes the superblock record, which counts zones, in the same batch).
+    pub(crate) fn new_zone(&self, st: &mut State, b: &mut Batch, root: u64) -> u64 {
+        let z = st.next_zone;
+        st.next_zone += 1;
+        b.put(&keys::zone_key(z), &record::Zone { root }.encode());
+        st.zones.insert(z, root);
+        z
     }
 
     /// The inode named by path-key `key`, loaded into the cache.
@@ -644,7 +719,7 @@ impl Betrfs {
                 let ns = match i.marker {
                     Some(ns) => ns,
                     None if key.is_empty() => 0,
-                    None => self.ns_below(st, &keys::parent_key(key))?,
+                    None => record::ns_of(self.parent_ino(st, key)?),
                 };
                 i.ino = record::compose(ns, i.ino);
                 if let Some(n) = st.fresh(i.ino) {
@@ -682,22 +757,10 @@ impl Betrfs {
         }
     }
 
-    /// The namespace of the entries in the directory at path-key `dir` that carry no
-    /// marker: the directory's own.
-    pub(crate) fn ns_below(&self, st: &mut State, dir: &[u8]) -> Result<u64> {
-        match self.load(st, dir)? {
-            Some(ino) => Ok(record::ns_of(ino)),
-            None => Err(FsError::Corrupt(format!(
-                "the directory of {} is missing",
-                String::from_utf8_lossy(dir)
-            ))),
-        }
-    }
-
-    /// Whether a name of `n` is listed in the index: a link stub, or a record with a
-    /// namespace marker.
+    /// Whether a name of `n` is listed in the index: a link stub, a record with a
+    /// namespace marker, or a zone's root (a tree clone finds them there).
     pub(crate) fn indexed(n: &Node) -> bool {
-        matches!(n.loc, Loc::Ino(_)) || n.inode.marker.is_some()
+        matches!(n.loc, Loc::Ino(_)) || n.inode.marker.is_some() || n.inode.zone.is_some()
     }
 
     /// The number of the inode a directory entry names (`dir`: the directory's number).
@@ -735,10 +798,21 @@ impl Betrfs {
         }
         let key = keys::child_key(&Self::prefix_of(dir)?, name);
         if key.len() + 10 > self.tree.geometry().max_key() {
-            return Err(FsError::NameTooLong);
+            // No entry has such a key: before a name goes here, its directory becomes
+            // a zone's root (`fit_name`), whose keys are short.
+            return Ok((key, None));
         }
         let ino = self.load(st, &key)?;
         Ok((key, ino))
+    }
+
+    /// A new name's key, checked against the tree's limit (its directory has been
+    /// made to fit it: `fit_name`).
+    pub(crate) fn key_fits(&self, key: &[u8]) -> Result<()> {
+        if key.len() + 10 > self.tree.geometry().max_key() {
+            return Err(FsError::NameTooLong);
+        }
+        Ok(())
     }
 
     pub(crate) fn attr_of(&self, i: &Inode) -> Attr {
@@ -781,6 +855,7 @@ impl Betrfs {
         Super {
             next_ino: st.next_ino,
             next_ns: st.next_ns,
+            next_zone: st.next_zone,
             version: 2,
             dirty,
             error,
@@ -826,10 +901,7 @@ impl FileSystem for Betrfs {
                 let ino = if key.is_empty() {
                     ROOT_INO
                 } else {
-                    self.load(&mut st, &keys::parent_key(&key))?
-                        .ok_or_else(|| {
-                            FsError::Corrupt(format!("directory {parent}'s parent is missing"))
-                        })?
+                    self.parent_ino(&mut st, &key)?
                 };
                 return Ok(self.attr_of(&self.node(&mut st, ino)?.inode));
             }
@@ -998,6 +1070,7 @@ impl FileSystem for Betrfs {
         let r = (|| {
             let mut st = self.lock();
             self.writable(&st)?;
+            self.fit_name(&mut st, new_parent, new_name.len())?;
             let (key, existing) = self.lookup_in(&mut st, new_parent, new_name)?;
             let dp = self.node(&mut st, new_parent)?.clone();
             if dp.inode.nlink == 0 {
@@ -1006,6 +1079,7 @@ impl FileSystem for Betrfs {
             if existing.is_some() {
                 return Err(FsError::Exists);
             }
+            self.key_fits(&key)?;
             let n = self.node(&mut st, ino)?.clone();
             rules::refuse_new_entry(dp.inode.flags)?;
             rules::refuse_if_frozen(n.inode.flags)?;
@@ -1324,13 +1398,11 @@ impl FileSystem for Betrfs {
                 let Loc::Path(key) = &d.loc else {
                     return Err(FsError::Corrupt(format!("directory {ino} has no path")));
                 };
+                let key = key.clone();
                 let parent_ino = if key.is_empty() {
                     ROOT_INO
                 } else {
-                    let pk = keys::parent_key(key);
-                    self.load(&mut st, &pk)?.ok_or_else(|| {
-                        FsError::Corrupt(format!("directory {ino}'s parent is missing"))
-                    })?
+                    self.parent_ino(&mut st, &key)?
                 };
                 let after = match offset {
                     0..=2 => None,
@@ -1339,7 +1411,7 @@ impl FileSystem for Betrfs {
                         _ => return Err(FsError::Invalid("unknown directory cookie")),
                     },
                 };
-                (keys::dir_prefix(key), parent_ino, after)
+                (Self::prefix_of(&d)?, parent_ino, after)
             };
             if offset == 0
                 && !emit(DirEntry {
@@ -1581,6 +1653,7 @@ impl FileSystem for Betrfs {
             ("fs.keys_moved".into(), c.keys_moved.load(Relaxed)),
             ("fs.moves_chunked".into(), c.moves_chunked.load(Relaxed)),
             ("fs.range_renames".into(), c.range_renames.load(Relaxed)),
+            ("fs.zones_made".into(), c.zones_made.load(Relaxed)),
             ("tree.range_renames".into(), s.range_renames),
             ("tree.subtrees_moved".into(), s.subtrees_moved),
             ("tree.lifts_pushed".into(), s.lifts_pushed),

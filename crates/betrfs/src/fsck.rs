@@ -111,12 +111,31 @@ struct DataRun {
 fn show(key: &[u8]) -> String {
     let mut parts = Vec::new();
     let mut k = key.to_vec();
+    let mut zone = None;
     while !k.is_empty() {
         parts.push(String::from_utf8_lossy(keys::name_of(&k)).into_owned());
-        k = keys::parent_key(&k);
+        match keys::up(&k) {
+            keys::Up::Dir(p) => k = p,
+            keys::Up::Zone(z) => {
+                zone = Some(z);
+                break;
+            }
+        }
     }
     parts.reverse();
-    format!("/{}", parts.join("/"))
+    match zone {
+        Some(z) => format!("(zone {z})/{}", parts.join("/")),
+        None => format!("/{}", parts.join("/")),
+    }
+}
+
+/// The directory of the entry at `path`: its parent's path-key, or the path of the
+/// record that roots its zone (None: no record does).
+fn parent_of(path: &[u8], zone_roots: &HashMap<u64, Vec<u8>>) -> Option<Vec<u8>> {
+    match keys::up(path) {
+        keys::Up::Dir(p) => Some(p),
+        keys::Up::Zone(z) => zone_roots.get(&z).cloned(),
+    }
 }
 
 /// Checks the schema; returns the batch that repairs what can be repaired.
@@ -129,6 +148,8 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
     let mut data: Vec<DataRun> = Vec::new();
     let mut markers = Vec::new();
     let mut index: Vec<Vec<u8>> = Vec::new();
+    // Zone → the number its record names as its root's.
+    let mut zones: BTreeMap<u64, u64> = BTreeMap::new();
     for kv in fs.tree().range(b"", None) {
         let (k, v) = kv.map_err(|e| FsError::Corrupt(e.to_string()))?;
         let (k, v) = (&k, &v);
@@ -188,6 +209,15 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
             },
             Some(&keys::ORPHAN) | Some(&keys::RENAME) => markers.push(k.clone()),
             Some(&keys::INDEX) => index.push(k[1..].to_vec()),
+            Some(&keys::ZONE) if k.len() == 9 => {
+                let z = u64::from_be_bytes(k[1..9].try_into().expect("8 bytes"));
+                match record::Zone::decode(v) {
+                    Ok(rec) => {
+                        zones.insert(z, rec.root);
+                    }
+                    Err(e) => r.problems.push(format!("zone {z}: {e}")),
+                }
+            }
             _ => r.problems.push(format!("a key in no key space: {k:?}")),
         }
     }
@@ -215,16 +245,73 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
             .problems
             .push("the root is missing or not directory 1".into()),
     }
-    // Each directory's namespace (what its unmarked entries take); parents sort before
-    // their entries.
+    // Zones: each record's zone rooted by exactly one directory, whose number the
+    // zone's record names; every zone's keys belong to a zone there is.
+    let mut zone_roots: HashMap<u64, Vec<u8>> = HashMap::new();
+    for (path, e) in &names {
+        if let Entry::Inode(i) = e {
+            if let Some(z) = i.zone {
+                if z >= sup.next_zone {
+                    r.problems.push(format!(
+                        "{}: zone {z} is not below the next one {}",
+                        show(path),
+                        sup.next_zone
+                    ));
+                }
+                if let Some(other) = zone_roots.insert(z, path.clone()) {
+                    r.problems.push(format!(
+                        "zone {z} has two roots: {} and {}",
+                        show(&other),
+                        show(path)
+                    ));
+                }
+            }
+        }
+        if let Some(z) = keys::zone_of(path) {
+            if !zones.contains_key(&z) {
+                r.problems
+                    .push(format!("{}: in zone {z}, which has no record", show(path)));
+            }
+        }
+    }
+    for (z, root) in &zones {
+        if !zone_roots.contains_key(z) {
+            r.problems
+                .push(format!("zone {z} (root {root}) is rooted by no directory"));
+        }
+    }
+    // Each directory's namespace (what its unmarked entries take): its marker, else its
+    // directory's (a zone's top entries: its root's). Zones break key order, so each
+    // is found by walking up, remembered.
     let mut ns_of: HashMap<Vec<u8>, u64> = HashMap::new();
     let raw = |ino: u64| ino & (record::RAW_LIMIT - 1);
-    for (path, e) in &names {
-        let inherited = if path.is_empty() {
-            0
-        } else {
-            ns_of.get(&keys::parent_key(path)).copied().unwrap_or(0)
+    let dir_ns = |path: &[u8], ns_of: &mut HashMap<Vec<u8>, u64>| -> u64 {
+        let mut chain = Vec::new();
+        let mut p = path.to_vec();
+        let base = loop {
+            if let Some(&ns) = ns_of.get(&p) {
+                break ns;
+            }
+            if p.is_empty() || chain.len() > names.len() {
+                break 0;
+            }
+            if let Some(Entry::Inode(i)) = names.get(&p) {
+                if let Some(m) = i.marker {
+                    break m;
+                }
+            }
+            chain.push(p.clone());
+            match parent_of(&p, &zone_roots) {
+                Some(up) => p = up,
+                None => break 0,
+            }
         };
+        for c in chain {
+            ns_of.insert(c, base);
+        }
+        base
+    };
+    for (path, e) in &names {
         if let Entry::Inode(i) = e {
             if let Some(m) = i.marker {
                 if m >= sup.next_ns {
@@ -235,12 +322,9 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
                     ));
                 }
             }
-            if i.is_dir() {
-                ns_of.insert(path.clone(), i.marker.unwrap_or(inherited));
-            }
         }
-        let want =
-            matches!(e, Entry::Link { .. }) || matches!(e, Entry::Inode(i) if i.marker.is_some());
+        let want = matches!(e, Entry::Link { .. })
+            || matches!(e, Entry::Inode(i) if i.marker.is_some() || i.zone.is_some());
         if want && index.binary_search(path).is_err() {
             r.problems
                 .push(format!("{}: missing from the index", show(path)));
@@ -250,12 +334,12 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
     for path in &index {
         let want = match names.get(path) {
             Some(Entry::Link { .. }) => true,
-            Some(Entry::Inode(i)) => i.marker.is_some(),
+            Some(Entry::Inode(i)) => i.marker.is_some() || i.zone.is_some(),
             None => false,
         };
         if !want {
             r.problems.push(format!(
-                "{}: in the index, but not a link stub or a marked record",
+                "{}: in the index, but not a link stub, a marked record or a zone's root",
                 show(path)
             ));
             fix.delete(&keys::index_key(path));
@@ -263,11 +347,11 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
     }
     for (path, e) in &names {
         if !path.is_empty() {
-            let parent = keys::parent_key(path);
-            match names.get(&parent) {
+            let parent = parent_of(path, &zone_roots);
+            match parent.as_ref().and_then(|p| names.get(p)) {
                 Some(Entry::Inode(p)) if p.is_dir() => {
                     if e.kind() == quilt_vfs::FileType::Directory {
-                        *subdirs.entry(parent).or_default() += 1;
+                        *subdirs.entry(parent.unwrap_or_default()).or_default() += 1;
                     }
                 }
                 _ => r
@@ -288,9 +372,21 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
                 let ns = match i.marker {
                     Some(m) => m,
                     None if path.is_empty() => 0,
-                    None => ns_of.get(&keys::parent_key(path)).copied().unwrap_or(0),
+                    None => match parent_of(path, &zone_roots) {
+                        Some(p) => dir_ns(&p, &mut ns_of),
+                        None => 0,
+                    },
                 };
                 let ino = record::compose(ns, i.ino);
+                if let Some(z) = i.zone {
+                    if zones.get(&z).is_some_and(|&root| root != ino) {
+                        r.problems.push(format!(
+                            "{}: the root of zone {z} is inode {ino}, its record says {}",
+                            show(path),
+                            zones[&z]
+                        ));
+                    }
+                }
                 if let Some(other) = seen.insert(ino, show(path)) {
                     r.problems.push(format!(
                         "inode {ino} named twice: {other} and {}",
@@ -367,7 +463,13 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
             // Into lost+found as #ino.
             let lf = keys::child_key(b"", b"lost+found");
             let name = format!("#{ino}");
-            let key = keys::child_key(&keys::dir_prefix(&lf), name.as_bytes());
+            let lf_prefix = match names.get(&lf) {
+                Some(Entry::Inode(i)) if i.zone.is_some() => {
+                    keys::zone_prefix(i.zone.unwrap_or_default())
+                }
+                _ => keys::dir_prefix(&lf),
+            };
+            let key = keys::child_key(&lf_prefix, name.as_bytes());
             fix.put(&keys::meta_key(&key), &Entry::link_stub(*ino, i.mode));
             fix.put(&keys::index_key(&key), b"");
             let mut j = i.clone();

@@ -26,10 +26,24 @@
 //! | `r` | `r` be64(id) | an intent: a directory rename too large for one batch |
 //! | `i` | `i` path-key | (empty) the name at that path is a link stub or a record with a namespace marker |
 //!
+//! | `z` | `z` be64(zone) | a zone's record: the number of the directory at its root |
+//!
 //! A file with one name keeps its inode and data under its path, so a directory's files
 //! and their data are contiguous and move and disappear with range operations. A second
 //! name (link) moves the inode and its data once to `h`/`e` and leaves link stubs at
 //! every name.
+//!
+//! **Zones** (BetrFS 0.4's answer to full-path keys that outgrow the tree's key limit):
+//! a directory may be the root of a *zone*, its inode record naming the zone. Its
+//! entries are keyed below the zone's prefix, `/` + the zone's number in sixteen hex
+//! digits + `/`, instead of below the directory's own path: the paths of a zone start
+//! again from its root. No name holds `/`, and a path of the root zone starts with a NUL
+//! or a name's first byte, so zone paths are disjoint from all others; a zone prefix
+//! holds no NUL, so the rules above hold below it unchanged (the zone prefix plays the
+//! empty root prefix). A zone's root keeps its own record in its parent's zone, so
+//! renaming it moves one record whatever lies below. A path-key of a zone names where
+//! the entry lies; its directory is found by `up` (across a zone's root, through the
+//! zone's record).
 
 pub const SUPER: &[u8] = b"S";
 pub const META: u8 = b'm';
@@ -39,6 +53,9 @@ pub const INODE_DATA: u8 = b'e';
 pub const ORPHAN: u8 = b'o';
 pub const RENAME: u8 = b'r';
 pub const INDEX: u8 = b'i';
+pub const ZONE: u8 = b'z';
+/// Bytes of a zone prefix: `/`, sixteen hex digits, `/`.
+pub const ZONE_PREFIX_LEN: usize = 18;
 /// Scratch prefixes of one batch (a large RENAME_EXCHANGE passes one side through
 /// here): never left in the tree after the batch.
 pub const SCRATCH: u8 = b'x';
@@ -56,6 +73,61 @@ pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     vec![0xFF; 8]
 }
 
+/// The prefix of zone `z`'s paths (what the empty prefix is for the root zone).
+pub fn zone_prefix(z: u64) -> Vec<u8> {
+    format!("/{z:016x}/").into_bytes()
+}
+
+/// The key of zone `z`'s record.
+pub fn zone_key(z: u64) -> Vec<u8> {
+    let mut k = vec![ZONE];
+    k.extend_from_slice(&z.to_be_bytes());
+    k
+}
+
+/// The zone a path-key or prefix lies in (None: the root zone).
+pub fn zone_of(key: &[u8]) -> Option<u64> {
+    let zp = key.get(..ZONE_PREFIX_LEN)?;
+    if zp[0] != b'/' || zp[ZONE_PREFIX_LEN - 1] != b'/' {
+        return None;
+    }
+    let hex = std::str::from_utf8(&zp[1..ZONE_PREFIX_LEN - 1]).ok()?;
+    if !hex
+        .bytes()
+        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        return None;
+    }
+    u64::from_str_radix(hex, 16).ok()
+}
+
+/// A path-key cut into its zone prefix (empty in the root zone) and its path in the
+/// zone.
+fn split_zone(key: &[u8]) -> (&[u8], &[u8]) {
+    match zone_of(key) {
+        Some(_) => key.split_at(ZONE_PREFIX_LEN),
+        None => (&[][..], key),
+    }
+}
+
+/// Where the entry at `key` (not the root) hangs: in the directory at a path-key, or at
+/// the root of a zone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Up {
+    Dir(Vec<u8>),
+    Zone(u64),
+}
+
+/// The directory of the entry at `key` (see `Up`).
+pub fn up(key: &[u8]) -> Up {
+    let (zp, rest) = split_zone(key);
+    let parent = parent_key_in_zone(rest);
+    match zone_of(zp) {
+        Some(z) if parent.is_empty() => Up::Zone(z),
+        _ => Up::Dir([zp, &parent[..]].concat()),
+    }
+}
+
 /// The key of entry `name` in the directory with `prefix`.
 pub fn child_key(dir_prefix: &[u8], name: &[u8]) -> Vec<u8> {
     let mut k = Vec::with_capacity(dir_prefix.len() + 1 + name.len());
@@ -65,7 +137,8 @@ pub fn child_key(dir_prefix: &[u8], name: &[u8]) -> Vec<u8> {
     k
 }
 
-/// The prefix of the directory whose key is `key` (the root's key is empty).
+/// The prefix of the directory whose key is `key` (the root's key is empty), unless
+/// the directory is a zone's root (whose prefix is the zone's: `Betrfs::prefix_of`).
 pub fn dir_prefix(key: &[u8]) -> Vec<u8> {
     if key.is_empty() {
         return Vec::new();
@@ -88,8 +161,18 @@ pub fn name_of(key: &[u8]) -> &[u8] {
     &key[sep + 1..]
 }
 
-/// The key of the directory holding the entry `key` (the root for a top-level name).
+/// The key of the directory holding the entry `key` (the root for a top-level name),
+/// in the root zone. For any zone, see `up`.
 pub fn parent_key(key: &[u8]) -> Vec<u8> {
+    match up(key) {
+        Up::Dir(k) => k,
+        // (Its directory is a zone's root, whose key lies elsewhere.)
+        Up::Zone(z) => zone_prefix(z),
+    }
+}
+
+/// `parent_key` of a path inside one zone, as if its prefix were the root's.
+fn parent_key_in_zone(key: &[u8]) -> Vec<u8> {
     let sep = last_sep(key);
     let prefix = &key[..sep];
     if prefix.is_empty() {
@@ -103,8 +186,20 @@ pub fn parent_key(key: &[u8]) -> Vec<u8> {
     }
 }
 
-/// Whether `key` is well formed: empty (the root), or components separated as above.
+/// Whether `key` is well formed: empty (the root), or components separated as above,
+/// after a zone prefix or not.
 pub fn valid_key(key: &[u8]) -> bool {
+    let (zp, rest) = split_zone(key);
+    if !zp.is_empty() {
+        return !rest.is_empty() && valid_key_in_zone(rest);
+    }
+    if key.first() == Some(&b'/') {
+        return false; // a malformed zone prefix
+    }
+    valid_key_in_zone(key)
+}
+
+fn valid_key_in_zone(key: &[u8]) -> bool {
     if key.is_empty() {
         return true;
     }

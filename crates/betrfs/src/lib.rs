@@ -28,6 +28,7 @@ mod names;
 pub mod record;
 mod recover;
 mod rename;
+mod zones;
 
 pub use fs::{Betrfs, MountOptions, LINK_MAX, MAX_FILE_SIZE, NAME_MAX, ROOT_INO};
 use quilt_betree::{Options, Tree};

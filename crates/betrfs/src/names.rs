@@ -34,10 +34,12 @@ impl Betrfs {
         let key = if tmp {
             Vec::new()
         } else {
+            self.fit_name(&mut st, parent, name.len())?;
             let (key, existing) = self.lookup_in(&mut st, parent, name)?;
             if existing.is_some() {
                 return Err(FsError::Exists);
             }
+            self.key_fits(&key)?;
             self.evict_orphans(&mut st, &key, false)?;
             key
         };
@@ -67,7 +69,7 @@ impl Betrfs {
             (false, true) => 2,
             (false, false) => 1,
         };
-        let inode = Inode {
+        let mut inode = Inode {
             rdev,
             flags: rules::inherited_flags(dir.inode.flags, mode),
             target: target.to_vec(),
@@ -75,6 +77,13 @@ impl Betrfs {
             ..Inode::new(ino, mode, ctx.uid, gid, nlink, t)
         };
         let mut b = Batch::new();
+        if is_dir && !tmp && keys::dir_prefix(&key).len() > self.zone_threshold() {
+            // Deep: a zone's root from the start, so that what is made below it is
+            // keyed from here (`zones.rs`).
+            inode.zone = Some(self.new_zone(&mut st, &mut b, ino));
+            b.put(&keys::index_key(&key), b"");
+            self.counters.zones_made.fetch_add(1, Relaxed);
+        }
         b.put(
             keys::SUPER,
             &Self::super_record(&st, self.errored.load(Relaxed)),
@@ -164,6 +173,11 @@ impl Betrfs {
         }
         if n.inode.is_dir() {
             b.delete(&keys::meta_key(key));
+            if let Some(z) = n.inode.zone {
+                // (Empty: only an empty directory goes.)
+                b.delete(&keys::zone_key(z));
+                st.zones.remove(&z);
+            }
             return Ok(None);
         }
         match &child.loc {
@@ -378,14 +392,12 @@ impl Betrfs {
         Ok(())
     }
 
-    /// Orphans whose data lies under a moved entry travel with it: their paths and
-    /// markers follow (into `b`, with the move).
-    pub(crate) fn move_orphans(st: &mut State, b: &mut Batch, moves: &[(Vec<u8>, Vec<u8>, bool)]) {
+    /// Orphans whose data lies below moved prefixes (old → new, simultaneous) travel
+    /// with it: their paths and markers follow (into `b`, with the move).
+    pub(crate) fn move_orphans(st: &mut State, b: &mut Batch, below: &[(Vec<u8>, Vec<u8>)]) {
         let mut changed = Vec::new();
-        for (from, to, is_dir) in moves {
-            if *is_dir {
-                changed.extend(crate::rename::rebased(&st.orphan_paths, from, to));
-            }
+        for (from, to) in below {
+            changed.extend(crate::rename::rebased(&st.orphan_paths, from, to));
         }
         for (old, _, _) in &changed {
             st.orphan_paths.remove(old);

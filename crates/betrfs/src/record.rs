@@ -7,10 +7,16 @@ use quilt_vfs::{FileType, FsError, Result, Timespec};
 const TAG_INODE: u8 = 1;
 const TAG_LINK: u8 = 2;
 const TAG_SUPER: u8 = 3;
+const TAG_ZONE: u8 = 4;
 const VERSION: u8 = 1;
 /// Version 2 of inode records added the namespace marker; of the superblock record, the
 /// next namespace. Version 1 records still decode (no marker; namespace 1 next).
 const VERSION_2: u8 = 2;
+/// Version 3 of inode records adds the zone a directory is the root of (`keys`,
+/// "Zones"); of the superblock record, the next zone. Written only by records that
+/// need them (a zone root; a file system that made a zone), so images without zones
+/// stay readable by binaries that predate them; those refuse version 3 with a message.
+const VERSION_3: u8 = 3;
 
 /// Inode numbers: `namespace << RAW_BITS | raw`. A file system's first inodes are in
 /// namespace 0, so their numbers are their raw numbers; a clone of a tree gives the copy
@@ -51,23 +57,29 @@ pub struct Super {
     pub dirty: bool,
     /// Damage was found while mounted: fsck should look.
     pub error: bool,
+    /// The next zone number (zones start at 1; 1 while none was made).
+    pub next_zone: u64,
 }
 
 impl Super {
     /// Encodes the current version, whatever was read.
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = vec![TAG_SUPER, VERSION_2];
+        let zones = self.next_zone > 1;
+        let mut v = vec![TAG_SUPER, if zones { VERSION_3 } else { VERSION_2 }];
         v.extend_from_slice(MAGIC);
         v.extend_from_slice(&self.next_ino.to_le_bytes());
         v.push(self.dirty as u8 | (self.error as u8) << 1);
         v.extend_from_slice(&self.next_ns.to_le_bytes());
+        if zones {
+            v.extend_from_slice(&self.next_zone.to_le_bytes());
+        }
         v
     }
     pub fn decode(b: &[u8]) -> Result<Super> {
         let mut r = Reader::new(b, "superblock record");
         let tag = r.u8()?;
         let version = r.u8()?;
-        if tag != TAG_SUPER || !(VERSION..=VERSION_2).contains(&version) || r.bytes(8)? != MAGIC {
+        if tag != TAG_SUPER || !(VERSION..=VERSION_3).contains(&version) || r.bytes(8)? != MAGIC {
             return Err(FsError::Corrupt(
                 "the superblock record has a wrong tag, version or magic".into(),
             ));
@@ -75,7 +87,9 @@ impl Super {
         let next_ino = r.u64()?;
         let f = r.u8()?;
         let next_ns = if version >= VERSION_2 { r.u64()? } else { 1 };
-        if !r.done() || next_ino > RAW_LIMIT || next_ns == 0 || next_ns > NS_LIMIT {
+        let next_zone = if version >= VERSION_3 { r.u64()? } else { 1 };
+        if !r.done() || next_ino > RAW_LIMIT || next_ns == 0 || next_ns > NS_LIMIT || next_zone == 0
+        {
             return Err(r.damage("bad counters or trailing bytes"));
         }
         Ok(Super {
@@ -84,6 +98,7 @@ impl Super {
             version,
             dirty: f & 1 != 0,
             error: f & 2 != 0,
+            next_zone,
         })
     }
 }
@@ -97,6 +112,9 @@ pub struct Inode {
     /// A record under a path may name its namespace (a clone's top, an entry moved
     /// between namespaces); its directory's applies otherwise. Listed in the index.
     pub marker: Option<u64>,
+    /// The zone this directory is the root of (`keys`, "Zones"): its entries are keyed
+    /// below the zone's prefix. Listed in the index.
+    pub zone: Option<u64>,
     /// Type and permission bits.
     pub mode: u32,
     pub uid: u32,
@@ -141,6 +159,7 @@ impl Inode {
             target: Vec::new(),
             xattrs: Vec::new(),
             marker: None,
+            zone: None,
         }
     }
 
@@ -171,9 +190,13 @@ impl Inode {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(104 + self.target.len() + self.xattr_bytes());
+        let mut v = Vec::with_capacity(113 + self.target.len() + self.xattr_bytes());
         v.push(TAG_INODE);
-        v.push(VERSION_2);
+        v.push(if self.zone.is_some() {
+            VERSION_3
+        } else {
+            VERSION_2
+        });
         v.extend_from_slice(&self.ino.to_le_bytes());
         for x in [self.mode, self.uid, self.gid, self.nlink] {
             v.extend_from_slice(&x.to_le_bytes());
@@ -201,6 +224,9 @@ impl Inode {
                 v.extend_from_slice(&ns.to_le_bytes());
             }
             None => v.push(0),
+        }
+        if let Some(z) = self.zone {
+            v.extend_from_slice(&z.to_le_bytes());
         }
         v
     }
@@ -243,8 +269,19 @@ impl Inode {
         } else {
             None
         };
+        let zone = if version >= VERSION_3 {
+            Some(r.u64()?)
+        } else {
+            None
+        };
         if FileType::from_mode(mode).is_none() {
             return Err(r.damage("unknown file type"));
+        }
+        if zone.is_some() && mode & libc::S_IFMT != libc::S_IFDIR {
+            return Err(r.damage("a zone root that is not a directory"));
+        }
+        if zone == Some(0) {
+            return Err(r.damage("zone 0"));
         }
         if !r.done() {
             return Err(r.damage("trailing bytes"));
@@ -265,7 +302,34 @@ impl Inode {
             target,
             xattrs,
             marker,
+            zone,
         })
+    }
+}
+
+/// A zone's record (key `z` + its number): the inode number of the directory at its
+/// root, whose namespace its top-level entries take and which is their `..`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Zone {
+    pub root: u64,
+}
+
+impl Zone {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = vec![TAG_ZONE, VERSION];
+        v.extend_from_slice(&self.root.to_le_bytes());
+        v
+    }
+    pub fn decode(b: &[u8]) -> Result<Zone> {
+        let mut r = Reader::new(b, "zone record");
+        if r.u8()? != TAG_ZONE || r.u8()? != VERSION {
+            return Err(r.damage("wrong tag or version"));
+        }
+        let root = r.u64()?;
+        if !r.done() {
+            return Err(r.damage("trailing bytes"));
+        }
+        Ok(Zone { root })
     }
 }
 
@@ -296,7 +360,7 @@ impl Entry {
         let tag = r.u8()?;
         let version = r.u8()?;
         match tag {
-            TAG_INODE if version == VERSION || version == VERSION_2 => {
+            TAG_INODE if (VERSION..=VERSION_3).contains(&version) => {
                 Ok(Entry::Inode(Inode::decode_body(&mut r, version)?))
             }
             TAG_LINK if version == VERSION => {
@@ -396,7 +460,19 @@ mod tests {
             target: b"abc".to_vec(),
             xattrs: vec![(b"user.x".to_vec(), b"1".to_vec())],
             marker: Some(7),
+            zone: None,
         };
+        let dir = Inode {
+            mode: libc::S_IFDIR | 0o755,
+            zone: Some(12),
+            ..i.clone()
+        };
+        assert_eq!(
+            Entry::decode(&dir.encode()).unwrap(),
+            Entry::Inode(dir.clone())
+        );
+        let z = Zone { root: 99 };
+        assert_eq!(Zone::decode(&z.encode()).unwrap(), z);
         let e = i.encode();
         assert_eq!(Entry::decode(&e).unwrap(), Entry::Inode(i.clone()));
         for n in 0..e.len() {
@@ -408,8 +484,15 @@ mod tests {
             version: 2,
             dirty: true,
             error: false,
+            next_zone: 1,
         };
         assert_eq!(Super::decode(&s.encode()).unwrap(), s);
+        let s3 = Super {
+            version: 3,
+            next_zone: 5,
+            ..s.clone()
+        };
+        assert_eq!(Super::decode(&s3.encode()).unwrap(), s3);
         let l = Entry::link_stub(5, libc::S_IFREG | 0o644);
         assert_eq!(
             Entry::decode(&l).unwrap(),

@@ -13,19 +13,61 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering::Relaxed;
 
 impl Betrfs {
-    /// What moves with the entry at `key`: the path prefix and key spaces of its subtree
-    /// (a directory) or of its data (a file).
-    pub(crate) fn moved(key: &[u8], is_dir: bool) -> (Vec<u8>, &'static [u8]) {
-        if is_dir {
-            (
-                keys::dir_prefix(key),
-                &[keys::META, keys::DATA, keys::INDEX],
-            )
-        } else {
-            let mut p = key.to_vec();
-            p.push(0);
-            (p, &[keys::DATA])
+    /// What moves with entry `n` when its key goes from `from_key` to `to_key`, and
+    /// into `b` what must come first: a file's data keys; a directory's subtree, copied
+    /// when small and within the limits at its new place, else the directory becomes a
+    /// zone's root here (`zones.rs`) and nothing below it moves (as for a zone's root
+    /// already). Returns the move below (None: nothing) and, for a directory made a
+    /// zone's root, its old prefix and the zone's.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn plan_move(
+        &self,
+        st: &mut State,
+        b: &mut Batch,
+        n: &mut Node,
+        from_key: &[u8],
+        to_key: &[u8],
+    ) -> Result<(Option<Below>, Option<(Vec<u8>, Vec<u8>)>)> {
+        if !n.inode.is_dir() {
+            let (from, to) = ([from_key, &[0]].concat(), [to_key, &[0]].concat());
+            const DATA: &[u8] = &[keys::DATA];
+            let list = self.collect(&from, DATA, RANGE_RENAME_BYTES)?;
+            let below = Below {
+                from,
+                to,
+                spaces: DATA,
+                list,
+            };
+            return Ok((Some(below), None));
         }
+        if n.inode.zone.is_some() {
+            return Ok((None, None));
+        }
+        const TREE: &[u8] = &[keys::META, keys::DATA, keys::INDEX];
+        let (from, to) = (keys::dir_prefix(from_key), keys::dir_prefix(to_key));
+        if let Some(list) = self.collect(&from, TREE, RANGE_RENAME_BYTES)? {
+            // The keys copied to their new place stay within the limits: every path
+            // as long as a directory's prefix may be, every data key within the tree's.
+            let path_max = self.zone_threshold() + 16;
+            let key_max = self.tree.geometry().max_key();
+            let grown = |len: usize| (len + to.len()).saturating_sub(from.len());
+            let fits = to.len() <= path_max
+                && list.iter().all(|(k, _)| match k.first() {
+                    Some(&keys::DATA) => grown(k.len()) <= key_max,
+                    _ => grown(k.len() - 1) <= path_max,
+                });
+            if fits {
+                let below = Below {
+                    from,
+                    to,
+                    spaces: TREE,
+                    list: Some(list),
+                };
+                return Ok((Some(below), None));
+            }
+        }
+        let zoned = self.zone_in_batch(st, b, n)?;
+        Ok((None, Some(zoned)))
     }
 
     /// Every key under `prefix` in `spaces`, or `None` past `limit` bytes.
@@ -144,14 +186,29 @@ impl Betrfs {
         self.counters.range_renames.fetch_add(1, Relaxed);
     }
 
-    /// The cache's paths after moves of entries (`from` key → `to` key, directory or
-    /// not), all at once (an exchange swaps two): the entries themselves now, what lies
-    /// below moved directories when it is next taken (`State::fresh`: a rename costs
-    /// the same whatever the kernel holds below it).
-    pub(crate) fn move_cached_paths(st: &mut State, moves: &[(Vec<u8>, Vec<u8>, bool)]) {
+    /// Into `b`: one move below an entry, by copies or by range renames.
+    pub(crate) fn emit_below(&self, b: &mut Batch, m: Below) -> Result<()> {
+        match m.list {
+            Some(list) => self.emit_moves(b, vec![(&m.from, &m.to, m.spaces, list)]),
+            None => {
+                self.rename_ranges(b, &m.from, &m.to, m.spaces);
+                Ok(())
+            }
+        }
+    }
+
+    /// The cache's paths after moves of entries (`from` key → `to` key), all at once
+    /// (an exchange swaps two), and of what lay below them (`below`: old prefix → new,
+    /// simultaneous): the entries themselves now, what lies below when it is next taken
+    /// (`State::fresh`: a rename costs the same whatever the kernel holds below it).
+    pub(crate) fn move_cached_paths(
+        st: &mut State,
+        moves: &[(Vec<u8>, Vec<u8>)],
+        below: &[(Vec<u8>, Vec<u8>)],
+    ) {
         let changed: Vec<(Vec<u8>, Vec<u8>, u64)> = moves
             .iter()
-            .filter_map(|(from, to, _)| {
+            .filter_map(|(from, to)| {
                 let ino = *st.by_path.get(from)?;
                 Some((from.clone(), to.clone(), ino))
             })
@@ -167,13 +224,8 @@ impl Betrfs {
                 n.loc = Loc::Path(new);
             }
         }
-        let below: Vec<(Vec<u8>, Vec<u8>)> = moves
-            .iter()
-            .filter(|(_, _, is_dir)| *is_dir)
-            .map(|(from, to, _)| (keys::dir_prefix(from), keys::dir_prefix(to)))
-            .collect();
         if !below.is_empty() {
-            st.push_moves(below);
+            st.push_moves(below.to_vec());
         }
     }
 
@@ -216,6 +268,8 @@ impl Betrfs {
         check_name(new_name)?;
         let mut st = self.lock();
         self.writable(&st)?;
+        self.fit_name(&mut st, new_parent, new_name.len())?;
+        let counters_before = (st.next_ino, st.next_zone);
         let (skey, src) = self.lookup_in(&mut st, parent, name)?;
         let src = src.ok_or(FsError::NotFound)?;
         let (dkey, dst) = self.lookup_in(&mut st, new_parent, new_name)?;
@@ -237,12 +291,15 @@ impl Betrfs {
         }
         let d = dst.map(|d| self.node(&mut st, d).cloned()).transpose()?;
         let s_dir = s.inode.is_dir();
+        let (Loc::Path(sp_key), Loc::Path(dp_key)) = (sp.loc.clone(), dp.loc.clone()) else {
+            return Err(FsError::Corrupt("a directory without a path".into()));
+        };
         // A directory may not move under itself.
-        if s_dir && dkey.starts_with(&keys::dir_prefix(&skey)) {
+        if s_dir && self.is_within(&mut st, &s, new_parent, &dp_key)? {
             return Err(FsError::Invalid("a directory cannot move into itself"));
         }
         if let Some(d) = &d {
-            if d.inode.is_dir() && skey.starts_with(&keys::dir_prefix(&dkey)) {
+            if d.inode.is_dir() && self.is_within(&mut st, d, parent, &sp_key)? {
                 return Err(if flags.exchange {
                     FsError::Invalid("a directory cannot move into itself")
                 } else {
@@ -271,13 +328,17 @@ impl Betrfs {
             return Err(FsError::TooManyLinks);
         }
         if !flags.exchange {
-            self.evict_orphans(&mut st, &dkey, s_dir)?;
+            self.evict_orphans(&mut st, &dkey, s_dir && s.inode.zone.is_none())?;
         }
         let t = now();
         s.inode.ctime = t;
         let mut b = Batch::new();
-        let (sfrom, spaces) = Self::moved(&skey, s_dir);
-        let (sto, _) = Self::moved(&dkey, s_dir);
+        let s_was = Self::indexed(&s);
+        // Directories that become zones' roots here go first in the batch (their
+        // subtrees leave for their zones before anything else lands).
+        let (s_below, s_zoned) = self.plan_move(&mut st, &mut b, &mut s, &skey, &dkey)?;
+        // What moved below directories, for the cache's paths and the orphans.
+        let mut below_dirs: Vec<(Vec<u8>, Vec<u8>)> = s_zoned.into_iter().collect();
         if flags.exchange {
             let mut d = d.expect("checked above");
             let d_dir = d.inode.is_dir();
@@ -286,40 +347,42 @@ impl Betrfs {
                 sp.inode.nlink = sp.inode.nlink + d_dir as u32 - s_dir as u32;
                 dp.inode.nlink = dp.inode.nlink + s_dir as u32 - d_dir as u32;
             }
-            let (dfrom, dspaces) = Self::moved(&dkey, d_dir);
-            let (dto, _) = Self::moved(&skey, d_dir);
-            match (
-                self.collect(&sfrom, spaces, RANGE_RENAME_BYTES)?,
-                self.collect(&dfrom, dspaces, RANGE_RENAME_BYTES)?,
-            ) {
-                (Some(sl), Some(dl)) => self.emit_moves(
-                    &mut b,
-                    vec![(&sfrom, &sto, spaces, sl), (&dfrom, &dto, dspaces, dl)],
-                )?,
-                _ => {
+            let d_was = Self::indexed(&d);
+            let (d_below, d_zoned) = self.plan_move(&mut st, &mut b, &mut d, &dkey, &skey)?;
+            below_dirs.extend(d_zoned);
+            for (below, dir) in [(&s_below, s_dir), (&d_below, d_dir)] {
+                if let (Some(m), true) = (below, dir) {
+                    below_dirs.push((m.from.clone(), m.to.clone()));
+                }
+            }
+            match (s_below, d_below) {
+                (Some(sm), Some(dm)) if sm.list.is_some() && dm.list.is_some() => {
+                    self.emit_moves(
+                        &mut b,
+                        vec![
+                            (&sm.from, &sm.to, sm.spaces, sm.list.unwrap_or_default()),
+                            (&dm.from, &dm.to, dm.spaces, dm.list.unwrap_or_default()),
+                        ],
+                    )?;
+                }
+                (Some(sm), Some(dm)) => {
                     // Through a scratch prefix (its own key space), all in one batch.
                     let mut tmp = vec![keys::SCRATCH];
                     tmp.extend_from_slice(&st.next_ino.to_be_bytes());
                     st.next_ino += 1;
-                    b.put(
-                        keys::SUPER,
-                        &Self::super_record(&st, self.errored.load(Relaxed)),
-                    );
-                    self.rename_ranges(&mut b, &sfrom, &tmp, spaces);
-                    self.rename_ranges(&mut b, &dfrom, &dto, dspaces);
-                    self.rename_ranges(&mut b, &tmp, &sto, spaces);
+                    self.rename_ranges(&mut b, &sm.from, &tmp, sm.spaces);
+                    self.rename_ranges(&mut b, &dm.from, &dm.to, dm.spaces);
+                    self.rename_ranges(&mut b, &tmp, &sm.to, sm.spaces);
                 }
+                (Some(m), None) | (None, Some(m)) => self.emit_below(&mut b, m)?,
+                (None, None) => {}
             }
-            let moves = [
-                (skey.clone(), dkey.clone(), s_dir),
-                (dkey.clone(), skey.clone(), d_dir),
-            ];
-            Self::move_cached_paths(&mut st, &moves);
+            let moves = [(skey.clone(), dkey.clone()), (dkey.clone(), skey.clone())];
+            Self::move_cached_paths(&mut st, &moves, &below_dirs);
             // Orphans whose data lies in either tree travel with it.
-            Self::move_orphans(&mut st, &mut b, &moves);
+            Self::move_orphans(&mut st, &mut b, &below_dirs);
             s.loc = st.fresh(src).map_or(s.loc, |n| n.loc.clone());
             d.loc = st.fresh(d.inode.ino).map_or(d.loc, |n| n.loc.clone());
-            let (s_was, d_was) = (Self::indexed(&s), Self::indexed(&d));
             Self::keep_number(&mut s, dp.inode.ino);
             Self::keep_number(&mut d, sp.inode.ino);
             for (was, key) in [(s_was, &skey), (d_was, &dkey)] {
@@ -355,15 +418,15 @@ impl Betrfs {
                 dp.inode.nlink += 1;
             }
             b.delete(&keys::meta_key(&skey));
-            match self.collect(&sfrom, spaces, RANGE_RENAME_BYTES)? {
-                Some(list) => self.emit_moves(&mut b, vec![(&sfrom, &sto, spaces, list)])?,
-                None => self.rename_ranges(&mut b, &sfrom, &sto, spaces),
+            if let Some(m) = s_below {
+                if s_dir {
+                    below_dirs.push((m.from.clone(), m.to.clone()));
+                }
+                self.emit_below(&mut b, m)?;
             }
-            let moves = [(skey.clone(), dkey.clone(), s_dir)];
-            Self::move_cached_paths(&mut st, &moves);
-            Self::move_orphans(&mut st, &mut b, &moves);
+            Self::move_cached_paths(&mut st, &[(skey.clone(), dkey.clone())], &below_dirs);
+            Self::move_orphans(&mut st, &mut b, &below_dirs);
             s.loc = st.fresh(src).map_or(s.loc, |n| n.loc.clone());
-            let s_was = Self::indexed(&s);
             Self::keep_number(&mut s, dp.inode.ino);
             if s_was {
                 b.delete(&keys::index_key(&skey));
@@ -375,10 +438,6 @@ impl Betrfs {
             if flags.whiteout {
                 let ino = Self::new_ino(&mut st, parent)?;
                 let w = Inode::new(ino, libc::S_IFCHR, ctx.uid, ctx.gid, 1, t);
-                b.put(
-                    keys::SUPER,
-                    &Self::super_record(&st, self.errored.load(Relaxed)),
-                );
                 b.put(&keys::meta_key(&skey), &w.encode());
             }
             match dst_after {
@@ -390,6 +449,13 @@ impl Betrfs {
                 }
                 None => {}
             }
+        }
+        // Counters taken (a whiteout's number, a scratch prefix, a zone).
+        if (st.next_ino, st.next_zone) != counters_before {
+            b.put(
+                keys::SUPER,
+                &Self::super_record(&st, self.errored.load(Relaxed)),
+            );
         }
         self.finish_parents(&mut st, &mut b, &mut s, &mut sp, &mut dp, t, cross);
         self.commit(&mut st, b)?;
@@ -453,19 +519,27 @@ impl Betrfs {
     }
 }
 
-/// The entries of `map` below directory `from` (path-key), with their keys as they are
-/// once it moves to `to`: (old key, new key, inode).
+/// The entries of `map` below prefix `pf`, with their keys as they are once it moves
+/// to `pt`: (old key, new key, inode).
 pub(crate) fn rebased(
     map: &BTreeMap<Vec<u8>, u64>,
-    from: &[u8],
-    to: &[u8],
+    pf: &[u8],
+    pt: &[u8],
 ) -> Vec<(Vec<u8>, Vec<u8>, u64)> {
-    let (pf, pt) = (keys::dir_prefix(from), keys::dir_prefix(to));
-    map.range(pf.clone()..keys::prefix_end(&pf))
+    map.range(pf.to_vec()..keys::prefix_end(pf))
         .map(|(k, &ino)| {
-            let mut nk = pt.clone();
+            let mut nk = pt.to_vec();
             nk.extend_from_slice(&k[pf.len()..]);
             (k.clone(), nk, ino)
         })
         .collect()
+}
+
+/// What moves below an entry whose key changes (see `Betrfs::plan_move`).
+pub(crate) struct Below {
+    pub from: Vec<u8>,
+    pub to: Vec<u8>,
+    pub spaces: &'static [u8],
+    /// Its keys, when few enough to copy (`None`: one range rename per key space).
+    pub list: Option<Kvs>,
 }

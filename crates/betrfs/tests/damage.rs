@@ -283,6 +283,7 @@ fn fsck_repairs_counts_strays_and_nameless_inodes() {
                 version: 2,
                 dirty: false,
                 error: false,
+                next_zone: 1,
             }
             .encode(),
         );
