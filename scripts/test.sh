@@ -23,6 +23,9 @@ if [ "$(id -u)" = 0 ]; then
   tests/unmount.sh ./target/release/quiltfs
   # betrfs gives deleted space back, cycle after cycle, and df tells what fits.
   tests/betrfs-space.sh ./target/release/quiltfs
+  # Paths of any length (30,000 bytes, reached relatively) and renames across every key
+  # limit, the kernel's ext4 as the oracle.
+  tests/deep-paths.sh ./target/release/quiltfs
   # Parity with the kernel's ext2 driver, call by call (the kernel as the oracle).
   tests/kernel-parity.sh ./target/release/quiltfs
   # Several processes creating and renaming in one directory at once, over io_uring and
@@ -45,7 +48,7 @@ if [ "$(id -u)" = 0 ]; then
   # Clones with cp, cp --reflink (libquilt_preload.so) and quiltfs clone, by content.
   tests/betrfs-clone.sh ./target/release/quiltfs
 else
-  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/unmount.sh, tests/betrfs-space.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/bench-betrfs.sh, tests/bench-bark.sh, tests/kernel-parity-betrfs.sh, tests/betrfs-programs.sh and tests/betrfs-clone.sh (need root)" >&2
+  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/unmount.sh, tests/betrfs-space.sh, tests/deep-paths.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/bench-betrfs.sh, tests/bench-bark.sh, tests/kernel-parity-betrfs.sh, tests/betrfs-programs.sh and tests/betrfs-clone.sh (need root)" >&2
 fi
 # Fuzzing smoke: every input a fuzzer ever crashed on, and random damage to each region
 # of a seed image (the coverage-guided hour-long runs are scripts/fuzz.sh's).
