@@ -37,18 +37,19 @@ const BS: usize = 4096;
 const BLOCKS: u64 = 4096;
 const JOURNAL_BLOCKS: u32 = 1024;
 
-pub const WORKLOADS: [&str; 7] = [
-    "ace", "untar", "rmrf", "postmark", "mail", "rename", "clone",
+pub const WORKLOADS: [&str; 9] = [
+    "ace", "untar", "rmrf", "postmark", "mail", "rename", "clone", "deep", "full",
 ];
 
 /// The workloads `all` runs. ext2's leaves out the tree renames: its soft updates may
 /// leave a renamed directory under both names until e2fsck clears one (an entry e2fsck
 /// reports as a second link to a directory, which the explorer's classifier counts as
-/// a violation); `--workload rename` runs it for any mode. Clones are betrfs's alone.
+/// a violation); `--workload rename` runs it for any mode. Clones, deep trees (zones)
+/// and a full device (the tree's space) are betrfs's alone.
 fn all_workloads(betrfs: bool) -> impl Iterator<Item = &'static str> {
     WORKLOADS
         .into_iter()
-        .filter(move |w| betrfs || (*w != "rename" && *w != "clone"))
+        .filter(move |w| betrfs || !["rename", "clone", "deep", "full"].contains(w))
 }
 
 #[derive(Debug, Clone)]
@@ -253,6 +254,17 @@ fn specs(workload: &str, seed: u64, betrfs: bool) -> Result<Vec<RunSpec>, String
             body: Box::new(|r| workload::clone_trees(r, CLONE_SIZES)),
         }],
         "clone" => return Err("the clone workload needs --fs betrfs".into()),
+        "deep" if betrfs => vec![RunSpec {
+            name: "deep".into(),
+            setup: none(),
+            body: Box::new(move |r| workload::deep(r, seed, 28)),
+        }],
+        "full" if betrfs => vec![RunSpec {
+            name: "full".into(),
+            setup: none(),
+            body: Box::new(move |r| workload::full(r, seed)),
+        }],
+        "deep" | "full" => return Err(format!("the {workload} workload needs --fs betrfs")),
         // The same move with no patchgroups and no fsync: its crash states must break
         // the move's invariant, or the check could not see a lost message.
         "mail-unordered" => vec![RunSpec {

@@ -1009,3 +1009,70 @@ pub fn mail_move(r: &mut Recorder, seed: u64, n: usize, groups: bool) {
         r.sync();
     }
 }
+
+/// Deep trees (betrfs's zones): directories nested until paths pass twice the depth at
+/// which new directories root zones, a file written and fsynced at several depths, the
+/// top renamed to a long name and a middle directory moved to the top (both large
+/// enough to become zones' roots when they move), then a sync.
+pub fn deep(r: &mut Recorder, seed: u64, levels: usize) {
+    let mut rng = Rng::new(seed);
+    let name = "d".repeat(40 + rng.below(40) as usize);
+    let every = 3 + rng.below(5) as usize;
+    let mut path = "deep".to_string();
+    r.mkdir(&path);
+    for level in 0..levels {
+        path = format!("{path}/{name}{level:02}");
+        r.mkdir(&path);
+        if level % every == every - 1 {
+            let f = format!("{path}/f");
+            r.create(&f);
+            r.write(&f, 0, &pattern(level as u64, 9000));
+            r.fsync(&f);
+        }
+    }
+    for k in 0..40 {
+        let f = format!("{path}/g{k}");
+        r.create(&f);
+        r.write(&f, 0, &pattern(k, 3000));
+    }
+    r.fsync(&path);
+    let long = "R".repeat(200);
+    r.rename("deep", &long);
+    r.fsync("");
+    let middle = format!("{long}/{name}00/{name}01/{name}02");
+    r.rename(&middle, "middle");
+    r.fsync("");
+    r.sync();
+}
+
+/// A full device (betrfs's space): a file written until the device refuses it, fsynced
+/// on the way; deleted; a sync (which compacts what was deleted); written again as far
+/// as it goes; a sync.
+pub fn full(r: &mut Recorder, seed: u64) {
+    let chunk = (64 << 10) << Rng::new(seed).below(3);
+    let data = pattern(seed, chunk);
+    for round in 0..2 {
+        let f = format!("fill{round}");
+        r.create(&f);
+        let mut off = 0u64;
+        for k in 0.. {
+            let before = r.errors;
+            r.write(&f, off, &data);
+            if r.errors > before {
+                // ENOSPC: the device is full (not counted as a failed run).
+                r.errors = before;
+                break;
+            }
+            off += chunk as u64;
+            if k % 8 == 7 {
+                r.fsync(&f);
+            }
+        }
+        r.fsync(&f);
+        if round == 0 {
+            r.unlink(&f);
+            r.sync();
+        }
+    }
+    r.sync();
+}
