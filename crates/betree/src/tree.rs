@@ -62,6 +62,8 @@ pub(crate) struct Inner {
     /// Free blocks when a checkpoint last failed for want of room: space-driven
     /// checkpoints wait until something was freed (each retry would fail the same way).
     full_at: Option<u64>,
+    /// Free blocks, and blocks reserved ahead, when `reserve_ahead` last reserved.
+    reserved_for: Option<(u64, u64)>,
     /// Where each node written by a checkpoint lives.
     btt: HashMap<NodeId, Extent>,
     /// Nodes that more than one edge references (a range clone shares subtrees), and
@@ -279,6 +281,7 @@ impl Inner {
             dirty_nodes: 0,
             compacting: false,
             full_at: None,
+            reserved_for: None,
             btt: HashMap::new(),
             refs: HashMap::new(),
             bases: HashMap::new(),
@@ -2754,11 +2757,21 @@ impl Inner {
     /// written (`false`). The device remembers what it reserved: cheap when done.
     fn reserve_ahead(&mut self, need: u64) -> Result<bool> {
         let want = 2 * (self.pending_blocks() + self.margin_blocks() + need);
+        let free = self.free_blocks();
+        // The free runs change only when a checkpoint allocates or frees: once reserved
+        // for as much as is wanted now, nothing to do until then (a walk of the runs
+        // on every batch cost small writes).
+        if self.reserved_for.is_some_and(|(f, w)| f == free && w >= want) {
+            return Ok(true);
+        }
+        // Ahead of that again, so that the next batches (whose wants grow with the
+        // dirty nodes) find it done.
+        let ahead = 2 * want;
         let runs = self
             .alloc
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .lowest(want);
+            .lowest(ahead);
         for r in runs {
             match self.engine.reserve(r.start, r.blocks) {
                 Ok(()) => {}
@@ -2768,6 +2781,7 @@ impl Inner {
                 Err(e) => return Err(e.into()),
             }
         }
+        self.reserved_for = Some((free, ahead));
         Ok(true)
     }
 
