@@ -2761,7 +2761,10 @@ impl Inner {
         // The free runs change only when a checkpoint allocates or frees: once reserved
         // for as much as is wanted now, nothing to do until then (a walk of the runs
         // on every batch cost small writes).
-        if self.reserved_for.is_some_and(|(f, w)| f == free && w >= want) {
+        if self
+            .reserved_for
+            .is_some_and(|(f, w)| f == free && w >= want)
+        {
             return Ok(true);
         }
         // Ahead of that again, so that the next batches (whose wants grow with the
