@@ -44,7 +44,7 @@ if [ "$(id -u)" = 0 ]; then
   ln -sf /usr/local/bin/quiltfs /usr/sbin/umount.fuseblk.quiltfs
   # The patchgroup libraries for programs: C interface and LD_PRELOAD.
   install -m 755 target/release/libquilt_pg.so target/release/libquilt_preload.so /usr/local/lib/
-  install -m 644 crates/pg/include/quiltfs_pg.h /usr/local/include/
+  install -m 644 crates/interfaces/pg/include/quiltfs_pg.h /usr/local/include/
   ldconfig 2>/dev/null || true
   # FUSE over io_uring (kernel 6.14+): mounts serve each request on its caller's CPU,
   # about twice as fast on this kind of machine as /dev/fuse (docs/results). Off by

@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+# The layer map: every crate's dependencies run down the stack (and the check fails on
+# planted wrong-way arrows).
+tests/layers.sh
 # Unit, integration, property and doc tests. The FUSE tests (the model's sequence replayed
 # through a mount, privileges) need root and /dev/fuse: as root they must run, not skip.
 if [ "$(id -u)" = 0 ]; then export QUILT_REQUIRE_FUSE=1; fi

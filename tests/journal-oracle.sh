@@ -81,7 +81,7 @@ echo "journal-oracle: a journal the kernel left dirty: our replay equals e2fsck'
 mount -o loop -t ext3 "$work/j.img" "$k"
 cp -a "$here/../crates" "$k/"
 mkdir "$k/d"; for i in $(seq 1 200); do echo "$i" >"$k/d/f$i"; done
-rm -rf "$k/crates/patch"; sync -f "$k"; mv "$k/d" "$k/e"; sync -f "$k"
+rm -rf "$k/crates/engine/patch"; sync -f "$k"; mv "$k/d" "$k/e"; sync -f "$k"
 cp --sparse=always "$work/j.img" "$work/dirty.img"
 umount "$k"
 dumpe2fs -h "$work/dirty.img" 2>/dev/null | grep -q needs_recovery || fail "the copy does not need recovery (test setup)"

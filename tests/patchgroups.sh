@@ -26,7 +26,7 @@ stat_of() { "$q" stats "$mnt" | awk -v k="$1" '$1 == k { print $2 }'; }
 
 # 1. The C interface: the example compiles against the header and the shared library,
 #    and runs (an ordered rename, a sync, a refused rule with the server's reason).
-cc -Wall -Werror -I "$here/../crates/pg/include" "$here/../crates/pg/examples/ordered_rename.c" \
+cc -Wall -Werror -I "$here/../crates/interfaces/pg/include" "$here/../crates/interfaces/pg/examples/ordered_rename.c" \
   -L "$rel" -lquilt_pg -o "$work/ordered_rename"
 out="$(LD_LIBRARY_PATH="$rel" "$work/ordered_rename" "$mnt")"
 grep -q '^refused as expected: patchgroup [0-9]* already has groups depending on it' <<<"$out" \
