@@ -1,8 +1,8 @@
 //! A device backed by an image file: pread/pwrite, fdatasync on flush, O_DIRECT optional.
 
 use crate::{
-    check_block_size, check_request, check_run, BlockDevice, BlockError, BlockNo, IoCounters,
-    IoStats, Result,
+    check_block_size, check_request, check_run, BlockDevice, BlockError, BlockNo, Capabilities,
+    GatherWrites, IoCounters, IoStats, PartReads, ReadHints, Reservation, Result, WriteClass,
 };
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -388,6 +388,95 @@ impl BlockDevice for FileDevice {
         self.counters.read(buf.len());
         Ok(())
     }
+
+    fn write(&self, block: BlockNo, buf: &[u8], _class: WriteClass) -> Result<()> {
+        check_request(self, block, buf.len())?;
+        if self.opts.read_only {
+            return Err(BlockError::Unsupported("writes on a read-only image"));
+        }
+        let offset = block * self.opts.block_size as u64;
+        let res = if self.opts.direct {
+            let mut bounce = AlignedBuf::new(buf.len());
+            bounce.as_mut_slice().copy_from_slice(buf);
+            self.file.write_all_at(bounce.as_mut_slice(), offset)
+        } else {
+            self.file.write_all_at(buf, offset)
+        };
+        res.map_err(|e| self.io_err("writing", block, e))?;
+        self.counters.write(buf.len());
+        Ok(())
+    }
+    fn write_blocks(&self, first: BlockNo, buf: &[u8], _class: WriteClass) -> Result<()> {
+        let bs = self.opts.block_size;
+        // The whole run in one pwrite.
+        check_run(self, first, buf.len())?;
+        if self.opts.read_only {
+            return Err(BlockError::Unsupported("writes on a read-only image"));
+        }
+        let offset = first * bs as u64;
+        let res = if self.opts.direct {
+            let mut bounce = AlignedBuf::new(buf.len());
+            bounce.as_mut_slice().copy_from_slice(buf);
+            self.file.write_all_at(bounce.as_mut_slice(), offset)
+        } else {
+            self.file.write_all_at(buf, offset)
+        };
+        res.map_err(|e| self.io_err("writing", first, e))?;
+        self.counters.write(buf.len());
+        Ok(())
+    }
+    fn flush(&self) -> Result<()> {
+        if self.opts.read_only {
+            return Ok(());
+        }
+        self.file.sync_data().map_err(|source| BlockError::Io {
+            what: format!("fdatasync of {}", self.path.display()),
+            source,
+        })?;
+        self.counters.flush();
+        Ok(())
+    }
+    fn stats(&self) -> IoStats {
+        self.counters.snapshot()
+    }
+    fn capabilities(&self) -> Capabilities<'_> {
+        Capabilities {
+            gather: Some(self),
+            part_reads: Some(self),
+            hints: Some(self),
+            reservation: Some(self),
+            ..Capabilities::default()
+        }
+    }
+}
+
+impl GatherWrites for FileDevice {
+    /// One `pwritev` per at most `IOV_MAX` parts: the epoch's run of node blocks goes
+    /// down without being copied into one buffer first (that copy and its reallocations
+    /// were a sixth of a Bε-tree checkpoint thread's time).
+    fn write_blocks_gather(
+        &self,
+        first: BlockNo,
+        parts: &[&[u8]],
+        class: WriteClass,
+    ) -> Result<()> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        check_run(self, first, len)?;
+        if self.opts.read_only {
+            return Err(BlockError::Unsupported("writes on a read-only image"));
+        }
+        if self.opts.direct || parts.iter().any(|p| p.len() % self.opts.block_size != 0) {
+            return self.write_blocks(first, &parts.concat(), class);
+        }
+        let offset = first * self.opts.block_size as u64;
+        write_all_vectored_at(&self.file, parts, offset)
+            .map_err(|e| self.io_err("writing", first, e))?;
+        self.counters.write(len);
+        Ok(())
+    }
+}
+
+impl PartReads for FileDevice {
     fn read_part(&self, first: BlockNo, skip: usize, buf: &mut [u8]) -> Result<()> {
         if buf.is_empty() {
             return Ok(());
@@ -404,6 +493,9 @@ impl BlockDevice for FileDevice {
         self.counters.read(buf.len());
         Ok(())
     }
+}
+
+impl ReadHints for FileDevice {
     fn will_need(&self, first: BlockNo, count: u64) {
         // Through the page cache only: O_DIRECT reads would not find what it reads.
         if self.opts.direct || count == 0 || first >= self.block_count {
@@ -421,6 +513,9 @@ impl BlockDevice for FileDevice {
             );
         }
     }
+}
+
+impl Reservation for FileDevice {
     fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
         let Some(backed) = &self.backed else {
             return Ok(());
@@ -482,80 +577,12 @@ impl BlockDevice for FileDevice {
         }
         Ok(())
     }
-
-    fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()> {
-        check_request(self, block, buf.len())?;
-        if self.opts.read_only {
-            return Err(BlockError::Unsupported("writes on a read-only image"));
-        }
-        let offset = block * self.opts.block_size as u64;
-        let res = if self.opts.direct {
-            let mut bounce = AlignedBuf::new(buf.len());
-            bounce.as_mut_slice().copy_from_slice(buf);
-            self.file.write_all_at(bounce.as_mut_slice(), offset)
-        } else {
-            self.file.write_all_at(buf, offset)
-        };
-        res.map_err(|e| self.io_err("writing", block, e))?;
-        self.counters.write(buf.len());
-        Ok(())
-    }
-    fn write_blocks(&self, first: BlockNo, buf: &[u8]) -> Result<()> {
-        let bs = self.opts.block_size;
-        // The whole run in one pwrite.
-        check_run(self, first, buf.len())?;
-        if self.opts.read_only {
-            return Err(BlockError::Unsupported("writes on a read-only image"));
-        }
-        let offset = first * bs as u64;
-        let res = if self.opts.direct {
-            let mut bounce = AlignedBuf::new(buf.len());
-            bounce.as_mut_slice().copy_from_slice(buf);
-            self.file.write_all_at(bounce.as_mut_slice(), offset)
-        } else {
-            self.file.write_all_at(buf, offset)
-        };
-        res.map_err(|e| self.io_err("writing", first, e))?;
-        self.counters.write(buf.len());
-        Ok(())
-    }
-    /// One `pwritev` per at most `IOV_MAX` parts: the epoch's run of node blocks goes
-    /// down without being copied into one buffer first (that copy and its reallocations
-    /// were a sixth of a Bε-tree checkpoint thread's time).
-    fn write_blocks_gather(&self, first: BlockNo, parts: &[&[u8]]) -> Result<()> {
-        let len: usize = parts.iter().map(|p| p.len()).sum();
-        check_run(self, first, len)?;
-        if self.opts.read_only {
-            return Err(BlockError::Unsupported("writes on a read-only image"));
-        }
-        if self.opts.direct || parts.iter().any(|p| p.len() % self.opts.block_size != 0) {
-            return self.write_blocks(first, &parts.concat());
-        }
-        let offset = first * self.opts.block_size as u64;
-        write_all_vectored_at(&self.file, parts, offset)
-            .map_err(|e| self.io_err("writing", first, e))?;
-        self.counters.write(len);
-        Ok(())
-    }
-    fn flush(&self) -> Result<()> {
-        if self.opts.read_only {
-            return Ok(());
-        }
-        self.file.sync_data().map_err(|source| BlockError::Io {
-            what: format!("fdatasync of {}", self.path.display()),
-            source,
-        })?;
-        self.counters.flush();
-        Ok(())
-    }
-    fn stats(&self) -> IoStats {
-        self.counters.snapshot()
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::BlockDeviceExt;
 
     fn roundtrip(direct: bool) {
         let dir = tempfile::tempdir().unwrap();
@@ -569,7 +596,7 @@ mod tests {
         let dev = FileDevice::create(&path, 16, opts.clone()).unwrap();
         assert_eq!((dev.block_count(), dev.block_size()), (16, 4096));
         let pattern: Vec<u8> = (0..4096).map(|i| (i % 251) as u8).collect();
-        dev.write(15, &pattern).unwrap();
+        dev.write(15, &pattern, WriteClass::Metadata).unwrap();
         dev.flush().unwrap();
         drop(dev);
         // Reopen: the bytes are in the file at the right offset.
@@ -616,14 +643,23 @@ mod tests {
                 .map(|i| (0..512u32).map(|j| (i * 7 + j) as u8).collect())
                 .collect();
             let refs: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
-            dev.write_blocks_gather(50, &refs).unwrap();
+            GatherWrites::write_blocks_gather(&dev, 50, &refs, WriteClass::Metadata).unwrap();
             let mut back = vec![0; 1100 * 512];
             dev.read_blocks(50, &mut back).unwrap();
             assert_eq!(back, parts.concat(), "direct={direct}");
             assert_eq!(dev.stats().bytes_written, 1100 * 512);
-            assert!(dev.write_blocks_gather(150, &refs).is_err(), "past the end");
             assert!(
-                dev.write_blocks_gather(0, &[&[1u8; 100][..]]).is_err(),
+                GatherWrites::write_blocks_gather(&dev, 150, &refs, WriteClass::Metadata).is_err(),
+                "past the end"
+            );
+            assert!(
+                GatherWrites::write_blocks_gather(
+                    &dev,
+                    0,
+                    &[&[1u8; 100][..]],
+                    WriteClass::Metadata
+                )
+                .is_err(),
                 "partial block"
             );
         }
@@ -636,7 +672,7 @@ mod tests {
         for direct in [false, true] {
             let (_dir, dev) = device_512(8, direct);
             let all: Vec<u8> = (0..8 * 512u32).map(|i| (i * 31 % 253) as u8).collect();
-            dev.write_blocks(0, &all).unwrap();
+            dev.write_blocks(0, &all, WriteClass::Metadata).unwrap();
             for (first, skip, len) in [
                 (0u64, 0usize, 512usize),
                 (1, 100, 10),
@@ -646,7 +682,7 @@ mod tests {
                 (7, 0, 0),
             ] {
                 let mut got = vec![0; len];
-                dev.read_part(first, skip, &mut got).unwrap();
+                PartReads::read_part(&dev, first, skip, &mut got).unwrap();
                 let at = first as usize * 512 + skip;
                 assert_eq!(
                     got,
@@ -655,12 +691,15 @@ mod tests {
                 );
                 let mut via_default = vec![0; len];
                 let whole = crate::MemDevice::new(512, 8).unwrap();
-                whole.write_blocks(0, &all).unwrap();
+                whole.write_blocks(0, &all, WriteClass::Metadata).unwrap();
                 whole.read_part(first, skip, &mut via_default).unwrap();
                 assert_eq!(via_default, got);
             }
             let mut past = vec![0; 600];
-            assert!(dev.read_part(7, 0, &mut past).is_err(), "past the end");
+            assert!(
+                PartReads::read_part(&dev, 7, 0, &mut past).is_err(),
+                "past the end"
+            );
         }
     }
 
@@ -716,7 +755,7 @@ mod tests {
         )
         .unwrap();
         assert!(matches!(
-            ro.write(0, &[0; 4096]),
+            ro.write(0, &[0; 4096], WriteClass::Metadata),
             Err(BlockError::Unsupported(_))
         ));
     }
@@ -776,14 +815,14 @@ mod tests {
         let path = dir.path().join("img");
         let dev = FileDevice::create(&path, 16384, FileDeviceOptions::default()).unwrap();
         assert_eq!(std::fs::metadata(&path).unwrap().blocks(), 0, "sparse");
-        dev.reserve(5, 1).unwrap();
+        Reservation::reserve(&dev, 5, 1).unwrap();
         let after = std::fs::metadata(&path).unwrap().blocks() * 512;
         assert!(
             after >= 4096,
             "block 5 has storage behind it ({after} bytes)"
         );
         assert!(after <= RESERVE_CHUNK, "one chunk at most ({after} bytes)");
-        dev.reserve(6, 1).unwrap();
+        Reservation::reserve(&dev, 6, 1).unwrap();
         assert_eq!(std::fs::metadata(&path).unwrap().blocks() * 512, after);
         // Through the Arc<dyn BlockDevice> an engine holds, too.
         let dev: std::sync::Arc<dyn BlockDevice> = std::sync::Arc::new(dev);

@@ -37,6 +37,7 @@ pub use recording::{LogEntry, RecordingDevice, RecordingLog};
 pub type BlockNo = u64;
 
 /// Everything that can go wrong below the patch layer.
+#[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum BlockError {
     #[error("block {block} is out of range (device has {count} blocks)")]
@@ -68,6 +69,11 @@ pub enum BlockError {
     /// Another open of the image holds its lock: one writer per image (or readers only).
     #[error("{path} is in use{}", holders_text(.holders))]
     Busy { path: String, holders: Vec<u32> },
+    /// The device cannot serve the request now, though it may later (a replicated
+    /// volume without a quorum of its replicas, a remote device whose peer is gone).
+    /// Nothing was changed by the request that failed.
+    #[error("{what} is unavailable: {why}")]
+    Unavailable { what: String, why: String },
     #[error("I/O error on {what}: {source}")]
     Io {
         what: String,
@@ -92,10 +98,28 @@ fn holders_text(pids: &[u32]) -> String {
     }
 }
 
-/// A device of fixed-size blocks with an explicit durability barrier.
+/// What a write carries, as the layer that made it knows: a replicated or tiered device
+/// may place file data and metadata differently, a recording may count them apart. The
+/// patch engine passes it down from each patch; tools that write raw blocks say what they
+/// write.
+#[non_exhaustive]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum WriteClass {
+    /// File-system structure, logs, tree nodes: everything but a file's bytes.
+    #[default]
+    Metadata,
+    /// A file's contents.
+    Data,
+}
+
+/// A device of fixed-size blocks with an explicit durability barrier: the small core
+/// every device implements in full, plus [`Capabilities`] it may have.
 ///
 /// Methods take `&self` so that one device can be shared by the write-back engine and
-/// its flusher thread; implementations synchronise internally.
+/// its flusher thread; implementations synchronise internally. Nothing has a default
+/// body: a device that wraps another says, method by method and in
+/// [`capabilities`](Self::capabilities), what it passes on, so nothing is dropped by
+/// forgetting it (`tests/wrappers.rs` stacks every wrapper and checks).
 pub trait BlockDevice: Send + Sync {
     /// Size of one block in bytes (a power of two).
     fn block_size(&self) -> usize;
@@ -105,20 +129,135 @@ pub trait BlockDevice: Send + Sync {
     /// of it or failing (callers pass reused buffers: bytes left unwritten would leak).
     fn read(&self, block: BlockNo, buf: &mut [u8]) -> Result<()>;
     /// Reads consecutive blocks from `first` into `buf` (whole blocks): one request to a
-    /// device that models its timing, block reads otherwise.
-    fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
-        let bs = self.block_size();
-        whole_blocks(bs, buf.len())?;
-        for (i, b) in buf.chunks_mut(bs).enumerate() {
-            self.read(first + i as u64, b)?;
+    /// device that models its timing. [`read_each`] does it block by block.
+    fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()>;
+    /// Writes `buf` (exactly one block) to block `block`. Not durable until `flush`.
+    fn write(&self, block: BlockNo, buf: &[u8], class: WriteClass) -> Result<()>;
+    /// Writes `buf` (whole blocks) to consecutive blocks from `first`: one request to a
+    /// device that models its timing (a disk streams it). Each block is written
+    /// atomically; the blocks may reach the media in any order. [`write_each`] does it
+    /// block by block.
+    fn write_blocks(&self, first: BlockNo, buf: &[u8], class: WriteClass) -> Result<()>;
+    /// Durability barrier: every write that returned before this call is durable when it
+    /// returns `Ok`.
+    fn flush(&self) -> Result<()>;
+    /// The I/O this device has served so far.
+    fn stats(&self) -> IoStats;
+    /// What else this device can do. A wrapper lists its own, and those of the device
+    /// below that it passes on (often through an implementation of its own that does its
+    /// part and calls down); [`BlockDeviceExt`] falls back to the core for the rest.
+    fn capabilities(&self) -> Capabilities<'_>;
+}
+
+/// The optional parts of a device, each present or not. Callers reach them through
+/// [`BlockDeviceExt`], which does the plain thing when one is missing.
+#[derive(Clone, Copy, Default)]
+pub struct Capabilities<'a> {
+    pub gather: Option<&'a dyn GatherWrites>,
+    pub part_reads: Option<&'a dyn PartReads>,
+    pub ranges: Option<&'a dyn RangeWrites>,
+    pub hints: Option<&'a dyn ReadHints>,
+    pub reservation: Option<&'a dyn Reservation>,
+    pub history: Option<&'a dyn History>,
+    pub counters: Option<&'a dyn DeviceCounters>,
+}
+
+impl Capabilities<'_> {
+    /// The names of the capabilities present, for messages and tests.
+    pub fn names(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        for (present, name) in [
+            (self.gather.is_some(), "gather"),
+            (self.part_reads.is_some(), "part_reads"),
+            (self.ranges.is_some(), "ranges"),
+            (self.hints.is_some(), "hints"),
+            (self.reservation.is_some(), "reservation"),
+            (self.history.is_some(), "history"),
+            (self.counters.is_some(), "counters"),
+        ] {
+            if present {
+                v.push(name);
+            }
         }
-        Ok(())
+        v
     }
+}
+
+/// Writes of runs given in pieces, gathered by the device itself (an image file:
+/// `pwritev`) instead of concatenated by the caller.
+pub trait GatherWrites: Send + Sync {
+    /// Writes `parts` (each whole blocks), one after another, to consecutive blocks from
+    /// `first`: [`BlockDevice::write_blocks`] of their concatenation.
+    fn write_blocks_gather(&self, first: BlockNo, parts: &[&[u8]], class: WriteClass)
+        -> Result<()>;
+}
+
+/// Reads of byte ranges that need not start or end on a block boundary.
+pub trait PartReads: Send + Sync {
     /// Reads `buf.len()` bytes starting `skip` bytes into block `first` (they may run on
-    /// into the blocks after it): what a reader of a part of a run needs, without the
-    /// rest of its first and last blocks where the device can read bytes (an image
-    /// file). By default the blocks are read whole and the part copied out.
+    /// into the blocks after it), without the rest of its first and last blocks.
+    fn read_part(&self, first: BlockNo, skip: usize, buf: &mut [u8]) -> Result<()>;
+}
+
+/// Range writes, as in Bark: the device picks where a run goes among candidates.
+pub trait RangeWrites: Send + Sync {
+    /// Writes `buf` (whole blocks, kept together and in order) at whichever of
+    /// `candidates` the device finds cheapest, and returns the block it chose (a disk
+    /// model: the one its head reaches first).
+    fn write_range(&self, candidates: &[BlockNo], buf: &[u8], class: WriteClass)
+        -> Result<BlockNo>;
+}
+
+/// Hints about reads to come.
+pub trait ReadHints: Send + Sync {
+    /// Blocks `first..first + count` will be read soon: a device that can start reading
+    /// them in the background (an image file, through the host's page cache) does, so
+    /// that the reads that follow, one at a time on the path of some caller, find them
+    /// there. Never fails.
+    fn will_need(&self, first: BlockNo, count: u64);
+}
+
+/// Storage reserved before it is written.
+pub trait Reservation: Send + Sync {
+    /// Makes sure blocks `first..first + count` have storage behind them, so that
+    /// writing them later cannot fail for lack of room where the image lives (a sparse
+    /// image file on a host file system that fills up). A file system calls it when it
+    /// allocates a block, so that the error reaches the write(2) that needed the block
+    /// instead of a write-back after it returned.
+    fn reserve(&self, first: BlockNo, count: u64) -> Result<()>;
+}
+
+/// A history of the device's requests that named points can be put into.
+pub trait History: Send + Sync {
+    /// Inserts a named mark (see [`RecordingDevice`]): crash states are cut at
+    /// operation boundaries, fsync returns and patchgroup syncs.
+    fn mark(&self, name: &str);
+}
+
+/// Counters of the device's own, beyond [`IoStats`].
+pub trait DeviceCounters: Send + Sync {
+    /// By name (a disk model's latencies and range-write choices).
+    fn extra_stats(&self) -> Vec<(String, u64)>;
+}
+
+/// The capabilities as methods on every device, each doing the plain thing (whole
+/// blocks, the first candidate, nothing) where the device lacks it.
+pub trait BlockDeviceExt: BlockDevice {
+    fn write_blocks_gather(
+        &self,
+        first: BlockNo,
+        parts: &[&[u8]],
+        class: WriteClass,
+    ) -> Result<()> {
+        match self.capabilities().gather {
+            Some(g) => g.write_blocks_gather(first, parts, class),
+            None => self.write_blocks(first, &parts.concat(), class),
+        }
+    }
     fn read_part(&self, first: BlockNo, skip: usize, buf: &mut [u8]) -> Result<()> {
+        if let Some(p) = self.capabilities().part_reads {
+            return p.read_part(first, skip, buf);
+        }
         if buf.is_empty() {
             return Ok(());
         }
@@ -132,67 +271,74 @@ pub trait BlockDevice: Send + Sync {
         buf.copy_from_slice(&whole[skip..skip + buf.len()]);
         Ok(())
     }
-    /// Makes sure blocks `first..first + count` have storage behind them, so that
-    /// writing them later cannot fail for lack of room where the image lives (a sparse
-    /// image file on a host file system that fills up). A file system calls it when it
-    /// allocates a block, so that the error reaches the write(2) that needed the block
-    /// instead of a write-back after it returned. Nothing to do by default.
-    fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
-        let _ = (first, count);
-        Ok(())
-    }
-    /// A hint that blocks `first..first + count` will be read soon: a device that can
-    /// start reading them in the background (an image file, through the host's page
-    /// cache) does, so that the reads that follow, one at a time on the path of some
-    /// caller, find them there. Never fails; nothing by default.
-    fn will_need(&self, first: BlockNo, count: u64) {
-        let _ = (first, count);
-    }
-    /// Writes `buf` (exactly one block) to block `block`. Not durable until `flush`.
-    fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()>;
-    /// Durability barrier: every write that returned before this call is durable when it
-    /// returns `Ok`.
-    fn flush(&self) -> Result<()>;
-    /// Writes `buf` (whole blocks) to consecutive blocks from `first`: one request to a
-    /// device that models its timing (a disk streams it), block writes otherwise. Each
-    /// block is written atomically; the blocks may reach the media in any order.
-    fn write_blocks(&self, first: BlockNo, buf: &[u8]) -> Result<()> {
-        let bs = self.block_size();
-        whole_blocks(bs, buf.len())?;
-        for (i, b) in buf.chunks(bs).enumerate() {
-            self.write(first + i as u64, b)?;
+    /// Without the capability: the first candidate, which is what a caller that lists
+    /// them in its preferred order would choose anyway.
+    fn write_range(
+        &self,
+        candidates: &[BlockNo],
+        buf: &[u8],
+        class: WriteClass,
+    ) -> Result<BlockNo> {
+        if let Some(r) = self.capabilities().ranges {
+            return r.write_range(candidates, buf, class);
         }
-        Ok(())
-    }
-    /// Writes `parts` (each whole blocks), one after another, to consecutive blocks from
-    /// `first`: [`write_blocks`](Self::write_blocks) of their concatenation, without
-    /// making it where the device can gather them itself (an image file: `pwritev`).
-    fn write_blocks_gather(&self, first: BlockNo, parts: &[&[u8]]) -> Result<()> {
-        self.write_blocks(first, &parts.concat())
-    }
-    /// Writes `buf` (whole blocks, kept together and in order) at whichever of
-    /// `candidates` the device finds cheapest, and returns the block it chose (range
-    /// writes, as in Bark). A device that models a disk's timing ([`DiskModel`]) takes the
-    /// one its head reaches first; others take the first candidate, which is what a
-    /// caller that lists them in its preferred order would choose anyway.
-    fn write_range(&self, candidates: &[BlockNo], buf: &[u8]) -> Result<BlockNo> {
         let Some(&first) = candidates.first() else {
             return Err(BlockError::Unsupported("a range write with no candidate"));
         };
-        self.write_blocks(first, buf)?;
+        self.write_blocks(first, buf, class)?;
         Ok(first)
     }
-    /// Inserts a named mark into the device's history (see [`RecordingDevice`]).
+    fn will_need(&self, first: BlockNo, count: u64) {
+        if let Some(h) = self.capabilities().hints {
+            h.will_need(first, count)
+        }
+    }
+    fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
+        match self.capabilities().reservation {
+            Some(r) => r.reserve(first, count),
+            None => Ok(()),
+        }
+    }
     fn mark(&self, name: &str) {
-        let _ = name;
+        if let Some(h) = self.capabilities().history {
+            h.mark(name)
+        }
     }
-    /// The I/O this device has served so far.
-    fn stats(&self) -> IoStats;
-    /// Counters of the device's own (a disk model's latencies and range-write choices),
-    /// by name; none by default. Devices that wrap another pass its counters on.
     fn extra_stats(&self) -> Vec<(String, u64)> {
-        Vec::new()
+        match self.capabilities().counters {
+            Some(c) => c.extra_stats(),
+            None => Vec::new(),
+        }
     }
+}
+
+impl<T: BlockDevice + ?Sized> BlockDeviceExt for T {}
+
+/// [`BlockDevice::read_blocks`] as reads of one block each, for devices with no cheaper
+/// way.
+pub fn read_each(dev: &(impl BlockDevice + ?Sized), first: BlockNo, buf: &mut [u8]) -> Result<()> {
+    let bs = dev.block_size();
+    whole_blocks(bs, buf.len())?;
+    for (i, b) in buf.chunks_mut(bs).enumerate() {
+        dev.read(first + i as u64, b)?;
+    }
+    Ok(())
+}
+
+/// [`BlockDevice::write_blocks`] as writes of one block each, for devices with no
+/// cheaper way.
+pub fn write_each(
+    dev: &(impl BlockDevice + ?Sized),
+    first: BlockNo,
+    buf: &[u8],
+    class: WriteClass,
+) -> Result<()> {
+    let bs = dev.block_size();
+    whole_blocks(bs, buf.len())?;
+    for (i, b) in buf.chunks(bs).enumerate() {
+        dev.write(first + i as u64, b, class)?;
+    }
+    Ok(())
 }
 
 /// Checks a request against a device's geometry. Shared by every device so that the
@@ -249,40 +395,22 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     fn read(&self, block: BlockNo, buf: &mut [u8]) -> Result<()> {
         (**self).read(block, buf)
     }
-    fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()> {
-        (**self).write(block, buf)
+    fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
+        (**self).read_blocks(first, buf)
     }
-    fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
-        (**self).reserve(first, count)
+    fn write(&self, block: BlockNo, buf: &[u8], class: WriteClass) -> Result<()> {
+        (**self).write(block, buf, class)
     }
-    fn will_need(&self, first: BlockNo, count: u64) {
-        (**self).will_need(first, count)
+    fn write_blocks(&self, first: BlockNo, buf: &[u8], class: WriteClass) -> Result<()> {
+        (**self).write_blocks(first, buf, class)
     }
     fn flush(&self) -> Result<()> {
         (**self).flush()
     }
-    fn write_blocks(&self, first: BlockNo, buf: &[u8]) -> Result<()> {
-        (**self).write_blocks(first, buf)
-    }
-    fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
-        (**self).read_blocks(first, buf)
-    }
-    fn read_part(&self, first: BlockNo, skip: usize, buf: &mut [u8]) -> Result<()> {
-        (**self).read_part(first, skip, buf)
-    }
-    fn write_blocks_gather(&self, first: BlockNo, parts: &[&[u8]]) -> Result<()> {
-        (**self).write_blocks_gather(first, parts)
-    }
-    fn write_range(&self, candidates: &[BlockNo], buf: &[u8]) -> Result<BlockNo> {
-        (**self).write_range(candidates, buf)
-    }
-    fn extra_stats(&self) -> Vec<(String, u64)> {
-        (**self).extra_stats()
-    }
-    fn mark(&self, name: &str) {
-        (**self).mark(name)
-    }
     fn stats(&self) -> IoStats {
         (**self).stats()
+    }
+    fn capabilities(&self) -> Capabilities<'_> {
+        (**self).capabilities()
     }
 }

@@ -1,7 +1,8 @@
 //! An in-memory device: tests, crash-state images and the benchmarks' bottom device.
 
 use crate::{
-    check_block_size, check_request, BlockDevice, BlockError, BlockNo, IoCounters, IoStats, Result,
+    check_block_size, check_request, read_each, write_each, BlockDevice, BlockError, BlockNo,
+    Capabilities, IoCounters, IoStats, Result, WriteClass,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::RwLock;
@@ -87,7 +88,10 @@ impl BlockDevice for MemDevice {
         self.counters.read(buf.len());
         Ok(())
     }
-    fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()> {
+    fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
+        read_each(self, first, buf)
+    }
+    fn write(&self, block: BlockNo, buf: &[u8], _class: WriteClass) -> Result<()> {
         check_request(self, block, buf.len())?;
         self.injected_error(format!("memory block {block}"))?;
         let start = block as usize * self.block_size;
@@ -95,6 +99,9 @@ impl BlockDevice for MemDevice {
         data[start..start + self.block_size].copy_from_slice(buf);
         self.counters.write(buf.len());
         Ok(())
+    }
+    fn write_blocks(&self, first: BlockNo, buf: &[u8], class: WriteClass) -> Result<()> {
+        write_each(self, first, buf, class)
     }
     fn flush(&self) -> Result<()> {
         self.injected_error("memory device flush".into())?;
@@ -104,17 +111,21 @@ impl BlockDevice for MemDevice {
     fn stats(&self) -> IoStats {
         self.counters.snapshot()
     }
+    fn capabilities(&self) -> Capabilities<'_> {
+        Capabilities::default()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::BlockDeviceExt;
 
     #[test]
     fn write_then_read_returns_the_same_bytes() {
         let dev = MemDevice::new(512, 8).unwrap();
         let block = vec![0xab; 512];
-        dev.write(3, &block).unwrap();
+        dev.write(3, &block, WriteClass::Metadata).unwrap();
         let mut back = vec![0; 512];
         dev.read(3, &mut back).unwrap();
         assert_eq!(back, block);
@@ -136,11 +147,11 @@ mod tests {
             Err(BlockError::OutOfRange { block: 8, count: 8 })
         ));
         assert!(matches!(
-            dev.write(u64::MAX, &buf),
+            dev.write(u64::MAX, &buf, WriteClass::Metadata),
             Err(BlockError::OutOfRange { .. })
         ));
         assert!(matches!(
-            dev.write(0, &buf[..100]),
+            dev.write(0, &buf[..100], WriteClass::Metadata),
             Err(BlockError::BadBufferSize { got: 100, .. })
         ));
         assert!(matches!(
@@ -152,9 +163,13 @@ mod tests {
             Err(BlockError::BadBufferSize { .. })
         ));
         // Without a placement model a range write takes the first candidate.
-        assert_eq!(dev.write_range(&[1, 2], &buf).unwrap(), 1);
+        assert_eq!(
+            dev.write_range(&[1, 2], &buf, WriteClass::Metadata)
+                .unwrap(),
+            1
+        );
         assert!(matches!(
-            dev.write_range(&[], &buf),
+            dev.write_range(&[], &buf, WriteClass::Metadata),
             Err(BlockError::Unsupported(_))
         ));
     }
@@ -164,7 +179,7 @@ mod tests {
         let dev = MemDevice::new(512, 2).unwrap();
         dev.set_failing(true);
         assert!(matches!(
-            dev.write(0, &[1; 512]),
+            dev.write(0, &[1; 512], WriteClass::Metadata),
             Err(BlockError::Io { .. })
         ));
         assert!(matches!(dev.flush(), Err(BlockError::Io { .. })));

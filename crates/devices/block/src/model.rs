@@ -31,7 +31,10 @@
 //! reach it, and writes where it is soonest (the paper's hierarchical-range scheduler,
 //! over a list of single positions).
 
-use crate::{check_request, check_run, BlockDevice, BlockError, BlockNo, IoStats, Result};
+use crate::{
+    check_request, check_run, BlockDevice, BlockDeviceExt, BlockError, BlockNo, Capabilities,
+    DeviceCounters, GatherWrites, IoStats, PartReads, RangeWrites, Result, WriteClass,
+};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -649,59 +652,20 @@ impl BlockDevice for DiskModel {
         self.timed_read(&mut h, arrive, first, n).map(|_| ())
     }
 
-    fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
-        self.inner.reserve(first, count)
-    }
-
-    fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()> {
+    fn write(&self, block: BlockNo, buf: &[u8], class: WriteClass) -> Result<()> {
         check_request(self, block, buf.len())?;
         let mut h = self.head.lock().unwrap_or_else(|e| e.into_inner());
         let arrive = self.clock.now_ns();
-        self.inner.write(block, buf)?;
+        self.inner.write(block, buf, class)?;
         self.timed_write(&mut h, arrive, block, 1)
     }
 
-    fn write_blocks(&self, first: BlockNo, buf: &[u8]) -> Result<()> {
+    fn write_blocks(&self, first: BlockNo, buf: &[u8], class: WriteClass) -> Result<()> {
         let n = check_run(self, first, buf.len())?;
         let mut h = self.head.lock().unwrap_or_else(|e| e.into_inner());
         let arrive = self.clock.now_ns();
-        self.inner.write_blocks(first, buf)?;
+        self.inner.write_blocks(first, buf, class)?;
         self.timed_write(&mut h, arrive, first, n)
-    }
-
-    fn write_range(&self, candidates: &[BlockNo], buf: &[u8]) -> Result<BlockNo> {
-        if candidates.is_empty() {
-            return Err(BlockError::BadBufferSize {
-                got: buf.len(),
-                block_size: self.block_size(),
-            });
-        }
-        let mut n = 0;
-        for &c in candidates {
-            n = check_run(self, c, buf.len())?;
-        }
-        let mut h = self.head.lock().unwrap_or_else(|e| e.into_inner());
-        let arrive = self.clock.now_ns();
-        let t = arrive.max(h.busy_until) + self.params.overhead_ns;
-        let i = if self.params.write_cache {
-            0
-        } else {
-            self.soonest(&h, t, candidates)?
-        };
-        let at = candidates[i];
-        self.inner.write_blocks(at, buf)?;
-        self.counters.range_choice[i.min(15)].fetch_add(1, Relaxed);
-        if at != candidates[0] {
-            self.counters.range_skips.fetch_add(1, Relaxed);
-            self.counters
-                .range_skipped_blocks
-                .fetch_add(at.abs_diff(candidates[0]), Relaxed);
-        }
-        // Timed from the arrival the choice was made for: the time the image's own
-        // write takes is the emulator's, not the disk's (counted, it made one range
-        // write in twenty miss the candidate chosen for it by a revolution).
-        self.timed_write(&mut h, arrive, at, n)?;
-        Ok(at)
     }
 
     fn flush(&self) -> Result<()> {
@@ -732,20 +696,106 @@ impl BlockDevice for DiskModel {
         Ok(())
     }
 
-    fn mark(&self, name: &str) {
-        self.inner.mark(name)
-    }
-
     fn stats(&self) -> IoStats {
         IoStats {
             flushes: self.counters.flushes.load(Relaxed),
             ..self.inner.stats()
         }
     }
+    fn capabilities(&self) -> Capabilities<'_> {
+        let below = self.inner.capabilities();
+        Capabilities {
+            // Its own: each is one request, timed as the run it covers.
+            gather: Some(self),
+            part_reads: Some(self),
+            ranges: Some(self),
+            counters: Some(self),
+            // The image's: the model times requests, not where their bytes live.
+            hints: below.hints,
+            reservation: below.reservation,
+            history: below.history,
+        }
+    }
+}
 
+/// A gathered write is one request, as `write_blocks` of the run.
+impl GatherWrites for DiskModel {
+    fn write_blocks_gather(
+        &self,
+        first: BlockNo,
+        parts: &[&[u8]],
+        class: WriteClass,
+    ) -> Result<()> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let n = check_run(self, first, len)?;
+        let mut h = self.head.lock().unwrap_or_else(|e| e.into_inner());
+        let arrive = self.clock.now_ns();
+        self.inner.write_blocks_gather(first, parts, class)?;
+        self.timed_write(&mut h, arrive, first, n)
+    }
+}
+
+/// A part read is one request for the blocks it touches.
+impl PartReads for DiskModel {
+    fn read_part(&self, first: BlockNo, skip: usize, buf: &mut [u8]) -> Result<()> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let bs = self.block_size();
+        let n = check_run(self, first, (skip + buf.len()).div_ceil(bs) * bs)?;
+        let mut h = self.head.lock().unwrap_or_else(|e| e.into_inner());
+        let arrive = self.clock.now_ns();
+        self.inner.read_part(first, skip, buf)?;
+        self.timed_read(&mut h, arrive, first, n).map(|_| ())
+    }
+}
+
+impl RangeWrites for DiskModel {
+    fn write_range(
+        &self,
+        candidates: &[BlockNo],
+        buf: &[u8],
+        class: WriteClass,
+    ) -> Result<BlockNo> {
+        if candidates.is_empty() {
+            return Err(BlockError::BadBufferSize {
+                got: buf.len(),
+                block_size: self.block_size(),
+            });
+        }
+        let mut n = 0;
+        for &c in candidates {
+            n = check_run(self, c, buf.len())?;
+        }
+        let mut h = self.head.lock().unwrap_or_else(|e| e.into_inner());
+        let arrive = self.clock.now_ns();
+        let t = arrive.max(h.busy_until) + self.params.overhead_ns;
+        let i = if self.params.write_cache {
+            0
+        } else {
+            self.soonest(&h, t, candidates)?
+        };
+        let at = candidates[i];
+        self.inner.write_blocks(at, buf, class)?;
+        self.counters.range_choice[i.min(15)].fetch_add(1, Relaxed);
+        if at != candidates[0] {
+            self.counters.range_skips.fetch_add(1, Relaxed);
+            self.counters
+                .range_skipped_blocks
+                .fetch_add(at.abs_diff(candidates[0]), Relaxed);
+        }
+        // Timed from the arrival the choice was made for: the time the image's own
+        // write takes is the emulator's, not the disk's (counted, it made one range
+        // write in twenty miss the candidate chosen for it by a revolution).
+        self.timed_write(&mut h, arrive, at, n)?;
+        Ok(at)
+    }
+}
+
+impl DeviceCounters for DiskModel {
     fn extra_stats(&self) -> Vec<(String, u64)> {
         let c = &self.counters;
-        let mut v = Vec::new();
+        let mut v = self.inner.extra_stats();
         for (i, b) in LATENCY_BUCKETS_US.iter().enumerate() {
             let name = if *b == u64::MAX {
                 "more".to_string()
@@ -818,7 +868,14 @@ mod tests {
             buf.fill(0);
             Ok(())
         }
-        fn write(&self, _: BlockNo, _: &[u8]) -> Result<()> {
+        fn read_blocks(&self, _: BlockNo, buf: &mut [u8]) -> Result<()> {
+            buf.fill(0);
+            Ok(())
+        }
+        fn write(&self, _: BlockNo, _: &[u8], _: WriteClass) -> Result<()> {
+            Ok(())
+        }
+        fn write_blocks(&self, _: BlockNo, _: &[u8], _: WriteClass) -> Result<()> {
             Ok(())
         }
         fn flush(&self) -> Result<()> {
@@ -826,6 +883,9 @@ mod tests {
         }
         fn stats(&self) -> IoStats {
             self.1.snapshot()
+        }
+        fn capabilities(&self) -> Capabilities<'_> {
+            Capabilities::default()
         }
     }
 
@@ -835,13 +895,13 @@ mod tests {
         let dev = Arc::new(Void(40_000_000, Default::default()));
         let m = DiskModel::new(dev, p.clone(), Clock::virtual_at(0)).unwrap();
         let buf = vec![0u8; 4096];
-        m.write(0, &buf).unwrap();
+        m.write(0, &buf, WriteClass::Metadata).unwrap();
         // A block 1,000 cylinders in: at least the curve's seek and settle, at most a
         // rotation more.
         let per_cyl = p.heads as u64 * 2400 * 512 / 4096;
         let target = 1000 * per_cyl;
         let t0 = now(&m);
-        m.write(target, &buf).unwrap();
+        m.write(target, &buf, WriteClass::Metadata).unwrap();
         let took = now(&m) - t0;
         let seek = p.seek.time_ns(1000) + p.write_settle_ns + p.overhead_ns;
         let xfer = 8.0 * p.rotation_ns() / 2400.0;
@@ -855,10 +915,10 @@ mod tests {
         let m = model(4096);
         // One write of 16 blocks: one positioning, then a streaming transfer.
         let buf = vec![1u8; 16 * 4096];
-        m.write_blocks(0, &buf).unwrap();
+        m.write_blocks(0, &buf, WriteClass::Metadata).unwrap();
         let t0 = now(&m);
         let rot0 = m.counters.rotation_ns.load(Relaxed);
-        m.write_blocks(16, &buf).unwrap();
+        m.write_blocks(16, &buf, WriteClass::Metadata).unwrap();
         let took = now(&m) - t0;
         let p = m.params();
         // The next write arrives after the controller's overhead: its sector has passed
@@ -880,7 +940,7 @@ mod tests {
         };
         let m = DiskModel::new(dev, p.clone(), Clock::virtual_at(0)).unwrap();
         for b in (0..64).rev() {
-            m.write(b, &[3u8; 4096]).unwrap();
+            m.write(b, &[3u8; 4096], WriteClass::Metadata).unwrap();
         }
         let rot0 = m.counters.rotation_ns.load(Relaxed);
         let t0 = now(&m);
@@ -900,10 +960,10 @@ mod tests {
     fn a_write_to_a_sector_just_passed_costs_a_full_rotation() {
         let m = model(4096);
         let buf = vec![2u8; 4096];
-        m.write(100, &buf).unwrap();
+        m.write(100, &buf, WriteClass::Metadata).unwrap();
         // The same block again, at once: the head is just past it.
         let t0 = now(&m);
-        m.write(100, &buf).unwrap();
+        m.write(100, &buf, WriteClass::Metadata).unwrap();
         let took = now(&m) - t0;
         let rot = m.params().rotation_ns();
         assert!(
@@ -916,11 +976,11 @@ mod tests {
     fn a_range_write_takes_the_candidate_the_head_reaches_first() {
         let m = model(4096);
         let buf = vec![3u8; 4096];
-        m.write(0, &buf).unwrap();
+        m.write(0, &buf, WriteClass::Metadata).unwrap();
         // Candidates: block 0 again (a rotation away), and blocks a little ahead on the
         // same track (reached within the settle time and a short wait).
         let cands = [0u64, 2, 20, 40, 100];
-        let at = m.write_range(&cands, &buf).unwrap();
+        let at = RangeWrites::write_range(&m, &cands, &buf, WriteClass::Metadata).unwrap();
         assert_ne!(at, 0);
         let mut back = vec![0u8; 4096];
         m.inner.read(at, &mut back).unwrap();
@@ -936,13 +996,13 @@ mod tests {
     fn idle_time_moves_the_platter() {
         let m = model(4096);
         let buf = vec![4u8; 4096];
-        m.write(0, &buf).unwrap();
+        m.write(0, &buf, WriteClass::Metadata).unwrap();
         // Thinking for half a revolution, then writing the block that has come round:
         // about half a revolution of waiting instead of a whole one.
         let rot = m.params().rotation_ns();
         m.clock.advance((rot / 2.0) as u64);
         let t0 = now(&m);
-        m.write(0, &buf).unwrap();
+        m.write(0, &buf, WriteClass::Metadata).unwrap();
         let took = now(&m) - t0;
         assert!(took < 0.6 * rot, "{took}");
     }
@@ -985,7 +1045,7 @@ mod tests {
         m.read(0, &mut buf).unwrap();
         let rot = m.params().rotation_ns();
         // A write inside what the drive reads ahead: the next read there goes to the media.
-        m.write(1, &[7u8; 4096]).unwrap();
+        m.write(1, &[7u8; 4096], WriteClass::Metadata).unwrap();
         let t0 = now(&m);
         m.read(1, &mut buf).unwrap();
         assert!(
@@ -1014,7 +1074,7 @@ mod tests {
         let buf = vec![5u8; 4096];
         let t0 = now(&m);
         for b in [10u64, 500, 20, 900] {
-            m.write(b, &buf).unwrap();
+            m.write(b, &buf, WriteClass::Metadata).unwrap();
         }
         let writes = now(&m) - t0;
         assert!(writes < 1e6, "writes into the cache took {writes} ns");
@@ -1033,7 +1093,7 @@ mod tests {
             .without_host_flush();
         let buf = vec![5u8; 4096];
         for b in [10u64, 900] {
-            m.write(b, &buf).unwrap();
+            m.write(b, &buf, WriteClass::Metadata).unwrap();
         }
         let t1 = now(&m);
         m.flush().unwrap();

@@ -2,7 +2,10 @@
 //! written through the view, writes stay in memory. For tools that must open an image
 //! read-only whose recovery writes (a check with `-n` replays a log in memory).
 
-use crate::{check_request, BlockDevice, BlockNo, IoCounters, IoStats, Result};
+use crate::{
+    check_request, read_each, write_each, BlockDevice, BlockNo, Capabilities, IoCounters, IoStats,
+    Result, WriteClass,
+};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -47,7 +50,10 @@ impl BlockDevice for OverlayDevice {
         self.counters.read(buf.len());
         Ok(())
     }
-    fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()> {
+    fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
+        read_each(self, first, buf)
+    }
+    fn write(&self, block: BlockNo, buf: &[u8], _class: WriteClass) -> Result<()> {
         check_request(self, block, buf.len())?;
         let bs = self.block_size();
         let mut w = self.written.lock().unwrap_or_else(|e| e.into_inner());
@@ -57,8 +63,8 @@ impl BlockDevice for OverlayDevice {
         self.counters.write(buf.len());
         Ok(())
     }
-    fn will_need(&self, first: BlockNo, count: u64) {
-        self.inner.will_need(first, count)
+    fn write_blocks(&self, first: BlockNo, buf: &[u8], class: WriteClass) -> Result<()> {
+        write_each(self, first, buf, class)
     }
     fn flush(&self) -> Result<()> {
         self.counters.flush();
@@ -66,5 +72,20 @@ impl BlockDevice for OverlayDevice {
     }
     fn stats(&self) -> IoStats {
         self.counters.snapshot()
+    }
+    fn capabilities(&self) -> Capabilities<'_> {
+        let below = self.inner.capabilities();
+        Capabilities {
+            // Reads of blocks not written through the view go below; hints help them.
+            hints: below.hints,
+            history: below.history,
+            counters: below.counters,
+            // Writes stay in memory: nothing below to reserve, gather or place, and the
+            // plain versions (whole blocks, the first candidate) are what the view does.
+            gather: None,
+            part_reads: None,
+            ranges: None,
+            reservation: None,
+        }
     }
 }

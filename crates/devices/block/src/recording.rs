@@ -6,13 +6,20 @@
 //! writes before the prefix's last flush are all applied and the writes after it (the ones
 //! a volatile disk cache could still have held) are applied as any subset, in order.
 
-use crate::{BlockDevice, BlockError, BlockNo, IoStats, Result};
+use crate::{
+    check_request, check_run, BlockDevice, BlockDeviceExt, BlockError, BlockNo, Capabilities,
+    GatherWrites, History, IoStats, RangeWrites, Result, WriteClass,
+};
 use std::sync::{Arc, Mutex};
 
 /// One event at the device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LogEntry {
-    Write { block: BlockNo, data: Arc<[u8]> },
+    Write {
+        block: BlockNo,
+        data: Arc<[u8]>,
+        class: WriteClass,
+    },
     Flush,
     Mark(String),
 }
@@ -81,9 +88,9 @@ impl RecordingLog {
         let len = len.min(self.entries.len());
         let durable = self.durable_prefix(len);
         for (i, e) in self.entries[..len].iter().enumerate() {
-            if let LogEntry::Write { block, data } = e {
+            if let LogEntry::Write { block, data, class } = e {
                 if i < durable || keep(i) {
-                    target.write(*block, data)?;
+                    target.write(*block, data, *class)?;
                 }
             }
         }
@@ -133,6 +140,42 @@ impl RecordingDevice {
     }
 }
 
+impl RecordingDevice {
+    /// Logs the blocks of a run written at `first` by `write`, which writes them below,
+    /// under the log's lock so that the log order is the order in which the device below
+    /// saw the writes. One entry per block: each block is atomic, the run is not.
+    fn logged<T>(
+        &self,
+        first: BlockNo,
+        blocks: &[&[u8]],
+        class: WriteClass,
+        write: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        let len: u64 = blocks.iter().map(|b| b.len() as u64).sum();
+        let mut g = self.lock();
+        if g.1 + len > self.limit_bytes {
+            return Err(BlockError::LogFull {
+                limit_bytes: self.limit_bytes,
+            });
+        }
+        let r = write()?;
+        g.1 += len;
+        let bs = self.inner.block_size();
+        let mut block = first;
+        for part in blocks {
+            for b in part.chunks(bs) {
+                g.0.entries.push(LogEntry::Write {
+                    block,
+                    data: Arc::from(b),
+                    class,
+                });
+                block += 1;
+            }
+        }
+        Ok(r)
+    }
+}
+
 impl BlockDevice for RecordingDevice {
     fn block_size(&self) -> usize {
         self.inner.block_size()
@@ -146,28 +189,15 @@ impl BlockDevice for RecordingDevice {
     fn read_blocks(&self, first: BlockNo, buf: &mut [u8]) -> Result<()> {
         self.inner.read_blocks(first, buf)
     }
-    fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()> {
-        // The lock is held across the inner write so that the log order is the order in
-        // which the inner device saw the writes.
-        let mut g = self.lock();
-        if g.1 + buf.len() as u64 > self.limit_bytes {
-            return Err(BlockError::LogFull {
-                limit_bytes: self.limit_bytes,
-            });
-        }
-        self.inner.write(block, buf)?;
-        g.1 += buf.len() as u64;
-        g.0.entries.push(LogEntry::Write {
-            block,
-            data: Arc::from(buf),
-        });
-        Ok(())
+    fn write(&self, block: BlockNo, buf: &[u8], class: WriteClass) -> Result<()> {
+        check_request(self, block, buf.len())?;
+        self.logged(block, &[buf], class, || self.inner.write(block, buf, class))
     }
-    fn reserve(&self, first: BlockNo, count: u64) -> Result<()> {
-        self.inner.reserve(first, count)
-    }
-    fn will_need(&self, first: BlockNo, count: u64) {
-        self.inner.will_need(first, count)
+    fn write_blocks(&self, first: BlockNo, buf: &[u8], class: WriteClass) -> Result<()> {
+        check_run(self, first, buf.len())?;
+        self.logged(first, &[buf], class, || {
+            self.inner.write_blocks(first, buf, class)
+        })
     }
     fn flush(&self) -> Result<()> {
         let mut g = self.lock();
@@ -175,12 +205,75 @@ impl BlockDevice for RecordingDevice {
         g.0.entries.push(LogEntry::Flush);
         Ok(())
     }
+    fn stats(&self) -> IoStats {
+        self.inner.stats()
+    }
+    fn capabilities(&self) -> Capabilities<'_> {
+        let below = self.inner.capabilities();
+        Capabilities {
+            // Writes are logged here, then passed on in the same shape.
+            gather: Some(self),
+            ranges: Some(self),
+            history: Some(self),
+            // Reads, hints, reservations and counters are not part of the history.
+            part_reads: below.part_reads,
+            hints: below.hints,
+            reservation: below.reservation,
+            counters: below.counters,
+        }
+    }
+}
+
+impl GatherWrites for RecordingDevice {
+    fn write_blocks_gather(
+        &self,
+        first: BlockNo,
+        parts: &[&[u8]],
+        class: WriteClass,
+    ) -> Result<()> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        check_run(self, first, len)?;
+        self.logged(first, parts, class, || {
+            self.inner.write_blocks_gather(first, parts, class)
+        })
+    }
+}
+
+impl RangeWrites for RecordingDevice {
+    /// The device below chooses; the log records the run where it went.
+    fn write_range(
+        &self,
+        candidates: &[BlockNo],
+        buf: &[u8],
+        class: WriteClass,
+    ) -> Result<BlockNo> {
+        for &c in candidates {
+            check_run(self, c, buf.len())?;
+        }
+        let len = buf.len() as u64;
+        let mut g = self.lock();
+        if g.1 + len > self.limit_bytes {
+            return Err(BlockError::LogFull {
+                limit_bytes: self.limit_bytes,
+            });
+        }
+        let at = self.inner.write_range(candidates, buf, class)?;
+        g.1 += len;
+        for (i, b) in buf.chunks(self.inner.block_size()).enumerate() {
+            g.0.entries.push(LogEntry::Write {
+                block: at + i as u64,
+                data: Arc::from(b),
+                class,
+            });
+        }
+        Ok(at)
+    }
+}
+
+impl History for RecordingDevice {
     fn mark(&self, name: &str) {
         self.lock().0.entries.push(LogEntry::Mark(name.to_string()));
         self.inner.mark(name);
-    }
-    fn stats(&self) -> IoStats {
-        self.inner.stats()
     }
 }
 
@@ -203,14 +296,14 @@ mod tests {
     fn history() -> (RecordingDevice, Arc<MemDevice>) {
         let mem = Arc::new(MemDevice::new(512, 4).unwrap());
         let rec = RecordingDevice::new(mem.clone(), 1 << 20);
-        rec.write(0, &block(1)).unwrap();
-        rec.write(1, &block(2)).unwrap();
+        rec.write(0, &block(1), WriteClass::Metadata).unwrap();
+        rec.write(1, &block(2), WriteClass::Metadata).unwrap();
         rec.flush().unwrap();
-        rec.mark("a");
-        rec.write(0, &block(3)).unwrap();
-        rec.write(2, &block(4)).unwrap();
+        History::mark(&rec, "a");
+        rec.write(0, &block(3), WriteClass::Metadata).unwrap();
+        rec.write(2, &block(4), WriteClass::Metadata).unwrap();
         rec.flush().unwrap();
-        rec.write(1, &block(5)).unwrap();
+        rec.write(1, &block(5), WriteClass::Metadata).unwrap();
         (rec, mem)
     }
 
@@ -291,13 +384,13 @@ mod tests {
     fn log_limit_refuses_writes_and_failed_writes_are_not_logged() {
         let mem = Arc::new(MemDevice::new(512, 4).unwrap());
         let rec = RecordingDevice::new(mem.clone(), 1024);
-        rec.write(0, &block(1)).unwrap();
-        rec.write(1, &block(1)).unwrap();
+        rec.write(0, &block(1), WriteClass::Metadata).unwrap();
+        rec.write(1, &block(1), WriteClass::Metadata).unwrap();
         assert!(matches!(
-            rec.write(2, &block(1)),
+            rec.write(2, &block(1), WriteClass::Metadata),
             Err(BlockError::LogFull { limit_bytes: 1024 })
         ));
-        assert!(rec.write(9, &block(1)).is_err());
+        assert!(rec.write(9, &block(1), WriteClass::Metadata).is_err());
         mem.set_failing(true);
         assert!(rec.flush().is_err());
         assert_eq!(rec.log().entries.len(), 2);

@@ -18,6 +18,7 @@ use crate::format::{
 };
 use crate::{JournalError, JournalMap, Result};
 use quilt_block::BlockDevice;
+use quilt_block::WriteClass;
 use rustc_hash::FxHashMap as HashMap;
 
 /// What a recovery did.
@@ -220,13 +221,13 @@ pub fn recover_on(
     // Empty now: a plain JBD2 journal again, which the kernel may use.
     clean.feature_incompat &= !crate::skip::INCOMPAT_SKIP;
     clean.encode_into(&mut raw);
-    dev.write(map.device_block(0)?, &raw)?;
+    dev.write(map.device_block(0)?, &raw, WriteClass::Metadata)?;
     dev.flush()?;
     report.next_sequence = next;
     Ok(report)
 }
 
 fn home_write(home: &dyn BlockDevice, block: u64, data: &[u8]) -> Result<()> {
-    home.write(block, data)?;
+    home.write(block, data, WriteClass::Metadata)?;
     Ok(())
 }

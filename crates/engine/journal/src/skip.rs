@@ -400,6 +400,7 @@ pub fn is_skip(sb: &JournalSuper) -> bool {
 mod tests {
     use super::*;
     use quilt_block::MemDevice;
+    use quilt_block::WriteClass;
 
     fn sb(maxlen: u32) -> JournalSuper {
         let mut s = JournalSuper::new(4096, maxlen, [7; 16]);
@@ -423,10 +424,11 @@ mod tests {
         let r10 = encode(4096, &s, 10, &[(100, &a), (101, &b)], &[55]);
         let r11 = encode(4096, &s, 11, &[(102, &a)], &[]);
         let r12 = encode(4096, &s, 12, &[(103, &a)], &[]);
-        dev.write_blocks(50, &r10).unwrap();
-        dev.write_blocks(700, &r11).unwrap();
+        dev.write_blocks(50, &r10, WriteClass::Metadata).unwrap();
+        dev.write_blocks(700, &r11, WriteClass::Metadata).unwrap();
         // Record 12 torn: its commit never made it.
-        dev.write_blocks(300, &r12[..r12.len() - 4096]).unwrap();
+        dev.write_blocks(300, &r12[..r12.len() - 4096], WriteClass::Metadata)
+            .unwrap();
         let found = scan(&dev, &map, &s).unwrap();
         assert_eq!(found.len(), 2);
         let c = committed(found, &s);
@@ -436,7 +438,7 @@ mod tests {
         // A changed data block fails its checksum: the record is gone, and 11 after it.
         let mut bad = r10.clone();
         bad[4096 + 9] ^= 1;
-        dev.write_blocks(50, &bad).unwrap();
+        dev.write_blocks(50, &bad, WriteClass::Metadata).unwrap();
         let c = committed(scan(&dev, &map, &s).unwrap(), &s);
         assert!(c.is_empty());
     }
@@ -452,10 +454,18 @@ mod tests {
         let mut old = s.clone();
         old.skip_nonce ^= 1;
         // A whole record of sequence 10 from an earlier mount, then this mount's 11.
-        dev.write_blocks(20, &encode(4096, &old, 10, &[(100, &a)], &[]))
-            .unwrap();
-        dev.write_blocks(40, &encode(4096, &s, 11, &[(101, &a)], &[]))
-            .unwrap();
+        dev.write_blocks(
+            20,
+            &encode(4096, &old, 10, &[(100, &a)], &[]),
+            WriteClass::Metadata,
+        )
+        .unwrap();
+        dev.write_blocks(
+            40,
+            &encode(4096, &s, 11, &[(101, &a)], &[]),
+            WriteClass::Metadata,
+        )
+        .unwrap();
         assert!(committed(scan(&dev, &map, &s).unwrap(), &s).is_empty());
         s.sequence = 11;
         let c = committed(scan(&dev, &map, &s).unwrap(), &s);
@@ -476,7 +486,7 @@ mod tests {
         assert_eq!(rec.len() / 4096, record_len(4096, 600, 300));
         assert!(record_len(4096, 600, 300) > 600 + 2);
         let dev = MemDevice::new(4096, 4096).unwrap();
-        dev.write_blocks(5, &rec).unwrap();
+        dev.write_blocks(5, &rec, WriteClass::Metadata).unwrap();
         let map = JournalMap {
             blocks: (0..4096).collect(),
         };
@@ -523,12 +533,16 @@ mod tests {
                     let c = crc(&[&b[..4092]]);
                     b[4092..].copy_from_slice(&c.to_le_bytes());
                 }
-                dev.write(j, &b).unwrap();
+                dev.write(j, &b, WriteClass::Metadata).unwrap();
             }
             // One intact record among it all.
             let a = vec![9u8; 4096];
-            dev.write_blocks(100, &encode(4096, &s, 10, &[(3, &a)], &[]))
-                .unwrap();
+            dev.write_blocks(
+                100,
+                &encode(4096, &s, 10, &[(3, &a)], &[]),
+                WriteClass::Metadata,
+            )
+            .unwrap();
             let c = committed(scan(&dev, &map, &s).unwrap(), &s);
             assert!(c.len() <= 3);
             assert_eq!(

@@ -35,6 +35,7 @@ use crate::format::{
 };
 use crate::{JournalError, JournalMap, Result};
 use quilt_block::{BlockDevice, BlockNo};
+use quilt_block::{BlockDeviceExt, WriteClass};
 use quilt_patch::{block_buf, BlockBuf, Engine, PatchId};
 use rustc_hash::FxHashMap as HashMap;
 use std::collections::VecDeque;
@@ -278,7 +279,7 @@ impl Journal {
         sb.start = sb.first;
         sb.errno = 0;
         sb.encode_into(&mut raw);
-        dev.write(map.device_block(0)?, &raw)?;
+        dev.write(map.device_block(0)?, &raw, WriteClass::Metadata)?;
         dev.flush()?;
         let next_seq = sb.sequence;
         let head = sb.first;
@@ -481,13 +482,13 @@ impl Journal {
                 k += 1;
             }
             if k - i == 1 {
-                inner.dev.write(first, &writes[i].1)?;
+                inner.dev.write(first, &writes[i].1, WriteClass::Metadata)?;
             } else {
                 let mut run = Vec::with_capacity((k - i) * inner.bs);
                 for (_, d) in &writes[i..k] {
                     run.extend_from_slice(d);
                 }
-                inner.dev.write_blocks(first, &run)?;
+                inner.dev.write_blocks(first, &run, WriteClass::Metadata)?;
             }
             i = k;
         }
@@ -505,9 +506,11 @@ impl Journal {
             c.value()
         });
         let commit = encode_commit(inner.bs, seq, now.as_secs(), now.subsec_nanos(), checksum);
-        inner
-            .dev
-            .write(inner.map.device_block(commit_pos)?, &commit)?;
+        inner.dev.write(
+            inner.map.device_block(commit_pos)?,
+            &commit,
+            WriteClass::Metadata,
+        )?;
         if safe {
             inner.dev.flush()?;
         }
@@ -569,7 +572,9 @@ impl Journal {
             .map(|&j| inner.map.device_block(j))
             .collect::<Result<_>>()?;
         inner.dev.mark(&format!("journal-write {seq}"));
-        let at = inner.dev.write_range(&dev_cands, &record)?;
+        let at = inner
+            .dev
+            .write_range(&dev_cands, &record, WriteClass::Metadata)?;
         let Some(k) = dev_cands.iter().position(|&c| c == at) else {
             return Err(JournalError::Corrupt(format!(
                 "the device placed a record at block {at}, which was no candidate"
@@ -832,7 +837,7 @@ impl Journal {
         let r = self
             .inner
             .dev
-            .write(self.inner.map.device_block(0)?, &raw)
+            .write(self.inner.map.device_block(0)?, &raw, WriteClass::Metadata)
             .and_then(|()| self.inner.dev.flush());
         st.sb_raw = raw;
         r?;
@@ -872,7 +877,7 @@ impl Journal {
         st.sb.encode_into(&mut raw);
         self.inner
             .dev
-            .write(self.inner.map.device_block(0)?, &raw)?;
+            .write(self.inner.map.device_block(0)?, &raw, WriteClass::Metadata)?;
         self.inner.dev.flush()?;
         st.sb_raw = raw;
         Self::release_home(&mut st);

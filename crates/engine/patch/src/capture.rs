@@ -12,6 +12,7 @@ use crate::engine::{Engine, State};
 use crate::graph::PatchId;
 use crate::{PatchError, Result};
 use quilt_block::BlockNo;
+use quilt_block::WriteClass;
 use rustc_hash::FxHashSet as HashSet;
 use std::collections::BTreeSet;
 
@@ -200,7 +201,9 @@ impl Engine {
         let mut buf = vec![0u8; self.sh.block_size];
         for &b in blocks {
             fill(b, &mut buf)?;
-            self.sh.dev.write(b, &buf)?;
+            // A journal checkpoint: the blocks are the transaction's, of any kind; the
+            // home copies of logged blocks count as metadata.
+            self.sh.dev.write(b, &buf, WriteClass::Metadata)?;
         }
         if self.sh.opts.durability == crate::Durability::Safe {
             self.sh.dev.flush()?;

@@ -6,6 +6,7 @@ use crate::graph::{Graph, Kind, Patch, PatchId};
 use crate::patchgroup::{CallerId, Patchgroups};
 use crate::stats::EngineStats;
 use crate::{PatchError, Result};
+use quilt_block::BlockDeviceExt;
 use quilt_block::{BlockDevice, BlockNo};
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::collections::{BTreeMap, BTreeSet};

@@ -12,7 +12,7 @@ use crate::engine::{
 };
 use crate::graph::{Kind, PatchId};
 use crate::{PatchError, Result};
-use quilt_block::BlockNo;
+use quilt_block::{BlockDeviceExt, BlockNo, WriteClass};
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::fmt::Write as _;
 
@@ -43,6 +43,8 @@ enum Target<'a> {
 struct BlockImage {
     block: BlockNo,
     image: crate::BlockBuf,
+    /// File data when every patch written is (a block of a file's bytes), else metadata.
+    class: WriteClass,
     /// The patches written, each after its befores on the block.
     ready: Vec<PatchId>,
 }
@@ -124,10 +126,20 @@ impl Engine {
             for r in consecutive_runs(&blocks, RUN_BLOCKS_MAX as usize) {
                 let first = blocks[r.start];
                 if r.len() == 1 {
-                    self.sh.dev.write(first, &batch[order[r.start]].image)?;
+                    let b = &batch[order[r.start]];
+                    self.sh.dev.write(first, &b.image, b.class)?;
                 } else {
+                    // One request per run: it is data only if every block of it is.
+                    let class = if order[r.clone()]
+                        .iter()
+                        .all(|&i| batch[i].class == WriteClass::Data)
+                    {
+                        WriteClass::Data
+                    } else {
+                        WriteClass::Metadata
+                    };
                     let parts: Vec<&[u8]> = order[r].iter().map(|&i| &batch[i].image[..]).collect();
-                    self.sh.dev.write_blocks_gather(first, &parts)?;
+                    self.sh.dev.write_blocks_gather(first, &parts, class)?;
                 }
             }
             // The commit point of the epoch: nothing in `batch` is durable before this.
@@ -415,9 +427,15 @@ impl State {
                         .hard = None;
                 }
             }
+            let class = if ready.iter().all(|&p| self.g.get(p).data) {
+                WriteClass::Data
+            } else {
+                WriteClass::Metadata
+            };
             batch.push(BlockImage {
                 block,
                 image,
+                class,
                 ready,
             });
         }

@@ -25,6 +25,7 @@ use crate::engine::Engine;
 use crate::graph::PatchId;
 use crate::patchgroup::{CallerId, PatchgroupId};
 use crate::{ChangeOpts, PatchError, Result};
+use quilt_block::BlockDeviceExt;
 use quilt_block::BlockNo;
 use std::marker::PhantomData;
 use std::sync::{Arc, RwLock};

@@ -2,6 +2,7 @@
 //! the two optimizations, targeted flushes, eviction, the flusher, durability settings,
 //! I/O failures and bad requests.
 
+use quilt_block::WriteClass;
 use quilt_block::{BlockDevice, BlockError, MemDevice};
 use quilt_patch::{ChangeOpts, Durability, Engine, EngineOptions, PatchError};
 use std::sync::Arc;
@@ -646,7 +647,8 @@ fn part_reads_see_pending_and_device_bytes() {
     let bs = e.block_size();
     // Blocks 10..14 on the device; block 11 and 13 changed in the engine, not written.
     for b in 10..14u64 {
-        dev.write(b, &vec![b as u8; bs]).unwrap();
+        dev.write(b, &vec![b as u8; bs], WriteClass::Metadata)
+            .unwrap();
     }
     e.write(11, 0, &vec![0xaa; bs], &[], ChangeOpts::default())
         .unwrap();
@@ -694,17 +696,42 @@ impl BlockDevice for Hinted {
     fn read(&self, block: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
         self.inner.read(block, buf)
     }
-    fn will_need(&self, first: u64, count: u64) {
-        self.hints.lock().unwrap().push((first, count));
-    }
-    fn write(&self, block: u64, buf: &[u8]) -> quilt_block::Result<()> {
-        self.inner.write(block, buf)
+    fn write(
+        &self,
+        block: u64,
+        buf: &[u8],
+        class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
+        self.inner.write(block, buf, class)
     }
     fn flush(&self) -> quilt_block::Result<()> {
         self.inner.flush()
     }
     fn stats(&self) -> quilt_block::IoStats {
         self.inner.stats()
+    }
+    fn read_blocks(&self, first: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
+        quilt_block::read_each(self, first, buf)
+    }
+    fn write_blocks(
+        &self,
+        first: u64,
+        buf: &[u8],
+        class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
+        quilt_block::write_each(self, first, buf, class)
+    }
+    fn capabilities(&self) -> quilt_block::Capabilities<'_> {
+        quilt_block::Capabilities {
+            hints: Some(self),
+            ..Default::default()
+        }
+    }
+}
+
+impl quilt_block::ReadHints for Hinted {
+    fn will_need(&self, first: u64, count: u64) {
+        self.hints.lock().unwrap().push((first, count));
     }
 }
 

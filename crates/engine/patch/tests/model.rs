@@ -25,7 +25,7 @@
 //! Case count: 10,000 by default (plus a tenth as many long histories), 2,000 under `CI=true`, or `QUILT_PROPTEST_CASES`.
 
 use proptest::prelude::*;
-use quilt_block::{BlockDevice, BlockNo, IoStats, MemDevice, RecordingDevice};
+use quilt_block::{BlockDevice, BlockDeviceExt, BlockNo, IoStats, MemDevice, RecordingDevice};
 use quilt_patch::{ChangeOpts, Durability, Engine, EngineOptions, PatchError, PatchId};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -231,7 +231,12 @@ impl BlockDevice for OracleDevice {
     fn read(&self, block: BlockNo, buf: &mut [u8]) -> quilt_block::Result<()> {
         self.inner.read(block, buf)
     }
-    fn write(&self, block: BlockNo, buf: &[u8]) -> quilt_block::Result<()> {
+    fn write(
+        &self,
+        block: BlockNo,
+        buf: &[u8],
+        class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
         {
             let m = self.model.lock().unwrap();
             let vis = m.visible(block, buf);
@@ -256,7 +261,7 @@ impl BlockDevice for OracleDevice {
                 }
             }
         }
-        self.inner.write(block, buf)
+        self.inner.write(block, buf, class)
     }
     fn flush(&self) -> quilt_block::Result<()> {
         let snapshot: Vec<Vec<u8>> = (0..BLOCKS).map(|b| self.block_of(b)).collect();
@@ -265,6 +270,22 @@ impl BlockDevice for OracleDevice {
     }
     fn stats(&self) -> IoStats {
         self.inner.stats()
+    }
+    fn read_blocks(&self, first: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
+        quilt_block::read_each(self, first, buf)
+    }
+    fn write_blocks(
+        &self,
+        first: u64,
+        buf: &[u8],
+        class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
+        quilt_block::write_each(self, first, buf, class)
+    }
+    fn capabilities(&self) -> quilt_block::Capabilities<'_> {
+        quilt_block::Capabilities {
+            ..Default::default()
+        }
     }
 }
 

@@ -377,30 +377,41 @@ pub struct Tree {
     spare_chunk: Mutex<Option<chunk::Chunk>>,
 }
 
-fn engine_for(dev: Arc<dyn BlockDevice>, opts: &Options) -> Engine {
+/// The engine settings a tree with `opts` wants on a device of `block_size` bytes a
+/// block. The wiring crate (`quilt-stack`) builds the engine from them; [`Tree::create`]
+/// and [`Tree::open`] do the same for callers that hand the tree a bare device.
+pub fn engine_options(block_size: usize, opts: &Options) -> EngineOptions {
     let cache = opts.engine_cache_bytes.max(1 << 20);
-    let bs = dev.block_size().max(512);
-    Engine::new(
-        dev,
-        EngineOptions {
-            cache_bytes_max: cache,
-            flush_interval_ms: None,
-            // Every log block and every node is a patch: as many may be pending as the
-            // cache holds blocks (the engine's default, tuned for a file system's small
-            // changes, made a checkpoint or a long log tail write back in pieces, each
-            // with its own flush).
-            patches_live_max: EngineOptions::default()
-                .patches_live_max
-                .max(2 * cache / bs),
-            ..EngineOptions::default()
-        },
-    )
+    let bs = block_size.max(512);
+    EngineOptions {
+        cache_bytes_max: cache,
+        flush_interval_ms: None,
+        // Every log block and every node is a patch: as many may be pending as the
+        // cache holds blocks (the engine's default, tuned for a file system's small
+        // changes, made a checkpoint or a long log tail write back in pieces, each
+        // with its own flush).
+        patches_live_max: EngineOptions::default()
+            .patches_live_max
+            .max(2 * cache / bs),
+        ..EngineOptions::default()
+    }
+}
+
+/// The engine [`engine_options`] describes, on `dev`.
+pub fn engine_for(dev: Arc<dyn BlockDevice>, opts: &Options) -> Engine {
+    let eo = engine_options(dev.block_size(), opts);
+    Engine::new(dev, eo)
 }
 
 impl Tree {
     /// Makes a new, empty tree on `dev` (whatever it held is lost) and opens it.
     pub fn create(dev: Arc<dyn BlockDevice>, opts: Options) -> Result<Tree> {
-        let engine = engine_for(dev, &opts);
+        Tree::create_on(engine_for(dev, &opts), opts)
+    }
+
+    /// [`Tree::create`] on an engine built by the caller (the wiring crate), which the
+    /// tree then owns: its cache and write-back serve the tree alone.
+    pub fn create_on(engine: Engine, opts: Options) -> Result<Tree> {
         let inner = tree::Inner::create(engine.clone(), opts)?;
         Ok(Tree {
             inner: Mutex::new(inner),
@@ -411,7 +422,11 @@ impl Tree {
 
     /// Opens the tree on `dev`: the newest valid header, then a replay of the log.
     pub fn open(dev: Arc<dyn BlockDevice>, opts: Options) -> Result<Tree> {
-        let engine = engine_for(dev, &opts);
+        Tree::open_on(engine_for(dev, &opts), opts)
+    }
+
+    /// [`Tree::open`] on an engine built by the caller (the wiring crate).
+    pub fn open_on(engine: Engine, opts: Options) -> Result<Tree> {
         let inner = tree::Inner::open(engine.clone(), opts)?;
         Ok(Tree {
             inner: Mutex::new(inner),

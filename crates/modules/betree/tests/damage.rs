@@ -3,7 +3,7 @@
 //! the other one, and the tree it yields holds everything synced.
 
 use quilt_betree::{Error, Options, Tree};
-use quilt_block::{BlockDevice, LogEntry, MemDevice, RecordingDevice};
+use quilt_block::{BlockDevice, BlockDeviceExt, LogEntry, MemDevice, RecordingDevice, WriteClass};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -130,13 +130,13 @@ fn a_torn_header_falls_back_to_the_other_one() {
         // Everything up to the header write, then half of the new header over the old.
         let crash = MemDevice::from_bytes(BS, &before).unwrap();
         log.replay_prefix(h, &crash).unwrap();
-        let LogEntry::Write { block, data } = &log.entries[h] else {
+        let LogEntry::Write { block, data, .. } = &log.entries[h] else {
             unreachable!()
         };
         let mut torn = vec![0u8; BS];
         crash.read(*block, &mut torn).unwrap();
         torn[..BS / 2].copy_from_slice(&data[..BS / 2]);
-        crash.write(*block, &torn).unwrap();
+        crash.write(*block, &torn, WriteClass::Metadata).unwrap();
         let t = Tree::open(Arc::new(crash), opts()).unwrap();
         let got: BTreeMap<_, _> = t.range(b"", None).map(|e| e.unwrap()).collect();
         assert_eq!(got, model, "after a torn header at entry {h}");

@@ -5,7 +5,7 @@
 //! typed error.
 
 use quilt_betree::{Batch, Error, Op, Options, Tree};
-use quilt_block::{BlockDevice, MemDevice};
+use quilt_block::{BlockDevice, MemDevice, WriteClass};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -165,7 +165,7 @@ fn a_damaged_delta_is_a_typed_error() {
             let mut x = vec![0u8; BS];
             d.read(block, &mut x).unwrap();
             x[at] ^= 0x5a;
-            d.write(block, &x).unwrap();
+            d.write(block, &x, WriteClass::Metadata).unwrap();
             let t = match Tree::open(d, opts()) {
                 Ok(t) => t,
                 Err(e) => {

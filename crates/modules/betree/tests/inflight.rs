@@ -4,7 +4,7 @@
 //! one that comes after it (replay starts in the middle of a log block).
 
 use quilt_betree::{Batch, Options, Tree};
-use quilt_block::{BlockDevice, LogEntry, MemDevice, RecordingDevice};
+use quilt_block::{BlockDeviceExt, LogEntry, MemDevice, RecordingDevice};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

@@ -33,6 +33,7 @@ mod zones;
 pub use fs::{Betrfs, MountOptions, LINK_MAX, MAX_FILE_SIZE, NAME_MAX, ROOT_INO};
 use quilt_betree::{Options, Tree};
 use quilt_block::BlockDevice;
+use quilt_patch::Engine;
 use quilt_vfs::{FsError, Result};
 use std::sync::Arc;
 
@@ -83,17 +84,35 @@ fn tree_error(e: quilt_betree::Error) -> FsError {
 
 /// Makes a new betrfs on `dev` (what it held is lost).
 pub fn mkfs(dev: Arc<dyn BlockDevice>) -> Result<()> {
-    let opts = tree_options(dev.block_size(), dev.block_count());
-    let tree = Tree::create(dev, opts).map_err(tree_error)?;
+    mkfs_on(engine_for(dev))
+}
+
+/// [`mkfs`] on an engine built by the caller (the wiring crate); [`engine_for`] is the
+/// engine betrfs wants.
+pub fn mkfs_on(engine: Engine) -> Result<()> {
+    let opts = tree_options(engine.block_size(), engine.block_count());
+    let tree = Tree::create_on(engine, opts).map_err(tree_error)?;
     Betrfs::format(&tree)?;
     tree.close().map_err(tree_error)
+}
+
+/// The engine betrfs's tree wants on `dev` (its cache sized for a checkpoint's nodes).
+pub fn engine_for(dev: Arc<dyn BlockDevice>) -> Engine {
+    let opts = tree_options(dev.block_size(), dev.block_count());
+    quilt_betree::engine_for(dev, &opts)
 }
 
 impl Betrfs {
     /// Opens the tree on `dev` (its checkpoint and log) and mounts the file system.
     pub fn open(dev: Arc<dyn BlockDevice>, opts: MountOptions) -> Result<Betrfs> {
-        let topts = tree_options(dev.block_size(), dev.block_count());
-        let tree = Tree::open(dev, topts).map_err(tree_error)?;
+        Betrfs::open_on(engine_for(dev), opts)
+    }
+
+    /// [`Betrfs::open`] on an engine built by the caller (the wiring crate), as
+    /// `Ext2::open` takes one.
+    pub fn open_on(engine: Engine, opts: MountOptions) -> Result<Betrfs> {
+        let topts = tree_options(engine.block_size(), engine.block_count());
+        let tree = Tree::open_on(engine, topts).map_err(tree_error)?;
         Betrfs::mount(tree, opts)
     }
 }

@@ -13,6 +13,7 @@
 
 use crate::format::{le32, Superblock, COMPAT_HAS_JOURNAL, SUPERBLOCK_OFFSET, SUPERBLOCK_SIZE};
 use quilt_block::BlockDevice;
+use quilt_block::WriteClass;
 use quilt_journal::{JournalMap, JournalSuper};
 use quilt_vfs::{FsError, Result};
 
@@ -126,7 +127,7 @@ pub fn format(sb: &Superblock, jdev: &dyn BlockDevice, skip: bool) -> Result<[u8
     let mut at = 0u64;
     while at < blocks as u64 {
         let n = (blocks as u64 - at).min(256);
-        jdev.write_blocks(at, &zero[..n as usize * bs as usize])
+        jdev.write_blocks(at, &zero[..n as usize * bs as usize], WriteClass::Metadata)
             .map_err(dev_err)?;
         at += n;
     }
@@ -160,7 +161,7 @@ pub fn format(sb: &Superblock, jdev: &dyn BlockDevice, skip: bool) -> Result<[u8
         put32(s, 0x60, INCOMPAT_JOURNAL_DEV);
         s[0x68..0x78].copy_from_slice(&uuid);
     }
-    jdev.write(blk, &b).map_err(dev_err)?;
+    jdev.write(blk, &b, WriteClass::Metadata).map_err(dev_err)?;
     // The JBD2 superblock, with the file system as its one user.
     let mut jsb = JournalSuper::new(bs, blocks, uuid);
     jsb.first = jsb_block(bs) as u32 + 1;
@@ -170,7 +171,8 @@ pub fn format(sb: &Superblock, jdev: &dyn BlockDevice, skip: bool) -> Result<[u8
     let mut j = vec![0u8; bs as usize];
     jsb.encode_into(&mut j);
     j[JSB_USERS..JSB_USERS + 16].copy_from_slice(&sb.uuid);
-    jdev.write(jsb_block(bs), &j).map_err(dev_err)?;
+    jdev.write(jsb_block(bs), &j, WriteClass::Metadata)
+        .map_err(dev_err)?;
     jdev.flush().map_err(dev_err)?;
     Ok(uuid)
 }

@@ -16,6 +16,7 @@ use crate::format::{
 };
 use crate::fs::Ext2;
 use quilt_block::BlockDevice;
+use quilt_block::WriteClass;
 use quilt_journal::{JournalMap, JournalSuper, RecoveryReport};
 use quilt_vfs::FsError;
 use quilt_vfs::Result;
@@ -208,7 +209,8 @@ fn clear_recover(dev: &dyn BlockDevice) -> Result<()> {
     let (mut sb, mut raw, blk, off) = read_super(dev)?;
     sb.feature_incompat &= !INCOMPAT_RECOVER;
     sb.encode_into(&mut raw[off..off + SUPERBLOCK_SIZE]);
-    dev.write(blk, &raw).map_err(dev_err)?;
+    dev.write(blk, &raw, WriteClass::Metadata)
+        .map_err(dev_err)?;
     dev.flush().map_err(dev_err)?;
     Ok(())
 }
@@ -231,7 +233,8 @@ pub fn attach_external_journal(
     sb.journal_inum = 0;
     sb.journal_uuid = uuid;
     sb.encode_into(&mut raw[off..off + SUPERBLOCK_SIZE]);
-    dev.write(blk, &raw).map_err(dev_err)?;
+    dev.write(blk, &raw, WriteClass::Metadata)
+        .map_err(dev_err)?;
     dev.flush().map_err(dev_err)?;
     Ok(())
 }

@@ -3,7 +3,7 @@
 //! name, so after a crash the file was unreachable. fsync now also flushes the pending
 //! names of its new ancestor directories.
 
-use quilt_block::{BlockDevice, MemDevice, RecordingDevice};
+use quilt_block::{BlockDevice, BlockDeviceExt, MemDevice, RecordingDevice};
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
 use quilt_vfs::{Ctx, FileSystem};

@@ -6,7 +6,7 @@
 //! with its contents. Needs e2fsck (e2fsprogs); skipped without it unless
 //! QUILT_REQUIRE_E2FSCK=1. `CI=true` samples the crash points.
 
-use quilt_block::{BlockDevice, MemDevice, RecordingDevice};
+use quilt_block::{BlockDevice, BlockDeviceExt, MemDevice, RecordingDevice};
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
 use quilt_vfs::{Ctx, FileSystem, FileType};

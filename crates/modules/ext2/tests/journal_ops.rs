@@ -92,8 +92,13 @@ impl BlockDevice for SlowFlush {
     fn read(&self, block: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
         self.0.read(block, buf)
     }
-    fn write(&self, block: u64, buf: &[u8]) -> quilt_block::Result<()> {
-        self.0.write(block, buf)
+    fn write(
+        &self,
+        block: u64,
+        buf: &[u8],
+        class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
+        self.0.write(block, buf, class)
     }
     fn flush(&self) -> quilt_block::Result<()> {
         std::thread::sleep(std::time::Duration::from_millis(3));
@@ -101,6 +106,22 @@ impl BlockDevice for SlowFlush {
     }
     fn stats(&self) -> quilt_block::IoStats {
         self.0.stats()
+    }
+    fn read_blocks(&self, first: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
+        quilt_block::read_each(self, first, buf)
+    }
+    fn write_blocks(
+        &self,
+        first: u64,
+        buf: &[u8],
+        class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
+        quilt_block::write_each(self, first, buf, class)
+    }
+    fn capabilities(&self) -> quilt_block::Capabilities<'_> {
+        quilt_block::Capabilities {
+            ..Default::default()
+        }
     }
 }
 

@@ -3,7 +3,9 @@
 //! "stalled") until the test lets it go shows it: while that thread waits for the
 //! device inside a request, other threads' requests must complete.
 
-use quilt_block::{BlockDevice, BlockNo, IoStats, MemDevice, Result as BlockResult};
+use quilt_block::{
+    BlockDevice, BlockDeviceExt, BlockNo, IoStats, MemDevice, Result as BlockResult,
+};
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
 use quilt_vfs::{Ctx, FileSystem, Ino};
@@ -62,18 +64,38 @@ impl BlockDevice for StallDevice {
         self.stall(false);
         self.inner.read(block, buf)
     }
-    fn reserve(&self, first: BlockNo, count: u64) -> BlockResult<()> {
-        self.inner.reserve(first, count)
-    }
-    fn write(&self, block: BlockNo, buf: &[u8]) -> BlockResult<()> {
+    fn write(&self, block: BlockNo, buf: &[u8], class: quilt_block::WriteClass) -> BlockResult<()> {
         self.stall(true);
-        self.inner.write(block, buf)
+        self.inner.write(block, buf, class)
     }
     fn flush(&self) -> BlockResult<()> {
         self.inner.flush()
     }
     fn stats(&self) -> IoStats {
         self.inner.stats()
+    }
+    fn read_blocks(&self, first: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
+        quilt_block::read_each(self, first, buf)
+    }
+    fn write_blocks(
+        &self,
+        first: u64,
+        buf: &[u8],
+        class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
+        quilt_block::write_each(self, first, buf, class)
+    }
+    fn capabilities(&self) -> quilt_block::Capabilities<'_> {
+        quilt_block::Capabilities {
+            reservation: Some(self),
+            ..Default::default()
+        }
+    }
+}
+
+impl quilt_block::Reservation for StallDevice {
+    fn reserve(&self, first: BlockNo, count: u64) -> BlockResult<()> {
+        self.inner.reserve(first, count)
     }
 }
 

@@ -39,17 +39,37 @@ impl BlockDevice for Logged {
         self.log.lock().unwrap().push(Event::Read(block));
         self.inner.read(block, buf)
     }
-    fn will_need(&self, first: BlockNo, count: u64) {
-        self.log.lock().unwrap().push(Event::Hint(first, count));
-    }
-    fn write(&self, block: BlockNo, buf: &[u8]) -> Result<()> {
-        self.inner.write(block, buf)
+    fn write(&self, block: BlockNo, buf: &[u8], class: quilt_block::WriteClass) -> Result<()> {
+        self.inner.write(block, buf, class)
     }
     fn flush(&self) -> Result<()> {
         self.inner.flush()
     }
     fn stats(&self) -> IoStats {
         self.inner.stats()
+    }
+    fn read_blocks(&self, first: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
+        quilt_block::read_each(self, first, buf)
+    }
+    fn write_blocks(
+        &self,
+        first: u64,
+        buf: &[u8],
+        class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
+        quilt_block::write_each(self, first, buf, class)
+    }
+    fn capabilities(&self) -> quilt_block::Capabilities<'_> {
+        quilt_block::Capabilities {
+            hints: Some(self),
+            ..Default::default()
+        }
+    }
+}
+
+impl quilt_block::ReadHints for Logged {
+    fn will_need(&self, first: BlockNo, count: u64) {
+        self.log.lock().unwrap().push(Event::Hint(first, count));
     }
 }
 

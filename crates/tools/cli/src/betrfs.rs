@@ -3,7 +3,8 @@
 
 use anyhow::{Context, Result};
 use quilt_betrfs::{Betrfs, MountOptions};
-use quilt_block::{BlockDevice, FileDevice, FileDeviceOptions};
+use quilt_block::BlockDevice;
+use quilt_stack::{DeviceSpec, ImageSpec};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -33,29 +34,24 @@ pub fn detect(image: &Path) -> Result<Format> {
     })
 }
 
-/// Opens a betrfs image's device; `locks` gets a handle on the lock it took.
+/// Opens a betrfs image's device (read-only: under a copy-on-write overlay, so a log
+/// replay changes nothing on disk); `locks` gets a handle on the lock it took.
 pub fn open_device(
     image: &Path,
     bs: usize,
     read_only: bool,
     locks: &mut Vec<quilt_block::ImageLock>,
 ) -> Result<Arc<dyn BlockDevice>> {
-    let dev = FileDevice::open(
-        image,
-        FileDeviceOptions {
-            block_size: bs,
-            read_only,
-            lock: true,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| crate::image::in_use(image, e))?;
-    locks.extend(dev.image_lock());
-    Ok(Arc::new(dev))
+    let mut spec = DeviceSpec::image(ImageSpec::new(image, bs, read_only));
+    if read_only {
+        spec = spec.with(quilt_stack::Layer::Overlay);
+    }
+    let d = quilt_stack::device(spec).map_err(|e| crate::image::in_use(image, e))?;
+    locks.extend(d.locks);
+    Ok(d.dev)
 }
 
-/// Mounts the betrfs image (read-only: on a copy-on-write view, so a log replay
-/// changes nothing on disk).
+/// Mounts the betrfs image (read-only: on a copy-on-write view).
 pub fn open(
     image: &Path,
     bs: usize,
@@ -63,23 +59,19 @@ pub fn open(
     locks: &mut Vec<quilt_block::ImageLock>,
 ) -> Result<Betrfs> {
     let dev = open_device(image, bs, opts.read_only, locks)?;
-    let dev: Arc<dyn BlockDevice> = if opts.read_only {
-        Arc::new(quilt_block::OverlayDevice::new(dev))
-    } else {
-        dev
-    };
     let opts = MountOptions {
         // A read-only view still replays the log and finishes moves, in memory.
         read_only: false,
         ..opts
     };
-    Betrfs::open(dev, opts).with_context(|| format!("cannot mount {} (betrfs)", image.display()))
+    quilt_stack::betrfs(dev, opts)
+        .with_context(|| format!("cannot mount {} (betrfs)", image.display()))
 }
 
-pub fn mkfs(image: &Path, dev: FileDevice) -> Result<()> {
+pub fn mkfs(image: &Path, dev: Arc<dyn BlockDevice>) -> Result<()> {
     let blocks = dev.block_count();
     let bs = dev.block_size();
-    quilt_betrfs::mkfs(Arc::new(dev)).context("mkfs failed")?;
+    quilt_stack::mkfs_betrfs(dev).context("mkfs failed")?;
     println!(
         "{}: betrfs, {} blocks of {} bytes ({} MiB)",
         image.display(),

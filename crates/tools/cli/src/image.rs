@@ -4,9 +4,9 @@
 use anyhow::{bail, Context, Result};
 use quilt_block::{BlockDevice, FileDevice, FileDeviceOptions, ImageLock};
 use quilt_ext2::{format::Superblock, Ext2, Mode, MountOptions};
-use quilt_patch::{Durability, Engine, EngineOptions};
+use quilt_patch::{Durability, EngineOptions};
+use quilt_stack::{DeviceSpec, ImageSpec};
 use std::path::Path;
-use std::sync::Arc;
 
 /// Parses sizes like `512M`, `4G`, `1T`, `65536` (bytes).
 pub fn parse_size(s: &str) -> Result<u64> {
@@ -356,12 +356,12 @@ impl Default for OpenSettings {
     }
 }
 
-/// A disk model as the settings ask: flushing the file under it or not.
-fn host_flush(s: &OpenSettings, m: quilt_block::DiskModel) -> quilt_block::DiskModel {
-    if s.model_nohostsync {
-        m.without_host_flush()
-    } else {
-        m
+/// The disk-model layer the settings ask for (`model=7200`, `journal_model=7200`).
+fn disk_layer(s: &OpenSettings, params: quilt_block::DiskParams) -> quilt_stack::Layer {
+    quilt_stack::Layer::Disk {
+        params,
+        virtual_time: false,
+        host_flush: !s.model_nohostsync,
     }
 }
 
@@ -378,98 +378,67 @@ fn open_journal_dev(
         }
         return Ok(None);
     };
-    let dev = FileDevice::open(
-        path,
-        FileDeviceOptions {
-            block_size,
-            read_only: s.read_only,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| open_error(path, e))?;
-    locks.extend(dev.image_lock());
-    let dev: Arc<dyn quilt_block::BlockDevice> = Arc::new(dev);
-    let dev: Arc<dyn quilt_block::BlockDevice> = if s.journal_model {
-        Arc::new(host_flush(
-            s,
-            quilt_block::DiskModel::new(
-                dev,
-                quilt_block::DiskParams::desktop_7200(),
-                quilt_block::Clock::real(),
-            )
-            .with_context(|| format!("modelling a disk under {}", path.display()))?,
-        ))
-    } else {
-        dev
-    };
-    Ok(Some(quilt_ext2::JournalDevice(dev)))
+    let mut spec = DeviceSpec::image(ImageSpec::new(path, block_size, s.read_only));
+    if s.journal_model {
+        spec = spec.with(disk_layer(s, quilt_block::DiskParams::desktop_7200()));
+    }
+    let d = quilt_stack::device(spec).map_err(|e| open_error(path, e))?;
+    locks.extend(d.locks);
+    Ok(Some(quilt_ext2::JournalDevice(d.dev)))
 }
 
 /// Opens an ext2 image as `s` says; `locks` gets handles on the locks it took (the
 /// image's, an external journal's), for the server to let go of at unmount.
 pub fn open_fs(image: &Path, s: &OpenSettings, locks: &mut Vec<ImageLock>) -> Result<Ext2> {
     let bs = probe_block_size(image)?;
-    let dev = FileDevice::open(
-        image,
-        FileDeviceOptions {
-            block_size: bs,
-            read_only: s.read_only,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| open_error(image, e))?;
+    let mut spec = DeviceSpec::image(ImageSpec::new(image, bs, s.read_only));
+    if s.model {
+        // A desktop disk as it ships: its write cache on (the journal's disk, modelled
+        // for log skipping, keeps it off).
+        spec = spec.with(disk_layer(
+            s,
+            quilt_block::DiskParams {
+                write_cache: true,
+                ..quilt_block::DiskParams::desktop_7200()
+            },
+        ));
+    }
+    // The image's lock first (a second quiltfs mount is named by its server), then a
+    // kernel mount of a loop device over it.
+    let d = quilt_stack::device(spec).map_err(|e| open_error(image, e))?;
     if !s.read_only {
         if let Some(l) = kernel_loop_mount(image) {
             bail!("{} is in use: {l}", image.display());
         }
     }
-    locks.extend(dev.image_lock());
-    let dev: Arc<dyn quilt_block::BlockDevice> = if s.model {
-        // A desktop disk as it ships: its write cache on (the journal's disk, modelled
-        // for log skipping, keeps it off).
-        let params = quilt_block::DiskParams {
-            write_cache: true,
-            ..quilt_block::DiskParams::desktop_7200()
-        };
-        Arc::new(host_flush(
-            s,
-            quilt_block::DiskModel::new(Arc::new(dev), params, quilt_block::Clock::real())
-                .with_context(|| format!("modelling a disk under {}", image.display()))?,
-        ))
-    } else {
-        Arc::new(dev)
-    };
-    let engine = Engine::new(
-        dev,
-        EngineOptions {
-            durability: if s.unsafe_durability {
-                Durability::Unsafe
-            } else {
-                Durability::Safe
+    locks.extend(d.locks);
+    let journal_device = open_journal_dev(s, bs, locks)?;
+    quilt_stack::ext2(
+        d.dev,
+        quilt_stack::Ext2Spec {
+            engine: EngineOptions {
+                durability: if s.unsafe_durability {
+                    Durability::Unsafe
+                } else {
+                    Durability::Safe
+                },
+                cache_bytes_max: s.cache_mib << 20,
+                flush_interval_ms: s.flush_interval_ms,
+                hard_patches: s.hard_patches,
+                overlap_merge: s.overlap_merge,
+                ..Default::default()
             },
-            cache_bytes_max: s.cache_mib << 20,
-            flush_interval_ms: s.flush_interval_ms,
-            hard_patches: s.hard_patches,
-            overlap_merge: s.overlap_merge,
-            ..Default::default()
-        },
-    );
-    let fs = Ext2::open(
-        engine,
-        MountOptions {
-            mode: s.mode,
-            read_only: s.read_only,
-            acl: s.acl,
-            errors: s.errors,
-            journal_placement: s.journal_placement,
-            journal_device: open_journal_dev(s, bs, locks)?,
-            ..Default::default()
+            mount: MountOptions {
+                mode: s.mode,
+                read_only: s.read_only,
+                acl: s.acl,
+                errors: s.errors,
+                journal_placement: s.journal_placement,
+                journal_device,
+                ..Default::default()
+            },
+            flusher: s.flush_interval_ms.map(std::time::Duration::from_millis),
         },
     )
-    .with_context(|| format!("cannot mount {}", image.display()))?;
-    if let Some(ms) = s.flush_interval_ms {
-        fs.engine()
-            .start_flusher(std::time::Duration::from_millis(ms));
-    }
-    Ok(fs)
+    .with_context(|| format!("cannot mount {}", image.display()))
 }

@@ -83,7 +83,7 @@ fn open_dev(image: &Path) -> Result<Arc<FileDevice>> {
 
 pub fn open(image: &Path) -> Result<Tree> {
     let dev = open_dev(image)?;
-    Tree::open(dev, Options::default())
+    quilt_stack::tree(dev, Options::default())
         .with_context(|| format!("opening the tree on {}", image.display()))
 }
 
@@ -121,7 +121,7 @@ pub fn run(c: KvCommand) -> Result<()> {
                 fanout,
                 ..Options::default()
             };
-            let t = Tree::create(Arc::new(dev), opts)?;
+            let t = quilt_stack::create_tree(Arc::new(dev), opts)?;
             let g = t.geometry();
             t.close()?;
             println!(

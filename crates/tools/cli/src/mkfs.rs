@@ -141,13 +141,12 @@ fn format(a: &MkfsArgs, target: crate::image::Target, asked: Option<u64>) -> Res
         if a.journal || a.inodes.is_some() {
             bail!("--journal and --inodes are ext2 options; betrfs has its own log and no inode table");
         }
-        return crate::betrfs::mkfs(&a.image, dev);
+        return crate::betrfs::mkfs(&a.image, Arc::new(dev));
     }
     let device_is_zeroed = !target.is_device;
     if !target.is_device {
         host_room_note(&a.image, bytes);
     }
-    let engine = Engine::new(Arc::new(dev), EngineOptions::default());
     let opts = quilt_ext2::MkfsOptions {
         inodes: a.inodes,
         label: a.label.clone(),
@@ -155,7 +154,8 @@ fn format(a: &MkfsArgs, target: crate::image::Target, asked: Option<u64>) -> Res
         root_uid: 0,
         root_gid: 0,
     };
-    let sb = quilt_ext2::mkfs(&engine, &opts).context("mkfs failed")?;
+    let (engine, sb) = quilt_stack::mkfs_ext2(Arc::new(dev), EngineOptions::default(), &opts)
+        .context("mkfs failed")?;
     let mut kind = "ext2".to_string();
     let skip = a.journal_placement == "skip";
     if let Some(jpath) = &a.journal_dev {

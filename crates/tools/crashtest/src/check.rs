@@ -4,7 +4,7 @@
 use crate::workload::{state_of, tree_at, Expect, Invariant, Promise};
 use quilt_block::MemDevice;
 use quilt_ext2::{Ext2, Mode, MountOptions};
-use quilt_patch::{Engine, EngineOptions};
+
 use quilt_vfs::FileSystem;
 use std::path::Path;
 use std::process::Command;
@@ -128,13 +128,13 @@ fn allowed(l: &str) -> bool {
 
 fn mount(img: &[u8], mode: Mode, read_only: bool) -> Result<(Arc<MemDevice>, Ext2), String> {
     let dev = Arc::new(MemDevice::from_bytes(4096, img).map_err(|e| e.to_string())?);
-    let fs = Ext2::open(
-        Engine::new(dev.clone(), EngineOptions::default()),
-        MountOptions {
+    let fs = quilt_stack::ext2(
+        dev.clone(),
+        quilt_stack::Ext2Spec::mount(MountOptions {
             mode,
             read_only,
             ..Default::default()
-        },
+        }),
     )
     .map_err(|e| e.to_string())?;
     Ok((dev, fs))
@@ -375,7 +375,7 @@ pub fn check_betrfs_state(img: &[u8], promises: &[&Promise], invariants: &[&Inva
         commit_interval: None,
         ..Default::default()
     };
-    match quilt_betrfs::Betrfs::open(dev, opts) {
+    match quilt_stack::betrfs(dev, opts) {
         Ok(fs) => check_promises(&fs, promises, invariants, true, &mut out),
         Err(e) => violation(format!("the crash state does not mount: {e}"), &mut out),
     }

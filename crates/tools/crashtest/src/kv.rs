@@ -16,8 +16,8 @@
 use crate::states::{self, CrashState};
 use crate::workload::Rng;
 use quilt_betree::reference::apply;
-use quilt_betree::{truncate_arg, write_at_arg, Batch, Op, Options, Tree, TRUNCATE, WRITE_AT};
-use quilt_block::{BlockDevice, MemDevice, RecordingDevice, RecordingLog};
+use quilt_betree::{truncate_arg, write_at_arg, Batch, Op, Options, TRUNCATE, WRITE_AT};
+use quilt_block::{BlockDeviceExt, MemDevice, RecordingDevice, RecordingLog};
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
@@ -193,7 +193,7 @@ fn record(seed: u64, lying: bool) -> Result<Recorded, String> {
     {
         let mut o = options();
         o.fanout = sh.fanout;
-        let t = Tree::create(mem.clone(), o).map_err(s)?;
+        let t = quilt_stack::create_tree(mem.clone(), o).map_err(s)?;
         for i in 0..(sh.keys * 15 / 16) as u32 {
             let k = format!("key{:03}", (i * 7) % sh.keys as u32).into_bytes();
             let v = vec![i as u8; 40];
@@ -204,7 +204,7 @@ fn record(seed: u64, lying: bool) -> Result<Recorded, String> {
     }
     let base = mem.to_vec();
     let rec = Arc::new(RecordingDevice::new(mem.clone(), 1 << 30));
-    let t = Tree::open(rec.clone(), options()).map_err(s)?;
+    let t = quilt_stack::tree(rec.clone(), options()).map_err(s)?;
     let mut prefixes = vec![fingerprint(&model)];
     let mut i = 0;
     while i < OPS {
@@ -262,7 +262,7 @@ fn check(rec: &Recorded, state: &CrashState) -> Result<(), String> {
     rec.log
         .replay_subset(state.len, dev.as_ref(), |i| state.keeps(i))
         .map_err(|e| e.to_string())?;
-    let t = Tree::open(dev, options()).map_err(|e| format!("recovery failed: {e}"))?;
+    let t = quilt_stack::tree(dev, options()).map_err(|e| format!("recovery failed: {e}"))?;
     t.check()
         .map_err(|e| format!("recovered tree is damaged: {e}"))?;
     let mut got = BTreeMap::new();

@@ -24,8 +24,8 @@ pub mod workload;
 
 use check::{Outcome, Verdict};
 use quilt_block::{MemDevice, RecordingDevice};
-use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
-use quilt_patch::{Engine, EngineOptions};
+use quilt_ext2::{MkfsOptions, Mode, MountOptions};
+use quilt_patch::EngineOptions;
 use quilt_vfs::FileSystem;
 use states::CrashState;
 use std::collections::BTreeMap;
@@ -290,10 +290,6 @@ fn specs(workload: &str, seed: u64, betrfs: bool) -> Result<Vec<RunSpec>, String
     })
 }
 
-fn engine(dev: Arc<dyn quilt_block::BlockDevice>) -> Engine {
-    Engine::new(dev, EngineOptions::default())
-}
-
 /// The image a run starts from: fresh, with a journal in the journal modes, and the
 /// workload's setup made durable by a clean unmount.
 fn base_image(
@@ -303,16 +299,16 @@ fn base_image(
     let mode = cfg.mode;
     let dev = Arc::new(MemDevice::new(BS, BLOCKS).map_err(|e| e.to_string())?);
     if cfg.betrfs {
-        quilt_betrfs::mkfs(dev.clone()).map_err(|e| format!("mkfs: {e}"))?;
-        let fs =
-            quilt_betrfs::Betrfs::open(dev.clone(), betrfs_options()).map_err(|e| e.to_string())?;
+        quilt_stack::mkfs_betrfs(dev.clone()).map_err(|e| format!("mkfs: {e}"))?;
+        let fs = quilt_stack::betrfs(dev.clone(), betrfs_options()).map_err(|e| e.to_string())?;
         setup(&fs)?;
         fs.unmount().map_err(|e| e.to_string())?;
         drop(fs);
         return Ok(dev.to_vec());
     }
-    mkfs(
-        &engine(dev.clone()),
+    quilt_stack::mkfs_ext2(
+        dev.clone(),
+        EngineOptions::default(),
         &MkfsOptions {
             device_is_zeroed: true,
             inodes: Some(1024),
@@ -320,7 +316,11 @@ fn base_image(
         },
     )
     .map_err(|e| format!("mkfs: {e}"))?;
-    let fs = Ext2::open(engine(dev.clone()), MountOptions::default()).map_err(|e| e.to_string())?;
+    let fs = quilt_stack::ext2(
+        dev.clone(),
+        quilt_stack::Ext2Spec::mount(MountOptions::default()),
+    )
+    .map_err(|e| e.to_string())?;
     if mode.is_journal() {
         fs.create_journal_for(
             JOURNAL_BLOCKS,
@@ -359,7 +359,7 @@ fn record(cfg: &Config, spec: &RunSpec) -> Result<Recorded, String> {
     let mem = Arc::new(MemDevice::from_bytes(BS, &base).map_err(|e| e.to_string())?);
     let rec = Arc::new(RecordingDevice::new(mem, 1 << 30));
     if cfg.betrfs {
-        let fs = quilt_betrfs::Betrfs::open(rec.clone(), betrfs_options())
+        let fs = quilt_stack::betrfs(rec.clone(), betrfs_options())
             .map_err(|e| format!("mount: {e}"))?;
         let (promises, touched, invariants) = {
             let liar = lying::Lying(&fs);
@@ -404,14 +404,14 @@ fn record(cfg: &Config, spec: &RunSpec) -> Result<Recorded, String> {
         } else {
             rec.clone()
         };
-    let fs = Ext2::open(
-        engine(dev),
-        MountOptions {
+    let fs = quilt_stack::ext2(
+        dev,
+        quilt_stack::Ext2Spec::mount(MountOptions {
             mode,
             read_only: false,
             journal_observer: mode.is_journal().then_some(observer),
             ..Default::default()
-        },
+        }),
     )
     .map_err(|e| format!("mount: {e}"))?;
     let (promises, touched, invariants) = {

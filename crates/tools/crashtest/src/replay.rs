@@ -203,9 +203,9 @@ mod tests {
         let rec = Arc::new(RecordingDevice::new(mem.clone(), 1 << 28));
         let txns = Arc::new(Mutex::new(Txns::new()));
         let sink = txns.clone();
-        let fs = Ext2::open(
-            Engine::new(rec.clone(), EngineOptions::default()),
-            MountOptions {
+        let fs = quilt_stack::ext2(
+            rec.clone(),
+            quilt_stack::Ext2Spec::mount(MountOptions {
                 mode: Mode::FullJournal,
                 journal_placement: Some(JournalPlacement::Skip),
                 journal_observer: Some(quilt_journal::Observer(Arc::new(move |seq, b, r| {
@@ -216,7 +216,7 @@ mod tests {
                     sink.lock().unwrap().insert(seq, t);
                 }))),
                 ..Default::default()
-            },
+            }),
         )
         .unwrap();
         let c = Ctx::root();

@@ -151,19 +151,20 @@ pub fn sample(mut states: Vec<CrashState>, n: usize, rng: &mut Rng) -> Vec<Crash
 mod tests {
     use super::*;
     use quilt_block::{BlockDevice, MemDevice, RecordingDevice};
+    use quilt_block::{BlockDeviceExt, WriteClass};
     use std::sync::Arc;
 
     #[test]
     fn states_cover_prefixes_and_every_small_subset() {
         let rec = RecordingDevice::new(Arc::new(MemDevice::new(512, 16).unwrap()), 1 << 20);
         let b = vec![1u8; 512];
-        rec.write(0, &b).unwrap();
-        rec.write(1, &b).unwrap();
+        rec.write(0, &b, WriteClass::Metadata).unwrap();
+        rec.write(1, &b, WriteClass::Metadata).unwrap();
         rec.flush().unwrap();
         rec.mark("fsync-1");
-        rec.write(2, &b).unwrap();
-        rec.write(3, &b).unwrap();
-        rec.write(4, &b).unwrap();
+        rec.write(2, &b, WriteClass::Metadata).unwrap();
+        rec.write(3, &b, WriteClass::Metadata).unwrap();
+        rec.write(4, &b, WriteClass::Metadata).unwrap();
         rec.flush().unwrap();
         let log = rec.take_log();
         let states = generate(&log, &mut Rng::new(1));

@@ -6,6 +6,7 @@
 //! started before the cut) has touched its path.
 
 use quilt_block::BlockDevice;
+use quilt_block::BlockDeviceExt;
 use quilt_vfs::{Ctx, FileSystem, FileType, FsError, RenameFlags, SetAttr};
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -4,7 +4,7 @@
 //! --direct-io=on --sector-size 4096`) is a block device with a 7200 RPM disk's timing,
 //! so kernel ext4 can put its external journal on the same model as quiltfs's.
 
-use quilt_block::{BlockDevice, DiskModel};
+use quilt_block::{BlockDevice, DiskModel, WriteClass};
 use quilt_vfs::{
     Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, RenameFlags, Result, SetAttr, StatFs,
     Timespec, XattrFlags,
@@ -158,7 +158,8 @@ impl FileSystem for DiskExport {
         }
         buf[from..from + data.len()].copy_from_slice(data);
         // One request, as a disk would see it.
-        d.write_blocks(first, &buf).map_err(io)?;
+        d.write_blocks(first, &buf, WriteClass::Metadata)
+            .map_err(io)?;
         Ok(data.len() as u32)
     }
     fn readdir(&self, ino: Ino, offset: u64, emit: &mut dyn FnMut(DirEntry) -> bool) -> Result<()> {

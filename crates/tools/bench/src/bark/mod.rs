@@ -29,7 +29,9 @@ mod report;
 use crate::systems::{Disk, Kind, Mounted, QuiltFs, System};
 use crate::{apt_install, drop_caches, interrupted, sh, Progress};
 use anyhow::{bail, Context, Result};
-use quilt_block::{BlockDevice, Clock, DiskModel, DiskParams, FileDevice, FileDeviceOptions};
+use quilt_block::{
+    BlockDevice, BlockDeviceExt, Clock, DiskModel, DiskParams, FileDevice, FileDeviceOptions,
+};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;

@@ -7,7 +7,6 @@ use super::workloads::{toku_path, Ctx};
 use super::Sample;
 use crate::systems::{Disk, Kind, QuiltFs, CACHE_MIB};
 use anyhow::{bail, Context, Result};
-use quilt_block::{BlockDevice, FileDevice, FileDeviceOptions};
 use quilt_vfs::{FileSystem, FsError, Ino};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -24,21 +23,15 @@ fn open(ctx: &Ctx, d: &Disk) -> Result<Native> {
         bail!("{} has no native API", ctx.sys.name);
     };
     let bs = block_size(&d.image, fs)?;
-    let dev: Arc<dyn BlockDevice> = Arc::new(
-        FileDevice::open(
-            &d.image,
-            FileDeviceOptions {
-                block_size: bs,
-                lock: true,
-                ..Default::default()
-            },
-        )
-        .with_context(|| format!("opening {}", d.image.display()))?,
-    );
+    let dev = quilt_stack::device(quilt_stack::DeviceSpec::image(quilt_stack::ImageSpec::new(
+        &d.image, bs, false,
+    )))
+    .with_context(|| format!("opening {}", d.image.display()))?
+    .dev;
     match fs {
         QuiltFs::Betrfs => {
             let f = Arc::new(
-                quilt_betrfs::Betrfs::open(dev, quilt_betrfs::MountOptions::default())
+                quilt_stack::betrfs(dev, quilt_betrfs::MountOptions::default())
                     .context("opening betrfs natively")?,
             );
             let g = f.clone();
@@ -48,20 +41,21 @@ fn open(ctx: &Ctx, d: &Disk) -> Result<Native> {
             })
         }
         QuiltFs::Ext2 => {
-            let engine = quilt_patch::Engine::new(
-                dev,
-                quilt_patch::EngineOptions {
-                    cache_bytes_max: (CACHE_MIB as usize) << 20,
-                    flush_interval_ms: Some(1000),
-                    ..Default::default()
-                },
-            );
             let f = Arc::new(
-                quilt_ext2::Ext2::open(engine, quilt_ext2::MountOptions::default())
-                    .context("opening the ext2 module natively")?,
+                quilt_stack::ext2(
+                    dev,
+                    quilt_stack::Ext2Spec {
+                        engine: quilt_patch::EngineOptions {
+                            cache_bytes_max: (CACHE_MIB as usize) << 20,
+                            flush_interval_ms: Some(1000),
+                            ..Default::default()
+                        },
+                        mount: quilt_ext2::MountOptions::default(),
+                        flusher: Some(std::time::Duration::from_millis(1000)),
+                    },
+                )
+                .context("opening the ext2 module natively")?,
             );
-            f.engine()
-                .start_flusher(std::time::Duration::from_millis(1000));
             let g = f.clone();
             Ok(Native {
                 fs: f,
