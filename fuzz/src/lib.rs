@@ -11,10 +11,10 @@
 //! Everything is deterministic: the seed images are built once per process from a fixed
 //! script, and times come from the clock only in fields no decision depends on.
 
-use quilt_block::{BlockDevice, MemDevice};
+use quilt_block::MemDevice;
 use quilt_ext2::format::{GroupDesc, Inode, Superblock, GDESC_SIZE};
-use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
-use quilt_patch::{Engine, EngineOptions};
+use quilt_ext2::{Ext2, MkfsOptions, Mode, MountOptions};
+use quilt_patch::EngineOptions;
 use quilt_vfs::{Ctx, FileSystem, FileType, RenameFlags, SetAttr, XattrFlags};
 use std::sync::{Arc, OnceLock};
 
@@ -119,14 +119,13 @@ pub fn run(region: Region, data: &[u8]) {
 }
 
 fn open(dev: &Arc<MemDevice>, mode: Mode, read_only: bool) -> quilt_vfs::Result<Ext2> {
-    let engine = Engine::new(dev.clone() as Arc<dyn BlockDevice>, EngineOptions::default());
-    Ext2::open(
-        engine,
-        MountOptions {
+    quilt_stack::ext2(
+        dev.clone(),
+        quilt_stack::Ext2Spec::mount(MountOptions {
             mode: if read_only { Mode::SoftUpdates } else { mode },
             read_only,
             ..Default::default()
-        },
+        }),
     )
 }
 
@@ -220,13 +219,13 @@ struct Locations {
 /// transactions in its journal when `journal`), and finds the regions in it.
 fn build(journal: bool) -> (Vec<u8>, Locations) {
     let dev = Arc::new(MemDevice::new(BS, BLOCKS).expect("memory device"));
-    let engine = Engine::new(dev.clone() as Arc<dyn BlockDevice>, EngineOptions::default());
     let opts = MkfsOptions {
         device_is_zeroed: true,
         inodes: Some(512),
         ..Default::default()
     };
-    mkfs(&engine, &opts).expect("mkfs");
+    let (engine, _) =
+        quilt_stack::mkfs_ext2(dev.clone(), EngineOptions::default(), &opts).expect("mkfs");
     let fs = Ext2::open(engine, MountOptions::default()).expect("mount");
     if journal {
         fs.create_journal(1024).expect("journal");
