@@ -9,12 +9,27 @@
 use std::fmt;
 
 pub mod acl;
+mod op;
 pub mod rules;
+
+pub use op::{FsOp, FsReply, InoGrant};
 
 pub type Ino = u64;
 
 /// Seconds and nanoseconds since the epoch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Hash)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Default,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct Timespec {
     pub sec: i64,
     pub nsec: u32,
@@ -32,7 +47,7 @@ impl Timespec {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum FileType {
     Regular,
     Directory,
@@ -71,7 +86,7 @@ impl FileType {
 }
 
 /// What `stat` reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Attr {
     pub ino: Ino,
     pub kind: FileType,
@@ -91,7 +106,7 @@ pub struct Attr {
 }
 
 /// Which attributes `setattr` changes; `None` leaves one alone.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SetAttr {
     pub mode: Option<u32>,
     pub uid: Option<u32>,
@@ -102,7 +117,7 @@ pub struct SetAttr {
     pub ctime: Option<Timespec>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum TimeOrNow {
     Now,
     At(Timespec),
@@ -134,7 +149,7 @@ impl Ctx {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct RenameFlags {
     /// RENAME_NOREPLACE: fail with EEXIST if the target exists.
     pub noreplace: bool,
@@ -145,7 +160,7 @@ pub struct RenameFlags {
     pub whiteout: bool,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DirEntry {
     pub ino: Ino,
     pub kind: FileType,
@@ -154,7 +169,7 @@ pub struct DirEntry {
     pub next_offset: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StatFs {
     pub block_size: u32,
     pub blocks: u64,
@@ -527,6 +542,50 @@ pub trait FileSystem: Send + Sync {
     fn counters(&self) -> Counters {
         Vec::new()
     }
+    /// Sets aside `count` inode numbers, contiguous, that the module will not hand out
+    /// by itself: creations that name one of them ([`FileSystem::mknod_as`] and the
+    /// others, [`FsOp`]'s `ino`) take it. For a holder that creates files on its own and
+    /// has them applied later under the numbers it already used (a client of the
+    /// namespace service). A grant lasts while the module is mounted; numbers not used
+    /// by then are never handed out. `NotSupported` where the module cannot.
+    fn grant_inodes(&self, _count: u64) -> Result<InoGrant> {
+        Err(FsError::NotSupported)
+    }
+    /// [`FileSystem::mknod`] under inode number `ino`, from a grant of this mount
+    /// (`Invalid` otherwise).
+    fn mknod_as(
+        &self,
+        _ino: Ino,
+        _parent: Ino,
+        _name: &[u8],
+        _mode: u32,
+        _rdev: u32,
+        _ctx: &Ctx,
+    ) -> Result<Attr> {
+        Err(FsError::NotSupported)
+    }
+    /// [`FileSystem::mkdir`] under inode number `ino`, from a grant of this mount.
+    fn mkdir_as(
+        &self,
+        _ino: Ino,
+        _parent: Ino,
+        _name: &[u8],
+        _mode: u32,
+        _ctx: &Ctx,
+    ) -> Result<Attr> {
+        Err(FsError::NotSupported)
+    }
+    /// [`FileSystem::symlink`] under inode number `ino`, from a grant of this mount.
+    fn symlink_as(
+        &self,
+        _ino: Ino,
+        _parent: Ino,
+        _name: &[u8],
+        _target: &[u8],
+        _ctx: &Ctx,
+    ) -> Result<Attr> {
+        Err(FsError::NotSupported)
+    }
 
     /// The patchgroups this module offers (the patch layer's, the same for every
     /// module: `quilt_patch::Services` implements [`Patchgroups`]). A module with them
@@ -618,7 +677,7 @@ pub trait Patchgroups: Send + Sync {
 /// A patchgroup handle.
 pub type PgId = u64;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct XattrFlags {
     /// XATTR_CREATE: fail if it exists.
     pub create: bool,

@@ -161,6 +161,10 @@ pub(crate) struct State {
     /// Moves before `moves[0]` (applied to every cached node, then dropped).
     pub moves_base: u64,
     pub next_ino: u64,
+    /// Raw inode numbers granted in advance and not yet taken (`grant_inodes`): runs
+    /// `start..end` below `next_ino`, which the allocator never reaches again. In
+    /// memory: a grant lasts the mount.
+    pub grants: Vec<(u64, u64)>,
     pub next_ns: u64,
     /// The next zone number (`keys`, "Zones").
     pub next_zone: u64,
@@ -773,6 +777,27 @@ impl Betrfs {
         }
     }
 
+    /// Takes `ino` out of a grant of this mount for a new inode in directory `dir`.
+    pub(crate) fn take_granted(st: &mut State, dir: u64, ino: u64) -> Result<u64> {
+        if record::ns_of(ino) != record::ns_of(dir) {
+            return Err(FsError::Invalid(
+                "a granted number names an inode of the first namespace (not inside a clone)",
+            ));
+        }
+        let raw = ino & (record::RAW_LIMIT - 1);
+        let Some(i) = st.grants.iter().position(|&(a, b)| raw >= a && raw < b) else {
+            return Err(FsError::Invalid("inode number not granted by this mount"));
+        };
+        let (a, b) = st.grants.swap_remove(i);
+        if a < raw {
+            st.grants.push((a, raw));
+        }
+        if raw + 1 < b {
+            st.grants.push((raw + 1, b));
+        }
+        Ok(ino)
+    }
+
     /// A new raw number in the namespace of directory `dir` (`dir`'s number).
     pub(crate) fn new_ino(st: &mut State, dir: u64) -> Result<u64> {
         if st.next_ino >= record::RAW_LIMIT {
@@ -992,7 +1017,66 @@ impl FileSystem for Betrfs {
             }
             _ => {}
         }
-        let r = self.create(parent, name, mode, rdev, b"", ctx, false);
+        let r = self.create(parent, name, mode, rdev, b"", ctx, false, None);
+        self.checked(r)
+    }
+
+    fn mknod_as(
+        &self,
+        ino: Ino,
+        parent: Ino,
+        name: &[u8],
+        mode: u32,
+        rdev: u32,
+        ctx: &Ctx,
+    ) -> Result<Attr> {
+        match FileType::from_mode(mode) {
+            Some(FileType::Directory) | Some(FileType::Symlink) | None => {
+                return Err(FsError::Invalid(
+                    "mknod of a directory, symlink or unknown type",
+                ))
+            }
+            _ => {}
+        }
+        let r = self.create(parent, name, mode, rdev, b"", ctx, false, Some(ino));
+        self.checked(r)
+    }
+
+    fn mkdir_as(&self, ino: Ino, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
+        let mode = libc::S_IFDIR | (mode & 0o7777);
+        let r = self.create(parent, name, mode, 0, b"", ctx, false, Some(ino));
+        self.checked(r)
+    }
+
+    fn symlink_as(
+        &self,
+        ino: Ino,
+        parent: Ino,
+        name: &[u8],
+        target: &[u8],
+        ctx: &Ctx,
+    ) -> Result<Attr> {
+        if target.is_empty() {
+            return Err(FsError::NotFound);
+        }
+        if target.len() >= BLOCK as usize {
+            return Err(FsError::NameTooLong);
+        }
+        let r = self.create(
+            parent,
+            name,
+            libc::S_IFLNK | 0o777,
+            0,
+            target,
+            ctx,
+            false,
+            Some(ino),
+        );
+        self.checked(r)
+    }
+
+    fn grant_inodes(&self, count: u64) -> Result<quilt_vfs::InoGrant> {
+        let r = self.grant(count);
         self.checked(r)
     }
 
@@ -1005,6 +1089,7 @@ impl FileSystem for Betrfs {
             b"",
             ctx,
             false,
+            None,
         );
         self.checked(r)
     }
@@ -1018,6 +1103,7 @@ impl FileSystem for Betrfs {
             b"",
             ctx,
             true,
+            None,
         );
         self.checked(r)
     }
@@ -1039,7 +1125,16 @@ impl FileSystem for Betrfs {
         if target.len() >= BLOCK as usize {
             return Err(FsError::NameTooLong);
         }
-        let r = self.create(parent, name, libc::S_IFLNK | 0o777, 0, target, ctx, false);
+        let r = self.create(
+            parent,
+            name,
+            libc::S_IFLNK | 0o777,
+            0,
+            target,
+            ctx,
+            false,
+            None,
+        );
         self.checked(r)
     }
 

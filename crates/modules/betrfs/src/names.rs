@@ -4,7 +4,7 @@
 
 use crate::fs::{check_name, io, now, Betrfs, Kvs, Node, State, LINK_MAX, RANGE_RENAME_BYTES};
 use crate::keys::{self, Loc};
-use crate::record::Inode;
+use crate::record::{self, Inode};
 use quilt_betree::Batch;
 use quilt_vfs::acl::{self, Acl};
 use quilt_vfs::{rules, Attr, Ctx, FsError, Result, Timespec};
@@ -24,6 +24,7 @@ impl Betrfs {
         target: &[u8],
         ctx: &Ctx,
         tmp: bool,
+        want: Option<u64>,
     ) -> Result<Attr> {
         if !tmp {
             check_name(name)?;
@@ -63,7 +64,10 @@ impl Betrfs {
         };
         xattrs.sort();
         let t = now();
-        let ino = Self::new_ino(&mut st, parent)?;
+        let ino = match want {
+            None => Self::new_ino(&mut st, parent)?,
+            Some(i) => Self::take_granted(&mut st, parent, i)?,
+        };
         let nlink = match (tmp, is_dir) {
             (true, _) => 0,
             (false, true) => 2,
@@ -111,6 +115,34 @@ impl Betrfs {
         let attr = self.attr_of(&inode);
         self.insert(&mut st, loc, inode);
         Ok(attr)
+    }
+
+    /// Sets aside `count` raw numbers from the counter (see
+    /// `FileSystem::grant_inodes`). The counter's new value is logged at once, so that
+    /// no number of a grant is handed out again after a crash.
+    pub(crate) fn grant(&self, count: u64) -> Result<quilt_vfs::InoGrant> {
+        if count == 0 {
+            return Err(FsError::Invalid("a grant of no inode numbers"));
+        }
+        let mut st = self.lock();
+        self.writable(&st)?;
+        let first = st.next_ino;
+        let end = first
+            .checked_add(count)
+            .filter(|&e| e <= record::RAW_LIMIT)
+            .ok_or(FsError::NoSpace)?;
+        st.next_ino = end;
+        let mut b = Batch::new();
+        b.put(
+            keys::SUPER,
+            &Self::super_record(&st, self.errored.load(Relaxed)),
+        );
+        self.commit(&mut st, b)?;
+        st.grants.push((first, end));
+        Ok(quilt_vfs::InoGrant {
+            first: record::compose(0, first),
+            count,
+        })
     }
 
     /// The mode and ACLs of a new inode: the directory's default ACL limited by the

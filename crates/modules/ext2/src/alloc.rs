@@ -307,9 +307,13 @@ impl Ext2 {
         st: &mut State,
         parent: u32,
         kind: NewInode,
+        want: Option<u32>,
     ) -> Result<(u32, PatchId)> {
         let ng = self.geo.groups;
         let dir = !matches!(kind, NewInode::File);
+        if let Some(ino) = want {
+            return self.alloc_granted(op, st, ino, dir);
+        }
         let start = match kind {
             NewInode::File => self.group_of_inode(parent),
             NewInode::Dir => self.group_near(st, parent),
@@ -328,8 +332,28 @@ impl Ext2 {
                     .get(&(base + bit))
                     .is_some_and(|&p| !self.engine().is_durable(p))
             };
-            let Some(bit) = self.find_fresh(bitmap, from, self.geo.ipg, pending)? else {
-                st.gd[g as usize].free_inodes = 0;
+            // Granted numbers are skipped: their holder takes them (`alloc_granted`).
+            let mut from = from;
+            let mut skipped_grant = false;
+            let found = loop {
+                let Some(bit) = self.find_fresh(bitmap, from, self.geo.ipg, pending)? else {
+                    break None;
+                };
+                match grant_end(st, base + bit) {
+                    Some(end) => {
+                        skipped_grant = true;
+                        from = end - base;
+                        if from >= self.geo.ipg {
+                            break None;
+                        }
+                    }
+                    None => break Some(bit),
+                }
+            };
+            let Some(bit) = found else {
+                if !skipped_grant {
+                    st.gd[g as usize].free_inodes = 0;
+                }
                 continue;
             };
             if g == 0 && bit < self.geo.first_ino - 1 {
@@ -344,6 +368,89 @@ impl Ext2 {
             st.sb.free_inodes_count = st.sb.free_inodes_count.saturating_sub(1);
             self.write_gd(st, g)?;
             return Ok((ino, p));
+        }
+        Err(FsError::NoSpace)
+    }
+
+    /// Takes inode `ino` out of a grant of this mount and marks it in use.
+    fn alloc_granted(
+        &self,
+        op: &Op<'_>,
+        st: &mut State,
+        ino: u32,
+        dir: bool,
+    ) -> Result<(u32, PatchId)> {
+        if grant_end(st, ino).is_none() {
+            return Err(FsError::Invalid("inode number not granted by this mount"));
+        }
+        let g = (ino - 1) / self.geo.ipg;
+        let bit = (ino - 1) % self.geo.ipg;
+        let bitmap = st.gd[g as usize].inode_bitmap;
+        // Free when granted, and nothing else takes a granted number.
+        if !self.inode_is_free(st, ino) {
+            return Err(FsError::Exists);
+        }
+        let p = self.flip_bit(op, bitmap, bit, &[])?;
+        take_grant(st, ino);
+        st.gd[g as usize].free_inodes = st.gd[g as usize].free_inodes.saturating_sub(1);
+        if dir {
+            st.gd[g as usize].used_dirs = st.gd[g as usize].used_dirs.saturating_add(1);
+        }
+        st.sb.free_inodes_count = st.sb.free_inodes_count.saturating_sub(1);
+        self.write_gd(st, g)?;
+        Ok((ino, p))
+    }
+
+    /// Whether inode `ino`'s bit is clear.
+    pub(crate) fn inode_is_free(&self, st: &State, ino: u32) -> bool {
+        if ino == 0 || ino > self.geo.inodes_count {
+            return false;
+        }
+        let g = (ino - 1) / self.geo.ipg;
+        let bit = (ino - 1) % self.geo.ipg;
+        let bitmap = st.gd[g as usize].inode_bitmap;
+        self.find_zeros(bitmap, bit, bit + 1, 1)
+            .is_ok_and(|z| !z.is_empty())
+    }
+
+    /// Sets aside `count` free inodes in a run of one group (see
+    /// `FileSystem::grant_inodes`): none in use, none freed by a change not yet durable,
+    /// none in another grant. Nothing is written: a grant lives in memory.
+    pub(crate) fn grant(&self, st: &mut State, count: u32) -> Result<u32> {
+        if count == 0 || count > self.geo.ipg {
+            return Err(FsError::Invalid("a grant of 1 to a group's inodes"));
+        }
+        for g in 0..self.geo.groups {
+            if (st.gd[g as usize].free_inodes as u32) < count {
+                continue;
+            }
+            let bitmap = st.gd[g as usize].inode_bitmap;
+            let from = if g == 0 { self.geo.first_ino - 1 } else { 0 };
+            let base = g * self.geo.ipg + 1;
+            let zeros = self.find_zeros(bitmap, from, self.geo.ipg, self.geo.ipg as usize)?;
+            let usable = |bit: u32| {
+                let ino = base + bit;
+                grant_end(st, ino).is_none()
+                    && st
+                        .freed_inodes
+                        .get(&ino)
+                        .is_none_or(|&p| self.engine().is_durable(p))
+            };
+            let mut run = 0;
+            let mut prev = None;
+            for &b in &zeros {
+                run = match prev {
+                    Some(p) if p + 1 == b && usable(b) => run + 1,
+                    _ if usable(b) => 1,
+                    _ => 0,
+                };
+                prev = Some(b);
+                if run == count {
+                    let first = base + b + 1 - count;
+                    st.grants.push((first, first + count));
+                    return Ok(first);
+                }
+            }
         }
         Err(FsError::NoSpace)
     }
@@ -474,5 +581,26 @@ impl Ext2 {
             || blk == d.block_bitmap
             || blk == d.inode_bitmap
             || (blk >= d.inode_table && blk < d.inode_table + self.geo.itb)
+    }
+}
+
+/// The end of the grant holding inode `ino`, if one does.
+pub(crate) fn grant_end(st: &State, ino: u32) -> Option<u32> {
+    st.grants
+        .iter()
+        .find(|&&(a, b)| ino >= a && ino < b)
+        .map(|&(_, b)| b)
+}
+
+/// Takes `ino` out of its grant (splitting the run).
+fn take_grant(st: &mut State, ino: u32) {
+    if let Some(i) = st.grants.iter().position(|&(a, b)| ino >= a && ino < b) {
+        let (a, b) = st.grants.swap_remove(i);
+        if a < ino {
+            st.grants.push((a, ino));
+        }
+        if ino + 1 < b {
+            st.grants.push((ino + 1, b));
+        }
     }
 }

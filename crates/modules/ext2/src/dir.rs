@@ -293,6 +293,7 @@ impl Ext2 {
         rdev: u32,
         target: Option<&[u8]>,
         ctx: &Ctx,
+        want: Option<u32>,
     ) -> Result<Attr> {
         check_name(name)?;
         let dir = self.read_live_inode(st, parent)?;
@@ -328,7 +329,7 @@ impl Ext2 {
         } else {
             NewInode::Dir
         };
-        let (ino, bit) = self.alloc_inode(op, st, parent, kind)?;
+        let (ino, bit) = self.alloc_inode(op, st, parent, kind, want)?;
         let mut inode = self.new_inode(mode, ctx.uid, gid);
         inode.links = 1;
         inode.flags = flags::inherited(dir.flags, mode);
@@ -475,7 +476,7 @@ impl Ext2 {
             ctx.gid
         };
         let (mode, acls) = self.acl_for_new(st, parent, mode, ctx.umask)?;
-        let (ino, bit) = self.alloc_inode(op, st, parent, NewInode::File)?;
+        let (ino, bit) = self.alloc_inode(op, st, parent, NewInode::File, None)?;
         let mut inode = self.new_inode(mode, ctx.uid, gid);
         inode.links = links;
         inode.flags = flags::inherited(dir.flags, mode);

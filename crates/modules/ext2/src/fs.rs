@@ -220,6 +220,9 @@ pub(crate) struct State {
     /// Inodes freed while the bitmap patch freeing them may not be durable: allocation
     /// passes over them while it can (`alloc::find_fresh`).
     pub freed_inodes: HashMap<u32, PatchId>,
+    /// Inode numbers granted in advance and not yet taken (`FileSystem::grant_inodes`):
+    /// runs `start..end`, skipped by the allocator. In memory: a grant lasts the mount.
+    pub grants: Vec<(u32, u32)>,
     /// Per inode, patches an fsync of it must make durable (folded into one empty patch
     /// when the list grows).
     pub heads: HashMap<u32, Vec<PatchId>>,
@@ -428,6 +431,7 @@ impl Ext2 {
                 gd,
                 freed: HashMap::default(),
                 freed_inodes: HashMap::default(),
+                grants: Vec::new(),
                 heads: HashMap::default(),
                 parents: HashMap::default(),
                 open: HashMap::default(),
@@ -1181,6 +1185,120 @@ pub(crate) fn check_name(name: &[u8]) -> Result<()> {
     Ok(())
 }
 
+impl Ext2 {
+    // Creations, with an inode number from a grant or the allocator's.
+
+    /// A creation under a granted number that failed gives the number back to the grant
+    /// (its undo freed the inode), so that its holder may try again.
+    fn regrant(&self, want: Option<u32>, r: Result<Attr>) -> Result<Attr> {
+        if let (Some(ino), Err(_)) = (want, &r) {
+            let mut st = self.lock();
+            if crate::alloc::grant_end(&st, ino).is_none() && self.inode_is_free(&st, ino) {
+                st.grants.push((ino, ino + 1));
+            }
+        }
+        r
+    }
+
+    fn mknod_in(
+        &self,
+        want: Option<Ino>,
+        parent: Ino,
+        name: &[u8],
+        mode: u32,
+        rdev: u32,
+        ctx: &Ctx,
+    ) -> Result<Attr> {
+        let want = want.map(Self::to_ino).transpose()?;
+        self.check_writable()?;
+        if FileType::from_mode(mode)
+            .is_none_or(|k| k == FileType::Directory || k == FileType::Symlink)
+        {
+            return Err(FsError::Invalid(
+                "mknod makes files, devices, fifos and sockets",
+            ));
+        }
+        self.warm_name(parent, name);
+        let r = self.change(ctx, |op, st| {
+            self.create_node(
+                op,
+                st,
+                Self::to_ino(parent)?,
+                name,
+                mode,
+                rdev,
+                None,
+                ctx,
+                want,
+            )
+        });
+        let r = self.regrant(want, r);
+        self.sync_dirs(r, &[parent])
+    }
+
+    fn mkdir_in(
+        &self,
+        want: Option<Ino>,
+        parent: Ino,
+        name: &[u8],
+        mode: u32,
+        ctx: &Ctx,
+    ) -> Result<Attr> {
+        let want = want.map(Self::to_ino).transpose()?;
+        let mode = libc::S_IFDIR | (mode & 0o7777);
+        self.warm_name(parent, name);
+        let r = self.change(ctx, |op, st| {
+            self.create_node(
+                op,
+                st,
+                Self::to_ino(parent)?,
+                name,
+                mode,
+                0,
+                None,
+                ctx,
+                want,
+            )
+        });
+        let r = self.regrant(want, r);
+        self.sync_dirs(r, &[parent])
+    }
+
+    fn symlink_in(
+        &self,
+        want: Option<Ino>,
+        parent: Ino,
+        name: &[u8],
+        target: &[u8],
+        ctx: &Ctx,
+    ) -> Result<Attr> {
+        let want = want.map(Self::to_ino).transpose()?;
+        self.check_writable()?;
+        if target.is_empty() {
+            return Err(FsError::NotFound);
+        }
+        if target.len() >= self.geo.bs as usize {
+            return Err(FsError::NameTooLong);
+        }
+        self.warm_name(parent, name);
+        let r = self.change(ctx, |op, st| {
+            self.create_node(
+                op,
+                st,
+                Self::to_ino(parent)?,
+                name,
+                libc::S_IFLNK | 0o777,
+                0,
+                Some(target),
+                ctx,
+                want,
+            )
+        });
+        let r = self.regrant(want, r);
+        self.sync_dirs(r, &[parent])
+    }
+}
+
 impl FileSystem for Ext2 {
     fn root(&self) -> Ino {
         ROOT_INO as Ino
@@ -1229,19 +1347,30 @@ impl FileSystem for Ext2 {
     }
 
     fn mknod(&self, parent: Ino, name: &[u8], mode: u32, rdev: u32, ctx: &Ctx) -> Result<Attr> {
+        self.mknod_in(None, parent, name, mode, rdev, ctx)
+    }
+
+    fn mknod_as(
+        &self,
+        ino: Ino,
+        parent: Ino,
+        name: &[u8],
+        mode: u32,
+        rdev: u32,
+        ctx: &Ctx,
+    ) -> Result<Attr> {
+        self.mknod_in(Some(ino), parent, name, mode, rdev, ctx)
+    }
+
+    fn grant_inodes(&self, count: u64) -> Result<quilt_vfs::InoGrant> {
         self.check_writable()?;
-        if FileType::from_mode(mode)
-            .is_none_or(|k| k == FileType::Directory || k == FileType::Symlink)
-        {
-            return Err(FsError::Invalid(
-                "mknod makes files, devices, fifos and sockets",
-            ));
-        }
-        self.warm_name(parent, name);
-        let r = self.change(ctx, |op, st| {
-            self.create_node(op, st, Self::to_ino(parent)?, name, mode, rdev, None, ctx)
-        });
-        self.sync_dirs(r, &[parent])
+        let count = u32::try_from(count).map_err(|_| FsError::Invalid("grant too large"))?;
+        let mut st = self.lock();
+        let first = self.grant(&mut st, count)?;
+        Ok(quilt_vfs::InoGrant {
+            first: first as Ino,
+            count: count as u64,
+        })
     }
 
     fn tmpfile(&self, parent: Ino, mode: u32, ctx: &Ctx) -> Result<Attr> {
@@ -1253,12 +1382,11 @@ impl FileSystem for Ext2 {
     }
 
     fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
-        let mode = libc::S_IFDIR | (mode & 0o7777);
-        self.warm_name(parent, name);
-        let r = self.change(ctx, |op, st| {
-            self.create_node(op, st, Self::to_ino(parent)?, name, mode, 0, None, ctx)
-        });
-        self.sync_dirs(r, &[parent])
+        self.mkdir_in(None, parent, name, mode, ctx)
+    }
+
+    fn mkdir_as(&self, ino: Ino, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
+        self.mkdir_in(Some(ino), parent, name, mode, ctx)
     }
 
     fn unlink(&self, parent: Ino, name: &[u8], ctx: &Ctx) -> Result<()> {
@@ -1278,27 +1406,18 @@ impl FileSystem for Ext2 {
     }
 
     fn symlink(&self, parent: Ino, name: &[u8], target: &[u8], ctx: &Ctx) -> Result<Attr> {
-        self.check_writable()?;
-        if target.is_empty() {
-            return Err(FsError::NotFound);
-        }
-        if target.len() >= self.geo.bs as usize {
-            return Err(FsError::NameTooLong);
-        }
-        self.warm_name(parent, name);
-        let r = self.change(ctx, |op, st| {
-            self.create_node(
-                op,
-                st,
-                Self::to_ino(parent)?,
-                name,
-                libc::S_IFLNK | 0o777,
-                0,
-                Some(target),
-                ctx,
-            )
-        });
-        self.sync_dirs(r, &[parent])
+        self.symlink_in(None, parent, name, target, ctx)
+    }
+
+    fn symlink_as(
+        &self,
+        ino: Ino,
+        parent: Ino,
+        name: &[u8],
+        target: &[u8],
+        ctx: &Ctx,
+    ) -> Result<Attr> {
+        self.symlink_in(Some(ino), parent, name, target, ctx)
     }
 
     fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {

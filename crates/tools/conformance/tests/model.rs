@@ -49,7 +49,8 @@ use quilt_block::MemDevice;
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
 use quilt_vfs::{
-    Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, RenameFlags, SetAttr, XattrFlags,
+    Attr, Ctx, DirEntry, FileSystem, FileType, FsError, FsOp, FsReply, Ino, RenameFlags, SetAttr,
+    XattrFlags,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -1033,22 +1034,23 @@ enum Loaded {
 impl Loaded {
     fn open(module: Module, dev: Arc<MemDevice>, cache: usize) -> Result<Loaded, String> {
         Ok(match module {
-            Module::Ext2(mode) => {
-                let engine = Engine::new(dev, engine_opts(cache));
-                Loaded::Ext2(Arc::new(
-                    Ext2::open(
-                        engine,
-                        MountOptions {
+            Module::Ext2(mode) => Loaded::Ext2(Arc::new(
+                quilt_stack::ext2(
+                    dev,
+                    quilt_stack::Ext2Spec {
+                        engine: engine_opts(cache),
+                        mount: MountOptions {
                             mode,
                             read_only: false,
                             ..Default::default()
                         },
-                    )
-                    .map_err(|e| format!("mount: {e}"))?,
-                ))
-            }
+                        flusher: None,
+                    },
+                )
+                .map_err(|e| format!("mount: {e}"))?,
+            )),
             Module::Betrfs => Loaded::Betrfs(Arc::new(
-                Betrfs::open(
+                quilt_stack::betrfs(
                     dev,
                     quilt_betrfs::MountOptions {
                         commit_interval: None,
@@ -1246,6 +1248,24 @@ impl Harness {
         }
     }
 
+    /// Runs one operation as the value every client of a module uses ([`FsOp`]), after a
+    /// round trip through its serialised form: what reaches the module is what a
+    /// message or a client journal would carry.
+    fn run(&self, op: FsOp, who: &Ctx) -> Result<FsReply, FsError> {
+        let wire = serde_json::to_vec(&op).expect("an operation serialises");
+        let back: FsOp = serde_json::from_slice(&wire).expect("an operation deserialises");
+        assert_eq!(back, op, "the serialised operation differs");
+        back.apply(self.fs.as_ref(), who)
+    }
+
+    /// [`Harness::run`] of an operation that returns attributes.
+    fn run_attr(&self, op: FsOp, who: &Ctx) -> Result<Attr, FsError> {
+        match self.run(op, who)? {
+            FsReply::Attr(a) => Ok(a),
+            other => panic!("expected attributes, got {other:?}"),
+        }
+    }
+
     /// Runs `op` on the file system. Inconsistencies that are not a result (a short
     /// write, a returned attribute differing from getattr) go to `problems`.
     fn apply(&mut self, op: &Op, problems: &mut Vec<String>) -> R {
@@ -1253,24 +1273,46 @@ impl Harness {
         match op {
             Op::Create { path, perm, who } => {
                 let d = self.resolve(path.parent())?;
-                let a =
-                    self.fs
-                        .mknod(d, path.name(), libc::S_IFREG | perm.0 as u32, 0, &ctx(*who))?;
+                let a = self.run_attr(
+                    FsOp::Mknod {
+                        parent: d,
+                        name: path.name().to_vec(),
+                        mode: libc::S_IFREG | perm.0 as u32,
+                        rdev: 0,
+                        ino: None,
+                    },
+                    &ctx(*who),
+                )?;
                 self.check_returned(&a, "mknod", problems);
                 Ok(())
             }
             Op::Mknod { path, kind, rdev } => {
                 let d = self.resolve(path.parent())?;
                 let (k, perm, rdev) = special(*kind, *rdev);
-                let a = self
-                    .fs
-                    .mknod(d, path.name(), k.mode_bits() | perm as u32, rdev, &root)?;
+                let a = self.run_attr(
+                    FsOp::Mknod {
+                        parent: d,
+                        name: path.name().to_vec(),
+                        mode: k.mode_bits() | perm as u32,
+                        rdev,
+                        ino: None,
+                    },
+                    &root,
+                )?;
                 self.check_returned(&a, "mknod", problems);
                 Ok(())
             }
             Op::Mkdir { path, perm, who } => {
                 let d = self.resolve(path.parent())?;
-                let a = self.fs.mkdir(d, path.name(), perm.0 as u32, &ctx(*who))?;
+                let a = self.run_attr(
+                    FsOp::Mkdir {
+                        parent: d,
+                        name: path.name().to_vec(),
+                        mode: perm.0 as u32,
+                        ino: None,
+                    },
+                    &ctx(*who),
+                )?;
                 self.check_returned(&a, "mkdir", problems);
                 Ok(())
             }
@@ -1281,19 +1323,39 @@ impl Harness {
                 who,
             } => {
                 let d = self.resolve(path.parent())?;
-                let a = self
-                    .fs
-                    .symlink(d, path.name(), &link_target(*len, *seed), &ctx(*who))?;
+                let a = self.run_attr(
+                    FsOp::Symlink {
+                        parent: d,
+                        name: path.name().to_vec(),
+                        target: link_target(*len, *seed),
+                        ino: None,
+                    },
+                    &ctx(*who),
+                )?;
                 self.check_returned(&a, "symlink", problems);
                 Ok(())
             }
             Op::Unlink { path } => {
                 let d = self.resolve(path.parent())?;
-                self.fs.unlink(d, path.name(), &root)
+                self.run(
+                    FsOp::Unlink {
+                        parent: d,
+                        name: path.name().to_vec(),
+                    },
+                    &root,
+                )
+                .map(drop)
             }
             Op::Rmdir { path } => {
                 let d = self.resolve(path.parent())?;
-                self.fs.rmdir(d, path.name(), &root)
+                self.run(
+                    FsOp::Rmdir {
+                        parent: d,
+                        name: path.name().to_vec(),
+                    },
+                    &root,
+                )
+                .map(drop)
             }
             Op::Rename { from, to, flags } => {
                 let op = self.dir_of(from)?;
@@ -1303,12 +1365,29 @@ impl Harness {
                     exchange: *flags == RFlags::Exchange,
                     whiteout: false,
                 };
-                self.fs.rename(op, from.name(), np, to.name(), flags, &root)
+                self.run(
+                    FsOp::Rename {
+                        parent: op,
+                        name: from.name().to_vec(),
+                        new_parent: np,
+                        new_name: to.name().to_vec(),
+                        flags,
+                    },
+                    &root,
+                )
+                .map(drop)
             }
             Op::Link { from, to } => {
                 let src = self.resolve(&from.0)?;
                 let d = self.dir_of(to)?;
-                let a = self.fs.link(src, d, to.name(), &root)?;
+                let a = self.run_attr(
+                    FsOp::Link {
+                        ino: src,
+                        new_parent: d,
+                        new_name: to.name().to_vec(),
+                    },
+                    &root,
+                )?;
                 if a.ino != src {
                     problems.push(format!("link returned inode {} for inode {src}", a.ino));
                 }
@@ -1322,19 +1401,29 @@ impl Harness {
                 seed,
             } => {
                 let ino = self.resolve(&path.0)?;
-                let n = self.fs.write(ino, *offset, &pattern(*seed, *len), &root)?;
-                if n as usize != *len {
-                    problems.push(format!("write of {len} bytes reported {n}"));
+                let r = self.run(
+                    FsOp::Write {
+                        ino,
+                        offset: *offset,
+                        data: pattern(*seed, *len),
+                    },
+                    &root,
+                )?;
+                match r {
+                    FsReply::Written(n) if n as usize == *len => {}
+                    other => problems.push(format!("write of {len} bytes reported {other:?}")),
                 }
                 Ok(())
             }
             Op::Truncate { path, size } => {
                 let ino = self.resolve(&path.0)?;
-                let a = self.fs.setattr(
-                    ino,
-                    SetAttr {
-                        size: Some(*size),
-                        ..Default::default()
+                let a = self.run_attr(
+                    FsOp::Setattr {
+                        ino,
+                        set: SetAttr {
+                            size: Some(*size),
+                            ..Default::default()
+                        },
                     },
                     &root,
                 )?;
@@ -1346,11 +1435,13 @@ impl Harness {
             }
             Op::Chmod { path, perm } => {
                 let ino = self.resolve(&path.0)?;
-                let a = self.fs.setattr(
-                    ino,
-                    SetAttr {
-                        mode: Some(perm.0 as u32),
-                        ..Default::default()
+                let a = self.run_attr(
+                    FsOp::Setattr {
+                        ino,
+                        set: SetAttr {
+                            mode: Some(perm.0 as u32),
+                            ..Default::default()
+                        },
                     },
                     &root,
                 )?;
@@ -1376,24 +1467,41 @@ impl Harness {
                     replace: *flag == XFlag::Replace,
                     ..Default::default()
                 };
-                self.fs.setxattr(
-                    ino,
-                    xname(*name),
-                    &pattern(*seed, *len),
-                    flags,
+                self.run(
+                    FsOp::Setxattr {
+                        ino,
+                        name: xname(*name).to_vec(),
+                        value: pattern(*seed, *len),
+                        flags,
+                    },
                     &Ctx::root(),
                 )
+                .map(drop)
             }
             Op::RemoveXattr { path, name } => {
                 let ino = self.resolve(&path.0)?;
-                self.fs.removexattr(ino, xname(*name), &Ctx::root())
+                self.run(
+                    FsOp::Removexattr {
+                        ino,
+                        name: xname(*name).to_vec(),
+                    },
+                    &Ctx::root(),
+                )
+                .map(drop)
             }
             Op::Fsync { path, datasync } => {
                 let ino = self.resolve(&path.0)?;
-                self.fs.fsync(ino, *datasync)
+                self.run(
+                    FsOp::Fsync {
+                        ino,
+                        datasync: *datasync,
+                    },
+                    &root,
+                )
+                .map(drop)
             }
             Op::Fill { .. } => unreachable!("Fill runs as Create steps"),
-            Op::SyncAll => self.fs.sync_all(),
+            Op::SyncAll => self.run(FsOp::SyncAll, &root).map(drop),
             Op::Remount => {
                 if let Err(e) = self.remount() {
                     problems.push(e);
