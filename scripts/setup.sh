@@ -36,6 +36,7 @@ cargo build --release --workspace --quiet
 # and `umount DIR` (which then waits for the final write-back) work.
 if [ "$(id -u)" = 0 ]; then
   install -m 755 target/release/quiltfs /usr/local/bin/quiltfs
+  install -m 755 target/release/quiltfs-bench /usr/local/bin/quiltfs-bench
   ln -sf /usr/local/bin/quiltfs /usr/sbin/mount.fuse.quiltfs
   ln -sf /usr/local/bin/quiltfs /usr/sbin/umount.fuse.quiltfs
   # Root's mounts are block-device FUSE mounts (fuseblk.quiltfs): without this helper

@@ -274,9 +274,19 @@ impl Progress {
     }
 }
 
-/// `quiltfs` itself, for the subcommands a suite runs (mkfs, mount, stats).
+/// `quiltfs`, for the subcommands a suite runs (mkfs, mount, stats): `QUILTFS_BIN` (set
+/// by `quiltfs bench`, which runs this binary), else the `quiltfs` next to this binary,
+/// else the one on the PATH.
 pub fn quiltfs_exe() -> Result<std::path::PathBuf> {
-    std::env::current_exe().context("finding the quiltfs binary")
+    if let Some(p) = std::env::var_os("QUILTFS_BIN") {
+        return Ok(p.into());
+    }
+    let me = std::env::current_exe().context("finding the quiltfs-bench binary")?;
+    let sibling = me.with_file_name("quiltfs");
+    if sibling.is_file() {
+        return Ok(sibling);
+    }
+    Ok("quiltfs".into())
 }
 
 /// `quiltfs mkfs IMAGE --size N M [--fs betrfs] [--journal]`: a fresh quiltfs image for

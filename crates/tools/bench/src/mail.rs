@@ -168,7 +168,7 @@ struct Sample {
 
 /// The FUSE request counters of a quiltfs mount that the report shows.
 fn quilt_requests(mnt: &Path) -> (u64, u64) {
-    let Ok(exe) = std::env::current_exe() else {
+    let Ok(exe) = crate::quiltfs_exe() else {
         return (0, 0);
     };
     let Ok(out) = sh(Command::new(exe).arg("stats").arg(mnt)) else {
@@ -239,7 +239,7 @@ impl Mounted {
     fn unmount(&mut self) -> Result<()> {
         if self.mounted {
             if self.quilt {
-                sh(Command::new(std::env::current_exe()?)
+                sh(Command::new(crate::quiltfs_exe()?)
                     .arg("umount")
                     .arg(&self.mnt))?;
             } else {
@@ -318,7 +318,7 @@ fn setup(
     let image = work.join(format!("{}.img", conf.name));
     let mnt = work.join(format!("{}.mnt", conf.name));
     std::fs::create_dir_all(&mnt)?;
-    let quiltfs = std::env::current_exe()?;
+    let quiltfs = crate::quiltfs_exe()?;
     let mut m = Mounted {
         image: image.clone(),
         dev: None,
@@ -569,10 +569,7 @@ fn one_run(conf: &Conf, run: usize, a: &MailArgs, n: usize, preload_lib: &Path) 
     };
     if m.quilt && std::env::var_os("QUILTFS_BENCH_STATS").is_some() {
         // For digging into a configuration: the server's counters after the move.
-        if let Ok(st) = sh(Command::new(std::env::current_exe()?)
-            .arg("stats")
-            .arg(&m.mnt))
-        {
+        if let Ok(st) = sh(Command::new(crate::quiltfs_exe()?).arg("stats").arg(&m.mnt)) {
             eprintln!("{} run {}:\n{st}", conf.name, run + 1);
         }
     }
@@ -598,7 +595,7 @@ fn one_run(conf: &Conf, run: usize, a: &MailArgs, n: usize, preload_lib: &Path) 
         sh(Command::new("losetup").arg("-d").arg(&d))?;
     }
     let fsck = if matches!(conf.fs, Fs::Quilt("betrfs")) {
-        Command::new(std::env::current_exe()?)
+        Command::new(crate::quiltfs_exe()?)
             .args(["fsck", "-n"])
             .arg(&image)
             .output()?
@@ -664,7 +661,7 @@ pub fn run(a: MailArgs) -> Result<()> {
             .env("DEBIAN_FRONTEND", "noninteractive"))
         .context("installing bindfs")?;
     }
-    let exe = std::env::current_exe()?;
+    let exe = crate::quiltfs_exe()?;
     let lib = exe
         .parent()
         .map(|d| d.join("libquilt_preload.so"))

@@ -63,32 +63,17 @@ enum Command {
     Stats(stats::StatsArgs),
     /// Explore crash states of a workload and check them (e2fsck, fsync promises).
     Crashtest(crashtest::CrashtestArgs),
-    /// Run a benchmark suite.
-    #[command(subcommand)]
-    Bench(BenchCommand),
+    /// Run a benchmark suite (mail, featherstitch, betrfs, bark): runs the
+    /// `quiltfs-bench` binary installed next to this one (`quiltfs bench --help`).
+    #[command(disable_help_flag = true)]
+    Bench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
     /// The Bε-tree key-value store on an image file: create, put, get, delete,
     /// delete-range, scan.
     #[command(subcommand)]
     Kv(kv::KvCommand),
-}
-
-#[derive(Subcommand)]
-enum BenchCommand {
-    /// The IMAP mailbox move of the Featherstitch paper, with Dovecot: kernel ext3,
-    /// quiltfs with fsync and with patchgroups, and fsync disabled, side by side.
-    Mail(quilt_bench::mail::MailArgs),
-    /// The Featherstitch paper's evaluation: untar, delete, PostMark and an Andrew-like
-    /// build on every quiltfs mode, kernel ext2/ext3/ext4 and fuse2fs, plus the patch
-    /// optimization table; Markdown, CSV, JSON and PNG plots.
-    Featherstitch(quilt_bench::featherstitch::FeatherstitchArgs),
-    /// The BetrFS papers' evaluation: sequential I/O, random 4-byte writes, find, grep,
-    /// rm -rf, TokuBench, rename and clone latency, the native API; kernel ext4, xfs,
-    /// btrfs, fuse2fs, both quiltfs modules and the FUSE floor, side by side.
-    Betrfs(quilt_bench::betrfs::BetrfsArgs),
-    /// Range writes and log skipping (Bark): PostgreSQL pgbench TPC-B with the journal
-    /// on a modelled 7200 RPM disk, written as a ring, with log skipping, or not at all,
-    /// and kernel ext4 with its external journal on the same model; latency CDFs.
-    Bark(quilt_bench::bark::BarkArgs),
 }
 
 /// `mi_option_purge_delay` of mimalloc 2.1 and later (the Rust bindings list only the
@@ -200,9 +185,27 @@ fn run(cli: Cli) -> Result<()> {
         Command::Umount { mountpoint, lazy } => mount::unmount_and_wait(&mountpoint, lazy),
         Command::Crashtest(a) => crashtest::run(a),
         Command::Kv(c) => kv::run(c),
-        Command::Bench(BenchCommand::Mail(a)) => quilt_bench::mail::run(a),
-        Command::Bench(BenchCommand::Featherstitch(a)) => quilt_bench::featherstitch::run(a),
-        Command::Bench(BenchCommand::Betrfs(a)) => quilt_bench::betrfs::run(a),
-        Command::Bench(BenchCommand::Bark(a)) => quilt_bench::bark::run(a),
+        Command::Bench { args } => bench(args),
     }
+}
+
+/// `quiltfs bench ...`: the suites live in `quiltfs-bench` (so that this binary does not
+/// link them); it is run with the same arguments and told which `quiltfs` to drive.
+fn bench(args: Vec<std::ffi::OsString>) -> Result<()> {
+    use std::os::unix::process::CommandExt;
+    let me = std::env::current_exe().context("finding the quiltfs binary")?;
+    let sibling = me.with_file_name("quiltfs-bench");
+    let exe = if sibling.is_file() {
+        sibling
+    } else {
+        "quiltfs-bench".into()
+    };
+    let err = std::process::Command::new(&exe)
+        .args(args)
+        .env("QUILTFS_BIN", &me)
+        .exec();
+    Err(anyhow::anyhow!(
+        "cannot run {} ({err}): the benchmarks are a binary of their own, built with the workspace (cargo build --release) and installed by scripts/setup.sh",
+        exe.display()
+    ))
 }

@@ -1,0 +1,55 @@
+//! `quiltfs-bench`: the benchmark suites, as a binary of their own so that the `quiltfs`
+//! binary does not link them (it runs this one for `quiltfs bench ...`). The suites run
+//! `quiltfs` for mkfs, mount and stats: the binary in `QUILTFS_BIN`, or the `quiltfs`
+//! next to this one, or the one on the PATH.
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "quiltfs bench",
+    bin_name = "quiltfs bench",
+    about = "Run a benchmark suite"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: BenchCommand,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// The IMAP mailbox move of the Featherstitch paper, with Dovecot: kernel ext3,
+    /// quiltfs with fsync and with patchgroups, and fsync disabled, side by side.
+    Mail(quilt_bench::mail::MailArgs),
+    /// The Featherstitch paper's evaluation: untar, delete, PostMark and an Andrew-like
+    /// build on every quiltfs mode, kernel ext2/ext3/ext4 and fuse2fs, plus the patch
+    /// optimization table; Markdown, CSV, JSON and PNG plots.
+    Featherstitch(quilt_bench::featherstitch::FeatherstitchArgs),
+    /// The BetrFS papers' evaluation: sequential I/O, random 4-byte writes, find, grep,
+    /// rm -rf, TokuBench, rename and clone latency, the native API; kernel ext4, xfs,
+    /// btrfs, fuse2fs, both quiltfs modules and the FUSE floor, side by side.
+    Betrfs(quilt_bench::betrfs::BetrfsArgs),
+    /// Range writes and log skipping (Bark): PostgreSQL pgbench TPC-B with the journal
+    /// on a modelled 7200 RPM disk, written as a ring, with log skipping, or not at all,
+    /// and kernel ext4 with its external journal on the same model; latency CDFs.
+    Bark(quilt_bench::bark::BarkArgs),
+}
+
+fn main() {
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("QUILTFS_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
+    let r = match Cli::parse().command {
+        BenchCommand::Mail(a) => quilt_bench::mail::run(a),
+        BenchCommand::Featherstitch(a) => quilt_bench::featherstitch::run(a),
+        BenchCommand::Betrfs(a) => quilt_bench::betrfs::run(a),
+        BenchCommand::Bark(a) => quilt_bench::bark::run(a),
+    };
+    if let Err(e) = r {
+        eprintln!("quiltfs bench: error: {e:#}");
+        std::process::exit(1);
+    }
+}
