@@ -12,7 +12,7 @@ pub mod acl;
 mod op;
 pub mod rules;
 
-pub use op::{FsOp, FsReply, InoGrant};
+pub use op::{FsOp, FsReply, InoGrant, WireError};
 
 pub type Ino = u64;
 
@@ -421,39 +421,6 @@ pub trait FileSystem: Send + Sync {
     fn release(&self, _ino: Ino) -> Result<()> {
         Ok(())
     }
-    /// The kernel holds a reference to `ino` without an open handle (a lookup it has not
-    /// forgotten): it may ask for the inode's attributes, but once the inode is unlinked
-    /// it can no longer reach its data. Modules for which keeping an unlinked file's data
-    /// costs something (betrfs) free it at the unlink when only references remain.
-    /// Defaults to [`FileSystem::open`].
-    fn reference(&self, ino: Ino) -> Result<()> {
-        self.open(ino)
-    }
-    /// The kernel forgot a reference taken with [`FileSystem::reference`].
-    fn unreference(&self, ino: Ino) -> Result<()> {
-        self.release(ino)
-    }
-    /// The kernel forgot the last references to each of `inos` at once (a FORGET
-    /// batch): [`FileSystem::unreference`] of each by default. A module may free the
-    /// unlinked ones among them together. Each is let go even when another fails; the
-    /// first error is returned.
-    fn unreference_all(&self, inos: &[Ino]) -> Result<()> {
-        // Not `try_fold`: every inode is let go; `and` keeps the first error.
-        let mut first = Ok(());
-        for &ino in inos {
-            first = first.and(self.unreference(ino));
-        }
-        first
-    }
-    /// A hint that the attributes of `inos` will be asked for next (a listing with
-    /// attributes: READDIRPLUS, which `rm -rf`, `find` and `ls -l` use): a module may
-    /// start reading where they are kept, so that the getattrs that follow, one at a
-    /// time, do not each wait for the device. Nothing by default.
-    fn will_getattr(&self, _inos: &[Ino]) {}
-    /// A hint that `dirs` may be listed soon (a listing with attributes named them, and
-    /// a tree walk descends into them next): a module may start reading their entries.
-    /// Nothing by default.
-    fn will_readdir(&self, _dirs: &[Ino]) {}
     /// A regular file with no name in directory `parent` (open(2)'s O_TMPFILE): it is
     /// freed at its last `release` unless `link` names it first.
     fn tmpfile(&self, _parent: Ino, _mode: u32, _ctx: &Ctx) -> Result<Attr> {
@@ -641,6 +608,48 @@ pub trait FileSystem: Send + Sync {
         let s = self.patchgroups().ok_or(FsError::NotSupported)?;
         s.pg_abandon(pg)
     }
+}
+
+/// What the kernel's FUSE protocol adds to the POSIX operations: the references it holds
+/// on inodes without open handles, the hints its request stream gives, and the
+/// processes whose patchgroups follow a fork or end with an exit. Only the FUSE adapter
+/// (and tools that play the kernel, as the crash explorer does) call these; the native
+/// API, the namespace service and the conformance model speak [`FileSystem`] alone. Every
+/// method has a default, so a module with nothing to do here writes an empty `impl`.
+pub trait KernelFs: FileSystem {
+    /// The kernel holds a reference to `ino` without an open handle (a lookup it has not
+    /// forgotten): it may ask for the inode's attributes, but once the inode is unlinked
+    /// it can no longer reach its data. Modules for which keeping an unlinked file's data
+    /// costs something (betrfs) free it at the unlink when only references remain.
+    /// Defaults to [`FileSystem::open`].
+    fn reference(&self, ino: Ino) -> Result<()> {
+        self.open(ino)
+    }
+    /// The kernel forgot a reference taken with [`KernelFs::reference`].
+    fn unreference(&self, ino: Ino) -> Result<()> {
+        self.release(ino)
+    }
+    /// The kernel forgot the last references to each of `inos` at once (a FORGET
+    /// batch): [`KernelFs::unreference`] of each by default. A module may free the
+    /// unlinked ones among them together. Each is let go even when another fails; the
+    /// first error is returned.
+    fn unreference_all(&self, inos: &[Ino]) -> Result<()> {
+        // Not `try_fold`: every inode is let go; `and` keeps the first error.
+        let mut first = Ok(());
+        for &ino in inos {
+            first = first.and(self.unreference(ino));
+        }
+        first
+    }
+    /// A hint that the attributes of `inos` will be asked for next (a listing with
+    /// attributes: READDIRPLUS, which `rm -rf`, `find` and `ls -l` use): a module may
+    /// start reading where they are kept, so that the getattrs that follow, one at a
+    /// time, do not each wait for the device. Nothing by default.
+    fn will_getattr(&self, _inos: &[Ino]) {}
+    /// A hint that `dirs` may be listed soon (a listing with attributes named them, and
+    /// a tree walk descends into them next): a module may start reading their entries.
+    /// Nothing by default.
+    fn will_readdir(&self, _dirs: &[Ino]) {}
     /// `child` (a new process) starts with `parent`'s engagements.
     fn pg_inherit(&self, parent: u64, child: u64) {
         if let Some(s) = self.patchgroups() {

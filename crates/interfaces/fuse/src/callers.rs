@@ -10,7 +10,7 @@
 //! Until the first patchgroup call nothing is resolved: a request's caller is its thread
 //! id, which no group can have engaged, and no /proc read is made.
 
-use quilt_vfs::{FileSystem, PgId};
+use quilt_vfs::{KernelFs, PgId};
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -80,7 +80,7 @@ impl Callers {
 
     /// The caller id of a request from thread `tid` (0: the kernel itself, as for
     /// writeback). A process seen for the first time inherits its parent's engagements.
-    pub fn caller(&self, tid: u32, fs: &dyn FileSystem) -> u64 {
+    pub fn caller(&self, tid: u32, fs: &dyn KernelFs) -> u64 {
         if tid == 0 || !self.active.load(Ordering::Relaxed) {
             return tid as u64;
         }
@@ -116,7 +116,7 @@ impl Callers {
 
     /// Makes the process of `tid` a member (it is about to make a patchgroup call) and
     /// returns its caller id.
-    pub fn join(&self, tid: u32, fs: &dyn FileSystem) -> u64 {
+    pub fn join(&self, tid: u32, fs: &dyn KernelFs) -> u64 {
         self.active.store(true, Ordering::Relaxed);
         let c = self.caller(tid, fs);
         let mut g = self.lock();
@@ -199,7 +199,7 @@ impl Callers {
     }
 
     /// Drops what exited processes left: their engagements, and the groups they made.
-    pub fn release_exited(&self, fs: &dyn FileSystem) -> usize {
+    pub fn release_exited(&self, fs: &dyn KernelFs) -> usize {
         let gone = self.reap();
         let n = gone.len();
         for (pid, m) in gone {
@@ -216,11 +216,7 @@ impl Callers {
 
     /// Starts a thread that releases the groups of exited processes every `period`,
     /// until the returned guard is dropped.
-    pub fn watch<F: FileSystem + 'static>(
-        self: &Arc<Self>,
-        fs: Arc<F>,
-        period: Duration,
-    ) -> Watcher {
+    pub fn watch<F: KernelFs + 'static>(self: &Arc<Self>, fs: Arc<F>, period: Duration) -> Watcher {
         let me = Arc::downgrade(self);
         let stop = self.stop.clone();
         let h = std::thread::Builder::new()

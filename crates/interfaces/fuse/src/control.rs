@@ -6,7 +6,7 @@
 use crate::callers::Callers;
 use quilt_fusewire::Attr;
 use quilt_pg_abi as abi;
-use quilt_vfs::{FileSystem, FsError};
+use quilt_vfs::{FsError, KernelFs};
 
 /// Its inode number on the FUSE side: above every ext2 inode number.
 pub(crate) const CONTROL_INO: u64 = 1 << 40;
@@ -29,7 +29,7 @@ pub(crate) fn attr() -> Attr {
 
 /// Serves one ioctl from thread `tid`: the reply's bytes, or an errno.
 pub(crate) fn ioctl(
-    fs: &dyn FileSystem,
+    fs: &dyn KernelFs,
     callers: &Callers,
     tid: u32,
     cmd: u32,
@@ -86,7 +86,7 @@ pub(crate) fn ioctl(
 /// fsync, in one round trip instead of five). On failure `current` is engaged again
 /// and the new group dropped, so ordering still holds.
 fn next(
-    fs: &dyn FileSystem,
+    fs: &dyn KernelFs,
     callers: &Callers,
     caller: u64,
     current: u64,

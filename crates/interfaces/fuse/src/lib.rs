@@ -12,7 +12,7 @@ use quilt_fusewire::{
     Session, Transport,
 };
 use quilt_vfs::{
-    Attr, Ctx, FileSystem, FsError, RenameFlags, SetAttr, TimeOrNow, Timespec, XattrFlags,
+    Attr, Ctx, FsError, KernelFs, RenameFlags, SetAttr, TimeOrNow, Timespec, XattrFlags,
 };
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -104,7 +104,7 @@ impl Default for FuseOptions {
 /// Something to run when the kernel ends the session (flush and mark clean).
 pub type OnUnmount = Box<dyn FnOnce() + Send + Sync>;
 
-struct Adapter<F: FileSystem> {
+struct Adapter<F: KernelFs> {
     fs: Arc<F>,
     inos: Inos,
     writeback_cache: bool,
@@ -189,7 +189,7 @@ fn spec(t: (i64, u32)) -> Timespec {
     }
 }
 
-impl<F: FileSystem> Adapter<F> {
+impl<F: KernelFs> Adapter<F> {
     /// How a file is opened: through the kernel's cache, or (writeback cache on, opened
     /// for writing, free space low) directly, so a write that does not fit fails in
     /// write(2) instead of at close.
@@ -567,7 +567,7 @@ impl<F: FileSystem> Adapter<F> {
     }
 }
 
-impl<F: FileSystem + 'static> Handler for Adapter<F> {
+impl<F: KernelFs + 'static> Handler for Adapter<F> {
     fn init(&self, _kernel: &KernelInit) -> InitReply {
         // HANDLE_KILLPRIV_V2: we drop set-user-ID and set-group-ID on chown and on
         // writes and truncates flagged by the kernel, so the kernel marks inodes S_NOSEC
@@ -1067,7 +1067,7 @@ impl<F: FileSystem + 'static> Handler for Adapter<F> {
     }
 }
 
-fn adapter<F: FileSystem + 'static>(
+fn adapter<F: KernelFs + 'static>(
     fs: Arc<F>,
     opts: &FuseOptions,
     on_unmount: OnUnmount,
@@ -1118,7 +1118,7 @@ fn mount(mountpoint: &Path, opts: &FuseOptions) -> std::io::Result<quilt_fusewir
 /// Mounts `fs` at `mountpoint` and serves it on this thread until it is unmounted.
 /// `ready` runs once the mount exists, with its kind; `on_unmount` when the session
 /// ends (for a fuseblk mount, before umount(2) returns).
-pub fn serve<F: FileSystem + 'static>(
+pub fn serve<F: KernelFs + 'static>(
     fs: Arc<F>,
     mountpoint: &Path,
     opts: &FuseOptions,
@@ -1218,7 +1218,7 @@ impl Drop for BackgroundSession {
 }
 
 /// Mounts `fs` in a background thread; dropping the handle unmounts (for tests).
-pub fn spawn<F: FileSystem + 'static>(
+pub fn spawn<F: KernelFs + 'static>(
     fs: Arc<F>,
     mountpoint: &Path,
     opts: &FuseOptions,

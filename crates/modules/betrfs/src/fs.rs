@@ -29,8 +29,8 @@ use crate::record::{self, Entry, Inode, Super, BLOCK};
 use quilt_betree::{write_at_arg, Batch, Tree, WRITE_AT};
 use quilt_vfs::acl::{self, Acl};
 use quilt_vfs::{
-    flags, rules, Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, RenameFlags, Result,
-    SetAttr, StatFs, Timespec, XattrFlags,
+    flags, rules, Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, KernelFs, RenameFlags,
+    Result, SetAttr, StatFs, Timespec, XattrFlags,
 };
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -889,6 +889,31 @@ impl Betrfs {
     }
 }
 
+/// References the kernel holds without a handle: an unlinked file only they keep is
+/// freed at the unlink.
+impl KernelFs for Betrfs {
+    fn reference(&self, ino: Ino) -> Result<()> {
+        let mut st = self.lock();
+        let n = st.nodes.get_mut(&ino).ok_or(FsError::Stale)?;
+        n.refs += 1;
+        Ok(())
+    }
+
+    /// The kernel forgot the inode: with no handle open either, nothing but the tree
+    /// needs it, and the cache lets it go (a later lookup reads it again), so a mount's
+    /// memory follows what the kernel holds, not everything it ever looked up.
+    fn unreference(&self, ino: Ino) -> Result<()> {
+        let mut st = self.lock();
+        if let Some(n) = st.nodes.get_mut(&ino) {
+            n.refs = n.refs.saturating_sub(1);
+            if n.refs == 0 && n.opens == 0 && n.inode.nlink > 0 && ino != ROOT_INO {
+                self.forget(&mut st, ino);
+            }
+        }
+        Ok(())
+    }
+}
+
 impl FileSystem for Betrfs {
     fn root(&self) -> Ino {
         ROOT_INO
@@ -1668,27 +1693,6 @@ impl FileSystem for Betrfs {
         let mut st = self.lock();
         let n = st.nodes.get_mut(&ino).ok_or(FsError::Stale)?;
         n.opens += 1;
-        Ok(())
-    }
-
-    fn reference(&self, ino: Ino) -> Result<()> {
-        let mut st = self.lock();
-        let n = st.nodes.get_mut(&ino).ok_or(FsError::Stale)?;
-        n.refs += 1;
-        Ok(())
-    }
-
-    /// The kernel forgot the inode: with no handle open either, nothing but the tree
-    /// needs it, and the cache lets it go (a later lookup reads it again), so a mount's
-    /// memory follows what the kernel holds, not everything it ever looked up.
-    fn unreference(&self, ino: Ino) -> Result<()> {
-        let mut st = self.lock();
-        if let Some(n) = st.nodes.get_mut(&ino) {
-            n.refs = n.refs.saturating_sub(1);
-            if n.refs == 0 && n.opens == 0 && n.inode.nlink > 0 && ino != ROOT_INO {
-                self.forget(&mut st, ino);
-            }
-        }
         Ok(())
     }
 

@@ -5,8 +5,8 @@
 use crate::format::*;
 use quilt_patch::{Engine, PatchError, PatchId, Services};
 use quilt_vfs::{
-    Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, RenameFlags, Result, SetAttr, StatFs,
-    XattrFlags,
+    Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, KernelFs, RenameFlags, Result,
+    SetAttr, StatFs, XattrFlags,
 };
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::atomic::Ordering::Relaxed;
@@ -1299,6 +1299,54 @@ impl Ext2 {
     }
 }
 
+/// The kernel's hints and forgets: read ahead where its next requests will look, and let
+/// go of unlinked inodes a FORGET batch at a time.
+impl KernelFs for Ext2 {
+    fn will_getattr(&self, inos: &[Ino]) {
+        let mut blocks: Vec<u64> = {
+            let st = self.read_lock();
+            inos.iter()
+                .filter_map(|&i| Self::to_ino(i).ok())
+                .filter_map(|i| self.inode_loc(&st, i).ok())
+                .map(|(blk, _)| blk as u64)
+                .collect()
+        };
+        self.engine().will_need(&mut blocks);
+    }
+
+    /// The directories' blocks that their inodes map directly (the first
+    /// [`READDIR_AHEAD_BLOCKS`] of each), for directories whose inode is cached: a hint
+    /// must not wait itself. Without it a walk of a cold tree (`rm -rf`) waited for the
+    /// device once per directory it listed.
+    fn will_readdir(&self, dirs: &[Ino]) {
+        let (mut blocks, _) = self.engine().without_io(|| {
+            let st = self.read_lock();
+            let mut blocks = Vec::new();
+            for &d in dirs {
+                let Ok(Ok(inode)) = Self::to_ino(d).map(|i| self.read_live_inode(&st, i)) else {
+                    continue;
+                };
+                if !inode.is_dir() {
+                    continue;
+                }
+                let n = (inode.size / self.geo.bs as u64).min(READDIR_AHEAD_BLOCKS) as usize;
+                blocks.extend(
+                    inode.block[..n]
+                        .iter()
+                        .filter(|&&b| b != 0 && b < self.geo.blocks_count)
+                        .map(|&b| b as u64),
+                );
+            }
+            blocks
+        });
+        self.engine().will_need(&mut blocks);
+    }
+
+    fn unreference_all(&self, inos: &[Ino]) -> Result<()> {
+        self.release_all(inos)
+    }
+}
+
 impl FileSystem for Ext2 {
     fn root(&self) -> Ino {
         ROOT_INO as Ino
@@ -1541,46 +1589,6 @@ impl FileSystem for Ext2 {
         self.checked(r)
     }
 
-    fn will_getattr(&self, inos: &[Ino]) {
-        let mut blocks: Vec<u64> = {
-            let st = self.read_lock();
-            inos.iter()
-                .filter_map(|&i| Self::to_ino(i).ok())
-                .filter_map(|i| self.inode_loc(&st, i).ok())
-                .map(|(blk, _)| blk as u64)
-                .collect()
-        };
-        self.engine().will_need(&mut blocks);
-    }
-
-    /// The directories' blocks that their inodes map directly (the first
-    /// [`READDIR_AHEAD_BLOCKS`] of each), for directories whose inode is cached: a hint
-    /// must not wait itself. Without it a walk of a cold tree (`rm -rf`) waited for the
-    /// device once per directory it listed.
-    fn will_readdir(&self, dirs: &[Ino]) {
-        let (mut blocks, _) = self.engine().without_io(|| {
-            let st = self.read_lock();
-            let mut blocks = Vec::new();
-            for &d in dirs {
-                let Ok(Ok(inode)) = Self::to_ino(d).map(|i| self.read_live_inode(&st, i)) else {
-                    continue;
-                };
-                if !inode.is_dir() {
-                    continue;
-                }
-                let n = (inode.size / self.geo.bs as u64).min(READDIR_AHEAD_BLOCKS) as usize;
-                blocks.extend(
-                    inode.block[..n]
-                        .iter()
-                        .filter(|&&b| b != 0 && b < self.geo.blocks_count)
-                        .map(|&b| b as u64),
-                );
-            }
-            blocks
-        });
-        self.engine().will_need(&mut blocks);
-    }
-
     fn statfs(&self) -> Result<StatFs> {
         let st = self.read_lock();
         let free = st.sb.free_blocks_count as u64;
@@ -1697,10 +1705,6 @@ impl FileSystem for Ext2 {
 
     fn release(&self, ino: Ino) -> Result<()> {
         self.release_all(&[ino])
-    }
-
-    fn unreference_all(&self, inos: &[Ino]) -> Result<()> {
-        self.release_all(inos)
     }
 
     fn counters(&self) -> Vec<(String, u64)> {

@@ -4,7 +4,7 @@ use quilt_block::{BlockDevice, MemDevice};
 use quilt_ext2::format::{Superblock, INCOMPAT_RECOVER};
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
-use quilt_vfs::{Ctx, FileSystem, FsError};
+use quilt_vfs::{Ctx, FileSystem, FsError, KernelFs};
 use std::sync::Arc;
 
 fn image(journal: bool) -> Arc<MemDevice> {

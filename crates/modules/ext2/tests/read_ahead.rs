@@ -7,7 +7,7 @@
 use quilt_block::{BlockDevice, BlockNo, IoStats, MemDevice, Result};
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
-use quilt_vfs::{Ctx, FileSystem};
+use quilt_vfs::{Ctx, FileSystem, KernelFs};
 use std::sync::{Arc, Mutex};
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -6,7 +6,7 @@ use crate::image::{open_fs, OpenSettings};
 use anyhow::{bail, Context, Result};
 use quilt_ext2::{Ext2, Mode};
 use quilt_fuse::FuseOptions;
-use quilt_vfs::FileSystem;
+use quilt_vfs::{FileSystem, KernelFs};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -273,7 +273,7 @@ fn background(a: &MountArgs) -> Result<()> {
 }
 
 /// A module the server can serve: how it ends at unmount.
-pub trait Served: FileSystem + 'static {
+pub trait Served: KernelFs + 'static {
     fn finish(&self) -> quilt_vfs::Result<()>;
 }
 

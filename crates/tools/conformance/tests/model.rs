@@ -1100,7 +1100,7 @@ struct Mounted {
 }
 
 impl Mounted {
-    fn new<F: FileSystem + 'static>(fs: Arc<F>) -> Result<(Mounted, MountFs), String> {
+    fn new<F: quilt_vfs::KernelFs + 'static>(fs: Arc<F>) -> Result<(Mounted, MountFs), String> {
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
         // Requests come from the operations' users (uid 1000 too): the kernel refuses other
         // users' requests unless the mount admits everyone.

@@ -26,7 +26,7 @@ use check::{Outcome, Verdict};
 use quilt_block::{MemDevice, RecordingDevice};
 use quilt_ext2::{MkfsOptions, Mode, MountOptions};
 use quilt_patch::EngineOptions;
-use quilt_vfs::FileSystem;
+use quilt_vfs::KernelFs;
 use states::CrashState;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -145,7 +145,7 @@ pub struct Report {
 }
 
 /// What a run does to a fresh image before recording starts.
-type Setup = Box<dyn Fn(&dyn FileSystem) -> Result<(), String> + Send + Sync>;
+type Setup = Box<dyn Fn(&dyn KernelFs) -> Result<(), String> + Send + Sync>;
 
 /// The rmrf workloads' setup: the untar tree of seed `seed + 6`, made durable.
 fn untar_tree(seed: u64) -> Setup {
@@ -294,7 +294,7 @@ fn specs(workload: &str, seed: u64, betrfs: bool) -> Result<Vec<RunSpec>, String
 /// workload's setup made durable by a clean unmount.
 fn base_image(
     cfg: &Config,
-    setup: &dyn Fn(&dyn FileSystem) -> Result<(), String>,
+    setup: &dyn Fn(&dyn KernelFs) -> Result<(), String>,
 ) -> Result<Vec<u8>, String> {
     let mode = cfg.mode;
     let dev = Arc::new(MemDevice::new(BS, BLOCKS).map_err(|e| e.to_string())?);
@@ -363,7 +363,7 @@ fn record(cfg: &Config, spec: &RunSpec) -> Result<Recorded, String> {
             .map_err(|e| format!("mount: {e}"))?;
         let (promises, touched, invariants) = {
             let liar = lying::Lying(&fs);
-            let target: &dyn FileSystem = if cfg.lying { &liar } else { &fs };
+            let target: &dyn KernelFs = if cfg.lying { &liar } else { &fs };
             let mut r = Recorder::new(rec.as_ref(), target);
             (spec.body)(&mut r);
             (r.promises, r.touched, r.invariants)

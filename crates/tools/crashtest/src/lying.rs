@@ -3,10 +3,15 @@
 //! promises; if the oracle found none, it could not see a lost fsync either.
 
 use quilt_vfs::{
-    Attr, Ctx, DirEntry, FileSystem, Ino, PgId, RenameFlags, Result, SetAttr, StatFs, XattrFlags,
+    Attr, Ctx, DirEntry, FileSystem, Ino, KernelFs, PgId, RenameFlags, Result, SetAttr, StatFs,
+    XattrFlags,
 };
 
-pub struct Lying<'a>(pub &'a dyn FileSystem);
+pub struct Lying<'a>(pub &'a dyn KernelFs);
+
+/// The kernel's references go through the defaults (this file system's open and release,
+/// which pass them on), as they did before the kernel hooks had a trait of their own.
+impl KernelFs for Lying<'_> {}
 
 impl FileSystem for Lying<'_> {
     fn root(&self) -> Ino {

@@ -7,7 +7,7 @@
 
 use quilt_block::BlockDevice;
 use quilt_block::BlockDeviceExt;
-use quilt_vfs::{Ctx, FileSystem, FileType, FsError, RenameFlags, SetAttr};
+use quilt_vfs::{Ctx, FileSystem, FileType, FsError, KernelFs, RenameFlags, SetAttr};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// What a promise says is on disk at a path.
@@ -104,7 +104,7 @@ impl Invariant {
 /// Records marks, the paths each operation touches, and promises.
 pub struct Recorder<'a> {
     dev: &'a dyn BlockDevice,
-    pub(crate) fs: &'a dyn FileSystem,
+    pub(crate) fs: &'a dyn KernelFs,
     pub touched: Vec<Touch>,
     pub promises: Vec<Promise>,
     pub invariants: Vec<Invariant>,
@@ -130,7 +130,7 @@ fn ctx() -> Ctx {
 pub const PG_CALLER: u32 = 4242;
 
 impl<'a> Recorder<'a> {
-    pub fn new(dev: &'a dyn BlockDevice, fs: &'a dyn FileSystem) -> Self {
+    pub fn new(dev: &'a dyn BlockDevice, fs: &'a dyn KernelFs) -> Self {
         Recorder {
             dev,
             fs,

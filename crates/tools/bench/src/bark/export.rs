@@ -67,6 +67,9 @@ impl DiskExport {
     }
 }
 
+/// Nothing for the kernel's hooks: a single file with no inodes to let go of.
+impl quilt_vfs::KernelFs for DiskExport {}
+
 impl FileSystem for DiskExport {
     fn root(&self) -> Ino {
         ROOT
