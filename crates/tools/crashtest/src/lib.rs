@@ -113,6 +113,20 @@ fn reproduction(spec: &str, mode: Mode, rec: &Recorded, s: &CrashState, out: &Ou
             t.push_str(&format!("  {k:4}  {}\n", op.what));
         }
     }
+    t.push_str(
+        "\nthe same operations as values (quilt_vfs::FsOp as JSON, one per line, each after its number above; FsOp::apply replays them):\n",
+    );
+    for (k, op) in &rec.ops {
+        if rec
+            .log
+            .mark_position(&format!("op-{k}"))
+            .is_some_and(|p| p <= s.len)
+        {
+            let json =
+                serde_json::to_string(op).unwrap_or_else(|e| format!("(unserialisable: {e})"));
+            t.push_str(&format!("  {k:4}  {json}\n"));
+        }
+    }
     t.push_str("\nverdicts:\n");
     for p in &out.problems {
         t.push_str(&format!("  {:?}  {}\n", p.verdict, p.what));
@@ -340,6 +354,8 @@ struct Recorded {
     log: quilt_block::RecordingLog,
     promises: Vec<workload::Promise>,
     touched: Vec<workload::Touch>,
+    /// The file-system operations made, each with its `touched` entry.
+    ops: Vec<(usize, quilt_vfs::FsOp)>,
     invariants: Vec<workload::Invariant>,
     /// The journal's transactions, as committed (ext2's journal modes).
     txns: replay::Txns,
@@ -366,8 +382,9 @@ fn record(cfg: &Config, spec: &RunSpec) -> Result<Recorded, String> {
             let target: &dyn KernelFs = if cfg.lying { &liar } else { &fs };
             let mut r = Recorder::new(rec.as_ref(), target);
             (spec.body)(&mut r);
-            (r.promises, r.touched, r.invariants)
+            (r.promises, (r.touched, r.ops), r.invariants)
         };
+        let (touched, ops) = touched;
         let log = rec.take_log();
         drop(fs);
         return Ok(Recorded {
@@ -375,6 +392,7 @@ fn record(cfg: &Config, spec: &RunSpec) -> Result<Recorded, String> {
             log,
             promises,
             touched,
+            ops,
             invariants,
             txns: replay::Txns::new(),
         });
@@ -390,20 +408,18 @@ fn record(cfg: &Config, spec: &RunSpec) -> Result<Recorded, String> {
             .unwrap_or_else(|e| e.into_inner())
             .insert(seq, t);
     }));
-    let dev: Arc<dyn quilt_block::BlockDevice> =
-        if cfg.placement == quilt_ext2::JournalPlacement::Skip {
-            // Where the head gets first: records land all over the area.
-            Arc::new(
-                quilt_block::DiskModel::new(
-                    rec.clone(),
-                    quilt_block::DiskParams::desktop_7200(),
-                    quilt_block::Clock::virtual_at(0),
-                )
-                .map_err(|e| e.to_string())?,
-            )
-        } else {
-            rec.clone()
-        };
+    let mut spec_dev = quilt_stack::DeviceSpec::given(rec.clone());
+    if cfg.placement == quilt_ext2::JournalPlacement::Skip {
+        // Where the head gets first: records land all over the area.
+        spec_dev = spec_dev.with(quilt_stack::Layer::Disk {
+            params: quilt_block::DiskParams::desktop_7200(),
+            virtual_time: true,
+            host_flush: true,
+        });
+    }
+    let dev = quilt_stack::device(spec_dev)
+        .map_err(|e| e.to_string())?
+        .dev;
     let fs = quilt_stack::ext2(
         dev,
         quilt_stack::Ext2Spec::mount(MountOptions {
@@ -417,8 +433,9 @@ fn record(cfg: &Config, spec: &RunSpec) -> Result<Recorded, String> {
     let (promises, touched, invariants) = {
         let mut r = Recorder::new(rec.as_ref(), &fs);
         (spec.body)(&mut r);
-        (r.promises, r.touched, r.invariants)
+        (r.promises, (r.touched, r.ops), r.invariants)
     };
+    let (touched, ops) = touched;
     let log = rec.take_log();
     // The crash: the file system goes away without unmounting.
     drop(fs);
@@ -428,6 +445,7 @@ fn record(cfg: &Config, spec: &RunSpec) -> Result<Recorded, String> {
         log,
         promises,
         touched,
+        ops,
         invariants,
         txns,
     })

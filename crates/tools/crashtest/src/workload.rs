@@ -5,9 +5,10 @@
 //! tree. A promise is checked in a crash state only while no later operation (one that
 //! started before the cut) has touched its path.
 
-use quilt_block::BlockDevice;
-use quilt_block::BlockDeviceExt;
-use quilt_vfs::{Ctx, FileSystem, FileType, FsError, KernelFs, RenameFlags, SetAttr};
+use quilt_block::{BlockDevice, BlockDeviceExt};
+use quilt_vfs::{
+    Ctx, FileSystem, FileType, FsError, FsOp, FsReply, KernelFs, RenameFlags, SetAttr,
+};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// What a promise says is on disk at a path.
@@ -116,6 +117,9 @@ pub struct Recorder<'a> {
     /// Inodes referenced as the kernel references what it looked up (`hold`), oldest
     /// first, until `forget` lets them go.
     held: Vec<u64>,
+    /// Every file-system operation made, as the value any client of a module sends,
+    /// with the index of its `touched` entry: the history a failure report replays.
+    pub ops: Vec<(usize, FsOp)>,
 }
 
 fn parent(p: &str) -> &str {
@@ -141,7 +145,15 @@ impl<'a> Recorder<'a> {
             caller: 0,
             group: None,
             held: Vec::new(),
+            ops: Vec::new(),
         }
+    }
+
+    /// Makes operation `op` (of the `touched` entry just begun) and records it.
+    fn run(&mut self, op: FsOp) -> Result<FsReply, FsError> {
+        let r = op.apply(self.fs, &self.ctx());
+        self.ops.push((self.touched.len() - 1, op));
+        r
     }
 
     fn ctx(&self) -> Ctx {
@@ -230,17 +242,27 @@ impl<'a> Recorder<'a> {
     pub fn create(&mut self, path: &str) {
         self.begin(format!("creat /{path}"), &[path]);
         let r = self.split(path).and_then(|(d, n)| {
-            self.fs
-                .mknod(d, n.as_bytes(), libc::S_IFREG | 0o644, 0, &self.ctx())
+            self.run(FsOp::Mknod {
+                parent: d,
+                name: n.into_bytes(),
+                mode: libc::S_IFREG | 0o644,
+                rdev: 0,
+                ino: None,
+            })
         });
         self.note(r);
     }
 
     pub fn mkdir(&mut self, path: &str) {
         self.begin(format!("mkdir /{path}"), &[path]);
-        let r = self
-            .split(path)
-            .and_then(|(d, n)| self.fs.mkdir(d, n.as_bytes(), 0o755, &self.ctx()));
+        let r = self.split(path).and_then(|(d, n)| {
+            self.run(FsOp::Mkdir {
+                parent: d,
+                name: n.into_bytes(),
+                mode: 0o755,
+                ino: None,
+            })
+        });
         self.note(r);
     }
 
@@ -249,9 +271,13 @@ impl<'a> Recorder<'a> {
             format!("write /{path} at {offset}, {} bytes", data.len()),
             &[path],
         );
-        let r = self
-            .resolve(path)
-            .and_then(|i| self.fs.write(i, offset, data, &self.ctx()));
+        let r = self.resolve(path).and_then(|ino| {
+            self.run(FsOp::Write {
+                ino,
+                offset,
+                data: data.to_vec(),
+            })
+        });
         self.note(r);
     }
 
@@ -263,15 +289,19 @@ impl<'a> Recorder<'a> {
         };
         let r = self
             .resolve(path)
-            .and_then(|i| self.fs.setattr(i, set, &self.ctx()));
+            .and_then(|ino| self.run(FsOp::Setattr { ino, set }));
         self.note(r);
     }
 
     pub fn link(&mut self, from: &str, to: &str) {
         self.begin(format!("link /{from} /{to}"), &[from, to]);
-        let r = self.resolve(from).and_then(|i| {
+        let r = self.resolve(from).and_then(|ino| {
             let (d, n) = self.split(to)?;
-            self.fs.link(i, d, n.as_bytes(), &self.ctx())
+            self.run(FsOp::Link {
+                ino,
+                new_parent: d,
+                new_name: n.into_bytes(),
+            })
         });
         self.note(r);
     }
@@ -299,17 +329,23 @@ impl<'a> Recorder<'a> {
 
     pub fn unlink(&mut self, path: &str) {
         self.begin(format!("unlink /{path}"), &[path]);
-        let r = self
-            .split(path)
-            .and_then(|(d, n)| self.fs.unlink(d, n.as_bytes(), &self.ctx()));
+        let r = self.split(path).and_then(|(d, n)| {
+            self.run(FsOp::Unlink {
+                parent: d,
+                name: n.into_bytes(),
+            })
+        });
         self.note(r);
     }
 
     pub fn rmdir(&mut self, path: &str) {
         self.begin(format!("rmdir /{path}"), &[path]);
-        let r = self
-            .split(path)
-            .and_then(|(d, n)| self.fs.rmdir(d, n.as_bytes(), &self.ctx()));
+        let r = self.split(path).and_then(|(d, n)| {
+            self.run(FsOp::Rmdir {
+                parent: d,
+                name: n.into_bytes(),
+            })
+        });
         self.note(r);
     }
 
@@ -317,14 +353,13 @@ impl<'a> Recorder<'a> {
         self.begin(format!("rename /{from} /{to}"), &[from, to]);
         let r = self.split(from).and_then(|(d, n)| {
             let (d2, n2) = self.split(to)?;
-            self.fs.rename(
-                d,
-                n.as_bytes(),
-                d2,
-                n2.as_bytes(),
-                RenameFlags::default(),
-                &self.ctx(),
-            )
+            self.run(FsOp::Rename {
+                parent: d,
+                name: n.into_bytes(),
+                new_parent: d2,
+                new_name: n2.into_bytes(),
+                flags: RenameFlags::default(),
+            })
         });
         self.note(r);
     }
@@ -346,7 +381,11 @@ impl<'a> Recorder<'a> {
         let Some(ino) = self.note(self.resolve(path)) else {
             return;
         };
-        if self.note(self.fs.fsync(ino, false)).is_none() {
+        let r = self.run(FsOp::Fsync {
+            ino,
+            datasync: false,
+        });
+        if self.note(r).is_none() {
             return;
         }
         let mark = format!("fsync-{op}");
@@ -366,7 +405,8 @@ impl<'a> Recorder<'a> {
     pub fn sync(&mut self) {
         self.begin("sync".into(), &[]);
         let op = self.touched.len() - 1;
-        if self.note(self.fs.sync_all()).is_none() {
+        let r = self.run(FsOp::SyncAll);
+        if self.note(r).is_none() {
             return;
         }
         self.promise_tree(op);
