@@ -6,7 +6,8 @@
 #
 #   scripts/fuzz.sh [TARGET|all] [SECONDS]     default: all targets, 3600 s each
 #
-# Targets: superblock, inodes, dirs, xattrs, journal (see fuzz/src/lib.rs). The corpus
+# Targets: superblock, inodes, dirs, xattrs, journal (fuzz/src/lib.rs); betree_header,
+# betree_table, betree_log, betree_nodes, betrfs_records (fuzz/src/betree.rs). The corpus
 # grows in fuzz/corpus/<target> (not committed). Runs go on past crashes and timeouts
 # (libFuzzer's fork mode); each lands in fuzz/artifacts/<target>: once fixed, copy it to
 # fuzz/regressions/<target>/ so `cargo test` in fuzz/ replays it forever.
@@ -21,7 +22,7 @@ fi
 command -v cargo-fuzz >/dev/null || cargo +nightly install cargo-fuzz --locked
 # The seeds: each region's bytes in the undamaged image.
 (cd fuzz && QUILT_FUZZ_SEEDS="$PWD/corpus" cargo +nightly test --release --quiet write_seeds >/dev/null)
-targets=(superblock inodes dirs xattrs journal)
+targets=(superblock inodes dirs xattrs journal betree_header betree_table betree_log betree_nodes betrfs_records)
 [ "$target" = all ] || targets=("$target")
 for t in "${targets[@]}"; do
   log=fuzz/artifacts/$t.log

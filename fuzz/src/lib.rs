@@ -11,6 +11,9 @@
 //! Everything is deterministic: the seed images are built once per process from a fixed
 //! script, and times come from the clock only in fields no decision depends on.
 
+pub mod betree;
+
+pub use betree::{prepare_tree, run_records, run_tree, TreeRegion};
 use quilt_block::MemDevice;
 use quilt_ext2::format::{GroupDesc, Inode, Superblock, GDESC_SIZE};
 use quilt_ext2::{Ext2, MkfsOptions, Mode, MountOptions};
@@ -188,7 +191,13 @@ fn exercise(fs: &Ext2, change: bool) {
             },
             &c,
         );
-        let _ = fs.setxattr(*ino, b"user.fuzz", &[i as u8; 40], XattrFlags::default(), &c);
+        let _ = fs.setxattr(
+            *ino,
+            b"user.fuzz",
+            &[i as u8; 40],
+            XattrFlags::default(),
+            &c,
+        );
         if i % 2 == 0 {
             let _ = fs.unlink(*dir, name, &c);
         } else {
@@ -197,7 +206,13 @@ fn exercise(fs: &Ext2, change: bool) {
     }
     if let Ok(d) = fs.mkdir(root, b"new", 0o755, &c) {
         for i in 0..20 {
-            let _ = fs.mknod(d.ino, format!("n{i}").as_bytes(), libc::S_IFREG | 0o644, 0, &c);
+            let _ = fs.mknod(
+                d.ino,
+                format!("n{i}").as_bytes(),
+                libc::S_IFREG | 0o644,
+                0,
+                &c,
+            );
         }
         let _ = fs.symlink(d.ino, b"s", b"target", &c);
         let _ = fs.rename(root, b"new", root, b"dir", RenameFlags::default(), &c);
@@ -255,7 +270,8 @@ fn build(journal: bool) -> (Vec<u8>, Locations) {
     fs.write(big, 0, &vec![7u8; 300 << 10], &c).expect("write");
     fs.write(big, 2 << 20, b"tail", &c).expect("write");
     fs.symlink(root, b"fast", b"dir/file", &c).expect("symlink");
-    fs.symlink(root, b"slow", &[b'x'; 300], &c).expect("symlink");
+    fs.symlink(root, b"slow", &[b'x'; 300], &c)
+        .expect("symlink");
     fs.mknod(root, b"fifo", libc::S_IFIFO | 0o644, 0, &c)
         .expect("fifo");
     let attrs: &[(u64, &[u8], &[u8])] = &[
@@ -276,7 +292,12 @@ fn build(journal: bool) -> (Vec<u8>, Locations) {
     let acl = |named: u32| {
         use quilt_vfs::acl::*;
         let e = |tag, perm, id| Entry { tag, perm, id };
-        let mut v = vec![e(USER_OBJ, 6, 0), e(GROUP_OBJ, 4, 0), e(MASK, 6, 0), e(OTHER, 0, 0)];
+        let mut v = vec![
+            e(USER_OBJ, 6, 0),
+            e(GROUP_OBJ, 4, 0),
+            e(MASK, 6, 0),
+            e(OTHER, 0, 0),
+        ];
         v.extend((0..named).map(|i| e(USER, 4, 1000 + i)));
         Acl::new(v).expect("valid ACL").to_xattr()
     };
@@ -292,14 +313,20 @@ fn build(journal: bool) -> (Vec<u8>, Locations) {
         // have yet: the image asks for recovery.
         fs.sync_all().expect("commit");
         let w = must(fs.mknod(root, b"late", libc::S_IFREG | 0o644, 0, &c));
-        fs.write(w, 0, b"after the first commit", &c).expect("write");
+        fs.write(w, 0, b"after the first commit", &c)
+            .expect("write");
         fs.fsync(w, false).expect("commit");
     } else {
         fs.unmount().expect("unmount");
     }
     let image = dev.to_vec();
     drop(fs);
-    let loc = locate(&image, dir, big, &[big, small[0], small[1], small[2], small[3], small[4]]);
+    let loc = locate(
+        &image,
+        dir,
+        big,
+        &[big, small[0], small[1], small[2], small[3], small[4]],
+    );
     (image, loc)
 }
 
@@ -375,7 +402,10 @@ mod tests {
             assert_eq!(damaged(r, &s), seed_of(r).image, "{r:?}");
             run(r, &s);
         }
-        assert!(seed(Region::Dirs).len() > 8 * BS, "the big directory spans blocks");
+        assert!(
+            seed(Region::Dirs).len() > 8 * BS,
+            "the big directory spans blocks"
+        );
         assert_eq!(seed(Region::Journal).len(), 48 * BS);
         // The seed image is what it claims: the walk finds the populated tree.
         let dev = Arc::new(MemDevice::from_bytes(BS, &seed_of(Region::Dirs).image).unwrap());
@@ -431,7 +461,11 @@ mod tests {
         let cases = std::env::var("QUILT_FUZZ_SMOKE")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(if std::env::var_os("CI").is_some() { 150 } else { 600 });
+            .unwrap_or(if std::env::var_os("CI").is_some() {
+                150
+            } else {
+                600
+            });
         let mut x: u64 = 0x2545_f491_4f6c_dd1d;
         let mut next = move || {
             x ^= x << 13;

@@ -8,7 +8,7 @@
 //! damaged or zeroed newest slot is then read from the mirror instead of silently
 //! falling back to the checkpoint before it.
 
-use crate::codec::{crc32c, Reader, Writer};
+use crate::codec::{crc32c, crc_ok, Reader, Writer};
 use crate::node::NodeId;
 use crate::{Error, Result};
 use quilt_block::BlockNo;
@@ -171,7 +171,7 @@ impl Header {
         let len = r.pos();
         let mut copy = b[..len].to_vec();
         copy[12..16].fill(0);
-        if crc32c(&[&copy]) != crc {
+        if !crc_ok(crc32c(&[&copy]), crc) {
             return Err(Error::Corrupt(format!(
                 "header of generation {}: checksum mismatch",
                 h.generation
@@ -253,7 +253,7 @@ pub fn decode_table(b: &[u8], want_crc: u32) -> Result<(TableEntries, TableRefs,
     if version >= 3 {
         bases = read_extents(&mut r, "base extents")?;
     }
-    if crc32c(&[&b[..r.pos()]]) != want_crc {
+    if !crc_ok(crc32c(&[&b[..r.pos()]]), want_crc) {
         return Err(Error::Corrupt(
             "block translation table: checksum mismatch".into(),
         ));
@@ -329,7 +329,7 @@ impl LogBlock<'_> {
         let end = LOG_HDR.checked_add(used).filter(|&e| e <= b.len())?;
         let mut head = b[..LOG_HDR].to_vec();
         head[36..40].fill(0);
-        if crc32c(&[&head, &b[LOG_HDR..end]]) != crc {
+        if !crc_ok(crc32c(&[&head, &b[LOG_HDR..end]]), crc) {
             return None;
         }
         Some(LogBlock {

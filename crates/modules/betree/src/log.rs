@@ -9,7 +9,7 @@
 //! stream at a fresh block after what it replayed, and checkpoints before any new
 //! record, so that no record ever follows a torn one.)
 
-use crate::codec::{crc32c, Reader, Writer};
+use crate::codec::{crc32c, crc_ok, Reader, Writer};
 use crate::format::{LogBlock, LOG_HDR};
 use crate::msg::Msn;
 use crate::{Error, Op, Result};
@@ -285,8 +285,21 @@ pub fn replay(
             break;
         }
     }
+    let out = records(&stream)?;
+    Ok(Replay {
+        records: out,
+        next_lsn: lsn,
+        next_offset: offset,
+        future,
+    })
+}
+
+/// The records framed in a log stream, up to the first that is torn or damaged (its
+/// length past the stream's end, its checksum wrong, its operations undecodable): what
+/// a crash left after the last whole record.
+pub fn records(stream: &[u8]) -> Result<Vec<Replayed>> {
     let mut out = Vec::new();
-    let mut r = Reader::new(&stream, "log record");
+    let mut r = Reader::new(stream, "log record");
     while r.remaining() >= 8 {
         let len = r.u32()? as usize;
         let crc = r.u32()?;
@@ -295,7 +308,7 @@ pub fn replay(
         }
         let at = r.pos();
         let payload = &stream[at..at + len];
-        if crc32c(&[payload]) != crc {
+        if !crc_ok(crc32c(&[payload]), crc) {
             break;
         }
         let mut p = Reader::new(payload, "log record");
@@ -309,12 +322,7 @@ pub fn replay(
         out.push(Replayed { msn, ops });
         r.skip(len)?;
     }
-    Ok(Replay {
-        records: out,
-        next_lsn: lsn,
-        next_offset: offset,
-        future,
-    })
+    Ok(out)
 }
 
 /// What `replay` read: the records, where the stream it read ends (the next block and

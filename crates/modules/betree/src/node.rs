@@ -18,7 +18,7 @@
 //!   delta has room writes the delta alone at the next checkpoint, not the whole node
 //!   (see `Delta`).
 
-use crate::codec::{crc32c, key_cmp, key_prefix, Reader, Writer};
+use crate::codec::{crc32c, crc_ok, key_cmp, key_prefix, Reader, Writer};
 pub use crate::entries::Entries;
 use crate::format::Extent;
 use crate::lift::Lift;
@@ -565,7 +565,7 @@ pub fn decode_delta_runs(body: &[u8], at: &DeltaRef, id: NodeId) -> Result<Buffe
         let bytes = body
             .get(from..from + run.len as usize)
             .ok_or_else(|| Error::Corrupt(format!("node {id}: delta run past its extent")))?;
-        if crc32c(&[bytes]) != run.crc {
+        if !crc_ok(crc32c(&[bytes]), run.crc) {
             return Err(Error::Corrupt(format!(
                 "node {id}: delta checksum mismatch"
             )));
@@ -595,7 +595,7 @@ pub fn run_lookup(
     id: NodeId,
     key: &[u8],
 ) -> Result<Vec<(Msn, Msg)>> {
-    if crc32c(&[bytes]) != crc {
+    if !crc_ok(crc32c(&[bytes]), crc) {
         return Err(Error::Corrupt(format!(
             "node {id}: message run checksum mismatch"
         )));
@@ -609,7 +609,7 @@ pub fn run_lookup(
 /// Whether one of the range deletes in a buffer's head (read from disk, checksum
 /// verified) covers `key`.
 pub fn head_covers(head: &[u8], crc: u32, id: NodeId, key: &[u8]) -> Result<bool> {
-    if crc32c(&[head]) != crc {
+    if !crc_ok(crc32c(&[head]), crc) {
         return Err(Error::Corrupt(format!(
             "node {id}: buffer checksum mismatch"
         )));
@@ -930,7 +930,7 @@ fn check_buffer(body: &[u8], at: &BufferRef, id: NodeId) -> Result<()> {
         )))
     };
     let Some(first) = at.runs.first() else {
-        return if crc32c(&[body]) == at.crc {
+        return if crc_ok(crc32c(&[body]), at.crc) {
             Ok(())
         } else {
             bad()
@@ -941,11 +941,11 @@ fn check_buffer(body: &[u8], at: &BufferRef, id: NodeId) -> Result<()> {
         body.get(from..from.saturating_add(len as usize))
     };
     let head = part(at.offset, first.offset.saturating_sub(at.offset));
-    if head.is_none_or(|h| crc32c(&[h]) != at.crc) {
+    if head.is_none_or(|h| !crc_ok(crc32c(&[h]), at.crc)) {
         return bad();
     }
     for (_, run) in at.runs.iter() {
-        if part(run.offset, run.len).is_none_or(|b| crc32c(&[b]) != run.crc) {
+        if part(run.offset, run.len).is_none_or(|b| !crc_ok(crc32c(&[b]), run.crc)) {
             return bad();
         }
     }
@@ -1423,7 +1423,7 @@ fn check_section(sec: &[u8], id: NodeId) -> Result<()> {
     let mut copy = sec.to_vec();
     let want = u32::from_le_bytes(copy[CRC_AT..CRC_AT + 4].try_into().expect("4 bytes"));
     copy[CRC_AT..CRC_AT + 4].fill(0);
-    if crc32c(&[&copy]) != want {
+    if !crc_ok(crc32c(&[&copy]), want) {
         return Err(Error::Corrupt(format!("node {id}: checksum mismatch")));
     }
     Ok(())
@@ -1532,7 +1532,7 @@ pub fn decode_leaf_index(sec: &[u8], id: NodeId, extent_bytes: usize) -> Result<
 
 /// Decodes one basement's entries (checksum verified).
 pub fn decode_basement(body: &[u8], b: &BasementRef, id: NodeId) -> Result<Entries> {
-    if crc32c(&[body]) != b.crc {
+    if !crc_ok(crc32c(&[body]), b.crc) {
         return Err(Error::Corrupt(format!(
             "node {id}: basement checksum mismatch"
         )));

@@ -27,6 +27,9 @@ pub mod keys;
 mod names;
 pub mod record;
 mod recover;
+/// The rename-intent record's decoder, for the fuzz targets.
+#[doc(hidden)]
+pub use recover::decode_intent;
 mod rename;
 mod zones;
 

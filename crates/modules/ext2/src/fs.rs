@@ -621,6 +621,7 @@ impl Ext2 {
             first
         });
         op.tx.end()?;
+        self.record_pending_error();
         first.and(r)
     }
 
@@ -776,6 +777,10 @@ impl Ext2 {
         let op = self.begin(ctx);
         let r = self.change_in(&op, f);
         op.tx.end()?;
+        // Damage the change found is recorded now that its op has ended: recording
+        // syncs, and in the journal modes a commit waits for every open op to end, this
+        // one included (it hung the mount when it ran inside the op).
+        self.record_pending_error();
         r
     }
 
@@ -792,13 +797,22 @@ impl Ext2 {
         st.counters.reads_under_lock += Engine::thread_reads() - reads;
         drop(st);
         w?;
-        self.checked(r)
+        self.noted(r)
     }
 
     /// An operation's result on its way out: damage it found is logged and recorded in
-    /// the superblock (now if the state is free, else by the next operation to lock it),
-    /// and under `errors=remount-ro` the mount takes no more changes.
+    /// the superblock, and under `errors=remount-ro` the mount takes no more changes.
+    /// Not for a result inside an op (see [`Ext2::noted`]).
     pub(crate) fn checked<T>(&self, r: Result<T>) -> Result<T> {
+        let r = self.noted(r);
+        self.record_pending_error();
+        r
+    }
+
+    /// [`Ext2::checked`] without the recording, for results inside an op: the damage is
+    /// logged and left pending, and recorded once the op has ended (by `change`, or by
+    /// the next operation).
+    fn noted<T>(&self, r: Result<T>) -> Result<T> {
         let Err(FsError::Corrupt(msg)) = &r else {
             return r;
         };
@@ -814,15 +828,13 @@ impl Ext2 {
         if self.errors == Errors::RemountRo && !self.errored.swap(true, Relaxed) {
             tracing::error!("remounting read-only (errors=remount-ro)");
         }
-        // Recorded now unless this thread is inside an op (then by the next `change`).
-        self.record_pending_error();
         r
     }
 
     /// Marks the superblock as having errors, with the kernel's error record (count,
     /// first and last time, inode and block), and makes it durable. Called with no op
     /// open and the state unlocked (it begins its own op, and syncs).
-    fn record_pending_error(&self) {
+    pub(crate) fn record_pending_error(&self) {
         // Every operation passes here: only a set flag costs a lock.
         if !self.error_waiting.swap(false, Relaxed) {
             return;

@@ -115,6 +115,7 @@ impl Ext2 {
             Ok::<usize, FsError>(freed)
         });
         op.tx.end()?;
+        self.record_pending_error();
         r
     }
 }

@@ -315,3 +315,56 @@ fn freeing_a_block_the_bitmap_says_is_free_is_reported_damage() {
         "the superblock records it"
     );
 }
+
+/// In the journal modes, recording damage found by a change syncs, and a commit waits
+/// for every open operation to end: recorded inside the change's own operation, it
+/// waited for itself and the mount hung (found by the fuzzing smoke on a damaged
+/// journal). The change must return its error, and the error must be on disk.
+#[test]
+fn damage_found_by_a_change_in_a_journal_mode_returns_and_is_recorded() {
+    use quilt_ext2::format::{Superblock, STATE_ERROR};
+    use quilt_ext2::{Errors, Mode};
+    let mut img = populated();
+    {
+        let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
+        let fs = Ext2::open(
+            Engine::new(dev.clone(), EngineOptions::default()),
+            MountOptions::default(),
+        )
+        .unwrap();
+        fs.create_journal(1024).unwrap();
+        fs.unmount().unwrap();
+        img = dev.to_vec();
+    }
+    let le32 = |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap()) as usize;
+    let it = le32(&img, 2 * BS + 8);
+    let dir_block = le32(&img, it * BS + 256 + 0x28);
+    img[dir_block * BS..dir_block * BS + 64].fill(0xff);
+    for mode in [Mode::MetaJournal, Mode::FullJournal] {
+        let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
+        let fs = Arc::new(
+            Ext2::open(
+                Engine::new(dev.clone(), EngineOptions::default()),
+                MountOptions {
+                    mode,
+                    errors: Errors::Continue,
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+        );
+        let (tx, rx) = std::sync::mpsc::channel();
+        let f = fs.clone();
+        std::thread::spawn(move || {
+            let r = f.mkdir(f.root(), b"new", 0o755, &Ctx::root());
+            let _ = tx.send(r);
+        });
+        let r = rx
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("{mode:?}: a change that met damage did not return"));
+        assert!(matches!(r, Err(FsError::Corrupt(_))), "{mode:?}: {r:?}");
+        fs.unmount().unwrap();
+        let sb = Superblock::decode(&dev.to_vec()[1024..2048]).unwrap();
+        assert_ne!(sb.state & STATE_ERROR, 0, "{mode:?}: the error is recorded");
+    }
+}
