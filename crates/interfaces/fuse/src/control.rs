@@ -12,8 +12,8 @@ use quilt_vfs::{FsError, KernelFs};
 pub(crate) const CONTROL_INO: u64 = 1 << 40;
 
 /// Is `name` in directory `parent` (FUSE numbering) the control file?
-pub(crate) fn is_control(parent: u64, name: &[u8]) -> bool {
-    parent == 1 && name == abi::CONTROL_NAME.as_bytes()
+pub(crate) fn is_control(parent: crate::NodeId, name: &[u8]) -> bool {
+    parent == crate::NodeId(1) && name == abi::CONTROL_NAME.as_bytes()
 }
 
 pub(crate) fn attr() -> Attr {

@@ -12,7 +12,7 @@ use quilt_fusewire::{
     Session, Transport,
 };
 use quilt_vfs::{
-    Attr, Ctx, FsError, KernelFs, RenameFlags, SetAttr, TimeOrNow, Timespec, XattrFlags,
+    Attr, Ctx, FsError, Ino, KernelFs, RenameFlags, SetAttr, TimeOrNow, Timespec, XattrFlags,
 };
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -135,7 +135,7 @@ fn errno(e: FsError) -> i32 {
 
 fn wire_attr(a: &Attr, inos: Inos) -> WireAttr {
     WireAttr {
-        ino: inos.to_fuse(a.ino),
+        ino: inos.to_fuse(a.ino).0,
         size: a.size,
         blocks: a.blocks,
         atime: (a.atime.sec, a.atime.nsec),
@@ -167,18 +167,30 @@ struct Inos {
     root: u64,
 }
 
+/// A node id as the kernel numbers inodes (its root is 1). A type of its own so that one
+/// is never handed to the file system, or an inode number to the kernel, without
+/// [`Inos`] between them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct NodeId(pub u64);
+
+/// The control file's node (it has no inode in the file system).
+const CONTROL_NODE: NodeId = NodeId(CONTROL_INO);
+
 impl Inos {
-    fn to_fuse(self, ino: u64) -> u64 {
-        if ino == self.root {
+    fn swap(self, n: u64) -> u64 {
+        if n == self.root {
             1
-        } else if ino == 1 {
+        } else if n == 1 {
             self.root
         } else {
-            ino
+            n
         }
     }
-    fn to_fs(self, ino: u64) -> u64 {
-        self.to_fuse(ino)
+    fn to_fuse(self, ino: Ino) -> NodeId {
+        NodeId(self.swap(ino))
+    }
+    fn to_fs(self, node: NodeId) -> Ino {
+        self.swap(node.0)
     }
 }
 
@@ -250,10 +262,10 @@ impl<F: KernelFs> Adapter<F> {
     fn forget_changed(&self, c: clone::Changed) {
         let Some(n) = self.notifier.get() else { return };
         let r = match &c {
-            clone::Changed::File(ino) => n.inval_inode(self.inos.to_fuse(*ino), 0, 0),
+            clone::Changed::File(ino) => n.inval_inode(self.inos.to_fuse(*ino).0, 0, 0),
             clone::Changed::Entry(dir, name) => n
-                .inval_entry(self.inos.to_fuse(*dir), name)
-                .and_then(|()| n.inval_inode(self.inos.to_fuse(*dir), -1, 0)),
+                .inval_entry(self.inos.to_fuse(*dir).0, name)
+                .and_then(|()| n.inval_inode(self.inos.to_fuse(*dir).0, -1, 0)),
         };
         // ENOENT: the kernel held no copy.
         match r {
@@ -267,7 +279,7 @@ impl<F: KernelFs> Adapter<F> {
     /// Drops the kernel's cached attributes of `ino` (we changed them behind its back).
     fn invalidate_attr(&self, ino: u64) {
         if let Some(n) = self.notifier.get() {
-            if let Err(e) = n.inval_inode(self.inos.to_fuse(ino), -1, 0) {
+            if let Err(e) = n.inval_inode(self.inos.to_fuse(ino).0, -1, 0) {
                 tracing::warn!("invalidating cached attributes of inode {ino}: {e}");
             }
         }
@@ -388,7 +400,7 @@ impl<F: KernelFs> Adapter<F> {
                         added
                     }
                     Err(_) => buf.add_plus_bare(
-                        self.inos.to_fuse(e.ino),
+                        self.inos.to_fuse(e.ino).0,
                         e.next_offset,
                         e.kind.mode_bits(),
                         &e.name,
@@ -396,7 +408,7 @@ impl<F: KernelFs> Adapter<F> {
                 },
                 // `.`/`..`, or a name removed since it was listed: no attributes.
                 None => buf.add_plus_bare(
-                    self.inos.to_fuse(e.ino),
+                    self.inos.to_fuse(e.ino).0,
                     e.next_offset,
                     e.kind.mode_bits(),
                     &e.name,
@@ -453,14 +465,15 @@ impl<F: KernelFs> Adapter<F> {
     fn setattr(
         &self,
         req: &Request<'_>,
-        ino: u64,
+        node: NodeId,
         s: &quilt_fusewire::SetattrIn,
         reply: Reply<'_>,
     ) {
         let _t = self.stats.time(Stat::Setattr);
-        if ino == CONTROL_INO {
+        if node == CONTROL_NODE {
             return reply.error(libc::EPERM);
         }
+        let ino = self.inos.to_fs(node);
         let v = s.valid;
         let time = |now: u32, set: u32, t: (i64, u32)| {
             if v & now != 0 {
@@ -483,11 +496,11 @@ impl<F: KernelFs> Adapter<F> {
         if v & fattr::KILL_SUIDGID != 0 && set.mode.is_none() {
             // The kernel found the caller without CAP_FSETID (a truncate): we drop the
             // privileges, as HANDLE_KILLPRIV_V2 asks.
-            if let Err(e) = self.kill_suid(self.inos.to_fs(ino), req) {
+            if let Err(e) = self.kill_suid(ino, req) {
                 return reply.error(errno(e));
             }
         }
-        match self.fs.setattr(self.inos.to_fs(ino), set, &self.ctx(req)) {
+        match self.fs.setattr(ino, set, &self.ctx(req)) {
             Ok(a) => reply.attr(&wire_attr(&a, self.inos), TTL),
             Err(e) => reply.error(errno(e)),
         }
@@ -503,7 +516,7 @@ impl<F: KernelFs> Adapter<F> {
         else {
             return reply.error(libc::EINVAL);
         };
-        let parent = req.header.nodeid;
+        let parent = NodeId(req.header.nodeid);
         let _t = self.stats.time(Stat::Create);
         if is_control(parent, name) {
             return reply.error(libc::EEXIST);
@@ -540,9 +553,10 @@ impl<F: KernelFs> Adapter<F> {
         else {
             return reply.error(libc::EINVAL);
         };
-        let ino = req.header.nodeid;
+        let node = NodeId(req.header.nodeid);
+        let ino = self.inos.to_fs(node);
         let _t = self.stats.time(Stat::Write);
-        if ino == CONTROL_INO {
+        if node == CONTROL_NODE {
             return reply.error(libc::EPERM);
         }
         let mut c = self.ctx(req);
@@ -550,17 +564,17 @@ impl<F: KernelFs> Adapter<F> {
             // Writeback by the kernel: done for whoever opened the handle.
             c.pid = fh as u32;
         }
-        if let Err(e) = self.drop_capability(self.inos.to_fs(ino), &c) {
+        if let Err(e) = self.drop_capability(ino, &c) {
             return reply.error(errno(e));
         }
         if wflags & quilt_fusewire::abi::WRITE_KILL_SUIDGID != 0 {
             // A writer without CAP_FSETID (the kernel decided): drop the privileges
             // first, as the kernel's own file systems do.
-            if let Err(e) = self.kill_suid(self.inos.to_fs(ino), req) {
+            if let Err(e) = self.kill_suid(ino, req) {
                 return reply.error(errno(e));
             }
         }
-        match self.fs.write(self.inos.to_fs(ino), offset, data, &c) {
+        match self.fs.write(ino, offset, data, &c) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(errno(e)),
         }
@@ -610,18 +624,19 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
     }
 
     fn request(&self, req: &Request<'_>, reply: Reply<'_>) {
-        let ino = req.header.nodeid;
+        let node = NodeId(req.header.nodeid);
+        let ino = self.inos.to_fs(node);
         match &req.op {
             Op::Lookup { name } => {
                 let _t = self.stats.time(Stat::Lookup);
-                if is_control(ino, name) {
+                if is_control(node, name) {
                     return reply.entry(&entry(&control::attr()));
                 }
-                self.reply_entry(self.fs.lookup(self.inos.to_fs(ino), name), reply);
+                self.reply_entry(self.fs.lookup(ino, name), reply);
             }
             Op::Forget { nlookup } => {
-                if ino != CONTROL_INO {
-                    self.forget_all([(self.inos.to_fs(ino), *nlookup)]);
+                if node != CONTROL_NODE {
+                    self.forget_all([(ino, *nlookup)]);
                 }
                 reply.none();
             }
@@ -630,24 +645,24 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                     nodes
                         .iter()
                         .filter(|&&(node, _)| node != CONTROL_INO)
-                        .map(|&(node, n)| (self.inos.to_fs(node), n)),
+                        .map(|&(node, n)| (self.inos.to_fs(NodeId(node)), n)),
                 );
                 reply.none();
             }
             Op::Getattr { .. } => {
                 let _t = self.stats.time(Stat::Getattr);
-                if ino == CONTROL_INO {
+                if node == CONTROL_NODE {
                     return reply.attr(&control::attr(), TTL);
                 }
-                match self.fs.getattr(self.inos.to_fs(ino)) {
+                match self.fs.getattr(ino) {
                     Ok(a) => reply.attr(&wire_attr(&a, self.inos), TTL),
                     Err(e) => reply.error(errno(e)),
                 }
             }
-            Op::Setattr(s) => self.setattr(req, ino, s, reply),
+            Op::Setattr(s) => self.setattr(req, node, s, reply),
             Op::Readlink => {
                 let _t = self.stats.time(Stat::Readlink);
-                match self.fs.readlink(self.inos.to_fs(ino)) {
+                match self.fs.readlink(ino) {
                     Ok(t) => reply.data(&t),
                     Err(e) => reply.error(errno(e)),
                 }
@@ -659,53 +674,42 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 umask,
             } => {
                 let _t = self.stats.time(Stat::Mknod);
-                if is_control(ino, name) {
+                if is_control(node, name) {
                     return reply.error(libc::EEXIST);
                 }
                 let mut c = self.ctx(req);
                 c.umask = *umask;
-                self.reply_entry(
-                    self.fs.mknod(self.inos.to_fs(ino), name, *mode, *rdev, &c),
-                    reply,
-                );
+                self.reply_entry(self.fs.mknod(ino, name, *mode, *rdev, &c), reply);
             }
             Op::Mkdir { name, mode, umask } => {
                 let _t = self.stats.time(Stat::Mkdir);
-                if is_control(ino, name) {
+                if is_control(node, name) {
                     return reply.error(libc::EEXIST);
                 }
                 let mut c = self.ctx(req);
                 c.umask = *umask;
-                self.reply_entry(self.fs.mkdir(self.inos.to_fs(ino), name, *mode, &c), reply);
+                self.reply_entry(self.fs.mkdir(ino, name, *mode, &c), reply);
             }
             Op::Unlink { name } => {
                 let _t = self.stats.time(Stat::Unlink);
-                if is_control(ino, name) {
+                if is_control(node, name) {
                     return reply.error(libc::EPERM);
                 }
-                self.reply_unit(
-                    self.fs.unlink(self.inos.to_fs(ino), name, &self.ctx(req)),
-                    reply,
-                );
+                self.reply_unit(self.fs.unlink(ino, name, &self.ctx(req)), reply);
             }
             Op::Rmdir { name } => {
                 let _t = self.stats.time(Stat::Rmdir);
-                if is_control(ino, name) {
+                if is_control(node, name) {
                     return reply.error(libc::ENOTDIR);
                 }
-                self.reply_unit(
-                    self.fs.rmdir(self.inos.to_fs(ino), name, &self.ctx(req)),
-                    reply,
-                );
+                self.reply_unit(self.fs.rmdir(ino, name, &self.ctx(req)), reply);
             }
             Op::Symlink { name, target } => {
                 let _t = self.stats.time(Stat::Symlink);
-                if is_control(ino, name) {
+                if is_control(node, name) {
                     return reply.error(libc::EEXIST);
                 }
-                let r = self
-                    .fs
-                    .symlink(self.inos.to_fs(ino), name, target, &self.ctx(req));
+                let r = self.fs.symlink(ino, name, target, &self.ctx(req));
                 self.reply_entry(r, reply);
             }
             Op::Rename {
@@ -715,7 +719,7 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 flags,
             } => {
                 let _t = self.stats.time(Stat::Rename);
-                if is_control(ino, name) || is_control(*newdir, newname) {
+                if is_control(node, name) || is_control(NodeId(*newdir), newname) {
                     return reply.error(libc::EPERM);
                 }
                 let known = libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE | libc::RENAME_WHITEOUT;
@@ -729,9 +733,9 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                     whiteout: flags & libc::RENAME_WHITEOUT != 0,
                 };
                 let r = self.fs.rename(
-                    self.inos.to_fs(ino),
+                    ino,
                     name,
-                    self.inos.to_fs(*newdir),
+                    self.inos.to_fs(NodeId(*newdir)),
                     newname,
                     f,
                     &self.ctx(req),
@@ -740,12 +744,12 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
             }
             Op::Link { oldnode, newname } => {
                 let _t = self.stats.time(Stat::Link);
-                if is_control(ino, newname) {
+                if is_control(node, newname) {
                     return reply.error(libc::EEXIST);
                 }
                 let r = self.fs.link(
-                    self.inos.to_fs(*oldnode),
-                    self.inos.to_fs(ino),
+                    self.inos.to_fs(NodeId(*oldnode)),
+                    ino,
                     newname,
                     &self.ctx(req),
                 );
@@ -753,29 +757,26 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
             }
             Op::Open { flags } => {
                 let _t = self.stats.time(Stat::Open);
-                if ino == CONTROL_INO {
+                if node == CONTROL_NODE {
                     return reply.open(0, fopen::DIRECT_IO);
                 }
                 // The handle remembers who opened the file: the kernel's writeback of
                 // its pages comes with no process id, and is done for the opener.
                 let opener = self.ctx(req).pid as u64;
-                if let Err(e) = self
-                    .fs
-                    .check_open(self.inos.to_fs(ino), *flags, &self.ctx(req))
-                {
+                if let Err(e) = self.fs.check_open(ino, *flags, &self.ctx(req)) {
                     return reply.error(errno(e));
                 }
-                match self.fs.open(self.inos.to_fs(ino)) {
+                match self.fs.open(ino) {
                     Ok(()) => reply.open(opener, self.open_flags(*flags)),
                     Err(e) => reply.error(errno(e)),
                 }
             }
             Op::Read { offset, size, .. } => {
                 let _t = self.stats.time(Stat::Read);
-                if ino == CONTROL_INO {
+                if node == CONTROL_NODE {
                     return reply.data(&[]);
                 }
-                match self.fs.read(self.inos.to_fs(ino), *offset, *size) {
+                match self.fs.read(ino, *offset, *size) {
                     Ok(d) => reply.data(&d),
                     Err(e) => reply.error(errno(e)),
                 }
@@ -790,24 +791,24 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
             }
             Op::Release { .. } => {
                 let _t = self.stats.time(Stat::Release);
-                if ino == CONTROL_INO {
+                if node == CONTROL_NODE {
                     return reply.ok();
                 }
-                self.reply_unit(self.fs.release(self.inos.to_fs(ino)), reply);
+                self.reply_unit(self.fs.release(ino), reply);
             }
             Op::Fsync { datasync, .. } => {
                 let _t = self.stats.time(Stat::Fsync);
-                if ino == CONTROL_INO {
+                if node == CONTROL_NODE {
                     return reply.ok();
                 }
-                match self.fs.fsync(self.inos.to_fs(ino), *datasync) {
+                match self.fs.fsync(ino, *datasync) {
                     Ok(()) => {
                         reply.ok();
                         if self.writeback_cache {
                             // The kernel keeps the attributes it had before writing
                             // back; the data is ours now, so let stat see its true
                             // block count.
-                            self.invalidate_attr(self.inos.to_fs(ino));
+                            self.invalidate_attr(ino);
                         }
                     }
                     Err(e) => reply.error(errno(e)),
@@ -815,7 +816,7 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
             }
             Op::Fsyncdir { datasync, .. } => {
                 let _t = self.stats.time(Stat::Fsyncdir);
-                self.reply_unit(self.fs.fsync(self.inos.to_fs(ino), *datasync), reply);
+                self.reply_unit(self.fs.fsync(ino, *datasync), reply);
             }
             Op::Syncfs => {
                 let _t = self.stats.time(Stat::Syncfs);
@@ -827,9 +828,9 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
             Op::Readdir { offset, size, .. } => {
                 let _t = self.stats.time(Stat::Readdir);
                 let mut buf = DirBuf::new(*size);
-                let r = self.fs.readdir(self.inos.to_fs(ino), *offset, &mut |e| {
+                let r = self.fs.readdir(ino, *offset, &mut |e| {
                     buf.add(
-                        self.inos.to_fuse(e.ino),
+                        self.inos.to_fuse(e.ino).0,
                         e.next_offset,
                         e.kind.mode_bits(),
                         &e.name,
@@ -842,7 +843,7 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
             }
             Op::Readdirplus { offset, size, .. } => {
                 let _t = self.stats.time(Stat::Readdirplus);
-                self.readdirplus(self.inos.to_fs(ino), *offset, *size, reply);
+                self.readdirplus(ino, *offset, *size, reply);
             }
             Op::Statfs => {
                 let _t = self.stats.time(Stat::Statfs);
@@ -867,7 +868,7 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 setxattr_flags,
             } => {
                 let _t = self.stats.time(Stat::Setxattr);
-                if ino == CONTROL_INO {
+                if node == CONTROL_NODE {
                     return reply.error(libc::EPERM);
                 }
                 let f = XattrFlags {
@@ -875,45 +876,36 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                     replace: flags & libc::XATTR_REPLACE != 0,
                     kill_sgid: setxattr_flags & quilt_fusewire::abi::SETXATTR_ACL_KILL_SGID != 0,
                 };
-                let r = self
-                    .fs
-                    .setxattr(self.inos.to_fs(ino), name, value, f, &self.ctx(req));
+                let r = self.fs.setxattr(ino, name, value, f, &self.ctx(req));
                 self.reply_unit(r, reply);
             }
             Op::Getxattr { name, size } => {
                 let _t = self.stats.time(Stat::Getxattr);
-                if ino == CONTROL_INO {
+                if node == CONTROL_NODE {
                     return reply.error(libc::ENODATA);
                 }
-                self.xattr_reply(self.fs.getxattr(self.inos.to_fs(ino), name), *size, reply);
+                self.xattr_reply(self.fs.getxattr(ino, name), *size, reply);
             }
             Op::Listxattr { size } => {
                 let _t = self.stats.time(Stat::Listxattr);
-                if ino == CONTROL_INO {
+                if node == CONTROL_NODE {
                     return self.xattr_reply(Ok(Vec::new()), *size, reply);
                 }
-                self.xattr_reply(self.fs.listxattr(self.inos.to_fs(ino)), *size, reply);
+                self.xattr_reply(self.fs.listxattr(ino), *size, reply);
             }
             Op::Removexattr { name } => {
                 let _t = self.stats.time(Stat::Removexattr);
-                if ino == CONTROL_INO {
+                if node == CONTROL_NODE {
                     return reply.error(libc::EPERM);
                 }
-                self.reply_unit(
-                    self.fs
-                        .removexattr(self.inos.to_fs(ino), name, &self.ctx(req)),
-                    reply,
-                );
+                self.reply_unit(self.fs.removexattr(ino, name, &self.ctx(req)), reply);
             }
             Op::Access { mask } => {
                 let _t = self.stats.time(Stat::Access);
-                if ino == CONTROL_INO {
+                if node == CONTROL_NODE {
                     return reply.ok();
                 }
-                self.reply_unit(
-                    self.fs.access(self.inos.to_fs(ino), *mask, &self.ctx(req)),
-                    reply,
-                );
+                self.reply_unit(self.fs.access(ino, *mask, &self.ctx(req)), reply);
             }
             Op::Create { .. } => self.create(req, reply),
             Op::Ioctl {
@@ -923,17 +915,17 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 ..
             } => {
                 let _t = self.stats.time(Stat::Ioctl);
-                if ino != CONTROL_INO {
+                if node != CONTROL_NODE {
                     if clone::is_clone(*cmd) {
                         let inos = self.inos;
                         return match clone::ioctl(
                             self.fs.as_ref(),
-                            inos.to_fs(ino),
+                            ino,
                             *cmd,
                             input,
                             &self.ctx(req),
-                            |i| inos.to_fs(i),
-                            |i| inos.to_fuse(i),
+                            |i| inos.to_fs(NodeId(i)),
+                            |i| inos.to_fuse(i).0,
                         ) {
                             Ok((out, changed)) => {
                                 // Before the answer: the caller's next look must not
@@ -947,13 +939,8 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                     if !fileattr::is_fileattr(*cmd) {
                         return reply.error(libc::ENOTTY);
                     }
-                    return match fileattr::ioctl(
-                        self.fs.as_ref(),
-                        self.inos.to_fs(ino),
-                        *cmd,
-                        input,
-                        &self.ctx(req),
-                    ) {
+                    return match fileattr::ioctl(self.fs.as_ref(), ino, *cmd, input, &self.ctx(req))
+                    {
                         Ok(out) => reply.ioctl(0, &out[..out.len().min(*out_size as usize)]),
                         Err(e) => reply.error(errno(e)),
                     };
@@ -972,14 +959,14 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
             }
             Op::Tmpfile { flags, mode, umask } => {
                 let _t = self.stats.time(Stat::Create);
-                if ino == CONTROL_INO {
+                if node == CONTROL_NODE {
                     return reply.error(libc::ENOTDIR);
                 }
                 let mut c = self.ctx(req);
                 c.umask = *umask;
                 let r = self
                     .fs
-                    .tmpfile(self.inos.to_fs(ino), *mode, &c)
+                    .tmpfile(ino, *mode, &c)
                     .and_then(|a| self.fs.open(a.ino).map(|()| a))
                     .and_then(|a| self.remember(&a).map(|()| a));
                 match r {
@@ -1002,7 +989,7 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 ..
             } => {
                 let _t = self.stats.time(Stat::CopyFileRange);
-                if ino == CONTROL_INO || *nodeid_out == CONTROL_INO {
+                if node == CONTROL_NODE || *nodeid_out == CONTROL_INO {
                     return reply.error(libc::EINVAL);
                 }
                 if *flags != 0 {
@@ -1011,9 +998,9 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 // The answer counts bytes in 32 bits.
                 let len = (*len).min(u32::MAX as u64 & !4095);
                 match self.fs.copy_file_range(
-                    self.inos.to_fs(ino),
+                    ino,
                     *off_in,
-                    self.inos.to_fs(*nodeid_out),
+                    self.inos.to_fs(NodeId(*nodeid_out)),
                     *off_out,
                     len,
                     &self.ctx(req),
@@ -1032,10 +1019,10 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                     libc::SEEK_HOLE => false,
                     _ => return reply.error(libc::EINVAL),
                 };
-                if ino == CONTROL_INO {
+                if node == CONTROL_NODE {
                     return reply.error(libc::ENXIO);
                 }
-                match self.fs.seek_data(self.inos.to_fs(ino), *offset, data) {
+                match self.fs.seek_data(ino, *offset, data) {
                     Ok(o) => reply.lseek(o),
                     // The kernel then treats the file as all data, and stops asking.
                     Err(FsError::NotSupported) => reply.error(libc::ENOSYS),
@@ -1049,16 +1036,12 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 ..
             } => {
                 let _t = self.stats.time(Stat::Fallocate);
-                if ino == CONTROL_INO {
+                if node == CONTROL_NODE {
                     return reply.error(libc::EPERM);
                 }
-                let r = self.fs.fallocate(
-                    self.inos.to_fs(ino),
-                    *offset,
-                    *length,
-                    *mode as i32,
-                    &self.ctx(req),
-                );
+                let r = self
+                    .fs
+                    .fallocate(ino, *offset, *length, *mode as i32, &self.ctx(req));
                 self.reply_unit(r, reply);
             }
             // Not served: ENOSYS makes the kernel answer EOPNOTSUPP and stop asking.
@@ -1156,12 +1139,12 @@ pub struct Invalidator {
 impl Invalidator {
     /// The inode's attributes and cached data changed.
     pub fn inode(&self, ino: u64) -> std::io::Result<()> {
-        known(self.notifier.inval_inode(self.inos.to_fuse(ino), 0, 0))
+        known(self.notifier.inval_inode(self.inos.to_fuse(ino).0, 0, 0))
     }
 
     /// `name` in directory `parent` was added, removed or now names another inode.
     pub fn entry(&self, parent: u64, name: &[u8]) -> std::io::Result<()> {
-        known(self.notifier.inval_entry(self.inos.to_fuse(parent), name))?;
+        known(self.notifier.inval_entry(self.inos.to_fuse(parent).0, name))?;
         // The directory's own attributes (size, times, link count) changed too.
         self.inode(parent)
     }
