@@ -46,17 +46,17 @@ pub struct SynthReport {
     pub fsyncs: u64,
 }
 
-/// A tiny deterministic generator (xorshift), so runs are repeatable without a dependency.
-struct Rng(u64);
+/// The workload's random stream: ChaCha8 from a seed, the same run everywhere.
+struct Rng(rand_chacha::ChaCha8Rng);
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+    fn new(seed: u64) -> Rng {
+        use rand::SeedableRng;
+        Rng(rand_chacha::ChaCha8Rng::seed_from_u64(seed))
     }
+    /// Uniform in `0..n` (0 when `n` is 0).
     fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
+        use rand::Rng as _;
+        self.0.random_range(0..n.max(1))
     }
 }
 
@@ -69,7 +69,7 @@ pub fn run(engine: &Engine, files: u64, seed: u64, fsync_every: u64) -> Result<S
         len: 0,
         block_size: bs as usize,
     })?;
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::new(seed);
     let mut rep = SynthReport::default();
     let inodes_per_block = bs / 128;
     let inode_count = (l.inode_table_blocks * inodes_per_block).min(bs * 8);

@@ -114,15 +114,9 @@ fn layout(blocks: u64, bs: u32, opts: &MkfsOptions, uuid: [u8; 16]) -> Result<La
     }
 }
 
+/// A version 4 UUID from the operating system's random source.
 fn random_uuid() -> [u8; 16] {
-    let mut u = [0u8; 16];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        use std::io::Read;
-        let _ = f.read_exact(&mut u);
-    }
-    u[6] = (u[6] & 0x0f) | 0x40;
-    u[8] = (u[8] & 0x3f) | 0x80;
-    u
+    uuid::Uuid::new_v4().into_bytes()
 }
 
 fn set_bit(b: &mut [u8], i: u32) {

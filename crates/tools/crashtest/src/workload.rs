@@ -715,26 +715,26 @@ pub fn invalidates(touched: &str, path: &str) -> bool {
     touched == path || path.starts_with(&format!("{touched}/")) || parent(touched) == path
 }
 
-/// A small deterministic generator (splitmix64), so runs repeat from a seed.
+/// The workloads' random stream: ChaCha8 from a seed, so a run repeats from its seed on
+/// any machine and with any version of the crate.
 #[derive(Debug, Clone)]
-pub struct Rng(u64);
+pub struct Rng(rand_chacha::ChaCha8Rng);
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
-        Rng(seed)
+        use rand::SeedableRng;
+        Rng(rand_chacha::ChaCha8Rng::seed_from_u64(seed))
     }
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        rand::RngCore::next_u64(&mut self.0)
     }
+    /// Uniform in `0..n` (0 when `n` is 0).
     pub fn below(&mut self, n: u64) -> u64 {
+        use rand::Rng as _;
         if n == 0 {
             0
         } else {
-            self.next_u64() % n
+            self.0.random_range(0..n)
         }
     }
 }
