@@ -6,6 +6,8 @@
 //! names are raw bytes; times are nanoseconds-resolution [`Timespec`]s; errors are
 //! [`FsError`]s that map to one errno each at the FUSE boundary.
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 
 pub mod acl;

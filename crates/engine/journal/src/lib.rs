@@ -8,6 +8,8 @@
 //! - `skip` — log skipping (Bark): each transaction one self-identifying record, written
 //!   by a range write wherever the disk's head gets first, found again by a scan.
 
+#![forbid(unsafe_code)]
+
 pub mod format;
 pub mod recovery;
 pub mod skip;

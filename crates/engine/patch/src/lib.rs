@@ -41,6 +41,8 @@
 //! device I/O of an epoch runs outside that lock so that writers are not stalled by disk
 //! latency.
 
+#![forbid(unsafe_code)]
+
 mod capture;
 mod engine;
 mod epoch;

@@ -5,6 +5,8 @@
 //! rest of the stream. The server side (`quiltfs mount`) binds [`runtime_paths`]'s
 //! socket and answers; this crate is the protocol's one description.
 
+#![forbid(unsafe_code)]
+
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};

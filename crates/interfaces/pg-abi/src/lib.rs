@@ -3,6 +3,8 @@
 //! mount (clones). Both sides use these definitions; the C header
 //! (`include/quiltfs_pg.h`) repeats them and a test checks they agree.
 
+#![forbid(unsafe_code)]
+
 /// The control file's name in the mount's root directory.
 pub const CONTROL_NAME: &str = ".quiltfs-control";
 

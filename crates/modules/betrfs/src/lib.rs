@@ -19,6 +19,8 @@
 //! fs.unmount().unwrap();
 //! ```
 
+#![forbid(unsafe_code)]
+
 mod clone;
 mod data;
 mod fs;

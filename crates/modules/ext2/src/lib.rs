@@ -13,6 +13,8 @@
 //! maps, truncation), `dir` (directory entries), `xattr` (user.* attributes in an EA
 //! block).
 
+#![forbid(unsafe_code)]
+
 pub mod format;
 pub mod journal;
 pub mod mkfs;
