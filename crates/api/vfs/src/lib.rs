@@ -183,6 +183,7 @@ pub struct StatFs {
 }
 
 /// File-system errors, each one errno.
+#[non_exhaustive]
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FsError {
     #[error("no such file or directory")]

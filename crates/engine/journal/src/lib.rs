@@ -19,6 +19,7 @@ pub use format::JournalSuper;
 pub use recovery::{recover, recover_on, RecoveryReport};
 pub use writer::{Journal, JournalOptions, JournalStats, Observer, Placement};
 
+#[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {
     #[error("damaged journal: {0}")]

@@ -78,6 +78,7 @@ pub fn block_buf(bytes: Vec<u8>) -> BlockBuf {
 pub use quilt_block::{BlockDevice, BlockError, BlockNo};
 
 /// Errors of the patch layer.
+#[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum PatchError {
     #[error(transparent)]

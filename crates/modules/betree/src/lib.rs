@@ -61,6 +61,7 @@ use quilt_patch::{Engine, EngineOptions, PatchError};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Errors of the tree.
+#[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(transparent)]
