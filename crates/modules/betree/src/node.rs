@@ -7,9 +7,9 @@
 //! * an **internal** node's section is the whole node: child ids, pivots, and one message
 //!   buffer per child;
 //! * a **leaf**'s section is its basement index (first key, offset, length, entry count
-//!   and crc32c of each basement); the basements follow one after another (the first on
-//!   a block boundary), so a point query reads the index and the blocks of one
-//!   basement, not the whole leaf;
+//!   and crc32c of each basement); the basements follow one after another, the first
+//!   right after the index (it is not padded to a block), so a point query reads the
+//!   index and the blocks of one basement, not the whole leaf;
 //! * a **delta**'s section names an extent of the same node written whole (its *base*),
 //!   holds a copy of the base's section (a leaf's basement index, an internal node's
 //!   children, pivots and buffer places, each pointing into the base), and says where

@@ -1,7 +1,7 @@
 //! ext2's own behaviour on the native API over memory: its block map, block sizes,
 //! reserved blocks, size limits, statfs block counts, consistency modes and mount options.
 //! The POSIX behaviour every module shares (one test per operation, with its error
-//! cases) is tested against ext2 and betrfs alike in `crates/conformance/tests/ops.rs`.
+//! cases) is tested against ext2 and betrfs alike in `crates/tools/conformance/tests/ops.rs`.
 
 use quilt_block::MemDevice;
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};

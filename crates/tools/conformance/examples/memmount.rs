@@ -2,7 +2,7 @@
 //! unmounted: the adapter and transport without the CLI (works for non-root users
 //! too, through fusermount3).
 //!
-//!     cargo run --release -p quilt-ext2 --example memmount -- DIR
+//!     cargo run --release -p quilt-conformance --example memmount -- DIR
 
 use quilt_block::MemDevice;
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, MountOptions};

@@ -1,7 +1,7 @@
 //! One test per operation, with its error cases, on the native API over memory, run
 //! against every file-system module (ext2 in soft-updates mode, betrfs): the POSIX
 //! behaviour both must share. (What only ext2 has, its block map, block sizes, reserved
-//! blocks, exact size limits and block counts, stays in `crates/ext2/tests/ops.rs`.)
+//! blocks, exact size limits and block counts, stays in `crates/modules/ext2/tests/ops.rs`.)
 //!
 //! Each test is written once and runs once per module on a fresh file system over a
 //! memory device. Where a module legitimately differs, the test says so explicitly
