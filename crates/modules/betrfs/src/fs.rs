@@ -889,6 +889,79 @@ impl Betrfs {
     }
 }
 
+impl Betrfs {
+    // Creations, with an inode number from a grant or the counter's.
+
+    fn mknod_in(
+        &self,
+        want: Option<Ino>,
+        parent: Ino,
+        name: &[u8],
+        mode: u32,
+        rdev: u32,
+        ctx: &Ctx,
+    ) -> Result<Attr> {
+        match FileType::from_mode(mode) {
+            Some(FileType::Directory) | Some(FileType::Symlink) | None => {
+                return Err(FsError::Invalid(
+                    "mknod of a directory, symlink or unknown type",
+                ))
+            }
+            _ => {}
+        }
+        let r = self.create(parent, name, mode, rdev, b"", ctx, false, want);
+        self.checked(r)
+    }
+
+    fn mkdir_in(
+        &self,
+        want: Option<Ino>,
+        parent: Ino,
+        name: &[u8],
+        mode: u32,
+        ctx: &Ctx,
+    ) -> Result<Attr> {
+        let r = self.create(
+            parent,
+            name,
+            libc::S_IFDIR | (mode & 0o7777),
+            0,
+            b"",
+            ctx,
+            false,
+            want,
+        );
+        self.checked(r)
+    }
+
+    fn symlink_in(
+        &self,
+        want: Option<Ino>,
+        parent: Ino,
+        name: &[u8],
+        target: &[u8],
+        ctx: &Ctx,
+    ) -> Result<Attr> {
+        if target.is_empty() {
+            return Err(FsError::NotFound);
+        }
+        if target.len() >= BLOCK as usize {
+            return Err(FsError::NameTooLong);
+        }
+        let r = self.create(
+            parent,
+            name,
+            libc::S_IFLNK | 0o777,
+            0,
+            target,
+            ctx,
+            false,
+            want,
+        );
+        self.checked(r)
+    }
+}
+
 /// References the kernel holds without a handle: an unlinked file only they keep is
 /// freed at the unlink.
 impl KernelFs for Betrfs {
@@ -1034,16 +1107,7 @@ impl FileSystem for Betrfs {
     }
 
     fn mknod(&self, parent: Ino, name: &[u8], mode: u32, rdev: u32, ctx: &Ctx) -> Result<Attr> {
-        match FileType::from_mode(mode) {
-            Some(FileType::Directory) | Some(FileType::Symlink) | None => {
-                return Err(FsError::Invalid(
-                    "mknod of a directory, symlink or unknown type",
-                ))
-            }
-            _ => {}
-        }
-        let r = self.create(parent, name, mode, rdev, b"", ctx, false, None);
-        self.checked(r)
+        self.mknod_in(None, parent, name, mode, rdev, ctx)
     }
 
     fn mknod_as(
@@ -1055,22 +1119,11 @@ impl FileSystem for Betrfs {
         rdev: u32,
         ctx: &Ctx,
     ) -> Result<Attr> {
-        match FileType::from_mode(mode) {
-            Some(FileType::Directory) | Some(FileType::Symlink) | None => {
-                return Err(FsError::Invalid(
-                    "mknod of a directory, symlink or unknown type",
-                ))
-            }
-            _ => {}
-        }
-        let r = self.create(parent, name, mode, rdev, b"", ctx, false, Some(ino));
-        self.checked(r)
+        self.mknod_in(Some(ino), parent, name, mode, rdev, ctx)
     }
 
     fn mkdir_as(&self, ino: Ino, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
-        let mode = libc::S_IFDIR | (mode & 0o7777);
-        let r = self.create(parent, name, mode, 0, b"", ctx, false, Some(ino));
-        self.checked(r)
+        self.mkdir_in(Some(ino), parent, name, mode, ctx)
     }
 
     fn symlink_as(
@@ -1081,23 +1134,7 @@ impl FileSystem for Betrfs {
         target: &[u8],
         ctx: &Ctx,
     ) -> Result<Attr> {
-        if target.is_empty() {
-            return Err(FsError::NotFound);
-        }
-        if target.len() >= BLOCK as usize {
-            return Err(FsError::NameTooLong);
-        }
-        let r = self.create(
-            parent,
-            name,
-            libc::S_IFLNK | 0o777,
-            0,
-            target,
-            ctx,
-            false,
-            Some(ino),
-        );
-        self.checked(r)
+        self.symlink_in(Some(ino), parent, name, target, ctx)
     }
 
     fn grant_inodes(&self, count: u64) -> Result<quilt_vfs::InoGrant> {
@@ -1106,17 +1143,7 @@ impl FileSystem for Betrfs {
     }
 
     fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
-        let r = self.create(
-            parent,
-            name,
-            libc::S_IFDIR | (mode & 0o7777),
-            0,
-            b"",
-            ctx,
-            false,
-            None,
-        );
-        self.checked(r)
+        self.mkdir_in(None, parent, name, mode, ctx)
     }
 
     fn tmpfile(&self, parent: Ino, mode: u32, ctx: &Ctx) -> Result<Attr> {
@@ -1144,23 +1171,7 @@ impl FileSystem for Betrfs {
     }
 
     fn symlink(&self, parent: Ino, name: &[u8], target: &[u8], ctx: &Ctx) -> Result<Attr> {
-        if target.is_empty() {
-            return Err(FsError::NotFound);
-        }
-        if target.len() >= BLOCK as usize {
-            return Err(FsError::NameTooLong);
-        }
-        let r = self.create(
-            parent,
-            name,
-            libc::S_IFLNK | 0o777,
-            0,
-            target,
-            ctx,
-            false,
-            None,
-        );
-        self.checked(r)
+        self.symlink_in(None, parent, name, target, ctx)
     }
 
     fn readlink(&self, ino: Ino) -> Result<Vec<u8>> {
