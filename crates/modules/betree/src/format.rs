@@ -177,9 +177,29 @@ impl Header {
                 h.generation
             )));
         }
+        // Counters that only ever grow by one per checkpoint, node, batch or log block:
+        // nowhere near this after any life a tree can have, and refused so that the
+        // increments after them cannot overflow (the fuzzer found such headers).
+        for (what, v) in [
+            ("generation", h.generation),
+            ("next node", h.next_node),
+            ("next message", h.next_msn),
+            ("log sequence", h.log_lsn),
+            ("log offset", h.log_offset),
+        ] {
+            if v >= COUNTER_LIMIT {
+                return Err(Error::Corrupt(format!(
+                    "header of generation {}: {what} {v} is out of range",
+                    h.generation
+                )));
+            }
+        }
         Ok(Some(h))
     }
 }
+
+/// The bound on a header's counters (see `Header::decode`).
+pub const COUNTER_LIMIT: u64 = 1 << 62;
 
 /// Version 2 of the table added the reference counts of shared nodes after the extents,
 /// version 3 the base extents of delta leaves after those; older tables still decode.
@@ -338,5 +358,77 @@ impl LogBlock<'_> {
             offset,
             data: &b[LOG_HDR..end],
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> Header {
+        Header {
+            instance: 7,
+            generation: 3,
+            geo: Geometry {
+                block_size: 4096,
+                node_bytes: 65536,
+                basement_bytes: 4096,
+                fanout: 16,
+                log_first: 2,
+                log_blocks: 64,
+                mirror: 0,
+            },
+            root: 1,
+            table: Extent {
+                start: 100,
+                blocks: 1,
+            },
+            table_crc: 0,
+            next_node: 9,
+            next_msn: 11,
+            log_lsn: 5,
+            log_offset: 4096,
+        }
+    }
+
+    /// Headers with a right checksum and a counter no tree can reach are refused: the
+    /// increments after them would overflow (found by fuzzing).
+    #[test]
+    fn counters_out_of_range_are_refused() {
+        let ok = header();
+        assert_eq!(
+            Header::decode(&ok.encode(4096))
+                .unwrap()
+                .unwrap()
+                .generation,
+            3
+        );
+        for h in [
+            Header {
+                generation: u64::MAX,
+                ..header()
+            },
+            Header {
+                next_node: COUNTER_LIMIT,
+                ..header()
+            },
+            Header {
+                next_msn: u64::MAX,
+                ..header()
+            },
+            Header {
+                log_lsn: COUNTER_LIMIT,
+                ..header()
+            },
+            Header {
+                log_offset: u64::MAX,
+                ..header()
+            },
+        ] {
+            assert!(
+                matches!(Header::decode(&h.encode(4096)), Err(Error::Corrupt(_))),
+                "{h:?}"
+            );
+        }
     }
 }

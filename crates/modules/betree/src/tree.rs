@@ -140,7 +140,7 @@ fn check_geometry(geo: &Geometry, block_count: u64) -> std::result::Result<(), S
             geo.log_first, geo.log_blocks
         ));
     }
-    if geo.mirror != 0 && geo.mirror + 1 != block_count {
+    if geo.mirror != 0 && geo.mirror.checked_add(1) != Some(block_count) {
         return Err(format!(
             "the header mirror is at block {}, not the device's last ({})",
             geo.mirror,
@@ -3105,5 +3105,31 @@ impl Inner {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A header naming its mirror at the last possible block number is refused, not an
+    /// overflow (found by fuzzing).
+    #[test]
+    fn a_mirror_past_any_device_is_refused() {
+        let geo = Geometry {
+            block_size: 4096,
+            node_bytes: 65536,
+            basement_bytes: 4096,
+            fanout: 16,
+            log_first: HEADER_SLOTS,
+            log_blocks: 64,
+            mirror: u64::MAX,
+        };
+        assert!(check_geometry(&geo, 1 << 20).is_err());
+        let ok = Geometry {
+            mirror: (1 << 20) - 1,
+            ..geo
+        };
+        assert_eq!(check_geometry(&ok, 1 << 20), Ok(()));
     }
 }
