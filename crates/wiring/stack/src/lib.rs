@@ -4,9 +4,11 @@
 //! replicated volume), the layers stacked on it bottom to top (a rotating-disk model, a
 //! recording of every request, a copy-on-write overlay), the patch engine with its
 //! settings, and a module: ext2 (which may keep its journal on a device of its own),
-//! betrfs, or a bare Bε-tree. The CLI, the crash explorer, the benchmarks, fuzzing and
-//! the examples describe what they want and call this crate, so a new kind of device is
-//! added in one place: a [`Source`] or a [`Layer`].
+//! betrfs, or a bare Bε-tree. The CLI, the crash explorer, the betrfs benchmark's native
+//! runs, fuzzing and the conformance tests describe what they want and call this crate,
+//! so a new kind of device is added in one place: a [`Source`] or a [`Layer`]. (Not yet:
+//! the engine demo, the examples, and ext2's journal start, which `Ext2::open` still
+//! does; see ARCHITECTURE.md.)
 //!
 //! This crate decides nothing a module owns: each module says what engine it wants
 //! (`quilt_betree::engine_options`, `quilt_betrfs::engine_for`); the wiring builds it.
