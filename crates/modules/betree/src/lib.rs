@@ -743,7 +743,28 @@ impl Iter<'_> {
                 Ok(next) => {
                     self.taken = 0;
                     match next {
-                        Some(c) => self.cursor = Some(c),
+                        Some(c) => {
+                            // A chunk that found nothing must still move the cursor on:
+                            // on a damaged tree (pivots or lifts that contradict each
+                            // other) it may not, and the scan would spin for ever
+                            // (found by fuzzing).
+                            let stuck = self.chunk.len() == 0
+                                && self.cursor.as_deref().is_some_and(|old| {
+                                    if self.forward {
+                                        c.as_slice() <= old
+                                    } else {
+                                        c.as_slice() >= old
+                                    }
+                                });
+                            if stuck {
+                                self.done = true;
+                                return Err(Error::Corrupt(format!(
+                                    "a scan made no progress at key {:?}: the tree's pivots contradict each other",
+                                    String::from_utf8_lossy(&c)
+                                )));
+                            }
+                            self.cursor = Some(c)
+                        }
                         None => self.done = true,
                     }
                 }

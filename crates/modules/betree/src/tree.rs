@@ -114,6 +114,9 @@ fn instance_id() -> u64 {
     h.finish() | 1
 }
 
+/// No tree is deeper: with fanout 3 at the least, 64 levels would hold 3^64 nodes.
+const MAX_DEPTH: usize = 64;
+
 fn check_geometry(geo: &Geometry, block_count: u64) -> std::result::Result<(), String> {
     let bs = geo.block_size;
     if geo.node_bytes % bs != 0 || geo.node_bytes < 2 * bs {
@@ -1942,6 +1945,11 @@ impl Inner {
         // The key in the space of the node at hand (lifted edges map it).
         let mut key_here: std::borrow::Cow<[u8]> = std::borrow::Cow::Borrowed(key);
         let leaf = loop {
+            if levels.len() > MAX_DEPTH {
+                return Err(Error::Corrupt(format!(
+                    "node {id}: more than {MAX_DEPTH} levels below the root (a cycle of nodes)"
+                )));
+            }
             let key: &[u8] = &key_here;
             // A buffer not read yet is skipped if its filter rules the key out, else
             // searched where it lies, without decoding or caching it (a query needs one
@@ -2177,6 +2185,14 @@ impl Inner {
         let mut lo_here = lo.to_vec();
         let mut cursor_here = cursor.map(<[u8]>::to_vec);
         loop {
+            // A damaged tree may name an ancestor as a child: the descent then never
+            // reaches a leaf (found by fuzzing). No real tree is this deep (fanout 3 or
+            // more).
+            if path.len() > MAX_DEPTH {
+                return Err(Error::Corrupt(format!(
+                    "node {id}: more than {MAX_DEPTH} levels below the root (a cycle of nodes)"
+                )));
+            }
             let c = self.ensure(id)?;
             let Node::Internal(n) = &*c.node else { break };
             let i = match (forward, &cursor_here) {
