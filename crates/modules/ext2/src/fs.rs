@@ -1200,6 +1200,37 @@ pub(crate) fn check_name(name: &[u8]) -> Result<()> {
 impl Ext2 {
     // Creations, with an inode number from a grant or the allocator's.
 
+    /// The part every creation shares: the name's directory warmed, the node made in
+    /// a change, a granted number given back on failure, the directory synced if asked.
+    #[allow(clippy::too_many_arguments)]
+    fn create_named(
+        &self,
+        want: Option<u32>,
+        parent: Ino,
+        name: &[u8],
+        mode: u32,
+        rdev: u32,
+        target: Option<&[u8]>,
+        ctx: &Ctx,
+    ) -> Result<Attr> {
+        self.warm_name(parent, name);
+        let r = self.change(ctx, |op, st| {
+            self.create_node(
+                op,
+                st,
+                Self::to_ino(parent)?,
+                name,
+                mode,
+                rdev,
+                target,
+                ctx,
+                want,
+            )
+        });
+        let r = self.regrant(want, r);
+        self.sync_dirs(r, &[parent])
+    }
+
     /// A creation under a granted number that failed gives the number back to the grant
     /// (its undo freed the inode), so that its holder may try again.
     fn regrant(&self, want: Option<u32>, r: Result<Attr>) -> Result<Attr> {
@@ -1230,22 +1261,7 @@ impl Ext2 {
                 "mknod makes files, devices, fifos and sockets",
             ));
         }
-        self.warm_name(parent, name);
-        let r = self.change(ctx, |op, st| {
-            self.create_node(
-                op,
-                st,
-                Self::to_ino(parent)?,
-                name,
-                mode,
-                rdev,
-                None,
-                ctx,
-                want,
-            )
-        });
-        let r = self.regrant(want, r);
-        self.sync_dirs(r, &[parent])
+        self.create_named(want, parent, name, mode, rdev, None, ctx)
     }
 
     fn mkdir_in(
@@ -1258,22 +1274,7 @@ impl Ext2 {
     ) -> Result<Attr> {
         let want = want.map(Self::to_ino).transpose()?;
         let mode = libc::S_IFDIR | (mode & 0o7777);
-        self.warm_name(parent, name);
-        let r = self.change(ctx, |op, st| {
-            self.create_node(
-                op,
-                st,
-                Self::to_ino(parent)?,
-                name,
-                mode,
-                0,
-                None,
-                ctx,
-                want,
-            )
-        });
-        let r = self.regrant(want, r);
-        self.sync_dirs(r, &[parent])
+        self.create_named(want, parent, name, mode, 0, None, ctx)
     }
 
     fn symlink_in(
@@ -1292,22 +1293,15 @@ impl Ext2 {
         if target.len() >= self.geo.bs as usize {
             return Err(FsError::NameTooLong);
         }
-        self.warm_name(parent, name);
-        let r = self.change(ctx, |op, st| {
-            self.create_node(
-                op,
-                st,
-                Self::to_ino(parent)?,
-                name,
-                libc::S_IFLNK | 0o777,
-                0,
-                Some(target),
-                ctx,
-                want,
-            )
-        });
-        let r = self.regrant(want, r);
-        self.sync_dirs(r, &[parent])
+        self.create_named(
+            want,
+            parent,
+            name,
+            libc::S_IFLNK | 0o777,
+            0,
+            Some(target),
+            ctx,
+        )
     }
 }
 
