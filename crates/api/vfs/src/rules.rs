@@ -140,3 +140,15 @@ pub fn kill_suid_sgid(mode: u32) -> u32 {
     }
     m
 }
+
+/// A symlink's target: not empty (ENOENT, as Linux answers), and shorter than `limit`
+/// bytes, the module's block (ENAMETOOLONG).
+pub fn check_symlink_target(target: &[u8], limit: usize) -> Result<()> {
+    if target.is_empty() {
+        return Err(FsError::NotFound);
+    }
+    if target.len() >= limit {
+        return Err(FsError::NameTooLong);
+    }
+    Ok(())
+}

@@ -942,12 +942,7 @@ impl Betrfs {
         target: &[u8],
         ctx: &Ctx,
     ) -> Result<Attr> {
-        if target.is_empty() {
-            return Err(FsError::NotFound);
-        }
-        if target.len() >= BLOCK as usize {
-            return Err(FsError::NameTooLong);
-        }
+        quilt_vfs::rules::check_symlink_target(target, BLOCK as usize)?;
         let r = self.create(
             parent,
             name,

@@ -1287,12 +1287,7 @@ impl Ext2 {
     ) -> Result<Attr> {
         let want = want.map(Self::to_ino).transpose()?;
         self.check_writable()?;
-        if target.is_empty() {
-            return Err(FsError::NotFound);
-        }
-        if target.len() >= self.geo.bs as usize {
-            return Err(FsError::NameTooLong);
-        }
+        quilt_vfs::rules::check_symlink_target(target, self.geo.bs as usize)?;
         self.create_named(
             want,
             parent,
