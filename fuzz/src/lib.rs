@@ -241,17 +241,17 @@ fn build(journal: bool) -> (Vec<u8>, Locations) {
     };
     let (engine, _) =
         quilt_stack::mkfs_ext2(dev.clone(), EngineOptions::default(), &opts).expect("mkfs");
-    let fs = Ext2::open(engine, MountOptions::default()).expect("mount");
     if journal {
-        fs.create_journal(1024).expect("journal");
-        fs.unmount().expect("unmount");
-    }
-    let fs = if journal {
-        drop(fs);
-        open(&dev, Mode::MetaJournal, false).expect("mount ext3")
+        quilt_stack::add_journal(engine, 1024, false).expect("journal");
     } else {
-        fs
+        drop(engine);
+    }
+    let mode = if journal {
+        Mode::MetaJournal
+    } else {
+        Mode::default()
     };
+    let fs = open(&dev, mode, false).expect("mount");
     let c = Ctx::root();
     let root = fs.root();
     let must = |r: quilt_vfs::Result<quilt_vfs::Attr>| r.expect("populate").ino;

@@ -173,23 +173,20 @@ fn betree_options(a: &Args) -> quilt_betree::Options {
 
 impl Betree {
     fn open(path: &Path, a: &Args, create: bool) -> Result<Betree> {
-        use quilt_block::{FileDevice, FileDeviceOptions};
-        let o = FileDeviceOptions {
-            block_size: 4096,
-            ..Default::default()
-        };
         // Room for the data several times over (sparse).
         let blocks = ((a.keys * 400).max(1 << 30) / 4096).max(1 << 18);
-        let dev = if create {
-            FileDevice::create(path, blocks, o)?
-        } else {
-            FileDevice::open(path, o)?
+        if create {
+            let _ = std::fs::remove_file(path);
+        }
+        let spec = quilt_stack::ImageSpec {
+            create_bytes: create.then_some(blocks * 4096),
+            ..quilt_stack::ImageSpec::new(path, 4096, false)
         };
-        let dev = std::sync::Arc::new(dev);
+        let dev = quilt_stack::device(quilt_stack::DeviceSpec::image(spec))?.dev;
         Ok(Betree(if create {
-            quilt_betree::Tree::create(dev, betree_options(a))?
+            quilt_stack::create_tree(dev, betree_options(a))?
         } else {
-            quilt_betree::Tree::open(dev, betree_options(a))?
+            quilt_stack::tree(dev, betree_options(a))?
         }))
     }
 }

@@ -78,6 +78,19 @@ pub struct MountOptions {
     pub journal_observer: Option<quilt_journal::Observer>,
     /// The journal retires transactions only by forced checkpoints (tests).
     pub journal_forced_checkpoints_only: bool,
+    /// Replays and starts the journal (`quilt_stack` gives one). Without it the journal
+    /// modes are refused, and so is an image whose journal needs recovery.
+    pub journal: Option<Journals>,
+}
+
+/// The mount's journal starter (a newtype for `Debug`).
+#[derive(Clone)]
+pub struct Journals(pub std::sync::Arc<dyn crate::journal::JournalStarter>);
+
+impl std::fmt::Debug for Journals {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Journals")
+    }
 }
 
 /// An external journal's device (a newtype for `Debug`).
@@ -124,6 +137,7 @@ impl Default for MountOptions {
             journal_device: None,
             journal_observer: None,
             journal_forced_checkpoints_only: false,
+            journal: None,
         }
     }
 }
@@ -297,9 +311,10 @@ const HEADS_FOLD: usize = 32;
 
 impl Ext2 {
     /// Opens the file system on `engine`'s device: validates the superblock and the group
-    /// descriptors, and (read-write) marks the image as mounted. In the journal modes the
-    /// image's journal is replayed if it needs it and then attached to the patch layer's
-    /// services as their transaction service.
+    /// descriptors, and (read-write) marks the image as mounted. With a journal starter
+    /// (`MountOptions::journal`) the image's journal is replayed if it needs it, and in
+    /// the journal modes started and attached to the patch layer's services as their
+    /// transaction service.
     pub fn open(engine: Engine, opts: MountOptions) -> Result<Ext2> {
         Ext2::open_on(Services::new(engine), opts)
     }
@@ -309,9 +324,9 @@ impl Ext2 {
         let engine = svc.engine().clone();
         // A journal left needing recovery is replayed first, on the device itself: the
         // engine must not have cached any block yet, or it would serve stale copies.
-        if !opts.read_only && engine.stats().blocks_cached == 0 {
-            let jdev = opts.journal_device.as_ref().map(|d| d.0.as_ref());
-            crate::journal::recover_with(engine.device().as_ref(), jdev)?;
+        if let (false, Some(j), 0) = (opts.read_only, &opts.journal, engine.stats().blocks_cached) {
+            let jdev = opts.journal_device.as_ref().map(|d| &d.0);
+            crate::journal::recover_with(engine.device(), jdev, j.0.as_ref())?;
         }
         let bs = engine.block_size() as u32;
         let sb_block = (SUPERBLOCK_OFFSET / bs as u64) as u32;
@@ -343,6 +358,11 @@ impl Ext2 {
         if opts.mode.is_journal() && sb.feature_compat & COMPAT_HAS_JOURNAL == 0 {
             return Err(FsError::Invalid(
                 "the journal modes need an ext3 image with a journal (quiltfs mkfs --journal)",
+            ));
+        }
+        if opts.mode.is_journal() && !opts.read_only && opts.journal.is_none() {
+            return Err(FsError::Invalid(
+                "the journal modes need a journal starter (mount through quilt_stack::ext2)",
             ));
         }
         let unknown = sb.feature_incompat & !INCOMPAT_SUPPORTED;
@@ -493,8 +513,12 @@ impl Ext2 {
             fs.engine().sync().map_err(Self::io)?;
         }
         if opts.mode.is_journal() && !fs.read_only {
-            let journal = fs.start_journal(opts.mode, &opts)?;
-            fs.svc.attach(std::sync::Arc::new(journal))?;
+            // (Present: checked before the image was marked in use.)
+            let j = opts.journal.as_ref().ok_or(FsError::Invalid(
+                "the journal modes need a journal starter (mount through quilt_stack::ext2)",
+            ))?;
+            let journal = fs.start_journal(opts.mode, &opts, j.0.as_ref())?;
+            fs.svc.attach(journal)?;
         }
         if !fs.read_only && fs.lock().sb.last_orphan != 0 {
             let n = fs.orphan_cleanup()?;

@@ -20,6 +20,7 @@ use quilt_block::WriteClass;
 use quilt_journal::{JournalMap, JournalSuper, RecoveryReport};
 use quilt_vfs::FsError;
 use quilt_vfs::Result;
+use std::sync::Arc;
 
 /// The journal size mke2fs picks for a file system of `blocks` blocks (0: too small for
 /// one).
@@ -150,50 +151,106 @@ pub fn journal_map(dev: &dyn BlockDevice, sb: &Superblock) -> Result<JournalMap>
     Ok(JournalMap { blocks: out })
 }
 
-/// Replays the journal of the file system on `dev` if the superblock asks for it, and
-/// clears the request. Must run before anything caches the device's blocks. None when
-/// there is no journal or nothing to do.
-pub fn recover(dev: &dyn BlockDevice) -> Result<Option<RecoveryReport>> {
-    recover_with(dev, None)
+/// Where a file system's journal lives: the device that holds it (the file system's
+/// own, or an external journal's) and its blocks there.
+pub struct JournalPlace {
+    pub dev: Arc<dyn BlockDevice>,
+    pub map: JournalMap,
 }
 
-/// As `recover`, with the external journal's device if the file system has one.
-pub fn recover_with(
-    dev: &dyn BlockDevice,
-    jdev: Option<&dyn BlockDevice>,
-) -> Result<Option<RecoveryReport>> {
-    let (sb, _, _, _) = read_super(dev)?;
+/// What ext2 asks for when it mounts in a journal mode: the journal at `place`, run
+/// with `options` (from the mount options).
+pub struct JournalRequest {
+    pub place: JournalPlace,
+    pub options: quilt_journal::JournalOptions,
+}
+
+/// Recovers and starts journals for ext2. The module knows where its journal is (its
+/// format says) and when it may be replayed or started (before anything is cached;
+/// after the superblock asks for recovery); the layer that wires stacks decides what
+/// runs it and hands one of these in [`crate::MountOptions::journal`] (`quilt_stack`'s
+/// is the JBD2 writer of `quilt_journal`).
+pub trait JournalStarter: Send + Sync {
+    /// Replays what a crash left in the journal at `place` onto `home`, the file
+    /// system's device.
+    fn recover(
+        &self,
+        home: &dyn BlockDevice,
+        place: &JournalPlace,
+    ) -> std::result::Result<RecoveryReport, quilt_journal::JournalError>;
+    /// Takes over the (empty, recovered) journal and returns it as the engine's
+    /// transaction service.
+    fn start(
+        &self,
+        engine: &quilt_patch::Engine,
+        req: JournalRequest,
+    ) -> std::result::Result<Arc<dyn quilt_patch::Transactions>, quilt_journal::JournalError>;
+}
+
+/// The journal of the file system on `dev` (`jdev`: the external journal's device, if
+/// it has one); None without a journal. `needs_recovery` tells whether the superblock
+/// asks for a replay.
+pub fn locate(
+    dev: &Arc<dyn BlockDevice>,
+    jdev: Option<&Arc<dyn BlockDevice>>,
+) -> Result<Option<(JournalPlace, bool)>> {
+    let (sb, _, _, _) = read_super(dev.as_ref())?;
+    let needs = sb.feature_incompat & INCOMPAT_RECOVER != 0;
     if crate::extjournal::external(&sb) {
         let Some(jdev) = jdev else {
-            if sb.feature_incompat & INCOMPAT_RECOVER != 0 {
-                return Err(FsError::Invalid(
-                    "the file system's journal is on a device of its own and needs recovery: give it (journal_dev=PATH)",
-                ));
-            }
-            return Ok(None);
+            return Err(FsError::Invalid(
+                "the file system's journal is on a device of its own: give it (journal_dev=PATH)",
+            ));
         };
-        if sb.feature_incompat & INCOMPAT_RECOVER == 0 {
-            return Ok(None);
-        }
-        let map = crate::extjournal::open_map(&sb, jdev)?;
-        let report = quilt_journal::recover_on(dev, jdev, &map).map_err(jerr)?;
-        clear_recover(dev)?;
-        return Ok(Some(report));
+        let map = crate::extjournal::open_map(&sb, jdev.as_ref())?;
+        return Ok(Some((
+            JournalPlace {
+                dev: jdev.clone(),
+                map,
+            },
+            needs,
+        )));
     }
     if sb.feature_compat & COMPAT_HAS_JOURNAL == 0 || sb.journal_inum == 0 {
-        if sb.feature_incompat & INCOMPAT_RECOVER != 0 {
+        if needs {
             return Err(corrupt(
                 "the superblock asks for journal recovery but names no journal".to_string(),
             ));
         }
         return Ok(None);
     }
+    let map = journal_map(dev.as_ref(), &sb)?;
+    Ok(Some((
+        JournalPlace {
+            dev: dev.clone(),
+            map,
+        },
+        needs,
+    )))
+}
+
+/// Replays the journal of the file system on `dev` through `starter` if the superblock
+/// asks for it, and clears the request. Must run before anything caches the device's
+/// blocks. None when there is no journal or nothing to do.
+pub fn recover_with(
+    dev: &Arc<dyn BlockDevice>,
+    jdev: Option<&Arc<dyn BlockDevice>>,
+    starter: &dyn JournalStarter,
+) -> Result<Option<RecoveryReport>> {
+    let (sb, _, _, _) = read_super(dev.as_ref())?;
     if sb.feature_incompat & INCOMPAT_RECOVER == 0 {
         return Ok(None);
     }
-    let map = journal_map(dev, &sb)?;
-    let report = quilt_journal::recover(dev, &map).map_err(jerr)?;
-    clear_recover(dev)?;
+    if crate::extjournal::external(&sb) && jdev.is_none() {
+        return Err(FsError::Invalid(
+            "the file system's journal is on a device of its own and needs recovery: give it (journal_dev=PATH)",
+        ));
+    }
+    let Some((place, _)) = locate(dev, jdev)? else {
+        return Ok(None);
+    };
+    let report = starter.recover(dev.as_ref(), &place).map_err(jerr)?;
+    clear_recover(dev.as_ref())?;
     tracing::info!(
         "journal recovery: {} transactions, {} blocks replayed, {} revoked",
         report.transactions,
@@ -316,34 +373,33 @@ impl Ext2 {
         self.engine().sync().map_err(Self::io)
     }
 
-    /// Takes over the image's journal for the journal modes (after recovery at open): on
-    /// its own device if it is external, with the placement the mount asks for or the
-    /// one the journal was made for.
+    /// Takes over the image's journal for the journal modes (after recovery at open),
+    /// through the mount's journal starter: on its own device if it is external, with
+    /// the placement the mount asks for or the one the journal was made for.
     pub(crate) fn start_journal(
         &self,
         mode: crate::Mode,
         mo: &crate::MountOptions,
-    ) -> Result<quilt_journal::Journal> {
+        starter: &dyn JournalStarter,
+    ) -> Result<Arc<dyn quilt_patch::Transactions>> {
         let sb = self.read_lock().sb.clone();
-        let (dev, map) = if crate::extjournal::external(&sb) {
-            let Some(j) = &mo.journal_device else {
-                return Err(FsError::Invalid(
-                    "the file system's journal is on a device of its own: give it (journal_dev=PATH)",
-                ));
-            };
-            (j.0.clone(), crate::extjournal::open_map(&sb, j.0.as_ref())?)
-        } else {
-            let d = self.engine().device().clone();
-            let m = journal_map(d.as_ref(), &sb)?;
-            (d, m)
+        let home = self.engine().device().clone();
+        let jdev = mo.journal_device.as_ref().map(|j| &j.0);
+        let Some((place, _)) = locate(&home, jdev)? else {
+            return Err(FsError::Invalid(
+                "the journal modes need an ext3 image with a journal (quiltfs mkfs --journal)",
+            ));
         };
         let placement = match mo.journal_placement {
             Some(p) => p,
             None => {
-                let mut raw = vec![0u8; dev.block_size()];
-                dev.read(map.device_block(0).map_err(jerr)?, &mut raw)
+                let mut raw = vec![0u8; place.dev.block_size()];
+                place
+                    .dev
+                    .read(place.map.device_block(0).map_err(jerr)?, &mut raw)
                     .map_err(dev_err)?;
-                let jsb = JournalSuper::decode(&raw, sb.block_size(), map.len()).map_err(jerr)?;
+                let jsb =
+                    JournalSuper::decode(&raw, sb.block_size(), place.map.len()).map_err(jerr)?;
                 if jsb.feature_compat & quilt_journal::skip::COMPAT_PREFER_SKIP != 0 {
                     quilt_journal::Placement::Skip
                 } else {
@@ -351,14 +407,16 @@ impl Ext2 {
                 }
             }
         };
-        let opts = quilt_journal::JournalOptions {
+        let options = quilt_journal::JournalOptions {
             data: mode == crate::Mode::FullJournal,
             placement,
             observer: mo.journal_observer.clone(),
             forced_checkpoints_only: mo.journal_forced_checkpoints_only,
             ..Default::default()
         };
-        quilt_journal::Journal::start_on(self.engine().clone(), dev, map, opts).map_err(jerr)
+        starter
+            .start(self.engine(), JournalRequest { place, options })
+            .map_err(jerr)
     }
 }
 

@@ -29,7 +29,8 @@ mod inode;
 mod orphan;
 mod xattr;
 
-pub use fs::{Errors, Ext2, JournalDevice, Mode, MountOptions};
+pub use fs::{Errors, Ext2, JournalDevice, Journals, Mode, MountOptions};
+pub use journal::{JournalPlace, JournalRequest, JournalStarter};
 pub use mkfs::{mkfs, MkfsOptions};
 /// Where journal commits go (ring, skip, null): the journal module's, as mounts name it.
 pub use quilt_journal::{Observer as JournalObserver, Placement as JournalPlacement};

@@ -1,6 +1,8 @@
 //! Damaged images: bit flips and garbage in every kind of metadata block. Opening and then
 //! walking and changing the tree must give errors (or work), never panic or hang.
 
+mod support;
+
 use quilt_block::{BlockDevice, MemDevice};
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
@@ -22,7 +24,14 @@ fn populated() -> Vec<u8> {
         },
     )
     .unwrap();
-    let fs = Ext2::open(engine, MountOptions::default()).unwrap();
+    let fs = Ext2::open(
+        engine,
+        MountOptions {
+            journal: support::journals(),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let c = Ctx::root();
     let r = fs.root();
     let d = fs.mkdir(r, b"dir", 0o755, &c).unwrap().ino;
@@ -148,7 +157,13 @@ fn damaged_metadata_gives_errors_not_panics() {
             }
             let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
             let engine = Engine::new(dev.clone(), EngineOptions::default());
-            match Ext2::open(engine, MountOptions::default()) {
+            match Ext2::open(
+                engine,
+                MountOptions {
+                    journal: support::journals(),
+                    ..Default::default()
+                },
+            ) {
                 Err(e) => {
                     refused += 1;
                     assert!(!e.to_string().is_empty(), "{name}: error without a message");
@@ -172,7 +187,10 @@ fn clear_errors_for_wrong_images() {
     let dev = Arc::new(MemDevice::new(BS, 1024).unwrap());
     let err = Ext2::open(
         Engine::new(dev, EngineOptions::default()),
-        MountOptions::default(),
+        MountOptions {
+            journal: support::journals(),
+            ..Default::default()
+        },
     )
     .err()
     .unwrap();
@@ -188,7 +206,10 @@ fn clear_errors_for_wrong_images() {
     let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
     let err = Ext2::open(
         Engine::new(dev, EngineOptions::default()),
-        MountOptions::default(),
+        MountOptions {
+            journal: support::journals(),
+            ..Default::default()
+        },
     )
     .err()
     .unwrap();
@@ -198,7 +219,10 @@ fn clear_errors_for_wrong_images() {
     let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
     let fs = Ext2::open(
         Engine::new(dev, EngineOptions::default()),
-        MountOptions::default(),
+        MountOptions {
+            journal: support::journals(),
+            ..Default::default()
+        },
     )
     .unwrap();
     assert!(fs.is_read_only());
@@ -210,7 +234,10 @@ fn clear_errors_for_wrong_images() {
     let dev = Arc::new(MemDevice::from_bytes(BS, &clean[..clean.len() / 2]).unwrap());
     let err = Ext2::open(
         Engine::new(dev, EngineOptions::default()),
-        MountOptions::default(),
+        MountOptions {
+            journal: support::journals(),
+            ..Default::default()
+        },
     )
     .err()
     .unwrap();
@@ -233,6 +260,7 @@ fn damage_found_while_mounted_marks_the_superblock_and_follows_errors_option() {
         let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
         let engine = Engine::new(dev.clone(), EngineOptions::default());
         let opts = MountOptions {
+            journal: support::journals(),
             errors,
             ..Default::default()
         };
@@ -299,7 +327,10 @@ fn freeing_a_block_the_bitmap_says_is_free_is_reported_damage() {
     let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
     let fs = Ext2::open(
         Engine::new(dev.clone(), EngineOptions::default()),
-        MountOptions::default(),
+        MountOptions {
+            journal: support::journals(),
+            ..Default::default()
+        },
     )
     .unwrap();
     let err = fs.unlink(fs.root(), b"big", &Ctx::root()).unwrap_err();
@@ -329,7 +360,10 @@ fn damage_found_by_a_change_in_a_journal_mode_returns_and_is_recorded() {
         let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
         let fs = Ext2::open(
             Engine::new(dev.clone(), EngineOptions::default()),
-            MountOptions::default(),
+            MountOptions {
+                journal: support::journals(),
+                ..Default::default()
+            },
         )
         .unwrap();
         fs.create_journal(1024).unwrap();
@@ -346,6 +380,7 @@ fn damage_found_by_a_change_in_a_journal_mode_returns_and_is_recorded() {
             Ext2::open(
                 Engine::new(dev.clone(), EngineOptions::default()),
                 MountOptions {
+                    journal: support::journals(),
                     mode,
                     errors: Errors::Continue,
                     ..Default::default()

@@ -10,6 +10,8 @@
 //! full image, for many seeds, checking every file's contents against a model.
 //! Needs e2fsck (skipped without it unless QUILT_REQUIRE_E2FSCK=1).
 
+mod support;
+
 use quilt_block::MemDevice;
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
@@ -41,6 +43,7 @@ fn open(dev: Arc<MemDevice>, mode: Mode) -> Ext2 {
     Ext2::open(
         Engine::new(dev, EngineOptions::default()),
         MountOptions {
+            journal: support::journals(),
             mode,
             ..Default::default()
         },

@@ -3,6 +3,8 @@
 //! name, so after a crash the file was unreachable. fsync now also flushes the pending
 //! names of its new ancestor directories.
 
+mod support;
+
 use quilt_block::{BlockDevice, BlockDeviceExt, MemDevice, RecordingDevice};
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
@@ -27,6 +29,7 @@ fn an_fsynced_file_in_new_directories_survives_a_crash() {
         let fs = Ext2::open(
             Engine::new(rec.clone(), EngineOptions::default()),
             MountOptions {
+                journal: support::journals(),
                 mode,
                 read_only: false,
                 ..Default::default()
@@ -53,6 +56,7 @@ fn an_fsynced_file_in_new_directories_survives_a_crash() {
                 EngineOptions::default(),
             ),
             MountOptions {
+                journal: support::journals(),
                 mode: Mode::Async,
                 read_only: true,
                 ..Default::default()

@@ -6,6 +6,8 @@
 //! with its contents. Needs e2fsck (e2fsprogs); skipped without it unless
 //! QUILT_REQUIRE_E2FSCK=1. `CI=true` samples the crash points.
 
+mod support;
+
 use quilt_block::{BlockDevice, BlockDeviceExt, MemDevice, RecordingDevice};
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
@@ -40,7 +42,14 @@ fn base_image() -> Vec<u8> {
         },
     )
     .unwrap();
-    let fs = Ext2::open(engine, MountOptions::default()).unwrap();
+    let fs = Ext2::open(
+        engine,
+        MountOptions {
+            journal: support::journals(),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     fs.create_journal(1024).unwrap();
     fs.unmount().unwrap();
     dev.to_vec()
@@ -50,6 +59,7 @@ fn open(dev: Arc<dyn BlockDevice>, mode: Mode, read_only: bool) -> Result<Ext2, 
     Ext2::open(
         Engine::new(dev, EngineOptions::default()),
         MountOptions {
+            journal: support::journals(),
             mode,
             read_only,
             ..Default::default()

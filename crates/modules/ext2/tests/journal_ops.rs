@@ -1,5 +1,7 @@
 //! The journal modes through the native API: group commit, refusals, clean shutdown.
 
+mod support;
+
 use quilt_block::{BlockDevice, MemDevice};
 use quilt_ext2::format::{Superblock, INCOMPAT_RECOVER};
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
@@ -18,7 +20,14 @@ fn image(journal: bool) -> Arc<MemDevice> {
         },
     )
     .unwrap();
-    let fs = Ext2::open(engine, MountOptions::default()).unwrap();
+    let fs = Ext2::open(
+        engine,
+        MountOptions {
+            journal: support::journals(),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     if journal {
         fs.create_journal(1024).unwrap();
     }
@@ -30,6 +39,7 @@ fn mount(dev: &Arc<MemDevice>, mode: Mode) -> Result<Ext2, FsError> {
     Ext2::open(
         Engine::new(dev.clone(), EngineOptions::default()),
         MountOptions {
+            journal: support::journals(),
             mode,
             read_only: false,
             ..Default::default()
@@ -43,6 +53,7 @@ fn mount_forcing(dev: &Arc<MemDevice>, mode: Mode) -> Ext2 {
     Ext2::open(
         Engine::new(dev.clone(), EngineOptions::default()),
         MountOptions {
+            journal: support::journals(),
             mode,
             journal_forced_checkpoints_only: true,
             ..Default::default()
@@ -132,6 +143,7 @@ fn concurrent_fsyncs_share_commits() {
         Ext2::open(
             Engine::new(Arc::new(SlowFlush(dev.clone())), EngineOptions::default()),
             MountOptions {
+                journal: support::journals(),
                 mode: Mode::MetaJournal,
                 read_only: false,
                 ..Default::default()

@@ -4,6 +4,8 @@
 //! their group's file data. A walk of a tree (`rm -rf`, `find`) reads those in runs.
 //! Needs e2fsprogs (skipped without it unless QUILT_REQUIRE_E2FSCK=1).
 
+mod support;
+
 use quilt_block::MemDevice;
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
@@ -46,6 +48,7 @@ fn fresh() -> (Arc<MemDevice>, Ext2) {
     let fs = Ext2::open(
         engine,
         MountOptions {
+            journal: support::journals(),
             mode: Mode::SoftUpdates,
             read_only: false,
             ..Default::default()

@@ -3,6 +3,8 @@
 //! The POSIX behaviour every module shares (one test per operation, with its error
 //! cases) is tested against ext2 and betrfs alike in `crates/tools/conformance/tests/ops.rs`.
 
+mod support;
+
 use quilt_block::MemDevice;
 use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
 use quilt_patch::{Engine, EngineOptions};
@@ -25,6 +27,7 @@ fn fresh_with(blocks: u64, bs: usize, mode: Mode) -> (Arc<MemDevice>, Ext2) {
     let fs = Ext2::open(
         engine,
         MountOptions {
+            journal: support::journals(),
             mode,
             read_only: false,
             ..Default::default()
@@ -42,7 +45,14 @@ fn remount(dev: &MemDevice, fs: Ext2) -> (Arc<MemDevice>, Ext2) {
     fs.unmount().unwrap();
     let dev = Arc::new(MemDevice::from_bytes(dev.block_size(), &dev.to_vec()).unwrap());
     let engine = Engine::new(dev.clone(), EngineOptions::default());
-    let fs = Ext2::open(engine, MountOptions::default()).unwrap();
+    let fs = Ext2::open(
+        engine,
+        MountOptions {
+            journal: support::journals(),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     (dev, fs)
 }
 
@@ -145,6 +155,7 @@ fn read_only_mount_refuses_changes() {
     let fs = Ext2::open(
         engine,
         MountOptions {
+            journal: support::journals(),
             read_only: true,
             ..Default::default()
         },

@@ -1,11 +1,10 @@
 //! `quiltfs demo`: the patch engine on a real image file, for each optimization setting.
 
 use anyhow::{Context, Result};
-use quilt_block::{BlockDevice, FileDevice, FileDeviceOptions, IoStats};
-use quilt_patch::{synth, Durability, Engine, EngineOptions, EngineStats};
+use quilt_block::IoStats;
+use quilt_patch::{synth, Durability, EngineOptions, EngineStats};
 use serde::Serialize;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(clap::Args)]
@@ -57,20 +56,18 @@ pub fn run(args: DemoArgs) -> Result<()> {
         ("merge", false, true),
         ("both", true, true),
     ] {
-        let dev = FileDevice::create(
-            &args.image,
-            blocks,
-            FileDeviceOptions {
-                block_size,
-                // The demo's own scratch image, made anew for each setting while the
-                // previous setting's flusher thread may still hold its device.
-                lock: false,
-                ..Default::default()
-            },
-        )
-        .with_context(|| format!("creating {}", args.image.display()))?;
-        let dev: Arc<dyn BlockDevice> = Arc::new(dev);
-        let engine = Engine::new(
+        // The demo's own scratch image, made anew for each setting (unlocked: the
+        // previous setting's flusher thread may still hold its device).
+        let _ = std::fs::remove_file(&args.image);
+        let spec = quilt_stack::ImageSpec {
+            create_bytes: Some(blocks * block_size as u64),
+            lock: false,
+            ..quilt_stack::ImageSpec::new(&args.image, block_size, false)
+        };
+        let dev = quilt_stack::device(quilt_stack::DeviceSpec::image(spec))
+            .with_context(|| format!("creating {}", args.image.display()))?
+            .dev;
+        let engine = quilt_stack::engine(
             dev.clone(),
             EngineOptions {
                 hard_patches: hard,

@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use quilt_betree::{Options, Tree};
-use quilt_block::{FileDevice, FileDeviceOptions};
+use quilt_block::BlockDevice;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -58,7 +58,7 @@ pub enum KvCommand {
     },
 }
 
-fn open_dev(image: &Path) -> Result<Arc<FileDevice>> {
+fn open_dev(image: &Path) -> Result<Arc<dyn BlockDevice>> {
     let mut f =
         std::fs::File::open(image).with_context(|| format!("opening {}", image.display()))?;
     let mut prefix = vec![0u8; 128 << 10];
@@ -69,16 +69,13 @@ fn open_dev(image: &Path) -> Result<Arc<FileDevice>> {
             image.display()
         );
     };
-    let dev = FileDevice::open(
-        image,
-        FileDeviceOptions {
-            block_size: bs,
-            lock: true,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| crate::image::in_use(image, e))?;
-    Ok(Arc::new(dev))
+    let spec = quilt_stack::ImageSpec {
+        lock: true,
+        ..quilt_stack::ImageSpec::new(image, bs, false)
+    };
+    let d = quilt_stack::device(quilt_stack::DeviceSpec::image(spec))
+        .map_err(|e| crate::image::in_use(image, e))?;
+    Ok(d.dev)
 }
 
 pub fn open(image: &Path) -> Result<Tree> {
@@ -105,23 +102,25 @@ pub fn run(c: KvCommand) -> Result<()> {
             }
             let bytes = crate::image::parse_size(&size)?;
             let bs = 4096usize;
-            let dev = FileDevice::create(
-                &image,
-                bytes / bs as u64,
-                FileDeviceOptions {
-                    block_size: bs,
-                    lock: true,
-                    ..Default::default()
-                },
-            )
-            .with_context(|| format!("creating {}", image.display()))?;
+            // --force on an image file: a new file (a block device is written over).
+            if std::fs::metadata(&image).is_ok_and(|m| m.is_file()) {
+                std::fs::remove_file(&image)
+                    .with_context(|| format!("replacing {}", image.display()))?;
+            }
+            let spec = quilt_stack::ImageSpec {
+                create_bytes: Some(bytes / bs as u64 * bs as u64),
+                ..quilt_stack::ImageSpec::new(&image, bs, false)
+            };
+            let dev = quilt_stack::device(quilt_stack::DeviceSpec::image(spec))
+                .with_context(|| format!("creating {}", image.display()))?
+                .dev;
             let opts = Options {
                 node_bytes: crate::image::parse_size(&node_size)? as usize,
                 basement_bytes: crate::image::parse_size(&basement_size)? as usize,
                 fanout,
                 ..Options::default()
             };
-            let t = quilt_stack::create_tree(Arc::new(dev), opts)?;
+            let t = quilt_stack::create_tree(dev, opts)?;
             let g = t.geometry();
             t.close()?;
             println!(

@@ -177,11 +177,7 @@ fn format(a: &MkfsArgs, target: crate::image::Target, asked: Option<u64>) -> Res
                 sb.free_blocks_count / 2
             );
         }
-        let fs = quilt_ext2::Ext2::open(engine, quilt_ext2::MountOptions::default())
-            .context("opening the new file system")?;
-        fs.create_journal_for(jblocks as u32, skip)
-            .context("creating the journal")?;
-        fs.unmount().context("writing the file system")?;
+        quilt_stack::add_journal(engine, jblocks as u32, skip).context("creating the journal")?;
         kind = format!(
             "ext3 (journal of {jblocks} blocks, {} MiB{})",
             (jblocks * a.block_size as u64) >> 20,

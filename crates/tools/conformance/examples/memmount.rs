@@ -5,18 +5,16 @@
 //!     cargo run --release -p quilt-conformance --example memmount -- DIR
 
 use quilt_block::MemDevice;
-use quilt_ext2::{mkfs, Ext2, MkfsOptions, MountOptions};
-use quilt_patch::{Engine, EngineOptions};
+use quilt_ext2::MkfsOptions;
+use quilt_patch::EngineOptions;
 use std::sync::Arc;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::args().nth(1).ok_or("usage: memmount DIR")?;
-    let engine = Engine::new(
-        Arc::new(MemDevice::new(4096, 16384)?),
+    let dev = Arc::new(MemDevice::new(4096, 16384)?);
+    quilt_stack::mkfs_ext2(
+        dev.clone(),
         EngineOptions::default(),
-    );
-    mkfs(
-        &engine,
         &MkfsOptions {
             device_is_zeroed: true,
             root_uid: unsafe { libc::geteuid() },
@@ -24,7 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ..Default::default()
         },
     )?;
-    let fs = Arc::new(Ext2::open(engine, MountOptions::default())?);
+    let fs = Arc::new(quilt_stack::ext2(dev, quilt_stack::Ext2Spec::default())?);
     quilt_fuse::serve(
         fs,
         std::path::Path::new(&dir),

@@ -30,9 +30,7 @@ fn mkfs(kind: &Kind) -> Arc<MemDevice> {
             .unwrap();
             if let Kind::Ext2(m) = kind {
                 if m.is_journal() {
-                    let fs = quilt_ext2::Ext2::open(engine, Default::default()).unwrap();
-                    fs.create_journal(1024).unwrap();
-                    fs.unmount().unwrap();
+                    quilt_stack::add_journal(engine, 1024, false).unwrap();
                 }
             }
         }

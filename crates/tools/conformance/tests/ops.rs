@@ -11,8 +11,8 @@
 
 use quilt_betrfs::Betrfs;
 use quilt_block::{BlockDevice, MemDevice};
-use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
-use quilt_patch::{Engine, EngineOptions};
+use quilt_ext2::{Ext2, MkfsOptions, Mode, MountOptions};
+use quilt_patch::EngineOptions;
 use quilt_vfs::{Ctx, FileSystem, FileType, FsError, RenameFlags, SetAttr, XattrFlags};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -83,9 +83,9 @@ impl Fixture {
         let dev = Arc::new(MemDevice::new(BS, setup.blocks).unwrap());
         match module {
             Module::Ext2 => {
-                let engine = Engine::new(dev.clone(), EngineOptions::default());
-                mkfs(
-                    &engine,
+                quilt_stack::mkfs_ext2(
+                    dev.clone(),
+                    EngineOptions::default(),
                     &MkfsOptions {
                         device_is_zeroed: true,
                         ..Default::default()
@@ -93,7 +93,7 @@ impl Fixture {
                 )
                 .unwrap();
             }
-            Module::Betrfs => quilt_betrfs::mkfs(dev.clone()).unwrap(),
+            Module::Betrfs => quilt_stack::mkfs_betrfs(dev.clone()).unwrap(),
         }
         let fs = Fixture::open(module, setup, dev.clone());
         Fixture {
@@ -107,18 +107,18 @@ impl Fixture {
     fn open(module: Module, setup: Setup, dev: Arc<MemDevice>) -> Loaded {
         match module {
             Module::Ext2 => Loaded::Ext2(Box::new(
-                Ext2::open(
-                    Engine::new(dev, EngineOptions::default()),
-                    MountOptions {
+                quilt_stack::ext2(
+                    dev,
+                    quilt_stack::Ext2Spec::mount(MountOptions {
                         mode: setup.ext2_mode,
                         read_only: false,
                         ..Default::default()
-                    },
+                    }),
                 )
                 .unwrap(),
             )),
             Module::Betrfs => Loaded::Betrfs(Box::new(
-                Betrfs::open(
+                quilt_stack::betrfs(
                     dev,
                     quilt_betrfs::MountOptions {
                         commit_interval: None,

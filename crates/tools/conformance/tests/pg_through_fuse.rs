@@ -3,8 +3,8 @@
 //! unless QUILT_REQUIRE_FUSE=1.
 
 use quilt_block::{BlockDevice, MemDevice, RecordingDevice};
-use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
-use quilt_patch::{Engine, EngineOptions};
+use quilt_ext2::{Ext2, MkfsOptions, Mode, MountOptions};
+use quilt_patch::EngineOptions;
 use quilt_pg::{Control, Group};
 use quilt_vfs::FileSystem;
 use std::path::{Path, PathBuf};
@@ -45,13 +45,13 @@ impl Mounted {
 
 /// Mounts `img` as after a crash: read-write, so a journal is replayed.
 fn after_crash(img: MemDevice) -> Ext2 {
-    Ext2::open(
-        Engine::new(Arc::new(img), EngineOptions::default()),
-        MountOptions {
+    quilt_stack::ext2(
+        Arc::new(img),
+        quilt_stack::Ext2Spec::mount(MountOptions {
             mode: Mode::Async,
             read_only: false,
             ..Default::default()
-        },
+        }),
     )
     .unwrap()
 }
@@ -61,35 +61,30 @@ fn after_crash(img: MemDevice) -> Ext2 {
 /// only fsync, sync and patchgroup sync write to the device).
 fn mount(mode: Mode) -> Mounted {
     let dev = Arc::new(MemDevice::new(4096, 4096).unwrap());
-    let engine = Engine::new(dev.clone(), EngineOptions::default());
-    mkfs(
-        &engine,
+    let (engine, _) = quilt_stack::mkfs_ext2(
+        dev.clone(),
+        EngineOptions::default(),
         &MkfsOptions {
             device_is_zeroed: true,
             ..Default::default()
         },
     )
     .unwrap();
-    let fs = Ext2::open(
-        Engine::new(dev.clone(), EngineOptions::default()),
-        MountOptions::default(),
-    )
-    .unwrap();
     if mode.is_journal() {
-        fs.create_journal(1024).unwrap();
+        quilt_stack::add_journal(engine, 1024, false).unwrap();
+    } else {
+        drop(engine);
     }
-    fs.unmount().unwrap();
-    drop(fs);
     let base = dev.to_vec();
     let rec = Arc::new(RecordingDevice::new(dev.clone(), 1 << 30));
     let fs = Arc::new(
-        Ext2::open(
-            Engine::new(rec.clone(), EngineOptions::default()),
-            MountOptions {
+        quilt_stack::ext2(
+            rec.clone(),
+            quilt_stack::Ext2Spec::mount(MountOptions {
                 mode,
                 read_only: false,
                 ..Default::default()
-            },
+            }),
         )
         .unwrap(),
     );

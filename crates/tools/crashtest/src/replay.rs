@@ -174,8 +174,8 @@ pub fn check(
 mod tests {
     use super::*;
     use quilt_block::RecordingDevice;
-    use quilt_ext2::{mkfs, Ext2, JournalPlacement, MkfsOptions, Mode, MountOptions};
-    use quilt_patch::{Engine, EngineOptions};
+    use quilt_ext2::{JournalPlacement, MkfsOptions, Mode, MountOptions};
+    use quilt_patch::EngineOptions;
     use quilt_vfs::{Ctx, FileSystem};
     use std::sync::{Arc, Mutex};
 
@@ -185,9 +185,9 @@ mod tests {
     /// image at the end of the history, the transactions, the bounds there.
     fn run() -> (Vec<u8>, Txns, Option<u32>, Option<u32>) {
         let mem = Arc::new(MemDevice::new(BS, 4096).unwrap());
-        let engine = Engine::new(mem.clone(), EngineOptions::default());
-        mkfs(
-            &engine,
+        let (engine, _) = quilt_stack::mkfs_ext2(
+            mem.clone(),
+            EngineOptions::default(),
             &MkfsOptions {
                 device_is_zeroed: true,
                 inodes: Some(256),
@@ -195,10 +195,7 @@ mod tests {
             },
         )
         .unwrap();
-        let fs = Ext2::open(engine, MountOptions::default()).unwrap();
-        fs.create_journal_for(1024, true).unwrap();
-        fs.unmount().unwrap();
-        drop(fs);
+        quilt_stack::add_journal(engine, 1024, true).unwrap();
         let base = mem.to_vec();
         let rec = Arc::new(RecordingDevice::new(mem.clone(), 1 << 28));
         let txns = Arc::new(Mutex::new(Txns::new()));

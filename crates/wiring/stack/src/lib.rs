@@ -6,9 +6,8 @@
 //! settings, and a module: ext2 (which may keep its journal on a device of its own),
 //! betrfs, or a bare Bε-tree. The CLI, the crash explorer, the betrfs benchmark's native
 //! runs, fuzzing and the conformance tests describe what they want and call this crate,
-//! so a new kind of device is added in one place: a [`Source`] or a [`Layer`]. (Not yet:
-//! the engine demo, the examples, and ext2's journal start, which `Ext2::open` still
-//! does; see ARCHITECTURE.md.)
+//! so a new kind of device is added in one place: a [`Source`] or a [`Layer`]. ext2 says where its
+//! journal is and when it starts; this crate says what runs it ([`JbdJournals`]).
 //!
 //! This crate decides nothing a module owns: each module says what engine it wants
 //! (`quilt_betree::engine_options`, `quilt_betrfs::engine_for`); the wiring builds it.
@@ -182,6 +181,12 @@ pub fn device(spec: DeviceSpec) -> Result<Device, BlockError> {
     })
 }
 
+/// A bare patch engine on `dev`, with no module above it (the engine demo, which drives
+/// it with a synthetic workload).
+pub fn engine(dev: Arc<dyn BlockDevice>, opts: EngineOptions) -> Engine {
+    Engine::new(dev, opts)
+}
+
 /// ext2 as a stack wants it: the engine's settings, the module's, and whether a
 /// background flusher runs.
 #[derive(Clone, Default)]
@@ -202,8 +207,43 @@ impl Ext2Spec {
     }
 }
 
-/// Mounts ext2 on `dev`.
-pub fn ext2(dev: Arc<dyn BlockDevice>, spec: Ext2Spec) -> Result<quilt_ext2::Ext2, FsError> {
+/// The journal ext3 images get: `quilt_journal`'s JBD2 recovery and writer, on the
+/// device ext2 says holds the journal.
+pub struct JbdJournals;
+
+impl quilt_ext2::JournalStarter for JbdJournals {
+    fn recover(
+        &self,
+        home: &dyn BlockDevice,
+        place: &quilt_ext2::JournalPlace,
+    ) -> Result<quilt_journal::RecoveryReport, quilt_journal::JournalError> {
+        quilt_journal::recover_on(home, place.dev.as_ref(), &place.map)
+    }
+
+    fn start(
+        &self,
+        engine: &Engine,
+        req: quilt_ext2::JournalRequest,
+    ) -> Result<Arc<dyn quilt_patch::Transactions>, quilt_journal::JournalError> {
+        let j = quilt_journal::Journal::start_on(
+            engine.clone(),
+            req.place.dev,
+            req.place.map,
+            req.options,
+        )?;
+        Ok(Arc::new(j))
+    }
+}
+
+/// The journal starter for ext2's mount options.
+pub fn journals() -> quilt_ext2::Journals {
+    quilt_ext2::Journals(Arc::new(JbdJournals))
+}
+
+/// Mounts ext2 on `dev`; its journal (if the image has one) is `quilt_journal`'s
+/// unless the spec's mount options name another starter.
+pub fn ext2(dev: Arc<dyn BlockDevice>, mut spec: Ext2Spec) -> Result<quilt_ext2::Ext2, FsError> {
+    spec.mount.journal.get_or_insert_with(journals);
     let fs = quilt_ext2::Ext2::open(Engine::new(dev, spec.engine), spec.mount)?;
     if let Some(every) = spec.flusher {
         fs.engine().start_flusher(every);
@@ -221,6 +261,15 @@ pub fn mkfs_ext2(
     let engine = Engine::new(dev, engine);
     let sb = quilt_ext2::mkfs(&engine, opts)?;
     Ok((engine, sb))
+}
+
+/// Adds an ext3 journal of `blocks` blocks (`skip`: its commits prefer log skipping) to
+/// the unmounted ext2 file system `engine` writes to, as `tune2fs -j` (a fresh one from
+/// [`mkfs_ext2`]), and unmounts it again.
+pub fn add_journal(engine: Engine, blocks: u32, skip: bool) -> Result<(), FsError> {
+    let fs = quilt_ext2::Ext2::open(engine, quilt_ext2::MountOptions::default())?;
+    fs.create_journal_for(blocks, skip)?;
+    fs.unmount()
 }
 
 /// Mounts betrfs on `dev`, on the engine betrfs asks for.

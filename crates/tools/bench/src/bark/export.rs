@@ -4,7 +4,7 @@
 //! --direct-io=on --sector-size 4096`) is a block device with a 7200 RPM disk's timing,
 //! so kernel ext4 can put its external journal on the same model as quiltfs's.
 
-use quilt_block::{BlockDevice, DiskModel, WriteClass};
+use quilt_block::{BlockDevice, WriteClass};
 use quilt_vfs::{
     Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, RenameFlags, Result, SetAttr, StatFs,
     Timespec, XattrFlags,
@@ -12,7 +12,7 @@ use quilt_vfs::{
 use std::sync::Arc;
 
 pub struct DiskExport {
-    disks: Vec<(String, Arc<DiskModel>)>,
+    disks: Vec<(String, Arc<dyn BlockDevice>)>,
     born: Timespec,
 }
 
@@ -24,14 +24,14 @@ fn io(e: quilt_block::BlockError) -> FsError {
 }
 
 impl DiskExport {
-    pub fn new(disks: Vec<(String, Arc<DiskModel>)>) -> DiskExport {
+    pub fn new(disks: Vec<(String, Arc<dyn BlockDevice>)>) -> DiskExport {
         DiskExport {
             disks,
             born: Timespec::now(),
         }
     }
 
-    fn disk(&self, ino: Ino) -> Result<&Arc<DiskModel>> {
+    fn disk(&self, ino: Ino) -> Result<&Arc<dyn BlockDevice>> {
         ino.checked_sub(2)
             .and_then(|i| self.disks.get(i as usize))
             .map(|(_, d)| d)

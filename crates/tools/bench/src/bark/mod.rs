@@ -29,9 +29,7 @@ mod report;
 use crate::systems::{Disk, Kind, Mounted, QuiltFs, System};
 use crate::{apt_install, drop_caches, interrupted, sh, Progress};
 use anyhow::{bail, Context, Result};
-use quilt_block::{
-    BlockDevice, BlockDeviceExt, Clock, DiskModel, DiskParams, FileDevice, FileDeviceOptions,
-};
+use quilt_block::{BlockDevice, BlockDeviceExt, DiskParams};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -456,7 +454,7 @@ impl Drop for Files {
 }
 
 struct Export {
-    journal: Arc<DiskModel>,
+    journal: Arc<dyn BlockDevice>,
     journal_loop: String,
     session: Option<quilt_fuse::BackgroundSession>,
     dir: PathBuf,
@@ -483,27 +481,32 @@ fn leak(s: String) -> &'static str {
     Box::leak(s.into_boxed_str())
 }
 
-fn model_file(path: &Path, mib: u64, cache: bool, host_flush: bool) -> Result<Arc<DiskModel>> {
-    let f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    f.set_len(mib << 20)?;
-    drop(f);
-    let dev = FileDevice::open(
-        path,
-        FileDeviceOptions {
-            block_size: 4096,
-            ..Default::default()
-        },
-    )?;
-    let params = DiskParams {
-        write_cache: cache,
-        ..DiskParams::desktop_7200()
+/// A new image file of `mib` MiB under the rotating-disk model at real time (`cache`:
+/// its write cache on), through the wiring layer like every other device.
+fn model_file(
+    path: &Path,
+    mib: u64,
+    cache: bool,
+    host_flush: bool,
+) -> Result<Arc<dyn BlockDevice>> {
+    let _ = std::fs::remove_file(path);
+    let spec = quilt_stack::ImageSpec {
+        create_bytes: Some(mib << 20),
+        lock: false,
+        ..quilt_stack::ImageSpec::new(path, 4096, false)
     };
-    let model = DiskModel::new(Arc::new(dev), params, Clock::real())?;
-    Ok(Arc::new(if host_flush {
-        model
-    } else {
-        model.without_host_flush()
-    }))
+    let d = quilt_stack::device(quilt_stack::DeviceSpec::image(spec).with(
+        quilt_stack::Layer::Disk {
+            params: DiskParams {
+                write_cache: cache,
+                ..DiskParams::desktop_7200()
+            },
+            virtual_time: false,
+            host_flush,
+        },
+    ))
+    .with_context(|| format!("creating {}", path.display()))?;
+    Ok(d.dev)
 }
 
 fn attach(path: &Path, direct: bool) -> Result<String> {

@@ -2,8 +2,8 @@
 //! file system in memory to mount.
 
 use quilt_block::MemDevice;
-use quilt_ext2::{mkfs, Ext2, MkfsOptions, MountOptions};
-use quilt_patch::{Engine, EngineOptions};
+use quilt_ext2::{Ext2, MkfsOptions};
+use quilt_patch::EngineOptions;
 use std::sync::Arc;
 
 /// Can this process mount FUSE file systems (root and /dev/fuse)? Tests that need it are
@@ -25,17 +25,10 @@ pub fn fuse_available() -> bool {
 /// A freshly made ext2 file system on a 16 MiB in-memory device, opened with defaults.
 pub fn fresh_ext2() -> Arc<Ext2> {
     let dev = Arc::new(MemDevice::new(4096, 4096).unwrap());
-    let engine = Engine::new(dev.clone(), EngineOptions::default());
     let zeroed = MkfsOptions {
         device_is_zeroed: true,
         ..Default::default()
     };
-    mkfs(&engine, &zeroed).unwrap();
-    Arc::new(
-        Ext2::open(
-            Engine::new(dev, EngineOptions::default()),
-            MountOptions::default(),
-        )
-        .unwrap(),
-    )
+    quilt_stack::mkfs_ext2(dev.clone(), EngineOptions::default(), &zeroed).unwrap();
+    Arc::new(quilt_stack::ext2(dev, quilt_stack::Ext2Spec::default()).unwrap())
 }

@@ -1,12 +1,12 @@
 //! Copies a directory tree into a fresh in-memory ext2 through the native API, the way
 //! `tar x` drives a mount (create, write in 10 KiB pieces, chown, chmod, set times), and
 //! prints the time and the engine's counters. For profiling the file system without FUSE.
-//!   cargo run --release -p quilt-ext2 --example replay_tree -- SRC_DIR [soft-updates|async]
+//!   cargo run --release -p quilt-conformance --example replay_tree -- SRC_DIR [soft-updates|async]
 //!       [both|hard|merge|none]   (the patch optimizations on)
 
 use quilt_block::MemDevice;
-use quilt_ext2::{mkfs, Ext2, MkfsOptions, Mode, MountOptions};
-use quilt_patch::{Engine, EngineOptions};
+use quilt_ext2::{Ext2, MkfsOptions, Mode, MountOptions};
+use quilt_patch::EngineOptions;
 use quilt_vfs::{Ctx, FileSystem, SetAttr, TimeOrNow, Timespec};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
@@ -80,13 +80,17 @@ fn main() {
         flush_interval_ms: Some(1000),
         ..Default::default()
     };
-    mkfs(&Engine::new(dev.clone(), opts()), &MkfsOptions::default()).expect("mkfs");
-    let fs = Ext2::open(
-        Engine::new(dev.clone(), opts()),
-        MountOptions {
-            mode,
-            read_only: false,
-            ..Default::default()
+    quilt_stack::mkfs_ext2(dev.clone(), opts(), &MkfsOptions::default()).expect("mkfs");
+    let fs = quilt_stack::ext2(
+        dev.clone(),
+        quilt_stack::Ext2Spec {
+            engine: opts(),
+            mount: MountOptions {
+                mode,
+                read_only: false,
+                ..Default::default()
+            },
+            flusher: None,
         },
     )
     .expect("mount");
