@@ -11,9 +11,11 @@
 use std::fmt;
 
 pub mod acl;
+pub mod batch;
 mod op;
 pub mod rules;
 
+pub use batch::{BatchError, Gate};
 pub use op::{FsOp, FsReply, InoGrant, WireError};
 
 pub type Ino = u64;
@@ -518,6 +520,17 @@ pub trait FileSystem: Send + Sync {
     /// has them applied later under the numbers it already used (a client of the
     /// namespace service). A grant lasts while the module is mounted; numbers not used
     /// by then are never handed out. `NotSupported` where the module cannot.
+    /// Applies `ops` as one atomic step (see [`batch`]): every operation's reply, or
+    /// the one that failed and nothing changed. Not every module or mode can
+    /// (`NotSupported`).
+    fn apply_batch(
+        &self,
+        _ops: &[FsOp],
+        _ctx: &Ctx,
+    ) -> std::result::Result<Vec<FsReply>, BatchError> {
+        Err(BatchError::at(0, FsError::NotSupported))
+    }
+
     fn grant_inodes(&self, _count: u64) -> Result<InoGrant> {
         Err(FsError::NotSupported)
     }

@@ -957,6 +957,12 @@ impl quilt_patch::Transactions for Journal {
     fn shutdown(&self) -> quilt_patch::Result<()> {
         Ok(Journal::shutdown(self)?)
     }
+    fn abort(&self, why: String) {
+        let mut st = self.lock();
+        if st.failed.is_none() {
+            st.failed = Some(format!("aborted: {why}"));
+        }
+    }
     fn counters(&self) -> Vec<(&'static str, u64)> {
         self.stats().fields()
     }

@@ -42,6 +42,11 @@ pub trait Transactions: Send + Sync {
     /// Ends the service: commit, put everything in place, leave the log empty. No change
     /// may be made through it afterwards.
     fn shutdown(&self) -> Result<()>;
+    /// Stops the service without committing what is running: nothing changed since the
+    /// last commit reaches the disk, and every later commit fails (a module whose memory
+    /// went ahead of what it may make durable; the next mount's recovery finds the
+    /// last commit).
+    fn abort(&self, why: String);
     /// Counters for `quiltfs stats`, without a prefix.
     fn counters(&self) -> Vec<(&'static str, u64)>;
     /// Name of the counters' prefix ("journal").
@@ -144,6 +149,18 @@ impl Services {
     }
 
     /// Makes every change so far durable.
+    /// Stops the transaction service without committing what is running (see
+    /// [`Transactions::abort`]); false when there is none.
+    pub fn abort_transactions(&self, why: String) -> bool {
+        match self.txn() {
+            Some(t) => {
+                t.abort(why);
+                true
+            }
+            None => false,
+        }
+    }
+
     pub fn sync(&self) -> Result<()> {
         if let Some(t) = self.txn() {
             return t.commit();
@@ -391,6 +408,7 @@ mod tests {
             }
             Ok(())
         }
+        fn abort(&self, _why: String) {}
         fn shutdown(&self) -> Result<()> {
             self.commit()?;
             if let Some(t) = self.engine.capture_rotate(false)? {

@@ -48,7 +48,9 @@ pub struct Geometry {
 
 impl Geometry {
     pub fn data_first(&self) -> BlockNo {
-        self.log_first + self.log_blocks
+        // Saturating: a damaged header's log size is refused by the geometry check,
+        // which calls this first.
+        self.log_first.saturating_add(self.log_blocks)
     }
     /// Where node and table extents end: the mirror, or the device's end.
     pub fn data_end(&self, block_count: u64) -> BlockNo {

@@ -532,6 +532,37 @@ impl Tree {
         }
     }
 
+    /// From here until [`Tree::release`], batches written are applied but not logged
+    /// and no checkpoint runs; `release` logs them as one record, so a crash keeps all
+    /// of them or none, and [`Tree::rollback`] forgets them. The held batches together
+    /// are bounded as one batch is (a quarter of the log).
+    pub fn hold(&self) -> Result<()> {
+        self.lock().hold()
+    }
+
+    /// Logs the batches held since [`Tree::hold`] as one record.
+    pub fn release(&self) -> Result<()> {
+        self.lock().release()
+    }
+
+    /// Forgets the batches held since [`Tree::hold`]: the tree is opened again from what
+    /// it logged before them (through the engine's cache, so batches logged and not
+    /// yet durable are kept), as a crash would find it without them.
+    pub fn rollback(&self) -> Result<()> {
+        let mut t = self.lock();
+        if !t.holding() {
+            return Err(Error::Invalid("the tree holds no batches".into()));
+        }
+        // A checkpoint started before the hold writes extents the reopened tree would
+        // think free: it ends first (its failure leaves the older header, which the
+        // reopening reads).
+        let _ = t.finish_checkpoint();
+        let opts = t.opts.clone();
+        let fresh = tree::Inner::open(self.engine.clone(), opts)?;
+        *t = fresh;
+        Ok(())
+    }
+
     /// Makes every batch written so far durable. Callers syncing together share the
     /// device flush (group commit).
     pub fn sync(&self) -> Result<()> {

@@ -219,6 +219,11 @@ impl std::fmt::Debug for Upserts {
     }
 }
 
+/// No value is larger (nodes are at most 64 MiB): the built-in functions refuse what
+/// would make one larger before allocating it (a damaged message's offset or length
+/// must not ask for terabytes).
+const BUILTIN_VALUE_MAX: usize = 64 << 20;
+
 impl Default for Upserts {
     fn default() -> Self {
         let mut fns: HashMap<u16, UpsertFn> = HashMap::new();
@@ -229,6 +234,7 @@ impl Default for Upserts {
                 let off = usize::try_from(off).map_err(|_| "offset too large".to_string())?;
                 let end = off
                     .checked_add(bytes.len())
+                    .filter(|&e| e <= BUILTIN_VALUE_MAX)
                     .ok_or_else(|| "offset too large".to_string())?;
                 let mut v = old.map(<[u8]>::to_vec).unwrap_or_default();
                 if v.len() < end {
@@ -242,7 +248,10 @@ impl Default for Upserts {
             TRUNCATE,
             Arc::new(|old: Option<&[u8]>, arg: &[u8]| {
                 let (len, _) = arg_u64(arg)?;
-                let len = usize::try_from(len).map_err(|_| "length too large".to_string())?;
+                let len = usize::try_from(len)
+                    .ok()
+                    .filter(|&l| l <= BUILTIN_VALUE_MAX)
+                    .ok_or_else(|| "length too large".to_string())?;
                 Ok(old.map(|o| {
                     let mut v = o.to_vec();
                     v.resize(len, 0);

@@ -44,6 +44,15 @@ struct Cached {
     mem: usize,
 }
 
+/// Batches applied but not yet logged (`Inner::hold`).
+struct Held {
+    /// The first one's message number: the record's.
+    msn: Msn,
+    ops: Vec<Op>,
+    /// Their records' bytes (what the one record will take, near enough).
+    bytes: usize,
+}
+
 pub(crate) struct Inner {
     engine: Engine,
     pub geo: Geometry,
@@ -90,6 +99,9 @@ pub(crate) struct Inner {
     /// The thread that writes checkpoints (after `inflight`: dropped last).
     writer: Option<checkpoint::Writer>,
     log: LogWriter,
+    /// Batches written since `hold`: applied here, logged together by `release`, and
+    /// forgotten by a rollback (`Tree::rollback`). No checkpoint runs meanwhile.
+    held: Option<Held>,
     failed: Option<String>,
     /// Damage to the header blocks found at open that lost nothing (a mirror stood in,
     /// or a stale slot): for fsck to report and `repair_headers` to rewrite.
@@ -300,6 +312,7 @@ impl Inner {
             to_free: Vec::new(),
             inflight: None,
             writer: None,
+            held: None,
             failed: None,
             damage: Vec::new(),
             stats: Stats::default(),
@@ -1223,6 +1236,60 @@ impl Inner {
         }
     }
 
+    /// The most log blocks one record may take (and so one held group of batches).
+    fn record_blocks_max(&self) -> u64 {
+        self.geo.log_blocks / 4
+    }
+
+    /// From here until `release`, batches are applied but not logged, and no checkpoint
+    /// runs: `release` logs them as one record (all of them survive a crash, or none),
+    /// a rollback forgets them. Room for that record is made first.
+    pub fn hold(&mut self) -> Result<()> {
+        self.check_failed()?;
+        if self.held.is_some() {
+            return Err(Error::Invalid("the tree holds batches already".into()));
+        }
+        if self.log.room() <= self.record_blocks_max() + 1 {
+            self.finish_checkpoint()?;
+            if self.log.room() <= self.record_blocks_max() + 1 {
+                self.checkpoint()?;
+            }
+        }
+        // What was logged before is in the engine's cache, where a rollback's replay
+        // reads it.
+        self.log.write_tail(&self.engine)?;
+        self.held = Some(Held {
+            msn: self.next_msn,
+            ops: Vec::new(),
+            bytes: 0,
+        });
+        Ok(())
+    }
+
+    /// Logs the batches held since `hold` as one record.
+    pub fn release(&mut self) -> Result<()> {
+        self.check_failed()?;
+        let Some(held) = self.held.take() else {
+            return Err(Error::Invalid("the tree holds no batches".into()));
+        };
+        if held.ops.is_empty() {
+            return Ok(());
+        }
+        let rec = log::record(held.msn, &held.ops);
+        if let Err(e) = self.log.append(&self.engine, &rec) {
+            // Applied but not logged: the in-memory tree is ahead of what a replay
+            // finds.
+            self.failed = Some(e.to_string());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Whether batches are held (`hold`).
+    pub fn holding(&self) -> bool {
+        self.held.is_some()
+    }
+
     pub fn write(&mut self, ops: Vec<Op>) -> Result<()> {
         self.check_failed()?;
         if ops.is_empty() {
@@ -1234,14 +1301,26 @@ impl Inner {
         self.admit(&ops)?;
         let rec = log::record(self.next_msn, &ops);
         let bs = self.geo.block_size;
-        if self.log.blocks_for(rec.len(), bs) + 1 > self.geo.log_blocks / 4 {
+        if let Some(held) = &self.held {
+            // Refused before anything is applied: the held record would outgrow the log.
+            let bytes = held.bytes + rec.len();
+            if self.log.blocks_for(bytes, bs) + 1 > self.record_blocks_max() {
+                return Err(Error::Invalid(format!(
+                    "a batch of {bytes} bytes is too large for the log ({} blocks)",
+                    self.geo.log_blocks
+                )));
+            }
+        } else if self.log.blocks_for(rec.len(), bs) + 1 > self.record_blocks_max() {
             return Err(Error::Invalid(format!(
                 "a batch of {} bytes is too large for the log ({} blocks)",
                 rec.len(),
                 self.geo.log_blocks
             )));
         }
-        if self.log.blocks_for(rec.len(), bs) >= self.log.room() {
+        if let Some(held) = &mut self.held {
+            held.bytes += rec.len();
+            held.ops.extend(ops.iter().cloned());
+        } else if self.log.blocks_for(rec.len(), bs) >= self.log.room() {
             // The ring is full: the checkpoint in flight, or a new one, moves replay's
             // start past everything logged before it.
             self.finish_checkpoint()?;
@@ -1249,7 +1328,9 @@ impl Inner {
                 self.checkpoint()?;
             }
         }
-        self.log.append(&self.engine, &rec)?;
+        if self.held.is_none() {
+            self.log.append(&self.engine, &rec)?;
+        }
         for op in &ops {
             match op {
                 Op::Put { key, value } => {
@@ -1944,8 +2025,12 @@ impl Inner {
         let mut id = self.root;
         // The key in the space of the node at hand (lifted edges map it).
         let mut key_here: std::borrow::Cow<[u8]> = std::borrow::Cow::Borrowed(key);
+        // Counted apart from `levels`: a level whose buffer is skipped adds nothing
+        // there, and a damaged tree's cycle of such nodes would never end.
+        let mut depth = 0usize;
         let leaf = loop {
-            if levels.len() > MAX_DEPTH {
+            depth += 1;
+            if depth > MAX_DEPTH {
                 return Err(Error::Corrupt(format!(
                     "node {id}: more than {MAX_DEPTH} levels below the root (a cycle of nodes)"
                 )));

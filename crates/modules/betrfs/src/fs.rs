@@ -144,7 +144,7 @@ impl State {
     }
 }
 
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub(crate) struct State {
     pub nodes: HashMap<u64, Node>,
     /// Path-key → inode, for every cached name with a path (files with one name,
@@ -227,10 +227,31 @@ impl Freeing {
     }
 }
 
+/// The state locked, and the batch gate passed (the state's lock is let go first).
+pub(crate) struct Locked<'a> {
+    st: MutexGuard<'a, State>,
+    _pass: quilt_vfs::batch::Passing<'a>,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.st
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.st
+    }
+}
+
 /// The file system on a Bε-tree.
 pub struct Betrfs {
     pub(crate) tree: Arc<Tree>,
     pub(crate) st: Mutex<State>,
+    /// Where changes wait while a batch runs (`apply_batch`).
+    gate: quilt_vfs::Gate,
     pub(crate) opts: MountOptions,
     pub(crate) counters: Counters,
     pub(crate) freeing: Arc<Freeing>,
@@ -379,6 +400,7 @@ impl Betrfs {
                 next_cookie: 3,
                 ..State::default()
             }),
+            gate: quilt_vfs::Gate::default(),
             opts,
             counters: Counters::default(),
             freeing: Arc::default(),
@@ -487,8 +509,13 @@ impl Betrfs {
         &self.tree
     }
 
-    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    /// The state, after any batch another thread runs (`apply_batch`).
+    pub(crate) fn lock(&self) -> Locked<'_> {
+        let pass = self.gate.pass();
+        Locked {
+            st: self.st.lock().unwrap_or_else(|e| e.into_inner()),
+            _pass: pass,
+        }
     }
 
     /// Damage is logged and remembered in the superblock record (for fsck).
@@ -1130,6 +1157,49 @@ impl FileSystem for Betrfs {
         ctx: &Ctx,
     ) -> Result<Attr> {
         self.symlink_in(Some(ino), parent, name, target, ctx)
+    }
+
+    /// The batch runs with the gate held (no other change between its operations), on
+    /// a tree that holds its batches: they are logged as one record when all
+    /// succeeded; on a failure the tree is read again from its log and the state is
+    /// put back as it was.
+    fn apply_batch(
+        &self,
+        ops: &[quilt_vfs::FsOp],
+        ctx: &Ctx,
+    ) -> std::result::Result<Vec<quilt_vfs::FsReply>, quilt_vfs::BatchError> {
+        use quilt_vfs::BatchError;
+        quilt_vfs::batch::check_batchable(ops)?;
+        let _held = self.gate.batch().map_err(|e| BatchError::at(0, e))?;
+        let before = {
+            let st = self.lock();
+            self.writable(&st).map_err(|e| BatchError::at(0, e))?;
+            State::clone(&st)
+        };
+        self.tree.hold().map_err(|e| BatchError::at(0, io(e)))?;
+        match quilt_vfs::batch::run_in_order(self, ops, ctx) {
+            Ok(replies) => match self.tree.release() {
+                Ok(()) => Ok(replies),
+                Err(e) => {
+                    // Applied and not logged: what the cache holds is ahead of the tree.
+                    let m = format!("a batch could not be logged: {e}");
+                    tracing::error!("betrfs: {m}");
+                    self.lock().failed = Some(m.clone());
+                    Err(BatchError::at(ops.len().saturating_sub(1), FsError::Io(m)))
+                }
+            },
+            Err(e) => {
+                match self.tree.rollback() {
+                    Ok(()) => *self.lock() = before,
+                    Err(r) => {
+                        let m = format!("rolling back a batch: {r}");
+                        tracing::error!("betrfs: {m}");
+                        self.lock().failed = Some(m);
+                    }
+                }
+                Err(e)
+            }
+        }
     }
 
     fn grant_inodes(&self, count: u64) -> Result<quilt_vfs::InoGrant> {

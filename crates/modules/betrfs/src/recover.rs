@@ -5,7 +5,7 @@
 //! only from images written before: their moves are finished the way they were begun,
 //! by copies (a range rename would replace the keys already moved).
 
-use crate::fs::{Betrfs, State};
+use crate::fs::Betrfs;
 use crate::keys;
 use crate::record;
 use quilt_betree::Batch;
@@ -59,7 +59,7 @@ fn scan(fs: &Betrfs, space: u8) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
 /// superblock record is version 1; they hold no markers yet). In batches; a crash
 /// before the superblock record is rewritten makes the next mount start again.
 pub(crate) fn build_index(fs: &Betrfs) -> Result<()> {
-    let mut st: std::sync::MutexGuard<'_, State> = fs.lock();
+    let mut st = fs.lock();
     let mut b = Batch::new();
     let mut bytes = 0usize;
     for (k, v) in scan(fs, keys::META)? {
@@ -77,7 +77,7 @@ pub(crate) fn build_index(fs: &Betrfs) -> Result<()> {
 }
 
 pub(crate) fn recover(fs: &Betrfs) -> Result<()> {
-    let mut st: std::sync::MutexGuard<'_, State> = fs.lock();
+    let mut st = fs.lock();
     for (k, v) in scan(fs, keys::RENAME)? {
         let (from, to, spaces) = decode_intent(&v)?;
         tracing::info!("betrfs: finishing a rename interrupted by a crash");

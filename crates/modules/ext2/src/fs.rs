@@ -154,6 +154,8 @@ pub(crate) type Head = Option<PatchId>;
 pub(crate) struct Op<'a> {
     pub tx: quilt_patch::Op<'a>,
     pub privileged: bool,
+    /// Past the batch gate (let go after `tx` ends).
+    _pass: quilt_vfs::batch::Passing<'a>,
 }
 
 /// Geometry: fixed at mount.
@@ -293,6 +295,13 @@ pub struct Ext2 {
     pub(crate) st: RwLock<State>,
     /// Device reads made by read-only requests under the shared lock (`reading`).
     pub(crate) reads_under_shared_lock: std::sync::atomic::AtomicU64,
+    /// Where changes wait while a batch runs (`apply_batch`).
+    pub(crate) gate: quilt_vfs::Gate,
+    /// The mount's journal device and starter, for a batch's trial mount.
+    pub(crate) journal_device: Option<JournalDevice>,
+    pub(crate) journals: Option<Journals>,
+    /// The journal's size in blocks, once started (what one transaction may not outgrow).
+    pub(crate) journal_blocks: std::sync::atomic::AtomicU32,
 }
 
 /// Attempts of a read-only request without device I/O (`reading`) before it reads
@@ -446,6 +455,10 @@ impl Ext2 {
             error_waiting: std::sync::atomic::AtomicBool::new(false),
             errored: std::sync::atomic::AtomicBool::new(false),
             reads_under_shared_lock: Default::default(),
+            gate: quilt_vfs::Gate::default(),
+            journal_device: opts.journal_device.clone(),
+            journals: opts.journal.clone(),
+            journal_blocks: Default::default(),
             st: RwLock::new(State {
                 sb: sb.clone(),
                 gd,
@@ -774,18 +787,24 @@ impl Ext2 {
         let (resuid, resgid) = (self.geo.sb.def_resuid as u32, self.geo.sb.def_resgid as u32);
         let privileged = ctx.uid == 0 || ctx.uid == resuid || (resgid != 0 && ctx.gid == resgid);
         let caller = (ctx.pid != 0).then_some(ctx.pid as u64);
+        // The gate first: a change waiting there holds no op open, which a batch's
+        // commit would wait for.
+        let pass = self.gate.pass();
         Op {
             tx: self.svc.begin(caller),
             privileged,
+            _pass: pass,
         }
     }
 
     /// Begins an operation made on no process's behalf (mount, unmount, the last
     /// release of an unlinked file, fsync's summary counts).
     pub(crate) fn begin_internal(&self) -> Op<'_> {
+        let pass = self.gate.pass();
         Op {
             tx: self.svc.begin(None),
             privileged: true,
+            _pass: pass,
         }
     }
 
@@ -1379,6 +1398,14 @@ impl FileSystem for Ext2 {
 
     fn patchgroups(&self) -> Option<&dyn quilt_vfs::Patchgroups> {
         Some(&self.svc)
+    }
+
+    fn apply_batch(
+        &self,
+        ops: &[quilt_vfs::FsOp],
+        ctx: &Ctx,
+    ) -> std::result::Result<Vec<quilt_vfs::FsReply>, quilt_vfs::BatchError> {
+        self.batch(ops, ctx)
     }
 
     fn check_writable(&self) -> Result<()> {

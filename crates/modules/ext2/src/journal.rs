@@ -414,6 +414,8 @@ impl Ext2 {
             forced_checkpoints_only: mo.journal_forced_checkpoints_only,
             ..Default::default()
         };
+        self.journal_blocks
+            .store(place.map.len(), std::sync::atomic::Ordering::Relaxed);
         starter
             .start(self.engine(), JournalRequest { place, options })
             .map_err(jerr)

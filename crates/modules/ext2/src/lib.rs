@@ -11,7 +11,7 @@
 //! Modules: `format` (on-disk structures), `mkfs`, `fs` (mount, superblock, the
 //! [`quilt_vfs::FileSystem`] implementation), `alloc` (bitmaps), `inode` (inodes, block
 //! maps, truncation), `dir` (directory entries), `xattr` (user.* attributes in an EA
-//! block).
+//! block), `batch` (atomic batches: a trial mount, then one journal transaction).
 
 #![forbid(unsafe_code)]
 
@@ -21,6 +21,7 @@ pub mod mkfs;
 
 mod acl;
 mod alloc;
+mod batch;
 mod dir;
 pub mod extjournal;
 mod flags;

@@ -312,6 +312,11 @@ impl Inner {
     /// the table and the header's fields, and starts the thread that writes them. Waits
     /// first for a checkpoint still in flight.
     pub(crate) fn start_checkpoint(&mut self) -> Result<()> {
+        if self.holding() {
+            // Batches held are in memory only: a checkpoint would make them durable
+            // before their record is logged, and a rollback could not forget them.
+            return Ok(());
+        }
         self.finish_checkpoint()?;
         self.check_failed()?;
         let bs = self.geo.block_size;
@@ -596,6 +601,9 @@ impl Inner {
 
     /// The final checkpoint of a clean shutdown (see `LogWriter::skip_to_fresh_block`).
     pub fn close(&mut self) -> Result<()> {
+        if self.holding() {
+            return Err(Error::Invalid("closing a tree that holds batches".into()));
+        }
         self.finish_checkpoint()?;
         self.log.skip_to_fresh_block();
         self.checkpoint()
