@@ -6,7 +6,10 @@ on crates of the layers its own layer lists below, and on a crate of its own lay
 when its Cargo.toml names that crate in `[package.metadata.quilt] same-layer = [...]`.
 Normal, build and dev dependencies are all checked: a test that links a module into an
 interface crate is the same wrong-way arrow. Every crate also needs a `description`
-(the one line saying what it owns).
+(the one line saying what it owns), and every library and binary root states the
+crates' common policy: `#![cfg_attr(not(test), deny(clippy::unwrap_used))]` (no
+unwrap outside tests: bytes from a disk, a network or a user are errors, never panics;
+an invariant that cannot fail says so with `expect`).
 
 Usage: scripts/check-layers.py [WORKSPACE_DIR]      (default: the repository)
 Exit status 0 when the map holds, 1 with one line per wrong arrow otherwise.
@@ -81,6 +84,13 @@ def check(root):
         for s in same:
             if s not in ours or layer_of(ours[s]["manifest_path"], root) != layer:
                 wrong.append(f"{name}: same-layer lists {s}, which is not a crate of {layer}")
+        for t in p["targets"]:
+            if not set(t["kind"]) & {"lib", "rlib", "cdylib", "staticlib", "bin"}:
+                continue
+            with open(t["src_path"], encoding="utf-8") as f:
+                if "deny(clippy::unwrap_used)" not in f.read():
+                    wrong.append(f"{name}: {os.path.relpath(t['src_path'], root)} does not "
+                                 f"deny clippy::unwrap_used outside tests")
     return wrong
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The layer check holds on the tree, and fails on each kind of wrong-way arrow planted in
 # a copy of it: an api crate using the engine, an interface linking a module through a
-# dev-dependency, a same-layer dependency nobody listed, and a crate outside the layer
-# folders. No build: `cargo metadata --no-deps` reads the manifests only.
+# dev-dependency, a same-layer dependency nobody listed, a crate outside the layer
+# folders, and a crate root without the no-unwrap policy. No build: `cargo metadata --no-deps` reads the manifests only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 check=scripts/check-layers.py
@@ -49,5 +49,9 @@ fresh
 mv "$work/ws/crates/devices/block" "$work/ws/crates/block"
 sed -i 's|crates/devices/block|crates/block|' "$work/ws/Cargo.toml"
 expect_failure "a crate outside the layer folders" "quilt-block: lives at crates/block/Cargo.toml"
+
+fresh
+sed -i '/deny(clippy::unwrap_used)/d' "$work/ws/crates/modules/betree/src/lib.rs"
+expect_failure "a crate without the unwrap policy" "quilt-betree: crates/modules/betree/src/lib.rs does not deny clippy::unwrap_used"
 
 echo "layers: ok"

@@ -7,6 +7,7 @@
 //! [`FsError`]s that map to one errno each at the FUSE boundary.
 
 #![forbid(unsafe_code)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 use std::fmt;
 

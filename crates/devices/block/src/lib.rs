@@ -16,6 +16,8 @@
 //! counts its I/O in [`IoCounters`]. Bad requests (a block past the end, a buffer of the
 //! wrong size) and I/O failures are typed [`BlockError`]s, never panics.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 mod counters;
 mod file;
 mod mem;

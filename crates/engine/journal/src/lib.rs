@@ -9,6 +9,7 @@
 //!   by a range write wherever the disk's head gets first, found again by a scan.
 
 #![forbid(unsafe_code)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod format;
 pub mod recovery;

@@ -42,6 +42,7 @@
 //! latency.
 
 #![forbid(unsafe_code)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 mod capture;
 mod engine;

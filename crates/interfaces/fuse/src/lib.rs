@@ -6,6 +6,8 @@
 //! system; the kernel's writeback cache is an option (`writeback_cache`) that trades
 //! that for fewer, larger writes; requests are served by several threads.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 use quilt_fusewire::abi::{fattr, fopen, init};
 use quilt_fusewire::{
     Attr as WireAttr, DirBuf, Entry, Handler, InitReply, KernelInit, Notifier, Op, Reply, Request,

@@ -8,6 +8,8 @@
 //! and hides the protocol choices (request counts, notifications, io_uring later) that
 //! the adapter needs to make.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 pub mod abi;
 mod channel;
 mod handoff;

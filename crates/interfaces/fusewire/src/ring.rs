@@ -31,6 +31,22 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex};
 
+/// A little-endian u32 from the first four bytes of `b` (shorter: the rest zero).
+fn le32(b: &[u8]) -> u32 {
+    let mut a = [0u8; 4];
+    let n = b.len().min(4);
+    a[..n].copy_from_slice(&b[..n]);
+    u32::from_le_bytes(a)
+}
+
+/// A little-endian u64 from the first eight bytes of `b` (shorter: the rest zero).
+fn le64(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    let n = b.len().min(8);
+    a[..n].copy_from_slice(&b[..n]);
+    u64::from_le_bytes(a)
+}
+
 const CMD_REGISTER: u32 = 1;
 const CMD_COMMIT_AND_FETCH: u32 = 2;
 
@@ -98,9 +114,8 @@ impl Slot {
     /// `buf`, or why it cannot be (then the header's `unique` is still valid).
     fn request_range(&mut self) -> Result<std::ops::Range<usize>, &'static str> {
         let h = &self.headers;
-        let len = u32::from_le_bytes(h[0..4].try_into().unwrap()) as usize;
-        let payload =
-            u32::from_le_bytes(h[PAYLOAD_SZ..PAYLOAD_SZ + 4].try_into().unwrap()) as usize;
+        let len = le32(&h[0..4]) as usize;
+        let payload = le32(&h[PAYLOAD_SZ..PAYLOAD_SZ + 4]) as usize;
         if payload > self.payload_cap() {
             return Err("ring payload larger than its buffer");
         }
@@ -118,7 +133,7 @@ impl Slot {
     }
 
     fn unique(&self) -> u64 {
-        u64::from_le_bytes(self.headers[8..16].try_into().unwrap())
+        le64(&self.headers[8..16])
     }
 
     /// Puts a staged answer (out-header and body) where the kernel reads it.
@@ -425,9 +440,9 @@ impl Worker {
                     continue;
                 }
                 let unique = self.slots[i].unique();
-                let opc = u32::from_le_bytes(self.slots[i].headers[4..8].try_into().unwrap());
+                let opc = le32(&self.slots[i].headers[4..8]);
                 // fuse_in_header: len, opcode, unique, nodeid, uid, gid, pid.
-                let pid = u32::from_le_bytes(self.slots[i].headers[32..36].try_into().unwrap());
+                let pid = le32(&self.slots[i].headers[32..36]);
                 self.handoff.arrived(pid, self.qid);
                 if after_forgets(opc) {
                     self.dev.drain(proto, serve)?;

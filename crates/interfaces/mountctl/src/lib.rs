@@ -6,6 +6,7 @@
 //! socket and answers; this crate is the protocol's one description.
 
 #![forbid(unsafe_code)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;

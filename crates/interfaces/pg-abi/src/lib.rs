@@ -4,6 +4,7 @@
 //! (`include/quiltfs_pg.h`) repeats them and a test checks they agree.
 
 #![forbid(unsafe_code)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 /// The control file's name in the mount's root directory.
 pub const CONTROL_NAME: &str = ".quiltfs-control";

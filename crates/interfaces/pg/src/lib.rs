@@ -36,6 +36,8 @@
 //! Transport: ioctls on the control file `.quiltfs-control` at the mount root ([`abi`]);
 //! the server identifies the calling process by the FUSE request's process id.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 /// The wire format (its own crate, which the FUSE server uses too).
 pub use quilt_pg_abi as abi;
 pub mod clone;

@@ -38,6 +38,8 @@
 //! FUSE mount, and where the mount does not know the request, the kernel's answer
 //! stands.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 use quilt_pg::{Control, Group};
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::Mutex;

@@ -14,6 +14,7 @@
 //! block), `batch` (atomic batches: a trial mount, then one journal transaction).
 
 #![forbid(unsafe_code)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod format;
 pub mod journal;

@@ -9,6 +9,8 @@
 //! (`bench/kv`, a workspace of its own so the project never builds RocksDB) uses the
 //! same helpers.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 pub mod bark;
 pub mod betrfs;
 pub mod featherstitch;

@@ -3,6 +3,8 @@
 //! `quiltfs` for mkfs, mount and stats: the binary in `QUILTFS_BIN`, or the `quiltfs`
 //! next to this one, or the one on the PATH.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]

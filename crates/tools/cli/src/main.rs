@@ -1,5 +1,7 @@
 //! `quiltfs`: the command-line front end of the quiltfs storage stack.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 

@@ -15,6 +15,8 @@
 //! mkdir, write, truncate, link, unlink, rename, rmdir, fsync over a small set of files
 //! and directories, each followed by an fsync), `untar`, `rmrf`, `postmark`.
 
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 pub mod check;
 pub mod kv;
 pub mod lying;

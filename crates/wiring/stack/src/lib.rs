@@ -13,6 +13,7 @@
 //! (`quilt_betree::engine_options`, `quilt_betrfs::engine_for`); the wiring builds it.
 
 #![forbid(unsafe_code)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 use quilt_block::{
     BlockDevice, BlockError, Clock, DiskModel, DiskParams, FileDevice, FileDeviceOptions,
