@@ -244,11 +244,9 @@ fn a_deep_tree_matches_the_model() {
     let dev = Arc::new(MemDevice::new(512, 65536).unwrap());
     let t = Tree::create(dev.clone(), Options::tiny()).unwrap();
     let mut model = Model::new();
-    let mut x: u64 = 7;
+    let mut rng: rand_chacha::ChaCha8Rng = rand::SeedableRng::seed_from_u64(7);
     for i in 0..20_000u64 {
-        x = x
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
+        let x = rand::RngCore::next_u64(&mut rng);
         let k = format!("key{:06}", (x >> 33) % 5000).into_bytes();
         let o = match i % 10 {
             0..=5 => TOp::Put {

@@ -319,16 +319,14 @@ fn enospc_at_every_block_of_a_workload_leaves_a_clean_image() {
     }
 }
 
-/// A small deterministic generator (splitmix64): the stress run's seeds reproduce.
-struct Rng(u64);
-
+/// A seeded stream (ChaCha8): the stress run's seeds reproduce.
+struct Rng(rand_chacha::ChaCha8Rng);
 impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(rand::SeedableRng::seed_from_u64(seed))
+    }
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        rand::RngCore::next_u64(&mut self.0)
     }
 
     fn below(&mut self, n: u64) -> u64 {
@@ -355,7 +353,7 @@ fn writes_fallocate_punch_and_truncate_on_a_nearly_full_image_keep_it_clean() {
     let base = full_base(Mode::SoftUpdates);
     let bs = BS as u64;
     for seed in 0..seeds() {
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let free = 20 + rng.below(60);
         let Some(dev) = with_free(&base, Mode::SoftUpdates, free) else {
             continue;
