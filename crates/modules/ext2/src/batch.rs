@@ -88,13 +88,18 @@ impl Ext2 {
             journal: self.journals.clone(),
             ..MountOptions::default()
         };
-        let trial = Ext2::open(Engine::new(home, EngineOptions::default()), opts)
-            .map_err(|e| BatchError::at(0, FsError::Io(format!("the batch's trial mount: {e}"))))?;
-        trial.lock().grants = self.read_lock().grants.clone();
-        let setup =
-            |e: FsError| BatchError::at(0, FsError::Io(format!("the batch's trial mount: {e}")));
-        trial.sync_all().map_err(setup)?;
-        run_in_order(&trial, ops, ctx)?;
-        Ok(trial.engine().stats().blocks_dirty)
+        // Silent: what it would log (an image in use, a replay) is this mount's news,
+        // not the batch's; what goes wrong in it comes back as the batch's answer.
+        tracing::subscriber::with_default(tracing::subscriber::NoSubscriber::default(), || {
+            let setup = |e: FsError| {
+                BatchError::at(0, FsError::Io(format!("the batch's trial mount: {e}")))
+            };
+            let trial =
+                Ext2::open(Engine::new(home, EngineOptions::default()), opts).map_err(setup)?;
+            trial.lock().grants = self.read_lock().grants.clone();
+            trial.sync_all().map_err(setup)?;
+            run_in_order(&trial, ops, ctx)?;
+            Ok(trial.engine().stats().blocks_dirty)
+        })
     }
 }
