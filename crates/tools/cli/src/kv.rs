@@ -102,27 +102,64 @@ pub fn run(c: KvCommand) -> Result<()> {
             }
             let bytes = crate::image::parse_size(&size)?;
             let bs = 4096usize;
-            // --force on an image file: a new file (a block device is written over).
-            if std::fs::metadata(&image).is_ok_and(|m| m.is_file()) {
-                std::fs::remove_file(&image)
-                    .with_context(|| format!("replacing {}", image.display()))?;
-            }
-            let spec = quilt_stack::ImageSpec {
-                create_bytes: Some(bytes / bs as u64 * bs as u64),
-                ..quilt_stack::ImageSpec::new(&image, bs, false)
-            };
-            let dev = quilt_stack::device(quilt_stack::DeviceSpec::image(spec))
-                .with_context(|| format!("creating {}", image.display()))?
-                .dev;
             let opts = Options {
                 node_bytes: crate::image::parse_size(&node_size)? as usize,
                 basement_bytes: crate::image::parse_size(&basement_size)? as usize,
                 fanout,
                 ..Options::default()
             };
-            let t = quilt_stack::create_tree(dev, opts)?;
-            let g = t.geometry();
-            t.close()?;
+            // --force over an image file: refused while it is in use (its lock); the
+            // new tree is made beside it and takes its place only once it is whole, so
+            // a size or geometry that does not fit leaves the old one as it was. (A
+            // block device is written over.)
+            let replacing = std::fs::metadata(&image).is_ok_and(|m| m.is_file());
+            let _in_use = if replacing {
+                let spec = quilt_stack::ImageSpec::new(&image, bs, false);
+                Some(
+                    quilt_stack::device(quilt_stack::DeviceSpec::image(spec))
+                        .map_err(|e| crate::image::in_use(&image, e))?,
+                )
+            } else {
+                None
+            };
+            let target = if replacing {
+                let mut name = image.file_name().unwrap_or_default().to_os_string();
+                name.push(".quiltfs-new");
+                image.with_file_name(name)
+            } else {
+                image.clone()
+            };
+            let made = (|| -> Result<quilt_betree::Geometry> {
+                if replacing {
+                    // A leftover of an earlier attempt.
+                    let _ = std::fs::remove_file(&target);
+                }
+                let spec = quilt_stack::ImageSpec {
+                    create_bytes: Some(bytes / bs as u64 * bs as u64),
+                    ..quilt_stack::ImageSpec::new(&target, bs, false)
+                };
+                let dev = quilt_stack::device(quilt_stack::DeviceSpec::image(spec))
+                    .with_context(|| format!("creating {}", image.display()))?
+                    .dev;
+                let t = quilt_stack::create_tree(dev, opts)?;
+                let g = t.geometry();
+                t.close()?;
+                Ok(g)
+            })();
+            let g = match made {
+                Ok(g) => g,
+                Err(e) => {
+                    if replacing {
+                        let _ = std::fs::remove_file(&target);
+                    }
+                    return Err(e);
+                }
+            };
+            if replacing {
+                std::fs::rename(&target, &image).with_context(|| {
+                    format!("putting the new tree in place of {}", image.display())
+                })?;
+            }
             println!(
                 "{}: Bε-tree of {} blocks of {} bytes, nodes {} KiB, basements {} KiB, fanout {}, log {} blocks",
                 image.display(),
