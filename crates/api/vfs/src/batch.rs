@@ -18,7 +18,7 @@
 //! [`FileSystem::apply_batch`]: crate::FileSystem::apply_batch
 
 use crate::{Ctx, FileSystem, FsError, FsOp, FsReply};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// Why a batch was refused: the operation at `index` (of the batch) failed with
@@ -83,6 +83,11 @@ thread_local! {
     /// The gate this thread holds exclusively (its address), if any: the batch's own
     /// operations pass it.
     static HELD: Cell<usize> = const { Cell::new(0) };
+    /// The gates this thread is passing (their addresses, once per pass): a change
+    /// nested in another on the same thread passes again without taking the lock,
+    /// which would wait behind a batch waiting for the outer pass (the lock prefers
+    /// writers), and so forever.
+    static PASSING: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Where a module's changes wait while a batch runs: every change passes it shared
@@ -93,8 +98,25 @@ pub struct Gate {
     lock: RwLock<()>,
 }
 
-/// A change passing the gate (None: the thread's own batch holds it).
-pub struct Passing<'a>(#[allow(dead_code)] Option<RwLockReadGuard<'a, ()>>);
+/// A change passing the gate (no guard: the thread's own batch holds it, or the thread
+/// passes it already).
+pub struct Passing<'a> {
+    /// Held for its drop (the read side of the gate).
+    #[allow(dead_code)]
+    guard: Option<RwLockReadGuard<'a, ()>>,
+    id: usize,
+}
+
+impl Drop for Passing<'_> {
+    fn drop(&mut self) {
+        PASSING.with(|p| {
+            let mut p = p.borrow_mut();
+            if let Some(i) = p.iter().rposition(|&g| g == self.id) {
+                p.swap_remove(i);
+            }
+        });
+    }
+}
 
 /// A batch holding the gate.
 pub struct Holding<'a> {
@@ -109,10 +131,15 @@ impl Gate {
 
     /// Lets a change through, after any batch in progress on another thread.
     pub fn pass(&self) -> Passing<'_> {
-        if HELD.with(|h| h.get()) == self.id() {
-            return Passing(None);
-        }
-        Passing(Some(self.lock.read().unwrap_or_else(|e| e.into_inner())))
+        let id = self.id();
+        let nested = HELD.with(|h| h.get()) == id || PASSING.with(|p| p.borrow().contains(&id));
+        let guard = if nested {
+            None
+        } else {
+            Some(self.lock.read().unwrap_or_else(|e| e.into_inner()))
+        };
+        PASSING.with(|p| p.borrow_mut().push(id));
+        Passing { guard, id }
     }
 
     /// Holds the gate for a batch: waits for the changes in progress, and keeps new ones
@@ -120,6 +147,10 @@ impl Gate {
     pub fn batch(&self) -> Result<Holding<'_>, FsError> {
         if HELD.with(|h| h.get()) != 0 {
             return Err(FsError::Invalid("a batch inside a batch"));
+        }
+        if PASSING.with(|p| p.borrow().contains(&self.id())) {
+            // It would wait for this thread's own change.
+            return Err(FsError::Invalid("a batch inside a change"));
         }
         let guard = self.lock.write().unwrap_or_else(|e| e.into_inner());
         HELD.with(|h| h.set(self.id()));
@@ -169,7 +200,33 @@ mod tests {
         assert!(passed.load(Ordering::SeqCst));
         // Held no more: this thread waits like any other again.
         let p = gate.pass();
-        assert!(p.0.is_some());
+        assert!(p.guard.is_some());
+    }
+
+    #[test]
+    fn a_change_nested_in_another_passes_while_a_batch_waits() {
+        let gate = Arc::new(Gate::default());
+        let outer = gate.pass();
+        // A batch on another thread waits for the outer change...
+        let batched = Arc::new(AtomicBool::new(false));
+        let t = {
+            let (gate, batched) = (gate.clone(), batched.clone());
+            std::thread::spawn(move || {
+                let _h = gate.batch().unwrap();
+                batched.store(true, Ordering::SeqCst);
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        // ...and a change nested in it passes all the same (the lock would make it wait
+        // behind the batch, which waits for it).
+        let inner = gate.pass();
+        assert!(inner.guard.is_none());
+        assert!(gate.batch().is_err(), "no batch inside a change");
+        drop(inner);
+        assert!(!batched.load(Ordering::SeqCst));
+        drop(outer);
+        t.join().unwrap();
+        assert!(batched.load(Ordering::SeqCst));
     }
 
     #[test]
