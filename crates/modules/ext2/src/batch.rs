@@ -54,8 +54,11 @@ impl Ext2 {
                 }
             },
             Err(e) => {
+                // The journal stops while the op still holds the transaction open: a
+                // commit between the two (the timer's) would make half the batch durable.
+                let e = self.stop(e, "it failed after its trial passed");
                 drop(outer);
-                Err(self.stop(e, "it failed after its trial passed"))
+                Err(e)
             }
         }
     }
