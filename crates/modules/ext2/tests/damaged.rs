@@ -24,14 +24,7 @@ fn populated() -> Vec<u8> {
         },
     )
     .unwrap();
-    let fs = Ext2::open(
-        engine,
-        MountOptions {
-            journal: support::journals(),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let fs = Ext2::open(engine, support::options()).unwrap();
     let c = Ctx::root();
     let r = fs.root();
     let d = fs.mkdir(r, b"dir", 0o755, &c).unwrap().ino;
@@ -158,13 +151,7 @@ fn damaged_metadata_gives_errors_not_panics() {
             }
             let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
             let engine = Engine::new(dev.clone(), EngineOptions::default());
-            match Ext2::open(
-                engine,
-                MountOptions {
-                    journal: support::journals(),
-                    ..Default::default()
-                },
-            ) {
+            match Ext2::open(engine, support::options()) {
                 Err(e) => {
                     refused += 1;
                     assert!(!e.to_string().is_empty(), "{name}: error without a message");
@@ -188,10 +175,7 @@ fn clear_errors_for_wrong_images() {
     let dev = Arc::new(MemDevice::new(BS, 1024).unwrap());
     let err = Ext2::open(
         Engine::new(dev, EngineOptions::default()),
-        MountOptions {
-            journal: support::journals(),
-            ..Default::default()
-        },
+        support::options(),
     )
     .err()
     .unwrap();
@@ -207,10 +191,7 @@ fn clear_errors_for_wrong_images() {
     let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
     let err = Ext2::open(
         Engine::new(dev, EngineOptions::default()),
-        MountOptions {
-            journal: support::journals(),
-            ..Default::default()
-        },
+        support::options(),
     )
     .err()
     .unwrap();
@@ -220,10 +201,7 @@ fn clear_errors_for_wrong_images() {
     let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
     let fs = Ext2::open(
         Engine::new(dev, EngineOptions::default()),
-        MountOptions {
-            journal: support::journals(),
-            ..Default::default()
-        },
+        support::options(),
     )
     .unwrap();
     assert!(fs.is_read_only());
@@ -235,10 +213,7 @@ fn clear_errors_for_wrong_images() {
     let dev = Arc::new(MemDevice::from_bytes(BS, &clean[..clean.len() / 2]).unwrap());
     let err = Ext2::open(
         Engine::new(dev, EngineOptions::default()),
-        MountOptions {
-            journal: support::journals(),
-            ..Default::default()
-        },
+        support::options(),
     )
     .err()
     .unwrap();
@@ -328,10 +303,7 @@ fn freeing_a_block_the_bitmap_says_is_free_is_reported_damage() {
     let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
     let fs = Ext2::open(
         Engine::new(dev.clone(), EngineOptions::default()),
-        MountOptions {
-            journal: support::journals(),
-            ..Default::default()
-        },
+        support::options(),
     )
     .unwrap();
     let err = fs.unlink(fs.root(), b"big", &Ctx::root()).unwrap_err();
@@ -361,10 +333,7 @@ fn damage_found_by_a_change_in_a_journal_mode_returns_and_is_recorded() {
         let dev = Arc::new(MemDevice::from_bytes(BS, &img).unwrap());
         let fs = Ext2::open(
             Engine::new(dev.clone(), EngineOptions::default()),
-            MountOptions {
-                journal: support::journals(),
-                ..Default::default()
-            },
+            support::options(),
         )
         .unwrap();
         fs.create_journal(1024).unwrap();

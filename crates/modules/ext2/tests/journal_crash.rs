@@ -42,14 +42,7 @@ fn base_image() -> Vec<u8> {
         },
     )
     .unwrap();
-    let fs = Ext2::open(
-        engine,
-        MountOptions {
-            journal: support::journals(),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let fs = Ext2::open(engine, support::options()).unwrap();
     fs.create_journal(1024).unwrap();
     fs.unmount().unwrap();
     dev.to_vec()

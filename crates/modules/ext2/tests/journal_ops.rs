@@ -20,14 +20,7 @@ fn image(journal: bool) -> Arc<MemDevice> {
         },
     )
     .unwrap();
-    let fs = Ext2::open(
-        engine,
-        MountOptions {
-            journal: support::journals(),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let fs = Ext2::open(engine, support::options()).unwrap();
     if journal {
         fs.create_journal(1024).unwrap();
     }

@@ -45,14 +45,7 @@ fn remount(dev: &MemDevice, fs: Ext2) -> (Arc<MemDevice>, Ext2) {
     fs.unmount().unwrap();
     let dev = Arc::new(MemDevice::from_bytes(dev.block_size(), &dev.to_vec()).unwrap());
     let engine = Engine::new(dev.clone(), EngineOptions::default());
-    let fs = Ext2::open(
-        engine,
-        MountOptions {
-            journal: support::journals(),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let fs = Ext2::open(engine, support::options()).unwrap();
     (dev, fs)
 }
 

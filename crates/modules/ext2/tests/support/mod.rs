@@ -35,3 +35,11 @@ impl JournalStarter for Jbd {
 pub fn journals() -> Option<Journals> {
     Some(Journals(Arc::new(Jbd)))
 }
+
+/// Default mount options with the journal starter (what most tests mount with).
+pub fn options() -> quilt_ext2::MountOptions {
+    quilt_ext2::MountOptions {
+        journal: journals(),
+        ..Default::default()
+    }
+}
