@@ -13,10 +13,12 @@ use std::fmt;
 
 pub mod acl;
 pub mod batch;
+mod ioerr;
 mod op;
 pub mod rules;
 
 pub use batch::{BatchError, Gate};
+pub use ioerr::IoError;
 pub use op::{FsOp, FsReply, InoGrant, WireError};
 
 pub type Ino = u64;
@@ -237,9 +239,9 @@ pub enum FsError {
     /// The image is damaged where this operation looked; the message says where.
     #[error("file system corrupted: {0}")]
     Corrupt(String),
-    /// The device or the patch layer failed.
+    /// The device or the patch layer failed; the [`IoError`] keeps the error that did.
     #[error("I/O error: {0}")]
-    Io(String),
+    Io(IoError),
     /// A patchgroup rule was broken; `errno` is what the caller sees.
     #[error("{what}")]
     Patchgroup { errno: i32, what: String },
@@ -303,7 +305,7 @@ impl FsError {
             libc::ESTALE => FsError::Stale,
             libc::ENXIO => FsError::NoData,
             libc::EIO => FsError::Io("EIO".into()),
-            other => FsError::Io(format!("errno {other}")),
+            other => FsError::Io(format!("errno {other}").into()),
         }
     }
 }

@@ -305,7 +305,7 @@ impl From<WireError> for FsError {
     /// The variant the errno stands for; a message-carrying kind keeps the message.
     fn from(w: WireError) -> FsError {
         match FsError::from_errno(w.errno) {
-            FsError::Io(_) => FsError::Io(w.message),
+            FsError::Io(_) => FsError::Io(w.message.into()),
             e => e,
         }
     }

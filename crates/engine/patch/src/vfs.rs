@@ -34,7 +34,10 @@ impl From<PatchError> for FsError {
                 format!("block {block} is beyond the device ({count} blocks)"),
             ),
             PatchError::Damaged(m) => FsError::Corrupt(m),
-            e => FsError::Io(e.to_string()),
+            // The device's own error as the cause (`Block` is transparent: through the
+            // patch error, a search of the causes would not find it).
+            PatchError::Block(e) => FsError::Io(quilt_vfs::IoError::caused_by(e)),
+            e => FsError::Io(quilt_vfs::IoError::caused_by(e)),
         }
     }
 }

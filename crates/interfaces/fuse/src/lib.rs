@@ -129,10 +129,30 @@ struct Adapter<F: KernelFs> {
 }
 
 fn errno(e: FsError) -> i32 {
-    if let FsError::Corrupt(m) | FsError::Io(m) = &e {
-        tracing::error!("{e}: {m}");
+    match &e {
+        FsError::Corrupt(_) => tracing::error!("{e}"),
+        FsError::Io(io) => tracing::error!("{e}{}", causes(io)),
+        _ => {}
     }
     e.errno()
+}
+
+/// The causes below an I/O failure's message that it does not already show, as
+/// `: cause: cause...` (a device's `io::Error` under the block layer's message).
+fn causes(io: &quilt_vfs::IoError) -> String {
+    let mut out = String::new();
+    let mut shown = io.message().to_string();
+    let mut next = io.cause().map(|c| c as &(dyn std::error::Error + 'static));
+    while let Some(c) = next {
+        let text = c.to_string();
+        if !shown.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+            shown.push_str(&text);
+        }
+        next = c.source();
+    }
+    out
 }
 
 fn wire_attr(a: &Attr, inos: Inos) -> WireAttr {

@@ -18,6 +18,21 @@ pub fn crc_ok(computed: u32, stored: u32) -> bool {
     cfg!(fuzzing) || computed == stored
 }
 
+/// `Ok` when the checksum `stored` with `what` matches the one its bytes give
+/// (`computed`), a [`Error::Checksum`] with both values when not (see `crc_ok`).
+#[inline]
+pub fn verify(computed: u32, stored: u32, what: impl FnOnce() -> String) -> crate::Result<()> {
+    if crc_ok(computed, stored) {
+        Ok(())
+    } else {
+        Err(Error::Checksum {
+            what: what(),
+            stored,
+            computed,
+        })
+    }
+}
+
 /// Orders keys exactly as `<[u8]>::cmp` does, but compares their first eight bytes as
 /// one big-endian word first. Random keys nearly always differ there, which spares the
 /// call to `memcmp` that a slice comparison makes (scans and basement reads compare a

@@ -8,7 +8,7 @@
 //! damaged or zeroed newest slot is then read from the mirror instead of silently
 //! falling back to the checkpoint before it.
 
-use crate::codec::{crc32c, crc_ok, Reader, Writer};
+use crate::codec::{crc32c, crc_ok, verify, Reader, Writer};
 use crate::node::NodeId;
 use crate::{Error, Result};
 use quilt_block::BlockNo;
@@ -173,12 +173,9 @@ impl Header {
         let len = r.pos();
         let mut copy = b[..len].to_vec();
         copy[12..16].fill(0);
-        if !crc_ok(crc32c(&[&copy]), crc) {
-            return Err(Error::Corrupt(format!(
-                "header of generation {}: checksum mismatch",
-                h.generation
-            )));
-        }
+        verify(crc32c(&[&copy]), crc, || {
+            format!("header of generation {}", h.generation)
+        })?;
         // Counters that only ever grow by one per checkpoint, node, batch or log block:
         // nowhere near this after any life a tree can have, and refused so that the
         // increments after them cannot overflow (the fuzzer found such headers).
@@ -275,11 +272,9 @@ pub fn decode_table(b: &[u8], want_crc: u32) -> Result<(TableEntries, TableRefs,
     if version >= 3 {
         bases = read_extents(&mut r, "base extents")?;
     }
-    if !crc_ok(crc32c(&[&b[..r.pos()]]), want_crc) {
-        return Err(Error::Corrupt(
-            "block translation table: checksum mismatch".into(),
-        ));
-    }
+    verify(crc32c(&[&b[..r.pos()]]), want_crc, || {
+        "block translation table".to_string()
+    })?;
     Ok((out, refs, bases))
 }
 
@@ -428,7 +423,7 @@ mod tests {
             },
         ] {
             assert!(
-                matches!(Header::decode(&h.encode(4096)), Err(Error::Corrupt(_))),
+                Header::decode(&h.encode(4096)).is_err_and(|e| e.is_damage()),
                 "{h:?}"
             );
         }

@@ -70,6 +70,15 @@ pub enum Error {
     /// An on-disk structure failed its checks (magic, version, checksum, bounds).
     #[error("damaged tree image: {0}")]
     Corrupt(String),
+    /// A structure's stored checksum is not the one its bytes give (a torn or damaged
+    /// write, a flipped bit): both values, for a report that can tell a zeroed block
+    /// (stored 0) from a stale one.
+    #[error("damaged tree image: {what}: checksum mismatch (stored {stored:#010x}, computed {computed:#010x})")]
+    Checksum {
+        what: String,
+        stored: u32,
+        computed: u32,
+    },
     #[error("the device holds no Bε-tree (no header in block 0 or 1)")]
     NotFormatted,
     #[error("invalid request: {0}")]
@@ -81,6 +90,31 @@ pub enum Error {
     /// An earlier failure left the in-memory tree unusable; reopen the device.
     #[error("the tree stopped after an earlier failure ({0}); reopen it to recover")]
     Failed(String),
+}
+
+impl Error {
+    /// Whether the error says the image is damaged (a failed check or checksum), as
+    /// against the device failing or the tree refusing a request.
+    pub fn is_damage(&self) -> bool {
+        matches!(self, Error::Corrupt(_) | Error::Checksum { .. })
+    }
+
+    /// The same damage, said of `whose` (a node named in front of a part's message).
+    pub(crate) fn within(self, whose: &str) -> Error {
+        match self {
+            Error::Corrupt(m) => Error::Corrupt(format!("{whose}: {m}")),
+            Error::Checksum {
+                what,
+                stored,
+                computed,
+            } => Error::Checksum {
+                what: format!("{whose}: {what}"),
+                stored,
+                computed,
+            },
+            e => e,
+        }
+    }
 }
 
 impl From<quilt_block::BlockError> for Error {

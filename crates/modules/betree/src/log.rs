@@ -12,7 +12,7 @@
 use crate::codec::{crc32c, crc_ok, Reader, Writer};
 use crate::format::{LogBlock, LOG_HDR};
 use crate::msg::Msn;
-use crate::{Error, Op, Result};
+use crate::{Op, Result};
 use quilt_block::BlockNo;
 use quilt_patch::{ChangeOpts, Engine, PatchId};
 
@@ -316,7 +316,7 @@ pub fn records(stream: &[u8]) -> Result<Vec<Replayed>> {
         let n = p.u32()? as usize;
         let ops = match decode_ops(&mut p, n) {
             Ok(ops) => ops,
-            Err(Error::Corrupt(_)) => break,
+            Err(e) if e.is_damage() => break,
             Err(e) => return Err(e),
         };
         out.push(Replayed { msn, ops });

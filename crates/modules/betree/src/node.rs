@@ -18,7 +18,7 @@
 //!   delta has room writes the delta alone at the next checkpoint, not the whole node
 //!   (see `Delta`).
 
-use crate::codec::{crc32c, crc_ok, key_cmp, key_prefix, Reader, Writer};
+use crate::codec::{crc32c, key_cmp, key_prefix, verify, Reader, Writer};
 pub use crate::entries::Entries;
 use crate::format::Extent;
 use crate::lift::Lift;
@@ -565,20 +565,15 @@ pub fn decode_delta_runs(body: &[u8], at: &DeltaRef, id: NodeId) -> Result<Buffe
         let bytes = body
             .get(from..from + run.len as usize)
             .ok_or_else(|| Error::Corrupt(format!("node {id}: delta run past its extent")))?;
-        if !crc_ok(crc32c(&[bytes]), run.crc) {
-            return Err(Error::Corrupt(format!(
-                "node {id}: delta checksum mismatch"
-            )));
-        }
+        verify(crc32c(&[bytes]), run.crc, || format!("node {id}: delta"))?;
         let mut r = Reader::new(bytes, "delta run");
         let p = Points::decode(&mut r, run.groups as usize)?;
         if r.remaining() != 0 || p.groups_len() == 0 {
             return Err(Error::Corrupt(format!("node {id}: delta run length")));
         }
-        points.append(p).map_err(|e| match e {
-            Error::Corrupt(m) => Error::Corrupt(format!("node {id}: {m}")),
-            e => e,
-        })?;
+        points
+            .append(p)
+            .map_err(|e| e.within(&format!("node {id}")))?;
     }
     Ok(Buffer {
         points,
@@ -595,25 +590,14 @@ pub fn run_lookup(
     id: NodeId,
     key: &[u8],
 ) -> Result<Vec<(Msn, Msg)>> {
-    if !crc_ok(crc32c(&[bytes]), crc) {
-        return Err(Error::Corrupt(format!(
-            "node {id}: message run checksum mismatch"
-        )));
-    }
-    Points::lookup_encoded(bytes, groups as usize, key).map_err(|e| match e {
-        Error::Corrupt(m) => Error::Corrupt(format!("node {id}: {m}")),
-        e => e,
-    })
+    verify(crc32c(&[bytes]), crc, || format!("node {id}: message run"))?;
+    Points::lookup_encoded(bytes, groups as usize, key).map_err(|e| e.within(&format!("node {id}")))
 }
 
 /// Whether one of the range deletes in a buffer's head (read from disk, checksum
 /// verified) covers `key`.
 pub fn head_covers(head: &[u8], crc: u32, id: NodeId, key: &[u8]) -> Result<bool> {
-    if !crc_ok(crc32c(&[head]), crc) {
-        return Err(Error::Corrupt(format!(
-            "node {id}: buffer checksum mismatch"
-        )));
-    }
+    verify(crc32c(&[head]), crc, || format!("node {id}: buffer"))?;
     let mut r = Reader::new(head, "message buffer");
     let covered = read_ranges(&mut r)?.iter().any(|x| x.covers(key));
     r.u32()?; // the message count
@@ -924,30 +908,28 @@ fn get_msg(r: &mut Reader) -> Result<(Msn, Msg)> {
 /// 4, of its head and each run after (`decode_internal` checked that the runs follow
 /// the head and one another to the buffer's end).
 fn check_buffer(body: &[u8], at: &BufferRef, id: NodeId) -> Result<()> {
-    let bad = || {
-        Err(Error::Corrupt(format!(
-            "node {id}: buffer checksum mismatch"
-        )))
-    };
+    let what = || format!("node {id}: buffer");
     let Some(first) = at.runs.first() else {
-        return if crc_ok(crc32c(&[body]), at.crc) {
-            Ok(())
-        } else {
-            bad()
-        };
+        return verify(crc32c(&[body]), at.crc, what);
     };
     let part = |offset: u32, len: u32| {
         let from = offset.wrapping_sub(at.offset) as usize;
         body.get(from..from.saturating_add(len as usize))
     };
-    let head = part(at.offset, first.offset.saturating_sub(at.offset));
-    if head.is_none_or(|h| !crc_ok(crc32c(&[h]), at.crc)) {
-        return bad();
-    }
+    let outside = || {
+        Err(Error::Corrupt(format!(
+            "node {id}: a buffer run past its extent"
+        )))
+    };
+    let Some(head) = part(at.offset, first.offset.saturating_sub(at.offset)) else {
+        return outside();
+    };
+    verify(crc32c(&[head]), at.crc, what)?;
     for (_, run) in at.runs.iter() {
-        if part(run.offset, run.len).is_none_or(|b| !crc_ok(crc32c(&[b]), run.crc)) {
-            return bad();
-        }
+        let Some(b) = part(run.offset, run.len) else {
+            return outside();
+        };
+        verify(crc32c(&[b]), run.crc, || format!("node {id}: buffer run"))?;
     }
     Ok(())
 }
@@ -1423,10 +1405,7 @@ fn check_section(sec: &[u8], id: NodeId) -> Result<()> {
     let mut copy = sec.to_vec();
     let want = u32::from_le_bytes(copy[CRC_AT..CRC_AT + 4].try_into().expect("4 bytes"));
     copy[CRC_AT..CRC_AT + 4].fill(0);
-    if !crc_ok(crc32c(&[&copy]), want) {
-        return Err(Error::Corrupt(format!("node {id}: checksum mismatch")));
-    }
-    Ok(())
+    verify(crc32c(&[&copy]), want, || format!("node {id}"))
 }
 
 /// Decodes an internal node's section (checksum verified): children, pivots, and where
@@ -1532,15 +1511,8 @@ pub fn decode_leaf_index(sec: &[u8], id: NodeId, extent_bytes: usize) -> Result<
 
 /// Decodes one basement's entries (checksum verified).
 pub fn decode_basement(body: &[u8], b: &BasementRef, id: NodeId) -> Result<Entries> {
-    if !crc_ok(crc32c(&[body]), b.crc) {
-        return Err(Error::Corrupt(format!(
-            "node {id}: basement checksum mismatch"
-        )));
-    }
-    Entries::from_body(body.to_vec(), b.count as usize).map_err(|e| match e {
-        Error::Corrupt(m) => Error::Corrupt(format!("node {id}: {m}")),
-        e => e,
-    })
+    verify(crc32c(&[body]), b.crc, || format!("node {id}: basement"))?;
+    Entries::from_body(body.to_vec(), b.count as usize).map_err(|e| e.within(&format!("node {id}")))
 }
 
 /// The basement of `index` that holds `key`.
@@ -1635,19 +1607,25 @@ mod tests {
         let b = &bad[run.offset as usize..(run.offset + run.len) as usize];
         assert!(matches!(
             run_lookup(b, run.groups, run.crc, 3, lo),
-            Err(Error::Corrupt(_))
+            Err(Error::Checksum { .. })
         ));
         let body = &bad[at.offset as usize..(at.offset + at.len) as usize];
-        assert!(matches!(decode_buffer(body, at, 3), Err(Error::Corrupt(_))));
+        assert!(matches!(
+            decode_buffer(body, at, 3),
+            Err(Error::Checksum { .. })
+        ));
         let mut bad = bytes.clone();
         bad[at.offset as usize + 6] ^= 1;
         let head = &bad[at.offset as usize..at.runs.first().unwrap().offset as usize];
         assert!(matches!(
             head_covers(head, at.crc, 3, b"x"),
-            Err(Error::Corrupt(_))
+            Err(Error::Checksum { .. })
         ));
         let body = &bad[at.offset as usize..(at.offset + at.len) as usize];
-        assert!(matches!(decode_buffer(body, at, 3), Err(Error::Corrupt(_))));
+        assert!(matches!(
+            decode_buffer(body, at, 3),
+            Err(Error::Checksum { .. })
+        ));
     }
 
     /// `basement_for` (prefixes first) picks the basement a linear walk picks, with

@@ -80,7 +80,12 @@ fn corrupting_any_used_block_never_panics() {
             }
             match exercise(&bad) {
                 Ok(_) => fine += 1,
-                Err(Error::Corrupt(_) | Error::NotFormatted | Error::Failed(_)) => errors += 1,
+                Err(
+                    Error::Corrupt(_)
+                    | Error::Checksum { .. }
+                    | Error::NotFormatted
+                    | Error::Failed(_),
+                ) => errors += 1,
                 Err(e) => panic!("block {b}, round {round}: unexpected error kind: {e}"),
             }
         }
@@ -281,7 +286,7 @@ fn a_damaged_node_is_a_typed_error_and_other_reads_go_on() {
         bad[at + 40] ^= 0xff;
         let dev = Arc::new(MemDevice::from_bytes(BS, &bad).unwrap());
         let t = match Tree::open(dev, opts()) {
-            Err(Error::Corrupt(_)) => continue, // the table or a node the open reads
+            Err(e) if e.is_damage() => continue, // the table or a node the open reads
             Err(e) => panic!("block {b}: unexpected error: {e}"),
             Ok(t) => t,
         };
@@ -289,7 +294,7 @@ fn a_damaged_node_is_a_typed_error_and_other_reads_go_on() {
         for k in &keys {
             match t.get(k) {
                 Ok(_) => ok += 1,
-                Err(Error::Corrupt(_)) => corrupt += 1,
+                Err(e) if e.is_damage() => corrupt += 1,
                 Err(e) => panic!("block {b}: unexpected error: {e}"),
             }
         }

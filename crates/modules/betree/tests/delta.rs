@@ -4,7 +4,7 @@
 //! queries, scans in both directions and further flushes), and a damaged delta is a
 //! typed error.
 
-use quilt_betree::{Batch, Error, Op, Options, Tree};
+use quilt_betree::{Batch, Op, Options, Tree};
 use quilt_block::{BlockDevice, MemDevice, WriteClass};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -169,7 +169,7 @@ fn a_damaged_delta_is_a_typed_error() {
             let t = match Tree::open(d, opts()) {
                 Ok(t) => t,
                 Err(e) => {
-                    assert!(matches!(e, Error::Corrupt(_)), "open: {e:?}");
+                    assert!(e.is_damage(), "open: {e:?}");
                     errors += 1;
                     continue;
                 }
@@ -180,13 +180,13 @@ fn a_damaged_delta_is_a_typed_error() {
                     Ok(got) => {
                         assert_eq!(got.as_ref(), Some(v), "a damaged delta gave a wrong value")
                     }
-                    Err(Error::Corrupt(_)) => errors += 1,
+                    Err(e) if e.is_damage() => errors += 1,
                     Err(e) => panic!("untyped error {e:?}"),
                 }
             }
             for e in t.range(b"", None) {
                 if let Err(e) = e {
-                    assert!(matches!(e, Error::Corrupt(_)), "scan: {e:?}");
+                    assert!(e.is_damage(), "scan: {e:?}");
                     break;
                 }
             }

@@ -287,8 +287,10 @@ struct Flusher {
 pub(crate) fn io(e: quilt_betree::Error) -> FsError {
     match e {
         quilt_betree::Error::Corrupt(m) => FsError::Corrupt(m),
+        e @ quilt_betree::Error::Checksum { .. } => FsError::Corrupt(e.to_string()),
         quilt_betree::Error::Full(_) => FsError::NoSpace,
-        e => FsError::Io(e.to_string()),
+        quilt_betree::Error::Patch(e) => e.into(),
+        e => FsError::Io(quilt_vfs::IoError::caused_by(e)),
     }
 }
 
@@ -536,9 +538,9 @@ impl Betrfs {
             return Err(FsError::ReadOnly);
         }
         if let Some(f) = &st.failed {
-            return Err(FsError::Io(format!(
-                "the file system stopped after a failure: {f}"
-            )));
+            return Err(FsError::Io(
+                format!("the file system stopped after a failure: {f}").into(),
+            ));
         }
         Ok(())
     }
@@ -605,7 +607,7 @@ impl Betrfs {
             Err(quilt_betree::Error::Invalid(m)) => {
                 tracing::error!("betrfs: the tree refused a batch: {m}");
                 st.failed = Some(m.clone());
-                Err(FsError::Io(m))
+                Err(FsError::Io(m.into()))
             }
             // Refused before anything was logged (a checkpoint the log needed found no
             // room): the tree and the state are as they were.
@@ -651,9 +653,10 @@ impl Betrfs {
     /// an error: what the cache holds may be ahead of the tree, and is never served.
     pub(crate) fn node<'a>(&self, st: &'a mut State, ino: u64) -> Result<&'a Node> {
         if let Some(f) = &st.failed {
-            return Err(FsError::Io(format!(
-                "the file system stopped after a failure: {f}; unmount and mount it again"
-            )));
+            return Err(FsError::Io(
+                format!("the file system stopped after a failure: {f}; unmount and mount it again")
+                    .into(),
+            ));
         }
         st.fresh(ino).map(|n| &*n).ok_or(FsError::Stale)
     }
@@ -1185,7 +1188,10 @@ impl FileSystem for Betrfs {
                     let m = format!("a batch could not be logged: {e}");
                     tracing::error!("betrfs: {m}");
                     self.lock().failed = Some(m.clone());
-                    Err(BatchError::at(ops.len().saturating_sub(1), FsError::Io(m)))
+                    Err(BatchError::at(
+                        ops.len().saturating_sub(1),
+                        FsError::Io(m.into()),
+                    ))
                 }
             },
             Err(e) => {

@@ -73,7 +73,7 @@ pub fn fsck(dev: Arc<dyn BlockDevice>, repair: bool) -> Result<Report> {
         if repair {
             fs.tree()
                 .repair_headers()
-                .map_err(|e| FsError::Io(e.to_string()))?;
+                .map_err(|e| FsError::Io(quilt_vfs::IoError::caused_by(e)))?;
             report.fixed.extend(damage);
         } else {
             report.problems.extend(damage);
@@ -87,7 +87,7 @@ pub fn fsck(dev: Arc<dyn BlockDevice>, repair: bool) -> Result<Report> {
     if repair && !fixes.ops.is_empty() {
         fs.tree()
             .write(fixes)
-            .map_err(|e| FsError::Io(e.to_string()))?;
+            .map_err(|e| FsError::Io(quilt_vfs::IoError::caused_by(e)))?;
         report.fixed.append(&mut report.problems);
         // What could not be fixed stays a problem: check again.
         let mut again = Report::default();

@@ -81,10 +81,12 @@ pub fn tree_options(block_size: usize, blocks: u64) -> Options {
 fn tree_error(e: quilt_betree::Error) -> FsError {
     match e {
         quilt_betree::Error::Corrupt(m) => FsError::Corrupt(m),
+        e @ quilt_betree::Error::Checksum { .. } => FsError::Corrupt(e.to_string()),
         quilt_betree::Error::NotFormatted => {
             FsError::Corrupt("not a betrfs image (no Bε-tree header)".into())
         }
-        e => FsError::Io(e.to_string()),
+        quilt_betree::Error::Patch(e) => e.into(),
+        e => FsError::Io(quilt_vfs::IoError::caused_by(e)),
     }
 }
 

@@ -95,7 +95,10 @@ impl Ext2 {
         // not the batch's; what goes wrong in it comes back as the batch's answer.
         tracing::subscriber::with_default(tracing::subscriber::NoSubscriber::default(), || {
             let setup = |e: FsError| {
-                BatchError::at(0, FsError::Io(format!("the batch's trial mount: {e}")))
+                BatchError::at(
+                    0,
+                    FsError::Io(quilt_vfs::IoError::context("the batch's trial mount", e)),
+                )
             };
             let trial =
                 Ext2::open(Engine::new(home, EngineOptions::default()), opts).map_err(setup)?;

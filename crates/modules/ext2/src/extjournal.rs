@@ -29,7 +29,7 @@ pub fn jsb_block(bs: u32) -> u64 {
 }
 
 fn dev_err(e: quilt_block::BlockError) -> FsError {
-    FsError::Io(e.to_string())
+    FsError::Io(quilt_vfs::IoError::caused_by(e))
 }
 
 /// Whether the superblock names an external journal.

@@ -501,7 +501,7 @@ impl Ext2 {
                     .map_err(|e| match e {
                         quilt_patch::PatchError::Block(
                             e @ quilt_block::BlockError::NoSpace { .. },
-                        ) => FsError::Io(e.to_string()),
+                        ) => FsError::Io(quilt_vfs::IoError::caused_by(e)),
                         e => Self::io(e),
                     })?;
             }

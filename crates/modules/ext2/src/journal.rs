@@ -39,12 +39,14 @@ pub(crate) fn jerr(e: quilt_journal::JournalError) -> FsError {
     match e {
         quilt_journal::JournalError::Corrupt(m) => FsError::Corrupt(m),
         quilt_journal::JournalError::Unsupported(m) => FsError::Corrupt(m),
-        e => FsError::Io(e.to_string()),
+        quilt_journal::JournalError::Block(e) => FsError::Io(quilt_vfs::IoError::caused_by(e)),
+        quilt_journal::JournalError::Patch(e) => e.into(),
+        e => FsError::Io(quilt_vfs::IoError::caused_by(e)),
     }
 }
 
 fn dev_err(e: quilt_block::BlockError) -> FsError {
-    FsError::Io(e.to_string())
+    FsError::Io(quilt_vfs::IoError::caused_by(e))
 }
 
 /// Reads the superblock straight from the device.

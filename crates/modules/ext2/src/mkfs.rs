@@ -126,7 +126,7 @@ fn set_bit(b: &mut [u8], i: u32) {
 /// Writes a fresh file system onto the engine's device and makes it durable. Returns the
 /// superblock written.
 pub fn mkfs(engine: &Engine, opts: &MkfsOptions) -> Result<Superblock, FsError> {
-    let io = |e: quilt_patch::PatchError| FsError::Io(e.to_string());
+    let io = FsError::from;
     let bs = engine.block_size() as u32;
     let Layout { mut sb, groups } = layout(engine.block_count(), bs, opts, random_uuid())?;
     let now = quilt_vfs::Timespec::now();

@@ -9,69 +9,16 @@ use quilt_block::{BlockDevice, BlockDeviceExt, LogEntry, MemDevice, RecordingLog
 use quilt_vfs::{Ctx, FileSystem, FsError, FsOp, FsReply, Ino};
 use std::sync::Arc;
 
-#[derive(Clone, Copy, Debug)]
-enum Kind {
-    Ext2(quilt_ext2::Mode),
-    Betrfs,
-}
+#[path = "support/modules.rs"]
+mod modules;
+
+use modules::{mkfs, mount, unmount, Kind};
 
 const KINDS: [Kind; 3] = [
     Kind::Betrfs,
     Kind::Ext2(quilt_ext2::Mode::MetaJournal),
     Kind::Ext2(quilt_ext2::Mode::FullJournal),
 ];
-
-fn mkfs(kind: Kind) -> Arc<MemDevice> {
-    let dev = Arc::new(MemDevice::new(4096, 16384).unwrap());
-    match kind {
-        Kind::Ext2(_) => {
-            let (engine, _) = quilt_stack::mkfs_ext2(
-                dev.clone(),
-                Default::default(),
-                &quilt_ext2::MkfsOptions {
-                    device_is_zeroed: true,
-                    inodes: Some(2048),
-                    ..Default::default()
-                },
-            )
-            .unwrap();
-            quilt_stack::add_journal(engine, 2048, false).unwrap();
-        }
-        Kind::Betrfs => quilt_stack::mkfs_betrfs(dev.clone()).unwrap(),
-    }
-    dev
-}
-
-fn mount(kind: Kind, dev: Arc<dyn quilt_block::BlockDevice>) -> Box<dyn FileSystem> {
-    match kind {
-        Kind::Ext2(mode) => Box::new(
-            quilt_stack::ext2(
-                dev,
-                quilt_stack::Ext2Spec::mount(quilt_ext2::MountOptions {
-                    mode,
-                    ..Default::default()
-                }),
-            )
-            .unwrap(),
-        ),
-        Kind::Betrfs => Box::new(
-            quilt_stack::betrfs(
-                dev,
-                quilt_betrfs::MountOptions {
-                    commit_interval: None,
-                    ..Default::default()
-                },
-            )
-            .unwrap(),
-        ),
-    }
-}
-
-fn unmount(kind: Kind, fs: Box<dyn FileSystem>) {
-    fs.sync_all().unwrap();
-    drop(fs);
-    let _ = kind;
-}
 
 /// A subtree made under granted numbers, as a client's journal would carry it: a
 /// directory, files and a symlink in it, a rename and an unlink among them.
@@ -220,7 +167,7 @@ fn a_batch_applies_whole_and_a_failing_one_leaves_nothing() {
             .mknod(grant[0], b"later", libc::S_IFREG | 0o644, 0, &c)
             .unwrap();
         fs.write(f.ino, 0, b"data", &c).unwrap();
-        unmount(kind, fs);
+        unmount(fs);
         let fs = mount(kind, dev.clone());
         let d = fs.lookup(fs.root(), b"top").unwrap();
         assert_eq!(d.ino, grant[0], "{kind:?}: the number survives a remount");
@@ -228,7 +175,7 @@ fn a_batch_applies_whole_and_a_failing_one_leaves_nothing() {
         want.push(b"later".to_vec());
         want.sort();
         assert_eq!(names_in(&*fs, grant[0]), want, "{kind:?} after a remount");
-        unmount(kind, fs);
+        unmount(fs);
     }
 }
 
@@ -427,4 +374,157 @@ fn ext2_refuses_a_batch_larger_than_one_transaction_and_goes_on() {
     fs.apply_batch(&ops[..100], &c).unwrap();
     assert!(fs.lookup(root, b"d99").is_ok());
     fs.mkdir(root, b"after", 0o755, &c).unwrap();
+}
+
+/// A device that, once armed, fails the second read of a chosen block: an ext2 batch's
+/// trial mount reads the block once, so the live mount's read of it fails, as a disk
+/// that went away between the trial and the real run would. Unarmed, it logs what is
+/// read (to choose the block).
+struct FailsRereads {
+    inner: Arc<MemDevice>,
+    armed: std::sync::atomic::AtomicBool,
+    log: std::sync::Mutex<Vec<u64>>,
+    target: std::sync::Mutex<std::collections::HashSet<u64>>,
+    seen: std::sync::Mutex<std::collections::HashSet<u64>>,
+}
+
+impl BlockDevice for FailsRereads {
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+    fn block_count(&self) -> u64 {
+        self.inner.block_count()
+    }
+    fn read(&self, block: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
+        self.log.lock().unwrap().push(block);
+        if self.armed.load(std::sync::atomic::Ordering::SeqCst)
+            && self.target.lock().unwrap().contains(&block)
+            && !self.seen.lock().unwrap().insert(block)
+        {
+            return Err(quilt_block::BlockError::Unavailable {
+                what: format!("block {block}"),
+                why: "the test disk went away".into(),
+            });
+        }
+        self.inner.read(block, buf)
+    }
+    fn read_blocks(&self, first: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
+        quilt_block::read_each(self, first, buf)
+    }
+    fn write(
+        &self,
+        block: u64,
+        buf: &[u8],
+        class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
+        self.inner.write(block, buf, class)
+    }
+    fn write_blocks(
+        &self,
+        first: u64,
+        buf: &[u8],
+        class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
+        quilt_block::write_each(self, first, buf, class)
+    }
+    fn flush(&self) -> quilt_block::Result<()> {
+        self.inner.flush()
+    }
+    fn stats(&self) -> quilt_block::IoStats {
+        self.inner.stats()
+    }
+    fn capabilities(&self) -> quilt_block::Capabilities<'_> {
+        Default::default()
+    }
+}
+
+/// ext2's last resort: an operation that fails for real after the batch passed its trial
+/// (here a read error) aborts the journal. The error names the operation and keeps the
+/// device's error as its cause; the mount takes no more changes; and the image, mounted
+/// again, holds nothing of the batch (not even the operations before the failing one,
+/// which had been applied in memory) and passes e2fsck.
+#[test]
+fn ext2_aborts_the_journal_when_a_batch_fails_after_its_trial() {
+    let c = Ctx::root();
+    for mode in [quilt_ext2::Mode::MetaJournal, quilt_ext2::Mode::FullJournal] {
+        let kind = Kind::Ext2(mode);
+        let inner = mkfs(kind);
+        let fs = mount(kind, inner.clone());
+        let d = fs.mkdir(fs.root(), b"d", 0o755, &c).unwrap();
+        fs.mknod(d.ino, b"old", libc::S_IFREG | 0o644, 0, &c)
+            .unwrap();
+        unmount(fs);
+
+        let dev = Arc::new(FailsRereads {
+            inner: inner.clone(),
+            armed: false.into(),
+            log: Default::default(),
+            target: Default::default(),
+            seen: Default::default(),
+        });
+        // The blocks a listing of `d` reads after its lookup: its directory block.
+        let fs = mount(kind, dev.clone());
+        let d = fs.lookup(fs.root(), b"d").unwrap().ino;
+        dev.log.lock().unwrap().clear();
+        assert_eq!(names_in(&*fs, d), vec![b"old".to_vec()]);
+        let listed: Vec<u64> = std::mem::take(&mut *dev.log.lock().unwrap());
+        assert!(!listed.is_empty(), "{mode:?}: listing d read nothing");
+        dev.target.lock().unwrap().extend(listed);
+        unmount(fs);
+
+        // The batch's first operation needs only what is cached or fresh; its second
+        // reads `d`'s block, which the trial read first.
+        let fs = mount(kind, dev.clone());
+        let root = fs.root();
+        let d = fs.lookup(root, b"d").unwrap().ino;
+        dev.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+
+        let ops = vec![
+            FsOp::Mkdir {
+                parent: root,
+                name: b"newtop".to_vec(),
+                mode: 0o755,
+                ino: None,
+            },
+            FsOp::Mknod {
+                parent: d,
+                name: b"new".to_vec(),
+                mode: libc::S_IFREG | 0o644,
+                rdev: 0,
+                ino: None,
+            },
+        ];
+        let e = fs.apply_batch(&ops, &c).unwrap_err();
+        assert_eq!(e.index, 1, "{mode:?}: {e}");
+        let FsError::Io(io) = &e.error else {
+            panic!("{mode:?}: not an I/O error: {e}");
+        };
+        assert!(
+            matches!(
+                io.find::<quilt_block::BlockError>(),
+                Some(quilt_block::BlockError::Unavailable { .. })
+            ),
+            "{mode:?}: the device's error is not kept as the cause: {io:?}"
+        );
+        assert!(
+            fs.mkdir(root, b"after", 0o755, &c).is_err(),
+            "{mode:?}: the mount went on taking changes after aborting its journal"
+        );
+        // Whatever commits now (a sync, the commit timer) must carry nothing of it.
+        let _ = fs.sync_all();
+        drop(fs);
+
+        let fs = mount(kind, inner.clone());
+        let root = fs.root();
+        assert_eq!(
+            fs.lookup(root, b"newtop").unwrap_err(),
+            FsError::NotFound,
+            "{mode:?}: the batch's first operation reached the disk"
+        );
+        assert_eq!(fs.lookup(root, b"after").unwrap_err(), FsError::NotFound);
+        let d = fs.lookup(root, b"d").unwrap().ino;
+        assert_eq!(names_in(&*fs, d), vec![b"old".to_vec()], "{mode:?}");
+        unmount(fs);
+        modules::check(kind, &inner);
+    }
 }

@@ -5,79 +5,12 @@
 //! and what was made under granted numbers is there, under them, after a remount, with
 //! the module's checker (e2fsck, betrfs fsck) clean.
 
-use quilt_block::{BlockDevice, MemDevice};
-use quilt_vfs::{Ctx, FileSystem, FsError, FsOp, FsReply, Ino, InoGrant};
-use std::sync::Arc;
+use quilt_vfs::{Ctx, FsError, FsOp, FsReply, Ino, InoGrant};
 
-enum Kind {
-    Ext2(quilt_ext2::Mode),
-    Betrfs,
-}
+#[path = "support/modules.rs"]
+mod modules;
 
-fn mkfs(kind: &Kind) -> Arc<MemDevice> {
-    let dev = Arc::new(MemDevice::new(4096, 16384).unwrap());
-    match kind {
-        Kind::Ext2(_) => {
-            let (engine, _) = quilt_stack::mkfs_ext2(
-                dev.clone(),
-                Default::default(),
-                &quilt_ext2::MkfsOptions {
-                    device_is_zeroed: true,
-                    inodes: Some(2048),
-                    ..Default::default()
-                },
-            )
-            .unwrap();
-            if let Kind::Ext2(m) = kind {
-                if m.is_journal() {
-                    quilt_stack::add_journal(engine, 1024, false).unwrap();
-                }
-            }
-        }
-        Kind::Betrfs => quilt_stack::mkfs_betrfs(dev.clone()).unwrap(),
-    }
-    dev
-}
-
-enum Mounted {
-    Ext2(Box<quilt_ext2::Ext2>),
-    Betrfs(Box<quilt_betrfs::Betrfs>),
-}
-
-impl std::ops::Deref for Mounted {
-    type Target = dyn FileSystem;
-    fn deref(&self) -> &Self::Target {
-        match self {
-            Mounted::Ext2(f) => &**f,
-            Mounted::Betrfs(f) => &**f,
-        }
-    }
-}
-
-fn mount(kind: &Kind, dev: &Arc<MemDevice>) -> Mounted {
-    match kind {
-        Kind::Ext2(mode) => Mounted::Ext2(Box::new(
-            quilt_stack::ext2(
-                dev.clone(),
-                quilt_stack::Ext2Spec::mount(quilt_ext2::MountOptions {
-                    mode: *mode,
-                    ..Default::default()
-                }),
-            )
-            .unwrap(),
-        )),
-        Kind::Betrfs => Mounted::Betrfs(Box::new(
-            quilt_stack::betrfs(dev.clone(), Default::default()).unwrap(),
-        )),
-    }
-}
-
-fn unmount(fs: Mounted) {
-    match fs {
-        Mounted::Ext2(f) => f.unmount().unwrap(),
-        Mounted::Betrfs(f) => f.unmount().unwrap(),
-    }
-}
+use modules::{check, mkfs, mount, unmount, Kind};
 
 fn attr_ino(r: Result<FsReply, FsError>) -> Ino {
     match r {
@@ -86,40 +19,9 @@ fn attr_ino(r: Result<FsReply, FsError>) -> Ino {
     }
 }
 
-fn check(kind: &Kind, dev: &Arc<MemDevice>) {
-    match kind {
-        Kind::Ext2(_) => {
-            let dir = tempfile::tempdir().unwrap();
-            let img = dir.path().join("img");
-            std::fs::write(&img, dev.to_vec()).unwrap();
-            let Ok(out) = std::process::Command::new("e2fsck")
-                .arg("-fn")
-                .arg(&img)
-                .output()
-            else {
-                assert!(
-                    std::env::var_os("QUILT_REQUIRE_E2FSCK").is_none(),
-                    "e2fsck is required"
-                );
-                return;
-            };
-            assert!(
-                out.status.success(),
-                "e2fsck: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Kind::Betrfs => {
-            let r = quilt_betrfs::fsck::fsck(dev.clone() as Arc<dyn BlockDevice>, false).unwrap();
-            assert_eq!(r.exit_code(), 0, "fsck: {:?}", r.problems);
-        }
-    }
-}
-
 fn granted_numbers_are_the_holders_alone(kind: Kind) {
-    let dev = mkfs(&kind);
-    let fs = mount(&kind, &dev);
+    let dev = mkfs(kind);
+    let fs = mount(kind, dev.clone());
     let c = Ctx::root();
     let root = fs.root();
     let g: InoGrant = fs.grant_inodes(64).unwrap();
@@ -219,9 +121,9 @@ fn granted_numbers_are_the_holders_alone(kind: Kind) {
     );
     made.push(n);
     unmount(fs);
-    check(&kind, &dev);
+    check(kind, &dev);
 
-    let fs = mount(&kind, &dev);
+    let fs = mount(kind, dev.clone());
     let d = fs.lookup(root, b"client").unwrap();
     assert_eq!(d.ino, made[0]);
     assert_eq!(fs.lookup(d.ino, b"a").unwrap().ino, made[1]);
@@ -249,7 +151,7 @@ fn granted_numbers_are_the_holders_alone(kind: Kind) {
         assert!(!made.contains(&a.ino), "{} reused", a.ino);
     }
     unmount(fs);
-    check(&kind, &dev);
+    check(kind, &dev);
 }
 
 #[test]

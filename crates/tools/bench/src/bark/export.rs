@@ -20,7 +20,7 @@ const ROOT: Ino = 1;
 
 fn io(e: quilt_block::BlockError) -> FsError {
     tracing::warn!("disk export: {e}");
-    FsError::Io(e.to_string())
+    FsError::Io(quilt_vfs::IoError::caused_by(e))
 }
 
 impl DiskExport {

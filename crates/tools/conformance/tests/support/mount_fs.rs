@@ -107,7 +107,7 @@ impl MountFs {
 
     fn attr(st: &libc::stat) -> Result<Attr> {
         let kind = FileType::from_mode(st.st_mode)
-            .ok_or_else(|| FsError::Io(format!("unknown file type {:o}", st.st_mode)))?;
+            .ok_or_else(|| FsError::Io(format!("unknown file type {:o}", st.st_mode).into()))?;
         Ok(Attr {
             ino: st.st_ino,
             kind,
@@ -137,13 +137,12 @@ impl MountFs {
             .expect("lock")
             .get(&ino)
             .cloned()
-            .ok_or_else(|| FsError::Io(format!("harness: inode {ino} was never seen")))?;
+            .ok_or_else(|| FsError::Io(format!("harness: inode {ino} was never seen").into()))?;
         match Self::lstat(&p) {
             Ok(st) if st.st_ino == ino => Ok((p, st)),
-            _ => Err(FsError::Io(format!(
-                "harness: {} no longer names inode {ino}",
-                p.display()
-            ))),
+            _ => Err(FsError::Io(
+                format!("harness: {} no longer names inode {ino}", p.display()).into(),
+            )),
         }
     }
 
