@@ -546,21 +546,44 @@ impl Tree {
 
     /// Applies a batch atomically (one log record). Not durable until `sync`.
     pub fn write(&self, batch: Batch) -> Result<()> {
+        if self.write_behind(batch)? {
+            self.catch_up()?;
+        }
+        Ok(())
+    }
+
+    /// [`Tree::write`] without its wait: applies and logs the batch, starts a checkpoint
+    /// if one is due, and answers whether the writer is too far ahead of the one in
+    /// flight. Then the writer owes the tree a [`Tree::catch_up`], which a caller with
+    /// locks of its own makes after letting them go, so that the wait (a checkpoint's
+    /// whole write-back) holds up no one else. Waits only when the log or the device has
+    /// no room for the batch without the checkpoint in flight (`stats().checkpoint_waits`
+    /// counts those).
+    pub fn write_behind(&self, batch: Batch) -> Result<bool> {
         let mut t = self.lock();
         t.write(batch.ops)?;
-        // Checkpoints write behind the caller; it waits only when it gets too far ahead
-        // of the one in flight, and then without the lock.
+        match t.maintain() {
+            Ok(owes) => Ok(owes.is_some()),
+            // The batch is in; see `catch_up`.
+            Err(Error::Full(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Waits, without the tree's lock, until writers are no longer too far ahead of the
+    /// checkpoint in flight (after [`Tree::write_behind`] answered `true`).
+    pub fn catch_up(&self) -> Result<()> {
         loop {
+            let mut t = self.lock();
             match t.maintain() {
                 Ok(Some(done)) => {
                     drop(t);
                     let _ = done.wait();
-                    t = self.lock();
                 }
                 Ok(None) => return Ok(()),
-                // The batch is in. A checkpoint that found no room left the tree as it
-                // was (its nodes dirty again); what needs room next is refused
-                // (`space`), and a compaction or a later checkpoint catches up.
+                // A checkpoint that found no room left the tree as it was (its nodes
+                // dirty again); what needs room next is refused (`space`), and a
+                // compaction or a later checkpoint catches up.
                 Err(Error::Full(_)) => return Ok(()),
                 Err(e) => return Err(e),
             }

@@ -63,6 +63,8 @@ impl Betrfs {
             drop(st);
             self.access(src, R_OK, ctx)?;
             self.access(dst, W_OK, ctx)?;
+            // (Before the state is taken: see `room`.)
+            self.room(BLOCK)?;
             let mut st = self.lock();
             let s = self.node(&mut st, src)?.clone();
             let mut d = self.node(&mut st, dst)?.clone();
@@ -109,7 +111,6 @@ impl Betrfs {
             if len == 0 {
                 return Ok(0);
             }
-            self.room(BLOCK)?;
             let (a, b) = (src_off / BLOCK, (src_off + len).div_ceil(BLOCK));
             let mut batch = Batch::new();
             let (from, to) = (s.loc.data_prefix(), d.loc.data_prefix());
@@ -223,9 +224,9 @@ impl Betrfs {
         check_name(new_name)?;
         self.access(new_parent, W_OK | X_OK, ctx)?;
         let r = (|| {
+            self.room(BLOCK)?;
             let mut st = self.lock();
             self.writable(&st)?;
-            self.room(BLOCK)?;
             let s = self.node(&mut st, src)?.clone();
             if ctx.uid != 0 && ctx.uid != s.inode.uid {
                 // A copy of a tree holds what its owner can read: its owner (or root)

@@ -9,8 +9,17 @@
 //! of a big subtree, a big file's first hard link) write an intent first and move in
 //! chunks; mount finishes any move an intent names (`recover`).
 //!
-//! **Locking.** One mutex around [`State`]; the tree has its own, always taken inside
-//! ours. fsync (the log's group commit) and sync (a checkpoint) run without ours.
+//! **Locking.** One mutex around [`State`] (taken as [`Locked`], which also passes the
+//! batch gate); the tree has its own, always taken inside ours. Nothing waits for the
+//! disk while holding ours: fsync (the log's group commit) and sync (a checkpoint) run
+//! without it; a change's room (`room`: a compaction or a checkpoint when space is
+//! short) is made before it is taken; and the wait for the checkpoint in flight that a
+//! fast writer owes the tree comes after it is let go (`Locked`'s drop,
+//! `Tree::write_behind`). Two waits are left under it, counted in the tree's
+//! `checkpoint_waits`: a batch that finds the log ring or the device without room
+//! until the checkpoint in flight is done. Reads of tree nodes that miss the cache
+//! still happen under the tree's lock (a read of file data takes ours only to find
+//! the file).
 //!
 //! **Inode numbers.** A number is `namespace << 40 | raw` (`record::compose`). Raw
 //! numbers come from one counter; a file system starts in namespace 0. A record under a
@@ -229,20 +238,38 @@ impl Freeing {
 
 /// The state locked, and the batch gate passed (the state's lock is let go first).
 pub(crate) struct Locked<'a> {
-    st: MutexGuard<'a, State>,
-    _pass: quilt_vfs::batch::Passing<'a>,
+    /// `Some` until dropped.
+    st: Option<MutexGuard<'a, State>>,
+    pass: Option<quilt_vfs::batch::Passing<'a>>,
+    fs: &'a Betrfs,
 }
 
 impl std::ops::Deref for Locked<'_> {
     type Target = State;
     fn deref(&self) -> &State {
-        &self.st
+        self.st.as_ref().expect("the state is held until dropped")
     }
 }
 
 impl std::ops::DerefMut for Locked<'_> {
     fn deref_mut(&mut self) -> &mut State {
-        &mut self.st
+        self.st.as_mut().expect("the state is held until dropped")
+    }
+}
+
+impl Drop for Locked<'_> {
+    /// Lets go of the state (and the batch gate), then pays what the changes made under
+    /// it owe the tree: a wait for the checkpoint in flight (`commit`), which so holds
+    /// up no other request.
+    fn drop(&mut self) {
+        drop(self.st.take());
+        drop(self.pass.take());
+        if self.fs.owes.swap(false, Relaxed) {
+            if let Err(e) = self.fs.tree.catch_up() {
+                // The tree remembers the failure: the next change reports it.
+                tracing::error!("betrfs: waiting for the checkpoint in flight: {e}");
+            }
+        }
     }
 }
 
@@ -250,6 +277,9 @@ impl std::ops::DerefMut for Locked<'_> {
 pub struct Betrfs {
     pub(crate) tree: Arc<Tree>,
     pub(crate) st: Mutex<State>,
+    /// A change logged a batch while the checkpoint in flight was too far behind: the
+    /// next `Locked` to be dropped waits for it (`Tree::catch_up`), after letting go.
+    owes: AtomicBool,
     /// Where changes wait while a batch runs (`apply_batch`).
     gate: quilt_vfs::Gate,
     pub(crate) opts: MountOptions,
@@ -402,6 +432,7 @@ impl Betrfs {
                 next_cookie: 3,
                 ..State::default()
             }),
+            owes: AtomicBool::new(false),
             gate: quilt_vfs::Gate::default(),
             opts,
             counters: Counters::default(),
@@ -515,8 +546,9 @@ impl Betrfs {
     pub(crate) fn lock(&self) -> Locked<'_> {
         let pass = self.gate.pass();
         Locked {
-            st: self.st.lock().unwrap_or_else(|e| e.into_inner()),
-            _pass: pass,
+            st: Some(self.st.lock().unwrap_or_else(|e| e.into_inner())),
+            pass: Some(pass),
+            fs: self,
         }
     }
 
@@ -558,6 +590,9 @@ impl Betrfs {
     /// compaction when something was deleted since the last (deletes free their space
     /// only once they reach the leaves), else a checkpoint when it would free the
     /// extents of the nodes it rewrites (`Space::pending` counts their copies whole).
+    /// Called before the state is taken (a compaction or a checkpoint is device I/O
+    /// and waits for it), so a caller's own checks may come after: on a file system
+    /// that is full, a change that would also fail for another reason fails ENOSPC.
     pub(crate) fn room(&self, bytes: u64) -> Result<()> {
         self.room_beyond(bytes, self.reserve)
     }
@@ -571,6 +606,9 @@ impl Betrfs {
     }
 
     fn room_beyond(&self, bytes: u64, reserve: u64) -> Result<()> {
+        if self.opts.read_only {
+            return Err(FsError::ReadOnly);
+        }
         let need = self.blocks_for(bytes) + reserve;
         let sp = self.tree.space();
         if sp.avail() >= need {
@@ -599,8 +637,14 @@ impl Betrfs {
             return Ok(());
         }
         self.counters.ops.fetch_add(1, Relaxed);
-        match self.tree.write(b) {
-            Ok(()) => Ok(()),
+        // The wait for the checkpoint in flight comes after the state is let go.
+        match self.tree.write_behind(b) {
+            Ok(owes) => {
+                if owes {
+                    self.owes.store(true, Relaxed);
+                }
+                Ok(())
+            }
             // Refused before anything was logged: the tree is unchanged, but the
             // caller may have changed the cache for it (paths below a moved directory):
             // the module stops rather than serve what the tree does not hold.
@@ -1353,6 +1397,14 @@ impl FileSystem for Betrfs {
 
     fn write(&self, ino: Ino, offset: u64, data: &[u8], _ctx: &Ctx) -> Result<u32> {
         let r = (|| {
+            // Room first, before the state is taken: making it may wait for a
+            // compaction or a checkpoint.
+            let fits = data
+                .len()
+                .min(MAX_FILE_SIZE.saturating_sub(offset) as usize);
+            if fits > 0 {
+                self.room(fits as u64)?;
+            }
             let mut st = self.lock();
             self.writable(&st)?;
             let mut n = self.node(&mut st, ino)?.clone();
@@ -1374,7 +1426,6 @@ impl FileSystem for Betrfs {
             if data.is_empty() {
                 return Ok(0);
             }
-            self.room(data.len() as u64)?;
             let t = now();
             let mut done = 0usize;
             while done < data.len() {
@@ -1402,6 +1453,13 @@ impl FileSystem for Betrfs {
         }
         if length == 0 {
             return Err(FsError::Invalid("fallocate of zero bytes"));
+        }
+        // Preallocation checks the room first, before the state is taken (see `room`):
+        // the call fails with ENOSPC, as ext4's does, when the tree cannot take it now
+        // (a copy-on-write tree can promise no more: a later write there takes new
+        // space whatever was done now).
+        if mode & PUNCH == 0 && offset.saturating_add(length) <= MAX_FILE_SIZE {
+            self.room(length)?;
         }
         let mut st = self.lock();
         self.writable(&st)?;
@@ -1462,11 +1520,7 @@ impl FileSystem for Betrfs {
             }
         } else {
             // Preallocation: blocks without data become present zero blocks (an empty
-            // value), so SEEK_DATA sees them as the kernel's allocated blocks. The room
-            // is checked first: the call fails with ENOSPC, as ext4's does, when the
-            // tree cannot take it now (a copy-on-write tree can promise no more: a
-            // later write there takes new space whatever was done now).
-            self.room(length)?;
+            // value), so SEEK_DATA sees them as the kernel's allocated blocks.
             let first = offset / BLOCK;
             // With KEEP_SIZE, only the part inside the file: no block lies past a file's
             // size here (unlink, truncate and fsck rely on it). A range wholly past the

@@ -29,9 +29,9 @@ impl Betrfs {
         if !tmp {
             check_name(name)?;
         }
+        self.room_for_name()?;
         let mut st = self.lock();
         self.writable(&st)?;
-        self.room_for_name()?;
         let key = if tmp {
             Vec::new()
         } else {
