@@ -175,9 +175,9 @@ impl Ext2 {
             };
             let bitmap = st.gd[g as usize].block_bitmap;
             let pending = |bit: u32| {
-                st.freed
-                    .get(&(first + bit))
-                    .is_some_and(|&p| !self.engine().is_durable(p))
+                st.frees
+                    .block(first + bit)
+                    .is_some_and(|p| !self.engine().is_durable(p))
             };
             let Some(bit) = self.find_fresh(bitmap, start, count, pending)? else {
                 // The descriptor said free blocks exist; the bitmap disagrees.
@@ -203,7 +203,7 @@ impl Ext2 {
                 }
                 e => Self::io(e),
             })?;
-            let freed = st.freed.get(&blk).copied();
+            let freed = st.frees.block(blk);
             let p = self.flip_bit(op, bitmap, bit, &freed.into_iter().collect::<Vec<_>>())?;
             // Saturating: a damaged descriptor may count fewer free blocks than its bitmap.
             st.gd[g as usize].free_blocks = st.gd[g as usize].free_blocks.saturating_sub(1);
@@ -286,7 +286,7 @@ impl Ext2 {
                 .capture_revoke(these.iter().map(|&b| b as u64));
             if let Some(p) = head {
                 for &b in these {
-                    self.note_freed_block(st, b, p);
+                    st.frees.free_block(self.engine(), b, p);
                 }
             }
             let k = these.len() as u32;
@@ -328,9 +328,9 @@ impl Ext2 {
             let from = if g == 0 { self.geo.first_ino - 1 } else { 0 };
             let base = g * self.geo.ipg + 1;
             let pending = |bit: u32| {
-                st.freed_inodes
-                    .get(&(base + bit))
-                    .is_some_and(|&p| !self.engine().is_durable(p))
+                st.frees
+                    .inode(base + bit)
+                    .is_some_and(|p| !self.engine().is_durable(p))
             };
             // Granted numbers are skipped: their holder takes them (`alloc_granted`).
             let mut from = from;
@@ -339,7 +339,7 @@ impl Ext2 {
                 let Some(bit) = self.find_fresh(bitmap, from, self.geo.ipg, pending)? else {
                     break None;
                 };
-                match grant_end(st, base + bit) {
+                match st.grants.end_of(base + bit) {
                     Some(end) => {
                         skipped_grant = true;
                         from = end - base;
@@ -380,7 +380,7 @@ impl Ext2 {
         ino: u32,
         dir: bool,
     ) -> Result<(u32, PatchId)> {
-        if grant_end(st, ino).is_none() {
+        if st.grants.end_of(ino).is_none() {
             return Err(FsError::Invalid("inode number not granted by this mount"));
         }
         let g = (ino - 1) / self.geo.ipg;
@@ -391,7 +391,7 @@ impl Ext2 {
             return Err(FsError::Exists);
         }
         let p = self.flip_bit(op, bitmap, bit, &[])?;
-        take_grant(st, ino);
+        st.grants.take(ino);
         st.gd[g as usize].free_inodes = st.gd[g as usize].free_inodes.saturating_sub(1);
         if dir {
             st.gd[g as usize].used_dirs = st.gd[g as usize].used_dirs.saturating_add(1);
@@ -430,11 +430,11 @@ impl Ext2 {
             let zeros = self.find_zeros(bitmap, from, self.geo.ipg, self.geo.ipg as usize)?;
             let usable = |bit: u32| {
                 let ino = base + bit;
-                grant_end(st, ino).is_none()
+                st.grants.end_of(ino).is_none()
                     && st
-                        .freed_inodes
-                        .get(&ino)
-                        .is_none_or(|&p| self.engine().is_durable(p))
+                        .frees
+                        .inode(ino)
+                        .is_none_or(|p| self.engine().is_durable(p))
             };
             let mut run = 0;
             let mut prev = None;
@@ -447,7 +447,7 @@ impl Ext2 {
                 prev = Some(b);
                 if run == count {
                     let first = base + b + 1 - count;
-                    st.grants.push((first, first + count));
+                    st.grants.add(first, first + count);
                     return Ok(first);
                 }
             }
@@ -553,7 +553,7 @@ impl Ext2 {
             )));
         }
         let p = self.flip_bit(op, bitmap, bit, &befores.into_iter().collect::<Vec<_>>())?;
-        self.note_freed_inode(st, ino, p);
+        st.frees.free_inode(self.engine(), ino, p);
         st.gd[g as usize].free_inodes = st.gd[g as usize].free_inodes.saturating_add(1);
         if dir {
             st.gd[g as usize].used_dirs = st.gd[g as usize].used_dirs.saturating_sub(1);
@@ -584,23 +584,38 @@ impl Ext2 {
     }
 }
 
-/// The end of the grant holding inode `ino`, if one does.
-pub(crate) fn grant_end(st: &State, ino: u32) -> Option<u32> {
-    st.grants
-        .iter()
-        .find(|&&(a, b)| ino >= a && ino < b)
-        .map(|&(_, b)| b)
+/// Inode numbers granted in advance and not yet taken (`FileSystem::grant_inodes`):
+/// runs `start..end`, skipped by the allocator, taken only by a creation that names
+/// them. In memory: a grant lasts the mount.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Grants {
+    runs: Vec<(u32, u32)>,
 }
 
-/// Takes `ino` out of its grant (splitting the run).
-fn take_grant(st: &mut State, ino: u32) {
-    if let Some(i) = st.grants.iter().position(|&(a, b)| ino >= a && ino < b) {
-        let (a, b) = st.grants.swap_remove(i);
-        if a < ino {
-            st.grants.push((a, ino));
-        }
-        if ino + 1 < b {
-            st.grants.push((ino + 1, b));
+impl Grants {
+    /// Grants `start..end`.
+    pub fn add(&mut self, start: u32, end: u32) {
+        self.runs.push((start, end));
+    }
+
+    /// The end of the grant holding inode `ino`, if one does.
+    pub fn end_of(&self, ino: u32) -> Option<u32> {
+        self.runs
+            .iter()
+            .find(|&&(a, b)| ino >= a && ino < b)
+            .map(|&(_, b)| b)
+    }
+
+    /// Takes `ino` out of its grant (splitting the run).
+    pub fn take(&mut self, ino: u32) {
+        if let Some(i) = self.runs.iter().position(|&(a, b)| ino >= a && ino < b) {
+            let (a, b) = self.runs.swap_remove(i);
+            if a < ino {
+                self.runs.push((a, ino));
+            }
+            if ino + 1 < b {
+                self.runs.push((ino + 1, b));
+            }
         }
     }
 }

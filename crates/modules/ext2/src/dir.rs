@@ -339,7 +339,7 @@ impl Ext2 {
         let goal = self.meta_goal(st, self.group_of_inode(ino));
         let mut block_with = |st: &mut State, inode: &mut Inode, content: &[u8]| -> Result<()> {
             let (blk, alloc) = self.alloc_block(op, st, goal, BlockUse::Meta)?;
-            let freed: Vec<_> = st.freed.get(&blk).copied().into_iter().collect();
+            let freed: Vec<_> = st.frees.block(blk).into_iter().collect();
             let init = self.put_block(op, blk, content, &freed, false)?;
             befores.push(alloc);
             befores.push(init);
@@ -416,7 +416,7 @@ impl Ext2 {
         };
         self.track(st, parent, Some(entry));
         self.track(st, ino, Some(entry));
-        st.parents.insert(ino, parent);
+        st.syncs.named_in(ino, parent);
         st.counters.inodes_created += 1;
         self.attr(st, ino)
     }
@@ -448,7 +448,7 @@ impl Ext2 {
             0,
             ctx,
         )?;
-        st.orphans.insert(ino);
+        st.files.orphan(ino);
         let mut inode = self.read_inode(st, ino)?;
         self.orphan_add(op, st, ino, &mut inode)?;
         let n = self.write_inode(op, st, ino, &inode, &[n])?.or(Some(n));
@@ -581,9 +581,9 @@ impl Ext2 {
             self.track(st, ino, h);
             return Ok(h);
         }
-        if st.open.get(&ino).copied().unwrap_or(0) > 0 {
+        if st.files.opens(ino) > 0 {
             // Still open: it lives, nameless, until the last release.
-            st.orphans.insert(ino);
+            st.files.orphan(ino);
             self.orphan_add(op, st, ino, &mut inode)?;
             let h = self.write_inode(
                 op,
@@ -629,7 +629,7 @@ impl Ext2 {
         })?;
         // An O_TMPFILE file given its first name is no longer an orphan (the kernel
         // lets only those, and no other unnamed inode, be linked).
-        let was_orphan = st.orphans.remove(&ino);
+        let was_orphan = st.files.unorphan(ino);
         if was_orphan {
             self.orphan_remove(op, st, ino)?;
         }
@@ -648,7 +648,7 @@ impl Ext2 {
                 self.modify_inode(op, st, ino, &[], |i| i.links = i.links.saturating_sub(1))?;
                 if was_orphan {
                     // Still nameless: an orphan again, freed at its last release.
-                    st.orphans.insert(ino);
+                    st.files.orphan(ino);
                     let mut inode = self.read_inode(st, ino)?;
                     self.orphan_add(op, st, ino, &mut inode)?;
                     let n = self.write_inode(op, st, ino, &inode, &[])?;
@@ -659,7 +659,7 @@ impl Ext2 {
         };
         self.track(st, parent, Some(e));
         self.track(st, ino, Some(e));
-        st.parents.insert(ino, parent);
+        st.syncs.named_in(ino, parent);
         self.attr(st, ino)
     }
 
@@ -803,7 +803,7 @@ impl Ext2 {
             },
         };
         self.track(st, new_parent, Some(new_entry));
-        st.parents.insert(src.inode, new_parent);
+        st.syncs.named_in(src.inode, new_parent);
         let mut before_removal = vec![new_entry];
         if moving_dir && parent != new_parent {
             // (2) the new parent counts the directory (unless it replaces one), (3) ".."
@@ -838,7 +838,7 @@ impl Ext2 {
                 let r =
                     self.retarget_entry(op, &src, w, self.ftype(libc::S_IFCHR), &before_removal)?;
                 self.track(st, w, Some(r));
-                st.parents.insert(w, parent);
+                st.syncs.named_in(w, parent);
                 r
             }
         };
@@ -951,8 +951,8 @@ impl Ext2 {
         }
         self.track(st, pa, Some(ea));
         self.track(st, pb, Some(eb));
-        st.parents.insert(a.inode, pb);
-        st.parents.insert(b.inode, pa);
+        st.syncs.named_in(a.inode, pb);
+        st.syncs.named_in(b.inode, pa);
         Ok(())
     }
 }

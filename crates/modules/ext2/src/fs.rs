@@ -2,13 +2,16 @@
 //! uses to turn changes into patches (and to declare or drop dependencies by mode), and
 //! the `FileSystem` trait implementation.
 
+use crate::alloc::Grants;
+use crate::files::Files;
 use crate::format::*;
+use crate::pending::{Frees, Syncs};
 use quilt_patch::{Engine, PatchError, PatchId, Services};
 use quilt_vfs::{
     Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, KernelFs, RenameFlags, Result,
     SetAttr, StatFs, XattrFlags,
 };
-use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -224,48 +227,21 @@ pub(crate) struct Counters {
     pub reads_under_lock: u64,
 }
 
-/// The least size at which the maps of pending frees are pruned.
-const FREED_PRUNE_MIN: usize = 65536;
-
 pub(crate) struct State {
     pub sb: Superblock,
     pub gd: Vec<GroupDesc>,
-    /// Blocks freed while the patch that removed their last pointer may not be durable:
-    /// their next contents must wait for it.
-    pub freed: HashMap<u32, PatchId>,
-    /// Inodes freed while the bitmap patch freeing them may not be durable: allocation
-    /// passes over them while it can (`alloc::find_fresh`).
-    pub freed_inodes: HashMap<u32, PatchId>,
-    /// Inode numbers granted in advance and not yet taken (`FileSystem::grant_inodes`):
-    /// runs `start..end`, skipped by the allocator. In memory: a grant lasts the mount.
-    pub grants: Vec<(u32, u32)>,
-    /// Per inode, patches an fsync of it must make durable (folded into one empty patch
-    /// when the list grows).
-    pub heads: HashMap<u32, Vec<PatchId>>,
-    /// The directory each inode was last given a name in, while that name may not be
-    /// durable (pruned with `heads`): fsync follows it up, so a fsynced file is also
-    /// reachable, as soft updates' fsync does for new parent directories.
-    pub parents: HashMap<u32, u32>,
-    /// Open handles per inode; an unlinked inode is freed at its last release.
-    pub open: HashMap<u32, u32>,
-    pub orphans: HashSet<u32>,
-    /// The on-disk orphan list's back links (journal modes): each member's predecessor,
-    /// 0 for the head (the superblock points to it). The list is singly linked on
-    /// disk, newest first, and files leave it oldest first (`rm -rf`: each unlinked
-    /// file at its FORGET, in batches), so finding the predecessor by walking cost a
-    /// walk of the whole list per file.
-    pub orphan_prev: HashMap<u32, u32>,
+    /// Blocks and inodes freed by patches that may not be durable yet.
+    pub frees: Frees,
+    /// Inode numbers granted in advance and not yet taken.
+    pub grants: Grants,
+    /// What an fsync of each inode must make durable.
+    pub syncs: Syncs,
+    /// Open handles and orphans: when an unlinked inode is freed.
+    pub files: Files,
     pub dir_cursor: u32,
     pub counters: Counters,
     /// Superblock counts changed since they were last written.
     pub sb_dirty: bool,
-    /// `heads` is pruned of durable patches when it reaches this many inodes.
-    pub heads_prune_at: usize,
-    /// `freed` and `freed_inodes` are pruned when one of them reaches this many entries,
-    /// and the mark then moves to twice what stays: in the journal modes a whole
-    /// transaction's frees stay pending, and a fixed mark made every free past it pay a
-    /// scan of the map. Each prune is paid for by the inserts since the last one.
-    pub freed_prune_at: usize,
     /// Group descriptors changed by the current operation.
     pub dirty_groups: std::collections::BTreeSet<u32>,
 }
@@ -314,9 +290,6 @@ const RELEASE_BATCH: usize = 64;
 const READDIR_AHEAD_BLOCKS: u64 = NDIR_BLOCKS as u64;
 /// Inode table blocks read ahead from a miss (ext4's default `inode_readahead_blks`).
 const INODE_READAHEAD_BLOCKS: u64 = 32;
-
-/// Fsync lists longer than this fold into one empty patch.
-const HEADS_FOLD: usize = 32;
 
 impl Ext2 {
     /// Opens the file system on `engine`'s device: validates the superblock and the group
@@ -462,20 +435,14 @@ impl Ext2 {
             st: RwLock::new(State {
                 sb: sb.clone(),
                 gd,
-                freed: HashMap::default(),
-                freed_inodes: HashMap::default(),
-                grants: Vec::new(),
-                heads: HashMap::default(),
-                parents: HashMap::default(),
-                open: HashMap::default(),
-                orphans: HashSet::default(),
-                orphan_prev: HashMap::default(),
+                frees: Frees::default(),
+                grants: Grants::default(),
+                syncs: Syncs::default(),
+                files: Files::default(),
                 dir_cursor: 0,
                 counters: Counters::default(),
                 sb_dirty: false,
                 dirty_groups: Default::default(),
-                heads_prune_at: 4096,
-                freed_prune_at: FREED_PRUNE_MIN,
             }),
             geo,
         };
@@ -566,9 +533,8 @@ impl Ext2 {
         }
         let op = self.begin_internal();
         let mut st = self.lock();
-        let orphans: Vec<u32> = st.orphans.drain().collect();
-        for ino in orphans {
-            st.open.remove(&ino);
+        for ino in st.files.take_orphans() {
+            st.files.forget_opens(ino);
             self.orphan_remove(&op, &mut st, ino)?;
             self.destroy_inode(&op, &mut st, ino, None)?;
         }
@@ -629,7 +595,7 @@ impl Ext2 {
                 }
                 opens
                     .into_iter()
-                    .filter(|&(i, n)| st.open.get(&i) == Some(&n) && st.orphans.contains(&i))
+                    .filter(|&(i, n)| st.files.opens(i) == n && st.files.is_orphan(i))
                     .map(|(i, _)| i)
                     .collect()
             };
@@ -642,13 +608,10 @@ impl Ext2 {
         let r = self.change_in(&op, |op, st| {
             let mut first = Ok(());
             for &ino in &inos {
-                let n = st.open.entry(ino).or_default();
-                *n = n.saturating_sub(1);
-                if *n > 0 {
+                if !st.files.release(ino) {
                     continue;
                 }
-                st.open.remove(&ino);
-                if st.orphans.remove(&ino) && !self.read_only {
+                if st.files.unorphan(ino) && !self.read_only {
                     let r = self
                         .orphan_remove(op, st, ino)
                         .and_then(|()| self.destroy_inode(op, st, ino, None).map(|_| ()));
@@ -1046,56 +1009,9 @@ impl Ext2 {
 
     /// Records that an fsync of `ino` must make `head` durable.
     pub(crate) fn track(&self, st: &mut State, ino: u32, head: Head) {
-        let Some(h) = head else { return };
-        if st.heads.len() >= st.heads_prune_at {
-            self.prune_heads(st);
+        if let Some(h) = head {
+            st.syncs.track(self.engine(), ino, h);
         }
-        let list = st.heads.entry(ino).or_default();
-        list.push(h);
-        if list.len() > HEADS_FOLD {
-            let all = std::mem::take(list);
-            let e = self.engine().empty(&all);
-            st.heads.insert(ino, vec![e]);
-        }
-    }
-
-    /// Forgets fsync heads whose patches are durable, so memory stays bounded by what
-    /// is pending rather than by everything ever touched.
-    pub(crate) fn prune_heads(&self, st: &mut State) {
-        let e = self.engine();
-        st.heads.retain(|_, l| {
-            l.retain(|&p| !e.is_durable(p));
-            !l.is_empty()
-        });
-        let heads = &st.heads;
-        st.parents.retain(|ino, _| heads.contains_key(ino));
-        // Whatever is still pending stays; look again when the map has doubled.
-        st.heads_prune_at = (st.heads.len() * 2).max(4096);
-    }
-
-    /// Records that `blk`'s next contents must wait for `freed_by`.
-    pub(crate) fn note_freed_block(&self, st: &mut State, blk: u32, freed_by: PatchId) {
-        st.freed.insert(blk, freed_by);
-        if st.freed.len() >= st.freed_prune_at {
-            self.prune_freed(st);
-        }
-    }
-
-    /// Records that inode `ino` stays unused until `freed_by` is durable.
-    pub(crate) fn note_freed_inode(&self, st: &mut State, ino: u32, freed_by: PatchId) {
-        st.freed_inodes.insert(ino, freed_by);
-        if st.freed_inodes.len() >= st.freed_prune_at {
-            self.prune_freed(st);
-        }
-    }
-
-    /// Forgets frees whose patches are durable (`Engine::is_durable` is O(1)).
-    fn prune_freed(&self, st: &mut State) {
-        let e = self.engine();
-        st.freed.retain(|_, p| !e.is_durable(*p));
-        st.freed_inodes.retain(|_, p| !e.is_durable(*p));
-        let stays = st.freed.len().max(st.freed_inodes.len());
-        st.freed_prune_at = (stays * 2).max(FREED_PRUNE_MIN);
     }
 
     /// Notes that group `g`'s descriptor changed; `flush_groups` writes it once per
@@ -1279,8 +1195,8 @@ impl Ext2 {
     fn regrant(&self, want: Option<u32>, r: Result<Attr>) -> Result<Attr> {
         if let (Some(ino), Err(_)) = (want, &r) {
             let mut st = self.lock();
-            if crate::alloc::grant_end(&st, ino).is_none() && self.inode_is_free(&st, ino) {
-                st.grants.push((ino, ino + 1));
+            if st.grants.end_of(ino).is_none() && self.inode_is_free(&st, ino) {
+                st.grants.add(ino, ino + 1);
             }
         }
         r
@@ -1662,27 +1578,10 @@ impl FileSystem for Ext2 {
         let heads = {
             let mut st = self.lock();
             st.counters.fsyncs += 1;
-            let mut heads = st.heads.remove(&ino).unwrap_or_default();
-            // The names leading to it: each directory up the chain whose own name may
-            // not be durable yet contributes its pending changes. (Under a transaction
-            // service the commit covers everything: no need to look.)
-            let mut cur = if journaled {
-                None
-            } else {
-                st.parents.get(&ino).copied()
-            };
-            let mut steps = 0;
-            while let Some(d) = cur {
-                steps += 1;
-                if steps > 4096 {
-                    break;
-                }
-                heads.extend(st.heads.remove(&d).unwrap_or_default());
-                if d == ROOT_INO {
-                    break;
-                }
-                cur = st.parents.get(&d).copied();
-            }
+            // With the names leading to it: each directory up the chain whose own name
+            // may not be durable yet contributes its pending changes. (Under a
+            // transaction service the commit covers everything: no need to look.)
+            let heads = st.syncs.take_for_fsync(ino, !journaled, ROOT_INO);
             if st.sb_dirty && !self.read_only {
                 // Counts are summaries; writing them here keeps a crash's fsck quieter.
                 self.write_super(&op, &mut st)?;
@@ -1701,7 +1600,7 @@ impl FileSystem for Ext2 {
             if st.sb_dirty && !self.read_only {
                 self.write_super(&op, &mut st)?;
             }
-            st.heads.clear();
+            st.syncs.clear();
         }
         op.tx.end()?;
         Ok(self.svc.sync()?)
@@ -1751,7 +1650,7 @@ impl FileSystem for Ext2 {
         self.reading(1, |st| self.read_live_inode(st, ino))?;
         let mut st = self.lock();
         self.read_live_inode(&st, ino)?;
-        *st.open.entry(ino).or_default() += 1;
+        st.files.open(ino);
         Ok(())
     }
 

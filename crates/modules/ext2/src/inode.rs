@@ -51,7 +51,7 @@ impl Ext2 {
             return Err(FsError::NotFound);
         }
         let inode = self.read_inode(st, ino)?;
-        if inode.mode == 0 || (inode.links == 0 && !st.orphans.contains(&ino)) {
+        if inode.mode == 0 || (inode.links == 0 && !st.files.is_orphan(ino)) {
             return Err(FsError::Stale);
         }
         if quilt_vfs::FileType::from_mode(inode.mode as u32).is_none() {
@@ -350,7 +350,7 @@ impl Ext2 {
             let (blk, alloc) = self.alloc_block(op, st, goal, use_)?;
             taken = Some(blk);
             let mut befores: Vec<PatchId> = content_befores.to_vec();
-            befores.extend(st.freed.get(&blk).copied());
+            befores.extend(st.frees.block(blk));
             let init = self.put_block(op, blk, content, &befores, is_data)?;
             let head = self.bmap_map(
                 op,
@@ -461,7 +461,7 @@ impl Ext2 {
                 let mut b = vec![0u8; self.geo.bs as usize];
                 put32(&mut b, slots[level] * 4, child.0);
                 let mut befores = child.1.clone();
-                befores.extend(st.freed.get(&ind).copied());
+                befores.extend(st.frees.block(ind));
                 let init = self.put_block(op, ind, &b, &befores, false)?;
                 Ok((ind, vec![alloc, init]))
             });
@@ -762,7 +762,7 @@ impl Ext2 {
                 let (at, src) = piece(lblk);
                 let o = k * bs as usize + at;
                 bytes[o..o + src.len()].copy_from_slice(src);
-                befores.extend(st.freed.get(&blk).copied());
+                befores.extend(st.frees.block(blk));
             }
             let heads = match op
                 .tx
@@ -1232,7 +1232,7 @@ impl Ext2 {
         let after = cleared.or(removal);
         self.free_blocks(op, st, &mut frees, after)?;
         self.free_inode(op, st, ino, inode.is_dir(), after)?;
-        st.heads.remove(&ino);
+        st.syncs.forget(ino);
         st.counters.inodes_freed += 1;
         Ok(after)
     }

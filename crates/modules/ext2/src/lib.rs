@@ -25,10 +25,12 @@ mod alloc;
 mod batch;
 mod dir;
 pub mod extjournal;
+mod files;
 mod flags;
 mod fs;
 mod inode;
 mod orphan;
+mod pending;
 mod xattr;
 
 pub use fs::{Errors, Ext2, JournalDevice, Journals, Mode, MountOptions};

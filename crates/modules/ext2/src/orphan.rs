@@ -30,9 +30,9 @@ impl Ext2 {
         }
         inode.dtime = st.sb.last_orphan;
         if st.sb.last_orphan != 0 {
-            st.orphan_prev.insert(st.sb.last_orphan, ino);
+            st.files.set_prev(st.sb.last_orphan, ino);
         }
-        st.orphan_prev.insert(ino, 0);
+        st.files.set_prev(ino, 0);
         st.sb.last_orphan = ino;
         self.write_super(op, st)
     }
@@ -44,14 +44,14 @@ impl Ext2 {
             return Ok(());
         }
         let next = self.read_inode(st, ino)?.dtime;
-        let prev = match st.orphan_prev.remove(&ino) {
+        let prev = match st.files.take_prev(ino) {
             // The back link is checked against the forward one it mirrors.
             Some(p) if p != 0 && self.read_inode(st, p)?.dtime == ino => Some(p),
             _ => None,
         };
         if let Some(p) = prev.or_else(|| (st.sb.last_orphan == ino).then_some(0)) {
             if next != 0 {
-                st.orphan_prev.insert(next, p);
+                st.files.set_prev(next, p);
             }
         }
         if st.sb.last_orphan == ino {
@@ -69,7 +69,7 @@ impl Ext2 {
                 if i.dtime == ino {
                     self.modify_inode(op, st, at, &[], |p| p.dtime = next)?;
                     if next != 0 {
-                        st.orphan_prev.insert(next, at);
+                        st.files.set_prev(next, at);
                     }
                     break;
                 }

@@ -340,7 +340,7 @@ impl Ext2 {
                 } else {
                     let goal = self.meta_goal(st, self.group_of_inode(ino));
                     let (blk, alloc) = self.alloc_block(op, st, goal, BlockUse::Meta)?;
-                    let freed: Vec<_> = st.freed.get(&blk).copied().into_iter().collect();
+                    let freed: Vec<_> = st.frees.block(blk).into_iter().collect();
                     let init = self.put_block(op, blk, &img, &freed, false)?;
                     inode.file_acl = blk;
                     if old == 0 {
