@@ -5,11 +5,13 @@ use crate::alloc::Alloc;
 use crate::format::{self, Extent, Geometry, Header, HEADER_SLOTS};
 use crate::lift::{prefix_end, PathLifts};
 
+mod cache;
 mod checkpoint;
 mod surgery;
 use crate::log::{self, LogWriter};
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
 use crate::node::{self, Base, Delta, Entries, Internal, Kind, Leaf, LeafData, Node, NodeId};
+use cache::{Cached, NodeCache};
 
 use crate::chunk::Chunk;
 use crate::codec::{key_cmp, key_eq};
@@ -35,15 +37,6 @@ impl std::ops::Deref for Span {
     }
 }
 
-struct Cached {
-    /// Shared with a checkpoint in flight while it encodes the node (a change takes a
-    /// copy then, `take_cached`).
-    node: Arc<Node>,
-    dirty: bool,
-    tick: u64,
-    mem: usize,
-}
-
 /// Batches applied but not yet logged (`Inner::hold`).
 struct Held {
     /// The first one's message number: the record's.
@@ -58,13 +51,7 @@ pub(crate) struct Inner {
     pub geo: Geometry,
     pub(crate) opts: Options,
     upserts: Upserts,
-    cache: HashMap<NodeId, Cached>,
-    tick: u64,
-    mem: usize,
-    dirty_mem: usize,
-    /// Dirty nodes cached: each may take a block more on disk than its bytes (its
-    /// extent is whole blocks), counted in what a checkpoint needs (`pending_blocks`).
-    dirty_nodes: usize,
+    cache: NodeCache,
     /// Set while `flush_all` pushes messages down for space: flushes then go into the
     /// leaves themselves, never into their deltas (a delete in a delta frees nothing).
     compacting: bool,
@@ -289,11 +276,7 @@ impl Inner {
             geo,
             opts,
             upserts,
-            cache: HashMap::new(),
-            tick: 0,
-            mem: 0,
-            dirty_mem: 0,
-            dirty_nodes: 0,
+            cache: NodeCache::default(),
             compacting: false,
             full_at: None,
             reserved_for: None,
@@ -606,32 +589,8 @@ impl Inner {
     // ---- cache ----
 
     fn put_node(&mut self, id: NodeId, node: Node, dirty: bool) {
-        let mem = node.mem();
-        self.tick += 1;
-        self.mem += mem;
-        if dirty {
-            self.dirty_mem += mem;
-            self.dirty_nodes += 1;
-        }
-        if let Some(old) = self.cache.insert(
-            id,
-            Cached {
-                node: Arc::new(node),
-                dirty,
-                tick: self.tick,
-                mem,
-            },
-        ) {
+        if !self.cache.insert(id, node, dirty) {
             debug_assert!(false, "node {id} cached twice");
-            self.uncharge(&old);
-        }
-    }
-
-    fn uncharge(&mut self, c: &Cached) {
-        self.mem -= c.mem;
-        if c.dirty {
-            self.dirty_mem -= c.mem;
-            self.dirty_nodes -= 1;
         }
     }
 
@@ -640,26 +599,17 @@ impl Inner {
     /// is dirty (a node read for queries is dirty once its delta took a flush). `None`
     /// if it is not cached.
     fn change_cached<R>(&mut self, id: NodeId, f: impl FnOnce(&mut Node) -> R) -> Option<R> {
-        let c = self.cache.get_mut(&id)?;
-        let before = c.node.mem();
-        let r = f(Arc::make_mut(&mut c.node));
-        let after = c.node.mem();
-        c.mem = (c.mem + after).saturating_sub(before);
-        self.mem = (self.mem + after).saturating_sub(before);
-        if c.dirty {
-            self.dirty_mem = (self.dirty_mem + after).saturating_sub(before);
-        }
-        Some(r)
+        self.cache.change(id, f)
     }
 
     fn take_cached(&mut self, id: NodeId) -> Option<(Node, bool)> {
         let c = self.cache.remove(&id)?;
-        self.uncharge(&c);
+        let dirty = c.is_dirty();
         let node = Arc::try_unwrap(c.node).unwrap_or_else(|shared| {
             self.stats.checkpoint_copies += 1;
             (*shared).clone()
         });
-        Some((node, c.dirty))
+        Some((node, dirty))
     }
 
     fn new_id(&mut self) -> NodeId {
@@ -981,11 +931,7 @@ impl Inner {
         } else {
             self.stats.cache_hits += 1;
         }
-        self.tick += 1;
-        let tick = self.tick;
-        let c = self.cache.get_mut(&id).expect("just cached");
-        c.tick = tick;
-        Ok(c)
+        Ok(self.cache.touch(id).expect("just cached"))
     }
 
     /// Bytes `offset..offset + len` of extent `e` of node `id`.
@@ -1143,9 +1089,7 @@ impl Inner {
     fn free_node(&mut self, id: NodeId) {
         debug_assert!(!self.is_shared(id), "node {id} freed while shared");
         self.unpin_freed(id);
-        if let Some(c) = self.cache.remove(&id) {
-            self.uncharge(&c);
-        }
+        self.cache.remove(&id);
         if let Some(e) = self.btt.remove(&id) {
             self.to_free.push(e);
         }
@@ -2795,8 +2739,11 @@ impl Inner {
             .as_ref()
             .filter(|f| !f.done().is_done())
             .map_or(0, |f| (f.bytes as u64).div_ceil(bs) + f.pinned.len() as u64);
-        let table = ((self.btt.len() + self.dirty_nodes) as u64 * 48).div_ceil(bs) + 1;
-        (self.dirty_mem as u64).div_ceil(bs) + self.dirty_nodes as u64 + inflight + table
+        let table = ((self.btt.len() + self.cache.dirty_nodes()) as u64 * 48).div_ceil(bs) + 1;
+        (self.cache.dirty_mem() as u64).div_ceil(bs)
+            + self.cache.dirty_nodes() as u64
+            + inflight
+            + table
     }
 
     /// Blocks always kept free beyond `pending_blocks`, so that the checkpoint a batch
@@ -2844,7 +2791,7 @@ impl Inner {
             return Ok(());
         }
         self.finish_checkpoint()?;
-        if !fits(self) && (self.dirty_nodes > 0 || self.full_at.is_some()) {
+        if !fits(self) && (self.cache.dirty_nodes() > 0 || self.full_at.is_some()) {
             self.checkpoint()?;
         }
         if fits(self) && self.reserve_ahead(need)? {
@@ -2894,7 +2841,7 @@ impl Inner {
     /// Whether the next checkpoint must start now for the space it needs: what it must
     /// write passes what is free less the margin.
     fn short_of_space(&self) -> bool {
-        self.dirty_nodes > 0
+        self.cache.dirty_nodes() > 0
             && self.pending_blocks() + self.margin_blocks() / 2 >= self.free_blocks()
             && self.full_at != Some(self.free_blocks())
     }
@@ -2931,17 +2878,17 @@ impl Inner {
         // still lets writers go on while one is in flight. (2 M random inserts: 62
         // checkpoints instead of 105, write amplification 9.8 instead of 11.1.)
         let short = self.short_of_space();
-        let want = self.dirty_mem > limit / 4 * 3
+        let want = self.cache.dirty_mem() > limit / 4 * 3
             || room < ring / 4
-            || (self.mem > cache && self.dirty_mem > cache / 4)
+            || (self.cache.mem() > cache && self.cache.dirty_mem() > cache / 4)
             || short;
         if want {
             match &self.inflight {
                 None => self.start_checkpoint()?,
                 Some(f) => {
-                    if self.dirty_mem + f.bytes > limit
+                    if self.cache.dirty_mem() + f.bytes > limit
                         || room < ring / 8
-                        || self.mem > cache + cache / 4
+                        || self.cache.mem() > cache + cache / 4
                         || short
                     {
                         return Ok(Some(f.done()));
@@ -2963,76 +2910,22 @@ impl Inner {
     /// basements of partial leaves (their index stays), then clean whole leaves, leaf
     /// indexes, and clean internal nodes.
     fn evict(&mut self) {
-        if self.mem <= self.opts.cache_bytes {
+        if self.cache.mem() <= self.opts.cache_bytes {
             return;
         }
-        // Down to 80%, so that the sorts below run once per many misses.
+        // Down to 80%, so that the sorts run once per many misses. First the basements
+        // of leaves read for queries, then whole clean nodes: not the root, nor a node
+        // the checkpoint in flight holds (it stays cached until the checkpoint ends,
+        // since the durable table names its old extent, and if the checkpoint finds no
+        // room the node is dirty again: `undo_checkpoint`).
         let target = self.opts.cache_bytes / 10 * 8;
-        // First the basements of leaves read for queries, least recently used first: a
-        // leaf's index is a fraction of its basements' size and saves a read per query.
-        // (Only leaves holding some basement, and the charge lowered by what is dropped
-        // rather than the node's whole estimate taken twice: with thousands of partial
-        // leaves cached, that estimate was an eighth of a point query's time.)
-        let holds_basements = |n: &Node| {
-            matches!(n, Node::Leaf(Leaf { data: LeafData::Partial { loaded, .. }, .. })
-                if loaded.iter().any(Option::is_some))
-        };
-        let mut partial: Vec<(u64, NodeId)> = self
-            .cache
-            .iter()
-            .filter(|(_, c)| holds_basements(&c.node))
-            .map(|(id, c)| (c.tick, *id))
-            .collect();
-        partial.sort_unstable();
-        for (_, id) in partial {
-            if self.mem <= target {
-                return;
-            }
-            let Some(c) = self.cache.get_mut(&id) else {
-                continue;
-            };
-            let mut freed = 0;
-            if let Node::Leaf(Leaf {
-                data: LeafData::Partial { loaded, .. },
-                ..
-            }) = Arc::make_mut(&mut c.node)
-            {
-                for l in loaded.iter_mut() {
-                    if let Some(e) = l.take() {
-                        freed += node::entries_mem(&e);
-                    }
-                }
-            }
-            c.mem = c.mem.saturating_sub(freed);
-            self.mem = self.mem.saturating_sub(freed);
-            if c.dirty {
-                self.dirty_mem = self.dirty_mem.saturating_sub(freed);
-            }
-        }
-        // Then whole nodes: whole leaves (large; read again only by a flush or a scan),
-        // then leaf indexes, then internal nodes. every query passes through the internal nodes, which are few
-        // (about one in `fanout`) and costly to read (a whole node, buffers decoded).
-        let kind = |n: &Node| match n {
-            Node::Leaf(l) if l.entries().is_some() => 0u8,
-            Node::Leaf(_) => 1,
-            Node::Internal(_) => 2,
-        };
-        let mut clean: Vec<(u8, u64, NodeId)> = self
-            .cache
-            .iter()
-            .filter(|(id, c)| !c.dirty && **id != self.root && !self.is_pinned(**id))
-            .map(|(id, c)| (kind(&c.node), c.tick, *id))
-            .collect();
-        clean.sort_unstable();
-        for (_, _, id) in clean {
-            if self.mem <= target {
-                break;
-            }
-            if let Some(c) = self.cache.remove(&id) {
-                self.uncharge(&c);
-                self.stats.evictions += 1;
-            }
-        }
+        self.cache.drop_basements(target);
+        let root = self.root;
+        let pinned = self.inflight.as_ref().map(|f| &f.pinned);
+        let evicted = self.cache.evict_clean(target, |id| {
+            id != root && !pinned.is_some_and(|p| p.contains(&id))
+        });
+        self.stats.evictions += evicted;
     }
 
     pub fn stats(&mut self) -> Stats {
@@ -3060,14 +2953,9 @@ impl Inner {
             .get(&self.root)
             .map_or(0, |c| c.node.height() as u64);
         s.nodes_cached = self.cache.len() as u64;
-        s.cache_bytes = self.mem as u64;
-        s.cache_internal_bytes = self
-            .cache
-            .values()
-            .filter(|c| c.node.height() > 0)
-            .map(|c| c.mem as u64)
-            .sum();
-        s.dirty_bytes = self.dirty_mem as u64;
+        s.cache_bytes = self.cache.mem() as u64;
+        s.cache_internal_bytes = self.cache.internal_mem() as u64;
+        s.dirty_bytes = self.cache.dirty_mem() as u64;
         s.shared_nodes = self.refs.len() as u64;
         s
     }
@@ -3100,17 +2988,10 @@ impl Inner {
                 "check: node {id} holds an extent but no edge reaches it"
             )));
         }
-        // The cache's charges add up (a drift in `dirty_mem` misjudges when to
-        // checkpoint, or underflows when the snapshot takes the nodes).
-        let mem: usize = self.cache.values().map(|c| c.mem).sum();
-        let dirty: usize = self.cache.values().filter(|c| c.dirty).map(|c| c.mem).sum();
-        let dirty_nodes = self.cache.values().filter(|c| c.dirty).count();
-        if (mem, dirty, dirty_nodes) != (self.mem, self.dirty_mem, self.dirty_nodes) {
-            return Err(Error::Invalid(format!(
-                "check: the cache charges {} bytes ({} dirty, {} nodes) for nodes of {mem} ({dirty}, {dirty_nodes})",
-                self.mem, self.dirty_mem, self.dirty_nodes
-            )));
-        }
+        // The cache's charges add up.
+        self.cache
+            .check()
+            .map_err(|m| Error::Invalid(format!("check: {m}")))?;
         Ok(())
     }
 

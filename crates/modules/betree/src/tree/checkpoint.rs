@@ -320,31 +320,20 @@ impl Inner {
         self.finish_checkpoint()?;
         self.check_failed()?;
         let bs = self.geo.block_size;
-        let mut dirty: Vec<NodeId> = self
-            .cache
-            .iter()
-            .filter(|(_, c)| c.dirty)
-            .map(|(id, _)| *id)
-            .collect();
-        // The thread encodes the upper nodes first: every batch changes the root, and a
-        // node changed before the thread encoded it is copied.
-        dirty.sort_unstable_by_key(|id| (std::cmp::Reverse(self.cache[id].node.height()), *id));
+        let dirty = self.cache.dirty_ids();
         let mut nodes = Vec::with_capacity(dirty.len());
         let mut before = HashMap::new();
         let mut new_bases = HashMap::new();
         let mut table_bases = self.bases.clone();
         let mut bytes = 0;
         for &id in &dirty {
-            let c = self.cache.get_mut(&id).expect("dirty node cached");
-            c.dirty = false;
-            self.dirty_mem -= c.mem;
-            self.dirty_nodes -= 1;
-            bytes += c.mem;
-            let base = match &*c.node {
+            let (node, mem) = self.cache.mark_clean(id).expect("dirty node cached");
+            bytes += mem;
+            let base = match &*node {
                 Node::Leaf(l) => l.delta.base.as_ref().map(|b| b.extent),
                 Node::Internal(n) => n.delta.base.as_ref().map(|b| b.extent),
             };
-            nodes.push((id, c.node.clone()));
+            nodes.push((id, node));
             if let Some(&e) = self.btt.get(&id) {
                 before.insert(id, e);
             }
@@ -493,7 +482,7 @@ impl Inner {
                 }
             }
             // A whole node still cached as written takes deltas over its new extent.
-            let clean = self.cache.get(&id).is_some_and(|c| !c.dirty);
+            let clean = self.cache.get(&id).is_some_and(|c| !c.is_dirty());
             if let (Some(section), true) = (section, clean) {
                 self.change_cached(id, |n| {
                     let delta = match n {
@@ -542,14 +531,9 @@ impl Inner {
             if f.freed.contains(&id) {
                 continue;
             }
-            match self.cache.get_mut(&id) {
-                Some(c) if !c.dirty => {
-                    c.dirty = true;
-                    self.dirty_mem += c.mem;
-                    self.dirty_nodes += 1;
-                }
-                Some(_) => {} // changed since: a dirty copy
-                None => debug_assert!(false, "node {id} of a failed checkpoint left the cache"),
+            // (A node changed since is a dirty copy already.)
+            if !self.cache.mark_dirty(id) {
+                debug_assert!(false, "node {id} of a failed checkpoint left the cache");
             }
         }
         let table = self.table;
@@ -574,15 +558,6 @@ impl Inner {
                 f.freed.insert(id);
             }
         }
-    }
-
-    /// Whether the checkpoint in flight holds the node: it stays cached until the
-    /// checkpoint ends, since the durable table names its old extent, and if the
-    /// checkpoint finds no room the node is dirty again (`undo_checkpoint`).
-    pub(super) fn is_pinned(&self, id: NodeId) -> bool {
-        self.inflight
-            .as_ref()
-            .is_some_and(|f| f.pinned.contains(&id))
     }
 
     /// Where the checkpoint in flight put a node it holds, if it did yet.
