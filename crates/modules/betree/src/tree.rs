@@ -7,11 +7,13 @@ use crate::lift::{prefix_end, PathLifts};
 
 mod cache;
 mod checkpoint;
+mod refs;
 mod surgery;
 use crate::log::{self, LogWriter};
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
 use crate::node::{self, Base, Delta, Entries, Internal, Kind, Leaf, LeafData, Node, NodeId};
 use cache::{Cached, NodeCache};
+use refs::Refs;
 
 use crate::chunk::Chunk;
 use crate::codec::{key_cmp, key_eq};
@@ -62,11 +64,8 @@ pub(crate) struct Inner {
     reserved_for: Option<(u64, u64)>,
     /// Where each node written by a checkpoint lives.
     btt: HashMap<NodeId, Extent>,
-    /// Nodes that more than one edge references (a range clone shares subtrees), and
-    /// how many; a node not here has one (or is the root). A shared node never changes
-    /// in place: a change that reaches it through one edge copies it first (`own`).
-    /// Saved in the block translation table.
-    refs: HashMap<NodeId, u32>,
+    /// Reference counts of shared nodes (a range clone shares subtrees).
+    refs: Refs,
     /// The base extent of each node the newest checkpoint wrote as a delta leaf (its
     /// `btt` extent is the delta). Saved in the table, so that opening knows the
     /// extent is in use.
@@ -281,7 +280,7 @@ impl Inner {
             full_at: None,
             reserved_for: None,
             btt: HashMap::new(),
-            refs: HashMap::new(),
+            refs: Refs::default(),
             bases: HashMap::new(),
             table: Extent {
                 start: 0,
@@ -534,7 +533,7 @@ impl Inner {
                     "reference count {n} of node {id}, which has no extent or is not shared"
                 )));
             }
-            t.refs.insert(id, n);
+            t.refs.load(id, n);
         }
         t.table = h.table;
         t.alloc = Arc::new(Alloc::new(geo.data_first(), count, &used).into());
@@ -1017,22 +1016,18 @@ impl Inner {
     }
 
     fn is_shared(&self, id: NodeId) -> bool {
-        self.refs.contains_key(&id)
+        self.refs.is_shared(id)
     }
 
     /// One more edge references `id`.
     fn add_ref(&mut self, id: NodeId) {
-        *self.refs.entry(id).or_insert(1) += 1;
+        self.refs.add(id);
     }
 
     /// An edge to `id` (of `height`) goes away: the subtree is freed when it was the last
     /// (shared nodes below it lose one reference each).
     fn drop_ref(&mut self, id: NodeId, height: u16) -> Result<()> {
-        if let Some(n) = self.refs.get_mut(&id) {
-            *n -= 1;
-            if *n <= 1 {
-                self.refs.remove(&id);
-            }
+        if self.refs.release(id) {
             return Ok(());
         }
         if height > 0 {
@@ -1074,11 +1069,7 @@ impl Inner {
             Node::Leaf(l) => l.bytes as u64,
             Node::Internal(n) => n.bytes() as u64,
         };
-        let n = self.refs.get_mut(&id).expect("shared");
-        *n -= 1;
-        if *n <= 1 {
-            self.refs.remove(&id);
-        }
+        self.refs.release(id);
         let copy = self.new_id();
         self.put_node(copy, node, true);
         parent.children[idx] = copy;
@@ -2971,14 +2962,14 @@ impl Inner {
         walk.edges.insert(root, 1);
         self.check_node(root, None, None, None, &mut walk)?;
         for (&id, &n) in &walk.edges {
-            let want = self.refs.get(&id).copied().unwrap_or(1);
+            let want = self.refs.count(id);
             if n != want {
                 return Err(Error::Corrupt(format!(
                     "check: node {id} is reached by {n} edges, its reference count is {want}"
                 )));
             }
         }
-        if let Some(id) = self.refs.keys().find(|id| !walk.edges.contains_key(id)) {
+        if let Some(id) = self.refs.unreached(|id| walk.edges.contains_key(&id)) {
             return Err(Error::Corrupt(format!(
                 "check: node {id} has a reference count but no edge reaches it"
             )));

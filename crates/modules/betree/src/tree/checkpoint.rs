@@ -343,8 +343,7 @@ impl Inner {
             };
             new_bases.insert(id, base);
         }
-        let mut refs: Vec<(NodeId, u32)> = self.refs.iter().map(|(k, v)| (*k, *v)).collect();
-        refs.sort_unstable();
+        let refs = self.refs.sorted();
         let mut table_bases: Vec<(NodeId, Extent)> = table_bases.into_iter().collect();
         table_bases.sort_unstable();
         let mut freeing = std::mem::take(&mut self.to_free);
