@@ -27,6 +27,7 @@ pub struct PatchgroupId(pub u64);
 pub type CallerId = u64;
 
 /// A violated patchgroup rule.
+#[non_exhaustive]
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PatchgroupError {
     #[error("patchgroup {0} does not exist")]

@@ -294,12 +294,11 @@ fn message(i: usize, size: usize) -> Vec<u8> {
         "From: sender{i}@example.org\r\nTo: {USER}@example.org\r\nSubject: message {i}\r\nMessage-ID: <{i}@quiltfs.bench>\r\n\r\n"
     )
     .into_bytes();
-    let mut x = i as u64 + 1;
+    // Filler text, the same for the same message in every run.
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(i as u64);
     while m.len() + 2 < size {
-        x = x
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        m.push(b'a' + (x >> 59) as u8 % 26);
+        m.push(rng.random_range(b'a'..=b'z'));
         if m.len() % 76 == 0 {
             m.extend_from_slice(b"\r\n");
         }
