@@ -28,8 +28,10 @@ LAYERS = {
     "modules": ["devices", "api", "engine"],
     # Front ends speak the api only: the FUSE server never links a module or the engine.
     "interfaces": ["devices", "api"],
-    "wiring": ["devices", "api", "engine", "modules"],
-    "tools": ["devices", "api", "engine", "modules", "interfaces", "wiring"],
+    # Replicated storage (Gnothi): stores through devices, and its client is one.
+    "replication": ["devices"],
+    "wiring": ["devices", "api", "engine", "modules", "replication"],
+    "tools": ["devices", "api", "engine", "modules", "interfaces", "replication", "wiring"],
 }
 
 

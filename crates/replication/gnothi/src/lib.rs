@@ -1,0 +1,21 @@
+//! Replicated block storage that separates data from metadata (Gnothi, USENIX ATC 2012):
+//! a volume on `2f+1` replicas whose writes send their metadata (which blocks, which
+//! version, a checksum) to every replica through agreement, and their data to only the
+//! `f+1` replicas of the block's slice's preferred quorum. The design, and what of it is
+//! built, is `docs/design/gnothi.md`.
+//!
+//! This crate holds the protocol's deterministic core, free of any network or runtime:
+//! [`Geometry`] (slices, preferred quorums, where a replica keeps a slice) and the
+//! replicated [`MetaTable`] with the [`Command`]s that change it. Every replica applies
+//! the same commands in the same order and holds the same table.
+
+#![forbid(unsafe_code)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
+mod geometry;
+mod table;
+
+pub use geometry::{Geometry, GeometryError, ReplicaId, System};
+pub use table::{
+    Applied, BlockMeta, Command, CommandError, Holders, MetaTable, Stored, Version, WriteId,
+};
