@@ -5,13 +5,15 @@
 //! built, is `docs/design/gnothi.md`.
 //!
 //! This crate holds the protocol's deterministic core, free of any network or runtime:
-//! [`Geometry`] (slices, preferred quorums, where a replica keeps a slice) and the
-//! replicated [`MetaTable`] with the [`Command`]s that change it. Every replica applies
-//! the same commands in the same order and holds the same table.
+//! [`Geometry`] (slices, preferred quorums, where a replica keeps a slice), the
+//! replicated [`MetaTable`] with the [`Command`]s that change it (every replica applies
+//! the same commands in the same order and holds the same table), and a replica's
+//! [`datalog`], where written data is durable before its metadata commits.
 
 #![forbid(unsafe_code)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod datalog;
 mod geometry;
 mod table;
 
