@@ -15,6 +15,7 @@
 
 pub mod datalog;
 mod geometry;
+pub mod store;
 mod table;
 
 pub use geometry::{Geometry, GeometryError, ReplicaId, System};

@@ -1,0 +1,351 @@
+//! A replica's data device: the home blocks of the slices it prefers, packed in slice
+//! order (`Geometry::home_of`), then the reserve, a bounded area of slots for blocks it
+//! keeps only while a preferred replica cannot (`docs/design/gnothi.md` §3).
+//!
+//! A reserve slot is two blocks: a header (`QGRS`: the volume block, its version and
+//! checksum, the header's checksum) and the data. The replicated table says *that* a
+//! replica keeps a block in reserve; which slot is this replica's own business, found
+//! again at open by reading the headers. A slot is freed by clearing its header.
+
+use crate::geometry::{Geometry, ReplicaId};
+use crate::table::Version;
+use quilt_block::{BlockDevice, BlockError, WriteClass};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+const SLOT_MAGIC: &[u8; 4] = b"QGRS";
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    #[error(transparent)]
+    Device(#[from] BlockError),
+    #[error("replica {replica} does not keep block {block} at home")]
+    NotHome { replica: ReplicaId, block: u64 },
+    #[error("the data device has {have} blocks; replica {replica} needs {need} ({home} home, {reserve} reserve slots)")]
+    TooSmall {
+        replica: ReplicaId,
+        have: u64,
+        need: u64,
+        home: u64,
+        reserve: u64,
+    },
+    #[error("the reserve is full ({slots} slots)")]
+    ReserveFull { slots: u64 },
+    #[error("the data device's block size {device} is not the volume's {volume}")]
+    BlockSize { device: usize, volume: u32 },
+    #[error("{len} bytes is not one {block_size}-byte block")]
+    NotABlock { len: usize, block_size: usize },
+}
+
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// A reserve copy: which block, at which version, with which checksum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reserved {
+    pub block: u64,
+    pub version: Version,
+    pub checksum: u32,
+}
+
+pub struct DataStore {
+    geometry: Geometry,
+    replica: ReplicaId,
+    dev: Arc<dyn BlockDevice>,
+    home: u64,
+    slots: u64,
+    /// Slot of each block kept in reserve.
+    reserved: HashMap<u64, (u64, Reserved)>,
+    free: Vec<u64>,
+}
+
+fn crc(b: &[u8]) -> u32 {
+    crc32c::crc32c(b)
+}
+
+impl DataStore {
+    /// Blocks a data device needs for `replica` with `slots` reserve slots.
+    pub fn blocks_needed(geometry: &Geometry, replica: ReplicaId, slots: u64) -> u64 {
+        geometry.home_blocks(replica) + 2 * slots
+    }
+
+    /// Opens replica `replica`'s data device with `slots` reserve slots, finding the
+    /// reserve copies it holds. A new device reads as zeros: every slot free.
+    pub fn open(
+        geometry: Geometry,
+        replica: ReplicaId,
+        dev: Arc<dyn BlockDevice>,
+        slots: u64,
+    ) -> Result<DataStore> {
+        if dev.block_size() != geometry.block_size as usize {
+            return Err(StoreError::BlockSize {
+                device: dev.block_size(),
+                volume: geometry.block_size,
+            });
+        }
+        let home = geometry.home_blocks(replica);
+        let need = DataStore::blocks_needed(&geometry, replica, slots);
+        if dev.block_count() < need {
+            return Err(StoreError::TooSmall {
+                replica,
+                have: dev.block_count(),
+                need,
+                home,
+                reserve: slots,
+            });
+        }
+        let mut s = DataStore {
+            geometry,
+            replica,
+            dev,
+            home,
+            slots,
+            reserved: HashMap::new(),
+            free: Vec::new(),
+        };
+        let mut b = vec![0u8; s.dev.block_size()];
+        for slot in (0..slots).rev() {
+            s.dev.read(s.slot_block(slot), &mut b)?;
+            match s.decode_header(&b) {
+                // Of two slots naming one block (a crash between writing the new copy
+                // and clearing the old), the newer version is kept.
+                Some(r) => match s.reserved.get(&r.block) {
+                    Some(&(_, old)) if old.version >= r.version => s.free.push(slot),
+                    Some(&(old_slot, _)) => {
+                        s.free.push(old_slot);
+                        s.reserved.insert(r.block, (slot, r));
+                    }
+                    None => {
+                        s.reserved.insert(r.block, (slot, r));
+                    }
+                },
+                None => s.free.push(slot),
+            }
+        }
+        Ok(s)
+    }
+
+    fn slot_block(&self, slot: u64) -> u64 {
+        self.home + 2 * slot
+    }
+
+    fn decode_header(&self, b: &[u8]) -> Option<Reserved> {
+        if &b[0..4] != SLOT_MAGIC {
+            return None;
+        }
+        let le64 = |at: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[at..at + 8]);
+            u64::from_le_bytes(w)
+        };
+        let stored = u32::from_le_bytes([b[28], b[29], b[30], b[31]]);
+        if crc(&b[..28]) != stored {
+            return None;
+        }
+        let r = Reserved {
+            block: le64(4),
+            version: le64(12),
+            checksum: u32::from_le_bytes([b[20], b[21], b[22], b[23]]),
+        };
+        (r.block < self.geometry.blocks).then_some(r)
+    }
+
+    fn check_block(&self, data: &[u8]) -> Result<()> {
+        let bs = self.geometry.block_size as usize;
+        if data.len() != bs {
+            return Err(StoreError::NotABlock {
+                len: data.len(),
+                block_size: bs,
+            });
+        }
+        Ok(())
+    }
+
+    fn home_block(&self, block: u64) -> Result<u64> {
+        self.geometry
+            .home_of(self.replica, block)
+            .ok_or(StoreError::NotHome {
+                replica: self.replica,
+                block,
+            })
+    }
+
+    /// Writes `block`'s data at home (durable at the next [`DataStore::flush`]).
+    pub fn write_home(&self, block: u64, data: &[u8]) -> Result<()> {
+        self.check_block(data)?;
+        let at = self.home_block(block)?;
+        Ok(self.dev.write(at, data, WriteClass::Data)?)
+    }
+
+    pub fn read_home(&self, block: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_block(buf)?;
+        let at = self.home_block(block)?;
+        Ok(self.dev.read(at, buf)?)
+    }
+
+    /// Keeps `data` for `block` at `version` in the reserve, replacing an older copy
+    /// of the same block; durable at the next flush.
+    pub fn reserve_put(&mut self, r: Reserved, data: &[u8]) -> Result<()> {
+        self.check_block(data)?;
+        let old = self.reserved.get(&r.block).map(|&(slot, _)| slot);
+        let slot = self
+            .free
+            .pop()
+            .ok_or(StoreError::ReserveFull { slots: self.slots })?;
+        if let Err(e) = self.fill_slot(slot, r, data) {
+            // Nothing names the slot: it is free again (its header, if written, is
+            // cleared at the next use or stands for a copy the table does not know).
+            self.free.push(slot);
+            return Err(e);
+        }
+        self.reserved.insert(r.block, (slot, r));
+        if let Some(old) = old {
+            self.clear_slot(old)?;
+        }
+        Ok(())
+    }
+
+    fn fill_slot(&self, slot: u64, r: Reserved, data: &[u8]) -> Result<()> {
+        let at = self.slot_block(slot);
+        self.dev.write(at + 1, data, WriteClass::Data)?;
+        // The data first, then (after a flush) the header that makes the slot count:
+        // a header must never name data that is not there.
+        self.dev.flush()?;
+        let mut h = vec![0u8; self.dev.block_size()];
+        h[0..4].copy_from_slice(SLOT_MAGIC);
+        h[4..12].copy_from_slice(&r.block.to_le_bytes());
+        h[12..20].copy_from_slice(&r.version.to_le_bytes());
+        h[20..24].copy_from_slice(&r.checksum.to_le_bytes());
+        let c = crc(&h[..28]);
+        h[28..32].copy_from_slice(&c.to_le_bytes());
+        Ok(self.dev.write(at, &h, WriteClass::Metadata)?)
+    }
+
+    /// The reserve copy of `block`, if this replica keeps one.
+    pub fn reserved(&self, block: u64) -> Option<Reserved> {
+        self.reserved.get(&block).map(|&(_, r)| r)
+    }
+
+    pub fn reserve_read(&self, block: u64, buf: &mut [u8]) -> Result<Option<Reserved>> {
+        self.check_block(buf)?;
+        let Some(&(slot, r)) = self.reserved.get(&block) else {
+            return Ok(None);
+        };
+        self.dev.read(self.slot_block(slot) + 1, buf)?;
+        Ok(Some(r))
+    }
+
+    /// Frees `block`'s reserve slot (a newer write replaced it, or every preferred
+    /// replica holds it now).
+    pub fn reserve_free(&mut self, block: u64) -> Result<()> {
+        if let Some((slot, _)) = self.reserved.remove(&block) {
+            self.clear_slot(slot)?;
+        }
+        Ok(())
+    }
+
+    fn clear_slot(&mut self, slot: u64) -> Result<()> {
+        let zero = vec![0u8; self.dev.block_size()];
+        self.dev
+            .write(self.slot_block(slot), &zero, WriteClass::Metadata)?;
+        self.free.push(slot);
+        Ok(())
+    }
+
+    /// Reserve slots in use.
+    pub fn reserve_used(&self) -> u64 {
+        self.reserved.len() as u64
+    }
+
+    pub fn flush(&self) -> Result<()> {
+        Ok(self.dev.flush()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::System;
+    use quilt_block::MemDevice;
+
+    fn setup(slots: u64) -> (Geometry, Arc<MemDevice>) {
+        let g = Geometry::new(System::Gnothi, 1, 512, 30, 5).unwrap();
+        let dev = Arc::new(MemDevice::new(512, DataStore::blocks_needed(&g, 2, slots)).unwrap());
+        (g, dev)
+    }
+
+    fn block(x: u8) -> Vec<u8> {
+        vec![x; 512]
+    }
+
+    #[test]
+    fn home_blocks_round_trip_and_foreign_ones_are_refused() {
+        let (g, dev) = setup(2);
+        let s = DataStore::open(g, 2, dev.clone(), 2).unwrap();
+        // Replica 2 prefers slices 1 and 2 (blocks 5..15), and 4 and 5 (20..30).
+        s.write_home(7, &block(7)).unwrap();
+        s.write_home(29, &block(29)).unwrap();
+        let mut b = block(0);
+        s.read_home(7, &mut b).unwrap();
+        assert_eq!(b, block(7));
+        s.read_home(29, &mut b).unwrap();
+        assert_eq!(b, block(29));
+        assert!(matches!(
+            s.write_home(0, &block(0)),
+            Err(StoreError::NotHome {
+                replica: 2,
+                block: 0
+            })
+        ));
+        assert!(matches!(
+            s.write_home(7, &[0u8; 100]),
+            Err(StoreError::NotABlock { .. })
+        ));
+    }
+
+    #[test]
+    fn reserve_copies_survive_a_reopen_and_free_slots_are_reused() {
+        let (g, dev) = setup(2);
+        let mut s = DataStore::open(g, 2, dev.clone(), 2).unwrap();
+        let r = |block, version| Reserved {
+            block,
+            version,
+            checksum: 0xabc,
+        };
+        s.reserve_put(r(0, 3), &block(1)).unwrap();
+        s.reserve_put(r(1, 4), &block(2)).unwrap();
+        assert!(matches!(
+            s.reserve_put(r(2, 5), &block(3)),
+            Err(StoreError::ReserveFull { slots: 2 })
+        ));
+        s.flush().unwrap();
+        drop(s);
+        let mut s = DataStore::open(g, 2, dev.clone(), 2).unwrap();
+        let mut b = block(0);
+        assert_eq!(s.reserve_read(0, &mut b).unwrap(), Some(r(0, 3)));
+        assert_eq!(b, block(1));
+        s.reserve_free(0).unwrap();
+        s.reserve_put(r(2, 5), &block(3)).unwrap();
+        s.flush().unwrap();
+        drop(s);
+        let s = DataStore::open(g, 2, dev, 2).unwrap();
+        assert_eq!(s.reserved(0), None);
+        assert_eq!(s.reserved(2), Some(r(2, 5)));
+        assert_eq!(s.reserve_used(), 2);
+    }
+
+    #[test]
+    fn a_device_too_small_or_of_another_block_size_is_refused() {
+        let g = Geometry::new(System::Gnothi, 1, 512, 30, 5).unwrap();
+        let small = Arc::new(MemDevice::new(512, 10).unwrap());
+        assert!(matches!(
+            DataStore::open(g, 0, small, 1),
+            Err(StoreError::TooSmall { .. })
+        ));
+        let other = Arc::new(MemDevice::new(4096, 100).unwrap());
+        assert!(matches!(
+            DataStore::open(g, 0, other, 1),
+            Err(StoreError::BlockSize { .. })
+        ));
+    }
+}
