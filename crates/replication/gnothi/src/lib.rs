@@ -15,6 +15,7 @@
 
 pub mod datalog;
 mod geometry;
+pub mod history;
 pub mod store;
 mod table;
 
