@@ -20,6 +20,7 @@
 //! Recovery reads records from the head while each has the next lsn and its checksums
 //! match: a torn record, or a stale one from an earlier lap, ends the log.
 
+use crate::codec::{le32, le64};
 use crate::table::WriteId;
 use quilt_block::{BlockDevice, BlockError, WriteClass};
 use std::collections::VecDeque;
@@ -87,18 +88,6 @@ pub struct DataLog {
 
 fn crc(parts: &[&[u8]]) -> u32 {
     parts.iter().fold(0, |c, p| crc32c::crc32c_append(c, p))
-}
-
-fn le64(b: &[u8], at: usize) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(w)
-}
-
-fn le32(b: &[u8], at: usize) -> u32 {
-    let mut w = [0u8; 4];
-    w.copy_from_slice(&b[at..at + 4]);
-    u32::from_le_bytes(w)
 }
 
 impl DataLog {

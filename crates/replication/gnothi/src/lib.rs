@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+mod codec;
 pub mod datalog;
 mod geometry;
 pub mod history;

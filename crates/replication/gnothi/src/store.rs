@@ -7,6 +7,7 @@
 //! replica keeps a block in reserve; which slot is this replica's own business, found
 //! again at open by reading the headers. A slot is freed by clearing its header.
 
+use crate::codec::{le32, le64};
 use crate::geometry::{Geometry, ReplicaId};
 use crate::table::Version;
 use quilt_block::{BlockDevice, BlockError, WriteClass};
@@ -133,19 +134,13 @@ impl DataStore {
         if &b[0..4] != SLOT_MAGIC {
             return None;
         }
-        let le64 = |at: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&b[at..at + 8]);
-            u64::from_le_bytes(w)
-        };
-        let stored = u32::from_le_bytes([b[28], b[29], b[30], b[31]]);
-        if crc(&b[..28]) != stored {
+        if crc(&b[..28]) != le32(b, 28) {
             return None;
         }
         let r = Reserved {
-            block: le64(4),
-            version: le64(12),
-            checksum: u32::from_le_bytes([b[20], b[21], b[22], b[23]]),
+            block: le64(b, 4),
+            version: le64(b, 12),
+            checksum: le32(b, 20),
         };
         (r.block < self.geometry.blocks).then_some(r)
     }
