@@ -58,10 +58,7 @@ impl IoError {
 
     /// The first error of type `E` in the chain of causes.
     pub fn find<E: StdError + 'static>(&self) -> Option<&E> {
-        let mut next: Option<&(dyn StdError + 'static)> = match self.cause.as_deref() {
-            Some(c) => Some(c),
-            None => None,
-        };
+        let mut next: Option<&(dyn StdError + 'static)> = self.cause.as_deref().map(|c| c as _);
         while let Some(e) = next {
             if let Some(found) = e.downcast_ref::<E>() {
                 return Some(found);
@@ -104,10 +101,7 @@ impl Eq for IoError {}
 
 impl StdError for IoError {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        match self.cause.as_deref() {
-            Some(c) => Some(c),
-            None => None,
-        }
+        self.cause.as_deref().map(|c| c as _)
     }
 }
 

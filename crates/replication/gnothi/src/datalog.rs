@@ -78,6 +78,8 @@ pub struct DataLog {
     bs: usize,
     /// Live records (and wraps), oldest first.
     live: VecDeque<Placed>,
+    /// Blocks they take.
+    used: u64,
     /// The head: the oldest live record's lsn and offset.
     head: (u64, u64),
     /// Where the next record goes, and its lsn.
@@ -130,9 +132,8 @@ impl DataLog {
         log.head = (lsn, off);
         let mut staged = Vec::new();
         let (mut lsn, mut off) = (lsn, off);
-        let mut used = 0;
         loop {
-            if used >= log.ring {
+            if log.used >= log.ring {
                 break;
             }
             let at = log.first + HEADS + off;
@@ -143,12 +144,11 @@ impl DataLog {
                 break;
             }
             if &b[0..4] == WRAP_MAGIC && le32(&b, 20) == crc(&[&b[..20]]) {
-                log.live.push_back(Placed {
+                log.place(Placed {
                     lsn,
                     offset: off,
                     blocks: log.ring - off,
                 });
-                used += log.ring - off;
                 lsn += 1;
                 off = 0;
                 continue;
@@ -170,12 +170,11 @@ impl DataLog {
             {
                 break;
             }
-            log.live.push_back(Placed {
+            log.place(Placed {
                 lsn,
                 offset: off,
                 blocks: 1 + count,
             });
-            used += 1 + count;
             staged.push(Staged {
                 lsn,
                 write,
@@ -204,6 +203,7 @@ impl DataLog {
             ring: len - HEADS,
             bs,
             live: VecDeque::new(),
+            used: 0,
             head: (1, 0),
             tail: (1, 0),
             head_seq: 0,
@@ -213,7 +213,12 @@ impl DataLog {
 
     /// Blocks the live records take (wraps included).
     pub fn used(&self) -> u64 {
-        self.live.iter().map(|p| p.blocks).sum()
+        self.used
+    }
+
+    fn place(&mut self, p: Placed) {
+        self.used += p.blocks;
+        self.live.push_back(p);
     }
 
     /// The ring's size in blocks.
@@ -241,7 +246,7 @@ impl DataLog {
         let (lsn, off) = self.tail;
         let wrap = off + need > self.ring;
         let waste = if wrap { self.ring - off } else { 0 };
-        let free = self.ring - self.used();
+        let free = self.ring - self.used;
         if need + waste > free {
             return Err(DataLogError::Full {
                 need: need + waste,
@@ -257,7 +262,7 @@ impl DataLog {
             h[20..24].copy_from_slice(&c.to_le_bytes());
             self.dev
                 .write(self.first + HEADS + off, &h, WriteClass::Metadata)?;
-            self.live.push_back(Placed {
+            self.place(Placed {
                 lsn,
                 offset: off,
                 blocks: waste,
@@ -280,7 +285,7 @@ impl DataLog {
         let at = self.first + HEADS + off;
         self.dev.write(at, &h, WriteClass::Metadata)?;
         self.dev.write_blocks(at + 1, data, WriteClass::Data)?;
-        self.live.push_back(Placed {
+        self.place(Placed {
             lsn,
             offset: off,
             blocks: need,
@@ -300,7 +305,9 @@ impl DataLog {
     pub fn trim(&mut self, lsn: u64) -> Result<()> {
         let mut moved = false;
         while self.live.front().is_some_and(|p| p.lsn < lsn) {
-            self.live.pop_front();
+            if let Some(p) = self.live.pop_front() {
+                self.used -= p.blocks;
+            }
             moved = true;
         }
         if !moved {

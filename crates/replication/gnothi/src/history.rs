@@ -124,31 +124,9 @@ fn check_register(block: u64, ops: &[Op]) -> Result<(), Violation> {
     let mut at = next[head];
     let mut last_read = 0;
     while next[head] != END {
-        if at == END {
-            // Only returns are left ahead and none can go: back up.
-            match stack.pop() {
-                Some((k, s)) => {
-                    let op = events[k].op;
-                    done[op / 64] &= !(1 << (op % 64));
-                    state = s;
-                    relink(&mut next, &mut prev, events[k].ret);
-                    relink(&mut next, &mut prev, k);
-                    at = next[k];
-                    continue;
-                }
-                None => {
-                    return Err(Violation {
-                        block,
-                        ops: n,
-                        value: last_read,
-                    })
-                }
-            }
-        }
-        let e = events[at];
-        if e.call {
-            let op = ops[e.op];
-            let after = match op.kind {
+        if at != END && events[at].call {
+            let e = events[at];
+            let after = match ops[e.op].kind {
                 Kind::Write(v) => Some(v),
                 Kind::Read(v) if v == state => Some(state),
                 Kind::Read(v) => {
@@ -170,26 +148,23 @@ fn check_register(block: u64, ops: &[Op]) -> Result<(), Violation> {
                 }
             }
             at = next[at];
-        } else {
-            // An operation returned before it was linearized: this order fails.
-            match stack.pop() {
-                Some((k, s)) => {
-                    let op = events[k].op;
-                    done[op / 64] &= !(1 << (op % 64));
-                    state = s;
-                    relink(&mut next, &mut prev, events[k].ret);
-                    relink(&mut next, &mut prev, k);
-                    at = next[k];
-                }
-                None => {
-                    return Err(Violation {
-                        block,
-                        ops: n,
-                        value: last_read,
-                    })
-                }
-            }
+            continue;
         }
+        // An operation returned before it was linearized, or only returns are left
+        // ahead: this order fails; back up to the last operation linearized.
+        let Some((k, s)) = stack.pop() else {
+            return Err(Violation {
+                block,
+                ops: n,
+                value: last_read,
+            });
+        };
+        let op = events[k].op;
+        done[op / 64] &= !(1 << (op % 64));
+        state = s;
+        relink(&mut next, &mut prev, events[k].ret);
+        relink(&mut next, &mut prev, k);
+        at = next[k];
     }
     Ok(())
 }

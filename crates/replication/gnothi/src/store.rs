@@ -15,6 +15,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 const SLOT_MAGIC: &[u8; 4] = b"QGRS";
+/// Reserve slots read by one request when the store opens.
+const SLOTS_PER_READ: u64 = 128;
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -104,10 +106,18 @@ impl DataStore {
             reserved: HashMap::new(),
             free: Vec::new(),
         };
-        let mut b = vec![0u8; s.dev.block_size()];
+        // The reserve is read in runs of slots (one request each), not a block at a time.
+        let bs = s.dev.block_size();
+        let mut headers = Vec::with_capacity(slots as usize);
+        let mut run = vec![0u8; 2 * SLOTS_PER_READ as usize * bs];
+        for first in (0..slots).step_by(SLOTS_PER_READ as usize) {
+            let n = SLOTS_PER_READ.min(slots - first);
+            let buf = &mut run[..2 * n as usize * bs];
+            s.dev.read_blocks(s.slot_block(first), buf)?;
+            headers.extend(buf.chunks(2 * bs).map(|slot| s.decode_header(&slot[..bs])));
+        }
         for slot in (0..slots).rev() {
-            s.dev.read(s.slot_block(slot), &mut b)?;
-            match s.decode_header(&b) {
+            match headers[slot as usize] {
                 // Of two slots naming one block (a crash between writing the new copy
                 // and clearing the old), the newer version is kept.
                 Some(r) => match s.reserved.get(&r.block) {
@@ -327,6 +337,33 @@ mod tests {
         assert_eq!(s.reserved(0), None);
         assert_eq!(s.reserved(2), Some(r(2, 5)));
         assert_eq!(s.reserve_used(), 2);
+    }
+
+    #[test]
+    fn a_reserve_larger_than_one_read_is_found_whole() {
+        let g = Geometry::new(System::Gnothi, 1, 512, 600, 5).unwrap();
+        let slots = 2 * SLOTS_PER_READ + 44;
+        let dev = Arc::new(MemDevice::new(512, DataStore::blocks_needed(&g, 0, slots)).unwrap());
+        let mut s = DataStore::open(g, 0, dev.clone(), slots).unwrap();
+        for b in 0..slots {
+            let r = Reserved {
+                block: b,
+                version: b + 1,
+                checksum: 0,
+            };
+            s.reserve_put(r, &block(b as u8)).unwrap();
+        }
+        s.flush().unwrap();
+        drop(s);
+        let s = DataStore::open(g, 0, dev, slots).unwrap();
+        assert_eq!(s.reserve_used(), slots);
+        let mut buf = block(0);
+        let last = slots - 1;
+        assert_eq!(
+            s.reserve_read(last, &mut buf).unwrap().map(|r| r.version),
+            Some(slots)
+        );
+        assert_eq!(buf, block(last as u8));
     }
 
     #[test]
