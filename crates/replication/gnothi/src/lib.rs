@@ -17,6 +17,10 @@ mod codec;
 pub mod datalog;
 mod geometry;
 pub mod history;
+pub mod layout;
+pub mod meta;
+pub mod raftlog;
+pub mod replica;
 pub mod store;
 mod table;
 

@@ -257,6 +257,11 @@ impl DataStore {
         Ok(())
     }
 
+    /// Every reserve copy this replica keeps.
+    pub fn reserved_all(&self) -> Vec<Reserved> {
+        self.reserved.values().map(|&(_, r)| r).collect()
+    }
+
     /// Reserve slots in use.
     pub fn reserve_used(&self) -> u64 {
         self.reserved.len() as u64

@@ -106,7 +106,7 @@ pub enum Command {
     },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum CommandError {
     #[error("blocks {first}..{end} are outside the volume ({blocks} blocks)")]
@@ -162,6 +162,12 @@ impl MetaTable {
 
     pub fn geometry(&self) -> &Geometry {
         &self.geometry
+    }
+
+    /// Whether a table that came from elsewhere (a snapshot) has one entry per block
+    /// of its geometry, as every method here assumes.
+    pub fn is_whole(&self) -> bool {
+        self.blocks.len() as u64 == self.geometry.blocks
     }
 
     /// The last log index applied.

@@ -1,0 +1,668 @@
+//! One replica's state, on its two devices: the replicated table (and client
+//! sessions), the data it stages before a write commits, its home blocks and reserve,
+//! and its snapshots. [`Machine`] hands this to openraft as the state machine; the
+//! server (`node.rs`) uses it for the data path.
+//!
+//! Invariants kept here:
+//! - a block's data reaches home (or the reserve) only when the write naming it is
+//!   applied, and only if it matches the checksums the write committed;
+//! - a staged record leaves the data log only after its data is durable at home, so a
+//!   crash at any point finds either the record or the home copy;
+//! - a snapshot is written only after every applied write's data is durable, so the
+//!   table it holds never names a copy this replica does not have.
+
+use crate::datalog::{DataLog, DataLogError};
+use crate::geometry::{Geometry, ReplicaId};
+use crate::layout::{Label, LayoutError};
+use crate::meta::{
+    Entry, LogId, Meta, Outcome, Proposal, Sessions, SnapshotMeta, StorageError, StoredMembership,
+};
+use crate::raftlog::{RaftLog, RaftLogError};
+use crate::store::{DataStore, Reserved, StoreError};
+use crate::table::{BlockMeta, Command, Holders, MetaTable, Stored, Version, WriteId};
+use openraft::storage::{RaftSnapshotBuilder, RaftStateMachine, Snapshot};
+use openraft::{EntryPayload, RaftLogId, StorageIOError};
+use quilt_block::BlockDevice;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::Cursor;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplicaError {
+    #[error("log device: {0}")]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    RaftLog(#[from] RaftLogError),
+    #[error("data log: {0}")]
+    DataLog(#[from] DataLogError),
+    #[error("data device: {0}")]
+    Store(#[from] StoreError),
+    #[error("the snapshot on the log device does not decode: {0}")]
+    Snapshot(String),
+    #[error("the devices are labelled for replica {label}, not {asked}")]
+    WrongReplica { label: ReplicaId, asked: ReplicaId },
+    #[error("block {block} is outside the volume ({blocks} blocks)")]
+    OutOfRange { block: u64, blocks: u64 },
+    #[error("data of {len} bytes is not a whole number of {block_size}-byte blocks")]
+    Unaligned { len: usize, block_size: usize },
+}
+
+/// What a replica keeps in a snapshot: the replicated state as of `last_applied`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct SnapshotBody {
+    last_applied: Option<LogId>,
+    membership: StoredMembership,
+    table: MetaTable,
+    sessions: Sessions,
+}
+
+/// A block as one replica can answer for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LocalRead {
+    /// The data at the table's version (checksum verified).
+    Data(Vec<u8>),
+    /// Never written: zeros.
+    Zero,
+    /// Not here at the current version; these replicas hold it.
+    NotHere(Holders),
+}
+
+struct StagedData {
+    lsn: u64,
+    first: u64,
+    data: Vec<u8>,
+}
+
+pub struct Local {
+    pub id: ReplicaId,
+    label: Label,
+    log_dev: Arc<dyn BlockDevice>,
+    table: MetaTable,
+    sessions: Sessions,
+    store: DataStore,
+    datalog: DataLog,
+    staged: HashMap<WriteId, StagedData>,
+    /// Staged records by lsn, for trimming in order.
+    staged_lsns: BTreeMap<u64, WriteId>,
+    last_applied: Option<LogId>,
+    membership: StoredMembership,
+    snapshot: Option<(SnapshotMeta, Vec<u8>)>,
+    snapshot_seq: u64,
+    /// Blocks the table says this replica holds, whose data it found missing or
+    /// damaged: reads go elsewhere, and the server reports them lost.
+    lost: BTreeSet<u64>,
+    /// Home or reserve writes since the last flush.
+    unflushed: bool,
+}
+
+fn block_crc(b: &[u8]) -> u32 {
+    crc32c::crc32c(b)
+}
+
+impl Local {
+    /// Labels `log_dev` for `label.replica` and makes empty rings on it.
+    pub fn format(log_dev: &Arc<dyn BlockDevice>, label: &Label) -> Result<(), ReplicaError> {
+        label.write(log_dev.as_ref())?;
+        let (f, n) = label.raft_region();
+        RaftLog::format(log_dev.clone(), f, n)?;
+        let (f, n) = label.data_region();
+        DataLog::format(log_dev.clone(), f, n)?;
+        Ok(())
+    }
+
+    /// Opens replica `id`'s devices as the last run left them.
+    pub fn open(
+        id: ReplicaId,
+        log_dev: Arc<dyn BlockDevice>,
+        data_dev: Arc<dyn BlockDevice>,
+    ) -> Result<(Local, RaftLog), ReplicaError> {
+        let label = Label::read(log_dev.as_ref())?;
+        if label.replica != id {
+            return Err(ReplicaError::WrongReplica {
+                label: label.replica,
+                asked: id,
+            });
+        }
+        let (f, n) = label.raft_region();
+        let raft_log = RaftLog::open(log_dev.clone(), f, n)?;
+        let (f, n) = label.data_region();
+        let (datalog, records) = DataLog::open(log_dev.clone(), f, n)?;
+        let store = DataStore::open(label.geometry, id, data_dev, label.reserve_slots)?;
+        let mut local = Local {
+            id,
+            table: MetaTable::new(label.geometry),
+            sessions: Sessions::default(),
+            store,
+            datalog,
+            staged: HashMap::new(),
+            staged_lsns: BTreeMap::new(),
+            last_applied: None,
+            membership: StoredMembership::default(),
+            snapshot: None,
+            snapshot_seq: 0,
+            lost: BTreeSet::new(),
+            unflushed: false,
+            label,
+            log_dev,
+        };
+        for r in records {
+            local.staged_lsns.insert(r.lsn, r.write);
+            local.staged.insert(
+                r.write,
+                StagedData {
+                    lsn: r.lsn,
+                    first: r.first,
+                    data: r.data,
+                },
+            );
+        }
+        if let Some((seq, bytes)) = local.label.read_snapshot(local.log_dev.as_ref())? {
+            let body = decode_snapshot(&bytes, &local.label.geometry)?;
+            local.snapshot_seq = seq;
+            let meta = SnapshotMeta {
+                last_log_id: body.last_applied,
+                last_membership: body.membership.clone(),
+                snapshot_id: format!("{id}-{seq}"),
+            };
+            local.set_state(body);
+            local.snapshot = Some((meta, bytes));
+        }
+        Ok((local, raft_log))
+    }
+
+    fn set_state(&mut self, body: SnapshotBody) {
+        self.table = body.table;
+        self.sessions = body.sessions;
+        self.membership = body.membership;
+        self.last_applied = body.last_applied;
+    }
+
+    pub fn geometry(&self) -> &Geometry {
+        self.table.geometry()
+    }
+
+    pub fn table(&self) -> &MetaTable {
+        &self.table
+    }
+
+    pub fn volume(&self) -> &str {
+        &self.label.volume
+    }
+
+    pub fn last_applied(&self) -> Option<LogId> {
+        self.last_applied
+    }
+
+    pub fn lost(&self) -> &BTreeSet<u64> {
+        &self.lost
+    }
+
+    /// Blocks of this replica's preferred slices it does not hold at the table's
+    /// version: Phase 2's work.
+    pub fn incomplete(&self) -> usize {
+        self.table.incomplete(self.id).count() + self.lost.len()
+    }
+
+    pub fn reserve_used(&self) -> u64 {
+        self.store.reserve_used()
+    }
+
+    pub fn data_log_usage(&self) -> (u64, u64) {
+        (self.datalog.used(), self.datalog.ring_blocks())
+    }
+
+    /// Makes `data` (whole blocks from `first`) durable in the data log under `write`,
+    /// before this replica answers `Stored`.
+    pub fn stage(&mut self, write: WriteId, first: u64, data: Vec<u8>) -> Result<(), ReplicaError> {
+        self.check_range(first, data.len())?;
+        if self.staged.contains_key(&write) {
+            // A retried send of the same write: durable already.
+            return Ok(());
+        }
+        self.make_room(&data)?;
+        let lsn = self.datalog.append(write, first, &data)?;
+        self.datalog.sync()?;
+        self.staged_lsns.insert(lsn, write);
+        self.staged.insert(write, StagedData { lsn, first, data });
+        Ok(())
+    }
+
+    /// When the data log has no room, lets go of the oldest records of writes that
+    /// never committed: their clients gave up on them long ago (the ring holds many
+    /// seconds of writes), and a commit naming them after this would find the data
+    /// missing and report the blocks lost, never read wrong data.
+    fn make_room(&mut self, data: &[u8]) -> Result<(), ReplicaError> {
+        let bs = self.geometry().block_size as usize;
+        let need = (data.len() / bs) as u64 + 1;
+        let ring = self.datalog.ring_blocks();
+        // Twice the record, for a wrap's waste.
+        while self.datalog.used() + 2 * need > ring {
+            let Some((&lsn, &write)) = self.staged_lsns.iter().next() else {
+                break;
+            };
+            self.staged_lsns.remove(&lsn);
+            self.staged.remove(&write);
+            let next = self.staged_lsns.keys().next().copied().unwrap_or(u64::MAX);
+            self.datalog.trim(next)?;
+        }
+        Ok(())
+    }
+
+    fn check_range(&self, first: u64, len: usize) -> Result<(), ReplicaError> {
+        let g = self.geometry();
+        let bs = g.block_size as usize;
+        if len == 0 || len % bs != 0 {
+            return Err(ReplicaError::Unaligned {
+                len,
+                block_size: bs,
+            });
+        }
+        let end = first.saturating_add((len / bs) as u64);
+        if end > g.blocks {
+            return Err(ReplicaError::OutOfRange {
+                block: end - 1,
+                blocks: g.blocks,
+            });
+        }
+        Ok(())
+    }
+
+    /// Applies one committed proposal at `index`.
+    pub fn apply(&mut self, index: Version, p: &Proposal) -> Outcome {
+        if let Some(s) = &p.session {
+            if let Some(v) = self.sessions.applied(s) {
+                self.drop_staged_of(&p.command);
+                return Outcome::Duplicate(v);
+            }
+            if self.sessions.forgotten(s) {
+                self.drop_staged_of(&p.command);
+                return Outcome::Duplicate(0);
+            }
+        }
+        let applied = match self.table.apply(index, &p.command) {
+            Ok(a) => a,
+            Err(e) => return Outcome::Refused(e),
+        };
+        if let Some(s) = &p.session {
+            self.sessions.record(s, index);
+        }
+        for (block, holders) in applied.reserve_freed {
+            if holders.contains(self.id) {
+                if let Err(e) = self.store.reserve_free(block) {
+                    tracing::warn!(replica = self.id, block, error = %e, "freeing a reserve slot failed");
+                }
+                self.unflushed = true;
+            }
+        }
+        match &p.command {
+            Command::Write {
+                write,
+                first,
+                checksums,
+                stored,
+            } => {
+                let mine = stored.iter().find(|s| s.replica() == self.id).copied();
+                match mine {
+                    Some(s) => self.place(index, *write, *first, checksums, s),
+                    None => {
+                        // Not ours (or stored too late to be named): the blocks are
+                        // INCOMPLETE here if preferred.
+                        self.staged_remove(write);
+                        for i in 0..checksums.len() as u64 {
+                            self.lost.remove(&(first + i));
+                        }
+                    }
+                }
+            }
+            Command::Lost { replica, blocks } if *replica == self.id => match blocks {
+                Some(bs) => bs.iter().for_each(|b| {
+                    self.lost.remove(b);
+                }),
+                None => self.lost.clear(),
+            },
+            Command::Repaired { .. } | Command::Reclaim { .. } | Command::Lost { .. } => {}
+        }
+        Outcome::Applied(index)
+    }
+
+    fn drop_staged_of(&mut self, c: &Command) {
+        if let Command::Write { write, .. } = c {
+            self.staged_remove(write);
+        }
+    }
+
+    fn staged_remove(&mut self, write: &WriteId) {
+        if let Some(s) = self.staged.remove(write) {
+            self.staged_lsns.remove(&s.lsn);
+        }
+    }
+
+    /// Puts a committed write's data where this replica keeps it.
+    fn place(&mut self, index: Version, write: WriteId, first: u64, checksums: &[u32], s: Stored) {
+        let bs = self.geometry().block_size as usize;
+        let staged = self.staged.remove(&write);
+        if let Some(st) = &staged {
+            self.staged_lsns.remove(&st.lsn);
+        }
+        for (i, &checksum) in checksums.iter().enumerate() {
+            let block = first + i as u64;
+            let data = staged
+                .as_ref()
+                .filter(|st| st.first == first)
+                .and_then(|st| st.data.get(i * bs..(i + 1) * bs))
+                .filter(|d| block_crc(d) == checksum);
+            let res = match (data, s) {
+                (Some(d), Stored::Home(_)) => self.store.write_home(block, d).map(|()| true),
+                (Some(d), Stored::Reserve(_)) => self
+                    .store
+                    .reserve_put(
+                        Reserved {
+                            block,
+                            version: index,
+                            checksum,
+                        },
+                        d,
+                    )
+                    .map(|()| true),
+                // Replayed after the record was trimmed: the copy must be in place.
+                (None, _) => Ok(self.has_copy(block, index, checksum, s)),
+            };
+            match res {
+                Ok(true) => {
+                    self.lost.remove(&block);
+                    self.unflushed = true;
+                }
+                Ok(false) => {
+                    tracing::warn!(
+                        replica = self.id,
+                        block,
+                        index,
+                        "a committed write's data is not here: block lost"
+                    );
+                    self.lost.insert(block);
+                }
+                Err(e) => {
+                    tracing::warn!(replica = self.id, block, index, error = %e, "placing a committed write failed: block lost");
+                    self.lost.insert(block);
+                }
+            }
+        }
+    }
+
+    fn has_copy(&self, block: u64, version: Version, checksum: u32, s: Stored) -> bool {
+        let mut buf = vec![0u8; self.geometry().block_size as usize];
+        match s {
+            Stored::Home(_) => {
+                self.store.read_home(block, &mut buf).is_ok() && block_crc(&buf) == checksum
+            }
+            Stored::Reserve(_) => matches!(
+                self.store.reserve_read(block, &mut buf),
+                Ok(Some(r)) if r.version == version && block_crc(&buf) == checksum
+            ),
+        }
+    }
+
+    /// Makes placed data durable, then lets the data log go of it.
+    pub fn settle(&mut self) -> Result<(), ReplicaError> {
+        if self.unflushed {
+            self.store.flush()?;
+            self.unflushed = false;
+        }
+        let oldest = self.staged_lsns.keys().next().copied().unwrap_or(u64::MAX);
+        self.datalog.trim(oldest)?;
+        Ok(())
+    }
+
+    /// Reads `block` as this replica can answer for it at the table's current version.
+    pub fn read(&mut self, block: u64) -> Result<LocalRead, ReplicaError> {
+        let g = *self.geometry();
+        let m: BlockMeta = *self.table.meta(block).ok_or(ReplicaError::OutOfRange {
+            block,
+            blocks: g.blocks,
+        })?;
+        if m.version == 0 {
+            return Ok(LocalRead::Zero);
+        }
+        let mut others = m.holders;
+        others.remove(self.id);
+        if !m.holders.contains(self.id) || self.lost.contains(&block) {
+            return Ok(LocalRead::NotHere(others));
+        }
+        let mut buf = vec![0u8; g.block_size as usize];
+        let ok = if m.reserve.contains(self.id) {
+            matches!(self.store.reserve_read(block, &mut buf)?, Some(r) if r.version == m.version)
+        } else {
+            self.store.read_home(block, &mut buf)?;
+            true
+        };
+        if ok && block_crc(&buf) == m.checksum {
+            return Ok(LocalRead::Data(buf));
+        }
+        tracing::warn!(
+            replica = self.id,
+            block,
+            version = m.version,
+            "a held block fails its checksum: reading elsewhere, repairing"
+        );
+        self.lost.insert(block);
+        Ok(LocalRead::NotHere(others))
+    }
+
+    /// Writes a block fetched from another replica (Phase 2, or a repair) at home, if
+    /// `version` is still the table's and the data matches its checksum. Returns
+    /// whether it did.
+    pub fn repair(
+        &mut self,
+        block: u64,
+        version: Version,
+        data: &[u8],
+    ) -> Result<bool, ReplicaError> {
+        let Some(m) = self.table.meta(block).copied() else {
+            return Ok(false);
+        };
+        let g = *self.geometry();
+        if m.version != version
+            || block_crc(data) != m.checksum
+            || !g.prefers(self.id, g.slice_of(block))
+        {
+            return Ok(false);
+        }
+        self.store.write_home(block, data)?;
+        self.unflushed = true;
+        Ok(true)
+    }
+
+    /// The replicated state as a snapshot, after making every applied write's data
+    /// durable; written to the log device too.
+    fn build_snapshot(&mut self) -> Result<(SnapshotMeta, Vec<u8>), ReplicaError> {
+        self.settle()?;
+        let body = SnapshotBody {
+            last_applied: self.last_applied,
+            membership: self.membership.clone(),
+            table: self.table.clone(),
+            sessions: self.sessions.clone(),
+        };
+        let bytes =
+            postcard::to_stdvec(&body).map_err(|e| ReplicaError::Snapshot(e.to_string()))?;
+        self.snapshot_seq += 1;
+        self.label
+            .write_snapshot(self.log_dev.as_ref(), self.snapshot_seq, &bytes)?;
+        let meta = SnapshotMeta {
+            last_log_id: self.last_applied,
+            last_membership: self.membership.clone(),
+            snapshot_id: format!("{}-{}", self.id, self.snapshot_seq),
+        };
+        self.snapshot = Some((meta.clone(), bytes.clone()));
+        Ok((meta, bytes))
+    }
+
+    /// Takes the leader's snapshot: the table as of its index. Data staged here for
+    /// writes it names this replica as holding is placed; reserve copies it no longer
+    /// names are freed.
+    fn install(&mut self, meta: &SnapshotMeta, bytes: Vec<u8>) -> Result<(), ReplicaError> {
+        let body = decode_snapshot(&bytes, self.geometry())?;
+        self.set_state(body);
+        let bs = self.geometry().block_size as usize;
+        let writes: Vec<WriteId> = self.staged.keys().copied().collect();
+        for w in writes {
+            let Some(st) = self.staged.remove(&w) else {
+                continue;
+            };
+            self.staged_lsns.remove(&st.lsn);
+            for (i, d) in st.data.chunks(bs).enumerate() {
+                let block = st.first + i as u64;
+                let Some(m) = self.table.meta(block).copied() else {
+                    continue;
+                };
+                if !m.holders.contains(self.id) || block_crc(d) != m.checksum {
+                    continue;
+                }
+                let res = if m.reserve.contains(self.id) {
+                    self.store.reserve_put(
+                        Reserved {
+                            block,
+                            version: m.version,
+                            checksum: m.checksum,
+                        },
+                        d,
+                    )
+                } else {
+                    self.store.write_home(block, d)
+                };
+                if let Err(e) = res {
+                    tracing::warn!(replica = self.id, block, error = %e, "placing staged data at a snapshot failed");
+                }
+                self.unflushed = true;
+            }
+        }
+        for r in self.store.reserved_all() {
+            let keep = self
+                .table
+                .meta(r.block)
+                .is_some_and(|m| m.version == r.version && m.reserve.contains(self.id));
+            if !keep {
+                self.store.reserve_free(r.block)?;
+                self.unflushed = true;
+            }
+        }
+        // What this replica held before the snapshot and the table still names is
+        // checked lazily: a read verifies the checksum, and a miss is repaired.
+        self.lost.clear();
+        self.settle()?;
+        self.snapshot_seq += 1;
+        self.label
+            .write_snapshot(self.log_dev.as_ref(), self.snapshot_seq, &bytes)?;
+        self.snapshot = Some((meta.clone(), bytes));
+        Ok(())
+    }
+}
+
+fn decode_snapshot(bytes: &[u8], g: &Geometry) -> Result<SnapshotBody, ReplicaError> {
+    let body: SnapshotBody =
+        postcard::from_bytes(bytes).map_err(|e| ReplicaError::Snapshot(e.to_string()))?;
+    if body.table.geometry() != g || !body.table.is_whole() {
+        return Err(ReplicaError::Snapshot(
+            "its table is for another volume geometry".into(),
+        ));
+    }
+    Ok(body)
+}
+
+/// The replica's state, shared by openraft (as the state machine) and the server.
+#[derive(Clone)]
+pub struct Machine {
+    local: Arc<Mutex<Local>>,
+}
+
+fn sm_err(e: impl std::error::Error + Send + Sync + 'static) -> StorageError {
+    StorageIOError::write_state_machine(&e).into()
+}
+
+impl Machine {
+    pub fn new(local: Local) -> Machine {
+        Machine {
+            local: Arc::new(Mutex::new(local)),
+        }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Local> {
+        self.local.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl RaftSnapshotBuilder<Meta> for Machine {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<Meta>, StorageError> {
+        let (meta, bytes) = self
+            .lock()
+            .build_snapshot()
+            .map_err(|e| StorageError::from(StorageIOError::write_snapshot(None, &e)))?;
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(bytes)),
+        })
+    }
+}
+
+impl RaftStateMachine<Meta> for Machine {
+    type SnapshotBuilder = Machine;
+
+    async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), StorageError> {
+        let g = self.lock();
+        Ok((g.last_applied, g.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Outcome>, StorageError>
+    where
+        I: IntoIterator<Item = Entry> + Send,
+        I::IntoIter: Send,
+    {
+        let mut g = self.lock();
+        let mut out = Vec::new();
+        for e in entries {
+            let id = *e.get_log_id();
+            g.last_applied = Some(id);
+            match e.payload {
+                EntryPayload::Blank => out.push(Outcome::Applied(id.index)),
+                EntryPayload::Normal(p) => {
+                    let o = g.apply(id.index, &p);
+                    out.push(o);
+                }
+                EntryPayload::Membership(m) => {
+                    g.membership = StoredMembership::new(Some(id), m);
+                    out.push(Outcome::Applied(id.index));
+                }
+            }
+        }
+        g.settle().map_err(sm_err)?;
+        Ok(out)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Machine {
+        self.clone()
+    }
+
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError> {
+        self.lock()
+            .install(meta, snapshot.into_inner())
+            .map_err(|e| {
+                StorageError::from(StorageIOError::read_snapshot(Some(meta.signature()), &e))
+            })
+    }
+
+    async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<Meta>>, StorageError> {
+        Ok(self.lock().snapshot.clone().map(|(meta, bytes)| Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(bytes)),
+        }))
+    }
+}
