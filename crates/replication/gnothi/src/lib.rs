@@ -13,14 +13,19 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod client;
 mod codec;
 pub mod datalog;
 mod geometry;
 pub mod history;
 pub mod layout;
 pub mod meta;
+pub mod net;
+pub mod node;
 pub mod raftlog;
 pub mod replica;
+pub mod rpc;
+pub mod sim;
 pub mod store;
 mod table;
 

@@ -1,0 +1,436 @@
+//! A volume's client: writes send data to the slice's preferred quorum (or reserve
+//! stand-ins) and metadata to the leader; reads go to one replica that holds the block
+//! current. Every replica's answer is checked for shape before it is used.
+
+use crate::geometry::{Geometry, ReplicaId};
+use crate::meta::{Outcome, Proposal, Session};
+use crate::net::{call_within, Net, NetError};
+use crate::rpc::{BlockAnswer, Request, Response, RpcError, Status, MAX_DATA};
+use crate::table::{Command, CommandError, Holders, Stored, WriteId};
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// How long one replica may take to answer.
+    pub rpc_timeout: Duration,
+    /// How long an operation keeps retrying (leader changes, replicas down) before it
+    /// fails `Unavailable`.
+    pub op_timeout: Duration,
+    /// How long to wait for a preferred replica to store data before a reserve stands in.
+    pub store_timeout: Duration,
+}
+
+impl Default for ClientConfig {
+    fn default() -> ClientConfig {
+        ClientConfig {
+            rpc_timeout: Duration::from_secs(2),
+            op_timeout: Duration::from_secs(10),
+            store_timeout: Duration::from_millis(500),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    #[error("the volume cannot serve this now (fewer than f+1 replicas, or no leader): {0}")]
+    Unavailable(String),
+    #[error("blocks {first}+{count} are outside the volume ({blocks} blocks)")]
+    OutOfRange { first: u64, count: u64, blocks: u64 },
+    #[error("data of {len} bytes is not a whole number of {block_size}-byte blocks")]
+    Unaligned { len: usize, block_size: usize },
+    #[error("the volume refused the write: {0}")]
+    Refused(CommandError),
+    #[error("a replica answered badly: {0}")]
+    Protocol(String),
+    #[error("no replica of the volume answered: {0}")]
+    NoReplica(String),
+}
+
+pub struct Client {
+    net: Arc<dyn Net>,
+    geometry: Geometry,
+    id: u64,
+    next_seq: AtomicU64,
+    in_flight: Mutex<BTreeSet<u64>>,
+    leader: AtomicU64,
+    rotate: AtomicU64,
+    config: ClientConfig,
+}
+
+impl Client {
+    /// Connects to the volume on replicas `0..replicas`, learning its geometry from
+    /// the first that answers. `id` must be unique among the volume's clients.
+    pub async fn connect(
+        net: Arc<dyn Net>,
+        replicas: u16,
+        id: u64,
+        config: ClientConfig,
+    ) -> Result<Client, ClientError> {
+        let deadline = Instant::now() + config.op_timeout;
+        let mut last = String::from("no replicas");
+        loop {
+            for r in 0..u64::from(replicas) {
+                match call_within(net.as_ref(), r, Request::Status, config.rpc_timeout).await {
+                    Ok(Response::Status(s)) => {
+                        return Ok(Client {
+                            net,
+                            geometry: s.geometry,
+                            id,
+                            next_seq: AtomicU64::new(0),
+                            in_flight: Mutex::new(BTreeSet::new()),
+                            leader: AtomicU64::new(s.leader.unwrap_or(r)),
+                            rotate: AtomicU64::new(id),
+                            config,
+                        })
+                    }
+                    Ok(other) => last = format!("replica {r}: {:?}", other.unexpected()),
+                    Err(e) => last = e.to_string(),
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(ClientError::NoReplica(last));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    pub async fn status(&self, replica: ReplicaId) -> Result<Status, ClientError> {
+        match self.call(u64::from(replica), Request::Status).await {
+            Ok(Response::Status(s)) => Ok(s),
+            Ok(other) => Err(ClientError::Protocol(other.unexpected().to_string())),
+            Err(e) => Err(ClientError::NoReplica(e.to_string())),
+        }
+    }
+
+    async fn call(&self, to: u64, req: Request) -> Result<Response, NetError> {
+        call_within(self.net.as_ref(), to, req, self.config.rpc_timeout).await
+    }
+
+    fn check(&self, first: u64, len: usize) -> Result<u64, ClientError> {
+        let bs = self.geometry.block_size as usize;
+        if len % bs != 0 {
+            return Err(ClientError::Unaligned {
+                len,
+                block_size: bs,
+            });
+        }
+        let count = (len / bs) as u64;
+        if first
+            .checked_add(count)
+            .is_none_or(|e| e > self.geometry.blocks)
+        {
+            return Err(ClientError::OutOfRange {
+                first,
+                count,
+                blocks: self.geometry.blocks,
+            });
+        }
+        Ok(count)
+    }
+
+    /// Pieces of `first..first+count` that lie in one slice and fit one message.
+    fn pieces(&self, first: u64, count: u64) -> Vec<(u64, u64)> {
+        let g = &self.geometry;
+        let max = (MAX_DATA / g.block_size as usize) as u64;
+        let mut out = Vec::new();
+        let mut b = first;
+        let end = first + count;
+        while b < end {
+            let slice_end = (g.slice_of(b) + 1) * g.slice_blocks;
+            let n = (end.min(slice_end) - b).min(max);
+            out.push((b, n));
+            b += n;
+        }
+        out
+    }
+
+    /// Writes whole blocks from `first`; returns once the write is durable on f+1
+    /// replicas and its metadata committed.
+    pub async fn write(&self, first: u64, data: &[u8]) -> Result<(), ClientError> {
+        let count = self.check(first, data.len())?;
+        let bs = self.geometry.block_size as usize;
+        let pieces = self.pieces(first, count);
+        let writes = pieces.iter().map(|&(b, n)| {
+            let at = ((b - first) as usize) * bs;
+            self.write_piece(b, &data[at..at + n as usize * bs])
+        });
+        for r in futures::future::join_all(writes).await {
+            r?;
+        }
+        Ok(())
+    }
+
+    async fn write_piece(&self, first: u64, data: &[u8]) -> Result<(), ClientError> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(seq);
+        let r = self.write_seq(seq, first, data).await;
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&seq);
+        r
+    }
+
+    fn done_below(&self) -> u64 {
+        let f = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        f.iter()
+            .next()
+            .copied()
+            .unwrap_or_else(|| self.next_seq.load(Ordering::Relaxed))
+    }
+
+    async fn write_seq(&self, seq: u64, first: u64, data: &[u8]) -> Result<(), ClientError> {
+        let g = self.geometry;
+        let write = WriteId {
+            client: self.id,
+            seq,
+        };
+        let deadline = Instant::now() + self.config.op_timeout;
+        let stored = self.store(write, first, data, deadline).await?;
+        let bs = g.block_size as usize;
+        let checksums = data.chunks(bs).map(crc32c::crc32c).collect();
+        let proposal = Proposal {
+            session: Some(Session {
+                client: self.id,
+                seq,
+                done_below: self.done_below(),
+            }),
+            command: Command::Write {
+                write,
+                first,
+                checksums,
+                stored,
+            },
+        };
+        match self.propose(proposal, deadline).await? {
+            Outcome::Applied(_) | Outcome::Duplicate(_) => Ok(()),
+            Outcome::Refused(e) => Err(ClientError::Refused(e)),
+        }
+    }
+
+    /// Makes the data durable on f+1 replicas: the slice's preferred quorum, with
+    /// non-preferred replicas' reserves standing in for those that do not answer.
+    async fn store(
+        &self,
+        write: WriteId,
+        first: u64,
+        data: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<Stored>, ClientError> {
+        let g = self.geometry;
+        let need = usize::from(g.copies());
+        let preferred = g.preferred(g.slice_of(first));
+        let put = |r: ReplicaId| {
+            let req = Request::PutData {
+                write,
+                first,
+                data: data.to_vec(),
+            };
+            async move {
+                let ok = matches!(
+                    call_within(
+                        self.net.as_ref(),
+                        u64::from(r),
+                        req,
+                        self.config.store_timeout
+                    )
+                    .await,
+                    Ok(Response::Stored)
+                );
+                (r, ok)
+            }
+        };
+        let mut stored: Vec<Stored> = futures::future::join_all(preferred.iter().map(|&r| put(r)))
+            .await
+            .into_iter()
+            .filter(|&(_, ok)| ok)
+            .map(|(r, _)| Stored::Home(r))
+            .collect();
+        if stored.len() >= need {
+            return Ok(stored);
+        }
+        loop {
+            let others: Vec<ReplicaId> = (0..g.replicas())
+                .filter(|r| !preferred.contains(r) && !stored.iter().any(|s| s.replica() == *r))
+                .collect();
+            let missing = need - stored.len();
+            for (r, ok) in futures::future::join_all(others.into_iter().map(put)).await {
+                if ok && stored.len() < need {
+                    stored.push(Stored::Reserve(r));
+                }
+            }
+            if stored.len() >= need {
+                return Ok(stored);
+            }
+            // Preferred ones may be back.
+            for (r, ok) in futures::future::join_all(
+                preferred
+                    .iter()
+                    .copied()
+                    .filter(|r| !stored.iter().any(|s| s.replica() == *r))
+                    .map(put),
+            )
+            .await
+            {
+                if ok {
+                    stored.push(Stored::Home(r));
+                }
+            }
+            if stored.len() >= need {
+                return Ok(stored);
+            }
+            if Instant::now() >= deadline {
+                return Err(ClientError::Unavailable(format!(
+                    "the data is durable on {} replicas, {need} are needed ({missing} were missing)",
+                    stored.len()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Proposes through the leader, following redirects and retrying until `deadline`.
+    async fn propose(&self, p: Proposal, deadline: Instant) -> Result<Outcome, ClientError> {
+        let n = u64::from(self.geometry.replicas());
+        let mut to = self.leader.load(Ordering::Relaxed);
+        let mut last;
+        loop {
+            match self.call(to, Request::Propose(p.clone())).await {
+                Ok(Response::Proposed(o)) => {
+                    self.leader.store(to, Ordering::Relaxed);
+                    return Ok(o);
+                }
+                Ok(Response::Error(RpcError::NotLeader { leader: Some(l) }))
+                    if l < n && l != to =>
+                {
+                    to = l;
+                    continue;
+                }
+                Ok(Response::Error(e)) => last = e.to_string(),
+                Ok(other) => last = other.unexpected().to_string(),
+                Err(e) => last = e.to_string(),
+            }
+            if Instant::now() >= deadline {
+                return Err(ClientError::Unavailable(format!(
+                    "no leader took the write: {last}"
+                )));
+            }
+            to = (to + 1) % n;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Reads `count` blocks from `first`: the latest acknowledged data of each.
+    pub async fn read(&self, first: u64, count: u64) -> Result<Vec<u8>, ClientError> {
+        self.check(first, (count as usize) * self.geometry.block_size as usize)?;
+        let bs = self.geometry.block_size as usize;
+        let mut out = vec![0u8; count as usize * bs];
+        let deadline = Instant::now() + self.config.op_timeout;
+        for (b, n) in self.pieces(first, count) {
+            let at = ((b - first) as usize) * bs;
+            self.read_piece(b, n, &mut out[at..at + n as usize * bs], deadline)
+                .await?;
+        }
+        Ok(out)
+    }
+
+    async fn read_piece(
+        &self,
+        first: u64,
+        count: u64,
+        out: &mut [u8],
+        deadline: Instant,
+    ) -> Result<(), ClientError> {
+        let g = self.geometry;
+        let bs = g.block_size as usize;
+        let preferred = g.preferred(g.slice_of(first));
+        let spin = self.rotate.fetch_add(1, Ordering::Relaxed) as usize;
+        // Replicas to try, the preferred ones first (rotating), then the rest.
+        let mut order: Vec<ReplicaId> = (0..preferred.len())
+            .map(|i| preferred[(spin + i) % preferred.len()])
+            .collect();
+        order.extend((0..g.replicas()).filter(|r| !preferred.contains(r)));
+        let mut pending: Vec<u64> = (first..first + count).collect();
+        let mut hints: Vec<Holders> = vec![Holders::default(); count as usize];
+        let mut last = String::from("no replica answered");
+        let mut attempt = 0usize;
+        while !pending.is_empty() {
+            // Ask for the first pending block's run where a hint or the order points.
+            let b0 = pending[0];
+            let hint = hints[(b0 - first) as usize];
+            let to = hint
+                .iter()
+                .nth(attempt % hint.len().max(1) as usize)
+                .filter(|_| !hint.is_empty())
+                .unwrap_or(order[attempt % order.len()]);
+            let run = pending
+                .iter()
+                .enumerate()
+                .take_while(|&(i, &b)| b == b0 + i as u64)
+                .count();
+            let req = Request::Read {
+                first: b0,
+                count: run as u32,
+            };
+            match self.call(u64::from(to), req).await {
+                Ok(Response::Blocks(answers)) if answers.len() == run => {
+                    let mut still = Vec::new();
+                    for (i, a) in answers.into_iter().enumerate() {
+                        let b = b0 + i as u64;
+                        let at = ((b - first) as usize) * bs;
+                        match a {
+                            BlockAnswer::Data(d) if d.len() == bs => {
+                                out[at..at + bs].copy_from_slice(&d)
+                            }
+                            BlockAnswer::Data(d) => {
+                                return Err(ClientError::Protocol(format!(
+                                    "replica {to} sent {} bytes for a block of {bs}",
+                                    d.len()
+                                )))
+                            }
+                            BlockAnswer::Zero => out[at..at + bs].fill(0),
+                            BlockAnswer::NotHere(h) => {
+                                hints[(b - first) as usize] = h;
+                                still.push(b);
+                            }
+                        }
+                    }
+                    still.extend(pending.drain(run..));
+                    pending = still;
+                }
+                Ok(Response::Blocks(a)) => {
+                    return Err(ClientError::Protocol(format!(
+                        "replica {to} answered {} blocks for {run}",
+                        a.len()
+                    )))
+                }
+                Ok(Response::Error(e)) => last = e.to_string(),
+                Ok(other) => last = other.unexpected().to_string(),
+                Err(e) => last = e.to_string(),
+            }
+            attempt += 1;
+            if !pending.is_empty() && Instant::now() >= deadline {
+                return Err(ClientError::Unavailable(format!(
+                    "block {} could not be read: {last}",
+                    pending[0]
+                )));
+            }
+            if attempt % order.len() == 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,447 @@
+//! A replica server, independent of its transport: openraft over the replica's log
+//! device, the data path (stage, propose, read), and the background work that keeps
+//! the volume whole (reporting lost blocks, Phase 2 fetches, reserve reclaim).
+
+use crate::geometry::ReplicaId;
+use crate::meta::{Outcome, Proposal, Raft};
+use crate::net::{call_within, Net, RaftNet};
+use crate::replica::{LocalRead, Machine, ReplicaError};
+use crate::rpc::{BlockAnswer, Request, Response, RpcError, Status, MAX_DATA};
+use crate::table::{Command, Version};
+use openraft::{BasicNode, SnapshotPolicy};
+use quilt_block::BlockDevice;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::task::JoinHandle;
+
+/// Knobs of a replica server (the paper's recovery interval among them).
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub heartbeat: Duration,
+    pub election_min: Duration,
+    pub election_max: Duration,
+    /// A snapshot after this many log entries; the log keeps `keep_after_snapshot`.
+    pub snapshot_every: u64,
+    pub keep_after_snapshot: u64,
+    /// How long a request to a peer may take.
+    pub rpc_timeout: Duration,
+    /// How long a read waits for this replica to apply up to the read index.
+    pub read_wait: Duration,
+    /// Phase 2: one fetch of at most `fetch_bytes` every `recovery_interval`.
+    pub recovery_interval: Duration,
+    pub fetch_bytes: u64,
+}
+
+impl Default for NodeConfig {
+    fn default() -> NodeConfig {
+        NodeConfig {
+            heartbeat: Duration::from_millis(50),
+            election_min: Duration::from_millis(300),
+            election_max: Duration::from_millis(600),
+            snapshot_every: 5_000,
+            keep_after_snapshot: 1_000,
+            rpc_timeout: Duration::from_secs(2),
+            read_wait: Duration::from_secs(2),
+            recovery_interval: Duration::from_millis(10),
+            fetch_bytes: 16 << 20,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NodeError {
+    #[error(transparent)]
+    Replica(#[from] ReplicaError),
+    #[error("raft: {0}")]
+    Raft(String),
+}
+
+pub struct Node {
+    pub id: ReplicaId,
+    raft: Raft,
+    machine: Machine,
+    net: Arc<dyn Net>,
+    config: NodeConfig,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Node {
+    /// Starts replica `id` on its devices. `members` (id → address) initializes a new
+    /// volume's agreement group the first time; a replica that has a log ignores it.
+    pub async fn start(
+        id: ReplicaId,
+        log_dev: Arc<dyn BlockDevice>,
+        data_dev: Arc<dyn BlockDevice>,
+        net: Arc<dyn Net>,
+        members: BTreeMap<u64, BasicNode>,
+        config: NodeConfig,
+    ) -> Result<Arc<Node>, NodeError> {
+        let (local, log) = crate::replica::Local::open(id, log_dev, data_dev)?;
+        let machine = Machine::new(local);
+        let ms = |d: Duration| d.as_millis() as u64;
+        let raft_config = openraft::Config {
+            cluster_name: "gnothi".into(),
+            heartbeat_interval: ms(config.heartbeat),
+            election_timeout_min: ms(config.election_min),
+            election_timeout_max: ms(config.election_max),
+            snapshot_policy: SnapshotPolicy::LogsSinceLast(config.snapshot_every),
+            max_in_snapshot_log_to_keep: config.keep_after_snapshot,
+            install_snapshot_timeout: ms(config.rpc_timeout),
+            ..Default::default()
+        }
+        .validate()
+        .map_err(|e| NodeError::Raft(e.to_string()))?;
+        let raft = Raft::new(
+            u64::from(id),
+            Arc::new(raft_config),
+            RaftNet { net: net.clone() },
+            log,
+            machine.clone(),
+        )
+        .await
+        .map_err(|e| NodeError::Raft(e.to_string()))?;
+        let initialized = raft
+            .is_initialized()
+            .await
+            .map_err(|e| NodeError::Raft(e.to_string()))?;
+        if !initialized && !members.is_empty() {
+            // Every replica of a new volume initializes with the same members: the
+            // same entry at index 0 everywhere, so any of them may win the election.
+            if let Err(e) = raft.initialize(members).await {
+                tracing::debug!(replica = id, error = %e, "initialize");
+            }
+        }
+        let node = Arc::new(Node {
+            id,
+            raft,
+            machine,
+            net,
+            config,
+            tasks: Mutex::new(Vec::new()),
+        });
+        let bg = tokio::spawn(Node::background(Arc::downgrade(&node)));
+        node.tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(bg);
+        Ok(node)
+    }
+
+    pub fn machine(&self) -> &Machine {
+        &self.machine
+    }
+
+    pub fn raft(&self) -> &Raft {
+        &self.raft
+    }
+
+    /// Stops the replica (its devices keep what it made durable).
+    pub async fn shutdown(&self) {
+        for t in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            t.abort();
+        }
+        if let Err(e) = self.raft.shutdown().await {
+            tracing::debug!(replica = self.id, error = %e, "raft shutdown");
+        }
+    }
+
+    /// Answers one request.
+    pub async fn handle(&self, req: Request) -> Response {
+        match req {
+            Request::AppendEntries(r) => Response::AppendEntries(self.raft.append_entries(r).await),
+            Request::Vote(r) => Response::Vote(self.raft.vote(r).await),
+            Request::InstallSnapshot(r) => {
+                Response::InstallSnapshot(self.raft.install_snapshot(r).await)
+            }
+            Request::PutData { write, first, data } => {
+                if data.len() > MAX_DATA {
+                    return Response::Error(RpcError::BadRequest(format!(
+                        "{} bytes of data in one message; at most {MAX_DATA}",
+                        data.len()
+                    )));
+                }
+                match self.machine.lock().stage(write, first, data) {
+                    Ok(()) => Response::Stored,
+                    Err(e @ (ReplicaError::OutOfRange { .. } | ReplicaError::Unaligned { .. })) => {
+                        Response::Error(RpcError::BadRequest(e.to_string()))
+                    }
+                    Err(e) => Response::Error(RpcError::Unavailable(e.to_string())),
+                }
+            }
+            Request::Propose(p) => self.propose(p).await,
+            Request::ReadIndex => match self.raft.get_read_log_id().await {
+                Ok((read, _)) => Response::ReadIndex(read.map_or(0, |l| l.index)),
+                Err(e) => Response::Error(match e.forward_to_leader::<BasicNode>() {
+                    Some(f) => RpcError::NotLeader {
+                        leader: f.leader_id,
+                    },
+                    None => RpcError::Unavailable(e.to_string()),
+                }),
+            },
+            Request::Read { first, count } => self.read(first, count).await,
+            Request::Fetch { first, count } => self.fetch(first, count),
+            Request::Status => Response::Status(self.status()),
+        }
+    }
+
+    async fn propose(&self, p: Proposal) -> Response {
+        match self.raft.client_write(p).await {
+            Ok(r) => Response::Proposed(r.data),
+            Err(e) => Response::Error(match e.forward_to_leader::<BasicNode>() {
+                Some(f) => RpcError::NotLeader {
+                    leader: f.leader_id,
+                },
+                None => RpcError::Unavailable(e.to_string()),
+            }),
+        }
+    }
+
+    fn check_range(&self, first: u64, count: u32) -> Result<(), RpcError> {
+        let blocks = self.machine.lock().geometry().blocks;
+        let max = (MAX_DATA / self.machine.lock().geometry().block_size as usize) as u32;
+        if count == 0
+            || count > max
+            || first
+                .checked_add(u64::from(count))
+                .is_none_or(|e| e > blocks)
+        {
+            return Err(RpcError::BadRequest(format!(
+                "blocks {first}+{count}: outside the volume of {blocks} blocks, or more than {max} at once"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The index a linearizable read must see applied: the leader's read index.
+    async fn read_index(&self) -> Result<u64, RpcError> {
+        match self.raft.get_read_log_id().await {
+            Ok((read, _)) => Ok(read.map_or(0, |l| l.index)),
+            Err(e) => match e.forward_to_leader::<BasicNode>() {
+                Some(f) => {
+                    let Some(leader) = f.leader_id else {
+                        return Err(RpcError::Unavailable("no leader known".into()));
+                    };
+                    match call_within(
+                        self.net.as_ref(),
+                        leader,
+                        Request::ReadIndex,
+                        self.config.rpc_timeout,
+                    )
+                    .await
+                    {
+                        Ok(Response::ReadIndex(i)) => Ok(i),
+                        Ok(Response::Error(e)) => Err(e),
+                        Ok(other) => Err(other.unexpected()),
+                        Err(e) => Err(RpcError::Unavailable(e.to_string())),
+                    }
+                }
+                None => Err(RpcError::Unavailable(e.to_string())),
+            },
+        }
+    }
+
+    async fn read(&self, first: u64, count: u32) -> Response {
+        if let Err(e) = self.check_range(first, count) {
+            return Response::Error(e);
+        }
+        let index = match self.read_index().await {
+            Ok(i) => i,
+            Err(e) => return Response::Error(e),
+        };
+        if let Err(e) = self
+            .raft
+            .wait(Some(self.config.read_wait))
+            .applied_index_at_least(Some(index), "read")
+            .await
+        {
+            return Response::Error(RpcError::Unavailable(format!(
+                "not caught up to the read index {index}: {e}"
+            )));
+        }
+        let mut g = self.machine.lock();
+        let mut out = Vec::with_capacity(count as usize);
+        for b in first..first + u64::from(count) {
+            out.push(match g.read(b) {
+                Ok(LocalRead::Data(d)) => BlockAnswer::Data(d),
+                Ok(LocalRead::Zero) => BlockAnswer::Zero,
+                Ok(LocalRead::NotHere(h)) => BlockAnswer::NotHere(h),
+                Err(e) => return Response::Error(RpcError::Failed(e.to_string())),
+            });
+        }
+        Response::Blocks(out)
+    }
+
+    fn fetch(&self, first: u64, count: u32) -> Response {
+        if let Err(e) = self.check_range(first, count) {
+            return Response::Error(e);
+        }
+        let mut g = self.machine.lock();
+        let mut out = Vec::with_capacity(count as usize);
+        for b in first..first + u64::from(count) {
+            let version = g.table().meta(b).map_or(0, |m| m.version);
+            out.push(match g.read(b) {
+                Ok(LocalRead::Data(d)) => (version, Some(d)),
+                Ok(_) => (version, None),
+                Err(e) => return Response::Error(RpcError::Failed(e.to_string())),
+            });
+        }
+        Response::Fetched(out)
+    }
+
+    pub fn status(&self) -> Status {
+        let m = self.raft.metrics().borrow().clone();
+        let g = self.machine.lock();
+        let (used, ring) = g.data_log_usage();
+        Status {
+            replica: self.id,
+            volume: g.volume().to_string(),
+            geometry: *g.geometry(),
+            leader: m.current_leader,
+            is_leader: m.current_leader == Some(u64::from(self.id)),
+            term: m.current_term,
+            last_log_index: m.last_log_index.unwrap_or(0),
+            applied: m.last_applied.map_or(0, |l| l.index),
+            incomplete: g.incomplete() as u64,
+            reserve_used: g.reserve_used(),
+            data_log_used: used,
+            data_log_blocks: ring,
+            members: m.membership_config.membership().voter_ids().collect(),
+        }
+    }
+
+    /// Proposes `cmd` through whoever leads now; `None` if it could not.
+    async fn propose_anywhere(&self, cmd: Command) -> Option<Outcome> {
+        let p = Proposal {
+            session: None,
+            command: cmd,
+        };
+        let leader = self.raft.metrics().borrow().current_leader?;
+        let resp = if leader == u64::from(self.id) {
+            self.propose(p).await
+        } else {
+            call_within(
+                self.net.as_ref(),
+                leader,
+                Request::Propose(p),
+                self.config.rpc_timeout,
+            )
+            .await
+            .ok()?
+        };
+        match resp {
+            Response::Proposed(o) => Some(o),
+            _ => None,
+        }
+    }
+
+    /// Background work, one step per recovery interval: report blocks found lost,
+    /// fetch what this replica lacks (Phase 2), and, on the leader, reclaim reserve
+    /// copies every preferred replica now holds.
+    async fn background(node: std::sync::Weak<Node>) {
+        loop {
+            let interval = match node.upgrade() {
+                Some(n) => {
+                    n.step().await;
+                    n.config.recovery_interval
+                }
+                None => return,
+            };
+            tokio::time::sleep(interval).await;
+        }
+    }
+
+    async fn step(&self) {
+        let lost: Vec<u64> = self
+            .machine
+            .lock()
+            .lost()
+            .iter()
+            .copied()
+            .take(4096)
+            .collect();
+        if !lost.is_empty() {
+            self.propose_anywhere(Command::Lost {
+                replica: self.id,
+                blocks: Some(lost),
+            })
+            .await;
+        }
+        self.phase2().await;
+        let is_leader = self.raft.metrics().borrow().current_leader == Some(u64::from(self.id));
+        if is_leader {
+            let blocks: Vec<(u64, Version)> = self
+                .machine
+                .lock()
+                .table()
+                .reclaimable()
+                .take(4096)
+                .collect();
+            if !blocks.is_empty() {
+                self.propose_anywhere(Command::Reclaim { blocks }).await;
+            }
+        }
+    }
+
+    /// One Phase 2 fetch: the first run of blocks this replica lacks, from a replica
+    /// that holds the first of them, written home if still current, then reported.
+    async fn phase2(&self) {
+        let (first, count, from) = {
+            let g = self.machine.lock();
+            let geo = *g.geometry();
+            let Some((first, m)) = g.table().incomplete(self.id).next() else {
+                return;
+            };
+            let Some(from) = m.holders.iter().find(|&r| r != self.id) else {
+                return;
+            };
+            let per_fetch = (self.config.fetch_bytes / u64::from(geo.block_size)).max(1);
+            let max = (MAX_DATA / geo.block_size as usize) as u64;
+            let slice_end = (geo.slice_of(first) + 1) * geo.slice_blocks;
+            let count = per_fetch.min(max).min(slice_end.min(geo.blocks) - first);
+            (first, count as u32, from)
+        };
+        let resp = call_within(
+            self.net.as_ref(),
+            u64::from(from),
+            Request::Fetch { first, count },
+            self.config.rpc_timeout,
+        )
+        .await;
+        let Ok(Response::Fetched(blocks)) = resp else {
+            return;
+        };
+        let mut repaired = Vec::new();
+        {
+            let mut g = self.machine.lock();
+            for (i, (version, data)) in blocks.into_iter().enumerate() {
+                let b = first + i as u64;
+                let Some(d) = data else { continue };
+                let lacks = g
+                    .table()
+                    .meta(b)
+                    .is_some_and(|m| m.version == version && !m.holders.contains(self.id));
+                if lacks && matches!(g.repair(b, version, &d), Ok(true)) {
+                    repaired.push((b, version));
+                }
+            }
+            if let Err(e) = g.settle() {
+                tracing::warn!(replica = self.id, error = %e, "flushing repaired blocks failed");
+                return;
+            }
+        }
+        if !repaired.is_empty() {
+            self.propose_anywhere(Command::Repaired {
+                replica: self.id,
+                blocks: repaired,
+            })
+            .await;
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! The messages between replicas and clients: Raft's own, and the data path's. One
+//! enum each way, serialisable, so any transport carries them: in-process for the
+//! simulation (`net.rs`), gRPC between processes (`transport.rs`).
+
+use crate::geometry::Geometry;
+use crate::meta::{Meta, Outcome, Proposal};
+use crate::table::{Holders, Version, WriteId};
+use openraft::error::{InstallSnapshotError, RaftError};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use serde::{Deserialize, Serialize};
+
+/// The largest data a message may carry (a batch of blocks): bigger writes are split.
+pub const MAX_DATA: usize = 1 << 20;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[allow(clippy::large_enum_variant)]
+pub enum Request {
+    AppendEntries(AppendEntriesRequest<Meta>),
+    Vote(VoteRequest<u64>),
+    InstallSnapshot(InstallSnapshotRequest<Meta>),
+    /// Stage a write's data (whole blocks from `first`) durably, before its metadata
+    /// is proposed.
+    PutData {
+        write: WriteId,
+        first: u64,
+        data: Vec<u8>,
+    },
+    /// Propose a write's (or a repair's) metadata; the leader answers once applied.
+    Propose(Proposal),
+    /// The leader's read index: a log index every read served after it must reflect.
+    ReadIndex,
+    /// Linearizable read of `count` blocks from `first`.
+    Read {
+        first: u64,
+        count: u32,
+    },
+    /// What this replica holds of these blocks now, with versions (Phase 2 and
+    /// repairs; not a linearizable read: the caller checks versions itself).
+    Fetch {
+        first: u64,
+        count: u32,
+    },
+    Status,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BlockAnswer {
+    Data(Vec<u8>),
+    Zero,
+    /// Not held here at the current version; these replicas do.
+    NotHere(Holders),
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Response {
+    AppendEntries(Result<AppendEntriesResponse<u64>, RaftError<u64>>),
+    Vote(Result<VoteResponse<u64>, RaftError<u64>>),
+    InstallSnapshot(Result<InstallSnapshotResponse<u64>, RaftError<u64, InstallSnapshotError>>),
+    Stored,
+    Proposed(Outcome),
+    ReadIndex(u64),
+    Blocks(Vec<BlockAnswer>),
+    /// Per block: the version held here, and the data if held.
+    Fetched(Vec<(Version, Option<Vec<u8>>)>),
+    Status(Status),
+    Error(RpcError),
+}
+
+/// A replica's view of itself and the volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    pub replica: u16,
+    pub volume: String,
+    pub geometry: Geometry,
+    pub leader: Option<u64>,
+    pub is_leader: bool,
+    pub term: u64,
+    pub last_log_index: u64,
+    pub applied: u64,
+    /// Blocks of its preferred slices it lacks at the current version.
+    pub incomplete: u64,
+    pub reserve_used: u64,
+    pub data_log_used: u64,
+    pub data_log_blocks: u64,
+    pub members: Vec<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[non_exhaustive]
+pub enum RpcError {
+    #[error("not the leader (leader: {leader:?})")]
+    NotLeader { leader: Option<u64> },
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    #[error("the replica cannot serve this now: {0}")]
+    Unavailable(String),
+    #[error("the replica failed: {0}")]
+    Failed(String),
+}
+
+impl Response {
+    /// An answer of the wrong kind for its request: a protocol error, never trusted.
+    pub fn unexpected(&self) -> RpcError {
+        RpcError::Failed(format!(
+            "unexpected answer {:?}",
+            std::mem::discriminant(self)
+        ))
+    }
+}
+
+/// What an answered `Write` proposal came to, or why it has no answer.
+pub fn outcome_version(o: &Outcome) -> Option<Version> {
+    match o {
+        Outcome::Applied(v) | Outcome::Duplicate(v) => Some(*v),
+        Outcome::Refused(_) => None,
+    }
+}

@@ -1,0 +1,438 @@
+//! An in-process network for tests and the simulation: replicas registered by id,
+//! every message encoded and decoded as it would be on a wire, and faults drawn from a
+//! seeded stream: loss (of a request, or of its answer after it took effect), delay
+//! (so messages overtake each other), and partitions between chosen endpoints.
+
+use crate::net::{BoxFuture, Net, NetError};
+use crate::node::Node;
+use crate::rpc::{Request, Response};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Faults {
+    /// Chance that a request, or separately its answer, is lost.
+    pub loss: f64,
+    /// Each message waits up to this long (uniformly drawn).
+    pub max_delay: Duration,
+}
+
+struct State {
+    nodes: HashMap<u64, Arc<Node>>,
+    rng: ChaCha8Rng,
+    faults: Faults,
+    /// Endpoint pairs (lower id first) that cannot talk.
+    cut: HashSet<(u64, u64)>,
+}
+
+pub struct SimNet {
+    state: Mutex<State>,
+}
+
+/// One endpoint's view of the network: what it sends comes from `from`.
+pub struct Endpoint {
+    net: Arc<SimNet>,
+    from: u64,
+}
+
+fn pair(a: u64, b: u64) -> (u64, u64) {
+    (a.min(b), a.max(b))
+}
+
+impl SimNet {
+    pub fn new(seed: u64, faults: Faults) -> Arc<SimNet> {
+        Arc::new(SimNet {
+            state: Mutex::new(State {
+                nodes: HashMap::new(),
+                rng: ChaCha8Rng::seed_from_u64(seed),
+                faults,
+                cut: HashSet::new(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn endpoint(self: &Arc<SimNet>, from: u64) -> Arc<Endpoint> {
+        Arc::new(Endpoint {
+            net: self.clone(),
+            from,
+        })
+    }
+
+    pub fn register(&self, node: Arc<Node>) {
+        self.lock().nodes.insert(u64::from(node.id), node);
+    }
+
+    /// Takes replica `id` off the network (it crashed, or is being stopped).
+    pub fn unregister(&self, id: u64) -> Option<Arc<Node>> {
+        self.lock().nodes.remove(&id)
+    }
+
+    pub fn set_faults(&self, faults: Faults) {
+        self.lock().faults = faults;
+    }
+
+    /// Cuts (or mends) the link between `a` and `b`.
+    pub fn cut(&self, a: u64, b: u64, cut: bool) {
+        let mut s = self.lock();
+        if cut {
+            s.cut.insert(pair(a, b));
+        } else {
+            s.cut.remove(&pair(a, b));
+        }
+    }
+
+    pub fn heal(&self) {
+        self.lock().cut.clear();
+    }
+
+    /// Whether a message from `a` to `b` gets through now, and after what delay.
+    fn fate(&self, a: u64, b: u64) -> (bool, Duration) {
+        let mut s = self.lock();
+        let f = s.faults;
+        let lost =
+            s.cut.contains(&pair(a, b)) || (f.loss > 0.0 && s.rng.random_bool(f.loss.min(1.0)));
+        let delay = if f.max_delay.is_zero() {
+            Duration::ZERO
+        } else {
+            Duration::from_micros(s.rng.random_range(0..=f.max_delay.as_micros() as u64))
+        };
+        (!lost, delay)
+    }
+
+    async fn deliver(&self, from: u64, to: u64, req: Request) -> Result<Response, NetError> {
+        let unreachable = || NetError::Unreachable(to, "simulated loss or partition".into());
+        // On the wire: what cannot be encoded cannot be sent.
+        let wire =
+            postcard::to_stdvec(&req).map_err(|e| NetError::Unreachable(to, e.to_string()))?;
+        let (through, delay) = self.fate(from, to);
+        tokio::time::sleep(delay).await;
+        if !through {
+            return Err(unreachable());
+        }
+        let node = self
+            .lock()
+            .nodes
+            .get(&to)
+            .cloned()
+            .ok_or_else(unreachable)?;
+        let req: Request =
+            postcard::from_bytes(&wire).map_err(|e| NetError::Unreachable(to, e.to_string()))?;
+        let resp = node.handle(req).await;
+        let wire =
+            postcard::to_stdvec(&resp).map_err(|e| NetError::Unreachable(to, e.to_string()))?;
+        let (through, delay) = self.fate(to, from);
+        tokio::time::sleep(delay).await;
+        // The answer of a replica that went away meanwhile is lost with it.
+        if !through || !self.lock().nodes.contains_key(&to) {
+            return Err(unreachable());
+        }
+        postcard::from_bytes(&wire).map_err(|e| NetError::Unreachable(to, e.to_string()))
+    }
+}
+
+impl Net for Endpoint {
+    fn call(&self, to: u64, req: Request) -> BoxFuture<'_, Result<Response, NetError>> {
+        Box::pin(self.net.deliver(self.from, to, req))
+    }
+}
+
+/// A disk that loses what was not flushed when it crashes: writes wait in a cache
+/// until a flush; a crash lets a random part of them reach the media (in any order, as
+/// a real disk's cache might) and drops the rest.
+pub struct CrashDisk {
+    bs: usize,
+    count: u64,
+    media: Mutex<HashMap<u64, Vec<u8>>>,
+    cache: Mutex<HashMap<u64, Vec<u8>>>,
+    dead: std::sync::atomic::AtomicBool,
+    counters: quilt_block::IoCounters,
+}
+
+impl CrashDisk {
+    pub fn new(bs: usize, count: u64) -> Arc<CrashDisk> {
+        Arc::new(CrashDisk {
+            bs,
+            count,
+            media: Mutex::new(HashMap::new()),
+            cache: Mutex::new(HashMap::new()),
+            dead: false.into(),
+            counters: Default::default(),
+        })
+    }
+
+    /// The disk as it is after a power cut: a new handle (this one fails every request
+    /// from now on, so a straggling task of the crashed replica changes nothing).
+    pub fn crash(&self, rng: &mut ChaCha8Rng) -> Arc<CrashDisk> {
+        self.dead.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut media = self.media.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut cached: Vec<(u64, Vec<u8>)> = self
+            .cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .collect();
+        cached.sort_by_key(|&(b, _)| b);
+        for (b, d) in cached {
+            if rng.random_bool(0.5) {
+                media.insert(b, d);
+            }
+        }
+        Arc::new(CrashDisk {
+            bs: self.bs,
+            count: self.count,
+            media: Mutex::new(media),
+            cache: Mutex::new(HashMap::new()),
+            dead: false.into(),
+            counters: Default::default(),
+        })
+    }
+
+    /// Flips a bit of `block` on the media (a damaged sector).
+    pub fn damage(&self, block: u64) {
+        let mut m = self.media.lock().unwrap_or_else(|p| p.into_inner());
+        let d = m.entry(block).or_insert_with(|| vec![0u8; self.bs]);
+        d[self.bs / 2] ^= 0x40;
+        if let Some(c) = self
+            .cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&block)
+        {
+            c[self.bs / 2] ^= 0x40;
+        }
+    }
+
+    fn check(&self, block: u64, len: usize) -> quilt_block::Result<()> {
+        if self.dead.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(quilt_block::BlockError::Unavailable {
+                what: "simulated disk".into(),
+                why: "it crashed".into(),
+            });
+        }
+        if len % self.bs != 0 || len == 0 {
+            return Err(quilt_block::BlockError::BadBufferSize {
+                got: len,
+                block_size: self.bs,
+            });
+        }
+        let end = block.saturating_add((len / self.bs) as u64);
+        if end > self.count {
+            return Err(quilt_block::BlockError::OutOfRange {
+                block: end - 1,
+                count: self.count,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl quilt_block::BlockDevice for CrashDisk {
+    fn block_size(&self) -> usize {
+        self.bs
+    }
+    fn block_count(&self) -> u64 {
+        self.count
+    }
+    fn read(&self, block: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
+        self.read_blocks(block, buf)
+    }
+    fn read_blocks(&self, first: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
+        self.check(first, buf.len())?;
+        let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        let media = self.media.lock().unwrap_or_else(|p| p.into_inner());
+        for (i, out) in buf.chunks_mut(self.bs).enumerate() {
+            let b = first + i as u64;
+            match cache.get(&b).or_else(|| media.get(&b)) {
+                Some(d) => out.copy_from_slice(d),
+                None => out.fill(0),
+            }
+        }
+        self.counters.read(buf.len());
+        Ok(())
+    }
+    fn write(
+        &self,
+        block: u64,
+        buf: &[u8],
+        class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
+        self.write_blocks(block, buf, class)
+    }
+    fn write_blocks(
+        &self,
+        first: u64,
+        buf: &[u8],
+        _class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
+        self.check(first, buf.len())?;
+        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        for (i, d) in buf.chunks(self.bs).enumerate() {
+            cache.insert(first + i as u64, d.to_vec());
+        }
+        self.counters.write(buf.len());
+        Ok(())
+    }
+    fn flush(&self) -> quilt_block::Result<()> {
+        self.check(0, self.bs)?;
+        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        let mut media = self.media.lock().unwrap_or_else(|p| p.into_inner());
+        media.extend(cache.drain());
+        self.counters.flush();
+        Ok(())
+    }
+    fn stats(&self) -> quilt_block::IoStats {
+        self.counters.snapshot()
+    }
+    fn capabilities(&self) -> quilt_block::Capabilities<'_> {
+        quilt_block::Capabilities::default()
+    }
+}
+
+/// A volume's replicas in one process, on crash disks, over a [`SimNet`]: for tests
+/// and the simulation.
+pub struct Cluster {
+    pub net: Arc<SimNet>,
+    pub geometry: crate::Geometry,
+    pub config: crate::node::NodeConfig,
+    disks: Vec<(Arc<CrashDisk>, Arc<CrashDisk>)>,
+    nodes: Vec<Option<Arc<Node>>>,
+    members: std::collections::BTreeMap<u64, openraft::BasicNode>,
+    rng: ChaCha8Rng,
+}
+
+/// Log and data device sizes for a simulated replica.
+fn sim_label(replica: u16, geometry: crate::Geometry) -> crate::layout::Label {
+    let bs = u64::from(geometry.block_size);
+    crate::layout::Label {
+        replica,
+        volume: "sim".into(),
+        geometry,
+        reserve_slots: geometry.blocks.min(4096),
+        raft_blocks: (16 << 20) / bs,
+        data_blocks: (8 << 20) / bs,
+        snap_blocks: (geometry.blocks * 24 + 4096).div_ceil(bs) + 2,
+    }
+}
+
+impl Cluster {
+    /// Formats and starts `2f+1` replicas (`f+1`+`f` for Cheap Paxos, 1 for local).
+    pub async fn start(
+        geometry: crate::Geometry,
+        seed: u64,
+        faults: Faults,
+        config: crate::node::NodeConfig,
+    ) -> Result<Cluster, crate::node::NodeError> {
+        let net = SimNet::new(seed, faults);
+        let n = geometry.replicas();
+        let members = (0..u64::from(n))
+            .map(|r| (r, openraft::BasicNode::new(format!("sim:{r}"))))
+            .collect();
+        let mut disks = Vec::new();
+        for r in 0..n {
+            let label = sim_label(r, geometry);
+            let log = CrashDisk::new(geometry.block_size as usize, label.blocks_needed());
+            let data_blocks =
+                crate::store::DataStore::blocks_needed(&geometry, r, label.reserve_slots);
+            let data = CrashDisk::new(geometry.block_size as usize, data_blocks);
+            let log_dyn: Arc<dyn quilt_block::BlockDevice> = log.clone();
+            crate::replica::Local::format(&log_dyn, &label)?;
+            disks.push((log, data));
+        }
+        let mut c = Cluster {
+            net,
+            geometry,
+            config,
+            disks,
+            nodes: vec![None; n as usize],
+            members,
+            rng: ChaCha8Rng::seed_from_u64(seed ^ 0x5eed),
+        };
+        for r in 0..n {
+            c.start_replica(r).await?;
+        }
+        Ok(c)
+    }
+
+    pub fn replicas(&self) -> u16 {
+        self.geometry.replicas()
+    }
+
+    pub fn node(&self, r: u16) -> Option<&Arc<Node>> {
+        self.nodes.get(r as usize).and_then(|n| n.as_ref())
+    }
+
+    pub fn is_up(&self, r: u16) -> bool {
+        self.node(r).is_some()
+    }
+
+    /// Starts replica `r` on its disks as they are.
+    pub async fn start_replica(&mut self, r: u16) -> Result<(), crate::node::NodeError> {
+        if self.is_up(r) {
+            return Ok(());
+        }
+        let (log, data) = self.disks[r as usize].clone();
+        let node = Node::start(
+            r,
+            log,
+            data,
+            self.net.endpoint(u64::from(r)),
+            self.members.clone(),
+            self.config.clone(),
+        )
+        .await?;
+        self.net.register(node.clone());
+        self.nodes[r as usize] = Some(node);
+        Ok(())
+    }
+
+    /// Crashes replica `r`: off the network at once, its disks keep only what was
+    /// flushed (and a random part of what was not).
+    pub async fn crash(&mut self, r: u16) {
+        let Some(node) = self.nodes[r as usize].take() else {
+            return;
+        };
+        self.net.unregister(u64::from(r));
+        let (log, data) = &self.disks[r as usize];
+        let (log, data) = (log.crash(&mut self.rng), data.crash(&mut self.rng));
+        self.disks[r as usize] = (log, data);
+        node.shutdown().await;
+    }
+
+    /// Replaces replica `r`'s data disk by an empty one (a failed disk swapped).
+    pub fn replace_data_disk(&mut self, r: u16) {
+        let (_, data) = &self.disks[r as usize];
+        let fresh = CrashDisk::new(data.bs, data.count);
+        self.disks[r as usize].1 = fresh;
+    }
+
+    pub fn data_disk(&self, r: u16) -> &Arc<CrashDisk> {
+        &self.disks[r as usize].1
+    }
+
+    /// A client of the volume, as endpoint `1000 + id`.
+    pub async fn client(
+        &self,
+        id: u64,
+        config: crate::client::ClientConfig,
+    ) -> Result<crate::client::Client, crate::client::ClientError> {
+        crate::client::Client::connect(self.net.endpoint(1000 + id), self.replicas(), id, config)
+            .await
+    }
+
+    /// Stops every replica (their disks keep everything: a clean stop).
+    pub async fn shutdown(&mut self) {
+        for r in 0..self.replicas() {
+            if let Some(n) = self.nodes[r as usize].take() {
+                self.net.unregister(u64::from(r));
+                n.shutdown().await;
+            }
+        }
+    }
+}
