@@ -22,6 +22,10 @@ pub struct ClientConfig {
     pub op_timeout: Duration,
     /// How long to wait for a preferred replica to store data before a reserve stands in.
     pub store_timeout: Duration,
+    /// The control for the fault tests, never for use: send the data to one replica
+    /// and claim the whole preferred quorum stored it, acknowledging writes before f+1
+    /// copies are durable. The tests must catch a client built this way.
+    pub unsafe_claim_copies: bool,
 }
 
 impl Default for ClientConfig {
@@ -30,6 +34,7 @@ impl Default for ClientConfig {
             rpc_timeout: Duration::from_secs(2),
             op_timeout: Duration::from_secs(10),
             store_timeout: Duration::from_millis(500),
+            unsafe_claim_copies: false,
         }
     }
 }
@@ -252,6 +257,13 @@ impl Client {
                 (r, ok)
             }
         };
+        if self.config.unsafe_claim_copies {
+            for &r in &preferred {
+                if put(r).await.1 {
+                    return Ok(preferred.iter().map(|&p| Stored::Home(p)).collect());
+                }
+            }
+        }
         let mut stored: Vec<Stored> = futures::future::join_all(preferred.iter().map(|&r| put(r)))
             .await
             .into_iter()

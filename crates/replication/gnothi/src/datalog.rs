@@ -7,9 +7,10 @@
 //!
 //! Layout, in a region of the log device (little-endian, crc32c):
 //! - blocks 0 and 1: two head slots, written alternately: `QGDH`, the slot's sequence
-//!   number, the lsn and ring offset of the oldest live record, the log's instance. The
-//!   valid slot with the higher sequence number wins, so a torn head write loses
-//!   nothing.
+//!   number, the lsn and ring offset of the oldest live record, the log's instance, and
+//!   the owner's mark (a number the owner keeps with the head: the replica, the log
+//!   index up to which every write's data is durable at home). The valid slot with the
+//!   higher sequence number wins, so a torn head write loses nothing.
 //! - blocks 2..: the ring. A record is a header block (`QGDR`: lsn, instance, write id,
 //!   first block, block count, data checksum, header checksum) and its data blocks; a
 //!   record that does not fit before the ring's end is preceded by a wrap header
@@ -86,6 +87,7 @@ pub struct DataLog {
     tail: (u64, u64),
     head_seq: u64,
     instance: u64,
+    mark: u64,
 }
 
 fn crc(parts: &[&[u8]]) -> u32 {
@@ -114,20 +116,21 @@ impl DataLog {
     /// replica must still write home (oldest first).
     pub fn open(dev: Arc<dyn BlockDevice>, first: u64, len: u64) -> Result<(DataLog, Vec<Staged>)> {
         let mut log = DataLog::placed(dev, first, len)?;
-        let mut best: Option<(u64, u64, u64, u64)> = None;
+        let mut best: Option<(u64, u64, u64, u64, u64)> = None;
         let mut b = vec![0u8; log.bs];
         for slot in 0..HEADS {
             log.dev.read(first + slot, &mut b)?;
-            if &b[0..4] != HEAD_MAGIC || le32(&b, 36) != crc(&[&b[..36]]) {
+            if &b[0..4] != HEAD_MAGIC || le32(&b, 44) != crc(&[&b[..44]]) {
                 continue;
             }
             let (seq, lsn, off, inst) = (le64(&b, 4), le64(&b, 12), le64(&b, 20), le64(&b, 28));
             if off < log.ring && best.is_none_or(|(s, ..)| seq > s) {
-                best = Some((seq, lsn, off, inst));
+                best = Some((seq, lsn, off, inst, le64(&b, 36)));
             }
         }
-        let (seq, lsn, off, instance) = best.ok_or(DataLogError::NotFormatted)?;
+        let (seq, lsn, off, instance, mark) = best.ok_or(DataLogError::NotFormatted)?;
         log.head_seq = seq;
+        log.mark = mark;
         log.instance = instance;
         log.head = (lsn, off);
         let mut staged = Vec::new();
@@ -208,6 +211,7 @@ impl DataLog {
             tail: (1, 0),
             head_seq: 0,
             instance: 0,
+            mark: 0,
         })
     }
 
@@ -303,6 +307,18 @@ impl DataLog {
     /// Lets go of the records before `lsn` (their data is durable at home): their room
     /// is reused once this returns (the new head is durable first).
     pub fn trim(&mut self, lsn: u64) -> Result<()> {
+        self.trim_marked(lsn, self.mark)
+    }
+
+    /// The owner's mark, as the last head written says.
+    pub fn mark(&self) -> u64 {
+        self.mark
+    }
+
+    /// [`DataLog::trim`], writing `mark` with the new head. When nothing is trimmed, no
+    /// head is written and the mark stays: an owner whose mark must cover every record
+    /// that is gone gets that, as records go only here.
+    pub fn trim_marked(&mut self, lsn: u64, mark: u64) -> Result<()> {
         let mut moved = false;
         while self.live.front().is_some_and(|p| p.lsn < lsn) {
             if let Some(p) = self.live.pop_front() {
@@ -313,6 +329,7 @@ impl DataLog {
         if !moved {
             return Ok(());
         }
+        self.mark = mark;
         self.head = match self.live.front() {
             Some(p) => (p.lsn, p.offset),
             None => self.tail,
@@ -331,8 +348,9 @@ impl DataLog {
         b[12..20].copy_from_slice(&self.head.0.to_le_bytes());
         b[20..28].copy_from_slice(&self.head.1.to_le_bytes());
         b[28..36].copy_from_slice(&self.instance.to_le_bytes());
-        let c = crc(&[&b[..36]]);
-        b[36..40].copy_from_slice(&c.to_le_bytes());
+        b[36..44].copy_from_slice(&self.mark.to_le_bytes());
+        let c = crc(&[&b[..44]]);
+        b[44..48].copy_from_slice(&c.to_le_bytes());
         let slot = self.head_seq % HEADS;
         self.dev
             .write(self.first + slot, &b, WriteClass::Metadata)?;

@@ -155,7 +155,26 @@ impl Node {
     /// Answers one request.
     pub async fn handle(&self, req: Request) -> Response {
         match req {
-            Request::AppendEntries(r) => Response::AppendEntries(self.raft.append_entries(r).await),
+            Request::AppendEntries(r) => {
+                // openraft trusts its peers to send entries that follow prev_log_id, one
+                // index after another; a peer (or a forged frame) that does not must not
+                // take this replica down.
+                let start = r.prev_log_id.map_or(0, |l| l.index + 1);
+                let follows = (start..).zip(&r.entries).all(|(i, e)| e.log_id.index == i);
+                if !follows {
+                    tracing::warn!(
+                        replica = self.id,
+                        leader = ?r.vote,
+                        prev = ?r.prev_log_id,
+                        first = ?r.entries.first().map(|e| e.log_id),
+                        "refusing append-entries whose entries do not follow prev_log_id"
+                    );
+                    return Response::Error(RpcError::BadRequest(
+                        "append-entries whose entries do not follow prev_log_id".into(),
+                    ));
+                }
+                Response::AppendEntries(self.raft.append_entries(r).await)
+            }
             Request::Vote(r) => Response::Vote(self.raft.vote(r).await),
             Request::InstallSnapshot(r) => {
                 Response::InstallSnapshot(self.raft.install_snapshot(r).await)
@@ -177,7 +196,7 @@ impl Node {
             }
             Request::Propose(p) => self.propose(p).await,
             Request::ReadIndex => match self.raft.get_read_log_id().await {
-                Ok((read, _)) => Response::ReadIndex(read.map_or(0, |l| l.index)),
+                Ok((read, _)) => Response::ReadIndex(self.safe_read_index(read)),
                 Err(e) => Response::Error(match e.forward_to_leader::<BasicNode>() {
                     Some(f) => RpcError::NotLeader {
                         leader: f.leader_id,
@@ -193,7 +212,10 @@ impl Node {
 
     async fn propose(&self, p: Proposal) -> Response {
         match self.raft.client_write(p).await {
-            Ok(r) => Response::Proposed(r.data),
+            Ok(r) => {
+                tracing::trace!(replica = self.id, log_id = %r.log_id, outcome = ?r.data, "proposed");
+                Response::Proposed(r.data)
+            }
             Err(e) => Response::Error(match e.forward_to_leader::<BasicNode>() {
                 Some(f) => RpcError::NotLeader {
                     leader: f.leader_id,
@@ -219,10 +241,22 @@ impl Node {
         Ok(())
     }
 
+    /// The read index to wait for, on a confirmed leader: openraft's (its commit index,
+    /// or the first entry of its term), or its last log index if that is higher.
+    /// openraft 0.9 lets a leader that restarts with its vote come back as leader in
+    /// the same term, proposing no new first entry; its commit index is what its log
+    /// store kept, which may predate writes it acknowledged before the crash. Every
+    /// acknowledged write is in a leader's log (leader completeness), so waiting for
+    /// the last log index never misses one. (Found by the simulation: a stale read.)
+    fn safe_read_index(&self, read: Option<crate::meta::LogId>) -> u64 {
+        let last = self.raft.metrics().borrow().last_log_index.unwrap_or(0);
+        read.map_or(0, |l| l.index).max(last)
+    }
+
     /// The index a linearizable read must see applied: the leader's read index.
     async fn read_index(&self) -> Result<u64, RpcError> {
         match self.raft.get_read_log_id().await {
-            Ok((read, _)) => Ok(read.map_or(0, |l| l.index)),
+            Ok((read, _)) => Ok(self.safe_read_index(read)),
             Err(e) => match e.forward_to_leader::<BasicNode>() {
                 Some(f) => {
                     let Some(leader) = f.leader_id else {
@@ -268,6 +302,14 @@ impl Node {
         let mut g = self.machine.lock();
         let mut out = Vec::with_capacity(count as usize);
         for b in first..first + u64::from(count) {
+            tracing::trace!(
+                replica = self.id,
+                block = b,
+                read_index = index,
+                applied = g.last_applied().map_or(0, |l| l.index),
+                version = g.table().meta(b).map_or(0, |m| m.version),
+                "read"
+            );
             out.push(match g.read(b) {
                 Ok(LocalRead::Data(d)) => BlockAnswer::Data(d),
                 Ok(LocalRead::Zero) => BlockAnswer::Zero,
@@ -317,14 +359,25 @@ impl Node {
     }
 
     /// Proposes `cmd` through whoever leads now; `None` if it could not.
-    async fn propose_anywhere(&self, cmd: Command) -> Option<Outcome> {
-        let p = Proposal {
+    pub async fn propose_anywhere(&self, cmd: Command) -> Option<Outcome> {
+        self.propose_through_leader(Proposal {
             session: None,
             command: cmd,
-        };
+        })
+        .await
+    }
+
+    /// Proposes `p` through whoever leads now (bounded by the RPC timeout); `None` if
+    /// no answer came (it may still have been committed: a retry that must not apply
+    /// twice carries a session).
+    pub async fn propose_through_leader(&self, p: Proposal) -> Option<Outcome> {
         let leader = self.raft.metrics().borrow().current_leader?;
         let resp = if leader == u64::from(self.id) {
-            self.propose(p).await
+            // Bounded like a remote proposal: a leader cut off from its majority
+            // never commits, and the caller should try again elsewhere.
+            tokio::time::timeout(self.config.rpc_timeout, self.propose(p))
+                .await
+                .ok()?
         } else {
             call_within(
                 self.net.as_ref(),
@@ -358,12 +411,12 @@ impl Node {
     }
 
     async fn step(&self) {
-        let lost: Vec<u64> = self
+        let lost: Vec<(u64, Version)> = self
             .machine
             .lock()
             .lost()
             .iter()
-            .copied()
+            .map(|(&b, &v)| (b, v))
             .take(4096)
             .collect();
         if !lost.is_empty() {

@@ -24,7 +24,7 @@ use openraft::storage::{RaftSnapshotBuilder, RaftStateMachine, Snapshot};
 use openraft::{EntryPayload, RaftLogId, StorageIOError};
 use quilt_block::BlockDevice;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::io::Cursor;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -91,10 +91,16 @@ pub struct Local {
     snapshot: Option<(SnapshotMeta, Vec<u8>)>,
     snapshot_seq: u64,
     /// Blocks the table says this replica holds, whose data it found missing or
-    /// damaged: reads go elsewhere, and the server reports them lost.
-    lost: BTreeSet<u64>,
+    /// damaged, at the version found so: reads go elsewhere, and the server reports
+    /// them lost (at that version only: a replay that finds an older version missing
+    /// must not take away a newer one it holds).
+    lost: BTreeMap<u64, Version>,
     /// Home or reserve writes since the last flush.
     unflushed: bool,
+    /// Every entry up to this index has its data durable where this replica keeps
+    /// it (kept as the data log's mark, written whenever the log drops a record: no
+    /// record goes before the entries it served are covered).
+    placed: Version,
 }
 
 fn block_crc(b: &[u8]) -> u32 {
@@ -142,11 +148,13 @@ impl Local {
             membership: StoredMembership::default(),
             snapshot: None,
             snapshot_seq: 0,
-            lost: BTreeSet::new(),
+            lost: BTreeMap::new(),
             unflushed: false,
+            placed: 0,
             label,
             log_dev,
         };
+        local.placed = local.datalog.mark();
         for r in records {
             local.staged_lsns.insert(r.lsn, r.write);
             local.staged.insert(
@@ -195,7 +203,7 @@ impl Local {
         self.last_applied
     }
 
-    pub fn lost(&self) -> &BTreeSet<u64> {
+    pub fn lost(&self) -> &BTreeMap<u64, Version> {
         &self.lost
     }
 
@@ -281,6 +289,7 @@ impl Local {
                 return Outcome::Duplicate(0);
             }
         }
+        tracing::debug!(replica = self.id, index, command = ?p.command, "apply");
         let applied = match self.table.apply(index, &p.command) {
             Ok(a) => a,
             Err(e) => return Outcome::Refused(e),
@@ -288,9 +297,16 @@ impl Local {
         if let Some(s) = &p.session {
             self.sessions.record(s, index);
         }
-        for (block, holders) in applied.reserve_freed {
+        if index <= self.placed {
+            // Replayed after a restart or a snapshot: this entry's data was placed and
+            // made durable before (the data log's mark says so), and the disks may be
+            // ahead of it. Placing again could put older data over newer.
+            self.drop_staged_of(&p.command);
+            return Outcome::Applied(index);
+        }
+        for (block, version, holders) in applied.reserve_freed {
             if holders.contains(self.id) {
-                if let Err(e) = self.store.reserve_free(block) {
+                if let Err(e) = self.store.reserve_free_upto(block, version) {
                     tracing::warn!(replica = self.id, block, error = %e, "freeing a reserve slot failed");
                 }
                 self.unflushed = true;
@@ -317,8 +333,10 @@ impl Local {
                 }
             }
             Command::Lost { replica, blocks } if *replica == self.id => match blocks {
-                Some(bs) => bs.iter().for_each(|b| {
-                    self.lost.remove(b);
+                Some(bs) => bs.iter().for_each(|(b, v)| {
+                    if self.lost.get(b) == Some(v) {
+                        self.lost.remove(b);
+                    }
                 }),
                 None => self.lost.clear(),
             },
@@ -381,11 +399,11 @@ impl Local {
                         index,
                         "a committed write's data is not here: block lost"
                     );
-                    self.lost.insert(block);
+                    self.lost.insert(block, index);
                 }
                 Err(e) => {
                     tracing::warn!(replica = self.id, block, index, error = %e, "placing a committed write failed: block lost");
-                    self.lost.insert(block);
+                    self.lost.insert(block, index);
                 }
             }
         }
@@ -410,8 +428,11 @@ impl Local {
             self.store.flush()?;
             self.unflushed = false;
         }
+        // Everything applied is placed and durable now.
+        let applied = self.last_applied.map_or(0, |l| l.index);
+        self.placed = self.placed.max(applied);
         let oldest = self.staged_lsns.keys().next().copied().unwrap_or(u64::MAX);
-        self.datalog.trim(oldest)?;
+        self.datalog.trim_marked(oldest, self.placed)?;
         Ok(())
     }
 
@@ -427,7 +448,7 @@ impl Local {
         }
         let mut others = m.holders;
         others.remove(self.id);
-        if !m.holders.contains(self.id) || self.lost.contains(&block) {
+        if !m.holders.contains(self.id) || self.lost.get(&block) == Some(&m.version) {
             return Ok(LocalRead::NotHere(others));
         }
         let mut buf = vec![0u8; g.block_size as usize];
@@ -446,7 +467,7 @@ impl Local {
             version = m.version,
             "a held block fails its checksum: reading elsewhere, repairing"
         );
-        self.lost.insert(block);
+        self.lost.insert(block, m.version);
         Ok(LocalRead::NotHere(others))
     }
 
@@ -538,10 +559,12 @@ impl Local {
             }
         }
         for r in self.store.reserved_all() {
-            let keep = self
-                .table
-                .meta(r.block)
-                .is_some_and(|m| m.version == r.version && m.reserve.contains(self.id));
+            // A copy newer than the snapshot's table is kept: this replica placed it
+            // before (its disks are ahead of the snapshot), and the entries after the
+            // snapshot name it or let it go.
+            let keep = self.table.meta(r.block).is_some_and(|m| {
+                r.version > m.version || (m.version == r.version && m.reserve.contains(self.id))
+            });
             if !keep {
                 self.store.reserve_free(r.block)?;
                 self.unflushed = true;

@@ -305,6 +305,7 @@ pub struct Cluster {
     nodes: Vec<Option<Arc<Node>>>,
     members: std::collections::BTreeMap<u64, openraft::BasicNode>,
     rng: ChaCha8Rng,
+    replacements: u64,
 }
 
 /// Log and data device sizes for a simulated replica.
@@ -353,6 +354,7 @@ impl Cluster {
             nodes: vec![None; n as usize],
             members,
             rng: ChaCha8Rng::seed_from_u64(seed ^ 0x5eed),
+            replacements: 0,
         };
         for r in 0..n {
             c.start_replica(r).await?;
@@ -405,11 +407,104 @@ impl Cluster {
         node.shutdown().await;
     }
 
-    /// Replaces replica `r`'s data disk by an empty one (a failed disk swapped).
-    pub fn replace_data_disk(&mut self, r: u16) {
-        let (_, data) = &self.disks[r as usize];
-        let fresh = CrashDisk::new(data.bs, data.count);
-        self.disks[r as usize].1 = fresh;
+    /// Replaces down replica `r`'s data disk by an empty one (a failed disk swapped),
+    /// first telling the volume that `r` holds nothing (what an operator does before
+    /// the replica rejoins: re-replication then rebuilds it). Fails if no majority took
+    /// the news.
+    pub async fn replace_data_disk(&mut self, r: u16) -> bool {
+        if self.is_up(r) {
+            return false;
+        }
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        // One operator session per replacement, so that a retry whose first try was
+        // committed unseen applies once (a late second `Lost` would drop copies the
+        // replica has rebuilt since).
+        self.replacements += 1;
+        let session = crate::meta::Session {
+            client: u64::MAX - u64::from(r),
+            seq: self.replacements,
+            done_below: self.replacements,
+        };
+        loop {
+            for up in self.nodes.iter().flatten() {
+                let p = crate::meta::Proposal {
+                    session: Some(session),
+                    command: crate::table::Command::Lost {
+                        replica: r,
+                        blocks: None,
+                    },
+                };
+                if let Some(crate::meta::Outcome::Applied(_) | crate::meta::Outcome::Duplicate(_)) =
+                    up.propose_through_leader(p).await
+                {
+                    let (_, data) = &self.disks[r as usize];
+                    let fresh = CrashDisk::new(data.bs, data.count);
+                    self.disks[r as usize].1 = fresh;
+                    return true;
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Whether the leader's table has every written block on f+1 replicas (so one
+    /// more failure loses nothing). `false` when no leader is up.
+    /// Judged on every replica up, which must all have applied the same index (a
+    /// leader that lags or was deposed unawares would judge from a stale table).
+    pub fn fully_redundant(&self) -> bool {
+        let up: Vec<&Arc<Node>> = self.nodes.iter().flatten().collect();
+        if up.len() < usize::from(self.geometry.copies()) {
+            return false;
+        }
+        let applied: Vec<u64> = up.iter().map(|n| n.status().applied).collect();
+        if applied.iter().any(|&a| a != applied[0]) {
+            return false;
+        }
+        let copies = u32::from(self.geometry.copies());
+        up.iter().all(|n| {
+            let g = n.machine().lock();
+            let t = g.table();
+            (0..self.geometry.blocks).all(|b| {
+                t.meta(b)
+                    .is_some_and(|m| m.version == 0 || m.holders.len() >= copies)
+            })
+        })
+    }
+
+    /// Each replica's view of the blocks it should hold and does not, for failure
+    /// messages.
+    pub fn describe(&self) -> String {
+        let mut out = Vec::new();
+        for n in self.nodes.iter().flatten() {
+            let st = n.status();
+            let g = n.machine().lock();
+            let t = g.table();
+            let odd: Vec<String> = (0..self.geometry.blocks)
+                .filter_map(|b| {
+                    let m = t.meta(b)?;
+                    (m.version > 0 && m.holders.len() < u32::from(self.geometry.copies())).then(
+                        || {
+                            format!(
+                                "b{b}@v{} holders {:#b} reserve {:#b}",
+                                m.version, m.holders.0, m.reserve.0
+                            )
+                        },
+                    )
+                })
+                .collect();
+            out.push(format!(
+                "replica {} (leader {}, applied {}, lost {:?}): under-replicated {:?}",
+                n.id,
+                st.is_leader,
+                st.applied,
+                g.lost(),
+                odd
+            ));
+        }
+        out.join("; ")
     }
 
     pub fn data_disk(&self, r: u16) -> &Arc<CrashDisk> {

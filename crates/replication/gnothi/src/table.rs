@@ -98,11 +98,12 @@ pub enum Command {
     /// The reserve copies of these blocks at these versions may go: every preferred
     /// replica holds them. A block written since has no reserve copy of that version.
     Reclaim { blocks: Vec<(u64, Version)> },
-    /// `replica` no longer holds these blocks (found damaged), or, with `None`, any
+    /// `replica` no longer holds these blocks at these versions (found missing or
+    /// damaged; a block written since keeps its newer holders), or, with `None`, any
     /// block (its data device was replaced by an empty one: re-replication).
     Lost {
         replica: ReplicaId,
-        blocks: Option<Vec<u64>>,
+        blocks: Option<Vec<(u64, Version)>>,
     },
 }
 
@@ -138,7 +139,8 @@ pub enum CommandError {
 /// them go). Each holder frees its slot.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Applied {
-    pub reserve_freed: Vec<(u64, Holders)>,
+    /// Block, the version of the reserve copies that became garbage, their holders.
+    pub reserve_freed: Vec<(u64, Version, Holders)>,
 }
 
 /// The table: one [`BlockMeta`] per block of the volume.
@@ -274,7 +276,7 @@ impl MetaTable {
             Command::Reclaim { blocks } => blocks.iter().try_for_each(|&(b, _)| block(b)),
             Command::Lost { replica: r, blocks } => {
                 replica(*r)?;
-                blocks.iter().flatten().try_for_each(|&b| block(b))
+                blocks.iter().flatten().try_for_each(|&(b, _)| block(b))
             }
         }
     }
@@ -305,7 +307,7 @@ impl MetaTable {
                     let b = first + i as u64;
                     let m = &mut self.blocks[b as usize];
                     if !m.reserve.is_empty() {
-                        out.reserve_freed.push((b, m.reserve));
+                        out.reserve_freed.push((b, m.version, m.reserve));
                     }
                     *m = BlockMeta {
                         version: index,
@@ -334,7 +336,7 @@ impl MetaTable {
                     // Only once the preferred copies alone make f+1: the reserve is
                     // what kept the write durable until then.
                     if kept.len() >= self.geometry.copies() as u32 {
-                        out.reserve_freed.push((b, m.reserve));
+                        out.reserve_freed.push((b, m.version, m.reserve));
                         m.holders = kept;
                         m.reserve = Holders::default();
                     }
@@ -346,7 +348,14 @@ impl MetaTable {
                     m.reserve.remove(*replica);
                 };
                 match blocks {
-                    Some(bs) => bs.iter().for_each(|&b| lose(&mut self.blocks[b as usize])),
+                    Some(bs) => {
+                        for &(b, v) in bs {
+                            let m = &mut self.blocks[b as usize];
+                            if m.version == v {
+                                lose(m);
+                            }
+                        }
+                    }
                     None => self.blocks.iter_mut().for_each(lose),
                 }
             }
@@ -443,7 +452,7 @@ mod tests {
                 },
             )
             .unwrap();
-        assert_eq!(a.reserve_freed, vec![(0, Holders(1 << 2))]);
+        assert_eq!(a.reserve_freed, vec![(0, 3, Holders(1 << 2))]);
         let m = t.meta(0).unwrap();
         assert_eq!((m.holders, m.reserve), (Holders(0b011), Holders(0)));
     }
@@ -456,7 +465,7 @@ mod tests {
         let a = t
             .apply(4, &w(0, 1, &[Stored::Home(0), Stored::Home(1)]))
             .unwrap();
-        assert_eq!(a.reserve_freed, vec![(0, Holders(1 << 2))]);
+        assert_eq!(a.reserve_freed, vec![(0, 3, Holders(1 << 2))]);
         // A repair of the old version changes nothing.
         t.apply(
             5,
@@ -560,7 +569,7 @@ mod tests {
                 Command::Repaired { replica: r, blocks: bs.into_iter().map(|b| (b, 0)).collect() }
             }),
             1 => (0..n, proptest::option::of(proptest::collection::vec(0..blocks, 1..3)))
-                .prop_map(|(r, blocks)| Command::Lost { replica: r, blocks }),
+                .prop_map(|(r, blocks)| Command::Lost { replica: r, blocks: blocks.map(|bs| bs.into_iter().map(|b| (b, 0)).collect()) }),
         ]
     }
 
@@ -583,6 +592,15 @@ mod tests {
                         replica: *replica,
                         blocks: blocks.iter().map(|&(b, _)| (b, t.meta(b).unwrap().version)).collect(),
                     },
+                    // Losses name the current version, or (every other one) a stale one,
+                    // which must change nothing.
+                    Command::Lost { replica, blocks: Some(bs) } => Command::Lost {
+                        replica: *replica,
+                        blocks: Some(bs.iter().enumerate().map(|(k, &(b, _))| {
+                            let v = t.meta(b).unwrap().version;
+                            (b, if k % 2 == 1 && v > 0 { v - 1 } else { v })
+                        }).collect()),
+                    },
                     c => c.clone(),
                 };
                 let r1 = t.apply(index, &c);
@@ -604,10 +622,14 @@ mod tests {
                         }
                     }
                     Command::Lost { replica, blocks } => {
-                        let bs: Vec<u64> = blocks.clone().unwrap_or_else(|| (0..16).collect());
-                        for b in bs {
-                            model[b as usize].1 &= !(1 << replica);
-                            model[b as usize].2 = true;
+                        let bs: Vec<(u64, u64)> = blocks
+                            .clone()
+                            .unwrap_or_else(|| (0..16).map(|b| (b, model[b as usize].0)).collect());
+                        for (b, v) in bs {
+                            if model[b as usize].0 == v {
+                                model[b as usize].1 &= !(1 << replica);
+                                model[b as usize].2 = true;
+                            }
                         }
                     }
                     Command::Reclaim { .. } => {}
