@@ -26,6 +26,9 @@ pub mod raftlog;
 pub mod replica;
 pub mod rpc;
 pub mod sim;
+pub mod server;
+pub mod transport;
+pub mod device;
 pub mod store;
 mod table;
 

@@ -528,6 +528,18 @@ impl Local {
         let bs = self.geometry().block_size as usize;
         let writes: Vec<WriteId> = self.staged.keys().copied().collect();
         for w in writes {
+            // Only writes the snapshot covers (their client's session says applied)
+            // are placed and let go here; the others commit after the snapshot, and
+            // their entries will find the data staged.
+            let session = crate::meta::Session {
+                client: w.client,
+                seq: w.seq,
+                done_below: 0,
+            };
+            let covered = self.sessions.applied(&session).is_some() || self.sessions.forgotten(&session);
+            if !covered {
+                continue;
+            }
             let Some(st) = self.staged.remove(&w) else {
                 continue;
             };

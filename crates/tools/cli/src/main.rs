@@ -12,6 +12,7 @@ mod image;
 mod kv;
 mod mkfs;
 mod mount;
+mod replica;
 mod stats;
 
 // The server allocates and frees small objects (patches, undo bytes, request buffers) at
@@ -76,6 +77,13 @@ enum Command {
     /// delete-range, scan.
     #[command(subcommand)]
     Kv(kv::KvCommand),
+    /// One replica server of a replicated volume (Gnothi): format its devices, serve.
+    #[command(subcommand)]
+    Replica(replica::ReplicaCommand),
+    /// A replicated volume's replicas as local processes: up, stop, start, status,
+    /// down.
+    #[command(subcommand)]
+    Cluster(replica::ClusterCommand),
 }
 
 /// `mi_option_purge_delay` of mimalloc 2.1 and later (the Rust bindings list only the
@@ -188,6 +196,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Crashtest(a) => crashtest::run(a),
         Command::Kv(c) => kv::run(c),
         Command::Bench { args } => bench(args),
+        Command::Replica(c) => replica::run_replica(c),
+        Command::Cluster(c) => replica::run_cluster(c),
     }
 }
 

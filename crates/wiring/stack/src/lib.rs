@@ -36,6 +36,8 @@ pub enum Source {
     Bytes { block_size: usize, bytes: Vec<u8> },
     /// A device built elsewhere, taken as it is.
     Given(Arc<dyn BlockDevice>),
+    /// A replicated volume: `gnothi://HOST:PORT,…/VOLUME[?secret-file=PATH]`.
+    Volume(String),
 }
 
 /// An image file or block device to open.
@@ -90,9 +92,15 @@ pub struct DeviceSpec {
 }
 
 impl DeviceSpec {
+    /// An image file or block device, or a replicated volume when the path is a
+    /// volume address (`gnothi://…`): every command that takes an image takes one.
     pub fn image(spec: ImageSpec) -> DeviceSpec {
+        let source = match spec.path.to_str() {
+            Some(a) if quilt_gnothi::device::VolumeAddress::is_address(a) => Source::Volume(a.to_string()),
+            _ => Source::Image(spec),
+        };
         DeviceSpec {
-            source: Source::Image(spec),
+            source,
             layers: Vec::new(),
         }
     }
@@ -146,6 +154,7 @@ pub fn device(spec: DeviceSpec) -> Result<Device, BlockError> {
         Source::Memory { block_size, blocks } => Arc::new(MemDevice::new(block_size, blocks)?),
         Source::Bytes { block_size, bytes } => Arc::new(MemDevice::from_bytes(block_size, &bytes)?),
         Source::Given(d) => d,
+        Source::Volume(address) => Arc::new(quilt_gnothi::device::ReplicatedDevice::connect(&address)?),
     };
     let mut recording = None;
     for layer in spec.layers {

@@ -1,0 +1,522 @@
+//! `quiltfs replica …` (one replica server of a Gnothi volume) and `quiltfs cluster …`
+//! (a whole volume's replicas as local processes, for trying it on one machine).
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, Subcommand, ValueEnum};
+use quilt_gnothi::node::NodeConfig;
+use quilt_gnothi::server::{self, LogSizes, ServeOptions};
+use quilt_gnothi::transport::GrpcNet;
+use quilt_gnothi::{Geometry, System};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, ValueEnum, Serialize, Deserialize)]
+pub enum SystemArg {
+    /// Data on the f+1 replicas of each slice's rotated preferred quorum.
+    Gnothi,
+    /// Data on every replica (Gaios-like full replication).
+    Gprime,
+    /// f+1 main replicas hold data; f auxiliaries only on failure.
+    CheapPaxos,
+}
+
+impl From<SystemArg> for System {
+    fn from(s: SystemArg) -> System {
+        match s {
+            SystemArg::Gnothi => System::Gnothi,
+            SystemArg::Gprime => System::GPrime,
+            SystemArg::CheapPaxos => System::CheapPaxos,
+        }
+    }
+}
+
+#[derive(Subcommand)]
+pub enum ReplicaCommand {
+    /// Label a replica's log device and prepare its data device (files are created).
+    Format(FormatArgs),
+    /// Run one replica server until SIGTERM or ctrl-c.
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+pub struct VolumeShape {
+    /// Volume name (what addresses end with).
+    #[arg(long, default_value = "vol0")]
+    pub volume: String,
+    /// How data is placed.
+    #[arg(long, value_enum, default_value = "gnothi")]
+    pub system: SystemArg,
+    /// Failures tolerated: the volume has 2f+1 replicas.
+    #[arg(long, default_value_t = 1)]
+    pub f: u16,
+    /// Volume size, bytes (K, M, G suffixes).
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    pub size: u64,
+    #[arg(long, default_value_t = 4096)]
+    pub block_size: u32,
+    /// Slice size, bytes (each slice has one preferred quorum).
+    #[arg(long, default_value = "16M", value_parser = parse_size)]
+    pub slice: u64,
+    /// Reserve slots on each data device (blocks a replica can hold for others).
+    #[arg(long, default_value_t = 16384)]
+    pub reserve_slots: u64,
+}
+
+impl VolumeShape {
+    fn geometry(&self) -> Result<Geometry> {
+        let bs = u64::from(self.block_size);
+        Geometry::new(self.system.into(), self.f, self.block_size, self.size / bs, (self.slice / bs).max(1))
+            .map_err(|e| anyhow!("{e}"))
+    }
+}
+
+#[derive(Args)]
+pub struct FormatArgs {
+    #[arg(long)]
+    pub id: u16,
+    #[arg(long)]
+    pub log_dev: PathBuf,
+    #[arg(long)]
+    pub data_dev: PathBuf,
+    #[command(flatten)]
+    pub shape: VolumeShape,
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[arg(long)]
+    pub id: u16,
+    /// Address to listen on (HOST:PORT).
+    #[arg(long)]
+    pub listen: std::net::SocketAddr,
+    /// Every replica's address, in id order: HOST:PORT,HOST:PORT,…
+    #[arg(long, value_delimiter = ',')]
+    pub peers: Vec<String>,
+    #[arg(long)]
+    pub log_dev: PathBuf,
+    #[arg(long)]
+    pub data_dev: PathBuf,
+    /// File holding the cluster's shared secret.
+    #[arg(long)]
+    pub secret_file: PathBuf,
+    /// Phase 2: milliseconds between fetches of missing data.
+    #[arg(long, default_value_t = 10)]
+    pub recovery_interval_ms: u64,
+}
+
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        Some('T' | 't') => (&s[..s.len() - 1], 1 << 40),
+        _ => (s, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("{s:?} is not a size (e.g. 512M, 4G)"))
+}
+
+pub fn run_replica(c: ReplicaCommand) -> Result<()> {
+    match c {
+        ReplicaCommand::Format(a) => {
+            let g = a.shape.geometry()?;
+            if a.id >= g.replicas() {
+                bail!("replica {} is not in a volume of {} replicas", a.id, g.replicas());
+            }
+            let label = server::label_for(a.id, &a.shape.volume, g, a.shape.reserve_slots, LogSizes::default());
+            server::format(&label, &a.log_dev, &a.data_dev).map_err(|e| anyhow!(e))?;
+            eprintln!(
+                "quiltfs: replica {} of volume {} formatted ({} replicas, {} blocks of {} bytes)",
+                a.id,
+                a.shape.volume,
+                g.replicas(),
+                g.blocks,
+                g.block_size
+            );
+            Ok(())
+        }
+        ReplicaCommand::Serve(a) => serve(a),
+    }
+}
+
+fn read_secret(path: &Path) -> Result<String> {
+    let s = std::fs::read_to_string(path).with_context(|| format!("reading the cluster secret {}", path.display()))?;
+    let s = s.trim().to_string();
+    if s.len() < 16 {
+        bail!("the cluster secret in {} is shorter than 16 characters", path.display());
+    }
+    Ok(s)
+}
+
+fn serve(a: ServeArgs) -> Result<()> {
+    let secret = read_secret(&a.secret_file)?;
+    let peers: BTreeMap<u64, String> = a.peers.iter().cloned().enumerate().map(|(i, p)| (i as u64, p)).collect();
+    let opts = ServeOptions {
+        id: a.id,
+        listen: a.listen,
+        peers,
+        log: a.log_dev,
+        data: a.data_dev,
+        secret,
+        config: NodeConfig {
+            recovery_interval: Duration::from_millis(a.recovery_interval_ms),
+            ..NodeConfig::default()
+        },
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    rt.block_on(async move {
+        let stop = async {
+            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => return std::future::pending().await,
+            };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        };
+        server::run(opts, stop).await.map_err(|e| anyhow!(e))
+    })
+}
+
+#[derive(Subcommand)]
+pub enum ClusterCommand {
+    /// Format and start a volume's replicas as local processes in DIR; prints the
+    /// volume's address.
+    Up(UpArgs),
+    /// Stop one replica (SIGTERM), or with --kill, kill -9 it.
+    Stop {
+        dir: PathBuf,
+        #[arg(long)]
+        replica: u16,
+        #[arg(long)]
+        kill: bool,
+    },
+    /// Start a stopped replica again, on its devices as they are.
+    Start {
+        dir: PathBuf,
+        #[arg(long)]
+        replica: u16,
+    },
+    /// Each replica's role, log index, INCOMPLETE blocks, reserve use.
+    Status {
+        dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stop every replica.
+    Down { dir: PathBuf },
+}
+
+#[derive(Args)]
+pub struct UpArgs {
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Number of replicas (2f+1).
+    #[arg(long, default_value_t = 3)]
+    pub replicas: u16,
+    /// Volume size.
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    pub size: u64,
+    #[arg(long, value_enum, default_value = "gnothi")]
+    pub system: SystemArg,
+    #[arg(long, default_value = "vol0")]
+    pub volume: String,
+    /// First port; replica N listens on PORT+N.
+    #[arg(long, default_value_t = 7400)]
+    pub port: u16,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ClusterFile {
+    volume: String,
+    replicas: Vec<ReplicaEntry>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ReplicaEntry {
+    id: u16,
+    addr: String,
+    pid: Option<u32>,
+}
+
+fn cluster_file(dir: &Path) -> PathBuf {
+    dir.join("cluster.json")
+}
+
+fn load(dir: &Path) -> Result<ClusterFile> {
+    let f = cluster_file(dir);
+    let s = std::fs::read_to_string(&f).with_context(|| format!("no cluster in {} ({})", dir.display(), f.display()))?;
+    serde_json::from_str(&s).with_context(|| format!("{} is damaged", f.display()))
+}
+
+fn save(dir: &Path, c: &ClusterFile) -> Result<()> {
+    let tmp = dir.join("cluster.json.tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(c)?)?;
+    std::fs::rename(&tmp, cluster_file(dir))?;
+    Ok(())
+}
+
+fn address(dir: &Path, c: &ClusterFile) -> String {
+    let hosts: Vec<&str> = c.replicas.iter().map(|r| r.addr.as_str()).collect();
+    format!(
+        "gnothi://{}/{}?secret-file={}",
+        hosts.join(","),
+        c.volume,
+        dir.join("secret").display()
+    )
+}
+
+fn alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    unsafe { libc::kill(pid as libc::pid_t, 0) == 0 }
+}
+
+fn spawn(dir: &Path, c: &ClusterFile, id: u16) -> Result<u32> {
+    let me = std::env::current_exe().context("finding the quiltfs binary")?;
+    let peers: Vec<&str> = c.replicas.iter().map(|r| r.addr.as_str()).collect();
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("r{id}.out")))?;
+    let child = std::process::Command::new(me)
+        .args(["replica", "serve", "--id", &id.to_string()])
+        .args(["--listen", &c.replicas[id as usize].addr])
+        .args(["--peers", &peers.join(",")])
+        .arg("--log-dev")
+        .arg(dir.join(format!("r{id}.log")))
+        .arg("--data-dev")
+        .arg(dir.join(format!("r{id}.data")))
+        .arg("--secret-file")
+        .arg(dir.join("secret"))
+        .stdin(std::process::Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .spawn()
+        .context("starting a replica")?;
+    Ok(child.id())
+}
+
+fn statuses(dir: &Path, c: &ClusterFile) -> Result<Vec<(u16, Option<quilt_gnothi::rpc::Status>)>> {
+    let secret = read_secret(&dir.join("secret"))?;
+    let peers: BTreeMap<u64, String> = c.replicas.iter().map(|r| (u64::from(r.id), r.addr.clone())).collect();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let net = GrpcNet::new(peers, &secret).map_err(|e| anyhow!(e))?;
+        let mut out = Vec::new();
+        for r in &c.replicas {
+            let s = quilt_gnothi::net::call_within(
+                net.as_ref(),
+                u64::from(r.id),
+                quilt_gnothi::rpc::Request::Status,
+                Duration::from_secs(1),
+            )
+            .await;
+            out.push((
+                r.id,
+                match s {
+                    Ok(quilt_gnothi::rpc::Response::Status(s)) => Some(s),
+                    _ => None,
+                },
+            ));
+        }
+        Ok(out)
+    })
+}
+
+pub fn run_cluster(c: ClusterCommand) -> Result<()> {
+    match c {
+        ClusterCommand::Up(a) => up(a),
+        ClusterCommand::Stop { dir, replica, kill } => {
+            let mut c = load(&dir)?;
+            let r = c
+                .replicas
+                .get_mut(replica as usize)
+                .ok_or_else(|| anyhow!("no replica {replica}"))?;
+            match r.pid.take() {
+                Some(pid) if alive(pid) => {
+                    let sig = if kill { libc::SIGKILL } else { libc::SIGTERM };
+                    // SAFETY: a pid this tool started and recorded.
+                    unsafe { libc::kill(pid as libc::pid_t, sig) };
+                    let t = Instant::now();
+                    while alive(pid) && t.elapsed() < Duration::from_secs(10) {
+                        reap();
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    eprintln!("quiltfs: replica {replica} stopped");
+                }
+                _ => eprintln!("quiltfs: replica {replica} was not running"),
+            }
+            save(&dir, &c)
+        }
+        ClusterCommand::Start { dir, replica } => {
+            let mut c = load(&dir)?;
+            if c.replicas.get(replica as usize).is_none() {
+                bail!("no replica {replica}");
+            }
+            if let Some(pid) = c.replicas[replica as usize].pid {
+                if alive(pid) {
+                    bail!("replica {replica} is running (pid {pid})");
+                }
+            }
+            let pid = spawn(&dir, &c, replica)?;
+            c.replicas[replica as usize].pid = Some(pid);
+            save(&dir, &c)?;
+            eprintln!("quiltfs: replica {replica} started (pid {pid})");
+            Ok(())
+        }
+        ClusterCommand::Status { dir, json } => {
+            let c = load(&dir)?;
+            let st = statuses(&dir, &c)?;
+            if json {
+                let v: Vec<serde_json::Value> = st
+                    .iter()
+                    .map(|(id, s)| match s {
+                        Some(s) => serde_json::json!({
+                            "replica": id, "up": true, "role": if s.is_leader { "leader" } else { "follower" },
+                            "term": s.term, "log_index": s.last_log_index, "applied": s.applied,
+                            "incomplete": s.incomplete, "reserve_used": s.reserve_used,
+                            "data_log_used": s.data_log_used, "data_log_blocks": s.data_log_blocks,
+                        }),
+                        None => serde_json::json!({"replica": id, "up": false}),
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&serde_json::json!({"volume": c.volume, "address": address(&dir, &c), "replicas": v}))?);
+            } else {
+                println!("volume {}  {}", c.volume, address(&dir, &c));
+                println!("{:>7} {:>9} {:>6} {:>10} {:>10} {:>11} {:>9}", "replica", "role", "term", "log index", "applied", "incomplete", "reserve");
+                for (id, s) in st {
+                    match s {
+                        Some(s) => println!(
+                            "{id:>7} {:>9} {:>6} {:>10} {:>10} {:>11} {:>9}",
+                            if s.is_leader { "leader" } else { "follower" },
+                            s.term,
+                            s.last_log_index,
+                            s.applied,
+                            s.incomplete,
+                            s.reserve_used
+                        ),
+                        None => println!("{id:>7} {:>9}", "down"),
+                    }
+                }
+            }
+            Ok(())
+        }
+        ClusterCommand::Down { dir } => {
+            let mut c = load(&dir)?;
+            for r in &mut c.replicas {
+                if let Some(pid) = r.pid.take() {
+                    if alive(pid) {
+                        // SAFETY: a pid this tool started and recorded.
+                        unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+                        let t = Instant::now();
+                        while alive(pid) && t.elapsed() < Duration::from_secs(10) {
+                            reap();
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                    }
+                }
+            }
+            save(&dir, &c)?;
+            eprintln!("quiltfs: cluster in {} is down", dir.display());
+            Ok(())
+        }
+    }
+}
+
+/// Collects exited children of this process (a stop or down right after an up, in one
+/// process, would otherwise see zombies as alive).
+fn reap() {
+    // SAFETY: waitpid with WNOHANG on any child; no memory is shared.
+    unsafe {
+        while libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) > 0 {}
+    }
+}
+
+fn up(a: UpArgs) -> Result<()> {
+    if a.replicas == 0 || a.replicas % 2 == 0 {
+        bail!("a volume has an odd number of replicas (2f+1), not {}", a.replicas);
+    }
+    std::fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
+    if cluster_file(&a.dir).exists() {
+        let c = load(&a.dir)?;
+        if c.replicas.iter().any(|r| r.pid.is_some_and(alive)) {
+            bail!("a cluster is already running in {} (quiltfs cluster down {} first)", a.dir.display(), a.dir.display());
+        }
+        bail!("{} holds a cluster already: start its replicas with `quiltfs cluster start`, or remove the directory", a.dir.display());
+    }
+    let f = (a.replicas - 1) / 2;
+    let shape = VolumeShape {
+        volume: a.volume.clone(),
+        system: a.system,
+        f,
+        size: a.size,
+        block_size: 4096,
+        slice: 16 << 20,
+        reserve_slots: 16384,
+    };
+    let g = shape.geometry()?;
+    // A fresh secret from the OS.
+    let mut raw = [0u8; 24];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut raw))
+        .context("reading /dev/urandom")?;
+    let secret: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+    let secret_path = a.dir.join("secret");
+    std::fs::write(&secret_path, &secret)?;
+    std::fs::set_permissions(&secret_path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    let mut c = ClusterFile {
+        volume: a.volume.clone(),
+        replicas: (0..a.replicas)
+            .map(|id| ReplicaEntry {
+                id,
+                addr: format!("127.0.0.1:{}", a.port + id),
+                pid: None,
+            })
+            .collect(),
+    };
+    for id in 0..a.replicas {
+        let label = server::label_for(id, &a.volume, g, shape.reserve_slots, LogSizes::default());
+        server::format(&label, &a.dir.join(format!("r{id}.log")), &a.dir.join(format!("r{id}.data")))
+            .map_err(|e| anyhow!(e))?;
+    }
+    save(&a.dir, &c)?;
+    for id in 0..a.replicas {
+        let pid = spawn(&a.dir, &c, id)?;
+        c.replicas[id as usize].pid = Some(pid);
+        save(&a.dir, &c)?;
+    }
+    // Wait for a leader.
+    let t = Instant::now();
+    loop {
+        let st = statuses(&a.dir, &c)?;
+        if st.iter().any(|(_, s)| s.as_ref().is_some_and(|s| s.is_leader)) {
+            break;
+        }
+        if t.elapsed() > Duration::from_secs(20) {
+            bail!(
+                "the replicas started but elected no leader in 20 s; see {}/r*.out",
+                a.dir.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "quiltfs: volume {} up on {} replicas ({:?}, f={f}), {} MiB",
+        a.volume,
+        a.replicas,
+        g.system,
+        a.size >> 20
+    );
+    println!("{}", address(&a.dir, &c));
+    Ok(())
+}
