@@ -50,8 +50,12 @@ if [ "$(id -u)" = 0 ]; then
   tests/betrfs-programs.sh ./target/release/quiltfs
   # Clones with cp, cp --reflink (libquilt_preload.so) and quiltfs clone, by content.
   tests/betrfs-clone.sh ./target/release/quiltfs
+  # A replicated volume (Gnothi) as real processes with ext2 on it: replicas killed
+  # during a copy and while reading, a damaged data device, a full restart (the files
+  # and e2fsck of the exported volume as oracles).
+  tests/gnothi-cluster.sh ./target/release/quiltfs
 else
-  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/unmount.sh, tests/betrfs-space.sh, tests/deep-paths.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/bench-betrfs.sh, tests/bench-bark.sh, tests/kernel-parity-betrfs.sh, tests/betrfs-programs.sh and tests/betrfs-clone.sh (need root)" >&2
+  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/unmount.sh, tests/betrfs-space.sh, tests/deep-paths.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/bench-betrfs.sh, tests/bench-bark.sh, tests/kernel-parity-betrfs.sh, tests/betrfs-programs.sh, tests/betrfs-clone.sh and tests/gnothi-cluster.sh (need root)" >&2
 fi
 # Fuzzing smoke: every input a fuzzer ever crashed on, and random damage to each region
 # of a seed image (the coverage-guided hour-long runs are scripts/fuzz.sh's).

@@ -25,9 +25,9 @@ impl VolumeAddress {
     }
 
     pub fn parse(s: &str) -> Result<VolumeAddress, String> {
-        let rest = s
-            .strip_prefix("gnothi://")
-            .ok_or_else(|| format!("{s:?} is not a volume address (gnothi://HOST:PORT,…/VOLUME)"))?;
+        let rest = s.strip_prefix("gnothi://").ok_or_else(|| {
+            format!("{s:?} is not a volume address (gnothi://HOST:PORT,…/VOLUME)")
+        })?;
         let (rest, query) = match rest.split_once('?') {
             Some((r, q)) => (r, Some(q)),
             None => (rest, None),
@@ -35,12 +35,20 @@ impl VolumeAddress {
         let (hosts, volume) = rest
             .split_once('/')
             .ok_or_else(|| format!("{s:?} names no volume (gnothi://HOST:PORT,…/VOLUME)"))?;
-        let replicas: Vec<String> = hosts.split(',').filter(|h| !h.is_empty()).map(str::to_string).collect();
+        let replicas: Vec<String> = hosts
+            .split(',')
+            .filter(|h| !h.is_empty())
+            .map(str::to_string)
+            .collect();
         if replicas.is_empty() || volume.is_empty() {
-            return Err(format!("{s:?} needs at least one HOST:PORT and a volume name"));
+            return Err(format!(
+                "{s:?} needs at least one HOST:PORT and a volume name"
+            ));
         }
         for h in &replicas {
-            if h.rsplit_once(':').is_none_or(|(_, p)| p.parse::<u16>().is_err()) {
+            if h.rsplit_once(':')
+                .is_none_or(|(_, p)| p.parse::<u16>().is_err())
+            {
                 return Err(format!("{h:?} in {s:?} is not HOST:PORT"));
             }
         }
@@ -48,7 +56,11 @@ impl VolumeAddress {
         for kv in query.into_iter().flat_map(|q| q.split('&')) {
             match kv.split_once('=') {
                 Some(("secret-file", v)) => secret_file = Some(v.to_string()),
-                _ => return Err(format!("unknown option {kv:?} in {s:?} (known: secret-file=PATH)")),
+                _ => {
+                    return Err(format!(
+                        "unknown option {kv:?} in {s:?} (known: secret-file=PATH)"
+                    ))
+                }
             }
         }
         Ok(VolumeAddress {
@@ -66,7 +78,8 @@ impl VolumeAddress {
                 .map_err(|e| format!("reading the cluster secret {f}: {e}"));
         }
         std::env::var("QUILT_GNOTHI_SECRET").map_err(|_| {
-            "no cluster secret: add ?secret-file=PATH to the address or set QUILT_GNOTHI_SECRET".to_string()
+            "no cluster secret: add ?secret-file=PATH to the address or set QUILT_GNOTHI_SECRET"
+                .to_string()
         })
     }
 }
@@ -93,7 +106,13 @@ impl ReplicatedDevice {
         let what = format!("volume {address}");
         let a = VolumeAddress::parse(address).map_err(|e| unavailable(&what, e))?;
         let secret = a.secret().map_err(|e| unavailable(&what, e))?;
-        let peers: BTreeMap<u64, String> = a.replicas.iter().cloned().enumerate().map(|(i, h)| (i as u64, h)).collect();
+        let peers: BTreeMap<u64, String> = a
+            .replicas
+            .iter()
+            .cloned()
+            .enumerate()
+            .map(|(i, h)| (i as u64, h))
+            .collect();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -111,12 +130,19 @@ impl ReplicatedDevice {
             .map_err(|e| unavailable(&what, e))?;
         let status = rt
             .block_on(client.status(0))
-            .or_else(|_| (1..replicas).find_map(|r| rt.block_on(client.status(r)).ok()).ok_or(()))
+            .or_else(|_| {
+                (1..replicas)
+                    .find_map(|r| rt.block_on(client.status(r)).ok())
+                    .ok_or(())
+            })
             .map_err(|()| unavailable(&what, "no replica answered its status"))?;
         if status.volume != a.volume {
             return Err(unavailable(
                 &what,
-                format!("the replicas serve volume {:?}, not {:?}", status.volume, a.volume),
+                format!(
+                    "the replicas serve volume {:?}, not {:?}",
+                    status.volume, a.volume
+                ),
             ));
         }
         let g = *client.geometry();
@@ -206,7 +232,9 @@ mod tests {
 
     #[test]
     fn addresses_parse_and_bad_ones_say_why() {
-        let a = VolumeAddress::parse("gnothi://127.0.0.1:7000,10.0.0.2:7001/vol0?secret-file=/tmp/s").unwrap();
+        let a =
+            VolumeAddress::parse("gnothi://127.0.0.1:7000,10.0.0.2:7001/vol0?secret-file=/tmp/s")
+                .unwrap();
         assert_eq!(a.replicas, vec!["127.0.0.1:7000", "10.0.0.2:7001"]);
         assert_eq!(a.volume, "vol0");
         assert_eq!(a.secret_file.as_deref(), Some("/tmp/s"));

@@ -16,6 +16,7 @@
 pub mod client;
 mod codec;
 pub mod datalog;
+pub mod device;
 mod geometry;
 pub mod history;
 pub mod layout;
@@ -25,12 +26,11 @@ pub mod node;
 pub mod raftlog;
 pub mod replica;
 pub mod rpc;
-pub mod sim;
 pub mod server;
-pub mod transport;
-pub mod device;
+pub mod sim;
 pub mod store;
 mod table;
+pub mod transport;
 
 pub use geometry::{Geometry, GeometryError, ReplicaId, System};
 pub use table::{

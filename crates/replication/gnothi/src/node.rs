@@ -352,6 +352,7 @@ impl Node {
             applied: m.last_applied.map_or(0, |l| l.index),
             incomplete: g.incomplete() as u64,
             reserve_used: g.reserve_used(),
+            checksum_failures: g.checksum_failures(),
             data_log_used: used,
             data_log_blocks: ring,
             members: m.membership_config.membership().voter_ids().collect(),

@@ -97,6 +97,8 @@ pub struct Local {
     lost: BTreeMap<u64, Version>,
     /// Home or reserve writes since the last flush.
     unflushed: bool,
+    /// Held blocks whose data failed its checksum, since start.
+    checksum_failures: u64,
     /// Every entry up to this index has its data durable where this replica keeps
     /// it (kept as the data log's mark, written whenever the log drops a record: no
     /// record goes before the entries it served are covered).
@@ -150,6 +152,7 @@ impl Local {
             snapshot_seq: 0,
             lost: BTreeMap::new(),
             unflushed: false,
+            checksum_failures: 0,
             placed: 0,
             label,
             log_dev,
@@ -211,6 +214,10 @@ impl Local {
     /// version: Phase 2's work.
     pub fn incomplete(&self) -> usize {
         self.table.incomplete(self.id).count() + self.lost.len()
+    }
+
+    pub fn checksum_failures(&self) -> u64 {
+        self.checksum_failures
     }
 
     pub fn reserve_used(&self) -> u64 {
@@ -468,6 +475,7 @@ impl Local {
             "a held block fails its checksum: reading elsewhere, repairing"
         );
         self.lost.insert(block, m.version);
+        self.checksum_failures += 1;
         Ok(LocalRead::NotHere(others))
     }
 
@@ -536,7 +544,8 @@ impl Local {
                 seq: w.seq,
                 done_below: 0,
             };
-            let covered = self.sessions.applied(&session).is_some() || self.sessions.forgotten(&session);
+            let covered =
+                self.sessions.applied(&session).is_some() || self.sessions.forgotten(&session);
             if !covered {
                 continue;
             }

@@ -83,6 +83,8 @@ pub struct Status {
     /// Blocks of its preferred slices it lacks at the current version.
     pub incomplete: u64,
     pub reserve_used: u64,
+    /// Held blocks found damaged (checksum) since the replica started.
+    pub checksum_failures: u64,
     pub data_log_used: u64,
     pub data_log_blocks: u64,
     pub members: Vec<u64>,

@@ -31,7 +31,13 @@ impl Default for LogSizes {
 }
 
 /// The label a replica's log device gets.
-pub fn label_for(replica: ReplicaId, volume: &str, geometry: Geometry, reserve_slots: u64, sizes: LogSizes) -> Label {
+pub fn label_for(
+    replica: ReplicaId,
+    volume: &str,
+    geometry: Geometry,
+    reserve_slots: u64,
+    sizes: LogSizes,
+) -> Label {
     let bs = u64::from(geometry.block_size);
     // A snapshot is the table (at most ~24 bytes a block, postcard) and the sessions.
     let snap = (geometry.blocks * 24 + (1 << 20)).div_ceil(bs) + 1;
@@ -81,7 +87,9 @@ pub fn format(label: &Label, log: &Path, data: &Path) -> Result<(), String> {
             .write(b, &zero, quilt_block::WriteClass::Metadata)
             .map_err(|e| format!("{}: {e}", data.display()))?;
     }
-    data_dev.flush().map_err(|e| format!("{}: {e}", data.display()))?;
+    data_dev
+        .flush()
+        .map_err(|e| format!("{}: {e}", data.display()))?;
     Local::format(&log_dev, label).map_err(|e| format!("{}: {e}", log.display()))
 }
 
@@ -99,7 +107,10 @@ pub struct ServeOptions {
 }
 
 /// Runs a replica until `stop` resolves (the caller wires it to SIGTERM / ctrl-c).
-pub async fn run(opts: ServeOptions, stop: impl std::future::Future<Output = ()> + Send) -> Result<(), String> {
+pub async fn run(
+    opts: ServeOptions,
+    stop: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), String> {
     let probe = open_file(&opts.log, 512, 1)?;
     let mut b = vec![0u8; 512];
     probe.read(0, &mut b).map_err(|e| e.to_string())?;
@@ -113,14 +124,22 @@ pub async fn run(opts: ServeOptions, stop: impl std::future::Future<Output = ()>
         ));
     }
     let log_dev = open_file(&opts.log, bs, 1)?;
-    let label = Label::read(log_dev.as_ref()).map_err(|e| format!("{}: {e}", opts.log.display()))?;
+    let label =
+        Label::read(log_dev.as_ref()).map_err(|e| format!("{}: {e}", opts.log.display()))?;
     let data_blocks = DataStore::blocks_needed(&label.geometry, label.replica, label.reserve_slots);
     let data_dev = open_file(&opts.data, bs, data_blocks)?;
     if !opts.peers.contains_key(&u64::from(opts.id)) {
-        return Err(format!("the peers list does not name this replica ({})", opts.id));
+        return Err(format!(
+            "the peers list does not name this replica ({})",
+            opts.id
+        ));
     }
     let net = GrpcNet::new(opts.peers.clone(), &opts.secret)?;
-    let members: BTreeMap<u64, BasicNode> = opts.peers.iter().map(|(&id, a)| (id, BasicNode::new(a.clone()))).collect();
+    let members: BTreeMap<u64, BasicNode> = opts
+        .peers
+        .iter()
+        .map(|(&id, a)| (id, BasicNode::new(a.clone())))
+        .collect();
     let node = Node::start(opts.id, log_dev, data_dev, net, members, opts.config)
         .await
         .map_err(|e| e.to_string())?;

@@ -68,7 +68,8 @@ impl<T: Serialize> Encoder for PostcardEncoder<T> {
     type Error = Status;
 
     fn encode(&mut self, item: T, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        let bytes = postcard::to_stdvec(&item).map_err(|e| Status::internal(format!("encoding: {e}")))?;
+        let bytes =
+            postcard::to_stdvec(&item).map_err(|e| Status::internal(format!("encoding: {e}")))?;
         buf.put_slice(&bytes);
         Ok(())
     }
@@ -92,8 +93,13 @@ struct Service {
 
 #[tonic::async_trait]
 impl Replica for Service {
-    async fn call(&self, request: tonic::Request<Request>) -> Result<tonic::Response<Response>, Status> {
-        Ok(tonic::Response::new(self.node.handle(request.into_inner()).await))
+    async fn call(
+        &self,
+        request: tonic::Request<Request>,
+    ) -> Result<tonic::Response<Response>, Status> {
+        Ok(tonic::Response::new(
+            self.node.handle(request.into_inner()).await,
+        ))
     }
 }
 
@@ -121,7 +127,9 @@ pub async fn serve(
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
     tonic::transport::Server::builder()
-        .add_service(tonic::service::interceptor::InterceptedService::new(svc, check))
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            svc, check,
+        ))
         .serve_with_shutdown(listen, shutdown)
         .await
         .map_err(|e| format!("serving on {listen}: {e}"))

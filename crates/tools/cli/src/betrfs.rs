@@ -18,6 +18,21 @@ pub enum Format {
 
 /// Looks at the first 128 KiB: a Bε-tree header, or else (presumably) ext2.
 pub fn detect(image: &Path) -> Result<Format> {
+    if let Some(addr) = image.to_str().filter(|s| s.starts_with("gnothi://")) {
+        let dev = quilt_gnothi::device::ReplicatedDevice::connect(addr)
+            .with_context(|| format!("cannot reach the volume {addr}"))?;
+        let bs = dev.block_size();
+        let blocks = ((128usize << 10) / bs)
+            .max(1)
+            .min(dev.block_count() as usize);
+        let mut prefix = vec![0u8; blocks * bs];
+        dev.read_blocks(0, &mut prefix)
+            .context("reading the volume")?;
+        return Ok(match quilt_betree::probe_block_size(&prefix) {
+            Some(bs) => Format::Tree(bs),
+            None => Format::Ext2,
+        });
+    }
     let mut f =
         std::fs::File::open(image).with_context(|| format!("opening {}", image.display()))?;
     let mut prefix = vec![0u8; 128 << 10];

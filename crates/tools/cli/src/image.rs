@@ -281,6 +281,16 @@ pub fn is_block_device(path: &Path) -> bool {
 
 /// Reads the block size an ext2 image declares.
 pub fn probe_block_size(image: &Path) -> Result<usize> {
+    if let Some(addr) = image.to_str().filter(|s| s.starts_with("gnothi://")) {
+        // A volume's blocks are the size it was made with; the superblock must agree.
+        let dev = quilt_gnothi::device::ReplicatedDevice::connect(addr)
+            .with_context(|| format!("cannot reach the volume {addr}"))?;
+        let mut b = vec![0u8; dev.block_size()];
+        dev.read(0, &mut b)?;
+        let sb = Superblock::decode(&b[1024..2048])
+            .with_context(|| format!("{addr} holds no usable ext2 file system"))?;
+        return Ok(sb.block_size() as usize);
+    }
     let dev = FileDevice::open(
         image,
         FileDeviceOptions {

@@ -126,8 +126,16 @@ fn main() {
     // pile up (meta-journal PostMark peaked at 185-189 MiB with the 128 MiB cache, 159-
     // 169 MiB this way, no slower within the noise).
     set_allocator_purge_delay(0);
+    // Errors by default. openraft logs an error for every message to a replica that is
+    // down (each read's leadership check among them: thousands a minute while one
+    // replica is away); its failures that matter reach the replica as errors of its
+    // calls, which it reports itself. QUILTFS_LOG=openraft=warn shows them.
+    let filter = match std::env::var("QUILTFS_LOG") {
+        Ok(f) => tracing_subscriber::EnvFilter::new(f),
+        Err(_) => tracing_subscriber::EnvFilter::new("error,openraft=off"),
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("QUILTFS_LOG"))
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
     let argv: Vec<String> = std::env::args().collect();
@@ -155,6 +163,15 @@ fn main() {
         return;
     }
     let cli = Cli::parse();
+    // Processes that talk to replicas over TCP must not die of a peer that went away
+    // while a request was being written (the default disposition restored above is
+    // for output piped into `head`).
+    if matches!(cli.command, Command::Replica(_) | Command::Cluster(_))
+        || argv.iter().any(|a| a.starts_with("gnothi://"))
+    {
+        // SAFETY: setting a signal's disposition to ignore touches no memory of ours.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    }
     if let Err(e) = run(cli) {
         eprintln!("quiltfs: error: {e:#}");
         std::process::exit(1);

@@ -2,7 +2,7 @@
 
 use crate::image::parse_size;
 use anyhow::{bail, Context, Result};
-use quilt_block::{FileDevice, FileDeviceOptions};
+use quilt_block::{BlockDevice, FileDevice, FileDeviceOptions};
 use quilt_patch::{Engine, EngineOptions};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -60,6 +60,9 @@ pub fn run(a: MkfsArgs) -> Result<()> {
     if let Some(bytes) = asked {
         check_size(&a, bytes)?;
     }
+    if let Some(addr) = a.image.to_str().filter(|s| s.starts_with("gnothi://")) {
+        return format_volume(&a, addr, asked);
+    }
     let created = !a.image.exists();
     let target = crate::image::open_target(&a.image)?;
     let r = format(&a, target, asked);
@@ -68,6 +71,68 @@ pub fn run(a: MkfsArgs) -> Result<()> {
         let _ = std::fs::remove_file(&a.image);
     }
     r
+}
+
+/// mkfs on a replicated volume: the volume's size is the file system's.
+fn format_volume(a: &MkfsArgs, addr: &str, asked: Option<u64>) -> Result<()> {
+    let dev = quilt_gnothi::device::ReplicatedDevice::connect(addr)
+        .with_context(|| format!("cannot reach the volume {addr}"))?;
+    let bytes = dev.block_count() * dev.block_size() as u64;
+    if asked.is_some_and(|b| b != bytes) {
+        bail!("a file system on a volume fills it ({bytes} bytes): leave out --size");
+    }
+    if dev.block_size() != a.block_size as usize {
+        bail!(
+            "the volume has {}-byte blocks: give --block-size {}",
+            dev.block_size(),
+            dev.block_size()
+        );
+    }
+    check_size(a, bytes)?;
+    // What a volume already holds is not overwritten without --force.
+    let mut head = vec![0u8; dev.block_size()];
+    dev.read(0, &mut head).context("reading the volume")?;
+    let ext2 = head.len() > 1081 && head[1080] == 0x53 && head[1081] == 0xef;
+    if head.iter().any(|&b| b != 0) && !a.force {
+        bail!(
+            "{addr} already holds {}.\nquiltfs mkfs would destroy it; run it again with --force to overwrite it",
+            if ext2 { "an ext2 file system" } else { "data" }
+        );
+    }
+    let dev: Arc<dyn quilt_block::BlockDevice> = Arc::new(dev);
+    if a.fs == "betrfs" {
+        return crate::betrfs::mkfs(&a.image, dev);
+    }
+    let opts = quilt_ext2::MkfsOptions {
+        inodes: a.inodes,
+        label: a.label.clone(),
+        device_is_zeroed: false,
+        root_uid: 0,
+        root_gid: 0,
+    };
+    let (engine, sb) =
+        quilt_stack::mkfs_ext2(dev, EngineOptions::default(), &opts).context("mkfs failed")?;
+    let mut kind = "ext2".to_string();
+    if a.journal {
+        let blocks = bytes / a.block_size as u64;
+        let jblocks = match &a.journal_size {
+            Some(s) => parse_size(s)? / a.block_size as u64,
+            None => quilt_ext2::journal::default_journal_blocks(blocks) as u64,
+        };
+        quilt_stack::add_journal(engine, jblocks as u32, false).context("creating the journal")?;
+        kind = format!("ext3 (journal of {jblocks} blocks)");
+    } else {
+        drop(engine);
+    }
+    println!(
+        "{addr}: {kind}, {} blocks of {} bytes ({} MiB), {} inodes, {} groups",
+        sb.blocks_count,
+        sb.block_size(),
+        (sb.blocks_count as u64 * sb.block_size() as u64) >> 20,
+        sb.inodes_count,
+        sb.group_count()
+    );
+    Ok(())
 }
 
 /// Whether `bytes` makes a file system of the kind asked for.

@@ -178,6 +178,7 @@ pub use quilt_mountctl::runtime_paths;
 pub fn run(mut a: MountArgs) -> Result<()> {
     // Absolute paths: the server's command line and the mount table name the image and
     // the mount point, and messages about a busy image quote them.
+    let volume = a.image.to_str().is_some_and(|s| s.starts_with("gnothi://"));
     for p in [&mut a.image, &mut a.mountpoint] {
         if let Ok(c) = p.canonicalize() {
             *p = c;
@@ -186,6 +187,13 @@ pub fn run(mut a: MountArgs) -> Result<()> {
     let p = parse(&a)?;
     if !a.mountpoint.is_dir() {
         bail!("mount point {} is not a directory", a.mountpoint.display());
+    }
+    if volume {
+        // A replicated volume (quilt-stack connects to it).
+        if a.foreground {
+            return serve(&a, p);
+        }
+        return background(&a);
     }
     if !a.image.exists() {
         bail!(
@@ -390,11 +398,17 @@ fn serve_fs<F: Served>(
     let mut fuse = fuse_opts;
     // A block-device mount (the image's loop device, or the device itself), so that
     // sync(1) and syncfs(2) reach us and umount waits for the final write-back.
-    fuse.block = Some(if crate::image::is_block_device(&a.image) {
-        quilt_fuse::BlockTarget::Device(a.image.clone())
+    // A replicated volume has no file to put a loop device on: a plain FUSE mount
+    // (`quiltfs sync` or fsync make it durable; every write it passes down is already
+    // durable on f+1 replicas once written back).
+    let volume = a.image.to_str().is_some_and(|s| s.starts_with("gnothi://"));
+    fuse.block = if volume {
+        None
+    } else if crate::image::is_block_device(&a.image) {
+        Some(quilt_fuse::BlockTarget::Device(a.image.clone()))
     } else {
-        quilt_fuse::BlockTarget::File(a.image.clone())
-    });
+        Some(quilt_fuse::BlockTarget::File(a.image.clone()))
+    };
     fuse.block_size = fs.statfs().map(|s| s.block_size).unwrap_or(4096);
     let ready = move |kind: quilt_fuse::MountKind| {
         if kind != quilt_fuse::MountKind::Fuseblk {

@@ -67,8 +67,14 @@ pub struct VolumeShape {
 impl VolumeShape {
     fn geometry(&self) -> Result<Geometry> {
         let bs = u64::from(self.block_size);
-        Geometry::new(self.system.into(), self.f, self.block_size, self.size / bs, (self.slice / bs).max(1))
-            .map_err(|e| anyhow!("{e}"))
+        Geometry::new(
+            self.system.into(),
+            self.f,
+            self.block_size,
+            self.size / bs,
+            (self.slice / bs).max(1),
+        )
+        .map_err(|e| anyhow!("{e}"))
     }
 }
 
@@ -126,9 +132,19 @@ pub fn run_replica(c: ReplicaCommand) -> Result<()> {
         ReplicaCommand::Format(a) => {
             let g = a.shape.geometry()?;
             if a.id >= g.replicas() {
-                bail!("replica {} is not in a volume of {} replicas", a.id, g.replicas());
+                bail!(
+                    "replica {} is not in a volume of {} replicas",
+                    a.id,
+                    g.replicas()
+                );
             }
-            let label = server::label_for(a.id, &a.shape.volume, g, a.shape.reserve_slots, LogSizes::default());
+            let label = server::label_for(
+                a.id,
+                &a.shape.volume,
+                g,
+                a.shape.reserve_slots,
+                LogSizes::default(),
+            );
             server::format(&label, &a.log_dev, &a.data_dev).map_err(|e| anyhow!(e))?;
             eprintln!(
                 "quiltfs: replica {} of volume {} formatted ({} replicas, {} blocks of {} bytes)",
@@ -145,17 +161,27 @@ pub fn run_replica(c: ReplicaCommand) -> Result<()> {
 }
 
 fn read_secret(path: &Path) -> Result<String> {
-    let s = std::fs::read_to_string(path).with_context(|| format!("reading the cluster secret {}", path.display()))?;
+    let s = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the cluster secret {}", path.display()))?;
     let s = s.trim().to_string();
     if s.len() < 16 {
-        bail!("the cluster secret in {} is shorter than 16 characters", path.display());
+        bail!(
+            "the cluster secret in {} is shorter than 16 characters",
+            path.display()
+        );
     }
     Ok(s)
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
     let secret = read_secret(&a.secret_file)?;
-    let peers: BTreeMap<u64, String> = a.peers.iter().cloned().enumerate().map(|(i, p)| (i as u64, p)).collect();
+    let peers: BTreeMap<u64, String> = a
+        .peers
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(i, p)| (i as u64, p))
+        .collect();
     let opts = ServeOptions {
         id: a.id,
         listen: a.listen,
@@ -175,10 +201,11 @@ fn serve(a: ServeArgs) -> Result<()> {
         .context("starting the runtime")?;
     rt.block_on(async move {
         let stop = async {
-            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => return std::future::pending().await,
-            };
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(s) => s,
+                    Err(_) => return std::future::pending().await,
+                };
             tokio::select! {
                 _ = term.recv() => {}
                 _ = tokio::signal::ctrl_c() => {}
@@ -215,6 +242,12 @@ pub enum ClusterCommand {
     },
     /// Stop every replica.
     Down { dir: PathBuf },
+    /// Copy a volume's contents into an image file (for e2fsck, or a backup).
+    Export {
+        /// The volume's address (gnothi://…).
+        address: String,
+        file: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -255,7 +288,8 @@ fn cluster_file(dir: &Path) -> PathBuf {
 
 fn load(dir: &Path) -> Result<ClusterFile> {
     let f = cluster_file(dir);
-    let s = std::fs::read_to_string(&f).with_context(|| format!("no cluster in {} ({})", dir.display(), f.display()))?;
+    let s = std::fs::read_to_string(&f)
+        .with_context(|| format!("no cluster in {} ({})", dir.display(), f.display()))?;
     serde_json::from_str(&s).with_context(|| format!("{} is damaged", f.display()))
 }
 
@@ -308,8 +342,14 @@ fn spawn(dir: &Path, c: &ClusterFile, id: u16) -> Result<u32> {
 
 fn statuses(dir: &Path, c: &ClusterFile) -> Result<Vec<(u16, Option<quilt_gnothi::rpc::Status>)>> {
     let secret = read_secret(&dir.join("secret"))?;
-    let peers: BTreeMap<u64, String> = c.replicas.iter().map(|r| (u64::from(r.id), r.addr.clone())).collect();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let peers: BTreeMap<u64, String> = c
+        .replicas
+        .iter()
+        .map(|r| (u64::from(r.id), r.addr.clone()))
+        .collect();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         let net = GrpcNet::new(peers, &secret).map_err(|e| anyhow!(e))?;
         let mut out = Vec::new();
@@ -336,6 +376,7 @@ fn statuses(dir: &Path, c: &ClusterFile) -> Result<Vec<(u16, Option<quilt_gnothi
 pub fn run_cluster(c: ClusterCommand) -> Result<()> {
     match c {
         ClusterCommand::Up(a) => up(a),
+        ClusterCommand::Export { address, file } => export(&address, &file),
         ClusterCommand::Stop { dir, replica, kill } => {
             let mut c = load(&dir)?;
             let r = c
@@ -384,16 +425,24 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
                         Some(s) => serde_json::json!({
                             "replica": id, "up": true, "role": if s.is_leader { "leader" } else { "follower" },
                             "term": s.term, "log_index": s.last_log_index, "applied": s.applied,
-                            "incomplete": s.incomplete, "reserve_used": s.reserve_used,
+                            "incomplete": s.incomplete, "reserve_used": s.reserve_used, "checksum_failures": s.checksum_failures,
                             "data_log_used": s.data_log_used, "data_log_blocks": s.data_log_blocks,
                         }),
                         None => serde_json::json!({"replica": id, "up": false}),
                     })
                     .collect();
-                println!("{}", serde_json::to_string_pretty(&serde_json::json!({"volume": c.volume, "address": address(&dir, &c), "replicas": v}))?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(
+                        &serde_json::json!({"volume": c.volume, "address": address(&dir, &c), "replicas": v})
+                    )?
+                );
             } else {
                 println!("volume {}  {}", c.volume, address(&dir, &c));
-                println!("{:>7} {:>9} {:>6} {:>10} {:>10} {:>11} {:>9}", "replica", "role", "term", "log index", "applied", "incomplete", "reserve");
+                println!(
+                    "{:>7} {:>9} {:>6} {:>10} {:>10} {:>11} {:>9}",
+                    "replica", "role", "term", "log index", "applied", "incomplete", "reserve"
+                );
                 for (id, s) in st {
                     match s {
                         Some(s) => println!(
@@ -433,24 +482,59 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
     }
 }
 
+fn export(address: &str, file: &Path) -> Result<()> {
+    use quilt_block::BlockDevice;
+    use std::io::Write;
+    let dev = quilt_gnothi::device::ReplicatedDevice::connect(address)
+        .with_context(|| format!("cannot reach the volume {address}"))?;
+    let bs = dev.block_size();
+    let total = dev.block_count();
+    let per = ((1usize << 20) / bs).max(1) as u64;
+    let mut out = std::io::BufWriter::new(
+        std::fs::File::create(file).with_context(|| format!("creating {}", file.display()))?,
+    );
+    let mut buf = vec![0u8; per as usize * bs];
+    let mut b = 0;
+    while b < total {
+        let n = per.min(total - b);
+        let chunk = &mut buf[..n as usize * bs];
+        dev.read_blocks(b, chunk)
+            .with_context(|| format!("reading blocks {b}..{}", b + n))?;
+        out.write_all(chunk)?;
+        b += n;
+    }
+    out.flush()?;
+    eprintln!(
+        "quiltfs: {} MiB of {address} exported to {}",
+        (total * bs as u64) >> 20,
+        file.display()
+    );
+    Ok(())
+}
+
 /// Collects exited children of this process (a stop or down right after an up, in one
 /// process, would otherwise see zombies as alive).
 fn reap() {
     // SAFETY: waitpid with WNOHANG on any child; no memory is shared.
-    unsafe {
-        while libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) > 0 {}
-    }
+    unsafe { while libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) > 0 {} }
 }
 
 fn up(a: UpArgs) -> Result<()> {
     if a.replicas == 0 || a.replicas % 2 == 0 {
-        bail!("a volume has an odd number of replicas (2f+1), not {}", a.replicas);
+        bail!(
+            "a volume has an odd number of replicas (2f+1), not {}",
+            a.replicas
+        );
     }
     std::fs::create_dir_all(&a.dir).with_context(|| format!("creating {}", a.dir.display()))?;
     if cluster_file(&a.dir).exists() {
         let c = load(&a.dir)?;
         if c.replicas.iter().any(|r| r.pid.is_some_and(alive)) {
-            bail!("a cluster is already running in {} (quiltfs cluster down {} first)", a.dir.display(), a.dir.display());
+            bail!(
+                "a cluster is already running in {} (quiltfs cluster down {} first)",
+                a.dir.display(),
+                a.dir.display()
+            );
         }
         bail!("{} holds a cluster already: start its replicas with `quiltfs cluster start`, or remove the directory", a.dir.display());
     }
@@ -473,7 +557,10 @@ fn up(a: UpArgs) -> Result<()> {
     let secret: String = raw.iter().map(|b| format!("{b:02x}")).collect();
     let secret_path = a.dir.join("secret");
     std::fs::write(&secret_path, &secret)?;
-    std::fs::set_permissions(&secret_path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    std::fs::set_permissions(
+        &secret_path,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )?;
     let mut c = ClusterFile {
         volume: a.volume.clone(),
         replicas: (0..a.replicas)
@@ -486,8 +573,12 @@ fn up(a: UpArgs) -> Result<()> {
     };
     for id in 0..a.replicas {
         let label = server::label_for(id, &a.volume, g, shape.reserve_slots, LogSizes::default());
-        server::format(&label, &a.dir.join(format!("r{id}.log")), &a.dir.join(format!("r{id}.data")))
-            .map_err(|e| anyhow!(e))?;
+        server::format(
+            &label,
+            &a.dir.join(format!("r{id}.log")),
+            &a.dir.join(format!("r{id}.data")),
+        )
+        .map_err(|e| anyhow!(e))?;
     }
     save(&a.dir, &c)?;
     for id in 0..a.replicas {
@@ -499,7 +590,10 @@ fn up(a: UpArgs) -> Result<()> {
     let t = Instant::now();
     loop {
         let st = statuses(&a.dir, &c)?;
-        if st.iter().any(|(_, s)| s.as_ref().is_some_and(|s| s.is_leader)) {
+        if st
+            .iter()
+            .any(|(_, s)| s.as_ref().is_some_and(|s| s.is_leader))
+        {
             break;
         }
         if t.elapsed() > Duration::from_secs(20) {

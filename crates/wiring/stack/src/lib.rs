@@ -96,7 +96,9 @@ impl DeviceSpec {
     /// volume address (`gnothi://…`): every command that takes an image takes one.
     pub fn image(spec: ImageSpec) -> DeviceSpec {
         let source = match spec.path.to_str() {
-            Some(a) if quilt_gnothi::device::VolumeAddress::is_address(a) => Source::Volume(a.to_string()),
+            Some(a) if quilt_gnothi::device::VolumeAddress::is_address(a) => {
+                Source::Volume(a.to_string())
+            }
             _ => Source::Image(spec),
         };
         DeviceSpec {
@@ -154,7 +156,9 @@ pub fn device(spec: DeviceSpec) -> Result<Device, BlockError> {
         Source::Memory { block_size, blocks } => Arc::new(MemDevice::new(block_size, blocks)?),
         Source::Bytes { block_size, bytes } => Arc::new(MemDevice::from_bytes(block_size, &bytes)?),
         Source::Given(d) => d,
-        Source::Volume(address) => Arc::new(quilt_gnothi::device::ReplicatedDevice::connect(&address)?),
+        Source::Volume(address) => {
+            Arc::new(quilt_gnothi::device::ReplicatedDevice::connect(&address)?)
+        }
     };
     let mut recording = None;
     for layer in spec.layers {
