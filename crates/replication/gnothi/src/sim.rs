@@ -459,8 +459,15 @@ impl Cluster {
         if up.len() < usize::from(self.geometry.copies()) {
             return false;
         }
-        let applied: Vec<u64> = up.iter().map(|n| n.status().applied).collect();
-        if applied.iter().any(|&a| a != applied[0]) {
+        // Every up replica has applied all its log, and the same: an entry committed
+        // while others were down is in the log of one of these (a majority), and
+        // would otherwise be missed by a new leader that has not yet committed an
+        // entry of its own term.
+        let st: Vec<crate::rpc::Status> = up.iter().map(|n| n.status()).collect();
+        if st
+            .iter()
+            .any(|s| s.applied != st[0].applied || s.applied != s.last_log_index)
+        {
             return false;
         }
         let copies = u32::from(self.geometry.copies());
