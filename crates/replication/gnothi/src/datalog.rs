@@ -310,6 +310,16 @@ impl DataLog {
         self.trim_marked(lsn, self.mark)
     }
 
+    /// Raises the owner's mark and makes it durable now (a head write and a flush),
+    /// whether or not anything is trimmed.
+    pub fn set_mark(&mut self, mark: u64) -> Result<()> {
+        if mark > self.mark {
+            self.mark = mark;
+            self.write_head()?;
+        }
+        Ok(())
+    }
+
     /// The owner's mark, as the last head written says.
     pub fn mark(&self) -> u64 {
         self.mark

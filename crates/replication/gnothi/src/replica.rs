@@ -498,6 +498,13 @@ impl Local {
         {
             return Ok(false);
         }
+        // The block's home is about to hold data newer than any entry the data log may
+        // still replay: the placed mark must cover everything applied first, durably,
+        // or a restart would replay an older write's record over this repair.
+        if self.datalog.mark() < self.last_applied.map_or(0, |l| l.index) {
+            self.settle()?;
+            self.datalog.set_mark(self.placed)?;
+        }
         self.store.write_home(block, data)?;
         self.unflushed = true;
         Ok(true)
