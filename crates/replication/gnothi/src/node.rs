@@ -226,8 +226,9 @@ impl Node {
     }
 
     fn check_range(&self, first: u64, count: u32) -> Result<(), RpcError> {
-        let blocks = self.machine.lock().geometry().blocks;
-        let max = (MAX_DATA / self.machine.lock().geometry().block_size as usize) as u32;
+        let g = *self.machine.lock().geometry();
+        let blocks = g.blocks;
+        let max = (MAX_DATA / g.block_size as usize) as u32;
         if count == 0
             || count > max
             || first
@@ -302,14 +303,6 @@ impl Node {
         let mut g = self.machine.lock();
         let mut out = Vec::with_capacity(count as usize);
         for b in first..first + u64::from(count) {
-            tracing::trace!(
-                replica = self.id,
-                block = b,
-                read_index = index,
-                applied = g.last_applied().map_or(0, |l| l.index),
-                version = g.table().meta(b).map_or(0, |m| m.version),
-                "read"
-            );
             out.push(match g.read(b) {
                 Ok(LocalRead::Data(d)) => BlockAnswer::Data(d),
                 Ok(LocalRead::Zero) => BlockAnswer::Zero,

@@ -70,28 +70,14 @@ impl RaftLog {
     ) -> Result<RaftLog, RaftLogError> {
         let bs = dev.block_size();
         let ring = DataLog::format(dev, first, len)?;
-        Ok(RaftLog::from_inner(Inner {
-            ring,
-            bs,
-            entries: BTreeMap::new(),
-            vote: None,
-            committed: None,
-            purged: None,
-        }))
+        Ok(RaftLog::from_inner(Inner::empty(ring, bs)))
     }
 
     /// The log in `len` blocks from `first`, as its records left it.
     pub fn open(dev: Arc<dyn BlockDevice>, first: u64, len: u64) -> Result<RaftLog, RaftLogError> {
         let bs = dev.block_size();
         let (ring, records) = DataLog::open(dev, first, len)?;
-        let mut inner = Inner {
-            ring,
-            bs,
-            entries: BTreeMap::new(),
-            vote: None,
-            committed: None,
-            purged: None,
-        };
+        let mut inner = Inner::empty(ring, bs);
         for r in records {
             let (tag, index, len) = (r.write.client, r.write.seq, r.first as usize);
             let body = r.data.get(..len).ok_or_else(|| RaftLogError::Decode {
@@ -161,6 +147,17 @@ impl RaftLog {
 }
 
 impl Inner {
+    fn empty(ring: DataLog, bs: usize) -> Inner {
+        Inner {
+            ring,
+            bs,
+            entries: BTreeMap::new(),
+            vote: None,
+            committed: None,
+            purged: None,
+        }
+    }
+
     fn put(&mut self, tag: u64, index: u64, body: &[u8]) -> Result<u64, RaftLogError> {
         let blocks = body.len().div_ceil(self.bs).max(1);
         let mut data = vec![0u8; blocks * self.bs];

@@ -18,7 +18,7 @@ pub enum Format {
 
 /// Looks at the first 128 KiB: a Bε-tree header, or else (presumably) ext2.
 pub fn detect(image: &Path) -> Result<Format> {
-    if let Some(addr) = image.to_str().filter(|s| s.starts_with("gnothi://")) {
+    if let Some(addr) = crate::image::volume_address(image) {
         let dev = quilt_gnothi::device::ReplicatedDevice::connect(addr)
             .with_context(|| format!("cannot reach the volume {addr}"))?;
         let bs = dev.block_size();

@@ -280,8 +280,15 @@ pub fn is_block_device(path: &Path) -> bool {
 }
 
 /// Reads the block size an ext2 image declares.
+/// The replicated-volume address `image` is, if it is one (`gnothi://…`).
+pub fn volume_address(image: &Path) -> Option<&str> {
+    image
+        .to_str()
+        .filter(|s| quilt_gnothi::device::VolumeAddress::is_address(s))
+}
+
 pub fn probe_block_size(image: &Path) -> Result<usize> {
-    if let Some(addr) = image.to_str().filter(|s| s.starts_with("gnothi://")) {
+    if let Some(addr) = volume_address(image) {
         // A volume's blocks are the size it was made with; the superblock must agree.
         let dev = quilt_gnothi::device::ReplicatedDevice::connect(addr)
             .with_context(|| format!("cannot reach the volume {addr}"))?;

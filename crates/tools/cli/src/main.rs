@@ -167,7 +167,9 @@ fn main() {
     // while a request was being written (the default disposition restored above is
     // for output piped into `head`).
     if matches!(cli.command, Command::Replica(_) | Command::Cluster(_))
-        || argv.iter().any(|a| a.starts_with("gnothi://"))
+        || argv
+            .iter()
+            .any(|a| quilt_gnothi::device::VolumeAddress::is_address(a))
     {
         // SAFETY: setting a signal's disposition to ignore touches no memory of ours.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };

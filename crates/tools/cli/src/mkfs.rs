@@ -60,7 +60,7 @@ pub fn run(a: MkfsArgs) -> Result<()> {
     if let Some(bytes) = asked {
         check_size(&a, bytes)?;
     }
-    if let Some(addr) = a.image.to_str().filter(|s| s.starts_with("gnothi://")) {
+    if let Some(addr) = crate::image::volume_address(&a.image) {
         return format_volume(&a, addr, asked);
     }
     let created = !a.image.exists();

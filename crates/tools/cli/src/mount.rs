@@ -178,7 +178,7 @@ pub use quilt_mountctl::runtime_paths;
 pub fn run(mut a: MountArgs) -> Result<()> {
     // Absolute paths: the server's command line and the mount table name the image and
     // the mount point, and messages about a busy image quote them.
-    let volume = a.image.to_str().is_some_and(|s| s.starts_with("gnothi://"));
+    let volume = crate::image::volume_address(&a.image).is_some();
     for p in [&mut a.image, &mut a.mountpoint] {
         if let Ok(c) = p.canonicalize() {
             *p = c;
@@ -401,7 +401,7 @@ fn serve_fs<F: Served>(
     // A replicated volume has no file to put a loop device on: a plain FUSE mount
     // (`quiltfs sync` or fsync make it durable; every write it passes down is already
     // durable on f+1 replicas once written back).
-    let volume = a.image.to_str().is_some_and(|s| s.starts_with("gnothi://"));
+    let volume = crate::image::volume_address(&a.image).is_some();
     fuse.block = if volume {
         None
     } else if crate::image::is_block_device(&a.image) {
