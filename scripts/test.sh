@@ -3,70 +3,77 @@
 # fewer cases (set QUILT_PROPTEST_CASES to choose).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
-cargo fmt --all -- --check
-cargo clippy --workspace --all-targets --quiet -- -D warnings
+# Each step's wall time goes to stderr, so a slow CI run says where its time went.
+suite_start=$SECONDS
+step() {
+  local start=$SECONDS
+  "$@"
+  echo "test: [$((SECONDS - start)) s, $((SECONDS - suite_start)) s in all] $*" >&2
+}
+step scripts/setup.sh
+step cargo fmt --all -- --check
+step cargo clippy --workspace --all-targets --quiet -- -D warnings
 # The layer map: every crate's dependencies run down the stack (and the check fails on
 # planted wrong-way arrows).
-tests/layers.sh
+step tests/layers.sh
 # Unit, integration, property and doc tests. The FUSE tests (the model's sequence replayed
 # through a mount, privileges) need root and /dev/fuse: as root they must run, not skip.
 if [ "$(id -u)" = 0 ]; then export QUILT_REQUIRE_FUSE=1; fi
 export QUILT_REQUIRE_E2FSCK=1   # setup.sh installs e2fsprogs: the crash-state tests must run
-cargo test --workspace
+step cargo test --workspace
 # The kernel and e2fsck as oracles of the ext2 module, both directions (loop mounts need
 # root).
 if [ "$(id -u)" = 0 ]; then
-  tests/kernel-oracle.sh ./target/release/quiltfs
+  step tests/kernel-oracle.sh ./target/release/quiltfs
   # Errors reach the caller, nothing acknowledged is lost, one writer per image, mkfs
   # protects data (kernel ext2 loop mounts and e2fsck as oracles).
-  tests/no-silent-loss.sh ./target/release/quiltfs
+  step tests/no-silent-loss.sh ./target/release/quiltfs
   # When umount returns the image is free (no server, no loop device), and a final
   # write-back that failed makes umount fail (both modules).
-  tests/unmount.sh ./target/release/quiltfs
+  step tests/unmount.sh ./target/release/quiltfs
   # betrfs gives deleted space back, cycle after cycle, and df tells what fits.
-  tests/betrfs-space.sh ./target/release/quiltfs
+  step tests/betrfs-space.sh ./target/release/quiltfs
   # Paths of any length (30,000 bytes, reached relatively) and renames across every key
   # limit, the kernel's ext4 as the oracle.
-  tests/deep-paths.sh ./target/release/quiltfs
+  step tests/deep-paths.sh ./target/release/quiltfs
   # Parity with the kernel's ext2 driver, call by call (the kernel as the oracle).
-  tests/kernel-parity.sh ./target/release/quiltfs
+  step tests/kernel-parity.sh ./target/release/quiltfs
   # Several processes creating and renaming in one directory at once, over io_uring and
   # /dev/fuse (e2fsck and the kernel's view as oracles).
-  tests/concurrent.sh ./target/release/quiltfs
-  tests/journal-oracle.sh ./target/release/quiltfs
+  step tests/concurrent.sh ./target/release/quiltfs
+  step tests/journal-oracle.sh ./target/release/quiltfs
   # Patchgroups for programs: the C library and the LD_PRELOAD library on a mount.
-  tests/patchgroups.sh ./target/release
+  step tests/patchgroups.sh ./target/release
   # The Featherstitch benchmark suite, quick, on a few systems: outputs and cleanup
   # (timings are not checked: they come from the full run, never from here).
-  tests/bench-featherstitch.sh ./target/release/quiltfs
-  tests/bench-betrfs.sh ./target/release/quiltfs
+  step tests/bench-featherstitch.sh ./target/release/quiltfs
+  step tests/bench-betrfs.sh ./target/release/quiltfs
   # PostgreSQL pgbench with the log-skipping journal and kernel ext4's external journal
   # on the disk model (quick).
-  tests/bench-bark.sh ./target/release/quiltfs
+  step tests/bench-bark.sh ./target/release/quiltfs
   # betrfs: the kernel's ext2 driver as the oracle of its POSIX behaviour, and real
   # programs (tar, git, SQLite, Dovecot) on a mount, checked for their contents.
-  tests/kernel-parity-betrfs.sh ./target/release/quiltfs
-  tests/betrfs-programs.sh ./target/release/quiltfs
+  step tests/kernel-parity-betrfs.sh ./target/release/quiltfs
+  step tests/betrfs-programs.sh ./target/release/quiltfs
   # Clones with cp, cp --reflink (libquilt_preload.so) and quiltfs clone, by content.
-  tests/betrfs-clone.sh ./target/release/quiltfs
+  step tests/betrfs-clone.sh ./target/release/quiltfs
   # A replicated volume (Gnothi) as real processes with ext2 on it: replicas killed
   # during a copy and while reading, a damaged data device, a full restart (the files
   # and e2fsck of the exported volume as oracles).
-  tests/gnothi-cluster.sh ./target/release/quiltfs
+  step tests/gnothi-cluster.sh ./target/release/quiltfs
 else
   echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/unmount.sh, tests/betrfs-space.sh, tests/deep-paths.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/bench-betrfs.sh, tests/bench-bark.sh, tests/kernel-parity-betrfs.sh, tests/betrfs-programs.sh, tests/betrfs-clone.sh and tests/gnothi-cluster.sh (need root)" >&2
 fi
 # Fuzzing smoke: every input a fuzzer ever crashed on, and random damage to each region
 # of a seed image (the coverage-guided hour-long runs are scripts/fuzz.sh's).
-(cd fuzz && cargo test --release --quiet)
+step bash -c "cd fuzz && cargo test --release --quiet"
 # The crash explorer on every mode (e2fsck as the oracle; no root needed), on betrfs
 # (quiltfs fsck as the oracle) and on the Bε-tree.
-tests/crashtest.sh ./target/release/quiltfs
+step tests/crashtest.sh ./target/release/quiltfs
 # The key-value benchmark, as a smoke test (betree, redb, fjall; no RocksDB build).
-tests/bench-kv.sh
+step tests/bench-kv.sh
 # Each benchmark once, as a smoke test (timings come from `cargo bench`, never from here).
-cargo test --release -p quilt-patch --benches --quiet
+step cargo test --release -p quilt-patch --benches --quiet
 # The engine demo, small.
-./target/release/quiltfs demo --files 500 --image "${TMPDIR:-/tmp}/quiltfs-ci-demo.img" >/dev/null
+step ./target/release/quiltfs demo --files 500 --image "${TMPDIR:-/tmp}/quiltfs-ci-demo.img" >/dev/null
 echo "quiltfs: all checks passed"
