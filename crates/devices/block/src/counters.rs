@@ -13,7 +13,7 @@ pub struct IoCounters {
 }
 
 /// A snapshot of [`IoCounters`].
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct IoStats {
     pub reads: u64,
     pub writes: u64,

@@ -7,7 +7,7 @@ use crate::meta::{Outcome, Proposal, Session};
 use crate::net::{call_within, Net, NetError};
 use crate::rpc::{BlockAnswer, Request, Response, RpcError, Status, MAX_DATA};
 use crate::table::{Command, CommandError, Holders, Stored, WriteId};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,7 +33,7 @@ impl Default for ClientConfig {
         ClientConfig {
             rpc_timeout: Duration::from_secs(2),
             op_timeout: Duration::from_secs(10),
-            store_timeout: Duration::from_millis(500),
+            store_timeout: Duration::from_secs(2),
             unsafe_claim_copies: false,
         }
     }
@@ -65,7 +65,19 @@ pub struct Client {
     leader: AtomicU64,
     rotate: AtomicU64,
     config: ClientConfig,
+    /// Replicas that failed a store: passed over by writes until a probe finds them
+    /// answering again.
+    suspects: Arc<Mutex<HashMap<ReplicaId, Suspect>>>,
 }
+
+struct Suspect {
+    /// When to probe it next.
+    probe_at: Instant,
+    probing: bool,
+}
+
+/// How often a suspected replica is probed.
+const PROBE_EVERY: Duration = Duration::from_millis(500);
 
 impl Client {
     /// Connects to the volume on replicas `0..replicas`, learning its geometry from
@@ -91,6 +103,7 @@ impl Client {
                             leader: AtomicU64::new(s.leader.unwrap_or(r)),
                             rotate: AtomicU64::new(id),
                             config,
+                            suspects: Arc::new(Mutex::new(HashMap::new())),
                         })
                     }
                     Ok(other) => last = format!("replica {r}: {:?}", other.unexpected()),
@@ -102,6 +115,50 @@ impl Client {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Whether writes pass `r` over. A suspect is probed (a status request, in the
+    /// background) every [`PROBE_EVERY`]; it is trusted again once it answers.
+    fn suspected(&self, r: ReplicaId) -> bool {
+        let mut s = self.suspects.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(sus) = s.get_mut(&r) else {
+            return false;
+        };
+        if !sus.probing && Instant::now() >= sus.probe_at {
+            sus.probing = true;
+            let (net, suspects, timeout) = (
+                self.net.clone(),
+                self.suspects.clone(),
+                self.config.rpc_timeout,
+            );
+            tokio::spawn(async move {
+                let up = matches!(
+                    call_within(net.as_ref(), u64::from(r), Request::Status, timeout).await,
+                    Ok(Response::Status(_))
+                );
+                let mut s = suspects.lock().unwrap_or_else(|p| p.into_inner());
+                if up {
+                    s.remove(&r);
+                } else if let Some(sus) = s.get_mut(&r) {
+                    sus.probing = false;
+                    sus.probe_at = Instant::now() + PROBE_EVERY;
+                }
+            });
+        }
+        true
+    }
+
+    fn suspect(&self, r: ReplicaId) {
+        let mut s = self.suspects.lock().unwrap_or_else(|p| p.into_inner());
+        s.entry(r).or_insert(Suspect {
+            probe_at: Instant::now() + PROBE_EVERY,
+            probing: false,
+        });
+    }
+
+    fn trust(&self, r: ReplicaId) {
+        let mut s = self.suspects.lock().unwrap_or_else(|p| p.into_inner());
+        s.remove(&r);
     }
 
     pub fn geometry(&self) -> &Geometry {
@@ -264,12 +321,23 @@ impl Client {
                 }
             }
         }
-        let mut stored: Vec<Stored> = futures::future::join_all(preferred.iter().map(|&r| put(r)))
-            .await
-            .into_iter()
-            .filter(|&(_, ok)| ok)
-            .map(|(r, _)| Stored::Home(r))
+        // Every preferred replica not suspected gets the data, and is waited for (each
+        // bounded by the store timeout): G′ writes every copy, as Gaios does. One that
+        // fails or times out is suspected for a while, so the writes after it go
+        // straight to reserve stand-ins instead of each waiting the timeout out.
+        let live: Vec<ReplicaId> = preferred
+            .iter()
+            .copied()
+            .filter(|&r| !self.suspected(r))
             .collect();
+        let mut stored: Vec<Stored> = Vec::new();
+        for (r, ok) in futures::future::join_all(live.iter().map(|&r| put(r))).await {
+            if ok {
+                stored.push(Stored::Home(r));
+            } else {
+                self.suspect(r);
+            }
+        }
         if stored.len() >= need {
             return Ok(stored);
         }
@@ -278,8 +346,12 @@ impl Client {
                 .filter(|r| !preferred.contains(r) && !stored.iter().any(|s| s.replica() == *r))
                 .collect();
             let missing = need - stored.len();
+            let others: Vec<ReplicaId> =
+                others.into_iter().filter(|&r| !self.suspected(r)).collect();
             for (r, ok) in futures::future::join_all(others.into_iter().map(put)).await {
-                if ok && stored.len() < need {
+                if !ok {
+                    self.suspect(r);
+                } else if stored.len() < need {
                     stored.push(Stored::Reserve(r));
                 }
             }
@@ -297,6 +369,7 @@ impl Client {
             .await
             {
                 if ok {
+                    self.trust(r);
                     stored.push(Stored::Home(r));
                 }
             }

@@ -17,8 +17,8 @@ openraft::declare_raft_types!(
     /// Gnothi's Raft: metadata proposals in, their outcome out; nodes are replica ids,
     /// addressed by a `host:port` string.
     pub Meta:
-        D = Proposal,
-        R = Outcome,
+        D = Batch,
+        R = Vec<Outcome>,
         NodeId = u64,
         Node = BasicNode,
         SnapshotData = Cursor<Vec<u8>>,
@@ -41,7 +41,15 @@ pub struct Session {
     pub done_below: u64,
 }
 
-/// One entry of the agreement log.
+/// One entry of the agreement log: proposals the leader batched (the paper's write
+/// batch), applied in order, each with its own outcome. A block's version is the index
+/// of the entry that wrote it, so the leader puts only writes to disjoint blocks in one
+/// batch (a second write to a block in the same entry would be refused as stale, the
+/// same way on every replica).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Batch(pub Vec<Proposal>);
+
+/// One proposal: a table command, with the client session of a write.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Proposal {
     pub session: Option<Session>,

@@ -3,7 +3,7 @@
 //! the volume whole (reporting lost blocks, Phase 2 fetches, reserve reclaim).
 
 use crate::geometry::ReplicaId;
-use crate::meta::{Outcome, Proposal, Raft};
+use crate::meta::{Batch, Outcome, Proposal, Raft};
 use crate::net::{call_within, Net, RaftNet};
 use crate::replica::{LocalRead, Machine, ReplicaError};
 use crate::rpc::{BlockAnswer, Request, Response, RpcError, Status, MAX_DATA};
@@ -31,6 +31,14 @@ pub struct NodeConfig {
     /// Phase 2: one fetch of at most `fetch_bytes` every `recovery_interval`.
     pub recovery_interval: Duration,
     pub fetch_bytes: u64,
+    /// Client proposals put in one log entry, at most (the paper's write batch: 10).
+    pub write_batch: usize,
+    /// Writes' data staged with one sync of the log device, at most (group commit).
+    pub stage_batch: usize,
+    /// Batches of proposals the leader has in agreement at once.
+    pub batches_in_flight: usize,
+    /// How often placed data is written back (a flush of the data device).
+    pub write_back_every: Duration,
 }
 
 impl Default for NodeConfig {
@@ -45,6 +53,10 @@ impl Default for NodeConfig {
             read_wait: Duration::from_secs(2),
             recovery_interval: Duration::from_millis(10),
             fetch_bytes: 16 << 20,
+            write_batch: 10,
+            stage_batch: 64,
+            batches_in_flight: 8,
+            write_back_every: Duration::from_millis(20),
         }
     }
 }
@@ -65,6 +77,200 @@ pub struct Node {
     net: Arc<dyn Net>,
     config: NodeConfig,
     tasks: Mutex<Vec<JoinHandle<()>>>,
+    stager: tokio::sync::mpsc::UnboundedSender<StageJob>,
+    proposer: tokio::sync::mpsc::UnboundedSender<ProposeJob>,
+}
+
+/// A proposal waiting for a batch, and where its answer goes.
+struct ProposeJob {
+    proposal: Proposal,
+    done: tokio::sync::oneshot::Sender<Response>,
+}
+
+impl ProposeJob {
+    /// The blocks a write names (none for other commands, which go alone).
+    fn write_range(&self) -> Option<std::ops::Range<u64>> {
+        match &self.proposal.command {
+            Command::Write {
+                first, checksums, ..
+            } => Some(*first..first.saturating_add(checksums.len() as u64)),
+            _ => None,
+        }
+    }
+}
+
+fn raft_error(
+    e: openraft::error::RaftError<u64, openraft::error::ClientWriteError<u64, BasicNode>>,
+) -> RpcError {
+    match e.forward_to_leader::<BasicNode>() {
+        Some(f) => RpcError::NotLeader {
+            leader: f.leader_id,
+        },
+        None => RpcError::Unavailable(e.to_string()),
+    }
+}
+
+/// Puts waiting proposals into log entries: up to `batch` writes to disjoint blocks
+/// each (a write that overlaps one already in the batch waits for the next), with at
+/// most `in_flight` entries in agreement at once, so that under load batches fill
+/// while earlier ones commit.
+async fn proposer(
+    raft: Raft,
+    mut jobs: tokio::sync::mpsc::UnboundedReceiver<ProposeJob>,
+    batch: usize,
+    in_flight: usize,
+) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(in_flight.max(1)));
+    let mut held: Option<ProposeJob> = None;
+    loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let first = match held.take() {
+            Some(j) => j,
+            None => match jobs.recv().await {
+                Some(j) => j,
+                None => return,
+            },
+        };
+        let mut ranges: Vec<std::ops::Range<u64>> = Vec::new();
+        let alone = match first.write_range() {
+            Some(r) => {
+                ranges.push(r);
+                false
+            }
+            None => true,
+        };
+        let mut group = vec![first];
+        while !alone && group.len() < batch.max(1) {
+            let Ok(j) = jobs.try_recv() else { break };
+            match j.write_range() {
+                Some(r) if ranges.iter().all(|o| r.end <= o.start || o.end <= r.start) => {
+                    ranges.push(r);
+                    group.push(j);
+                }
+                _ => {
+                    held = Some(j);
+                    break;
+                }
+            }
+        }
+        let raft = raft.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let (proposals, answers): (Vec<Proposal>, Vec<_>) =
+                group.into_iter().map(|j| (j.proposal, j.done)).unzip();
+            let n = proposals.len();
+            match raft.client_write(Batch(proposals)).await {
+                Ok(r) if r.data.len() == n => {
+                    for (done, o) in answers.into_iter().zip(r.data) {
+                        let _ = done.send(Response::Proposed(o));
+                    }
+                }
+                Ok(r) => {
+                    let why = format!("{} outcomes for a batch of {n}", r.data.len());
+                    for done in answers {
+                        let _ = done.send(Response::Error(RpcError::Failed(why.clone())));
+                    }
+                }
+                Err(e) => {
+                    let e = raft_error(e);
+                    for done in answers {
+                        let _ = done.send(Response::Error(e.clone()));
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Writes placed data back: every `every`, a flush of the data device (outside the
+/// replica's lock, so applies and reads go on meanwhile), then the placed mark moves.
+async fn flusher(machine: Machine, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        let m = machine.clone();
+        let done = tokio::task::spawn_blocking(move || {
+            let mut g = m.lock();
+            let Some(wb) = g.write_back_begin() else {
+                return Ok(());
+            };
+            // The device's order is taken before the replica's lock goes: a settle
+            // that comes meanwhile waits for this batch before writing newer data.
+            let order = wb.batch.device_order.clone();
+            let written = {
+                let _order = order.lock().unwrap_or_else(|p| p.into_inner());
+                drop(g);
+                wb.batch.write_out().map_err(|e| e.to_string())
+            };
+            m.lock().write_back_done(wb, written)
+        })
+        .await;
+        if let Ok(Err(e)) = done {
+            tracing::warn!(error = %e, "writing placed data back failed");
+        }
+    }
+}
+
+/// One write's data waiting for the stager, and where its answer goes.
+struct StageJob {
+    write: crate::table::WriteId,
+    first: u64,
+    data: Vec<u8>,
+    done: tokio::sync::oneshot::Sender<Result<(), ReplicaError>>,
+}
+
+/// Stages the writes that wait, up to `batch` at a time, each batch with one sync of
+/// the log device (group commit), off the runtime's workers.
+async fn stager(
+    machine: Machine,
+    mut jobs: tokio::sync::mpsc::UnboundedReceiver<StageJob>,
+    batch: usize,
+) {
+    while let Some(first) = jobs.recv().await {
+        let mut group = vec![first];
+        while group.len() < batch.max(1) {
+            match jobs.try_recv() {
+                Ok(j) => group.push(j),
+                Err(_) => break,
+            }
+        }
+        let (writes, answers): (Vec<_>, Vec<_>) = group
+            .into_iter()
+            .map(|j| ((j.write, j.first, j.data), j.done))
+            .unzip();
+        let m = machine.clone();
+        let staged = tokio::task::spawn_blocking(move || {
+            // Appended under the lock, synced outside it: applies and reads go on
+            // while the log device syncs.
+            let (results, dev) = {
+                let mut g = m.lock();
+                (g.append_staged(writes).0, g.log_device())
+            };
+            let synced = if results.iter().any(Result::is_ok) {
+                dev.flush().map_err(|e| e.to_string())
+            } else {
+                Ok(())
+            };
+            (results, synced)
+        })
+        .await;
+        match staged {
+            Ok((results, Ok(()))) => {
+                for (done, r) in answers.into_iter().zip(results) {
+                    let _ = done.send(r);
+                }
+            }
+            Ok((_, Err(why))) => {
+                for done in answers {
+                    let _ = done.send(Err(ReplicaError::Sync(why.clone())));
+                }
+            }
+            // The blocking task panicked or was cancelled: the senders drop, and each
+            // waiting request answers that staging failed.
+            Err(_) => {}
+        }
+    }
 }
 
 impl Node {
@@ -113,6 +319,16 @@ impl Node {
                 tracing::debug!(replica = id, error = %e, "initialize");
             }
         }
+        let (jobs, queue) = tokio::sync::mpsc::unbounded_channel();
+        let staging = tokio::spawn(stager(machine.clone(), queue, config.stage_batch));
+        let writing_back = tokio::spawn(flusher(machine.clone(), config.write_back_every));
+        let (proposals, waiting) = tokio::sync::mpsc::unbounded_channel();
+        let proposing = tokio::spawn(proposer(
+            raft.clone(),
+            waiting,
+            config.write_batch,
+            config.batches_in_flight,
+        ));
         let node = Arc::new(Node {
             id,
             raft,
@@ -120,12 +336,14 @@ impl Node {
             net,
             config,
             tasks: Mutex::new(Vec::new()),
+            stager: jobs,
+            proposer: proposals,
         });
         let bg = tokio::spawn(Node::background(Arc::downgrade(&node)));
         node.tasks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push(bg);
+            .extend([bg, staging, proposing, writing_back]);
         Ok(node)
     }
 
@@ -186,7 +404,22 @@ impl Node {
                         data.len()
                     )));
                 }
-                match self.machine.lock().stage(write, first, data) {
+                let (done, answer) = tokio::sync::oneshot::channel();
+                let job = StageJob {
+                    write,
+                    first,
+                    data,
+                    done,
+                };
+                if self.stager.send(job).is_err() {
+                    return Response::Error(RpcError::Unavailable(
+                        "the replica is stopping".into(),
+                    ));
+                }
+                let Ok(staged) = answer.await else {
+                    return Response::Error(RpcError::Failed("staging the data failed".into()));
+                };
+                match staged {
                     Ok(()) => Response::Stored,
                     Err(e @ (ReplicaError::OutOfRange { .. } | ReplicaError::Unaligned { .. })) => {
                         Response::Error(RpcError::BadRequest(e.to_string()))
@@ -211,18 +444,14 @@ impl Node {
     }
 
     async fn propose(&self, p: Proposal) -> Response {
-        match self.raft.client_write(p).await {
-            Ok(r) => {
-                tracing::trace!(replica = self.id, log_id = %r.log_id, outcome = ?r.data, "proposed");
-                Response::Proposed(r.data)
-            }
-            Err(e) => Response::Error(match e.forward_to_leader::<BasicNode>() {
-                Some(f) => RpcError::NotLeader {
-                    leader: f.leader_id,
-                },
-                None => RpcError::Unavailable(e.to_string()),
-            }),
+        let (done, answer) = tokio::sync::oneshot::channel();
+        let job = ProposeJob { proposal: p, done };
+        if self.proposer.send(job).is_err() {
+            return Response::Error(RpcError::Unavailable("the replica is stopping".into()));
         }
+        answer.await.unwrap_or_else(|_| {
+            Response::Error(RpcError::Unavailable("the replica is stopping".into()))
+        })
     }
 
     fn check_range(&self, first: u64, count: u32) -> Result<(), RpcError> {
@@ -300,17 +529,22 @@ impl Node {
                 "not caught up to the read index {index}: {e}"
             )));
         }
-        let mut g = self.machine.lock();
-        let mut out = Vec::with_capacity(count as usize);
-        for b in first..first + u64::from(count) {
-            out.push(match g.read(b) {
-                Ok(LocalRead::Data(d)) => BlockAnswer::Data(d),
-                Ok(LocalRead::Zero) => BlockAnswer::Zero,
-                Ok(LocalRead::NotHere(h)) => BlockAnswer::NotHere(h),
-                Err(e) => return Response::Error(RpcError::Failed(e.to_string())),
-            });
-        }
-        Response::Blocks(out)
+        let machine = self.machine.clone();
+        let read = tokio::task::spawn_blocking(move || {
+            let mut g = machine.lock();
+            let mut out = Vec::with_capacity(count as usize);
+            for b in first..first + u64::from(count) {
+                out.push(match g.read(b) {
+                    Ok(LocalRead::Data(d)) => BlockAnswer::Data(d),
+                    Ok(LocalRead::Zero) => BlockAnswer::Zero,
+                    Ok(LocalRead::NotHere(h)) => BlockAnswer::NotHere(h),
+                    Err(e) => return Response::Error(RpcError::Failed(e.to_string())),
+                });
+            }
+            Response::Blocks(out)
+        });
+        read.await
+            .unwrap_or_else(|e| Response::Error(RpcError::Failed(e.to_string())))
     }
 
     fn fetch(&self, first: u64, count: u32) -> Response {
@@ -349,6 +583,8 @@ impl Node {
             data_log_used: used,
             data_log_blocks: ring,
             members: m.membership_config.membership().voter_ids().collect(),
+            log_io: g.log_io(),
+            data_io: g.data_io(),
         }
     }
 
@@ -419,6 +655,18 @@ impl Node {
                 blocks: Some(lost),
             })
             .await;
+        }
+        let late = self.machine.lock().take_late();
+        match late {
+            Ok(blocks) if !blocks.is_empty() => {
+                self.propose_anywhere(Command::Repaired {
+                    replica: self.id,
+                    blocks,
+                })
+                .await;
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(replica = self.id, error = %e, "settling late copies failed"),
         }
         self.phase2().await;
         let is_leader = self.raft.metrics().borrow().current_leader == Some(u64::from(self.id));

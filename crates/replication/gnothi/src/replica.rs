@@ -28,6 +28,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Cursor;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+/// A write-back under way: see [`Local::write_back_begin`].
+pub struct WriteBack {
+    applied: Version,
+    pub batch: crate::store::Batch,
+}
+
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ReplicaError {
@@ -47,6 +53,8 @@ pub enum ReplicaError {
     OutOfRange { block: u64, blocks: u64 },
     #[error("data of {len} bytes is not a whole number of {block_size}-byte blocks")]
     Unaligned { len: usize, block_size: usize },
+    #[error("the data log's sync failed: {0}")]
+    Sync(String),
 }
 
 /// What a replica keeps in a snapshot: the replicated state as of `last_applied`.
@@ -97,6 +105,8 @@ pub struct Local {
     lost: BTreeMap<u64, Version>,
     /// Home or reserve writes since the last flush.
     unflushed: bool,
+    /// Blocks placed from copies stored too late to be named, not yet reported.
+    late: Vec<(u64, Version)>,
     /// Held blocks whose data failed its checksum, since start.
     checksum_failures: u64,
     /// Every entry up to this index has its data durable where this replica keeps
@@ -152,6 +162,7 @@ impl Local {
             snapshot_seq: 0,
             lost: BTreeMap::new(),
             unflushed: false,
+            late: Vec::new(),
             checksum_failures: 0,
             placed: 0,
             label,
@@ -224,6 +235,14 @@ impl Local {
         self.store.reserve_used()
     }
 
+    pub fn log_io(&self) -> quilt_block::IoStats {
+        self.log_dev.stats()
+    }
+
+    pub fn data_io(&self) -> quilt_block::IoStats {
+        self.store.io()
+    }
+
     pub fn data_log_usage(&self) -> (u64, u64) {
         (self.datalog.used(), self.datalog.ring_blocks())
     }
@@ -231,17 +250,48 @@ impl Local {
     /// Makes `data` (whole blocks from `first`) durable in the data log under `write`,
     /// before this replica answers `Stored`.
     pub fn stage(&mut self, write: WriteId, first: u64, data: Vec<u8>) -> Result<(), ReplicaError> {
-        self.check_range(first, data.len())?;
-        if self.staged.contains_key(&write) {
-            // A retried send of the same write: durable already.
-            return Ok(());
+        let (mut out, appended) = self.append_staged(vec![(write, first, data)]);
+        if appended {
+            self.datalog.sync()?;
         }
-        self.make_room(&data)?;
-        let lsn = self.datalog.append(write, first, &data)?;
-        self.datalog.sync()?;
-        self.staged_lsns.insert(lsn, write);
-        self.staged.insert(write, StagedData { lsn, first, data });
-        Ok(())
+        out.pop().unwrap_or(Ok(()))
+    }
+
+    /// Appends several writes' data to the data log, not yet synced: the caller syncs
+    /// the log device ([`Local::log_device`]) once for them all (group commit), outside
+    /// this replica's lock, and answers none `Stored` before that sync. They are
+    /// staged at once: no proposal names a replica before it answered `Stored`, so
+    /// nothing applies them before the sync, and a settle never trims them. Returns
+    /// each write's answer, and whether anything was appended (needs the sync).
+    pub fn append_staged(
+        &mut self,
+        writes: Vec<(WriteId, u64, Vec<u8>)>,
+    ) -> (Vec<Result<(), ReplicaError>>, bool) {
+        let mut out = Vec::with_capacity(writes.len());
+        let mut appended = Vec::new();
+        for (write, first, data) in writes {
+            let r = self.check_range(first, data.len()).and_then(|()| {
+                if self.staged.contains_key(&write) {
+                    // A retried send of the same write: durable already, or with this
+                    // batch's sync (or an earlier batch's, still under way: the retry
+                    // is answered after this batch's sync, which covers it too).
+                    return Ok(());
+                }
+                self.make_room(&data)?;
+                let lsn = self.datalog.append(write, first, &data)?;
+                appended.push(write);
+                self.staged_lsns.insert(lsn, write);
+                self.staged.insert(write, StagedData { lsn, first, data });
+                Ok(())
+            });
+            out.push(r);
+        }
+        (out, !appended.is_empty())
+    }
+
+    /// The log device, for syncing staged data outside the lock.
+    pub fn log_device(&self) -> Arc<dyn BlockDevice> {
+        self.log_dev.clone()
     }
 
     /// When the data log has no room, lets go of the oldest records of writes that
@@ -252,7 +302,11 @@ impl Local {
         let bs = self.geometry().block_size as usize;
         let need = (data.len() / bs) as u64 + 1;
         let ring = self.datalog.ring_blocks();
-        // Twice the record, for a wrap's waste.
+        // Twice the record, for a wrap's waste. Records of placed writes go first
+        // (a settle makes their copies durable and trims them).
+        if self.datalog.used() + 2 * need > ring {
+            self.settle()?;
+        }
         while self.datalog.used() + 2 * need > ring {
             let Some((&lsn, &write)) = self.staged_lsns.iter().next() else {
                 break;
@@ -329,14 +383,7 @@ impl Local {
                 let mine = stored.iter().find(|s| s.replica() == self.id).copied();
                 match mine {
                     Some(s) => self.place(index, *write, *first, checksums, s),
-                    None => {
-                        // Not ours (or stored too late to be named): the blocks are
-                        // INCOMPLETE here if preferred.
-                        self.staged_remove(write);
-                        for i in 0..checksums.len() as u64 {
-                            self.lost.remove(&(first + i));
-                        }
-                    }
+                    None => self.place_late(index, *write, *first, checksums),
                 }
             }
             Command::Lost { replica, blocks } if *replica == self.id => match blocks {
@@ -350,6 +397,52 @@ impl Local {
             Command::Repaired { .. } | Command::Reclaim { .. } | Command::Lost { .. } => {}
         }
         Outcome::Applied(index)
+    }
+
+    /// A write that does not name this replica: its blocks are INCOMPLETE here if
+    /// preferred. But the data may have arrived after the client stopped waiting (G′'s
+    /// slowest copy, a slow preferred replica): if it is staged and matches, it goes
+    /// home now, as this entry's placement (a replay does the same), and the blocks
+    /// wait in `late` to be reported `Repaired` once durable, sparing a Phase 2 fetch.
+    fn place_late(&mut self, index: Version, write: WriteId, first: u64, checksums: &[u32]) {
+        let g = *self.geometry();
+        let bs = g.block_size as usize;
+        let staged = self.staged.remove(&write);
+        if let Some(st) = &staged {
+            self.staged_lsns.remove(&st.lsn);
+        }
+        for (i, &checksum) in checksums.iter().enumerate() {
+            let block = first + i as u64;
+            self.lost.remove(&block);
+            if !g.prefers(self.id, g.slice_of(block)) {
+                continue;
+            }
+            let data = staged
+                .as_ref()
+                .filter(|st| st.first == first)
+                .and_then(|st| st.data.get(i * bs..(i + 1) * bs))
+                .filter(|d| block_crc(d) == checksum);
+            if let Some(d) = data {
+                match self.store.write_home(block, d) {
+                    Ok(()) => {
+                        self.unflushed = true;
+                        self.late.push((block, index));
+                    }
+                    Err(e) => {
+                        tracing::warn!(replica = self.id, block, error = %e, "placing a late copy failed")
+                    }
+                }
+            }
+        }
+    }
+
+    /// Blocks placed from late copies, made durable: to report `Repaired`.
+    pub fn take_late(&mut self) -> Result<Vec<(u64, Version)>, ReplicaError> {
+        if self.late.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.settle()?;
+        Ok(std::mem::take(&mut self.late))
     }
 
     fn drop_staged_of(&mut self, c: &Command) {
@@ -370,6 +463,23 @@ impl Local {
         let staged = self.staged.remove(&write);
         if let Some(st) = &staged {
             self.staged_lsns.remove(&st.lsn);
+        }
+        // The usual case, all of it staged and intact, goes home in one request per run.
+        if let (Some(st), Stored::Home(_)) = (&staged, s) {
+            let whole = st.first == first
+                && st.data.len() == checksums.len() * bs
+                && st
+                    .data
+                    .chunks(bs)
+                    .zip(checksums)
+                    .all(|(d, &c)| block_crc(d) == c);
+            if whole && self.store.write_home_run(first, &st.data).is_ok() {
+                for b in first..first + checksums.len() as u64 {
+                    self.lost.remove(&b);
+                }
+                self.unflushed = true;
+                return;
+            }
         }
         for (i, &checksum) in checksums.iter().enumerate() {
             let block = first + i as u64;
@@ -427,6 +537,41 @@ impl Local {
                 Ok(Some(r)) if r.version == version && block_crc(&buf) == checksum
             ),
         }
+    }
+
+    /// Write-back of placed data, begun: what a data-device flush started now makes
+    /// durable (everything applied so far), or `None` if nothing waits. The flush runs
+    /// outside this replica's lock (the node's flusher); [`Local::write_back_done`]
+    /// then moves the placed mark and lets the data log go of what it covers. Placed
+    /// data is a copy of records the data log keeps until then, so a crash before
+    /// only replays them.
+    pub fn write_back_begin(&mut self) -> Option<WriteBack> {
+        let applied = self.last_applied.map_or(0, |l| l.index);
+        if !self.unflushed && applied <= self.placed && !self.store.has_retired() {
+            return None;
+        }
+        self.unflushed = false;
+        Some(WriteBack {
+            applied,
+            batch: self.store.flush_begin(),
+        })
+    }
+
+    pub fn write_back_done(
+        &mut self,
+        wb: WriteBack,
+        written: Result<(), String>,
+    ) -> Result<(), ReplicaError> {
+        let ok = written.is_ok();
+        self.store.flush_done(wb.batch, ok)?;
+        if let Err(e) = written {
+            self.unflushed = true;
+            return Err(ReplicaError::Sync(e));
+        }
+        self.placed = self.placed.max(wb.applied);
+        let oldest = self.staged_lsns.keys().next().copied().unwrap_or(u64::MAX);
+        self.datalog.trim_marked(oldest, self.placed)?;
+        Ok(())
     }
 
     /// Makes placed data durable, then lets the data log go of it.
@@ -627,10 +772,6 @@ pub struct Machine {
     local: Arc<Mutex<Local>>,
 }
 
-fn sm_err(e: impl std::error::Error + Send + Sync + 'static) -> StorageError {
-    StorageIOError::write_state_machine(&e).into()
-}
-
 impl Machine {
     pub fn new(local: Local) -> Machine {
         Machine {
@@ -664,7 +805,7 @@ impl RaftStateMachine<Meta> for Machine {
         Ok((g.last_applied, g.membership.clone()))
     }
 
-    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Outcome>, StorageError>
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Vec<Outcome>>, StorageError>
     where
         I: IntoIterator<Item = Entry> + Send,
         I::IntoIter: Send,
@@ -675,18 +816,17 @@ impl RaftStateMachine<Meta> for Machine {
             let id = *e.get_log_id();
             g.last_applied = Some(id);
             match e.payload {
-                EntryPayload::Blank => out.push(Outcome::Applied(id.index)),
-                EntryPayload::Normal(p) => {
-                    let o = g.apply(id.index, &p);
+                EntryPayload::Blank => out.push(vec![Outcome::Applied(id.index)]),
+                EntryPayload::Normal(batch) => {
+                    let o = batch.0.iter().map(|p| g.apply(id.index, p)).collect();
                     out.push(o);
                 }
                 EntryPayload::Membership(m) => {
                     g.membership = StoredMembership::new(Some(id), m);
-                    out.push(Outcome::Applied(id.index));
+                    out.push(vec![Outcome::Applied(id.index)]);
                 }
             }
         }
-        g.settle().map_err(sm_err)?;
         Ok(out)
     }
 

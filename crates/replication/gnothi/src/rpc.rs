@@ -88,6 +88,9 @@ pub struct Status {
     pub data_log_used: u64,
     pub data_log_blocks: u64,
     pub members: Vec<u64>,
+    /// Requests each device has served since the replica started.
+    pub log_io: quilt_block::IoStats,
+    pub data_io: quilt_block::IoStats,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]

@@ -8,7 +8,7 @@ use crate::replica::Local;
 use crate::store::DataStore;
 use crate::transport::{serve, GrpcNet};
 use openraft::BasicNode;
-use quilt_block::{BlockDevice, FileDevice, FileDeviceOptions};
+use quilt_block::{BlockDevice, Clock, DiskModel, DiskParams, FileDevice, FileDeviceOptions};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -104,6 +104,26 @@ pub struct ServeOptions {
     pub data: PathBuf,
     pub secret: String,
     pub config: NodeConfig,
+    /// For benchmarks: each device behaves as a 7200 RPM disk with its write cache off
+    /// (the rotating-disk model, real time), and flushes stop at the model (the files
+    /// under it are not flushed on the host, so a crash of the host may lose them).
+    pub model_disks: bool,
+}
+
+/// `dev` behind the rotating-disk model, when `model` says so.
+fn modelled(dev: Arc<dyn BlockDevice>, model: bool) -> Result<Arc<dyn BlockDevice>, String> {
+    if !model {
+        return Ok(dev);
+    }
+    // The write cache on, as desktop disks ship: a sync is a flush that writes what
+    // waits in block order.
+    let params = DiskParams {
+        write_cache: true,
+        ..DiskParams::desktop_7200()
+    };
+    let m =
+        DiskModel::new(dev, params, Clock::real()).map_err(|e| format!("the disk model: {e}"))?;
+    Ok(Arc::new(m.without_host_flush()))
 }
 
 /// Runs a replica until `stop` resolves (the caller wires it to SIGTERM / ctrl-c).
@@ -128,6 +148,8 @@ pub async fn run(
         Label::read(log_dev.as_ref()).map_err(|e| format!("{}: {e}", opts.log.display()))?;
     let data_blocks = DataStore::blocks_needed(&label.geometry, label.replica, label.reserve_slots);
     let data_dev = open_file(&opts.data, bs, data_blocks)?;
+    let log_dev = modelled(log_dev, opts.model_disks)?;
+    let data_dev = modelled(data_dev, opts.model_disks)?;
     if !opts.peers.contains_key(&u64::from(opts.id)) {
         return Err(format!(
             "the peers list does not name this replica ({})",

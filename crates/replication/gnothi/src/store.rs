@@ -11,8 +11,8 @@ use crate::codec::{le32, le64};
 use crate::geometry::{Geometry, ReplicaId};
 use crate::table::Version;
 use quilt_block::{BlockDevice, BlockError, WriteClass};
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 
 const SLOT_MAGIC: &[u8; 4] = b"QGRS";
 /// Reserve slots read by one request when the store opens.
@@ -64,6 +64,58 @@ pub struct DataStore {
     /// that a crash never finds the old header cleared and the new one not yet
     /// durable (no copy at all). Until then, reopening keeps the newer of the two.
     retired: Vec<u64>,
+    /// Home writes not on the device yet (device block → data), written back in
+    /// block order by a flush: the page cache's job, so that applying a write never
+    /// waits for the data disk. Past [`DIRTY_LIMIT`] blocks, home writes go to the
+    /// device at once.
+    dirty: BTreeMap<u64, Vec<u8>>,
+    /// What a write-back under way is writing, until it is done (reads look here
+    /// after `dirty`, before the device).
+    writing: Option<Arc<BTreeMap<u64, Vec<u8>>>>,
+    /// Held while home data goes to the device, so that an older batch never lands
+    /// over a newer write: taken after the replica's lock, never before it.
+    device_order: Arc<Mutex<()>>,
+}
+
+/// Home blocks a store buffers at most before writing through.
+pub const DIRTY_LIMIT: usize = 16384;
+
+/// A write-back batch: see [`DataStore::flush_begin`].
+pub struct Batch {
+    pub dev: Arc<dyn BlockDevice>,
+    pub blocks: Arc<BTreeMap<u64, Vec<u8>>>,
+    pub device_order: Arc<Mutex<()>>,
+    retired: Vec<u64>,
+}
+
+impl Batch {
+    /// Writes the batch to the device in block order, one request per run of
+    /// consecutive blocks, and flushes it. The caller holds `device_order`.
+    pub fn write_out(&self) -> Result<()> {
+        write_runs(self.dev.as_ref(), &self.blocks)?;
+        Ok(self.dev.flush()?)
+    }
+}
+
+fn write_runs(dev: &dyn BlockDevice, blocks: &BTreeMap<u64, Vec<u8>>) -> Result<()> {
+    let mut run: Vec<u8> = Vec::new();
+    let mut start = 0u64;
+    let mut next = 0u64;
+    for (&b, d) in blocks {
+        if !run.is_empty() && b != next {
+            dev.write_blocks(start, &run, WriteClass::Data)?;
+            run.clear();
+        }
+        if run.is_empty() {
+            start = b;
+        }
+        run.extend_from_slice(d);
+        next = b + 1;
+    }
+    if !run.is_empty() {
+        dev.write_blocks(start, &run, WriteClass::Data)?;
+    }
+    Ok(())
 }
 
 fn crc(b: &[u8]) -> u32 {
@@ -110,6 +162,9 @@ impl DataStore {
             reserved: HashMap::new(),
             free: Vec::new(),
             retired: Vec::new(),
+            dirty: BTreeMap::new(),
+            writing: None,
+            device_order: Arc::new(Mutex::new(())),
         };
         // The reserve is read in runs of slots (one request each), not a block at a time.
         let bs = s.dev.block_size();
@@ -181,16 +236,76 @@ impl DataStore {
             })
     }
 
-    /// Writes `block`'s data at home (durable at the next [`DataStore::flush`]).
-    pub fn write_home(&self, block: u64, data: &[u8]) -> Result<()> {
+    /// Whether freed reserve slots wait for a flush before they can be reused.
+    pub fn has_retired(&self) -> bool {
+        !self.retired.is_empty()
+    }
+
+    pub fn io(&self) -> quilt_block::IoStats {
+        self.dev.stats()
+    }
+
+    /// Writes `block`'s data at home (durable at the next flush).
+    pub fn write_home(&mut self, block: u64, data: &[u8]) -> Result<()> {
         self.check_block(data)?;
         let at = self.home_block(block)?;
-        Ok(self.dev.write(at, data, WriteClass::Data)?)
+        self.buffer(at, data)
+    }
+
+    /// Buffers home blocks from device block `at`, or writes them through when the
+    /// buffer is full.
+    fn buffer(&mut self, at: u64, data: &[u8]) -> Result<()> {
+        let bs = self.geometry.block_size as usize;
+        let n = (data.len() / bs) as u64;
+        if self.dirty.len() + n as usize <= DIRTY_LIMIT {
+            for (i, d) in data.chunks(bs).enumerate() {
+                self.dirty.insert(at + i as u64, d.to_vec());
+            }
+            return Ok(());
+        }
+        // Through to the device, after any write-back under way (it may hold older
+        // data for these blocks), and over what waits in the buffer for them.
+        let order = self.device_order.clone();
+        let _order = order.lock().unwrap_or_else(|p| p.into_inner());
+        for b in at..at + n {
+            self.dirty.remove(&b);
+        }
+        Ok(self.dev.write_blocks(at, data, WriteClass::Data)?)
+    }
+
+    /// Writes whole blocks from `first` at home in as few requests as their homes
+    /// allow (one per run of consecutive home locations: a slice is one run).
+    pub fn write_home_run(&mut self, first: u64, data: &[u8]) -> Result<()> {
+        let bs = self.geometry.block_size as usize;
+        if data.is_empty() || data.len() % bs != 0 {
+            return self.check_block(data);
+        }
+        let n = (data.len() / bs) as u64;
+        let mut i = 0u64;
+        while i < n {
+            let at = self.home_block(first + i)?;
+            let mut j = i + 1;
+            while j < n && self.home_block(first + j)? == at + (j - i) {
+                j += 1;
+            }
+            let part = &data[(i as usize) * bs..(j as usize) * bs];
+            self.buffer(at, part)?;
+            i = j;
+        }
+        Ok(())
     }
 
     pub fn read_home(&self, block: u64, buf: &mut [u8]) -> Result<()> {
         self.check_block(buf)?;
         let at = self.home_block(block)?;
+        let buffered = self
+            .dirty
+            .get(&at)
+            .or_else(|| self.writing.as_ref().and_then(|w| w.get(&at)));
+        if let Some(d) = buffered {
+            buf.copy_from_slice(d);
+            return Ok(());
+        }
         Ok(self.dev.read(at, buf)?)
     }
 
@@ -296,11 +411,55 @@ impl DataStore {
     /// (their clearing is durable at the next flush, and harmless if lost: the newer
     /// copy wins at reopen).
     pub fn flush(&mut self) -> Result<()> {
-        self.dev.flush()?;
+        {
+            let order = self.device_order.clone();
+            let _order = order.lock().unwrap_or_else(|p| p.into_inner());
+            write_runs(self.dev.as_ref(), &self.dirty)?;
+            self.dirty.clear();
+            self.dev.flush()?;
+        }
         for slot in std::mem::take(&mut self.retired) {
             self.clear_slot(slot)?;
         }
         Ok(())
+    }
+
+    /// A flush in two halves, for writing back outside the replica's lock:
+    /// `flush_begin` takes what is buffered and the replaced slots a flush started now
+    /// makes clearable; the caller takes `device_order` before it lets the replica's
+    /// lock go, writes the batch out ([`Batch::write_out`]), and reports with
+    /// `flush_done`.
+    pub fn flush_begin(&mut self) -> Batch {
+        let blocks = Arc::new(std::mem::take(&mut self.dirty));
+        self.writing = Some(blocks.clone());
+        Batch {
+            dev: self.dev.clone(),
+            blocks,
+            device_order: self.device_order.clone(),
+            retired: std::mem::take(&mut self.retired),
+        }
+    }
+
+    /// The batch is on the device (`ok`), or not: then its blocks not written again
+    /// since wait for the next flush, and so do its slots.
+    pub fn flush_done(&mut self, batch: Batch, ok: bool) -> Result<()> {
+        self.writing = None;
+        if !ok {
+            for (b, d) in batch.blocks.iter() {
+                self.dirty.entry(*b).or_insert_with(|| d.clone());
+            }
+            self.retired.extend(batch.retired);
+            return Ok(());
+        }
+        for slot in batch.retired {
+            self.clear_slot(slot)?;
+        }
+        Ok(())
+    }
+
+    /// Home blocks waiting in the buffer.
+    pub fn dirty(&self) -> usize {
+        self.dirty.len()
     }
 }
 
@@ -323,7 +482,7 @@ mod tests {
     #[test]
     fn home_blocks_round_trip_and_foreign_ones_are_refused() {
         let (g, dev) = setup(2);
-        let s = DataStore::open(g, 2, dev.clone(), 2).unwrap();
+        let mut s = DataStore::open(g, 2, dev.clone(), 2).unwrap();
         // Replica 2 prefers slices 1 and 2 (blocks 5..15), and 4 and 5 (20..30).
         s.write_home(7, &block(7)).unwrap();
         s.write_home(29, &block(29)).unwrap();

@@ -14,6 +14,7 @@
 pub mod bark;
 pub mod betrfs;
 pub mod featherstitch;
+pub mod gnothi;
 pub mod mail;
 pub mod plot;
 pub mod systems;

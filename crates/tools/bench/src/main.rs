@@ -35,6 +35,10 @@ enum BenchCommand {
     /// on a modelled 7200 RPM disk, written as a ring, with log skipping, or not at all,
     /// and kernel ext4 with its external journal on the same model; latency CDFs.
     Bark(quilt_bench::bark::BarkArgs),
+    /// Replicated block storage (Gnothi): sequential and random I/O at 4 KiB to 1 MiB
+    /// for f = 1 and 2 beside G′, Cheap Paxos and one local disk, all on modelled 7200
+    /// RPM disks; bytes stored per replica; catch-up recovery timelines.
+    Gnothi(quilt_bench::gnothi::GnothiArgs),
 }
 
 fn main() {
@@ -49,6 +53,7 @@ fn main() {
         BenchCommand::Featherstitch(a) => quilt_bench::featherstitch::run(a),
         BenchCommand::Betrfs(a) => quilt_bench::betrfs::run(a),
         BenchCommand::Bark(a) => quilt_bench::bark::run(a),
+        BenchCommand::Gnothi(a) => quilt_bench::gnothi::run(a),
     };
     if let Err(e) = r {
         eprintln!("quiltfs bench: error: {e:#}");

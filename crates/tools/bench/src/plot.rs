@@ -233,6 +233,75 @@ pub fn cdf(
     Ok(())
 }
 
+/// Lines over time on linear axes (throughput against seconds), one per series, with
+/// dashed vertical marks for events: (series index, what, seconds), drawn in the
+/// series' colour.
+pub fn timeline(
+    path: &Path,
+    title: &str,
+    y_desc: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+    events: &[(usize, String, f64)],
+) -> Result<()> {
+    let pts = || series.iter().flat_map(|s| s.1.iter());
+    let xmax = pts().map(|p| p.0).fold(0.0f64, f64::max).max(1.0);
+    let ymax = pts().map(|p| p.1).fold(0.0f64, f64::max).max(1e-6) * 1.15;
+    let root = BitMapBackend::new(path, (1000, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(drawing)?;
+    let mut c = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(14)
+        .x_label_area_size(44)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..xmax * 1.02, 0.0..ymax)
+        .map_err(drawing)?;
+    c.configure_mesh()
+        .x_desc("seconds")
+        .y_desc(y_desc)
+        .y_label_formatter(&|v| number(*v))
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(drawing)?;
+    for (j, (name, p)) in series.iter().enumerate() {
+        let color = COLORS[j % COLORS.len()];
+        c.draw_series(plotters::series::LineSeries::new(
+            p.iter().copied(),
+            color.stroke_width(2),
+        ))
+        .map_err(drawing)?
+        .label(name.as_str())
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
+    }
+    for (k, (j, what, at)) in events.iter().enumerate() {
+        let color = COLORS[j % COLORS.len()];
+        // Dashes: short segments up the axis.
+        let steps = 40;
+        c.draw_series((0..steps).step_by(2).map(|i| {
+            let y0 = ymax * i as f64 / steps as f64;
+            let y1 = ymax * (i + 1) as f64 / steps as f64;
+            PathElement::new(vec![(*at, y0), (*at, y1)], color.stroke_width(1))
+        }))
+        .map_err(drawing)?;
+        // Labels staggered so that marks close together stay readable.
+        let y = ymax * (0.97 - 0.05 * (k % 6) as f64);
+        c.draw_series(std::iter::once(Text::new(
+            what.clone(),
+            (*at, y),
+            ("sans-serif", 12).into_font().color(&color),
+        )))
+        .map_err(drawing)?;
+    }
+    c.configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 13))
+        .draw()
+        .map_err(drawing)?;
+    root.present().map_err(drawing)?;
+    Ok(())
+}
+
 /// A number with three significant digits at most, as a label.
 pub fn number(v: f64) -> String {
     let a = v.abs();

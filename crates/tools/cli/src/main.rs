@@ -66,7 +66,7 @@ enum Command {
     Stats(stats::StatsArgs),
     /// Explore crash states of a workload and check them (e2fsck, fsync promises).
     Crashtest(crashtest::CrashtestArgs),
-    /// Run a benchmark suite (mail, featherstitch, betrfs, bark): runs the
+    /// Run a benchmark suite (mail, featherstitch, betrfs, bark, gnothi): runs the
     /// `quiltfs-bench` binary installed next to this one (`quiltfs bench --help`).
     #[command(disable_help_flag = true)]
     Bench {

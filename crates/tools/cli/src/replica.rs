@@ -20,6 +20,8 @@ pub enum SystemArg {
     Gprime,
     /// f+1 main replicas hold data; f auxiliaries only on failure.
     CheapPaxos,
+    /// One unreplicated replica (f = 0): the local-disk baseline on the same code path.
+    Local,
 }
 
 impl From<SystemArg> for System {
@@ -28,6 +30,7 @@ impl From<SystemArg> for System {
             SystemArg::Gnothi => System::Gnothi,
             SystemArg::Gprime => System::GPrime,
             SystemArg::CheapPaxos => System::CheapPaxos,
+            SystemArg::Local => System::Local,
         }
     }
 }
@@ -110,6 +113,10 @@ pub struct ServeArgs {
     /// Phase 2: milliseconds between fetches of missing data.
     #[arg(long, default_value_t = 10)]
     pub recovery_interval_ms: u64,
+    /// For benchmarks: both devices behave as 7200 RPM disks (the rotating-disk model,
+    /// real time) and flushes stop at the model (not crash-safe on the host).
+    #[arg(long)]
+    pub model_disks: bool,
 }
 
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -193,9 +200,13 @@ fn serve(a: ServeArgs) -> Result<()> {
             recovery_interval: Duration::from_millis(a.recovery_interval_ms),
             ..NodeConfig::default()
         },
+        model_disks: a.model_disks,
     };
+    // The Raft log's appends and the state machine's placements wait for their disks
+    // on the workers that run them: enough workers that heartbeats and answers still
+    // run meanwhile.
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(4)
         .enable_all()
         .build()
         .context("starting the runtime")?;
@@ -267,12 +278,29 @@ pub struct UpArgs {
     /// First port; replica N listens on PORT+N.
     #[arg(long, default_value_t = 7400)]
     pub port: u16,
+    /// Phase 2: milliseconds between a recovering replica's fetches of missing data
+    /// (16 MiB each).
+    #[arg(long, default_value_t = 10)]
+    pub recovery_interval_ms: u64,
+    /// For benchmarks: every replica's devices behave as 7200 RPM disks (modelled
+    /// timing) and flushes stop at the model (not crash-safe on the host).
+    #[arg(long)]
+    pub model_disks: bool,
 }
 
 #[derive(Serialize, Deserialize)]
 struct ClusterFile {
     volume: String,
     replicas: Vec<ReplicaEntry>,
+    /// How replicas are started (kept, so `cluster start` starts them the same way).
+    #[serde(default = "default_recovery_interval")]
+    recovery_interval_ms: u64,
+    #[serde(default)]
+    model_disks: bool,
+}
+
+fn default_recovery_interval() -> u64 {
+    10
 }
 
 #[derive(Serialize, Deserialize)]
@@ -332,6 +360,11 @@ fn spawn(dir: &Path, c: &ClusterFile, id: u16) -> Result<u32> {
         .arg(dir.join(format!("r{id}.data")))
         .arg("--secret-file")
         .arg(dir.join("secret"))
+        .args([
+            "--recovery-interval-ms",
+            &c.recovery_interval_ms.to_string(),
+        ])
+        .args(c.model_disks.then_some("--model-disks"))
         .stdin(std::process::Stdio::null())
         .stdout(out.try_clone()?)
         .stderr(out)
@@ -427,6 +460,7 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
                             "term": s.term, "log_index": s.last_log_index, "applied": s.applied,
                             "incomplete": s.incomplete, "reserve_used": s.reserve_used, "checksum_failures": s.checksum_failures,
                             "data_log_used": s.data_log_used, "data_log_blocks": s.data_log_blocks,
+                            "log_io": s.log_io, "data_io": s.data_io,
                         }),
                         None => serde_json::json!({"replica": id, "up": false}),
                     })
@@ -539,6 +573,16 @@ fn up(a: UpArgs) -> Result<()> {
         bail!("{} holds a cluster already: start its replicas with `quiltfs cluster start`, or remove the directory", a.dir.display());
     }
     let f = (a.replicas - 1) / 2;
+    match a.system {
+        SystemArg::Local if a.replicas != 1 => {
+            bail!("a local volume has one replica (--replicas 1)")
+        }
+        SystemArg::Local => {}
+        _ if a.replicas == 1 => {
+            bail!("one replica tolerates no failure: use --system local, or --replicas 3")
+        }
+        _ => {}
+    }
     let shape = VolumeShape {
         volume: a.volume.clone(),
         system: a.system,
@@ -570,6 +614,8 @@ fn up(a: UpArgs) -> Result<()> {
                 pid: None,
             })
             .collect(),
+        recovery_interval_ms: a.recovery_interval_ms,
+        model_disks: a.model_disks,
     };
     for id in 0..a.replicas {
         let label = server::label_for(id, &a.volume, g, shape.reserve_slots, LogSizes::default());

@@ -1,0 +1,212 @@
+//! A volume's replicas as local processes, run through `quiltfs cluster` (as a user
+//! would), and a client of it in this process.
+
+use crate::{quiltfs_exe, sh};
+use anyhow::{anyhow, Context, Result};
+use quilt_gnothi::client::{Client, ClientConfig};
+use quilt_gnothi::device::VolumeAddress;
+use quilt_gnothi::transport::GrpcNet;
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+/// How a cluster is set up.
+#[derive(Debug, Clone)]
+pub struct Shape {
+    /// `gnothi`, `gprime`, `cheap-paxos` or `local` (as `quiltfs cluster up --system`).
+    pub system: &'static str,
+    pub replicas: u16,
+    pub size_mib: u64,
+    pub port: u16,
+    pub recovery_interval_ms: u64,
+    /// Devices on the rotating-disk model (else plain files).
+    pub model_disks: bool,
+}
+
+/// A running cluster; brought down when dropped.
+pub struct LocalCluster {
+    pub dir: PathBuf,
+    pub address: String,
+    pub replicas: u16,
+    exe: PathBuf,
+}
+
+impl LocalCluster {
+    /// Starts a fresh cluster in `dir` (whatever was there is removed).
+    pub fn up(dir: &Path, shape: &Shape) -> Result<LocalCluster> {
+        let exe = quiltfs_exe()?;
+        if dir.exists() {
+            // A cluster a killed run left: stop its replicas before the files go.
+            if dir.join("cluster.json").exists() {
+                let _ = Command::new(&exe)
+                    .args(["cluster", "down"])
+                    .arg(dir)
+                    .output();
+            }
+            std::fs::remove_dir_all(dir).with_context(|| format!("removing {}", dir.display()))?;
+        }
+        let mut cmd = Command::new(&exe);
+        cmd.args(["cluster", "up", "--dir"])
+            .arg(dir)
+            .args(["--replicas", &shape.replicas.to_string()])
+            .args(["--system", shape.system])
+            .args(["--size", &format!("{}M", shape.size_mib)])
+            .args(["--port", &shape.port.to_string()])
+            .args([
+                "--recovery-interval-ms",
+                &shape.recovery_interval_ms.to_string(),
+            ]);
+        if shape.model_disks {
+            cmd.arg("--model-disks");
+        }
+        let out = sh(&mut cmd).with_context(|| format!("starting a {} cluster", shape.system))?;
+        let address = out
+            .lines()
+            .rev()
+            .find(|l| VolumeAddress::is_address(l.trim()))
+            .map(|l| l.trim().to_string())
+            .ok_or_else(|| anyhow!("`quiltfs cluster up` printed no volume address: {out}"))?;
+        Ok(LocalCluster {
+            dir: dir.to_path_buf(),
+            address,
+            replicas: shape.replicas,
+            exe,
+        })
+    }
+
+    fn cluster(&self, args: &[&str]) -> Result<String> {
+        let mut c = Command::new(&self.exe);
+        c.arg("cluster")
+            .arg(args[0])
+            .arg(&self.dir)
+            .args(&args[1..]);
+        sh(&mut c)
+    }
+
+    /// Kills replica `r` (SIGKILL: a crash, not a shutdown).
+    pub fn kill(&self, r: u16) -> Result<()> {
+        self.cluster(&["stop", "--replica", &r.to_string(), "--kill"])
+            .map(drop)
+    }
+
+    pub fn start(&self, r: u16) -> Result<()> {
+        self.cluster(&["start", "--replica", &r.to_string()])
+            .map(drop)
+    }
+
+    /// Each replica's status (`quiltfs cluster status --json`), by id; `None` if down.
+    pub fn status(&self) -> Result<Vec<Option<ReplicaStatus>>> {
+        let s = self.cluster(&["status", "--json"])?;
+        let v: serde_json::Value =
+            serde_json::from_str(&s).context("`quiltfs cluster status --json` printed no JSON")?;
+        let list = v["replicas"]
+            .as_array()
+            .ok_or_else(|| anyhow!("no replicas in the cluster status"))?;
+        Ok(list
+            .iter()
+            .map(|r| {
+                r["up"].as_bool().unwrap_or(false).then(|| ReplicaStatus {
+                    leader: r["role"] == "leader",
+                    log_index: r["log_index"].as_u64().unwrap_or(0),
+                    applied: r["applied"].as_u64().unwrap_or(0),
+                    incomplete: r["incomplete"].as_u64().unwrap_or(0),
+                    reserve_used: r["reserve_used"].as_u64().unwrap_or(0),
+                    log_flushes: r["log_io"]["flushes"].as_u64().unwrap_or(0),
+                    log_writes: r["log_io"]["writes"].as_u64().unwrap_or(0),
+                    data_flushes: r["data_io"]["flushes"].as_u64().unwrap_or(0),
+                    data_writes: r["data_io"]["writes"].as_u64().unwrap_or(0),
+                    data_reads: r["data_io"]["reads"].as_u64().unwrap_or(0),
+                })
+            })
+            .collect())
+    }
+
+    /// Bytes the replica's data device holds on the host (allocated blocks of a sparse
+    /// file: what was written, the zeroed reserve area included).
+    pub fn data_bytes(&self, r: u16) -> Result<u64> {
+        let p = self.dir.join(format!("r{r}.data"));
+        Ok(std::fs::metadata(&p)
+            .with_context(|| format!("{}", p.display()))?
+            .blocks()
+            * 512)
+    }
+
+    /// A client of the volume, on `rt`.
+    pub fn client(&self, rt: &tokio::runtime::Runtime, id: u64) -> Result<Arc<Client>> {
+        let a = VolumeAddress::parse(&self.address).map_err(|e| anyhow!(e))?;
+        let secret = a.secret().map_err(|e| anyhow!(e))?;
+        let peers: BTreeMap<u64, String> = a
+            .replicas
+            .iter()
+            .cloned()
+            .enumerate()
+            .map(|(i, h)| (i as u64, h))
+            .collect();
+        let n = a.replicas.len() as u16;
+        rt.block_on(async move {
+            let net = GrpcNet::new(peers, &secret).map_err(|e| anyhow!(e))?;
+            let config = ClientConfig {
+                op_timeout: std::time::Duration::from_secs(30),
+                ..ClientConfig::default()
+            };
+            Client::connect(net, n, id, config)
+                .await
+                .map(Arc::new)
+                .map_err(|e| anyhow!("connecting to {}: {e}", self.address))
+        })
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        if let Err(e) = self.cluster(&["down"]) {
+            eprintln!(
+                "bench: bringing the cluster in {} down: {e:#}",
+                self.dir.display()
+            );
+        }
+    }
+}
+
+/// What the bench reads of a replica's status.
+#[derive(Debug, Clone, Copy)]
+pub struct ReplicaStatus {
+    pub leader: bool,
+    pub log_index: u64,
+    pub applied: u64,
+    pub incomplete: u64,
+    pub reserve_used: u64,
+    pub log_flushes: u64,
+    pub log_writes: u64,
+    pub data_flushes: u64,
+    pub data_writes: u64,
+    pub data_reads: u64,
+}
+
+/// Device requests the replicas served between two statuses, summed over replicas up
+/// at both: (log flushes, log writes, data flushes, data writes, data reads).
+pub fn io_between(a: &[Option<ReplicaStatus>], b: &[Option<ReplicaStatus>]) -> [u64; 5] {
+    let mut out = [0u64; 5];
+    for (x, y) in a.iter().zip(b) {
+        if let (Some(x), Some(y)) = (x, y) {
+            let d = [
+                y.log_flushes.saturating_sub(x.log_flushes),
+                y.log_writes.saturating_sub(x.log_writes),
+                y.data_flushes.saturating_sub(x.data_flushes),
+                y.data_writes.saturating_sub(x.data_writes),
+                y.data_reads.saturating_sub(x.data_reads),
+            ];
+            for (o, v) in out.iter_mut().zip(d) {
+                *o += v;
+            }
+        }
+    }
+    out
+}
+
+/// The leader's log index, if a leader answers.
+pub fn leader_index(st: &[Option<ReplicaStatus>]) -> Option<u64> {
+    st.iter().flatten().find(|s| s.leader).map(|s| s.log_index)
+}
