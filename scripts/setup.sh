@@ -10,9 +10,10 @@ cd "$(dirname "$0")/.."
 # g++ (libFuzzer, built for the fuzz smoke), fuse2fs and xz-utils/linux-source (the untar
 # benchmark, installed by it), dovecot-imapd (the mail benchmark, installed by it),
 # make and fonts-dejavu-core (the Featherstitch suite's build and plots; postmark and
-# fuse2fs are installed by it).
+# fuse2fs are installed by it), qemu-utils (qemu-img and qemu-io: the NBD export's
+# independent client).
 need=()
-for pkg in e2fsprogs fuse3 attr acl python3 bc gcc g++ make fonts-dejavu-core; do
+for pkg in e2fsprogs fuse3 attr acl python3 bc gcc g++ make fonts-dejavu-core qemu-utils; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -66,6 +66,12 @@ if [ "$(id -u)" = 0 ]; then
 else
   echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/unmount.sh, tests/betrfs-space.sh, tests/deep-paths.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/bench-betrfs.sh, tests/bench-bark.sh, tests/kernel-parity-betrfs.sh, tests/betrfs-programs.sh, tests/betrfs-clone.sh and tests/gnothi-cluster.sh (need root)" >&2
 fi
+# The NBD export against QEMU's client (qemu-img, qemu-io): an image and a replicated
+# volume, the kernel's mkfs.ext4 image copied on, a replica killed, e2fsck clean.
+step tests/nbd.sh ./target/release/quiltfs
+# `quiltfs bench gnothi`, small: every output, the issue's CSV columns, both catch-ups
+# complete, Gnothi's replicas keep less at home than G′'s.
+step tests/bench-gnothi.sh ./target/release/quiltfs
 # Fuzzing smoke: every input a fuzzer ever crashed on, and random damage to each region
 # of a seed image (the coverage-guided hour-long runs are scripts/fuzz.sh's).
 step bash -c "cd fuzz && cargo test --release --quiet"

@@ -464,8 +464,9 @@ impl Local {
         if let Some(st) = &staged {
             self.staged_lsns.remove(&st.lsn);
         }
-        // The usual case, all of it staged and intact, goes home in one request per run.
-        if let (Some(st), Stored::Home(_)) = (&staged, s) {
+        // The usual case, all of it staged and intact, goes home in one request per run,
+        // or into the reserve with one flush.
+        if let Some(st) = &staged {
             let whole = st.first == first
                 && st.data.len() == checksums.len() * bs
                 && st
@@ -473,7 +474,31 @@ impl Local {
                     .chunks(bs)
                     .zip(checksums)
                     .all(|(d, &c)| block_crc(d) == c);
-            if whole && self.store.write_home_run(first, &st.data).is_ok() {
+            let placed = whole
+                && match s {
+                    Stored::Home(_) => self.store.write_home_run(first, &st.data).is_ok(),
+                    Stored::Reserve(_) => {
+                        let items: Vec<(Reserved, &[u8])> = st
+                            .data
+                            .chunks(bs)
+                            .zip(checksums)
+                            .enumerate()
+                            .map(|(i, (d, &checksum))| {
+                                let block = first + i as u64;
+                                (
+                                    Reserved {
+                                        block,
+                                        version: index,
+                                        checksum,
+                                    },
+                                    d,
+                                )
+                            })
+                            .collect();
+                        self.store.reserve_put_many(&items).is_ok()
+                    }
+                };
+            if placed {
                 for b in first..first + checksums.len() as u64 {
                     self.lost.remove(&b);
                 }

@@ -312,47 +312,63 @@ impl DataStore {
     /// Keeps `data` for `block` at `version` in the reserve, replacing an older copy
     /// of the same block; durable at the next flush.
     pub fn reserve_put(&mut self, r: Reserved, data: &[u8]) -> Result<()> {
-        self.check_block(data)?;
-        let old = self.reserved.get(&r.block).map(|&(slot, _)| slot);
-        let slot = self
-            .free
-            .pop()
-            .ok_or(StoreError::ReserveFull { slots: self.slots })?;
-        if let Err(e) = self.fill_slot(slot, r, data) {
-            // Nothing names the slot: it is free again (its header, if written, is
-            // cleared at the next use or stands for a copy the table does not know).
-            self.free.push(slot);
+        self.reserve_put_many(&[(r, data)])
+    }
+
+    /// Keeps several blocks (distinct ones) in the reserve, all or none: one flush
+    /// between their data and their headers, however many there are (a 1 MiB write
+    /// placed in the reserve block by block, a flush each, held the replica for
+    /// seconds on a disk).
+    pub fn reserve_put_many(&mut self, items: &[(Reserved, &[u8])]) -> Result<()> {
+        for (_, d) in items {
+            self.check_block(d)?;
+        }
+        if self.free.len() < items.len() {
+            return Err(StoreError::ReserveFull { slots: self.slots });
+        }
+        let at = self.free.len() - items.len();
+        let slots: Vec<u64> = self.free.drain(at..).rev().collect();
+        if let Err(e) = self.fill_slots(&slots, items) {
+            // Nothing names the slots: they are free again (a header written stands for
+            // a copy the table does not know, and is cleared at the slot's next use).
+            self.free.extend(slots.iter().rev());
             return Err(e);
         }
-        tracing::trace!(
-            replica = self.replica,
-            slot,
-            block = r.block,
-            version = r.version,
-            ?old,
-            "reserve put"
-        );
-        self.reserved.insert(r.block, (slot, r));
-        if let Some(old) = old {
-            self.retired.push(old);
+        for (&slot, &(r, _)) in slots.iter().zip(items) {
+            tracing::trace!(
+                replica = self.replica,
+                slot,
+                block = r.block,
+                version = r.version,
+                "reserve put"
+            );
+            if let Some((old, _)) = self.reserved.insert(r.block, (slot, r)) {
+                self.retired.push(old);
+            }
         }
         Ok(())
     }
 
-    fn fill_slot(&self, slot: u64, r: Reserved, data: &[u8]) -> Result<()> {
-        let at = self.slot_block(slot);
-        self.dev.write(at + 1, data, WriteClass::Data)?;
-        // The data first, then (after a flush) the header that makes the slot count:
+    fn fill_slots(&self, slots: &[u64], items: &[(Reserved, &[u8])]) -> Result<()> {
+        for (&slot, (_, data)) in slots.iter().zip(items) {
+            self.dev
+                .write(self.slot_block(slot) + 1, data, WriteClass::Data)?;
+        }
+        // The data first, then (after a flush) the headers that make the slots count:
         // a header must never name data that is not there.
         self.dev.flush()?;
         let mut h = vec![0u8; self.dev.block_size()];
-        h[0..4].copy_from_slice(SLOT_MAGIC);
-        h[4..12].copy_from_slice(&r.block.to_le_bytes());
-        h[12..20].copy_from_slice(&r.version.to_le_bytes());
-        h[20..24].copy_from_slice(&r.checksum.to_le_bytes());
-        let c = crc(&h[..28]);
-        h[28..32].copy_from_slice(&c.to_le_bytes());
-        Ok(self.dev.write(at, &h, WriteClass::Metadata)?)
+        for (&slot, (r, _)) in slots.iter().zip(items) {
+            h[0..4].copy_from_slice(SLOT_MAGIC);
+            h[4..12].copy_from_slice(&r.block.to_le_bytes());
+            h[12..20].copy_from_slice(&r.version.to_le_bytes());
+            h[20..24].copy_from_slice(&r.checksum.to_le_bytes());
+            let c = crc(&h[..28]);
+            h[28..32].copy_from_slice(&c.to_le_bytes());
+            self.dev
+                .write(self.slot_block(slot), &h, WriteClass::Metadata)?;
+        }
+        Ok(())
     }
 
     /// The reserve copy of `block`, if this replica keeps one.
@@ -533,6 +549,40 @@ mod tests {
         assert_eq!(s.reserved(0), None);
         assert_eq!(s.reserved(2), Some(r(2, 5)));
         assert_eq!(s.reserve_used(), 2);
+    }
+
+    #[test]
+    fn a_run_goes_into_the_reserve_all_or_none_with_one_flush() {
+        let (g, dev) = setup(4);
+        let mut s = DataStore::open(g, 2, dev.clone(), 4).unwrap();
+        let r = |block| Reserved {
+            block,
+            version: 9,
+            checksum: 0xabc,
+        };
+        let (b1, b2, b3) = (block(1), block(2), block(3));
+        s.reserve_put(r(0), &block(7)).unwrap();
+        let flushes = dev.stats().flushes;
+        s.reserve_put_many(&[(r(0), &b1[..]), (r(1), &b2[..]), (r(2), &b3[..])])
+            .unwrap();
+        assert_eq!(dev.stats().flushes, flushes + 1, "one flush for the run");
+        // Too many for the free slots: nothing is taken.
+        assert!(matches!(
+            s.reserve_put_many(&[(r(3), &b1[..]), (r(4), &b2[..])]),
+            Err(StoreError::ReserveFull { slots: 4 })
+        ));
+        assert_eq!(s.reserve_used(), 3);
+        s.flush().unwrap();
+        drop(s);
+        // Block 0's older copy was replaced; its slot is free again after a reopen.
+        let mut s = DataStore::open(g, 2, dev, 4).unwrap();
+        let mut b = block(0);
+        for (blk, want) in [(0, &b1), (1, &b2), (2, &b3)] {
+            assert_eq!(s.reserve_read(blk, &mut b).unwrap(), Some(r(blk)));
+            assert_eq!(&b, want);
+        }
+        assert_eq!(s.reserve_used(), 3);
+        s.reserve_put(r(3), &block(4)).unwrap();
     }
 
     /// A copy replaced by a newer one, and a crash before the next flush that lets any

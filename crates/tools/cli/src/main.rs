@@ -12,6 +12,7 @@ mod image;
 mod kv;
 mod mkfs;
 mod mount;
+mod nbd;
 mod replica;
 mod stats;
 
@@ -84,6 +85,9 @@ enum Command {
     /// down.
     #[command(subcommand)]
     Cluster(replica::ClusterCommand),
+    /// Export an image or a replicated volume over NBD (the network block protocol
+    /// qemu, nbdcopy, nbd-client and fio speak) until interrupted.
+    Nbd(nbd::NbdArgs),
 }
 
 /// `mi_option_purge_delay` of mimalloc 2.1 and later (the Rust bindings list only the
@@ -166,10 +170,12 @@ fn main() {
     // Processes that talk to replicas over TCP must not die of a peer that went away
     // while a request was being written (the default disposition restored above is
     // for output piped into `head`).
-    if matches!(cli.command, Command::Replica(_) | Command::Cluster(_))
-        || argv
-            .iter()
-            .any(|a| quilt_gnothi::device::VolumeAddress::is_address(a))
+    if matches!(
+        cli.command,
+        Command::Replica(_) | Command::Cluster(_) | Command::Nbd(_)
+    ) || argv
+        .iter()
+        .any(|a| quilt_gnothi::device::VolumeAddress::is_address(a))
     {
         // SAFETY: setting a signal's disposition to ignore touches no memory of ours.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
@@ -217,6 +223,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench { args } => bench(args),
         Command::Replica(c) => replica::run_replica(c),
         Command::Cluster(c) => replica::run_cluster(c),
+        Command::Nbd(a) => nbd::run(a),
     }
 }
 

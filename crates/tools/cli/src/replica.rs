@@ -282,6 +282,9 @@ pub struct UpArgs {
     /// (16 MiB each).
     #[arg(long, default_value_t = 10)]
     pub recovery_interval_ms: u64,
+    /// Reserve slots on each data device (blocks a replica can hold for others).
+    #[arg(long, default_value_t = 16384)]
+    pub reserve_slots: u64,
     /// For benchmarks: every replica's devices behave as 7200 RPM disks (modelled
     /// timing) and flushes stop at the model (not crash-safe on the host).
     #[arg(long)]
@@ -590,7 +593,7 @@ fn up(a: UpArgs) -> Result<()> {
         size: a.size,
         block_size: 4096,
         slice: 16 << 20,
-        reserve_slots: 16384,
+        reserve_slots: a.reserve_slots,
     };
     let g = shape.geometry()?;
     // A fresh secret from the OS.

@@ -7,7 +7,6 @@ use quilt_gnothi::client::{Client, ClientConfig};
 use quilt_gnothi::device::VolumeAddress;
 use quilt_gnothi::transport::GrpcNet;
 use std::collections::BTreeMap;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -54,6 +53,7 @@ impl LocalCluster {
             .args(["--system", shape.system])
             .args(["--size", &format!("{}M", shape.size_mib)])
             .args(["--port", &shape.port.to_string()])
+            .args(["--reserve-slots", &RESERVE_SLOTS.to_string()])
             .args([
                 "--recovery-interval-ms",
                 &shape.recovery_interval_ms.to_string(),
@@ -123,14 +123,16 @@ impl LocalCluster {
             .collect())
     }
 
-    /// Bytes the replica's data device holds on the host (allocated blocks of a sparse
-    /// file: what was written, the zeroed reserve area included).
-    pub fn data_bytes(&self, r: u16) -> Result<u64> {
+    /// Bytes of volume data the replica keeps at home: the allocated parts of its data
+    /// device's home area (a sparse file: what was written there). The reserve, which
+    /// `replica format` zeroes whole and which sits after the home area, is left out:
+    /// its use is reported in blocks by the replica itself.
+    pub fn home_bytes(&self, r: u16) -> Result<u64> {
         let p = self.dir.join(format!("r{r}.data"));
-        Ok(std::fs::metadata(&p)
-            .with_context(|| format!("{}", p.display()))?
-            .blocks()
-            * 512)
+        let f = std::fs::File::open(&p).with_context(|| format!("{}", p.display()))?;
+        let len = f.metadata()?.len();
+        let home_end = len.saturating_sub(2 * RESERVE_SLOTS * BLOCK_SIZE);
+        allocated(&f, home_end).with_context(|| format!("mapping {}", p.display()))
     }
 
     /// A client of the volume, on `rt`.
@@ -161,11 +163,18 @@ impl LocalCluster {
 
 impl Drop for LocalCluster {
     fn drop(&mut self) {
-        if let Err(e) = self.cluster(&["down"]) {
-            eprintln!(
+        match self.cluster(&["down"]) {
+            // Its devices are the bench's own, and a full run's take gigabytes.
+            Ok(_) => {
+                if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+                    eprintln!("bench: removing {}: {e}", self.dir.display());
+                }
+            }
+            // Kept, so that the replicas' logs say what went wrong.
+            Err(e) => eprintln!(
                 "bench: bringing the cluster in {} down: {e:#}",
                 self.dir.display()
-            );
+            ),
         }
     }
 }
@@ -209,4 +218,42 @@ pub fn io_between(a: &[Option<ReplicaStatus>], b: &[Option<ReplicaStatus>]) -> [
 /// The leader's log index, if a leader answers.
 pub fn leader_index(st: &[Option<ReplicaStatus>]) -> Option<u64> {
     st.iter().flatten().find(|s| s.leader).map(|s| s.log_index)
+}
+
+/// Reserve slots each replica's data device has (passed to `cluster up`); a slot is a
+/// header block and a data block, after the home area.
+pub const RESERVE_SLOTS: u64 = 16384;
+/// The volumes' block size (`cluster up`'s default).
+pub const BLOCK_SIZE: u64 = 4096;
+
+/// Allocated bytes of `f` in `[0, end)`, found with SEEK_DATA and SEEK_HOLE.
+fn allocated(f: &std::fs::File, end: u64) -> std::io::Result<u64> {
+    use std::os::fd::AsRawFd;
+    let fd = f.as_raw_fd();
+    let mut pos = 0u64;
+    let mut total = 0u64;
+    while pos < end {
+        // SAFETY: lseek on a descriptor this function borrows; no memory is passed.
+        let data = unsafe { libc::lseek(fd, pos as libc::off_t, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break; // no data after pos
+            }
+            return Err(e);
+        }
+        let data = data as u64;
+        if data >= end {
+            break;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data as libc::off_t, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let hole = (hole as u64).min(end);
+        total += hole - data;
+        pos = hole;
+    }
+    Ok(total)
 }

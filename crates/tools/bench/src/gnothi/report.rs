@@ -200,12 +200,13 @@ pub fn write(
         writeln!(md, "## Bytes stored per replica\n")?;
         writeln!(
             md,
-            "What each replica's data device holds on the host after the runs (allocated \
-             bytes; the zeroed reserve area included), against the volume's size.\n"
+            "Volume data each replica keeps at home after the runs (allocated bytes of its data \
+             device's home area; the reserve is counted apart, in blocks in use), against the \
+             volume's size.\n"
         )?;
         writeln!(
             md,
-            "| system | f | replica | stored MiB | ÷ volume | reserve blocks in use |"
+            "| system | f | replica | home MiB | ÷ volume | reserve blocks in use |"
         )?;
         writeln!(md, "|---|---:|---:|---:|---:|---:|")?;
         let last_run = stored.iter().map(|s| s.run).max().unwrap_or(0);
@@ -216,8 +217,8 @@ pub fn write(
                 s.system,
                 s.f,
                 s.replica,
-                s.data_bytes as f64 / 1048576.0,
-                s.data_bytes as f64 / s.volume_bytes.max(1) as f64,
+                s.home_bytes as f64 / 1048576.0,
+                s.home_bytes as f64 / s.volume_bytes.max(1) as f64,
                 s.reserve_used_blocks
             )?;
         }
@@ -227,7 +228,7 @@ pub fn write(
                 let v: Vec<f64> = stored
                     .iter()
                     .filter(|s| s.system == sys && s.f == f && s.run == last_run)
-                    .map(|s| s.data_bytes as f64)
+                    .map(|s| s.home_bytes as f64)
                     .collect();
                 (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
             };
@@ -246,10 +247,7 @@ pub fn write(
 
     let catchups: Vec<&Row> = rows.iter().filter(|r| r.workload == "catchup").collect();
     if !catchups.is_empty() {
-        writeln!(
-            md,
-            "## Catch-up recovery (f = 1, sequential 4 KiB writes)\n"
-        )?;
+        writeln!(md, "## Catch-up recovery (f = 1, random 1 MiB writes)\n")?;
         writeln!(
             md,
             "A follower is killed, restarted later, and recovers: Phase 1 brings its \
