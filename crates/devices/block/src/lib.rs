@@ -18,6 +18,7 @@
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+mod bytes;
 mod counters;
 mod file;
 mod mem;
@@ -25,6 +26,7 @@ mod model;
 mod overlay;
 mod recording;
 
+pub use bytes::ByteView;
 pub use counters::{IoCounters, IoStats};
 pub use file::{lock_file, lock_holders, FileDevice, FileDeviceOptions, ImageLock};
 pub use mem::MemDevice;

@@ -19,11 +19,11 @@
 pub mod proto;
 
 use proto::*;
-use quilt_block::{BlockDevice, BlockDeviceExt, BlockError, WriteClass};
+use quilt_block::{BlockDevice, BlockError, ByteView};
 use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// How many clients may be connected at once; more are turned away at accept.
 pub const MAX_CONNECTIONS: usize = 64;
@@ -39,19 +39,17 @@ pub enum NbdError {
 /// One device offered under one name.
 pub struct Export {
     name: String,
-    dev: Arc<dyn BlockDevice>,
+    /// Shared by every connection, so partial-block patches are serialised across them.
+    bytes: ByteView,
     read_only: bool,
-    /// Serialises read-modify-write of partial blocks across connections.
-    patch: Mutex<()>,
 }
 
 impl Export {
     pub fn new(name: impl Into<String>, dev: Arc<dyn BlockDevice>, read_only: bool) -> Export {
         Export {
             name: name.into(),
-            dev,
+            bytes: ByteView::new(dev),
             read_only,
-            patch: Mutex::new(()),
         }
     }
 
@@ -61,7 +59,7 @@ impl Export {
 
     /// The export's size in bytes.
     pub fn size(&self) -> u64 {
-        self.dev.block_count() * self.dev.block_size() as u64
+        self.bytes.size()
     }
 
     fn transmission_flags(&self) -> u16 {
@@ -252,7 +250,9 @@ fn handshake(r: &mut impl Read, w: &mut impl Write, export: &Export) -> Result<b
                     // are cheaper.
                     let mut info = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
                     info.extend_from_slice(&1u32.to_be_bytes());
-                    info.extend_from_slice(&(export.dev.block_size() as u32).to_be_bytes());
+                    info.extend_from_slice(
+                        &(export.bytes.device().block_size() as u32).to_be_bytes(),
+                    );
                     info.extend_from_slice(&MAX_PAYLOAD.to_be_bytes());
                     w.write_all(&option_reply(option, REP_INFO, &info))?;
                     w.write_all(&option_reply(option, REP_ACK, &[]))?;
@@ -324,7 +324,7 @@ fn transmission(r: &mut impl Read, w: &mut impl Write, export: &Export) -> Resul
                     EINVAL
                 } else {
                     buf.resize(req.length as usize, 0);
-                    match read_bytes(export, req.offset, &mut buf) {
+                    match export.bytes.read_at(req.offset, &mut buf) {
                         Ok(()) => {
                             w.write_all(&simple_reply(0, req.cookie))?;
                             w.write_all(&buf)?;
@@ -354,9 +354,9 @@ fn transmission(r: &mut impl Read, w: &mut impl Write, export: &Export) -> Resul
                 } else {
                     let fua = req.flags & CMD_FLAG_FUA != 0;
                     result_errno(
-                        write_bytes(export, req.offset, &buf).and_then(|()| {
+                        export.bytes.write_at(req.offset, &buf).and_then(|()| {
                             if fua {
-                                export.dev.flush()
+                                export.bytes.flush()
                             } else {
                                 Ok(())
                             }
@@ -373,18 +373,15 @@ fn transmission(r: &mut impl Read, w: &mut impl Write, export: &Export) -> Resul
                 } else {
                     let fua = req.flags & CMD_FLAG_FUA != 0;
                     result_errno(
-                        write_zeroes(export, req.offset, len).and_then(|()| {
-                            if fua {
-                                export.dev.flush()
-                            } else {
-                                Ok(())
-                            }
-                        }),
+                        export
+                            .bytes
+                            .write_zeroes_at(req.offset, len)
+                            .and_then(|()| if fua { export.bytes.flush() } else { Ok(()) }),
                         "write zeroes",
                     )
                 }
             }
-            CMD_FLUSH => result_errno(export.dev.flush(), "flush"),
+            CMD_FLUSH => result_errno(export.bytes.flush(), "flush"),
             CMD_TRIM => {
                 if export.read_only {
                     EPERM
@@ -404,7 +401,7 @@ fn transmission(r: &mut impl Read, w: &mut impl Write, export: &Export) -> Resul
             CMD_DISC => {
                 // A client that leaves without flushing still finds its writes durable
                 // when the next one connects.
-                if let Err(e) = export.dev.flush() {
+                if let Err(e) = export.bytes.flush() {
                     tracing::warn!("nbd: flush at disconnect: {e}");
                 }
                 return Ok(());
@@ -424,51 +421,4 @@ fn result_errno(r: quilt_block::Result<()>, what: &str) -> u32 {
             errno(&e)
         }
     }
-}
-
-fn read_bytes(export: &Export, offset: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
-    let bs = export.dev.block_size() as u64;
-    export
-        .dev
-        .read_part(offset / bs, (offset % bs) as usize, buf)
-}
-
-/// Writes bytes at any offset: whole blocks in one request, partial ones patched.
-fn write_bytes(export: &Export, offset: u64, data: &[u8]) -> quilt_block::Result<()> {
-    let dev = &export.dev;
-    let bs = dev.block_size();
-    let mut off = offset;
-    let mut rest = data;
-    let mut block = vec![0u8; bs];
-    while !rest.is_empty() {
-        let first = off / bs as u64;
-        let skip = (off % bs as u64) as usize;
-        let n = if skip != 0 || rest.len() < bs {
-            let n = (bs - skip).min(rest.len());
-            let _one_at_a_time = export.patch.lock().unwrap_or_else(|p| p.into_inner());
-            dev.read(first, &mut block)?;
-            block[skip..skip + n].copy_from_slice(&rest[..n]);
-            dev.write(first, &block, WriteClass::default())?;
-            n
-        } else {
-            let n = rest.len() / bs * bs;
-            dev.write_blocks(first, &rest[..n], WriteClass::default())?;
-            n
-        };
-        off += n as u64;
-        rest = &rest[n..];
-    }
-    Ok(())
-}
-
-fn write_zeroes(export: &Export, offset: u64, len: u64) -> quilt_block::Result<()> {
-    const CHUNK: u64 = 1 << 20;
-    let zeroes = vec![0u8; CHUNK.min(len) as usize];
-    let mut done = 0;
-    while done < len {
-        let n = CHUNK.min(len - done);
-        write_bytes(export, offset + done, &zeroes[..n as usize])?;
-        done += n;
-    }
-    Ok(())
 }

@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 mod betrfs;
 mod crashtest;
 mod demo;
+mod fileview;
 mod image;
 mod kv;
 mod mkfs;
@@ -88,6 +89,10 @@ enum Command {
     /// Export an image or a replicated volume over NBD (the network block protocol
     /// qemu, nbdcopy, nbd-client and fio speak) until interrupted.
     Nbd(nbd::NbdArgs),
+    /// Mount an image or a replicated volume as a directory holding one file whose bytes
+    /// are the volume's (for losetup, and the kernel's own file systems on it), until
+    /// unmounted.
+    FileView(fileview::FileViewArgs),
 }
 
 /// `mi_option_purge_delay` of mimalloc 2.1 and later (the Rust bindings list only the
@@ -172,7 +177,7 @@ fn main() {
     // for output piped into `head`).
     if matches!(
         cli.command,
-        Command::Replica(_) | Command::Cluster(_) | Command::Nbd(_)
+        Command::Replica(_) | Command::Cluster(_) | Command::Nbd(_) | Command::FileView(_)
     ) || argv
         .iter()
         .any(|a| quilt_gnothi::device::VolumeAddress::is_address(a))
@@ -224,6 +229,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Replica(c) => replica::run_replica(c),
         Command::Cluster(c) => replica::run_cluster(c),
         Command::Nbd(a) => nbd::run(a),
+        Command::FileView(a) => fileview::run(a),
     }
 }
 

@@ -445,7 +445,7 @@ fn serve_fs<F: Served>(
 }
 
 /// SIGTERM, SIGINT or SIGHUP unmount the file system, which ends the session cleanly.
-fn watch_signals(mountpoint: PathBuf) {
+pub(crate) fn watch_signals(mountpoint: PathBuf) {
     // SAFETY: standard signal-mask setup before the worker threads exist; sigwait in a
     // dedicated thread.
     unsafe {
