@@ -18,7 +18,8 @@ use std::sync::Arc;
 
 const LABEL_MAGIC: &[u8; 4] = b"QGLB";
 const SNAP_MAGIC: &[u8; 4] = b"QGSN";
-const FORMAT: u32 = 1;
+/// 2: the data device's reserve keeps all headers before all data (`store.rs`).
+const FORMAT: u32 = 2;
 const NAME_MAX: usize = 64;
 
 #[derive(Debug, thiserror::Error)]

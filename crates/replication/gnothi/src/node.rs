@@ -184,32 +184,43 @@ async fn proposer(
     }
 }
 
+/// Blocks a Phase 2 fetch reads under one hold of the replica's lock.
+const FETCH_CHUNK: u64 = 256;
+
 /// Writes placed data back: every `every`, a flush of the data device (outside the
 /// replica's lock, so applies and reads go on meanwhile), then the placed mark moves.
 async fn flusher(machine: Machine, every: Duration) {
     loop {
         tokio::time::sleep(every).await;
-        let m = machine.clone();
-        let done = tokio::task::spawn_blocking(move || {
-            let mut g = m.lock();
-            let Some(wb) = g.write_back_begin() else {
-                return Ok(());
-            };
-            // The device's order is taken before the replica's lock goes: a settle
-            // that comes meanwhile waits for this batch before writing newer data.
-            let order = wb.batch.device_order.clone();
-            let written = {
-                let _order = order.lock().unwrap_or_else(|p| p.into_inner());
-                drop(g);
-                wb.batch.write_out().map_err(|e| e.to_string())
-            };
-            m.lock().write_back_done(wb, written)
-        })
-        .await;
-        if let Ok(Err(e)) = done {
+        if let Err(e) = write_back(&machine).await {
             tracing::warn!(error = %e, "writing placed data back failed");
         }
     }
+}
+
+/// One write-back of everything placed so far: durable when it returns `Ok`. The
+/// replica's lock is held only to take the batch and to record it written.
+async fn write_back(machine: &Machine) -> Result<(), String> {
+    let m = machine.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut g = m.lock();
+        let Some(wb) = g.write_back_begin() else {
+            return Ok(());
+        };
+        // The device's order is taken before the replica's lock goes: a settle
+        // that comes meanwhile waits for this batch before writing newer data.
+        let order = wb.batch.device_order.clone();
+        let written = {
+            let _order = order.lock().unwrap_or_else(|p| p.into_inner());
+            drop(g);
+            wb.batch.write_out().map_err(|e| e.to_string())
+        };
+        m.lock()
+            .write_back_done(wb, written)
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| e.to_string())?
 }
 
 /// One write's data waiting for the stager, and where its answer goes.
@@ -438,7 +449,7 @@ impl Node {
                 }),
             },
             Request::Read { first, count } => self.read(first, count).await,
-            Request::Fetch { first, count } => self.fetch(first, count),
+            Request::Fetch { first, count } => self.fetch(first, count).await,
             Request::Status => Response::Status(self.status()),
         }
     }
@@ -547,21 +558,34 @@ impl Node {
             .unwrap_or_else(|e| Response::Error(RpcError::Failed(e.to_string())))
     }
 
-    fn fetch(&self, first: u64, count: u32) -> Response {
+    async fn fetch(&self, first: u64, count: u32) -> Response {
         if let Err(e) = self.check_range(first, count) {
             return Response::Error(e);
         }
-        let mut g = self.machine.lock();
-        let mut out = Vec::with_capacity(count as usize);
-        for b in first..first + u64::from(count) {
-            let version = g.table().meta(b).map_or(0, |m| m.version);
-            out.push(match g.read(b) {
-                Ok(LocalRead::Data(d)) => (version, Some(d)),
-                Ok(_) => (version, None),
-                Err(e) => return Response::Error(RpcError::Failed(e.to_string())),
-            });
-        }
-        Response::Fetched(out)
+        let machine = self.machine.clone();
+        let fetched = tokio::task::spawn_blocking(move || {
+            let mut out = Vec::with_capacity(count as usize);
+            let end = first + u64::from(count);
+            // A megabyte's worth of blocks at a time, the lock let go between them: a
+            // recovering replica's 16 MiB fetch must not hold this one's stores and
+            // applies. Each block's version and data are read together, which is all a
+            // fetch needs.
+            for chunk in (first..end).step_by(FETCH_CHUNK as usize) {
+                let mut g = machine.lock();
+                for b in chunk..(chunk + FETCH_CHUNK).min(end) {
+                    let version = g.table().meta(b).map_or(0, |m| m.version);
+                    out.push(match g.read(b) {
+                        Ok(LocalRead::Data(d)) => (version, Some(d)),
+                        Ok(_) => (version, None),
+                        Err(e) => return Response::Error(RpcError::Failed(e.to_string())),
+                    });
+                }
+            }
+            Response::Fetched(out)
+        });
+        fetched
+            .await
+            .unwrap_or_else(|e| Response::Error(RpcError::Failed(e.to_string())))
     }
 
     pub fn status(&self) -> Status {
@@ -726,10 +750,24 @@ impl Node {
                     repaired.push((b, version));
                 }
             }
-            if let Err(e) = g.settle() {
+        }
+        // Durable before they are reported; written outside the lock (16 MiB written and
+        // flushed under it held the replica's stores and applies for the whole time).
+        // The flusher may have taken them into its own batch: then wait until no batch
+        // holds them (a failed one puts them back, and the next write-back retries).
+        loop {
+            if let Err(e) = write_back(&self.machine).await {
                 tracing::warn!(replica = self.id, error = %e, "flushing repaired blocks failed");
                 return;
             }
+            let pending = self
+                .machine
+                .lock()
+                .home_pending(repaired.iter().map(|&(b, _)| b));
+            if !pending {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
         if !repaired.is_empty() {
             self.propose_anywhere(Command::Repaired {

@@ -599,6 +599,11 @@ impl Local {
         Ok(())
     }
 
+    /// Whether any of `blocks`' home copies is not durable yet.
+    pub fn home_pending(&self, mut blocks: impl Iterator<Item = u64>) -> bool {
+        blocks.any(|b| self.store.home_pending(b))
+    }
+
     /// Makes placed data durable, then lets the data log go of it.
     pub fn settle(&mut self) -> Result<(), ReplicaError> {
         if self.unflushed {
