@@ -11,6 +11,7 @@ use crate::table::{Command, Version};
 use openraft::{BasicNode, SnapshotPolicy};
 use quilt_block::BlockDevice;
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -79,6 +80,12 @@ pub struct Node {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     stager: tokio::sync::mpsc::UnboundedSender<StageJob>,
     proposer: tokio::sync::mpsc::UnboundedSender<ProposeJob>,
+    /// Phase 2's pace: fetches are `fetch_bytes >> fetch_shift` (halved after a fetch
+    /// that failed or brought nothing, doubled back after one that repaired), and
+    /// `fetch_turn` picks among the holders, so a slow or unhelpful holder (one reading
+    /// scattered reserve slots past the RPC timeout) cannot stall recovery forever.
+    fetch_shift: std::sync::atomic::AtomicU32,
+    fetch_turn: std::sync::atomic::AtomicUsize,
 }
 
 /// A proposal waiting for a batch, and where its answer goes.
@@ -349,6 +356,8 @@ impl Node {
             tasks: Mutex::new(Vec::new()),
             stager: jobs,
             proposer: proposals,
+            fetch_shift: std::sync::atomic::AtomicU32::new(0),
+            fetch_turn: std::sync::atomic::AtomicUsize::new(0),
         });
         let bg = tokio::spawn(Node::background(Arc::downgrade(&node)));
         node.tasks
@@ -717,10 +726,13 @@ impl Node {
             let Some((first, m)) = g.table().incomplete(self.id).next() else {
                 return;
             };
-            let Some(from) = m.holders.iter().find(|&r| r != self.id) else {
+            let holders: Vec<ReplicaId> = m.holders.iter().filter(|&r| r != self.id).collect();
+            if holders.is_empty() {
                 return;
-            };
-            let per_fetch = (self.config.fetch_bytes / u64::from(geo.block_size)).max(1);
+            }
+            let from = holders[self.fetch_turn.load(Relaxed) % holders.len()];
+            let shift = self.fetch_shift.load(Relaxed);
+            let per_fetch = (self.config.fetch_bytes / u64::from(geo.block_size) >> shift).max(1);
             let max = (MAX_DATA / geo.block_size as usize) as u64;
             let slice_end = (geo.slice_of(first) + 1) * geo.slice_blocks;
             let count = per_fetch.min(max).min(slice_end.min(geo.blocks) - first);
@@ -733,7 +745,14 @@ impl Node {
             self.config.rpc_timeout,
         )
         .await;
+        let slower = || {
+            self.fetch_turn.fetch_add(1, Relaxed);
+            let _ = self
+                .fetch_shift
+                .fetch_update(Relaxed, Relaxed, |s| Some((s + 1).min(12)));
+        };
         let Ok(Response::Fetched(blocks)) = resp else {
+            slower();
             return;
         };
         let mut repaired = Vec::new();
@@ -768,6 +787,13 @@ impl Node {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        if repaired.is_empty() {
+            slower();
+        } else {
+            let _ = self
+                .fetch_shift
+                .fetch_update(Relaxed, Relaxed, |s| Some(s.saturating_sub(1)));
         }
         if !repaired.is_empty() {
             self.propose_anywhere(Command::Repaired {
