@@ -732,7 +732,7 @@ impl Node {
             }
             let from = holders[self.fetch_turn.load(Relaxed) % holders.len()];
             let shift = self.fetch_shift.load(Relaxed);
-            let per_fetch = (self.config.fetch_bytes / u64::from(geo.block_size) >> shift).max(1);
+            let per_fetch = ((self.config.fetch_bytes / u64::from(geo.block_size)) >> shift).max(1);
             let max = (MAX_DATA / geo.block_size as usize) as u64;
             let slice_end = (geo.slice_of(first) + 1) * geo.slice_blocks;
             let count = per_fetch.min(max).min(slice_end.min(geo.blocks) - first);
