@@ -43,7 +43,7 @@ fn goal(ok: Option<bool>) -> &'static str {
     match ok {
         Some(true) => "met",
         Some(false) => "**not met**",
-        None => "not measured",
+        None => "not judged",
     }
 }
 
@@ -167,7 +167,10 @@ pub fn write(
                 }
                 if w.ends_with("read") {
                     goals.push((
-                        format!("{w} {} KiB, f={f}: gnothi within 5% of gprime", bs >> 10),
+                        format!(
+                            "{w} {} KiB, f={f}: gnothi no more than 5% below gprime",
+                            bs >> 10
+                        ),
                         vs_g.map(|r| (0.95..=1.05).contains(&r) || r > 1.05),
                         fmt_ratio(vs_g),
                     ));
@@ -303,14 +306,23 @@ pub fn write(
                         g.len()
                     ),
                 ));
-                let per_100k: Vec<f64> = g
+                // Phase 1's time includes the process's start and an election; scaled
+                // up from a few hundred missed entries (each up to ten writes) it says
+                // little, so the verdict is left open below 10,000.
+                let per_100k: Vec<(f64, u64)> = g
                     .iter()
-                    .filter_map(|r| Some(r.phase1_s? / (r.missed_entries?.max(1) as f64 / 1e5)))
+                    .filter_map(|r| {
+                        let missed = r.missed_entries?.max(1);
+                        Some((r.phase1_s? / (missed as f64 / 1e5), missed))
+                    })
                     .collect();
-                if let Some(&worst) = per_100k.iter().max_by(|a, b| a.total_cmp(b)) {
+                if let Some(&(worst, missed)) = per_100k.iter().max_by(|a, b| a.0.total_cmp(&b.0)) {
                     goals.push((
-                        format!("interval {i} ms: Phase 1 ≤ 1 s per 100,000 missed writes"),
-                        Some(worst <= 1.0),
+                        format!(
+                            "interval {i} ms: Phase 1 ≤ 1 s per 100,000 missed writes \
+                             (scaled from {missed} missed entries, restart included)"
+                        ),
+                        (missed >= 10_000).then_some(worst <= 1.0),
                         format!("{worst:.2} s"),
                     ));
                 }
