@@ -4,7 +4,6 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
-use quilt_stack::{DeviceSpec, ImageSpec};
 use quilt_vfs::FileSystem;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -26,24 +25,9 @@ pub struct FileViewArgs {
 }
 
 pub fn run(a: FileViewArgs) -> Result<()> {
+    let (dev, name) =
+        crate::nbd::open_whole(&a.image, a.name.as_deref(), a.block_size, a.read_only)?;
     let text = a.image.to_string_lossy().to_string();
-    let name =
-        a.name
-            .clone()
-            .unwrap_or_else(|| match quilt_gnothi::device::VolumeAddress::parse(&text) {
-                Ok(v) => v.volume,
-                Err(_) => a
-                    .image
-                    .file_name()
-                    .map(|n| n.to_string_lossy().to_string())
-                    .unwrap_or_else(|| "volume".into()),
-            });
-    let dev = quilt_stack::device(DeviceSpec::image(ImageSpec::new(
-        &a.image,
-        a.block_size,
-        a.read_only,
-    )))
-    .with_context(|| format!("cannot open {}", a.image.display()))?;
     // SAFETY: getuid and getgid cannot fail and touch no memory.
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
     let fs = Arc::new(

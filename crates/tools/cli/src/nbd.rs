@@ -25,25 +25,32 @@ pub struct NbdArgs {
     pub block_size: usize,
 }
 
-pub fn run(a: NbdArgs) -> Result<()> {
-    let text = a.image.to_string_lossy().to_string();
-    let name =
-        a.name
-            .clone()
-            .unwrap_or_else(|| match quilt_gnothi::device::VolumeAddress::parse(&text) {
-                Ok(v) => v.volume,
-                Err(_) => a
-                    .image
-                    .file_name()
-                    .map(|n| n.to_string_lossy().to_string())
-                    .unwrap_or_default(),
-            });
+/// Opens an image or a volume whole, as a device, with the name it is shown by: `name`,
+/// else the volume's name, else the image file's (else `volume`).
+pub(crate) fn open_whole(
+    image: &std::path::Path,
+    name: Option<&str>,
+    block_size: usize,
+    read_only: bool,
+) -> Result<(quilt_stack::Device, String)> {
+    let text = image.to_string_lossy().to_string();
+    let name = match (name, quilt_gnothi::device::VolumeAddress::parse(&text)) {
+        (Some(n), _) => n.to_string(),
+        (None, Ok(v)) => v.volume,
+        (None, Err(_)) => image
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_else(|| "volume".into()),
+    };
     let dev = quilt_stack::device(DeviceSpec::image(ImageSpec::new(
-        &a.image,
-        a.block_size,
-        a.read_only,
+        image, block_size, read_only,
     )))
-    .with_context(|| format!("cannot open {}", a.image.display()))?;
+    .with_context(|| format!("cannot open {}", image.display()))?;
+    Ok((dev, name))
+}
+
+pub fn run(a: NbdArgs) -> Result<()> {
+    let (dev, name) = open_whole(&a.image, a.name.as_deref(), a.block_size, a.read_only)?;
     let export = quilt_nbd::Export::new(name.clone(), dev.dev, a.read_only);
     let size = export.size();
     let server = quilt_nbd::Server::bind(&a.listen, export)
