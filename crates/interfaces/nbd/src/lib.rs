@@ -291,14 +291,10 @@ fn errno(e: &BlockError) -> u32 {
         BlockError::NoSpace { .. } | BlockError::LogFull { .. } => ENOSPC,
         BlockError::OutOfRange { .. } => EINVAL,
         BlockError::Unsupported(_) => ENOTSUP,
-        BlockError::Io { source, .. } if source.raw_os_error() == Some(libc_enospc()) => ENOSPC,
+        // The protocol's errnos are Linux's, so the host's ENOSPC is the same number.
+        BlockError::Io { source, .. } if source.raw_os_error() == Some(ENOSPC as i32) => ENOSPC,
         _ => EIO,
     }
-}
-
-/// ENOSPC as the host numbers it (the same 28 on every Linux architecture).
-const fn libc_enospc() -> i32 {
-    28
 }
 
 fn transmission(r: &mut impl Read, w: &mut impl Write, export: &Export) -> Result<(), NbdError> {
@@ -347,40 +343,13 @@ fn transmission(r: &mut impl Read, w: &mut impl Write, export: &Export) -> Resul
                 }
                 buf.resize(req.length as usize, 0);
                 r.read_exact(&mut buf)?;
-                if export.read_only {
-                    EPERM
-                } else if !inside {
-                    ENOSPC
-                } else {
-                    let fua = req.flags & CMD_FLAG_FUA != 0;
-                    result_errno(
-                        export.bytes.write_at(req.offset, &buf).and_then(|()| {
-                            if fua {
-                                export.bytes.flush()
-                            } else {
-                                Ok(())
-                            }
-                        }),
-                        "write",
-                    )
-                }
+                write_errno(export, &req, inside, "write", |b| {
+                    b.write_at(req.offset, &buf)
+                })
             }
-            CMD_WRITE_ZEROES => {
-                if export.read_only {
-                    EPERM
-                } else if !inside {
-                    ENOSPC
-                } else {
-                    let fua = req.flags & CMD_FLAG_FUA != 0;
-                    result_errno(
-                        export
-                            .bytes
-                            .write_zeroes_at(req.offset, len)
-                            .and_then(|()| if fua { export.bytes.flush() } else { Ok(()) }),
-                        "write zeroes",
-                    )
-                }
-            }
+            CMD_WRITE_ZEROES => write_errno(export, &req, inside, "write zeroes", |b| {
+                b.write_zeroes_at(req.offset, len)
+            }),
             CMD_FLUSH => result_errno(export.bytes.flush(), "flush"),
             CMD_TRIM => {
                 if export.read_only {
@@ -411,6 +380,28 @@ fn transmission(r: &mut impl Read, w: &mut impl Write, export: &Export) -> Resul
         w.write_all(&simple_reply(error, req.cookie))?;
         w.flush()?;
     }
+}
+
+/// A command that writes: refused on a read-only export or outside it, else done (and
+/// flushed when the client asked for FUA), its outcome as an errno.
+fn write_errno(
+    export: &Export,
+    req: &Request,
+    inside: bool,
+    what: &str,
+    write: impl FnOnce(&ByteView) -> quilt_block::Result<()>,
+) -> u32 {
+    if export.read_only {
+        return EPERM;
+    }
+    if !inside {
+        return ENOSPC;
+    }
+    let fua = req.flags & CMD_FLAG_FUA != 0;
+    result_errno(
+        write(&export.bytes).and_then(|()| if fua { export.bytes.flush() } else { Ok(()) }),
+        what,
+    )
 }
 
 fn result_errno(r: quilt_block::Result<()>, what: &str) -> u32 {

@@ -71,6 +71,23 @@ impl VolumeAddress {
     }
 
     /// The cluster secret this address names (file or environment).
+    /// A client of the volume as client `id`: its replicas over gRPC with the
+    /// volume's secret. Runs on the caller's tokio runtime.
+    pub async fn connect(&self, id: u64, config: ClientConfig) -> Result<Client, String> {
+        let secret = self.secret()?;
+        let peers: BTreeMap<u64, String> = self
+            .replicas
+            .iter()
+            .cloned()
+            .enumerate()
+            .map(|(i, h)| (i as u64, h))
+            .collect();
+        let net = GrpcNet::new(peers, &secret).map_err(|e| e.to_string())?;
+        Client::connect(net, self.replicas.len() as u16, id, config)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
     pub fn secret(&self) -> Result<String, String> {
         if let Some(f) = &self.secret_file {
             return std::fs::read_to_string(f)
@@ -105,33 +122,23 @@ impl ReplicatedDevice {
     pub fn connect(address: &str) -> Result<ReplicatedDevice, BlockError> {
         let what = format!("volume {address}");
         let a = VolumeAddress::parse(address).map_err(|e| unavailable(&what, e))?;
-        let secret = a.secret().map_err(|e| unavailable(&what, e))?;
-        let peers: BTreeMap<u64, String> = a
-            .replicas
-            .iter()
-            .cloned()
-            .enumerate()
-            .map(|(i, h)| (i as u64, h))
-            .collect();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .map_err(|e| unavailable(&what, e))?;
-        let net = GrpcNet::new(peers, &secret).map_err(|e| unavailable(&what, e))?;
         // Unique among this volume's clients: the process id and the time.
         let id = (u64::from(std::process::id()) << 32)
             ^ std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64 & 0xffff_ffff);
-        let replicas = a.replicas.len() as u16;
         let client = rt
-            .block_on(Client::connect(net, replicas, id, ClientConfig::default()))
+            .block_on(a.connect(id, ClientConfig::default()))
             .map_err(|e| unavailable(&what, e))?;
         let status = rt
             .block_on(client.status(0))
             .or_else(|_| {
-                (1..replicas)
+                (1..a.replicas.len() as u16)
                     .find_map(|r| rt.block_on(client.status(r)).ok())
                     .ok_or(())
             })

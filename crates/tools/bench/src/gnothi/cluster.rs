@@ -5,8 +5,6 @@ use crate::{quiltfs_exe, sh};
 use anyhow::{anyhow, Context, Result};
 use quilt_gnothi::client::{Client, ClientConfig};
 use quilt_gnothi::device::VolumeAddress;
-use quilt_gnothi::transport::GrpcNet;
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -138,26 +136,13 @@ impl LocalCluster {
     /// A client of the volume, on `rt`.
     pub fn client(&self, rt: &tokio::runtime::Runtime, id: u64) -> Result<Arc<Client>> {
         let a = VolumeAddress::parse(&self.address).map_err(|e| anyhow!(e))?;
-        let secret = a.secret().map_err(|e| anyhow!(e))?;
-        let peers: BTreeMap<u64, String> = a
-            .replicas
-            .iter()
-            .cloned()
-            .enumerate()
-            .map(|(i, h)| (i as u64, h))
-            .collect();
-        let n = a.replicas.len() as u16;
-        rt.block_on(async move {
-            let net = GrpcNet::new(peers, &secret).map_err(|e| anyhow!(e))?;
-            let config = ClientConfig {
-                op_timeout: std::time::Duration::from_secs(30),
-                ..ClientConfig::default()
-            };
-            Client::connect(net, n, id, config)
-                .await
-                .map(Arc::new)
-                .map_err(|e| anyhow!("connecting to {}: {e}", self.address))
-        })
+        let config = ClientConfig {
+            op_timeout: std::time::Duration::from_secs(30),
+            ..ClientConfig::default()
+        };
+        rt.block_on(a.connect(id, config))
+            .map(Arc::new)
+            .map_err(|e| anyhow!("connecting to {}: {e}", self.address))
     }
 }
 
