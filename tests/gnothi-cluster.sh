@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A replicated volume as real processes (quiltfs cluster), with ext2 on it through
 # FUSE: replicas killed with SIGKILL during a copy and while reading, one replica's
-# data device damaged, the whole cluster stopped and started again. Every time, the
+# data device damaged (and scrubbed), another's data disk replaced by an empty one
+# during a copy, the whole cluster stopped and started again. Every time, the
 # files read back equal to their source, and the volume, exported to a file, passes
 # e2fsck -fn. Needs root (FUSE mounts).
 #
@@ -40,6 +41,7 @@ wait_whole() {
     [ "$(status_field incomplete)" = 0 ] && [ "$(status_field reserve_used)" = 0 ] && return 0
     sleep 0.2
   done
+  "$Q" cluster status "$D" >&2
   fail "replicas did not catch up (incomplete $(status_field incomplete), reserve $(status_field reserve_used))"
 }
 check_files() { diff -r --no-dereference "$SRC" "$M/$1" >/dev/null || fail "$1 differs from $SRC ($2)"; }
@@ -81,24 +83,54 @@ say "leader $L killed while reading: equal"
 #    elsewhere and the damaged copies are fetched again.
 "$Q" umount "$M"
 "$Q" cluster stop "$D" --replica 2 >/dev/null
-# Every block of it: where ext2 put the files depends on its allocator.
-dd if=/dev/urandom of="$D/r2.data" bs=1M count=$(( $(stat -c %s "$D/r2.data") >> 20 )) conv=notrunc status=none
+# Every block of it but the last MiB (its label, after the reserve, says whose disk it
+# is): where ext2 put the files depends on its allocator.
+dd if=/dev/urandom of="$D/r2.data" bs=1M count=$(( ($(stat -c %s "$D/r2.data") >> 20) - 1 )) conv=notrunc status=none
 "$Q" cluster start "$D" --replica 2 >/dev/null
 "$Q" mount "$A" "$M" >/dev/null
 check_files a "replica 2's data damaged"
 BAD=$(status_field checksum_failures)
 [ "$BAD" -gt 0 ] || fail "replica 2's damaged blocks were never noticed (checksum_failures 0)"
+# Blocks no read touched are still damaged on replica 2: a scrub finds them (before
+# the disk replacement below could make replica 0's copy their last), they are fetched
+# again, and a second scrub finds nothing.
+"$Q" cluster scrub "$D" >"$W/scrub1.out" || { cat "$W/scrub1.out"; fail "scrub"; }
+SCRUBBED=$(awk '/replica 2:/ {print $6}' "$W/scrub1.out")
+[ "${SCRUBBED:-0}" -gt 0 ] || { cat "$W/scrub1.out"; fail "the scrub found no damage on replica 2"; }
 wait_whole
+"$Q" cluster scrub "$D" >"$W/scrub2.out"
+grep -q " [1-9][0-9]* damaged" "$W/scrub2.out" && { cat "$W/scrub2.out"; fail "damage left after the repair"; }
 "$Q" umount "$M"
 fsck_volume "after damage"
-say "damaged data device: $BAD damaged blocks noticed, reads equal, repaired, e2fsck clean"
+say "damaged data device: $BAD damaged blocks noticed by reads, $SCRUBBED more by a scrub, repaired, e2fsck clean"
 
-# 5. The whole cluster stopped and started again.
+# 5. Replica 0's data disk replaced by an empty one during a copy: the volume is told,
+#    re-replication rebuilds it, and then it serves with each of the others down.
+"$Q" mount "$A" "$M" >/dev/null
+cp -r "$SRC" "$M/b" &
+CP=$!
+sleep 1
+"$Q" cluster replace-disk "$D" --replica 0 >/dev/null 2>"$W/replace.err" || { cat "$W/replace.err"; fail "cluster replace-disk"; }
+wait "$CP" || fail "the copy failed while a disk was replaced"
+"$Q" sync "$M"
+wait_whole
+for r in 1 2; do
+  "$Q" cluster stop "$D" --replica "$r" --kill >/dev/null
+  check_files a "replica 0 rebuilt, replica $r down"
+  check_files b "replica 0 rebuilt, replica $r down"
+  "$Q" cluster start "$D" --replica "$r" >/dev/null
+  wait_whole
+done
+"$Q" umount "$M"
+say "replica 0's data disk replaced during a copy: rebuilt, equal with each other replica down"
+
+# 6. The whole cluster stopped and started again.
 "$Q" cluster down "$D" >/dev/null
 for r in 0 1 2; do "$Q" cluster start "$D" --replica $r >/dev/null; done
 for _ in $(seq 1 100); do leader >/dev/null 2>&1 && break; sleep 0.2; done
 "$Q" mount "$A" "$M" >/dev/null
 check_files a "after a full restart"
+check_files b "after a full restart"
 "$Q" umount "$M"
 fsck_volume "after a full restart"
 say "full restart: equal, e2fsck clean"

@@ -245,6 +245,45 @@ impl Client {
         r
     }
 
+    /// Tells the volume that replica `r`'s data device was replaced by an empty one
+    /// (what the operator's `--new-data-disk` does before `r` serves from it): `r` then
+    /// holds no block, and re-replication rebuilds its preferred slices. One session
+    /// sequence number, so a retry whose first try committed unseen applies once.
+    pub async fn declare_data_lost(&self, r: ReplicaId) -> Result<(), ClientError> {
+        if r >= self.geometry.replicas() {
+            return Err(ClientError::Protocol(format!(
+                "replica {r} is not in a volume of {} replicas",
+                self.geometry.replicas()
+            )));
+        }
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(seq);
+        let proposal = Proposal {
+            session: Some(Session {
+                client: self.id,
+                seq,
+                done_below: self.done_below(),
+            }),
+            command: Command::Lost {
+                replica: r,
+                blocks: None,
+            },
+        };
+        let deadline = Instant::now() + self.config.op_timeout;
+        let r = self.propose(proposal, deadline).await;
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&seq);
+        match r? {
+            Outcome::Applied(_) | Outcome::Duplicate(_) => Ok(()),
+            Outcome::Refused(e) => Err(ClientError::Refused(e)),
+        }
+    }
+
     fn done_below(&self) -> u64 {
         let f = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
         f.iter()

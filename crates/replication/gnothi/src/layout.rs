@@ -6,6 +6,8 @@
 //!   labelled for another replica or volume.
 //! - `raft_blocks` blocks: the Raft log (`raftlog.rs`).
 //! - `data_blocks` blocks: the data log (`datalog.rs`).
+//! - the data device's label is its last block, after the home area and the reserve:
+//!   `QGDL`, replica id, the volume's name, crc32c. A blank one is a new disk.
 //! - two snapshot slots of `snap_blocks` blocks each: a header block (`QGSN`, sequence
 //!   number, payload length and checksum, header checksum) and the payload. The payload
 //!   is flushed before its header, and the slots alternate, so a torn snapshot leaves
@@ -19,7 +21,9 @@ use std::sync::Arc;
 const LABEL_MAGIC: &[u8; 4] = b"QGLB";
 const SNAP_MAGIC: &[u8; 4] = b"QGSN";
 /// 2: the data device's reserve keeps all headers before all data (`store.rs`).
-const FORMAT: u32 = 2;
+/// 3: the data device carries its own label, after the reserve.
+const FORMAT: u32 = 3;
+const DATA_MAGIC: &[u8; 4] = b"QGDL";
 const NAME_MAX: usize = 64;
 
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +43,10 @@ pub enum LayoutError {
     Name(String),
     #[error("the label's geometry is invalid: {0}")]
     Geometry(String),
+    #[error("the data device's label is damaged (neither blank nor a replica's)")]
+    DataDamaged,
+    #[error("the data device is labelled for replica {replica} of volume {volume:?}")]
+    DataLabel { replica: ReplicaId, volume: String },
     #[error("a snapshot of {len} bytes does not fit a slot of {room}")]
     SnapshotTooLarge { len: usize, room: usize },
 }
@@ -162,6 +170,75 @@ impl Label {
         Ok(label)
     }
 
+    /// Where the data device's label lies: after the home area and the reserve.
+    pub fn data_label_block(&self) -> u64 {
+        crate::store::DataStore::blocks_needed(&self.geometry, self.replica, self.reserve_slots)
+    }
+
+    /// Blocks the data device must have.
+    pub fn data_blocks_needed(&self) -> u64 {
+        self.data_label_block() + 1
+    }
+
+    fn data_label(&self, bs: usize) -> Vec<u8> {
+        let mut b = vec![0u8; bs];
+        b[0..4].copy_from_slice(DATA_MAGIC);
+        b[4..6].copy_from_slice(&self.replica.to_le_bytes());
+        b[6] = self.volume.len().min(NAME_MAX) as u8;
+        b[8..8 + self.volume.len().min(NAME_MAX)]
+            .copy_from_slice(&self.volume.as_bytes()[..self.volume.len().min(NAME_MAX)]);
+        let c = crc32c::crc32c(&b[..8 + NAME_MAX]);
+        b[8 + NAME_MAX..12 + NAME_MAX].copy_from_slice(&c.to_le_bytes());
+        b
+    }
+
+    /// Labels `dev` as this replica's data device (flushed).
+    pub fn write_data_label(&self, dev: &dyn BlockDevice) -> Result<(), LayoutError> {
+        let need = self.data_blocks_needed();
+        if dev.block_count() < need {
+            return Err(LayoutError::TooSmall {
+                have: dev.block_count(),
+                need,
+            });
+        }
+        dev.write(
+            self.data_label_block(),
+            &self.data_label(dev.block_size()),
+            WriteClass::Metadata,
+        )?;
+        dev.flush()?;
+        Ok(())
+    }
+
+    /// Whether `dev` is this replica's data device (`true`) or a blank one (`false`:
+    /// a new disk); a device of another replica or volume, or a damaged label, is an
+    /// error.
+    pub fn data_label_matches(&self, dev: &dyn BlockDevice) -> Result<bool, LayoutError> {
+        let need = self.data_blocks_needed();
+        if dev.block_count() < need {
+            return Err(LayoutError::TooSmall {
+                have: dev.block_count(),
+                need,
+            });
+        }
+        let mut b = vec![0u8; dev.block_size()];
+        dev.read(self.data_label_block(), &mut b)?;
+        if b.iter().all(|&x| x == 0) {
+            return Ok(false);
+        }
+        if b == self.data_label(b.len()) {
+            return Ok(true);
+        }
+        if &b[0..4] == DATA_MAGIC && le32(&b, 8 + NAME_MAX) == crc32c::crc32c(&b[..8 + NAME_MAX]) {
+            let len = (b[6] as usize).min(NAME_MAX);
+            return Err(LayoutError::DataLabel {
+                replica: u16::from_le_bytes([b[4], b[5]]),
+                volume: String::from_utf8_lossy(&b[8..8 + len]).into_owned(),
+            });
+        }
+        Err(LayoutError::DataDamaged)
+    }
+
     /// Writes `payload` as the newest snapshot: into the slot not holding the current
     /// one, payload flushed before the header.
     pub fn write_snapshot(
@@ -248,6 +325,53 @@ mod tests {
             data_blocks: 32,
             snap_blocks: 10,
         }
+    }
+
+    #[test]
+    fn a_data_device_is_ours_blank_or_refused() {
+        let l = label();
+        let dev = MemDevice::new(512, l.data_blocks_needed()).unwrap();
+        // A new disk reads as blank; once labelled, as this replica's.
+        assert!(!l.data_label_matches(&dev).unwrap());
+        l.write_data_label(&dev).unwrap();
+        assert!(l.data_label_matches(&dev).unwrap());
+        // Another replica's, or another volume's: refused by name.
+        let mut one = l.clone();
+        one.replica = 1;
+        let theirs = MemDevice::new(512, l.data_blocks_needed()).unwrap();
+        theirs
+            .write(
+                l.data_label_block(),
+                &one.data_label(512),
+                WriteClass::Metadata,
+            )
+            .unwrap();
+        assert!(matches!(
+            l.data_label_matches(&theirs),
+            Err(LayoutError::DataLabel { replica: 1, .. })
+        ));
+        let mut other = l.clone();
+        other.volume = "vol1".into();
+        assert!(matches!(
+            other.data_label_matches(&dev),
+            Err(LayoutError::DataLabel { ref volume, .. }) if volume == "vol0"
+        ));
+        // A damaged label is neither blank nor ours.
+        let mut b = vec![0u8; 512];
+        dev.read(l.data_label_block(), &mut b).unwrap();
+        b[9] ^= 1;
+        dev.write(l.data_label_block(), &b, WriteClass::Metadata)
+            .unwrap();
+        assert!(matches!(
+            l.data_label_matches(&dev),
+            Err(LayoutError::DataDamaged)
+        ));
+        // A device too small for the layout says so.
+        let small = MemDevice::new(512, l.data_label_block()).unwrap();
+        assert!(matches!(
+            l.data_label_matches(&small),
+            Err(LayoutError::TooSmall { .. })
+        ));
     }
 
     #[test]

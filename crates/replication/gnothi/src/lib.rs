@@ -31,6 +31,7 @@ pub mod sim;
 pub mod store;
 mod table;
 pub mod transport;
+pub mod workload;
 
 pub use geometry::{Geometry, GeometryError, ReplicaId, System};
 pub use table::{

@@ -86,6 +86,11 @@ pub struct Node {
     /// scattered reserve slots past the RPC timeout) cannot stall recovery forever.
     fetch_shift: std::sync::atomic::AtomicU32,
     fetch_turn: std::sync::atomic::AtomicUsize,
+    raft_log: crate::raftlog::RaftLog,
+    /// Where the next Phase 2 fetch looks first (it goes round the volume).
+    phase2_cursor: std::sync::atomic::AtomicU64,
+    /// When `step` last asked for a snapshot because the log's ring filled.
+    snapshot_asked: Mutex<Option<tokio::time::Instant>>,
 }
 
 /// A proposal waiting for a batch, and where its answer goes.
@@ -303,6 +308,13 @@ impl Node {
         config: NodeConfig,
     ) -> Result<Arc<Node>, NodeError> {
         let (local, log) = crate::replica::Local::open(id, log_dev, data_dev)?;
+        let raft_log = log.clone();
+        // The log between snapshots must fit its ring with room to spare: an entry's
+        // record takes 2 blocks or more (header and body), so a snapshot at least
+        // every ring/8 entries. `step` also asks for one whenever the ring is half full.
+        let (_, ring) = raft_log.usage();
+        let snapshot_every = config.snapshot_every.min((ring / 8).max(16));
+        let keep_after_snapshot = config.keep_after_snapshot.min(snapshot_every / 4);
         let machine = Machine::new(local);
         let ms = |d: Duration| d.as_millis() as u64;
         let raft_config = openraft::Config {
@@ -310,8 +322,8 @@ impl Node {
             heartbeat_interval: ms(config.heartbeat),
             election_timeout_min: ms(config.election_min),
             election_timeout_max: ms(config.election_max),
-            snapshot_policy: SnapshotPolicy::LogsSinceLast(config.snapshot_every),
-            max_in_snapshot_log_to_keep: config.keep_after_snapshot,
+            snapshot_policy: SnapshotPolicy::LogsSinceLast(snapshot_every),
+            max_in_snapshot_log_to_keep: keep_after_snapshot,
             install_snapshot_timeout: ms(config.rpc_timeout),
             ..Default::default()
         }
@@ -358,6 +370,9 @@ impl Node {
             proposer: proposals,
             fetch_shift: std::sync::atomic::AtomicU32::new(0),
             fetch_turn: std::sync::atomic::AtomicUsize::new(0),
+            raft_log,
+            phase2_cursor: std::sync::atomic::AtomicU64::new(0),
+            snapshot_asked: Mutex::new(None),
         });
         let bg = tokio::spawn(Node::background(Arc::downgrade(&node)));
         node.tasks
@@ -460,6 +475,31 @@ impl Node {
             Request::Read { first, count } => self.read(first, count).await,
             Request::Fetch { first, count } => self.fetch(first, count).await,
             Request::Status => Response::Status(self.status()),
+            Request::Scrub => self.scrub().await,
+        }
+    }
+
+    /// Verifies every held copy, a chunk at a time under the replica's lock, off the
+    /// runtime's workers.
+    async fn scrub(&self) -> Response {
+        let m = self.machine.clone();
+        let blocks = self.machine.lock().geometry().blocks;
+        let done = tokio::task::spawn_blocking(move || {
+            let (mut checked, mut damaged) = (0, 0);
+            let mut b = 0;
+            while b < blocks {
+                let (c, d) = m.lock().scrub(b, 1024)?;
+                checked += c;
+                damaged += d;
+                b += 1024;
+            }
+            Ok::<_, ReplicaError>((checked, damaged))
+        })
+        .await;
+        match done {
+            Ok(Ok((checked, damaged))) => Response::Scrubbed { checked, damaged },
+            Ok(Err(e)) => Response::Error(RpcError::Failed(e.to_string())),
+            Err(e) => Response::Error(RpcError::Failed(e.to_string())),
         }
     }
 
@@ -599,6 +639,7 @@ impl Node {
 
     pub fn status(&self) -> Status {
         let m = self.raft.metrics().borrow().clone();
+        let (raft_log_used, raft_log_blocks) = self.raft_log.usage();
         let g = self.machine.lock();
         let (used, ring) = g.data_log_usage();
         Status {
@@ -613,6 +654,9 @@ impl Node {
             incomplete: g.incomplete() as u64,
             reserve_used: g.reserve_used(),
             checksum_failures: g.checksum_failures(),
+            write_back_failures: g.write_back_failures(),
+            raft_log_used,
+            raft_log_blocks,
             data_log_used: used,
             data_log_blocks: ring,
             members: m.membership_config.membership().voter_ids().collect(),
@@ -657,6 +701,50 @@ impl Node {
         }
     }
 
+    /// Asks for a snapshot (and so a purge of the log before it) when the log's ring
+    /// is half full, at most once a second: entries larger than the snapshot policy
+    /// assumes must not fill it, since a full log stops agreement on this replica.
+    async fn snapshot_if_log_fills(&self) {
+        let (used, ring) = self.raft_log.usage();
+        if used * 2 < ring {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        {
+            let mut asked = self
+                .snapshot_asked
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if asked.is_some_and(|t| now.duration_since(t) < Duration::from_secs(1)) {
+                return;
+            }
+            *asked = Some(now);
+        }
+        tracing::info!(
+            replica = self.id,
+            used,
+            ring,
+            "the log is half full: snapshot"
+        );
+        if let Err(e) = self.raft.trigger().snapshot().await {
+            tracing::warn!(replica = self.id, error = %e, "asking for a snapshot");
+        }
+    }
+
+    /// Waits until agreement on this replica has stopped for good (its log or state
+    /// machine failed): the process should end, so that a supervisor restarts it.
+    pub async fn fatal(&self) -> String {
+        let mut m = self.raft.metrics();
+        loop {
+            if let Err(e) = &m.borrow().running_state {
+                return e.to_string();
+            }
+            if m.changed().await.is_err() {
+                return "agreement stopped".to_string();
+            }
+        }
+    }
+
     /// Background work, one step per recovery interval: report blocks found lost,
     /// fetch what this replica lacks (Phase 2), and, on the leader, reclaim reserve
     /// copies every preferred replica now holds.
@@ -674,6 +762,7 @@ impl Node {
     }
 
     async fn step(&self) {
+        self.snapshot_if_log_fills().await;
         let lost: Vec<(u64, Version)> = self
             .machine
             .lock()
@@ -723,19 +812,25 @@ impl Node {
         let (first, count, from) = {
             let g = self.machine.lock();
             let geo = *g.geometry();
-            let Some((first, m)) = g.table().incomplete(self.id).next() else {
+            // From where the last fetch ended, and only blocks someone else holds: a
+            // block no replica can give (its copies lost beyond f) must not stall the
+            // rebuild of every block after it.
+            let cursor = self.phase2_cursor.load(Relaxed);
+            let Some((first, m)) = g
+                .table()
+                .incomplete_from(self.id, cursor)
+                .find(|(_, m)| m.holders.iter().any(|r| r != self.id))
+            else {
                 return;
             };
             let holders: Vec<ReplicaId> = m.holders.iter().filter(|&r| r != self.id).collect();
-            if holders.is_empty() {
-                return;
-            }
             let from = holders[self.fetch_turn.load(Relaxed) % holders.len()];
             let shift = self.fetch_shift.load(Relaxed);
             let per_fetch = ((self.config.fetch_bytes / u64::from(geo.block_size)) >> shift).max(1);
             let max = (MAX_DATA / geo.block_size as usize) as u64;
             let slice_end = (geo.slice_of(first) + 1) * geo.slice_blocks;
             let count = per_fetch.min(max).min(slice_end.min(geo.blocks) - first);
+            self.phase2_cursor.store(first + count, Relaxed);
             (first, count as u32, from)
         };
         let resp = call_within(

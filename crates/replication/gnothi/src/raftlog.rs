@@ -48,8 +48,17 @@ struct Inner {
     entries: BTreeMap<u64, (Entry, u64)>,
     vote: Option<Vote>,
     committed: Option<LogId>,
+    /// The commit point last written to the ring (it is written every
+    /// [`COMMIT_EVERY`] entries, not at every commit).
+    committed_written: u64,
     purged: Option<LogId>,
 }
+
+/// How far the commit point may run ahead of the one on the device. A record per
+/// commit took a block each: the ring filled with them between snapshots. A commit
+/// point behind the truth is safe: a restarted replica applies less from its own log
+/// and learns the rest from the leader.
+const COMMIT_EVERY: u64 = 256;
 
 /// The Raft log storage of one replica; clones share it (a clone is the log reader).
 #[derive(Clone)]
@@ -99,7 +108,10 @@ impl RaftLog {
                     }
                 }
                 VOTE => inner.vote = Some(postcard::from_bytes(body).map_err(bad)?),
-                COMMITTED => inner.committed = postcard::from_bytes(body).map_err(bad)?,
+                COMMITTED => {
+                    inner.committed = postcard::from_bytes(body).map_err(bad)?;
+                    inner.committed_written = inner.committed.map_or(0, |c| c.index);
+                }
                 TRUNCATE => {
                     inner.entries.split_off(&index);
                 }
@@ -154,6 +166,7 @@ impl Inner {
             entries: BTreeMap::new(),
             vote: None,
             committed: None,
+            committed_written: 0,
             purged: None,
         }
     }
@@ -250,7 +263,11 @@ impl RaftLogStorage<Meta> for RaftLog {
         // Not synced: a commit point lost in a crash only means re-applying from the
         // snapshot up to what the leader says again.
         let mut g = self.lock();
-        g.put_value(COMMITTED, 0, &committed).map_err(io)?;
+        let index = committed.map_or(0, |c| c.index);
+        if index >= g.committed_written.saturating_add(COMMIT_EVERY) {
+            g.put_value(COMMITTED, 0, &committed).map_err(io)?;
+            g.committed_written = index;
+        }
         g.committed = committed;
         Ok(())
     }
@@ -314,6 +331,7 @@ impl RaftLogStorage<Meta> for RaftLog {
                 keep.push(g.put_value(VOTE, 0, &v)?);
             }
             keep.push(g.put_value(COMMITTED, 0, &committed)?);
+            g.committed_written = committed.map_or(0, |c| c.index);
             keep.push(g.put_value(PURGED, 0, &Some(log_id))?);
             g.sync()
         })();

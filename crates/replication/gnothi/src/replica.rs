@@ -109,6 +109,9 @@ pub struct Local {
     late: Vec<(u64, Version)>,
     /// Held blocks whose data failed its checksum, since start.
     checksum_failures: u64,
+    /// Write-backs of placed data that failed (a full or failing data device); the
+    /// data stays in the data log and the write-back is tried again.
+    write_back_failures: u64,
     /// Every entry up to this index has its data durable where this replica keeps
     /// it (kept as the data log's mark, written whenever the log drops a record: no
     /// record goes before the entries it served are covered).
@@ -164,6 +167,7 @@ impl Local {
             unflushed: false,
             late: Vec::new(),
             checksum_failures: 0,
+            write_back_failures: 0,
             placed: 0,
             label,
             log_dev,
@@ -229,6 +233,10 @@ impl Local {
 
     pub fn checksum_failures(&self) -> u64 {
         self.checksum_failures
+    }
+
+    pub fn write_back_failures(&self) -> u64 {
+        self.write_back_failures
     }
 
     pub fn reserve_used(&self) -> u64 {
@@ -591,6 +599,7 @@ impl Local {
         self.store.flush_done(wb.batch, ok)?;
         if let Err(e) = written {
             self.unflushed = true;
+            self.write_back_failures += 1;
             return Err(ReplicaError::Sync(e));
         }
         self.placed = self.placed.max(wb.applied);
@@ -616,6 +625,27 @@ impl Local {
         let oldest = self.staged_lsns.keys().next().copied().unwrap_or(u64::MAX);
         self.datalog.trim_marked(oldest, self.placed)?;
         Ok(())
+    }
+
+    /// Verifies the copies this replica holds of blocks `first..first + count` (each
+    /// read as a client's read would be, checksum included; a damaged one is marked
+    /// lost). Returns the copies checked and those found damaged.
+    pub fn scrub(&mut self, first: u64, count: u64) -> Result<(u64, u64), ReplicaError> {
+        let end = first.saturating_add(count).min(self.geometry().blocks);
+        let before = self.checksum_failures;
+        let mut checked = 0;
+        for block in first..end {
+            let held = self.table.meta(block).is_some_and(|m| {
+                m.version != 0
+                    && m.holders.contains(self.id)
+                    && self.lost.get(&block) != Some(&m.version)
+            });
+            if held {
+                self.read(block)?;
+                checked += 1;
+            }
+        }
+        Ok((checked, self.checksum_failures - before))
     }
 
     /// Reads `block` as this replica can answer for it at the table's current version.

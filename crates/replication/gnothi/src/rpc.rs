@@ -44,6 +44,10 @@ pub enum Request {
         count: u32,
     },
     Status,
+    /// Verify every copy this replica holds against its checksum; a damaged one is
+    /// reported lost and fetched again (Phase 2), before a second failure could make
+    /// it the last copy.
+    Scrub,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,6 +70,11 @@ pub enum Response {
     /// Per block: the version held here, and the data if held.
     Fetched(Vec<(Version, Option<Vec<u8>>)>),
     Status(Status),
+    /// Copies verified, and those found damaged.
+    Scrubbed {
+        checked: u64,
+        damaged: u64,
+    },
     Error(RpcError),
 }
 
@@ -85,6 +94,12 @@ pub struct Status {
     pub reserve_used: u64,
     /// Held blocks found damaged (checksum) since the replica started.
     pub checksum_failures: u64,
+    /// Write-backs of placed data that failed since the replica started (its data
+    /// device full or failing; the data waits in the data log meanwhile).
+    pub write_back_failures: u64,
+    /// Blocks of the Raft log's ring in use, and its size.
+    pub raft_log_used: u64,
+    pub raft_log_blocks: u64,
     pub data_log_used: u64,
     pub data_log_blocks: u64,
     pub members: Vec<u64>,

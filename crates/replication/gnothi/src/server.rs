@@ -2,10 +2,9 @@
 //! cluster secret, and the gRPC server, until it is told to stop.
 
 use crate::geometry::{Geometry, ReplicaId};
-use crate::layout::Label;
+use crate::layout::{Label, LayoutError};
 use crate::node::{Node, NodeConfig};
 use crate::replica::Local;
-use crate::store::DataStore;
 use crate::transport::{serve, GrpcNet};
 use openraft::BasicNode;
 use quilt_block::{BlockDevice, Clock, DiskModel, DiskParams, FileDevice, FileDeviceOptions};
@@ -77,20 +76,63 @@ fn open_file(path: &Path, bs: usize, blocks: u64) -> Result<Arc<dyn BlockDevice>
 pub fn format(label: &Label, log: &Path, data: &Path) -> Result<(), String> {
     let bs = label.geometry.block_size as usize;
     let log_dev = open_file(log, bs, label.blocks_needed())?;
-    let data_blocks = DataStore::blocks_needed(&label.geometry, label.replica, label.reserve_slots);
-    let data_dev = open_file(data, bs, data_blocks)?;
-    // A data device that held an earlier volume must not be read as this one's reserve.
-    let zero = vec![0u8; bs];
-    let home = label.geometry.home_blocks(label.replica);
-    for b in home..data_blocks {
-        data_dev
-            .write(b, &zero, quilt_block::WriteClass::Metadata)
-            .map_err(|e| format!("{}: {e}", data.display()))?;
-    }
-    data_dev
-        .flush()
-        .map_err(|e| format!("{}: {e}", data.display()))?;
+    let data_dev = open_file(data, bs, label.data_blocks_needed())?;
+    prepare_data(label, data_dev.as_ref()).map_err(|e| format!("{}: {e}", data.display()))?;
     Local::format(&log_dev, label).map_err(|e| format!("{}: {e}", log.display()))
+}
+
+/// Clears a data device's reserve (a device that held an earlier volume must not be
+/// read as this one's reserve) and labels it. The home area is left as it is: no
+/// block there counts until the volume's table says this replica holds it.
+fn prepare_data(label: &Label, dev: &dyn BlockDevice) -> Result<(), LayoutError> {
+    let bs = dev.block_size();
+    let home = label.geometry.home_blocks(label.replica);
+    let end = label.data_label_block();
+    let per = ((1usize << 20) / bs).max(1) as u64;
+    let zero = vec![0u8; per as usize * bs];
+    let mut b = home;
+    while b < end {
+        let n = per.min(end - b);
+        dev.write_blocks(
+            b,
+            &zero[..n as usize * bs],
+            quilt_block::WriteClass::Metadata,
+        )?;
+        b += n;
+    }
+    dev.flush()?;
+    label.write_data_label(dev)
+}
+
+/// A new, empty data device in place of a failed one: the volume is told first that
+/// this replica holds nothing (through the other replicas, which must have a leader),
+/// then the device is prepared; re-replication rebuilds it once the replica runs.
+async fn adopt_new_data_disk(
+    opts: &ServeOptions,
+    label: &Label,
+    dev: &dyn BlockDevice,
+) -> Result<(), String> {
+    let net = GrpcNet::new(opts.peers.clone(), &opts.secret)?;
+    let id = (u64::MAX - u64::from(opts.id))
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64 & 0xffff_ffff);
+    let config = crate::client::ClientConfig {
+        op_timeout: std::time::Duration::from_secs(60),
+        ..Default::default()
+    };
+    let client = crate::client::Client::connect(net, opts.peers.len() as u16, id, config)
+        .await
+        .map_err(|e| format!("telling the volume the data disk is new: {e}"))?;
+    client
+        .declare_data_lost(opts.id)
+        .await
+        .map_err(|e| format!("telling the volume the data disk is new: {e}"))?;
+    tracing::info!(
+        replica = opts.id,
+        "the volume knows this replica's data disk is new; rebuilding it"
+    );
+    prepare_data(label, dev).map_err(|e| format!("{}: {e}", opts.data.display()))
 }
 
 /// What a replica process runs with.
@@ -108,6 +150,9 @@ pub struct ServeOptions {
     /// (the rotating-disk model, real time), and flushes stop at the model (the files
     /// under it are not flushed on the host, so a crash of the host may lose them).
     pub model_disks: bool,
+    /// The data device is a new, empty disk in place of a failed one: tell the volume
+    /// this replica holds nothing, then serve and rebuild (re-replication).
+    pub new_data_disk: bool,
 }
 
 /// `dev` behind the rotating-disk model, when `model` says so.
@@ -146,8 +191,32 @@ pub async fn run(
     let log_dev = open_file(&opts.log, bs, 1)?;
     let label =
         Label::read(log_dev.as_ref()).map_err(|e| format!("{}: {e}", opts.log.display()))?;
-    let data_blocks = DataStore::blocks_needed(&label.geometry, label.replica, label.reserve_slots);
-    let data_dev = open_file(&opts.data, bs, data_blocks)?;
+    if !opts.new_data_disk && !opts.data.exists() {
+        return Err(format!(
+            "{} does not exist: if it is a new disk replacing a failed one, start with --new-data-disk",
+            opts.data.display()
+        ));
+    }
+    let data_dev = open_file(&opts.data, bs, label.data_blocks_needed())?;
+    let ours = label
+        .data_label_matches(data_dev.as_ref())
+        .map_err(|e| format!("{}: {e}", opts.data.display()))?;
+    match (ours, opts.new_data_disk) {
+        (true, false) => {}
+        (true, true) => {
+            return Err(format!(
+                "{} is already this replica's data device; --new-data-disk is for an empty disk replacing a failed one",
+                opts.data.display()
+            ))
+        }
+        (false, false) => {
+            return Err(format!(
+                "{} carries no data label: if it is a new disk replacing a failed one, start once with --new-data-disk (its copies are then rebuilt from the other replicas)",
+                opts.data.display()
+            ))
+        }
+        (false, true) => adopt_new_data_disk(&opts, &label, data_dev.as_ref()).await?,
+    }
     let log_dev = modelled(log_dev, opts.model_disks)?;
     let data_dev = modelled(data_dev, opts.model_disks)?;
     if !opts.peers.contains_key(&u64::from(opts.id)) {
@@ -166,7 +235,25 @@ pub async fn run(
         .await
         .map_err(|e| e.to_string())?;
     tracing::info!(replica = opts.id, listen = %opts.listen, volume = %label.volume, "replica serving");
-    let res = serve(node.clone(), opts.listen, opts.secret, stop).await;
+    // A replica whose agreement failed for good (its log device failing, say) ends
+    // with the reason, rather than answering every request with it: a supervisor
+    // restarts it, and its log is replayed.
+    let fatal = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
+    let until = {
+        let (node, fatal) = (node.clone(), fatal.clone());
+        async move {
+            tokio::select! {
+                _ = stop => {}
+                why = node.fatal() => {
+                    *fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+                }
+            }
+        }
+    };
+    let res = serve(node.clone(), opts.listen, opts.secret, until).await;
     node.shutdown().await;
+    if let Some(why) = fatal.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        return Err(format!("agreement on this replica stopped: {why}"));
+    }
     res
 }

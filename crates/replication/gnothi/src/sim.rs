@@ -309,14 +309,14 @@ pub struct Cluster {
 }
 
 /// Log and data device sizes for a simulated replica.
-fn sim_label(replica: u16, geometry: crate::Geometry) -> crate::layout::Label {
+fn sim_label(replica: u16, geometry: crate::Geometry, raft_bytes: u64) -> crate::layout::Label {
     let bs = u64::from(geometry.block_size);
     crate::layout::Label {
         replica,
         volume: "sim".into(),
         geometry,
         reserve_slots: geometry.blocks.min(4096),
-        raft_blocks: (16 << 20) / bs,
+        raft_blocks: raft_bytes / bs,
         data_blocks: (8 << 20) / bs,
         snap_blocks: (geometry.blocks * 24 + 4096).div_ceil(bs) + 2,
     }
@@ -330,6 +330,17 @@ impl Cluster {
         faults: Faults,
         config: crate::node::NodeConfig,
     ) -> Result<Cluster, crate::node::NodeError> {
+        Cluster::start_with_log(geometry, seed, faults, config, 16 << 20).await
+    }
+
+    /// As [`Cluster::start`], each replica's Raft log in a ring of `raft_bytes`.
+    pub async fn start_with_log(
+        geometry: crate::Geometry,
+        seed: u64,
+        faults: Faults,
+        config: crate::node::NodeConfig,
+        raft_bytes: u64,
+    ) -> Result<Cluster, crate::node::NodeError> {
         let net = SimNet::new(seed, faults);
         let n = geometry.replicas();
         let members = (0..u64::from(n))
@@ -337,7 +348,7 @@ impl Cluster {
             .collect();
         let mut disks = Vec::new();
         for r in 0..n {
-            let label = sim_label(r, geometry);
+            let label = sim_label(r, geometry, raft_bytes);
             let log = CrashDisk::new(geometry.block_size as usize, label.blocks_needed());
             let data_blocks =
                 crate::store::DataStore::blocks_needed(&geometry, r, label.reserve_slots);

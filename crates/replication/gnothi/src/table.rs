@@ -374,6 +374,26 @@ impl MetaTable {
         })
     }
 
+    /// As [`MetaTable::incomplete`], from block `from` to the end and then from the
+    /// start: Phase 2 goes round the volume, so a block no one can give it yet does not
+    /// hold up the ones after it.
+    pub fn incomplete_from(
+        &self,
+        r: ReplicaId,
+        from: u64,
+    ) -> impl Iterator<Item = (u64, &BlockMeta)> + '_ {
+        let g = self.geometry;
+        let from = (from as usize).min(self.blocks.len());
+        let (head, tail) = self.blocks.split_at(from);
+        tail.iter()
+            .enumerate()
+            .map(move |(i, m)| ((from + i) as u64, m))
+            .chain(head.iter().enumerate().map(|(i, m)| (i as u64, m)))
+            .filter(move |(b, m)| {
+                m.version > 0 && !m.holders.contains(r) && g.prefers(r, g.slice_of(*b))
+            })
+    }
+
     /// Blocks with reserve copies that every preferred replica now holds: what a
     /// `Reclaim` may let go.
     pub fn reclaimable(&self) -> impl Iterator<Item = (u64, Version)> + '_ {

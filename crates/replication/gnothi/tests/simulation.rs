@@ -14,14 +14,14 @@
 //! replaces each replica's disk in turn must catch it (`replace_each_disk`).
 
 use quilt_gnothi::client::{Client, ClientConfig};
-use quilt_gnothi::history::{check, Kind, Op};
 use quilt_gnothi::node::NodeConfig;
 use quilt_gnothi::sim::{Cluster, Faults};
+use quilt_gnothi::workload::{self, Recorder, Workload};
 use quilt_gnothi::{Geometry, System};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 const BS: usize = 512;
@@ -39,86 +39,19 @@ const BLOCKS: u64 = 24;
 /// - 896: the harness replacing a disk on a stale view of the table.
 const REGRESSIONS: &[u64] = &[60, 62, 227, 245, 317, 896];
 
-/// A block's contents name the write that made them: its value and the block number,
-/// so a read can tell which write it saw, and that it saw all of it.
+/// One simulated client: at most 60 operations, a pause of up to 30 ms after each.
+async fn client_loop(c: Client, id: u64, seed: u64, h: Arc<Recorder>, stop: Arc<AtomicBool>) {
+    let w = Workload {
+        blocks: BLOCKS,
+        block_size: BS,
+        max_ops: 60,
+        max_pause: Duration::from_millis(30),
+    };
+    workload::client_loop(&c, id, seed, &w, &h, &stop).await;
+}
+
 fn encode(value: u64, block: u64) -> Vec<u8> {
-    let mut b = vec![0u8; BS];
-    b[0..8].copy_from_slice(&value.to_le_bytes());
-    b[8..16].copy_from_slice(&block.to_le_bytes());
-    for (i, x) in b[16..].iter_mut().enumerate() {
-        *x = (value.wrapping_mul(0x9e37_79b9).wrapping_add(i as u64) >> 3) as u8;
-    }
-    b
-}
-
-fn decode(b: &[u8], block: u64) -> Result<u64, String> {
-    if b.iter().all(|&x| x == 0) {
-        return Ok(0);
-    }
-    let value = u64::from_le_bytes(b[0..8].try_into().unwrap());
-    if b != encode(value, block).as_slice() {
-        return Err(format!("block {block} holds data no write wrote"));
-    }
-    Ok(value)
-}
-
-#[derive(Default)]
-struct History {
-    clock: AtomicU64,
-    ops: Mutex<Vec<Op>>,
-    garbage: Mutex<Vec<String>>,
-}
-
-impl History {
-    fn now(&self) -> u64 {
-        self.clock.fetch_add(1, Ordering::SeqCst)
-    }
-}
-
-async fn client_loop(c: Client, id: u64, seed: u64, h: Arc<History>, stop: Arc<AtomicBool>) {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (id << 40));
-    let mut n = 0u64;
-    while !stop.load(Ordering::SeqCst) && n < 60 {
-        n += 1;
-        let first = rng.random_range(0..BLOCKS - 1);
-        let count = rng.random_range(1..=2u64).min(BLOCKS - first);
-        if rng.random_bool(0.5) {
-            let value = (id << 32) | n;
-            let data: Vec<u8> = (first..first + count)
-                .flat_map(|b| encode(value, b))
-                .collect();
-            let invoke = h.now();
-            let r = c.write(first, &data).await;
-            let complete = r.is_ok().then(|| h.now());
-            let mut ops = h.ops.lock().unwrap();
-            for b in first..first + count {
-                ops.push(Op {
-                    block: b,
-                    kind: Kind::Write(value),
-                    invoke,
-                    complete,
-                });
-            }
-        } else {
-            let invoke = h.now();
-            if let Ok(data) = c.read(first, count).await {
-                let complete = h.now();
-                for (i, d) in data.chunks(BS).enumerate() {
-                    let b = first + i as u64;
-                    match decode(d, b) {
-                        Ok(v) => h.ops.lock().unwrap().push(Op {
-                            block: b,
-                            kind: Kind::Read(v),
-                            invoke,
-                            complete: Some(complete),
-                        }),
-                        Err(e) => h.garbage.lock().unwrap().push(e),
-                    }
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(rng.random_range(0..30))).await;
-    }
+    workload::encode(value, block, BS)
 }
 
 /// What a nemesis step did, for the failure message.
@@ -201,7 +134,7 @@ fn run(seed: u64, control: bool) -> Result<(), String> {
             store_timeout: Duration::from_millis(200),
             unsafe_claim_copies: control,
         };
-        let h = Arc::new(History::default());
+        let h = Arc::new(Recorder::default());
         let stop = Arc::new(AtomicBool::new(false));
         let mut tasks = Vec::new();
         for id in 1..=3u64 {
@@ -258,35 +191,13 @@ fn run(seed: u64, control: bool) -> Result<(), String> {
         if std::env::var("GNOTHI_SIM_VERBOSE").is_ok() {
             eprintln!("  at {:?}: read done; shutting down", tokio::time::Instant::now());
         }
-        for (i, d) in all.chunks(BS).enumerate() {
-            let b = i as u64;
-            let v = decode(d, b)?;
-            h.ops.lock().unwrap().push(Op {
-                block: b,
-                kind: Kind::Read(v),
-                invoke,
-                complete: Some(complete),
-            });
-        }
+        h.read(0, &all, BS, invoke, complete);
         c.shutdown().await;
-        if let Some(g) = h.garbage.lock().unwrap().first() {
-            return Err(format!("{g}; nemesis: {log:?}"));
-        }
-        let ops = h.ops.lock().unwrap().clone();
+        let summary = h.check().map_err(|e| format!("{e}; nemesis: {log:?}"))?;
         if std::env::var("GNOTHI_SIM_VERBOSE").is_ok() {
-            let writes = ops.iter().filter(|o| matches!(o.kind, Kind::Write(_))).count();
-            let acked = ops.iter().filter(|o| matches!(o.kind, Kind::Write(_)) && o.complete.is_some()).count();
-            eprintln!("seed {seed} f={f}: {} ops ({writes} block writes, {acked} acknowledged); nemesis {log:?}", ops.len());
+            eprintln!("seed {seed} f={f}: {summary:?}; nemesis {log:?}");
         }
-        check(&ops).map_err(|v| {
-            let mut mine: Vec<&Op> = ops.iter().filter(|o| o.block == v.block).collect();
-            mine.sort_by_key(|o| o.invoke);
-            let shown: Vec<String> = mine
-                .iter()
-                .map(|o| format!("{:?} {:#x}..{:?}", o.kind, o.invoke, o.complete))
-                .collect();
-            format!("{v}; its operations: {shown:?}; nemesis: {log:?}")
-        })
+        Ok(())
     })
 }
 
@@ -401,7 +312,7 @@ fn replace_each_disk(control: bool) -> Result<(), String> {
         c.shutdown().await;
         for (i, d) in all.chunks(BS).enumerate() {
             let b = i as u64;
-            if decode(d, b)? != b + 1 {
+            if workload::decode(d, b)? != b + 1 {
                 return Err(format!("block {b} does not hold what was written"));
             }
         }

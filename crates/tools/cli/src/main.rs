@@ -6,6 +6,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 mod betrfs;
+mod cluster_check;
 mod crashtest;
 mod demo;
 mod fileview;

@@ -117,6 +117,12 @@ pub struct ServeArgs {
     /// real time) and flushes stop at the model (not crash-safe on the host).
     #[arg(long)]
     pub model_disks: bool,
+    /// The data device is a new, empty disk in place of a failed one (created if it
+    /// does not exist): the volume is told this replica holds nothing before it
+    /// serves, and re-replication rebuilds its copies. Needs the other replicas to
+    /// have a leader.
+    #[arg(long)]
+    pub new_data_disk: bool,
 }
 
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -201,6 +207,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             ..NodeConfig::default()
         },
         model_disks: a.model_disks,
+        new_data_disk: a.new_data_disk,
     };
     // The Raft log's appends and the state machine's placements wait for their disks
     // on the workers that run them: enough workers that heartbeats and answers still
@@ -239,6 +246,14 @@ pub enum ClusterCommand {
         #[arg(long)]
         kill: bool,
     },
+    /// Replace a replica's data disk by an empty one (its data file is deleted) and
+    /// start it on it: the volume is told the replica holds nothing, and re-replication
+    /// rebuilds its copies from the others.
+    ReplaceDisk {
+        dir: PathBuf,
+        #[arg(long)]
+        replica: u16,
+    },
     /// Start a stopped replica again, on its devices as they are.
     Start {
         dir: PathBuf,
@@ -247,12 +262,26 @@ pub enum ClusterCommand {
     },
     /// Each replica's role, log index, INCOMPLETE blocks, reserve use.
     Status {
-        dir: PathBuf,
+        /// A cluster directory (of `cluster up`) or a volume's address (gnothi://…).
+        #[arg(value_name = "DIR|ADDRESS")]
+        target: String,
         #[arg(long)]
         json: bool,
     },
     /// Stop every replica.
     Down { dir: PathBuf },
+    /// Verify every copy each replica holds against its checksum (latent damage found
+    /// before a second failure could make it the last copy); damaged copies are
+    /// fetched again from the others.
+    Scrub {
+        /// A cluster directory (of `cluster up`) or a volume's address (gnothi://…).
+        #[arg(value_name = "DIR|ADDRESS")]
+        target: String,
+    },
+    /// Check a volume from outside: clients write and read its first blocks
+    /// (overwriting them) while you break replicas, then every block is read once more
+    /// and the history must be linearizable.
+    Check(crate::cluster_check::CheckArgs),
     /// Copy a volume's contents into an image file (for e2fsck, or a backup).
     Export {
         /// The volume's address (gnothi://…).
@@ -346,7 +375,76 @@ fn alive(pid: u32) -> bool {
     unsafe { libc::kill(pid as libc::pid_t, 0) == 0 }
 }
 
+/// Stops replica `replica` (SIGTERM, or SIGKILL with `kill`) and waits for it.
+fn stop_replica(c: &mut ClusterFile, replica: u16, kill: bool) -> Result<()> {
+    let r = c
+        .replicas
+        .get_mut(replica as usize)
+        .ok_or_else(|| anyhow!("no replica {replica}"))?;
+    match r.pid.take() {
+        Some(pid) if alive(pid) => {
+            let sig = if kill { libc::SIGKILL } else { libc::SIGTERM };
+            // SAFETY: a pid this tool started and recorded.
+            unsafe { libc::kill(pid as libc::pid_t, sig) };
+            let t = Instant::now();
+            while alive(pid) && t.elapsed() < Duration::from_secs(10) {
+                reap();
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            eprintln!("quiltfs: replica {replica} stopped");
+        }
+        _ => eprintln!("quiltfs: replica {replica} was not running"),
+    }
+    Ok(())
+}
+
+/// A failed data disk replaced by an empty one: the replica is stopped, its data file
+/// replaced by a new one, and it is started with `--new-data-disk`, which tells the
+/// volume first; then it serves and rebuilds its copies from the others.
+fn replace_disk(dir: &Path, replica: u16) -> Result<()> {
+    let mut c = load(dir)?;
+    stop_replica(&mut c, replica, true)?;
+    save(dir, &c)?;
+    let data = dir.join(format!("r{replica}.data"));
+    match std::fs::remove_file(&data) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("removing {}", data.display())),
+    }
+    let pid = spawn_with(dir, &c, replica, &["--new-data-disk"])?;
+    c.replicas[replica as usize].pid = Some(pid);
+    save(dir, &c)?;
+    // It serves once the volume has taken the news; without a majority it gives up.
+    let t = Instant::now();
+    loop {
+        reap();
+        if !alive(pid) {
+            c.replicas[replica as usize].pid = None;
+            save(dir, &c)?;
+            bail!(
+                "replica {replica} did not start on its new disk (see {})",
+                dir.join(format!("r{replica}.out")).display()
+            );
+        }
+        if let Ok(st) = statuses(dir, &c) {
+            if st.iter().any(|(id, s)| *id == replica && s.is_some()) {
+                break;
+            }
+        }
+        if t.elapsed() > Duration::from_secs(90) {
+            bail!("replica {replica} (pid {pid}) is not serving after 90 s");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!("quiltfs: replica {replica} serves on a new data disk (pid {pid}); its copies are being rebuilt (see `cluster status`)");
+    Ok(())
+}
+
 fn spawn(dir: &Path, c: &ClusterFile, id: u16) -> Result<u32> {
+    spawn_with(dir, c, id, &[])
+}
+
+fn spawn_with(dir: &Path, c: &ClusterFile, id: u16, extra: &[&str]) -> Result<u32> {
     let me = std::env::current_exe().context("finding the quiltfs binary")?;
     let peers: Vec<&str> = c.replicas.iter().map(|r| r.addr.as_str()).collect();
     let out = std::fs::OpenOptions::new()
@@ -368,12 +466,100 @@ fn spawn(dir: &Path, c: &ClusterFile, id: u16) -> Result<u32> {
             &c.recovery_interval_ms.to_string(),
         ])
         .args(c.model_disks.then_some("--model-disks"))
+        .args(extra)
         .stdin(std::process::Stdio::null())
         .stdout(out.try_clone()?)
         .stderr(out)
         .spawn()
         .context("starting a replica")?;
     Ok(child.id())
+}
+
+/// A volume named on the command line: a cluster directory of `cluster up`, or any
+/// volume's address.
+struct Target {
+    volume: String,
+    address: String,
+    peers: BTreeMap<u64, String>,
+    secret: String,
+}
+
+impl Target {
+    fn resolve(target: &str) -> Result<Target> {
+        if quilt_gnothi::device::VolumeAddress::is_address(target) {
+            let a = quilt_gnothi::device::VolumeAddress::parse(target).map_err(|e| anyhow!(e))?;
+            let secret = a.secret().map_err(|e| anyhow!(e))?;
+            let peers = a
+                .replicas
+                .iter()
+                .cloned()
+                .enumerate()
+                .map(|(i, h)| (i as u64, h))
+                .collect();
+            Ok(Target {
+                volume: a.volume,
+                address: target.to_string(),
+                peers,
+                secret,
+            })
+        } else {
+            let dir = PathBuf::from(target);
+            let c = load(&dir)?;
+            Ok(Target {
+                volume: c.volume.clone(),
+                address: address(&dir, &c),
+                peers: c
+                    .replicas
+                    .iter()
+                    .map(|r| (u64::from(r.id), r.addr.clone()))
+                    .collect(),
+                secret: read_secret(&dir.join("secret"))?,
+            })
+        }
+    }
+}
+
+/// Asks every replica to verify the copies it holds; damaged ones are fetched again.
+fn scrub(target: &str) -> Result<()> {
+    let t = Target::resolve(target)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let mut failed = 0;
+    rt.block_on(async {
+        let net = GrpcNet::new(t.peers.clone(), &t.secret).map_err(|e| anyhow!(e))?;
+        for &id in t.peers.keys() {
+            let r = quilt_gnothi::net::call_within(
+                net.as_ref(),
+                id,
+                quilt_gnothi::rpc::Request::Scrub,
+                Duration::from_secs(3600),
+            )
+            .await;
+            match r {
+                Ok(quilt_gnothi::rpc::Response::Scrubbed { checked, damaged }) => {
+                    println!("replica {id}: {checked} copies verified, {damaged} damaged (being fetched again)");
+                }
+                Ok(quilt_gnothi::rpc::Response::Error(e)) => {
+                    failed += 1;
+                    println!("replica {id}: {e}");
+                }
+                Ok(other) => {
+                    failed += 1;
+                    println!("replica {id}: {}", other.unexpected());
+                }
+                Err(e) => {
+                    failed += 1;
+                    println!("replica {id}: not scrubbed: {e}");
+                }
+            }
+        }
+        Ok::<_, anyhow::Error>(())
+    })?;
+    if failed > 0 {
+        bail!("{failed} replica(s) of {} not scrubbed", t.volume);
+    }
+    Ok(())
 }
 
 fn statuses(dir: &Path, c: &ClusterFile) -> Result<Vec<(u16, Option<quilt_gnothi::rpc::Status>)>> {
@@ -383,22 +569,31 @@ fn statuses(dir: &Path, c: &ClusterFile) -> Result<Vec<(u16, Option<quilt_gnothi
         .iter()
         .map(|r| (u64::from(r.id), r.addr.clone()))
         .collect();
+    statuses_of(peers, &secret)
+}
+
+/// Each replica's status (`None`: it did not answer within a second).
+fn statuses_of(
+    peers: BTreeMap<u64, String>,
+    secret: &str,
+) -> Result<Vec<(u16, Option<quilt_gnothi::rpc::Status>)>> {
+    let ids: Vec<u64> = peers.keys().copied().collect();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let net = GrpcNet::new(peers, &secret).map_err(|e| anyhow!(e))?;
+        let net = GrpcNet::new(peers, secret).map_err(|e| anyhow!(e))?;
         let mut out = Vec::new();
-        for r in &c.replicas {
+        for id in ids {
             let s = quilt_gnothi::net::call_within(
                 net.as_ref(),
-                u64::from(r.id),
+                id,
                 quilt_gnothi::rpc::Request::Status,
                 Duration::from_secs(1),
             )
             .await;
             out.push((
-                r.id,
+                id as u16,
                 match s {
                     Ok(quilt_gnothi::rpc::Response::Status(s)) => Some(s),
                     _ => None,
@@ -413,28 +608,14 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
     match c {
         ClusterCommand::Up(a) => up(a),
         ClusterCommand::Export { address, file } => export(&address, &file),
+        ClusterCommand::Check(a) => crate::cluster_check::run(a),
+        ClusterCommand::Scrub { target } => scrub(&target),
         ClusterCommand::Stop { dir, replica, kill } => {
             let mut c = load(&dir)?;
-            let r = c
-                .replicas
-                .get_mut(replica as usize)
-                .ok_or_else(|| anyhow!("no replica {replica}"))?;
-            match r.pid.take() {
-                Some(pid) if alive(pid) => {
-                    let sig = if kill { libc::SIGKILL } else { libc::SIGTERM };
-                    // SAFETY: a pid this tool started and recorded.
-                    unsafe { libc::kill(pid as libc::pid_t, sig) };
-                    let t = Instant::now();
-                    while alive(pid) && t.elapsed() < Duration::from_secs(10) {
-                        reap();
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                    eprintln!("quiltfs: replica {replica} stopped");
-                }
-                _ => eprintln!("quiltfs: replica {replica} was not running"),
-            }
+            stop_replica(&mut c, replica, kill)?;
             save(&dir, &c)
         }
+        ClusterCommand::ReplaceDisk { dir, replica } => replace_disk(&dir, replica),
         ClusterCommand::Start { dir, replica } => {
             let mut c = load(&dir)?;
             if c.replicas.get(replica as usize).is_none() {
@@ -451,9 +632,10 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
             eprintln!("quiltfs: replica {replica} started (pid {pid})");
             Ok(())
         }
-        ClusterCommand::Status { dir, json } => {
-            let c = load(&dir)?;
-            let st = statuses(&dir, &c)?;
+        ClusterCommand::Status { target, json } => {
+            let t = Target::resolve(&target)?;
+            let st = statuses_of(t.peers.clone(), &t.secret)?;
+            let (volume, addr) = (t.volume, t.address);
             if json {
                 let v: Vec<serde_json::Value> = st
                     .iter()
@@ -462,6 +644,8 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
                             "replica": id, "up": true, "role": if s.is_leader { "leader" } else { "follower" },
                             "term": s.term, "log_index": s.last_log_index, "applied": s.applied,
                             "incomplete": s.incomplete, "reserve_used": s.reserve_used, "checksum_failures": s.checksum_failures,
+                            "write_back_failures": s.write_back_failures,
+                            "raft_log_used": s.raft_log_used, "raft_log_blocks": s.raft_log_blocks,
                             "data_log_used": s.data_log_used, "data_log_blocks": s.data_log_blocks,
                             "log_io": s.log_io, "data_io": s.data_io,
                         }),
@@ -471,11 +655,11 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
                 println!(
                     "{}",
                     serde_json::to_string_pretty(
-                        &serde_json::json!({"volume": c.volume, "address": address(&dir, &c), "replicas": v})
+                        &serde_json::json!({"volume": volume, "address": addr, "replicas": v})
                     )?
                 );
             } else {
-                println!("volume {}  {}", c.volume, address(&dir, &c));
+                println!("volume {volume}  {addr}");
                 println!(
                     "{:>7} {:>9} {:>6} {:>10} {:>10} {:>11} {:>9}",
                     "replica", "role", "term", "log index", "applied", "incomplete", "reserve"
