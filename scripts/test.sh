@@ -23,6 +23,25 @@ step tests/layers.sh
 if [ "$(id -u)" = 0 ]; then export QUILT_REQUIRE_FUSE=1; fi
 export QUILT_REQUIRE_E2FSCK=1   # setup.sh installs e2fsprogs: the crash-state tests must run
 step cargo test --workspace
+# Three builds for the last steps (the key-value bench's and the fuzzers' own
+# workspaces, the engine's benches) run in the background at the lowest priority while
+# the tests below mostly wait: on processes, timeouts and modelled disks. Each step
+# that needs one waits for them first (`prebuilt`).
+prebuild_log="$(mktemp /tmp/quiltfs-prebuild.XXXXXX)"
+(
+  nice -n 19 bash -c 'cd bench/kv && cargo build --release --quiet --no-default-features' &&
+    nice -n 19 bash -c 'cd fuzz && cargo test --release --quiet --no-run' &&
+    nice -n 19 cargo test --release -p quilt-patch --benches --quiet --no-run
+) >"$prebuild_log" 2>&1 &
+PREBUILD=$!
+prebuilt() {
+  if [ -n "${PREBUILD:-}" ]; then
+    # A failed prebuild is not fatal here: the step builds again and shows the error.
+    wait "$PREBUILD" || { echo "test: the background builds failed:" >&2; cat "$prebuild_log" >&2; }
+    PREBUILD=""
+  fi
+}
+trap '[ -n "${PREBUILD:-}" ] && kill "$PREBUILD" 2>/dev/null; rm -f "$prebuild_log"' EXIT
 # The kernel and e2fsck as oracles of the ext2 module, both directions (loop mounts need
 # root).
 if [ "$(id -u)" = 0 ]; then
@@ -78,6 +97,7 @@ step tests/nbd.sh ./target/release/quiltfs
 step tests/bench-gnothi.sh ./target/release/quiltfs
 # Fuzzing smoke: every input a fuzzer ever crashed on, and random damage to each region
 # of a seed image (the coverage-guided hour-long runs are scripts/fuzz.sh's).
+prebuilt
 step bash -c "cd fuzz && cargo test --release --quiet"
 # The crash explorer on every mode (e2fsck as the oracle; no root needed), on betrfs
 # (quiltfs fsck as the oracle) and on the Bε-tree.

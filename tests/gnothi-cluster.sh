@@ -2,7 +2,7 @@
 # A replicated volume as real processes (quiltfs cluster), with ext2 on it through
 # FUSE: replicas killed with SIGKILL during a copy and while reading, one replica's
 # data device damaged (and scrubbed), another's data disk replaced by an empty one
-# during a copy, the whole cluster stopped and started again. Every time, the
+# during a copy, the whole cluster stopped and started again; and a cluster over TLS. Every time, the
 # files read back equal to their source, and the volume, exported to a file, passes
 # e2fsck -fn. Needs root (FUSE mounts).
 #
@@ -27,6 +27,7 @@ PORT=$((20000 + RANDOM % 20000))
 cleanup() {
   mountpoint -q "$M" && "$Q" umount "$M" || true
   [ -f "$D/cluster.json" ] && "$Q" cluster down "$D" >/dev/null 2>&1 || true
+  [ -f "$W/tls/cluster.json" ] && "$Q" cluster down "$W/tls" >/dev/null 2>&1 || true
   rm -rf "$W"
 }
 trap cleanup EXIT
@@ -134,4 +135,18 @@ check_files b "after a full restart"
 "$Q" umount "$M"
 fsck_volume "after a full restart"
 say "full restart: equal, e2fsck clean"
+"$Q" cluster down "$D" >/dev/null
+
+# 7. Over TLS: a cluster whose replicas present certificates of its own CA. A client
+#    that trusts the CA reads and writes; one without TLS gets in nowhere.
+DT="$W/tls"
+AT=$("$Q" cluster up --dir "$DT" --replicas 3 --size 64M --port $((PORT + 10)) --tls 2>/dev/null)
+case "$AT" in *tls-ca=*) ;; *) "$Q" cluster down "$DT" >/dev/null; fail "cluster up --tls printed $AT";; esac
+"$Q" cluster check "$AT" --overwrite --seconds 3 >"$W/tls.out" 2>&1 || { "$Q" cluster down "$DT" >/dev/null; cat "$W/tls.out"; fail "cluster check over TLS"; }
+PLAIN=${AT%&tls-ca=*}
+if "$Q" cluster export "$PLAIN" "$W/plain.img" >/dev/null 2>&1; then
+  "$Q" cluster down "$DT" >/dev/null; fail "a client without TLS read a TLS cluster"
+fi
+"$Q" cluster down "$DT" >/dev/null
+say "TLS: $(cut -d';' -f2 "$W/tls.out" | tr -d ' ') with the CA; refused without it"
 say "PASS"

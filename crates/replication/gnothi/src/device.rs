@@ -17,6 +17,8 @@ pub struct VolumeAddress {
     pub replicas: Vec<String>,
     pub volume: String,
     pub secret_file: Option<String>,
+    /// With TLS: the CA file the replicas' certificates chain to.
+    pub tls_ca: Option<String>,
 }
 
 impl VolumeAddress {
@@ -53,12 +55,14 @@ impl VolumeAddress {
             }
         }
         let mut secret_file = None;
+        let mut tls_ca = None;
         for kv in query.into_iter().flat_map(|q| q.split('&')) {
             match kv.split_once('=') {
                 Some(("secret-file", v)) => secret_file = Some(v.to_string()),
+                Some(("tls-ca", v)) => tls_ca = Some(v.to_string()),
                 _ => {
                     return Err(format!(
-                        "unknown option {kv:?} in {s:?} (known: secret-file=PATH)"
+                        "unknown option {kv:?} in {s:?} (known: secret-file=PATH, tls-ca=PATH)"
                     ))
                 }
             }
@@ -67,6 +71,7 @@ impl VolumeAddress {
             replicas,
             volume: volume.to_string(),
             secret_file,
+            tls_ca,
         })
     }
 
@@ -82,10 +87,18 @@ impl VolumeAddress {
             .enumerate()
             .map(|(i, h)| (i as u64, h))
             .collect();
-        let net = GrpcNet::new(peers, &secret).map_err(|e| e.to_string())?;
+        let net = GrpcNet::with_tls(peers, &secret, self.ca()?)?;
         Client::connect(net, self.replicas.len() as u16, id, config)
             .await
             .map_err(|e| e.to_string())
+    }
+
+    /// The CA named by `tls-ca=`, read (`None`: no TLS).
+    pub fn ca(&self) -> Result<Option<Vec<u8>>, String> {
+        self.tls_ca
+            .as_ref()
+            .map(|f| std::fs::read(f).map_err(|e| format!("reading the cluster CA {f}: {e}")))
+            .transpose()
     }
 
     pub fn secret(&self) -> Result<String, String> {

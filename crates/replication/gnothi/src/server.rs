@@ -5,7 +5,7 @@ use crate::geometry::{Geometry, ReplicaId};
 use crate::layout::{Label, LayoutError};
 use crate::node::{Node, NodeConfig};
 use crate::replica::Local;
-use crate::transport::{serve, GrpcNet};
+use crate::transport::{serve, GrpcNet, TlsIdentity};
 use openraft::BasicNode;
 use quilt_block::{BlockDevice, Clock, DiskModel, DiskParams, FileDevice, FileDeviceOptions};
 use std::collections::BTreeMap;
@@ -112,7 +112,7 @@ async fn adopt_new_data_disk(
     label: &Label,
     dev: &dyn BlockDevice,
 ) -> Result<(), String> {
-    let net = GrpcNet::new(opts.peers.clone(), &opts.secret)?;
+    let net = opts.peers_net()?;
     let id = (u64::MAX - u64::from(opts.id))
         ^ std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -153,6 +153,32 @@ pub struct ServeOptions {
     /// The data device is a new, empty disk in place of a failed one: tell the volume
     /// this replica holds nothing, then serve and rebuild (re-replication).
     pub new_data_disk: bool,
+    /// TLS: this replica's identity, and the CA its peers' certificates chain to.
+    pub tls: Option<ReplicaTls>,
+}
+
+#[derive(Clone)]
+pub struct ReplicaTls {
+    pub identity: TlsIdentity,
+    pub ca_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for ReplicaTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.write_str("ReplicaTls { .. }")
+    }
+}
+
+impl ServeOptions {
+    /// The other replicas, over TLS when this one serves it.
+    fn peers_net(&self) -> Result<Arc<GrpcNet>, String> {
+        GrpcNet::with_tls(
+            self.peers.clone(),
+            &self.secret,
+            self.tls.as_ref().map(|t| t.ca_pem.clone()),
+        )
+    }
 }
 
 /// `dev` behind the rotating-disk model, when `model` says so.
@@ -225,7 +251,7 @@ pub async fn run(
             opts.id
         ));
     }
-    let net = GrpcNet::new(opts.peers.clone(), &opts.secret)?;
+    let net = opts.peers_net()?;
     let members: BTreeMap<u64, BasicNode> = opts
         .peers
         .iter()
@@ -250,7 +276,8 @@ pub async fn run(
             }
         }
     };
-    let res = serve(node.clone(), opts.listen, opts.secret, until).await;
+    let identity = opts.tls.map(|t| t.identity);
+    let res = serve(node.clone(), opts.listen, opts.secret, identity, until).await;
     node.shutdown().await;
     if let Some(why) = fatal.lock().unwrap_or_else(|p| p.into_inner()).take() {
         return Err(format!("agreement on this replica stopped: {why}"));

@@ -4,6 +4,9 @@
 //!
 //! Every request carries the cluster's shared secret in its metadata; the server checks
 //! it before the message is decoded, and refuses frames larger than a block batch.
+//! With TLS (rustls), a replica presents its certificate and every caller verifies it
+//! against the cluster's CA: the secret then travels encrypted, to a replica that
+//! proved who it is.
 
 use crate::net::{BoxFuture, Net, NetError};
 use crate::node::Node;
@@ -18,7 +21,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::metadata::MetadataValue;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{
+    Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig,
+};
 use tonic::Status;
 
 #[allow(clippy::all, clippy::unwrap_used)]
@@ -109,11 +114,20 @@ fn secret_value(secret: &str) -> Result<MetadataValue<tonic::metadata::Ascii>, S
         .map_err(|_| "the cluster secret must be printable ASCII".to_string())
 }
 
-/// Serves `node` on `listen` until `shutdown` resolves.
+/// A replica's TLS identity: its certificate (PEM, signed by the cluster's CA, naming
+/// the host its address uses) and private key.
+#[derive(Clone)]
+pub struct TlsIdentity {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+/// Serves `node` on `listen` until `shutdown` resolves; over TLS with `tls`.
 pub async fn serve(
     node: Arc<Node>,
     listen: SocketAddr,
     secret: String,
+    tls: Option<TlsIdentity>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), String> {
     let want = secret_value(&secret)?;
@@ -126,7 +140,13 @@ pub async fn serve(
     let svc = ReplicaServer::new(Service { node })
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(t) = tls {
+        builder = builder
+            .tls_config(ServerTlsConfig::new().identity(Identity::from_pem(t.cert_pem, t.key_pem)))
+            .map_err(|e| format!("the replica's TLS certificate or key: {e}"))?;
+    }
+    builder
         .add_service(tonic::service::interceptor::InterceptedService::new(
             svc, check,
         ))
@@ -139,6 +159,8 @@ pub async fn serve(
 pub struct GrpcNet {
     peers: BTreeMap<u64, String>,
     secret: MetadataValue<tonic::metadata::Ascii>,
+    /// With TLS: the cluster's CA, which every replica's certificate must chain to.
+    tls: Option<ClientTlsConfig>,
     channels: Mutex<BTreeMap<u64, Channel>>,
     connect_timeout: Duration,
 }
@@ -146,9 +168,22 @@ pub struct GrpcNet {
 impl GrpcNet {
     /// `peers`: replica id → `host:port`.
     pub fn new(peers: BTreeMap<u64, String>, secret: &str) -> Result<Arc<GrpcNet>, String> {
+        GrpcNet::with_tls(peers, secret, None)
+    }
+
+    /// As [`GrpcNet::new`]; with `ca_pem`, replicas are reached over TLS and their
+    /// certificates verified against it (a replica that cannot prove its name is not
+    /// called, and the secret is never sent in the clear).
+    pub fn with_tls(
+        peers: BTreeMap<u64, String>,
+        secret: &str,
+        ca_pem: Option<Vec<u8>>,
+    ) -> Result<Arc<GrpcNet>, String> {
+        let tls = ca_pem.map(|ca| ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)));
         Ok(Arc::new(GrpcNet {
             peers,
             secret: secret_value(secret)?,
+            tls,
             channels: Mutex::new(BTreeMap::new()),
             connect_timeout: Duration::from_secs(2),
         }))
@@ -160,10 +195,16 @@ impl GrpcNet {
             return Ok(c.clone());
         }
         let addr = self.peers.get(&to).ok_or(NetError::NoSuchReplica(to))?;
-        let ep = Endpoint::from_shared(format!("http://{addr}"))
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
             .map_err(|e| NetError::Unreachable(to, format!("address {addr}: {e}")))?
             .connect_timeout(self.connect_timeout)
             .tcp_nodelay(true);
+        if let Some(tls) = &self.tls {
+            ep = ep
+                .tls_config(tls.clone())
+                .map_err(|e| NetError::Unreachable(to, format!("TLS for {addr}: {e}")))?;
+        }
         let c = ep.connect_lazy();
         chans.insert(to, c.clone());
         Ok(c)
@@ -185,4 +226,34 @@ impl Net for GrpcNet {
             }
         })
     }
+}
+
+/// A cluster's certificates, for trying TLS on one machine and for the tests: a CA,
+/// and for each host name or address in `hosts` a certificate and key signed by it.
+/// Production clusters bring their own (any CA; each replica's certificate must name
+/// the host its address uses).
+pub fn make_certificates(hosts: &[Vec<String>]) -> Result<(Vec<u8>, Vec<TlsIdentity>), String> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let err = |e: rcgen::Error| format!("making certificates: {e}");
+    let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(err)?;
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "quiltfs cluster CA");
+    let ca_key = KeyPair::generate().map_err(err)?;
+    let ca_cert = ca.self_signed(&ca_key).map_err(err)?;
+    let mut out = Vec::new();
+    for names in hosts {
+        let mut p = CertificateParams::new(names.clone()).map_err(err)?;
+        p.distinguished_name.push(
+            DnType::CommonName,
+            names.first().cloned().unwrap_or_default(),
+        );
+        let key = KeyPair::generate().map_err(err)?;
+        let cert = p.signed_by(&key, &ca_cert, &ca_key).map_err(err)?;
+        out.push(TlsIdentity {
+            cert_pem: cert.pem().into_bytes(),
+            key_pem: key.serialize_pem().into_bytes(),
+        });
+    }
+    Ok((ca_cert.pem().into_bytes(), out))
 }

@@ -1,7 +1,9 @@
 //! Replicas over real gRPC on loopback: a volume of three servers in this process,
 //! written and read through `GrpcNet`; a client with the wrong secret is refused
 //! before anything is decoded; garbage on a server's port, and a frame past the size
-//! limit, get errors and the servers serve on.
+//! limit, get errors and the servers serve on. Over TLS: a client trusting the
+//! cluster's CA reads and writes; one without TLS, or trusting another CA, gets in
+//! nowhere.
 
 use quilt_block::{BlockDevice, MemDevice};
 use quilt_gnothi::client::{Client, ClientConfig, ClientError};
@@ -10,7 +12,7 @@ use quilt_gnothi::replica::Local;
 use quilt_gnothi::rpc::{Request, Response};
 use quilt_gnothi::server::{label_for, LogSizes};
 use quilt_gnothi::store::DataStore;
-use quilt_gnothi::transport::{serve, GrpcNet};
+use quilt_gnothi::transport::{make_certificates, serve, GrpcNet, TlsIdentity};
 use quilt_gnothi::{Geometry, System};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -27,6 +29,13 @@ fn free_port() -> u16 {
 }
 
 async fn cluster() -> (BTreeMap<u64, String>, Vec<tokio::sync::oneshot::Sender<()>>) {
+    cluster_with(None).await
+}
+
+/// With `tls`: the CA, and each replica's identity.
+async fn cluster_with(
+    tls: Option<(Vec<u8>, Vec<TlsIdentity>)>,
+) -> (BTreeMap<u64, String>, Vec<tokio::sync::oneshot::Sender<()>>) {
     let g = Geometry::new(System::Gnothi, 1, 4096, 1024, 64).unwrap();
     let peers: BTreeMap<u64, String> = (0..3u64)
         .map(|r| (r, format!("127.0.0.1:{}", free_port())))
@@ -47,14 +56,16 @@ async fn cluster() -> (BTreeMap<u64, String>, Vec<tokio::sync::oneshot::Sender<(
         let data: Arc<dyn BlockDevice> =
             Arc::new(MemDevice::new(4096, DataStore::blocks_needed(&g, r, 256)).unwrap());
         Local::format(&log, &label).unwrap();
-        let net = GrpcNet::new(peers.clone(), SECRET).unwrap();
+        let ca = tls.as_ref().map(|(ca, _)| ca.clone());
+        let identity = tls.as_ref().map(|(_, ids)| ids[r as usize].clone());
+        let net = GrpcNet::with_tls(peers.clone(), SECRET, ca).unwrap();
         let node = Node::start(r, log, data, net, members.clone(), NodeConfig::default())
             .await
             .unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let listen = peers[&u64::from(r)].parse().unwrap();
         tokio::spawn(async move {
-            let _ = serve(node, listen, SECRET.into(), async {
+            let _ = serve(node, listen, SECRET.into(), identity, async {
                 let _ = rx.await;
             })
             .await;
@@ -127,4 +138,32 @@ async fn a_volume_over_grpc_serves_and_refuses_bad_input() {
     client.write(3, &more).await.unwrap();
     assert_eq!(client.read(3, 1).await.unwrap(), more);
     assert_eq!(client.read(60, 8).await.unwrap(), data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_only_clients_that_trust_the_cluster_ca_get_in() {
+    let hosts: Vec<Vec<String>> = (0..3).map(|_| vec!["127.0.0.1".to_string()]).collect();
+    let (ca, ids) = make_certificates(&hosts).unwrap();
+    let (peers, _stops) = cluster_with(Some((ca.clone(), ids))).await;
+    let net = GrpcNet::with_tls(peers.clone(), SECRET, Some(ca)).unwrap();
+    let client = Client::connect(net, 3, 1, ClientConfig::default())
+        .await
+        .unwrap();
+    let data: Vec<u8> = (0..4 * 4096).map(|i| (i % 251) as u8).collect();
+    client.write(8, &data).await.unwrap();
+    assert_eq!(client.read(8, 4).await.unwrap(), data);
+
+    let cfg = ClientConfig {
+        op_timeout: Duration::from_secs(1),
+        ..ClientConfig::default()
+    };
+    // Plain HTTP/2 to a TLS server: nothing answers.
+    let plain = GrpcNet::new(peers.clone(), SECRET).unwrap();
+    assert!(Client::connect(plain, 3, 2, cfg.clone()).await.is_err());
+    // TLS trusting another CA: the replicas' certificates are refused.
+    let (other_ca, _) = make_certificates(&[]).unwrap();
+    let stranger = GrpcNet::with_tls(peers.clone(), SECRET, Some(other_ca)).unwrap();
+    assert!(Client::connect(stranger, 3, 3, cfg).await.is_err());
+    // The trusted client still works.
+    assert_eq!(client.read(8, 4).await.unwrap(), data);
 }

@@ -123,6 +123,14 @@ pub struct ServeArgs {
     /// have a leader.
     #[arg(long)]
     pub new_data_disk: bool,
+    /// TLS: this replica's certificate (PEM; it must name the host of its address),
+    /// its key, and the CA that signed every replica's certificate. All three or none.
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    #[arg(long, requires_all = ["tls_cert", "tls_ca"])]
+    pub tls_key: Option<PathBuf>,
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    pub tls_ca: Option<PathBuf>,
 }
 
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -188,6 +196,19 @@ fn read_secret(path: &Path) -> Result<String> {
 
 fn serve(a: ServeArgs) -> Result<()> {
     let secret = read_secret(&a.secret_file)?;
+    let read = |p: &Path, what: &str| {
+        std::fs::read(p).with_context(|| format!("reading the TLS {what} {}", p.display()))
+    };
+    let tls = match (&a.tls_cert, &a.tls_key, &a.tls_ca) {
+        (Some(cert), Some(key), Some(ca)) => Some(server::ReplicaTls {
+            identity: quilt_gnothi::transport::TlsIdentity {
+                cert_pem: read(cert, "certificate")?,
+                key_pem: read(key, "key")?,
+            },
+            ca_pem: read(ca, "CA")?,
+        }),
+        _ => None,
+    };
     let peers: BTreeMap<u64, String> = a
         .peers
         .iter()
@@ -208,6 +229,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         },
         model_disks: a.model_disks,
         new_data_disk: a.new_data_disk,
+        tls,
     };
     // The Raft log's appends and the state machine's placements wait for their disks
     // on the workers that run them: enough workers that heartbeats and answers still
@@ -318,6 +340,10 @@ pub struct UpArgs {
     /// timing) and flushes stop at the model (not crash-safe on the host).
     #[arg(long)]
     pub model_disks: bool,
+    /// Replicas talk TLS: a CA and a certificate per replica are made in DIR, and the
+    /// address names the CA (`tls-ca=DIR/ca.pem`).
+    #[arg(long)]
+    pub tls: bool,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -329,6 +355,8 @@ struct ClusterFile {
     recovery_interval_ms: u64,
     #[serde(default)]
     model_disks: bool,
+    #[serde(default)]
+    tls: bool,
 }
 
 fn default_recovery_interval() -> u64 {
@@ -362,8 +390,13 @@ fn save(dir: &Path, c: &ClusterFile) -> Result<()> {
 
 fn address(dir: &Path, c: &ClusterFile) -> String {
     let hosts: Vec<&str> = c.replicas.iter().map(|r| r.addr.as_str()).collect();
+    let tls = if c.tls {
+        format!("&tls-ca={}", dir.join("ca.pem").display())
+    } else {
+        String::new()
+    };
     format!(
-        "gnothi://{}/{}?secret-file={}",
+        "gnothi://{}/{}?secret-file={}{tls}",
         hosts.join(","),
         c.volume,
         dir.join("secret").display()
@@ -466,6 +499,18 @@ fn spawn_with(dir: &Path, c: &ClusterFile, id: u16, extra: &[&str]) -> Result<u3
             &c.recovery_interval_ms.to_string(),
         ])
         .args(c.model_disks.then_some("--model-disks"))
+        .args(if c.tls {
+            vec![
+                "--tls-cert".into(),
+                dir.join(format!("r{id}.crt")).into_os_string(),
+                "--tls-key".into(),
+                dir.join(format!("r{id}.key")).into_os_string(),
+                "--tls-ca".into(),
+                dir.join("ca.pem").into_os_string(),
+            ]
+        } else {
+            Vec::new()
+        })
         .args(extra)
         .stdin(std::process::Stdio::null())
         .stdout(out.try_clone()?)
@@ -482,6 +527,7 @@ struct Target {
     address: String,
     peers: BTreeMap<u64, String>,
     secret: String,
+    ca: Option<Vec<u8>>,
 }
 
 impl Target {
@@ -489,6 +535,7 @@ impl Target {
         if quilt_gnothi::device::VolumeAddress::is_address(target) {
             let a = quilt_gnothi::device::VolumeAddress::parse(target).map_err(|e| anyhow!(e))?;
             let secret = a.secret().map_err(|e| anyhow!(e))?;
+            let ca = a.ca().map_err(|e| anyhow!(e))?;
             let peers = a
                 .replicas
                 .iter()
@@ -501,6 +548,7 @@ impl Target {
                 address: target.to_string(),
                 peers,
                 secret,
+                ca,
             })
         } else {
             let dir = PathBuf::from(target);
@@ -514,6 +562,11 @@ impl Target {
                     .map(|r| (u64::from(r.id), r.addr.clone()))
                     .collect(),
                 secret: read_secret(&dir.join("secret"))?,
+                ca: c
+                    .tls
+                    .then(|| std::fs::read(dir.join("ca.pem")))
+                    .transpose()
+                    .context("reading the cluster's CA")?,
             })
         }
     }
@@ -527,7 +580,7 @@ fn scrub(target: &str) -> Result<()> {
         .build()?;
     let mut failed = 0;
     rt.block_on(async {
-        let net = GrpcNet::new(t.peers.clone(), &t.secret).map_err(|e| anyhow!(e))?;
+        let net = GrpcNet::with_tls(t.peers.clone(), &t.secret, t.ca.clone()).map_err(|e| anyhow!(e))?;
         for &id in t.peers.keys() {
             let r = quilt_gnothi::net::call_within(
                 net.as_ref(),
@@ -563,26 +616,23 @@ fn scrub(target: &str) -> Result<()> {
 }
 
 fn statuses(dir: &Path, c: &ClusterFile) -> Result<Vec<(u16, Option<quilt_gnothi::rpc::Status>)>> {
-    let secret = read_secret(&dir.join("secret"))?;
-    let peers: BTreeMap<u64, String> = c
-        .replicas
-        .iter()
-        .map(|r| (u64::from(r.id), r.addr.clone()))
-        .collect();
-    statuses_of(peers, &secret)
+    let t = Target::resolve(&dir.display().to_string())?;
+    let _ = c;
+    statuses_of(t.peers, &t.secret, t.ca)
 }
 
 /// Each replica's status (`None`: it did not answer within a second).
 fn statuses_of(
     peers: BTreeMap<u64, String>,
     secret: &str,
+    ca: Option<Vec<u8>>,
 ) -> Result<Vec<(u16, Option<quilt_gnothi::rpc::Status>)>> {
     let ids: Vec<u64> = peers.keys().copied().collect();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let net = GrpcNet::new(peers, secret).map_err(|e| anyhow!(e))?;
+        let net = GrpcNet::with_tls(peers, secret, ca).map_err(|e| anyhow!(e))?;
         let mut out = Vec::new();
         for id in ids {
             let s = quilt_gnothi::net::call_within(
@@ -634,7 +684,7 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
         }
         ClusterCommand::Status { target, json } => {
             let t = Target::resolve(&target)?;
-            let st = statuses_of(t.peers.clone(), &t.secret)?;
+            let st = statuses_of(t.peers.clone(), &t.secret, t.ca.clone())?;
             let (volume, addr) = (t.volume, t.address);
             if json {
                 let v: Vec<serde_json::Value> = st
@@ -803,7 +853,28 @@ fn up(a: UpArgs) -> Result<()> {
             .collect(),
         recovery_interval_ms: a.recovery_interval_ms,
         model_disks: a.model_disks,
+        tls: a.tls,
     };
+    if a.tls {
+        // Each certificate names the host of its replica's address.
+        let hosts: Vec<Vec<String>> = c
+            .replicas
+            .iter()
+            .map(|r| {
+                let host = r.addr.rsplit_once(':').map_or(r.addr.as_str(), |(h, _)| h);
+                vec![host.to_string(), "localhost".to_string()]
+            })
+            .collect();
+        let (ca, ids) =
+            quilt_gnothi::transport::make_certificates(&hosts).map_err(|e| anyhow!(e))?;
+        std::fs::write(a.dir.join("ca.pem"), ca)?;
+        for (id, t) in ids.into_iter().enumerate() {
+            std::fs::write(a.dir.join(format!("r{id}.crt")), t.cert_pem)?;
+            let key = a.dir.join(format!("r{id}.key"));
+            std::fs::write(&key, t.key_pem)?;
+            std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        }
+    }
     for id in 0..a.replicas {
         let label = server::label_for(id, &a.volume, g, shape.reserve_slots, LogSizes::default());
         server::format(
