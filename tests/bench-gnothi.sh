@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # `quiltfs bench gnothi` end to end, small: Gnothi, G′ and a local disk on modelled
-# disks, 4 KiB random writes and reads, and the catch-up run (a follower killed and
-# restarted under load) for Gnothi and G′. Every output must be there, every row must
-# carry the columns the issue names with a positive throughput and no errors, both
-# catch-ups must complete, Gnothi's replicas must keep less at home than G′'s, and no
+# disks, 4 KiB random writes and reads, and the recovery runs (a follower killed and
+# restarted under load; a follower's data disk replaced by an empty one) for Gnothi and
+# G′. Every output must be there, every row must
+# carry the columns the issue names with a positive throughput and no errors, every
+# recovery must complete, Gnothi's replicas must keep less at home than G′'s, and no
 # replica process or device file may be left behind; bad arguments get a clear error.
 # (Timings are not checked: ratios come from the full run.)
 #   tests/bench-gnothi.sh [path/to/quiltfs]
@@ -23,7 +24,7 @@ port=$((20000 + RANDOM % 20000))
 "$q" bench gnothi --quick --systems gnothi,gprime,local --sizes 4 --workloads randwrite,randread \
   --seconds 2 --size-mib 64 --port "$port" --work "$work/w" --out "$out" >"$work/log" 2>&1 ||
   { tail -30 "$work/log"; fail "the quick run failed"; }
-for f in report.md results.json results.csv stored.csv throughput-f1.png catchup-10ms.png; do
+for f in report.md results.json results.csv stored.csv throughput-f1.png catchup-10ms.png rereplication.png; do
   [ -s "$out/$f" ] || fail "$f is missing"
 done
 python3 - "$out" <<'PY'
@@ -34,12 +35,12 @@ for col in ["system", "workload", "block_size", "f", "run", "mb_per_s"]:
     assert col in rows[0], f"results.csv has no column {col}"
 got = {(r["system"], r["workload"]) for r in rows}
 want = {(s, w) for s in ["gnothi", "gprime", "local"] for w in ["randwrite", "randread"]}
-want |= {("gnothi", "catchup"), ("gprime", "catchup")}
+want |= {(s, w) for s in ["gnothi", "gprime"] for w in ["catchup", "rereplication"]}
 assert want <= got, f"missing runs: {sorted(want - got)}"
 for r in rows:
     assert float(r["mb_per_s"]) > 0, r
     assert int(r["errors"]) == 0, f"client errors: {r}"
-    if r["workload"] == "catchup":
+    if r["workload"] in ("catchup", "rereplication"):
         assert r["caught_up"] == "true", f"{r['system']} did not catch up: {r}"
         assert float(r["phase1_s"]) <= float(r["recovery_s"]), r
 stored = list(csv.DictReader(open(f"{out}/stored.csv")))

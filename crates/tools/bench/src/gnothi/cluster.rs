@@ -89,6 +89,12 @@ impl LocalCluster {
             .map(drop)
     }
 
+    /// Replaces replica `r`'s data disk by an empty one and starts it on it.
+    pub fn replace_disk(&self, r: u16) -> Result<()> {
+        self.cluster(&["replace-disk", "--replica", &r.to_string()])
+            .map(drop)
+    }
+
     pub fn start(&self, r: u16) -> Result<()> {
         self.cluster(&["start", "--replica", &r.to_string()])
             .map(drop)

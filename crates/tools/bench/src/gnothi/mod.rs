@@ -177,6 +177,8 @@ pub struct Stored {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Timeline {
     pub system: String,
+    /// `catchup` or `rereplication`.
+    pub workload: String,
     pub recovery_interval_ms: u64,
     pub run: usize,
     /// (seconds, MB/s), one point a second.
@@ -274,7 +276,12 @@ pub fn run(a: GnothiArgs) -> Result<()> {
             .filter(|s| matches!(*s, "gnothi" | "gprime"))
             .collect()
     };
-    let steps = runs * (configs.len() + recovery_systems.len() * intervals.len());
+    let recovery_runs = if intervals.is_empty() {
+        0
+    } else {
+        intervals.len() + 1
+    };
+    let steps = runs * (configs.len() + recovery_systems.len() * recovery_runs);
     let mut progress = Progress::new(steps as u64, "clusters");
     let mut rows = Vec::new();
     let mut stored = Vec::new();
@@ -396,14 +403,64 @@ pub fn run(a: GnothiArgs) -> Result<()> {
                     model_disks,
                 };
                 client_id += 1;
-                let (row, tl) = catch_up(&rt, &a.work, &shape, &scale, run, client_id, &disks)
-                    .with_context(|| format!("{system}: catch-up at {interval} ms"))?;
+                let (row, tl) = recovery(
+                    Recovery::CatchUp,
+                    &rt,
+                    &a.work,
+                    &shape,
+                    &scale,
+                    run,
+                    client_id,
+                    &disks,
+                )
+                .with_context(|| format!("{system}: catch-up at {interval} ms"))?;
                 eprintln!(
                     "bench: {system} catch-up ({interval} ms): {:.2} MB/s during recovery, {}",
                     row.mb_per_s,
                     match (row.caught_up, row.recovery_s) {
                         (Some(true), Some(s)) => format!("recovered in {s:.1} s"),
                         _ => "did not catch up within the cap".into(),
+                    }
+                );
+                rows.push(row);
+                timelines.push(tl);
+                progress.inc();
+                if interrupted() {
+                    bail!("interrupted");
+                }
+            }
+        }
+        // Re-replication: a replica's data disk replaced by an empty one under load,
+        // at the first recovery interval.
+        if let Some(&interval) = intervals.first() {
+            for &system in &recovery_systems {
+                progress.step(format!("{system}: re-replication (run {})", run + 1));
+                let shape = Shape {
+                    system,
+                    replicas: 3,
+                    size_mib,
+                    port: a.port,
+                    recovery_interval_ms: interval,
+                    model_disks,
+                };
+                client_id += 1;
+                let (row, tl) = recovery(
+                    Recovery::Rereplicate,
+                    &rt,
+                    &a.work,
+                    &shape,
+                    &scale,
+                    run,
+                    client_id,
+                    &disks,
+                )
+                .with_context(|| format!("{system}: re-replication"))?;
+                eprintln!(
+                    "bench: {system} re-replication: {:.2} MB/s while rebuilding, {}",
+                    row.mb_per_s,
+                    match (row.caught_up, row.recovery_s) {
+                        (Some(true), Some(s)) => format!("rebuilt in {s:.1} s"),
+                        _ => "not rebuilt within the cap".into(),
                     }
                 );
                 rows.push(row);
@@ -442,10 +499,23 @@ fn errors_note(d: &Done) -> String {
 const CATCHUP_REQUEST: usize = 1 << 20;
 const CATCHUP_DEPTH: usize = 8;
 
-/// The paper's catch-up experiment, scaled down: a random 1 MiB write load; a
-/// follower killed after `before` seconds and restarted `down` seconds later; its
-/// Phase 1 (metadata caught up) and Phase 2 (no INCOMPLETE block left) timed.
-fn catch_up(
+/// Which recovery a run measures.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Recovery {
+    /// A follower killed and restarted `down` seconds later, its disks as they were.
+    CatchUp,
+    /// A follower's data disk replaced by an empty one (`cluster replace-disk`): the
+    /// volume is told, and the replica rebuilds every block of its preferred slices.
+    Rereplicate,
+}
+
+/// The paper's recovery experiments, scaled down: a random 1 MiB write load; after
+/// `before` seconds a follower is killed and restarted `down` seconds later (catch-up),
+/// or gets an empty data disk at once (re-replication); its Phase 1 (metadata caught
+/// up) and Phase 2 (no INCOMPLETE block left) timed.
+#[allow(clippy::too_many_arguments)]
+fn recovery(
+    kind: Recovery,
     rt: &tokio::runtime::Runtime,
     work: &std::path::Path,
     shape: &Shape,
@@ -454,7 +524,11 @@ fn catch_up(
     client_id: u64,
     disks: &str,
 ) -> Result<(Row, Timeline)> {
-    let dir = work.join(format!("catchup-{}", shape.system));
+    let workload = match kind {
+        Recovery::CatchUp => "catchup",
+        Recovery::Rereplicate => "rereplication",
+    };
+    let dir = work.join(format!("{workload}-{}", shape.system));
     let cl = LocalCluster::up(&dir, shape)?;
     let client = cl.client(rt, client_id)?;
     let cap = Duration::from_secs(scale.before + scale.down + scale.cap + scale.tail);
@@ -482,12 +556,23 @@ fn catch_up(
         })
         .context("no follower to kill")?;
     let victim_index = st[victim as usize].map_or(0, |s| s.log_index);
-    cl.kill(victim)?;
-    events.push(("killed".to_string(), at(Instant::now())));
-    std::thread::sleep(Duration::from_secs(scale.down));
-    // What the victim missed: the leader's log index when it comes back.
-    let target = leader_index(&cl.status()?).unwrap_or(0);
-    cl.start(victim)?;
+    let target = match kind {
+        Recovery::CatchUp => {
+            cl.kill(victim)?;
+            events.push(("killed".to_string(), at(Instant::now())));
+            std::thread::sleep(Duration::from_secs(scale.down));
+            // What the victim missed: the leader's log index when it comes back.
+            let target = leader_index(&cl.status()?).unwrap_or(0);
+            cl.start(victim)?;
+            target
+        }
+        Recovery::Rereplicate => {
+            let target = leader_index(&cl.status()?).unwrap_or(0);
+            events.push(("disk replaced".to_string(), at(Instant::now())));
+            cl.replace_disk(victim)?;
+            target
+        }
+    };
     let restarted = Instant::now();
     events.push(("restarted".to_string(), at(restarted)));
     let deadline = restarted + Duration::from_secs(scale.cap);
@@ -529,7 +614,7 @@ fn catch_up(
     let per_second = (1.0 / tick).round() as usize;
     let row = Row {
         system: shape.system.into(),
-        workload: "catchup".into(),
+        workload: workload.into(),
         block_size: CATCHUP_REQUEST,
         f: 1,
         run,
@@ -552,6 +637,7 @@ fn catch_up(
     };
     let tl = Timeline {
         system: shape.system.into(),
+        workload: workload.into(),
         recovery_interval_ms: shape.recovery_interval_ms,
         run,
         points: done.timeline(per_second),

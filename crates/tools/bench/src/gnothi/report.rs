@@ -98,7 +98,7 @@ pub fn write(
     fs.dedup();
     let mut sizes: Vec<usize> = rows
         .iter()
-        .filter(|r| r.workload != "catchup")
+        .filter(|r| !is_recovery(&r.workload))
         .map(|r| r.block_size)
         .collect();
     sizes.sort_unstable();
@@ -109,7 +109,7 @@ pub fn write(
         .map(|s| s.0)
         .filter(|s| {
             rows.iter()
-                .any(|r| r.system == *s && r.workload != "catchup")
+                .any(|r| r.system == *s && !is_recovery(&r.workload))
         })
         .collect();
     let mut goals: Vec<(String, Option<bool>, String)> = Vec::new();
@@ -342,7 +342,9 @@ pub fn write(
             if plots {
                 let tls: Vec<&Timeline> = timelines
                     .iter()
-                    .filter(|t| t.recovery_interval_ms == i && t.run == 0)
+                    .filter(|t| {
+                        t.workload == "catchup" && t.recovery_interval_ms == i && t.run == 0
+                    })
                     .collect();
                 let series: Vec<(String, Vec<(f64, f64)>)> = tls
                     .iter()
@@ -360,13 +362,105 @@ pub fn write(
                 let name = format!("catchup-{i}ms.png");
                 plot::timeline(
                     &out.join(&name),
-                    &format!("Catch-up, recovery interval {i} ms (f = 1, 4 KiB sequential writes)"),
+                    &format!("Catch-up, recovery interval {i} ms (f = 1, random 1 MiB writes)"),
                     "client MB/s",
                     &series,
                     &events,
                 )?;
                 writeln!(md, "![catch-up at {i} ms]({name})\n")?;
             }
+        }
+    }
+
+    let rebuilds: Vec<&Row> = rows
+        .iter()
+        .filter(|r| r.workload == "rereplication")
+        .collect();
+    if !rebuilds.is_empty() {
+        writeln!(md, "## Re-replication (f = 1, random 1 MiB writes)\n")?;
+        writeln!(
+            md,
+            "A follower's data disk is replaced by an empty one under load (`quiltfs \
+             cluster replace-disk`): the volume is told it holds nothing, and it \
+             rebuilds every block of its preferred slices (Phase 2), while G′'s \
+             replica rebuilds every block of the volume. Throughput is the clients' \
+             from the replacement to the end of the rebuild.\n"
+        )?;
+        writeln!(md, "| system | interval ms | run | before MB/s | during rebuild MB/s | Phase 1 s | rebuild s | rebuilt |")?;
+        writeln!(md, "|---|---:|---:|---:|---:|---:|---:|---|")?;
+        for r in &rebuilds {
+            writeln!(
+                md,
+                "| {} | {} | {} | {:.2} | {:.2} | {} | {} | {} |",
+                r.system,
+                r.recovery_interval_ms.unwrap_or(0),
+                r.run + 1,
+                r.before_mb_per_s.unwrap_or(0.0),
+                r.mb_per_s,
+                r.phase1_s.map_or("–".into(), |s| format!("{s:.1}")),
+                r.recovery_s.map_or("–".into(), |s| format!("{s:.1}")),
+                if r.caught_up == Some(true) {
+                    "yes"
+                } else {
+                    "**no**"
+                },
+            )?;
+        }
+        writeln!(md)?;
+        let of = |sys: &str| -> Vec<&Row> {
+            rebuilds
+                .iter()
+                .copied()
+                .filter(|r| r.system == sys)
+                .collect()
+        };
+        let (g, p) = (of("gnothi"), of("gprime"));
+        if !g.is_empty() {
+            goals.push((
+                "gnothi re-replication completes".into(),
+                Some(g.iter().all(|r| r.caught_up == Some(true))),
+                format!(
+                    "{} of {}",
+                    g.iter().filter(|r| r.caught_up == Some(true)).count(),
+                    g.len()
+                ),
+            ));
+        }
+        let med = |v: &[&Row]| median(v.iter().map(|r| r.mb_per_s).collect()).0;
+        if !g.is_empty() && !p.is_empty() && med(&p) > 0.0 {
+            let r = med(&g) / med(&p);
+            goals.push((
+                "re-replication: client throughput while rebuilding, gnothi ≥ 3× gprime".into(),
+                Some(r >= 3.0),
+                format!("{r:.2}×"),
+            ));
+        }
+        if plots {
+            let tls: Vec<&Timeline> = timelines
+                .iter()
+                .filter(|t| t.workload == "rereplication" && t.run == 0)
+                .collect();
+            let series: Vec<(String, Vec<(f64, f64)>)> = tls
+                .iter()
+                .map(|t| (t.system.clone(), t.points.clone()))
+                .collect();
+            let events: Vec<(usize, String, f64)> = tls
+                .iter()
+                .enumerate()
+                .flat_map(|(j, t)| {
+                    t.events
+                        .iter()
+                        .map(move |(w, s)| (j, format!("{}: {w}", t.system), *s))
+                })
+                .collect();
+            plot::timeline(
+                &out.join("rereplication.png"),
+                "Re-replication onto an empty data disk (f = 1, random 1 MiB writes)",
+                "client MB/s",
+                &series,
+                &events,
+            )?;
+            writeln!(md, "![re-replication](rereplication.png)\n")?;
         }
     }
 
@@ -385,4 +479,9 @@ pub fn write(
     writeln!(md)?;
     std::fs::write(out.join("report.md"), md)?;
     Ok(())
+}
+
+/// Rows of the recovery runs (catch-up, re-replication), not of the I/O runs.
+fn is_recovery(workload: &str) -> bool {
+    matches!(workload, "catchup" | "rereplication")
 }
