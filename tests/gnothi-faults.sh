@@ -21,6 +21,8 @@ if [ "$(id -u)" != 0 ]; then
   echo "gnothi-faults: needs root (network namespaces); skipped" >&2
   exit 0
 fi
+command -v qemu-io >/dev/null && command -v qemu-img >/dev/null ||
+  { echo "gnothi-faults: needs qemu-io and qemu-img (apt-get install qemu-utils)" >&2; exit 1; }
 SECS=${GNOTHI_FAULT_SECONDS:-40}   # the nemesis below takes about 35 s
 FAULTS=" ${GNOTHI_FAULTS:-kill partition-leader partition fill damage replace control} "
 want() { [[ "$FAULTS" == *" $1 "* ]]; }
@@ -41,6 +43,7 @@ cleanup() {
   set +e
   for p in "${PID[@]:-}"; do [ -n "$p" ] && kill -9 "$p" 2>/dev/null; done
   [ -n "${CHECK:-}" ] && kill -9 "$CHECK" 2>/dev/null
+  [ -n "${NBD:-}" ] && kill -9 "$NBD" 2>/dev/null
   wait 2>/dev/null
   mountpoint -q "$W/small" && umount "$W/small"
   for ns in "$NSC" "${T}0" "${T}1" "${T}2" "$HUB"; do ip netns del "$ns" 2>/dev/null; done
@@ -148,6 +151,7 @@ if want fill; then
   ip netns exec "$NSC" qemu-io -f raw nbd://127.0.0.1:10809 -c "read -P 0x5a 16M 24M" \
     >/dev/null || fail "the 24 MiB written while a data device was full do not read back"
   kill "$NBD"; wait "$NBD" 2>/dev/null || true
+  NBD=""
 fi
 if want damage; then
   step "damage replica 2's data blocks (its whole home area, while it runs)"

@@ -75,19 +75,21 @@ impl VolumeAddress {
         })
     }
 
-    /// The cluster secret this address names (file or environment).
-    /// A client of the volume as client `id`: its replicas over gRPC with the
-    /// volume's secret. Runs on the caller's tokio runtime.
-    pub async fn connect(&self, id: u64, config: ClientConfig) -> Result<Client, String> {
-        let secret = self.secret()?;
-        let peers: BTreeMap<u64, String> = self
-            .replicas
+    /// The replicas by id: the address lists them in id order.
+    pub fn peers(&self) -> BTreeMap<u64, String> {
+        self.replicas
             .iter()
             .cloned()
             .enumerate()
             .map(|(i, h)| (i as u64, h))
-            .collect();
-        let net = GrpcNet::with_tls(peers, &secret, self.ca()?)?;
+            .collect()
+    }
+
+    /// A client of the volume as client `id`: its replicas over gRPC with the
+    /// volume's secret. Runs on the caller's tokio runtime.
+    pub async fn connect(&self, id: u64, config: ClientConfig) -> Result<Client, String> {
+        let secret = self.secret()?;
+        let net = GrpcNet::with_tls(self.peers(), &secret, self.ca()?)?;
         Client::connect(net, self.replicas.len() as u16, id, config)
             .await
             .map_err(|e| e.to_string())
@@ -101,6 +103,7 @@ impl VolumeAddress {
             .transpose()
     }
 
+    /// The cluster secret this address names (file or environment).
     pub fn secret(&self) -> Result<String, String> {
         if let Some(f) = &self.secret_file {
             return std::fs::read_to_string(f)

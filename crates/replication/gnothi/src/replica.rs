@@ -631,6 +631,11 @@ impl Local {
     /// read as a client's read would be, checksum included; a damaged one is marked
     /// lost). Returns the copies checked and those found damaged.
     pub fn scrub(&mut self, first: u64, count: u64) -> Result<(u64, u64), ReplicaError> {
+        // Behind its own disks after a restart: a home copy newer than the table this
+        // replica has applied would look damaged. Nothing is verified until it caught up.
+        if self.placed > self.last_applied.map_or(0, |l| l.index) {
+            return Ok((0, 0));
+        }
         let end = first.saturating_add(count).min(self.geometry().blocks);
         let before = self.checksum_failures;
         let mut checked = 0;
@@ -703,6 +708,13 @@ impl Local {
         {
             return Ok(false);
         }
+        // Restarted behind its own disks (the commit point on the log device lags the
+        // placed mark): the home may hold a newer copy than the table this replica has
+        // applied so far knows, which a fetched older one must not overwrite. Wait
+        // until it has applied up to the mark.
+        if self.placed > self.last_applied.map_or(0, |l| l.index) {
+            return Ok(false);
+        }
         // The block's home is about to hold data newer than any entry the data log may
         // still replay: the placed mark must cover everything applied first, durably,
         // or a restart would replay an older write's record over this repair.
@@ -718,7 +730,17 @@ impl Local {
     /// The replicated state as a snapshot, after making every applied write's data
     /// durable; written to the log device too.
     fn build_snapshot(&mut self) -> Result<(SnapshotMeta, Vec<u8>), ReplicaError> {
-        self.settle()?;
+        if let Err(e) = self.settle() {
+            // A data device that cannot take the placed data (full, failing): no new
+            // snapshot, and the last one again, which purges nothing more. An error
+            // here would stop agreement on this replica for good (openraft treats it
+            // as fatal); the write-back is retried, and the next snapshot may succeed.
+            if let Some(last) = self.snapshot.clone() {
+                tracing::warn!(replica = self.id, error = %e, "no snapshot: placed data not durable");
+                return Ok(last);
+            }
+            return Err(e);
+        }
         let body = SnapshotBody {
             last_applied: self.last_applied,
             membership: self.membership.clone(),

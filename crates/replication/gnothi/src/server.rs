@@ -217,6 +217,17 @@ pub async fn run(
     let log_dev = open_file(&opts.log, bs, 1)?;
     let label =
         Label::read(log_dev.as_ref()).map_err(|e| format!("{}: {e}", opts.log.display()))?;
+    // Before anything is told to the volume (a wrong --id with --new-data-disk would
+    // declare another replica's copies lost).
+    if label.replica != opts.id {
+        return Err(format!(
+            "{} belongs to replica {} of volume {:?}, not replica {}",
+            opts.log.display(),
+            label.replica,
+            label.volume,
+            opts.id
+        ));
+    }
     if !opts.new_data_disk && !opts.data.exists() {
         return Err(format!(
             "{} does not exist: if it is a new disk replacing a failed one, start with --new-data-disk",

@@ -9,6 +9,7 @@ use quilt_gnothi::transport::GrpcNet;
 use quilt_gnothi::{Geometry, System};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -536,13 +537,7 @@ impl Target {
             let a = quilt_gnothi::device::VolumeAddress::parse(target).map_err(|e| anyhow!(e))?;
             let secret = a.secret().map_err(|e| anyhow!(e))?;
             let ca = a.ca().map_err(|e| anyhow!(e))?;
-            let peers = a
-                .replicas
-                .iter()
-                .cloned()
-                .enumerate()
-                .map(|(i, h)| (i as u64, h))
-                .collect();
+            let peers = a.peers();
             Ok(Target {
                 volume: a.volume,
                 address: target.to_string(),
@@ -591,7 +586,11 @@ fn scrub(target: &str) -> Result<()> {
             .await;
             match r {
                 Ok(quilt_gnothi::rpc::Response::Scrubbed { checked, damaged }) => {
-                    println!("replica {id}: {checked} copies verified, {damaged} damaged (being fetched again)");
+                    if damaged > 0 {
+                        println!("replica {id}: {checked} copies verified, {damaged} damaged (being fetched again)");
+                    } else {
+                        println!("replica {id}: {checked} copies verified, 0 damaged");
+                    }
                 }
                 Ok(quilt_gnothi::rpc::Response::Error(e)) => {
                     failed += 1;
@@ -616,8 +615,8 @@ fn scrub(target: &str) -> Result<()> {
 }
 
 fn statuses(dir: &Path, c: &ClusterFile) -> Result<Vec<(u16, Option<quilt_gnothi::rpc::Status>)>> {
+    let _ = c; // the directory's own cluster file, read again by `Target`
     let t = Target::resolve(&dir.display().to_string())?;
-    let _ = c;
     statuses_of(t.peers, &t.secret, t.ca)
 }
 
@@ -870,9 +869,13 @@ fn up(a: UpArgs) -> Result<()> {
         std::fs::write(a.dir.join("ca.pem"), ca)?;
         for (id, t) in ids.into_iter().enumerate() {
             std::fs::write(a.dir.join(format!("r{id}.crt")), t.cert_pem)?;
-            let key = a.dir.join(format!("r{id}.key"));
-            std::fs::write(&key, t.key_pem)?;
-            std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+            // The key is never readable by others, not even for a moment.
+            let mut key = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(a.dir.join(format!("r{id}.key")))?;
+            std::io::Write::write_all(&mut key, &t.key_pem)?;
         }
     }
     for id in 0..a.replicas {

@@ -388,12 +388,19 @@ pub fn run(a: GnothiArgs) -> Result<()> {
             drop(cl);
             progress.inc();
         }
-        for &interval in &intervals {
+        // Catch-up at every recovery interval, then re-replication (a replica's data
+        // disk replaced by an empty one under load) at the first.
+        let recoveries = intervals
+            .iter()
+            .map(|&i| (Recovery::CatchUp, i))
+            .chain(intervals.first().map(|&i| (Recovery::Rereplicate, i)));
+        for (kind, interval) in recoveries {
             for &system in &recovery_systems {
-                progress.step(format!(
-                    "{system}: catch-up, recovery interval {interval} ms (run {})",
-                    run + 1
-                ));
+                let what = match kind {
+                    Recovery::CatchUp => format!("catch-up, recovery interval {interval} ms"),
+                    Recovery::Rereplicate => "re-replication".to_string(),
+                };
+                progress.step(format!("{system}: {what} (run {})", run + 1));
                 let shape = Shape {
                     system,
                     replicas: 3,
@@ -403,64 +410,15 @@ pub fn run(a: GnothiArgs) -> Result<()> {
                     model_disks,
                 };
                 client_id += 1;
-                let (row, tl) = recovery(
-                    Recovery::CatchUp,
-                    &rt,
-                    &a.work,
-                    &shape,
-                    &scale,
-                    run,
-                    client_id,
-                    &disks,
-                )
-                .with_context(|| format!("{system}: catch-up at {interval} ms"))?;
+                let (row, tl) =
+                    recovery(kind, &rt, &a.work, &shape, &scale, run, client_id, &disks)
+                        .with_context(|| format!("{system}: {what}"))?;
                 eprintln!(
-                    "bench: {system} catch-up ({interval} ms): {:.2} MB/s during recovery, {}",
+                    "bench: {system} {what}: {:.2} MB/s while the replica recovers, {}",
                     row.mb_per_s,
                     match (row.caught_up, row.recovery_s) {
                         (Some(true), Some(s)) => format!("recovered in {s:.1} s"),
-                        _ => "did not catch up within the cap".into(),
-                    }
-                );
-                rows.push(row);
-                timelines.push(tl);
-                progress.inc();
-                if interrupted() {
-                    bail!("interrupted");
-                }
-            }
-        }
-        // Re-replication: a replica's data disk replaced by an empty one under load,
-        // at the first recovery interval.
-        if let Some(&interval) = intervals.first() {
-            for &system in &recovery_systems {
-                progress.step(format!("{system}: re-replication (run {})", run + 1));
-                let shape = Shape {
-                    system,
-                    replicas: 3,
-                    size_mib,
-                    port: a.port,
-                    recovery_interval_ms: interval,
-                    model_disks,
-                };
-                client_id += 1;
-                let (row, tl) = recovery(
-                    Recovery::Rereplicate,
-                    &rt,
-                    &a.work,
-                    &shape,
-                    &scale,
-                    run,
-                    client_id,
-                    &disks,
-                )
-                .with_context(|| format!("{system}: re-replication"))?;
-                eprintln!(
-                    "bench: {system} re-replication: {:.2} MB/s while rebuilding, {}",
-                    row.mb_per_s,
-                    match (row.caught_up, row.recovery_s) {
-                        (Some(true), Some(s)) => format!("rebuilt in {s:.1} s"),
-                        _ => "not rebuilt within the cap".into(),
+                        _ => "not recovered within the cap".into(),
                     }
                 );
                 rows.push(row);

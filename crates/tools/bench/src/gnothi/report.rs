@@ -346,26 +346,11 @@ pub fn write(
                         t.workload == "catchup" && t.recovery_interval_ms == i && t.run == 0
                     })
                     .collect();
-                let series: Vec<(String, Vec<(f64, f64)>)> = tls
-                    .iter()
-                    .map(|t| (t.system.clone(), t.points.clone()))
-                    .collect();
-                let events: Vec<(usize, String, f64)> = tls
-                    .iter()
-                    .enumerate()
-                    .flat_map(|(j, t)| {
-                        t.events
-                            .iter()
-                            .map(move |(w, s)| (j, format!("{}: {w}", t.system), *s))
-                    })
-                    .collect();
                 let name = format!("catchup-{i}ms.png");
-                plot::timeline(
+                timeline_plot(
                     &out.join(&name),
                     &format!("Catch-up, recovery interval {i} ms (f = 1, random 1 MiB writes)"),
-                    "client MB/s",
-                    &series,
-                    &events,
+                    &tls,
                 )?;
                 writeln!(md, "![catch-up at {i} ms]({name})\n")?;
             }
@@ -440,25 +425,10 @@ pub fn write(
                 .iter()
                 .filter(|t| t.workload == "rereplication" && t.run == 0)
                 .collect();
-            let series: Vec<(String, Vec<(f64, f64)>)> = tls
-                .iter()
-                .map(|t| (t.system.clone(), t.points.clone()))
-                .collect();
-            let events: Vec<(usize, String, f64)> = tls
-                .iter()
-                .enumerate()
-                .flat_map(|(j, t)| {
-                    t.events
-                        .iter()
-                        .map(move |(w, s)| (j, format!("{}: {w}", t.system), *s))
-                })
-                .collect();
-            plot::timeline(
+            timeline_plot(
                 &out.join("rereplication.png"),
                 "Re-replication onto an empty data disk (f = 1, random 1 MiB writes)",
-                "client MB/s",
-                &series,
-                &events,
+                &tls,
             )?;
             writeln!(md, "![re-replication](rereplication.png)\n")?;
         }
@@ -484,4 +454,22 @@ pub fn write(
 /// Rows of the recovery runs (catch-up, re-replication), not of the I/O runs.
 fn is_recovery(workload: &str) -> bool {
     matches!(workload, "catchup" | "rereplication")
+}
+
+/// One recovery timeline plot: each system's client throughput, its events marked.
+fn timeline_plot(path: &Path, title: &str, tls: &[&Timeline]) -> Result<()> {
+    let series: Vec<(String, Vec<(f64, f64)>)> = tls
+        .iter()
+        .map(|t| (t.system.clone(), t.points.clone()))
+        .collect();
+    let events: Vec<(usize, String, f64)> = tls
+        .iter()
+        .enumerate()
+        .flat_map(|(j, t)| {
+            t.events
+                .iter()
+                .map(move |(w, s)| (j, format!("{}: {w}", t.system), *s))
+        })
+        .collect();
+    plot::timeline(path, title, "client MB/s", &series, &events)
 }
