@@ -259,27 +259,14 @@ pub fn write(
              per recovery interval. Throughput is the clients' while the replica \
              recovers (restart to the end of Phase 2, or to the cap).\n"
         )?;
-        writeln!(md, "| system | interval ms | run | before MB/s | during recovery MB/s | missed entries | Phase 1 s | recovery s | caught up |")?;
-        writeln!(md, "|---|---:|---:|---:|---:|---:|---:|---:|---|")?;
-        for r in &catchups {
-            writeln!(
-                md,
-                "| {} | {} | {} | {:.2} | {:.2} | {} | {} | {} | {} |",
-                r.system,
-                r.recovery_interval_ms.unwrap_or(0),
-                r.run + 1,
-                r.before_mb_per_s.unwrap_or(0.0),
-                r.mb_per_s,
-                r.missed_entries.unwrap_or(0),
-                r.phase1_s.map_or("–".into(), |s| format!("{s:.1}")),
-                r.recovery_s.map_or("–".into(), |s| format!("{s:.1}")),
-                if r.caught_up == Some(true) {
-                    "yes"
-                } else {
-                    "**no**"
-                },
-            )?;
-        }
+        recovery_table(
+            &mut md,
+            &catchups,
+            "during recovery",
+            "recovery s",
+            "caught up",
+            true,
+        )?;
         writeln!(md)?;
         let mut intervals: Vec<u64> = catchups
             .iter()
@@ -371,26 +358,14 @@ pub fn write(
              replica rebuilds every block of the volume. Throughput is the clients' \
              from the replacement to the end of the rebuild.\n"
         )?;
-        writeln!(md, "| system | interval ms | run | before MB/s | during rebuild MB/s | Phase 1 s | rebuild s | rebuilt |")?;
-        writeln!(md, "|---|---:|---:|---:|---:|---:|---:|---|")?;
-        for r in &rebuilds {
-            writeln!(
-                md,
-                "| {} | {} | {} | {:.2} | {:.2} | {} | {} | {} |",
-                r.system,
-                r.recovery_interval_ms.unwrap_or(0),
-                r.run + 1,
-                r.before_mb_per_s.unwrap_or(0.0),
-                r.mb_per_s,
-                r.phase1_s.map_or("–".into(), |s| format!("{s:.1}")),
-                r.recovery_s.map_or("–".into(), |s| format!("{s:.1}")),
-                if r.caught_up == Some(true) {
-                    "yes"
-                } else {
-                    "**no**"
-                },
-            )?;
-        }
+        recovery_table(
+            &mut md,
+            &rebuilds,
+            "during rebuild",
+            "rebuild s",
+            "rebuilt",
+            false,
+        )?;
         writeln!(md)?;
         let of = |sys: &str| -> Vec<&Row> {
             rebuilds
@@ -472,4 +447,44 @@ fn timeline_plot(path: &Path, title: &str, tls: &[&Timeline]) -> Result<()> {
         })
         .collect();
     plot::timeline(path, title, "client MB/s", &series, &events)
+}
+
+/// The rows of recovery runs as a table: throughput before and during, the phases'
+/// times, whether it completed (`missed`: with the log entries the replica missed).
+fn recovery_table(
+    md: &mut String,
+    rows: &[&Row],
+    during: &str,
+    took: &str,
+    done: &str,
+    missed: bool,
+) -> Result<()> {
+    let m = if missed { " missed entries |" } else { "" };
+    let ma = if missed { "---:|" } else { "" };
+    writeln!(md, "| system | interval ms | run | before MB/s | {during} MB/s |{m} Phase 1 s | {took} | {done} |")?;
+    writeln!(md, "|---|---:|---:|---:|---:|{ma}---:|---:|---|")?;
+    for r in rows {
+        let missed = if missed {
+            format!(" {} |", r.missed_entries.unwrap_or(0))
+        } else {
+            String::new()
+        };
+        writeln!(
+            md,
+            "| {} | {} | {} | {:.2} | {:.2} |{missed} {} | {} | {} |",
+            r.system,
+            r.recovery_interval_ms.unwrap_or(0),
+            r.run + 1,
+            r.before_mb_per_s.unwrap_or(0.0),
+            r.mb_per_s,
+            r.phase1_s.map_or("–".into(), |s| format!("{s:.1}")),
+            r.recovery_s.map_or("–".into(), |s| format!("{s:.1}")),
+            if r.caught_up == Some(true) {
+                "yes"
+            } else {
+                "**no**"
+            },
+        )?;
+    }
+    Ok(())
 }
