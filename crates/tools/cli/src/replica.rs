@@ -548,22 +548,27 @@ impl Target {
         } else {
             let dir = PathBuf::from(target);
             let c = load(&dir)?;
-            Ok(Target {
-                volume: c.volume.clone(),
-                address: address(&dir, &c),
-                peers: c
-                    .replicas
-                    .iter()
-                    .map(|r| (u64::from(r.id), r.addr.clone()))
-                    .collect(),
-                secret: read_secret(&dir.join("secret"))?,
-                ca: c
-                    .tls
-                    .then(|| std::fs::read(dir.join("ca.pem")))
-                    .transpose()
-                    .context("reading the cluster's CA")?,
-            })
+            Target::of_cluster(&dir, &c)
         }
+    }
+
+    /// A local cluster's volume, from its directory and cluster file.
+    fn of_cluster(dir: &Path, c: &ClusterFile) -> Result<Target> {
+        Ok(Target {
+            volume: c.volume.clone(),
+            address: address(dir, c),
+            peers: c
+                .replicas
+                .iter()
+                .map(|r| (u64::from(r.id), r.addr.clone()))
+                .collect(),
+            secret: read_secret(&dir.join("secret"))?,
+            ca: c
+                .tls
+                .then(|| std::fs::read(dir.join("ca.pem")))
+                .transpose()
+                .context("reading the cluster's CA")?,
+        })
     }
 }
 
@@ -615,8 +620,7 @@ fn scrub(target: &str) -> Result<()> {
 }
 
 fn statuses(dir: &Path, c: &ClusterFile) -> Result<Vec<(u16, Option<quilt_gnothi::rpc::Status>)>> {
-    let _ = c; // the directory's own cluster file, read again by `Target`
-    let t = Target::resolve(&dir.display().to_string())?;
+    let t = Target::of_cluster(dir, c)?;
     statuses_of(t.peers, &t.secret, t.ca)
 }
 
