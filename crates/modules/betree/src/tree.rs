@@ -1780,7 +1780,8 @@ impl Inner {
                 walk.complete = false;
                 return Ok(changed);
             }
-            if self.is_shared(n.children[i]) {
+            let cid = n.children[i];
+            if self.is_shared(cid) {
                 i += 1;
                 continue;
             }
@@ -1788,11 +1789,16 @@ impl Inner {
                 self.flush_child(n, i)?;
                 walk.changed = true;
                 changed = true;
-                if i >= n.children.len() {
-                    break;
+                // The flush may have let the child go (a range delete covered it: its
+                // range went to a neighbour, which slid into `i`), merged it, or put an
+                // empty subtree in its place. Whatever is at `i` now is looked at from
+                // the top: a neighbour may be shared, and a shared node must not change
+                // in place (a split of it here took half its children from the other
+                // copy, which the range delete then dropped).
+                if n.children.get(i) != Some(&cid) {
+                    continue;
                 }
             }
-            let cid = n.children[i];
             if n.height == 1 && !self.leaf_holds_messages(cid) {
                 i += 1;
                 continue;

@@ -351,6 +351,60 @@ fn a_split_after_surgery_keeps_the_parents_messages() {
 /// A clone of a large range shares subtrees: it writes a few nodes, whatever the range
 /// holds; writes to either copy never show in the other; scattered writes to the clone
 /// copy little of it; dropping the original leaves the clone whole, across a reopen.
+/// A compaction after the original of a clone is deleted: a range delete covers one
+/// child, which goes, and its range passes to the neighbour that slides into its place.
+/// That neighbour is shared with the clone; the compaction once went on into it as if it
+/// were the child it had just visited and split it in place, so half of the shared
+/// node's children moved to a sibling only the original reached, and the range delete
+/// dropped them: 1,061 of the clone's 20,000 keys vanished in one run of the test above,
+/// with `check` content. (That test hit it about once in 300 runs, when background
+/// checkpoints left the tree in the right shape; these sizes, with no checkpoint before
+/// the compaction, hit it every time.)
+#[test]
+fn deleting_the_original_of_a_clone_keeps_the_clone_whole() {
+    let dev = Arc::new(MemDevice::new(512, 1 << 17).unwrap());
+    let opts = Options {
+        cache_bytes: 1 << 30,
+        dirty_bytes: 1 << 30,
+        ..Options::tiny()
+    };
+    let t = Tree::create(dev.clone(), opts.clone()).unwrap();
+    let mut model = Model::new();
+    let mut ops = Vec::new();
+    for i in 0..2_000u32 {
+        ops.push(Op::Put {
+            key: format!("src/d{:02}/f{:05}", i % 7, i).into_bytes(),
+            value: vec![(i % 251) as u8; 30],
+        });
+    }
+    ops.push(Op::CloneRange {
+        from: b"src/".to_vec(),
+        to: b"dst/copy/".to_vec(),
+        start: Vec::new(),
+        end: None,
+    });
+    ops.push(Op::DeleteRange {
+        start: b"src/".to_vec(),
+        end: b"src0".to_vec(),
+    });
+    for op in ops {
+        t.write(Batch {
+            ops: vec![op.clone()],
+        })
+        .unwrap();
+        apply(&mut model, &op);
+    }
+    assert_eq!(model.len(), 2_000);
+    t.compact().unwrap();
+    t.check().unwrap();
+    assert_eq!(contents(&t), model);
+    t.sync().unwrap();
+    drop(t);
+    let t = Tree::open(dev, opts).unwrap();
+    t.check().unwrap();
+    assert_eq!(contents(&t), model);
+}
+
 #[test]
 fn cloning_a_large_range_shares_nodes_until_they_change() {
     let dev = Arc::new(MemDevice::new(512, 1 << 17).unwrap());
