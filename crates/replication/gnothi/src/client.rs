@@ -68,6 +68,16 @@ pub struct Client {
     /// Replicas that failed a store: passed over by writes until a probe finds them
     /// answering again.
     suspects: Arc<Mutex<HashMap<ReplicaId, Suspect>>>,
+    /// Which server holds each slot, as of which membership.
+    route: Mutex<Route>,
+}
+
+/// Slot → server (agreement id), as membership `epoch` has it. Before a server is
+/// replaced, slot `r`'s server is `r`.
+#[derive(Debug, Clone)]
+struct Route {
+    epoch: u64,
+    nodes: Vec<u64>,
 }
 
 struct Suspect {
@@ -94,7 +104,7 @@ impl Client {
             for r in 0..u64::from(replicas) {
                 match call_within(net.as_ref(), r, Request::Status, config.rpc_timeout).await {
                     Ok(Response::Status(s)) => {
-                        return Ok(Client {
+                        let c = Client {
                             net,
                             geometry: s.geometry,
                             id,
@@ -104,7 +114,13 @@ impl Client {
                             rotate: AtomicU64::new(id),
                             config,
                             suspects: Arc::new(Mutex::new(HashMap::new())),
-                        })
+                            route: Mutex::new(Route {
+                                epoch: 0,
+                                nodes: (0..u64::from(s.geometry.replicas())).collect(),
+                            }),
+                        };
+                        c.learn(&s);
+                        return Ok(c);
                     }
                     Ok(other) => last = format!("replica {r}: {:?}", other.unexpected()),
                     Err(e) => last = e.to_string(),
@@ -126,6 +142,7 @@ impl Client {
         };
         if !sus.probing && Instant::now() >= sus.probe_at {
             sus.probing = true;
+            let node = self.node_of(r);
             let (net, suspects, timeout) = (
                 self.net.clone(),
                 self.suspects.clone(),
@@ -133,7 +150,7 @@ impl Client {
             );
             tokio::spawn(async move {
                 let up = matches!(
-                    call_within(net.as_ref(), u64::from(r), Request::Status, timeout).await,
+                    call_within(net.as_ref(), node, Request::Status, timeout).await,
                     Ok(Response::Status(_))
                 );
                 let mut s = suspects.lock().unwrap_or_else(|p| p.into_inner());
@@ -146,6 +163,59 @@ impl Client {
             });
         }
         true
+    }
+
+    /// The server that holds slot `r`.
+    fn node_of(&self, r: ReplicaId) -> u64 {
+        let route = self.route.lock().unwrap_or_else(|p| p.into_inner());
+        route
+            .nodes
+            .get(usize::from(r))
+            .copied()
+            .unwrap_or(u64::from(r))
+    }
+
+    /// The membership `s` has applied, if it is newer than the one routed by: where
+    /// each slot's server is.
+    fn learn(&self, s: &Status) {
+        let mut route = self.route.lock().unwrap_or_else(|p| p.into_inner());
+        if s.epoch < route.epoch || s.slots.len() != route.nodes.len() {
+            return;
+        }
+        route.epoch = s.epoch;
+        for (slot, x) in s.slots.iter().enumerate() {
+            if let Some((node, addr)) = x {
+                route.nodes[slot] = *node;
+                if !addr.is_empty() {
+                    self.net.learn(*node, addr);
+                }
+            }
+        }
+    }
+
+    /// Asks the servers where the slots are now (after a write was refused as routed
+    /// by an old membership): the leader first, then each slot's server.
+    async fn refresh_route(&self) {
+        let mut ask = vec![self.leader.load(Ordering::Relaxed)];
+        ask.extend(
+            self.route
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .nodes
+                .iter(),
+        );
+        for to in ask {
+            if let Ok(Response::Status(s)) = self.call(to, Request::Status).await {
+                self.learn(&s);
+                if s.is_leader {
+                    return;
+                }
+            }
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.route.lock().unwrap_or_else(|p| p.into_inner()).epoch
     }
 
     fn suspect(&self, r: ReplicaId) {
@@ -166,8 +236,11 @@ impl Client {
     }
 
     pub async fn status(&self, replica: ReplicaId) -> Result<Status, ClientError> {
-        match self.call(u64::from(replica), Request::Status).await {
-            Ok(Response::Status(s)) => Ok(s),
+        match self.call(self.node_of(replica), Request::Status).await {
+            Ok(Response::Status(s)) => {
+                self.learn(&s);
+                Ok(s)
+            }
             Ok(other) => Err(ClientError::Protocol(other.unexpected().to_string())),
             Err(e) => Err(ClientError::NoReplica(e.to_string())),
         }
@@ -299,25 +372,39 @@ impl Client {
             seq,
         };
         let deadline = Instant::now() + self.config.op_timeout;
-        let stored = self.store(write, first, data, deadline).await?;
         let bs = g.block_size as usize;
-        let checksums = data.chunks(bs).map(crc32c::crc32c).collect();
-        let proposal = Proposal {
-            session: Some(Session {
-                client: self.id,
-                seq,
-                done_below: self.done_below(),
-            }),
-            command: Command::Write {
-                write,
-                first,
-                checksums,
-                stored,
-            },
-        };
-        match self.propose(proposal, deadline).await? {
-            Outcome::Applied(_) | Outcome::Duplicate(_) => Ok(()),
-            Outcome::Refused(e) => Err(ClientError::Refused(e)),
+        let checksums: Vec<u32> = data.chunks(bs).map(crc32c::crc32c).collect();
+        loop {
+            // The copies are where this membership puts the slots; the write is
+            // applied only if no slot changed servers since (else it goes again).
+            let epoch = self.epoch();
+            let stored = self.store(write, first, data, deadline).await?;
+            let proposal = Proposal {
+                session: Some(Session {
+                    client: self.id,
+                    seq,
+                    done_below: self.done_below(),
+                }),
+                command: Command::Fenced {
+                    epoch,
+                    command: Box::new(Command::Write {
+                        write,
+                        first,
+                        checksums: checksums.clone(),
+                        stored,
+                    }),
+                },
+            };
+            match self.propose(proposal, deadline).await? {
+                Outcome::Applied(_) | Outcome::Duplicate(_) => return Ok(()),
+                // (Refused, it recorded nothing: the same session number goes again.)
+                Outcome::Refused(CommandError::StaleMembership { .. })
+                    if Instant::now() < deadline =>
+                {
+                    self.refresh_route().await;
+                }
+                Outcome::Refused(e) => return Err(ClientError::Refused(e)),
+            }
         }
     }
 
@@ -343,7 +430,7 @@ impl Client {
                 let ok = matches!(
                     call_within(
                         self.net.as_ref(),
-                        u64::from(r),
+                        self.node_of(r),
                         req,
                         self.config.store_timeout
                     )
@@ -427,8 +514,8 @@ impl Client {
 
     /// Proposes through the leader, following redirects and retrying until `deadline`.
     async fn propose(&self, p: Proposal, deadline: Instant) -> Result<Outcome, ClientError> {
-        let n = u64::from(self.geometry.replicas());
         let mut to = self.leader.load(Ordering::Relaxed);
+        let mut turn = 0usize;
         let mut last;
         loop {
             match self.call(to, Request::Propose(p.clone())).await {
@@ -437,7 +524,7 @@ impl Client {
                     return Ok(o);
                 }
                 Ok(Response::Error(RpcError::NotLeader { leader: Some(l) }))
-                    if l < n && l != to =>
+                    if l != to && Instant::now() < deadline =>
                 {
                     to = l;
                     continue;
@@ -451,7 +538,9 @@ impl Client {
                     "no leader took the write: {last}"
                 )));
             }
-            to = (to + 1) % n;
+            // Round the slots' servers.
+            turn += 1;
+            to = self.node_of((turn % usize::from(self.geometry.replicas())) as ReplicaId);
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -508,7 +597,7 @@ impl Client {
                 first: b0,
                 count: run as u32,
             };
-            match self.call(u64::from(to), req).await {
+            match self.call(self.node_of(to), req).await {
                 Ok(Response::Blocks(answers)) if answers.len() == run => {
                     let mut still = Vec::new();
                     for (i, a) in answers.into_iter().enumerate() {

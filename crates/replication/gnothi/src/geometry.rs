@@ -100,6 +100,18 @@ impl Geometry {
         2 * self.f + 1
     }
 
+    /// The slot (the place in the placement) of the server with agreement id `node`:
+    /// the volume's first servers are `0..n`; a server that replaces slot `r` for the
+    /// `k`th time is `r + k·n` (`node_id`).
+    pub fn slot_of(&self, node: u64) -> ReplicaId {
+        (node % u64::from(self.replicas())) as ReplicaId
+    }
+
+    /// The agreement id of the `incarnation`th server of slot `r`.
+    pub fn node_id(&self, r: ReplicaId, incarnation: u32) -> u64 {
+        u64::from(r) + u64::from(self.replicas()) * u64::from(incarnation)
+    }
+
     /// Copies of the data a write needs before it is acknowledged: `f+1`.
     pub fn copies(&self) -> u16 {
         self.f + 1

@@ -1,8 +1,10 @@
 //! A replica's log device: a label, the Raft log's ring, the data log's ring and two
 //! snapshot slots (little-endian, crc32c).
 //!
-//! - block 0, the label: `QGLB`, format version, replica id, the volume's geometry and
-//!   name, reserve slots, and the size of each region. A replica refuses a device
+//! - block 0, the label: `QGLB`, format version, replica id (its slot in the
+//!   placement), the volume's geometry and name, reserve slots, the size of each region,
+//!   and the server's incarnation in that slot (0 for the volume's first servers: older
+//!   labels, whose bytes there are zero, read the same). A replica refuses a device
 //!   labelled for another replica or volume.
 //! - `raft_blocks` blocks: the Raft log (`raftlog.rs`).
 //! - `data_blocks` blocks: the data log (`datalog.rs`).
@@ -55,6 +57,9 @@ pub enum LayoutError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Label {
     pub replica: ReplicaId,
+    /// How many servers held this slot before this one (a whole server replaced is a
+    /// new Raft member: `node_id`).
+    pub incarnation: u32,
     pub volume: String,
     pub geometry: Geometry,
     pub reserve_slots: u64,
@@ -73,6 +78,12 @@ fn system_code(s: System) -> u8 {
 }
 
 impl Label {
+    /// The server's identity in agreement: its slot plus `n` per incarnation, so that
+    /// the slot is the id modulo `n` (`Geometry::slot_of`).
+    pub fn node_id(&self) -> u64 {
+        self.geometry.node_id(self.replica, self.incarnation)
+    }
+
     pub fn raft_region(&self) -> (u64, u64) {
         (1, self.raft_blocks)
     }
@@ -113,6 +124,7 @@ impl Label {
         b[60..68].copy_from_slice(&self.snap_blocks.to_le_bytes());
         b[68] = self.volume.len() as u8;
         b[72..72 + self.volume.len()].copy_from_slice(self.volume.as_bytes());
+        b[136..140].copy_from_slice(&self.incarnation.to_le_bytes());
         let c = crc32c::crc32c(&b[..140]);
         b[140..144].copy_from_slice(&c.to_le_bytes());
         // Both snapshot slots cleared: no snapshot of an earlier volume is read as ours.
@@ -153,6 +165,7 @@ impl Label {
         let name_len = (b[68] as usize).min(NAME_MAX);
         let label = Label {
             replica: u16::from_le_bytes([b[8], b[9]]),
+            incarnation: le32(&b, 136),
             volume: String::from_utf8_lossy(&b[72..72 + name_len]).into_owned(),
             geometry,
             reserve_slots: le64(&b, 36),
@@ -318,6 +331,7 @@ mod tests {
     fn label() -> Label {
         Label {
             replica: 2,
+            incarnation: 0,
             volume: "vol0".into(),
             geometry: Geometry::new(System::Gnothi, 1, 512, 1000, 16).unwrap(),
             reserve_slots: 8,

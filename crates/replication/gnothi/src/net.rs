@@ -35,6 +35,10 @@ pub enum NetError {
 /// Sends requests to replicas by id.
 pub trait Net: Send + Sync + 'static {
     fn call(&self, to: u64, req: Request) -> BoxFuture<'_, Result<Response, NetError>>;
+
+    /// Replica `id` is at `addr` (a server that joined, or replaced another, after the
+    /// net was made). A transport that finds replicas by id alone ignores it.
+    fn learn(&self, _id: u64, _addr: &str) {}
 }
 
 /// [`Net::call`] with a deadline.
@@ -64,7 +68,10 @@ pub struct Peer {
 impl RaftNetworkFactory<Meta> for RaftNet {
     type Network = Peer;
 
-    async fn new_client(&mut self, target: u64, _node: &BasicNode) -> Peer {
+    async fn new_client(&mut self, target: u64, node: &BasicNode) -> Peer {
+        if !node.addr.is_empty() {
+            self.net.learn(target, &node.addr);
+        }
         Peer {
             target,
             net: self.net.clone(),

@@ -10,7 +10,7 @@ use crate::rpc::{BlockAnswer, Request, Response, RpcError, Status, MAX_DATA};
 use crate::table::{Command, Version};
 use openraft::{BasicNode, SnapshotPolicy};
 use quilt_block::BlockDevice;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -72,7 +72,10 @@ pub enum NodeError {
 }
 
 pub struct Node {
+    /// Its slot in the placement.
     pub id: ReplicaId,
+    /// Its identity in agreement (`Label::node_id`).
+    pub node_id: u64,
     raft: Raft,
     machine: Machine,
     net: Arc<dyn Net>,
@@ -106,8 +109,22 @@ impl ProposeJob {
             Command::Write {
                 first, checksums, ..
             } => Some(*first..first.saturating_add(checksums.len() as u64)),
+            Command::Fenced { command, .. } => match command.as_ref() {
+                Command::Write {
+                    first, checksums, ..
+                } => Some(*first..first.saturating_add(checksums.len() as u64)),
+                _ => None,
+            },
             _ => None,
         }
+    }
+}
+
+/// `command` fenced by membership `epoch` (see `Command::Fenced`).
+fn fenced(epoch: u64, command: Command) -> Command {
+    Command::Fenced {
+        epoch,
+        command: Box::new(command),
     }
 }
 
@@ -308,6 +325,14 @@ impl Node {
         config: NodeConfig,
     ) -> Result<Arc<Node>, NodeError> {
         let (local, log) = crate::replica::Local::open(id, log_dev, data_dev)?;
+        let node_id = local.node;
+        // Where the members are, as the last membership applied says (servers that
+        // replaced others since the peers were configured).
+        for (node, addr) in local.slots().into_iter().flatten() {
+            if !addr.is_empty() {
+                net.learn(node, &addr);
+            }
+        }
         let raft_log = log.clone();
         // The log between snapshots must fit its ring with room to spare: an entry's
         // record takes 2 blocks or more (header and body), so a snapshot at least
@@ -330,7 +355,7 @@ impl Node {
         .validate()
         .map_err(|e| NodeError::Raft(e.to_string()))?;
         let raft = Raft::new(
-            u64::from(id),
+            node_id,
             Arc::new(raft_config),
             RaftNet { net: net.clone() },
             log,
@@ -361,6 +386,7 @@ impl Node {
         ));
         let node = Arc::new(Node {
             id,
+            node_id,
             raft,
             machine,
             net,
@@ -476,6 +502,51 @@ impl Node {
             Request::Fetch { first, count } => self.fetch(first, count).await,
             Request::Status => Response::Status(self.status()),
             Request::Scrub => self.scrub().await,
+            Request::Replace { slot, node, addr } => self.replace(slot, node, addr).await,
+        }
+    }
+
+    /// Replaces slot `slot`'s server by `node` at `addr` (on the leader): a learner
+    /// first, caught up, then the voter in the old one's place (one joint change, so
+    /// the volume keeps its majority throughout).
+    async fn replace(&self, slot: u16, node: u64, addr: String) -> Response {
+        let geo = *self.machine.lock().geometry();
+        if slot >= geo.replicas() || geo.slot_of(node) != slot {
+            return Response::Error(RpcError::BadRequest(format!(
+                "server {node} cannot hold slot {slot} of a volume of {} replicas (its slot \
+                 would be {})",
+                geo.replicas(),
+                geo.slot_of(node)
+            )));
+        }
+        let m = self.raft.metrics().borrow().clone();
+        if m.current_leader != Some(self.node_id) {
+            return Response::Error(RpcError::NotLeader {
+                leader: m.current_leader,
+            });
+        }
+        let voters: BTreeSet<u64> = m.membership_config.membership().voter_ids().collect();
+        if !voters.contains(&node) {
+            self.net.learn(node, &addr);
+            if let Err(e) = self
+                .raft
+                .add_learner(node, BasicNode::new(addr), true)
+                .await
+            {
+                return Response::Error(raft_error(e));
+            }
+            let new: BTreeSet<u64> = voters
+                .iter()
+                .copied()
+                .filter(|&v| geo.slot_of(v) != slot)
+                .chain([node])
+                .collect();
+            if let Err(e) = self.raft.change_membership(new, false).await {
+                return Response::Error(raft_error(e));
+            }
+        }
+        Response::Replaced {
+            epoch: self.machine.lock().epoch(),
         }
     }
 
@@ -644,10 +715,14 @@ impl Node {
         let (used, ring) = g.data_log_usage();
         Status {
             replica: self.id,
+            node: self.node_id,
+            is_member: g.is_member(),
+            epoch: g.epoch(),
+            slots: g.slots(),
             volume: g.volume().to_string(),
             geometry: *g.geometry(),
             leader: m.current_leader,
-            is_leader: m.current_leader == Some(u64::from(self.id)),
+            is_leader: m.current_leader == Some(self.node_id),
             term: m.current_term,
             last_log_index: m.last_log_index.unwrap_or(0),
             applied: m.last_applied.map_or(0, |l| l.index),
@@ -679,7 +754,7 @@ impl Node {
     /// twice carries a session).
     pub async fn propose_through_leader(&self, p: Proposal) -> Option<Outcome> {
         let leader = self.raft.metrics().borrow().current_leader?;
-        let resp = if leader == u64::from(self.id) {
+        let resp = if leader == self.node_id {
             // Bounded like a remote proposal: a leader cut off from its majority
             // never commits, and the caller should try again elsewhere.
             tokio::time::timeout(self.config.rpc_timeout, self.propose(p))
@@ -763,6 +838,20 @@ impl Node {
 
     async fn step(&self) {
         self.snapshot_if_log_fills().await;
+        let (member, epoch) = {
+            let g = self.machine.lock();
+            for (node, addr) in g.slots().into_iter().flatten() {
+                if node != self.node_id && !addr.is_empty() {
+                    self.net.learn(node, &addr);
+                }
+            }
+            (g.is_member(), g.epoch())
+        };
+        if !member {
+            // Replaced (or not yet in): its copies do not count, and what it would
+            // report about them is not the slot's.
+            return;
+        }
         let lost: Vec<(u64, Version)> = self
             .machine
             .lock()
@@ -772,26 +861,32 @@ impl Node {
             .take(4096)
             .collect();
         if !lost.is_empty() {
-            self.propose_anywhere(Command::Lost {
-                replica: self.id,
-                blocks: Some(lost),
-            })
+            self.propose_anywhere(fenced(
+                epoch,
+                Command::Lost {
+                    replica: self.id,
+                    blocks: Some(lost),
+                },
+            ))
             .await;
         }
         let late = self.machine.lock().take_late();
         match late {
             Ok(blocks) if !blocks.is_empty() => {
-                self.propose_anywhere(Command::Repaired {
-                    replica: self.id,
-                    blocks,
-                })
+                self.propose_anywhere(fenced(
+                    epoch,
+                    Command::Repaired {
+                        replica: self.id,
+                        blocks,
+                    },
+                ))
                 .await;
             }
             Ok(_) => {}
             Err(e) => tracing::warn!(replica = self.id, error = %e, "settling late copies failed"),
         }
         self.phase2().await;
-        let is_leader = self.raft.metrics().borrow().current_leader == Some(u64::from(self.id));
+        let is_leader = self.raft.metrics().borrow().current_leader == Some(self.node_id);
         if is_leader {
             let blocks: Vec<(u64, Version)> = self
                 .machine
@@ -809,7 +904,7 @@ impl Node {
     /// One Phase 2 fetch: the first run of blocks this replica lacks, from a replica
     /// that holds the first of them, written home if still current, then reported.
     async fn phase2(&self) {
-        let (first, count, from) = {
+        let (first, count, from, epoch) = {
             let g = self.machine.lock();
             let geo = *g.geometry();
             // From where the last fetch ended, and only blocks someone else holds: a
@@ -831,11 +926,11 @@ impl Node {
             let slice_end = (geo.slice_of(first) + 1) * geo.slice_blocks;
             let count = per_fetch.min(max).min(slice_end.min(geo.blocks) - first);
             self.phase2_cursor.store(first + count, Relaxed);
-            (first, count as u32, from)
+            (first, count as u32, g.node_of(from), g.epoch())
         };
         let resp = call_within(
             self.net.as_ref(),
-            u64::from(from),
+            from,
             Request::Fetch { first, count },
             self.config.rpc_timeout,
         )
@@ -891,10 +986,13 @@ impl Node {
                 .fetch_update(Relaxed, Relaxed, |s| Some(s.saturating_sub(1)));
         }
         if !repaired.is_empty() {
-            self.propose_anywhere(Command::Repaired {
-                replica: self.id,
-                blocks: repaired,
-            })
+            self.propose_anywhere(fenced(
+                epoch,
+                Command::Repaired {
+                    replica: self.id,
+                    blocks: repaired,
+                },
+            ))
             .await;
         }
     }

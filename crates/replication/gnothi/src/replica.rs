@@ -19,7 +19,9 @@ use crate::meta::{
 };
 use crate::raftlog::{RaftLog, RaftLogError};
 use crate::store::{DataStore, Reserved, StoreError};
-use crate::table::{BlockMeta, Command, Holders, MetaTable, Stored, Version, WriteId};
+use crate::table::{
+    BlockMeta, Command, CommandError, Holders, MetaTable, Stored, Version, WriteId,
+};
 use openraft::storage::{RaftSnapshotBuilder, RaftStateMachine, Snapshot};
 use openraft::{EntryPayload, RaftLogId, StorageIOError};
 use quilt_block::BlockDevice;
@@ -84,7 +86,11 @@ struct StagedData {
 }
 
 pub struct Local {
+    /// This replica's slot in the placement.
     pub id: ReplicaId,
+    /// Its identity in agreement (`Label::node_id`): a server that replaces another in
+    /// the same slot is a new member.
+    pub node: u64,
     label: Label,
     log_dev: Arc<dyn BlockDevice>,
     table: MetaTable,
@@ -153,6 +159,7 @@ impl Local {
         let store = DataStore::open(label.geometry, id, data_dev, label.reserve_slots)?;
         let mut local = Local {
             id,
+            node: label.node_id(),
             table: MetaTable::new(label.geometry),
             sessions: Sessions::default(),
             store,
@@ -207,6 +214,68 @@ impl Local {
 
     pub fn geometry(&self) -> &Geometry {
         self.table.geometry()
+    }
+
+    /// The membership applied: its log index is the epoch a fenced command is checked
+    /// against (0 before the first).
+    pub fn epoch(&self) -> u64 {
+        self.membership.log_id().map_or(0, |l| l.index)
+    }
+
+    /// Each slot's server (agreement id) and address in the membership applied; in a
+    /// joint membership, the newest configuration's. Empty before the first.
+    pub fn slots(&self) -> Vec<Option<(u64, String)>> {
+        slots_of(self.geometry(), &self.membership)
+    }
+
+    /// The server that holds slot `r` now (before the first membership: the volume's
+    /// first server of the slot, whose id is the slot).
+    pub fn node_of(&self, r: ReplicaId) -> u64 {
+        match self.slots().get(usize::from(r)) {
+            Some(Some((node, _))) => *node,
+            _ => u64::from(r),
+        }
+    }
+
+    /// Whether this server is its slot's in the membership applied (a server replaced
+    /// by another keeps running until stopped, and must not report copies or repair).
+    /// Before any membership is applied, only a volume's first servers are.
+    pub fn is_member(&self) -> bool {
+        match self.slots().get(usize::from(self.id)) {
+            Some(Some((node, _))) => *node == self.node,
+            Some(None) => false,
+            None => self.node == u64::from(self.id),
+        }
+    }
+
+    /// A new membership at `index`: every slot whose server changed holds nothing any
+    /// more (its new server starts empty; Phase 2 rebuilds it), as if `Lost { slot,
+    /// None }` were applied, on every replica alike.
+    fn apply_membership(&mut self, index: Version, m: StoredMembership) {
+        let before = self.slots();
+        let after = slots_of(self.geometry(), &m);
+        self.membership = m;
+        if before.is_empty() {
+            return;
+        }
+        for (slot, (b, a)) in before.iter().zip(after.iter()).enumerate() {
+            let (b, a) = (b.as_ref().map(|x| x.0), a.as_ref().map(|x| x.0));
+            if b == a || a.is_none() {
+                continue;
+            }
+            let slot = slot as ReplicaId;
+            tracing::info!(replica = self.id, slot, from = ?b, to = ?a, index, "a slot changed servers");
+            let lost = Command::Lost {
+                replica: slot,
+                blocks: None,
+            };
+            if let Err(e) = self.table.apply(index, &lost) {
+                tracing::warn!(replica = self.id, slot, error = %e, "dropping a replaced server's copies");
+            }
+            if slot == self.id && a == Some(self.node) {
+                self.lost.clear();
+            }
+        }
     }
 
     pub fn table(&self) -> &MetaTable {
@@ -348,20 +417,33 @@ impl Local {
 
     /// Applies one committed proposal at `index`.
     pub fn apply(&mut self, index: Version, p: &Proposal) -> Outcome {
+        let (command, fence) = match &p.command {
+            Command::Fenced { epoch, command } => (command.as_ref(), Some(*epoch)),
+            c => (c, None),
+        };
         if let Some(s) = &p.session {
             if let Some(v) = self.sessions.applied(s) {
-                self.drop_staged_of(&p.command);
+                self.drop_staged_of(command);
                 return Outcome::Duplicate(v);
             }
             if self.sessions.forgotten(s) {
-                self.drop_staged_of(&p.command);
+                self.drop_staged_of(command);
                 return Outcome::Duplicate(0);
             }
         }
         tracing::debug!(replica = self.id, index, command = ?p.command, "apply");
-        let applied = match self.table.apply(index, &p.command) {
-            Ok(a) => a,
-            Err(e) => return Outcome::Refused(e),
+        let current = self.epoch();
+        let applied = match fence {
+            // Refused alike everywhere: the membership is part of the log.
+            Some(epoch) if epoch < current => {
+                self.table.note_applied(index);
+                self.drop_staged_of(command);
+                return Outcome::Refused(CommandError::StaleMembership { epoch, current });
+            }
+            _ => match self.table.apply(index, command) {
+                Ok(a) => a,
+                Err(e) => return Outcome::Refused(e),
+            },
         };
         if let Some(s) = &p.session {
             self.sessions.record(s, index);
@@ -370,7 +452,7 @@ impl Local {
             // Replayed after a restart or a snapshot: this entry's data was placed and
             // made durable before (the data log's mark says so), and the disks may be
             // ahead of it. Placing again could put older data over newer.
-            self.drop_staged_of(&p.command);
+            self.drop_staged_of(command);
             return Outcome::Applied(index);
         }
         for (block, version, holders) in applied.reserve_freed {
@@ -381,7 +463,7 @@ impl Local {
                 self.unflushed = true;
             }
         }
-        match &p.command {
+        match command {
             Command::Write {
                 write,
                 first,
@@ -402,7 +484,10 @@ impl Local {
                 }),
                 None => self.lost.clear(),
             },
-            Command::Repaired { .. } | Command::Reclaim { .. } | Command::Lost { .. } => {}
+            Command::Repaired { .. }
+            | Command::Reclaim { .. }
+            | Command::Lost { .. }
+            | Command::Fenced { .. } => {}
         }
         Outcome::Applied(index)
     }
@@ -454,8 +539,10 @@ impl Local {
     }
 
     fn drop_staged_of(&mut self, c: &Command) {
-        if let Command::Write { write, .. } = c {
-            self.staged_remove(write);
+        match c {
+            Command::Write { write, .. } => self.staged_remove(write),
+            Command::Fenced { command, .. } => self.drop_staged_of(command),
+            _ => {}
         }
     }
 
@@ -837,6 +924,28 @@ impl Local {
     }
 }
 
+/// Each slot's server and address in membership `m` (see `Local::slots`).
+fn slots_of(g: &Geometry, m: &StoredMembership) -> Vec<Option<(u64, String)>> {
+    let membership = m.membership();
+    let Some(newest) = membership.get_joint_config().last() else {
+        return Vec::new();
+    };
+    let mut out = vec![None; usize::from(g.replicas())];
+    for &node in newest {
+        let slot = usize::from(g.slot_of(node));
+        let addr = membership
+            .get_node(&node)
+            .map(|n| n.addr.clone())
+            .unwrap_or_default();
+        // Two servers of one slot voting at once is not a membership this volume
+        // makes; the lower id (the older) keeps the slot if one appears.
+        if out[slot].as_ref().is_none_or(|(n, _)| node < *n) {
+            out[slot] = Some((node, addr));
+        }
+    }
+    out
+}
+
 fn decode_snapshot(bytes: &[u8], g: &Geometry) -> Result<SnapshotBody, ReplicaError> {
     let body: SnapshotBody =
         postcard::from_bytes(bytes).map_err(|e| ReplicaError::Snapshot(e.to_string()))?;
@@ -904,7 +1013,7 @@ impl RaftStateMachine<Meta> for Machine {
                     out.push(o);
                 }
                 EntryPayload::Membership(m) => {
-                    g.membership = StoredMembership::new(Some(id), m);
+                    g.apply_membership(id.index, StoredMembership::new(Some(id), m));
                     out.push(vec![Outcome::Applied(id.index)]);
                 }
             }

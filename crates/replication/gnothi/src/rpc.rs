@@ -48,6 +48,16 @@ pub enum Request {
     /// reported lost and fetched again (Phase 2), before a second failure could make
     /// it the last copy.
     Scrub,
+    /// (To the leader.) Replace slot `slot`'s server by the server `node` at `addr`,
+    /// which must be running with empty devices labelled for that slot: it joins as a
+    /// learner, catches up (a snapshot), then a joint membership change makes it the
+    /// slot's voter in place of the old one, whose copies stop counting; Phase 2 on the
+    /// new server rebuilds them.
+    Replace {
+        slot: u16,
+        node: u64,
+        addr: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,13 +85,27 @@ pub enum Response {
         checked: u64,
         damaged: u64,
     },
+    /// The slot has its new server, as of membership `epoch`.
+    Replaced {
+        epoch: u64,
+    },
     Error(RpcError),
 }
 
 /// A replica's view of itself and the volume.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Status {
+    /// Its slot in the placement.
     pub replica: u16,
+    /// Its identity in agreement (the slot, plus `n` per server replaced in it).
+    pub node: u64,
+    /// Whether it is its slot's server in the membership it applied (a replaced one
+    /// is not; a new one is not until the change commits).
+    pub is_member: bool,
+    /// The log index of the membership it applied: what a client routes by.
+    pub epoch: u64,
+    /// Each slot's server and address in that membership.
+    pub slots: Vec<Option<(u64, String)>>,
     pub volume: String,
     pub geometry: Geometry,
     pub leader: Option<u64>,

@@ -42,6 +42,7 @@ pub fn label_for(
     let snap = (geometry.blocks * 24 + (1 << 20)).div_ceil(bs) + 1;
     Label {
         replica,
+        incarnation: 0,
         volume: volume.to_string(),
         geometry,
         reserve_slots,

@@ -313,6 +313,7 @@ fn sim_label(replica: u16, geometry: crate::Geometry, raft_bytes: u64) -> crate:
     let bs = u64::from(geometry.block_size);
     crate::layout::Label {
         replica,
+        incarnation: 0,
         volume: "sim".into(),
         geometry,
         reserve_slots: geometry.blocks.min(4096),

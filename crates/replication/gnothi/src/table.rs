@@ -105,6 +105,13 @@ pub enum Command {
         replica: ReplicaId,
         blocks: Option<Vec<(u64, Version)>>,
     },
+    /// `command`, applied only if no slot changed servers since membership `epoch`
+    /// (the log index of the membership its proposer routed by). A write stored on the
+    /// server a slot had before, or a repair reported by it, names copies the slot's
+    /// new server does not have: refused (`StaleMembership`), and the proposer routes
+    /// again. The replica applies the fence (`replica.rs`); the table never sees one.
+    /// (Last, so that logs written before it existed decode the same.)
+    Fenced { epoch: u64, command: Box<Command> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
@@ -132,6 +139,10 @@ pub enum CommandError {
         block: u64,
         version: Version,
     },
+    #[error("routed by membership {epoch}; a server was replaced since (membership {current})")]
+    StaleMembership { epoch: u64, current: u64 },
+    #[error("a fenced command inside a fence, or one that reached the table unchecked")]
+    Unfenced,
 }
 
 /// What applying a command asks of each replica beyond the table: reserve copies that
@@ -164,6 +175,12 @@ impl MetaTable {
 
     pub fn geometry(&self) -> &Geometry {
         &self.geometry
+    }
+
+    /// Counts entry `index` as applied without a change (a command refused before the
+    /// table saw it).
+    pub fn note_applied(&mut self, index: Version) {
+        self.applied = self.applied.max(index);
     }
 
     /// Whether a table that came from elsewhere (a snapshot) has one entry per block
@@ -278,6 +295,7 @@ impl MetaTable {
                 replica(*r)?;
                 blocks.iter().flatten().try_for_each(|&(b, _)| block(b))
             }
+            Command::Fenced { .. } => Err(CommandError::Unfenced),
         }
     }
 
@@ -359,6 +377,7 @@ impl MetaTable {
                     None => self.blocks.iter_mut().for_each(lose),
                 }
             }
+            Command::Fenced { .. } => unreachable!("refused by check"),
         }
         Ok(out)
     }
@@ -653,6 +672,7 @@ mod tests {
                         }
                     }
                     Command::Reclaim { .. } => {}
+                    Command::Fenced { .. } => prop_assert!(false, "the table applied a fence"),
                 }
             }
             prop_assert_eq!(&t, &twin);

@@ -157,7 +157,9 @@ pub async fn serve(
 
 /// Replicas by id, reached over gRPC; connections are made on first use and kept.
 pub struct GrpcNet {
-    peers: BTreeMap<u64, String>,
+    /// Replica id → `host:port`: those configured, and those learned since (servers
+    /// that replaced others: `Net::learn`).
+    peers: Mutex<BTreeMap<u64, String>>,
     secret: MetadataValue<tonic::metadata::Ascii>,
     /// With TLS: the cluster's CA, which every replica's certificate must chain to.
     tls: Option<ClientTlsConfig>,
@@ -181,7 +183,7 @@ impl GrpcNet {
     ) -> Result<Arc<GrpcNet>, String> {
         let tls = ca_pem.map(|ca| ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)));
         Ok(Arc::new(GrpcNet {
-            peers,
+            peers: Mutex::new(peers),
             secret: secret_value(secret)?,
             tls,
             channels: Mutex::new(BTreeMap::new()),
@@ -194,7 +196,13 @@ impl GrpcNet {
         if let Some(c) = chans.get(&to) {
             return Ok(c.clone());
         }
-        let addr = self.peers.get(&to).ok_or(NetError::NoSuchReplica(to))?;
+        let addr = self
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&to)
+            .cloned()
+            .ok_or(NetError::NoSuchReplica(to))?;
         let scheme = if self.tls.is_some() { "https" } else { "http" };
         let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
             .map_err(|e| NetError::Unreachable(to, format!("address {addr}: {e}")))?
@@ -212,6 +220,17 @@ impl GrpcNet {
 }
 
 impl Net for GrpcNet {
+    fn learn(&self, id: u64, addr: &str) {
+        // (Channels before peers, as `channel` takes them.)
+        let mut chans = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if peers.get(&id).map(String::as_str) != Some(addr) {
+            peers.insert(id, addr.to_string());
+            // A channel to where it was before goes.
+            chans.remove(&id);
+        }
+    }
+
     fn call(&self, to: u64, req: Request) -> BoxFuture<'_, Result<Response, NetError>> {
         Box::pin(async move {
             let ch = self.channel(to)?;

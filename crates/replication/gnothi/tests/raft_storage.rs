@@ -18,6 +18,7 @@ impl StoreBuilder<Meta, RaftLog, Machine> for Devices {
         let geometry = Geometry::new(System::Gnothi, 1, 512, 256, 16).unwrap();
         let label = Label {
             replica: 0,
+            incarnation: 0,
             volume: "suite".into(),
             geometry,
             reserve_slots: 16,
