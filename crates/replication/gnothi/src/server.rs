@@ -264,11 +264,23 @@ pub async fn run(
         ));
     }
     let net = opts.peers_net()?;
-    let members: BTreeMap<u64, BasicNode> = opts
-        .peers
-        .iter()
-        .map(|(&id, a)| (id, BasicNode::new(a.clone())))
-        .collect();
+    // A volume's first servers initialize its agreement with each other (the same
+    // first entry on each). A server that replaces another joins through the
+    // leader's `Replace` instead: it initializes nothing, and learns who the members
+    // are from what it is sent.
+    let members: BTreeMap<u64, BasicNode> = if label.incarnation == 0 {
+        opts.peers
+            .iter()
+            .map(|(&id, a)| (id, BasicNode::new(a.clone())))
+            .collect()
+    } else {
+        tracing::info!(
+            replica = opts.id,
+            node = label.node_id(),
+            "a replacement server: waiting to be let in (`quiltfs cluster replace`)"
+        );
+        BTreeMap::new()
+    };
     let node = Node::start(opts.id, log_dev, data_dev, net, members, opts.config)
         .await
         .map_err(|e| e.to_string())?;

@@ -66,7 +66,7 @@ impl SimNet {
     }
 
     pub fn register(&self, node: Arc<Node>) {
-        self.lock().nodes.insert(u64::from(node.id), node);
+        self.lock().nodes.insert(node.node_id, node);
     }
 
     /// Takes replica `id` off the network (it crashed, or is being stopped).
@@ -306,14 +306,24 @@ pub struct Cluster {
     members: std::collections::BTreeMap<u64, openraft::BasicNode>,
     rng: ChaCha8Rng,
     replacements: u64,
+    /// Each slot's server: how many were replaced before it.
+    incarnations: Vec<u32>,
+    raft_bytes: u64,
+    /// Servers replaced while still running.
+    retired: Vec<Arc<Node>>,
 }
 
 /// Log and data device sizes for a simulated replica.
-fn sim_label(replica: u16, geometry: crate::Geometry, raft_bytes: u64) -> crate::layout::Label {
+fn sim_label(
+    replica: u16,
+    incarnation: u32,
+    geometry: crate::Geometry,
+    raft_bytes: u64,
+) -> crate::layout::Label {
     let bs = u64::from(geometry.block_size);
     crate::layout::Label {
         replica,
-        incarnation: 0,
+        incarnation,
         volume: "sim".into(),
         geometry,
         reserve_slots: geometry.blocks.min(4096),
@@ -349,14 +359,7 @@ impl Cluster {
             .collect();
         let mut disks = Vec::new();
         for r in 0..n {
-            let label = sim_label(r, geometry, raft_bytes);
-            let log = CrashDisk::new(geometry.block_size as usize, label.blocks_needed());
-            let data_blocks =
-                crate::store::DataStore::blocks_needed(&geometry, r, label.reserve_slots);
-            let data = CrashDisk::new(geometry.block_size as usize, data_blocks);
-            let log_dyn: Arc<dyn quilt_block::BlockDevice> = log.clone();
-            crate::replica::Local::format(&log_dyn, &label)?;
-            disks.push((log, data));
+            disks.push(Cluster::new_disks(geometry, r, 0, raft_bytes)?);
         }
         let mut c = Cluster {
             net,
@@ -367,6 +370,9 @@ impl Cluster {
             members,
             rng: ChaCha8Rng::seed_from_u64(seed ^ 0x5eed),
             replacements: 0,
+            incarnations: vec![0; n as usize],
+            raft_bytes,
+            retired: Vec::new(),
         };
         for r in 0..n {
             c.start_replica(r).await?;
@@ -374,8 +380,79 @@ impl Cluster {
         Ok(c)
     }
 
+    /// A server's two disks, formatted for slot `r`.
+    fn new_disks(
+        geometry: crate::Geometry,
+        r: u16,
+        incarnation: u32,
+        raft_bytes: u64,
+    ) -> Result<(Arc<CrashDisk>, Arc<CrashDisk>), crate::node::NodeError> {
+        let label = sim_label(r, incarnation, geometry, raft_bytes);
+        let log = CrashDisk::new(geometry.block_size as usize, label.blocks_needed());
+        let data = CrashDisk::new(geometry.block_size as usize, label.data_blocks_needed());
+        let log_dyn: Arc<dyn quilt_block::BlockDevice> = log.clone();
+        crate::replica::Local::format(&log_dyn, &label)?;
+        let data_dyn: Arc<dyn quilt_block::BlockDevice> = data.clone();
+        label
+            .write_data_label(data_dyn.as_ref())
+            .map_err(|e| crate::node::NodeError::Raft(format!("labelling a data disk: {e}")))?;
+        Ok((log, data))
+    }
+
     pub fn replicas(&self) -> u16 {
         self.geometry.replicas()
+    }
+
+    /// Slot `r`'s server's agreement id.
+    pub fn node_id(&self, r: u16) -> u64 {
+        self.geometry.node_id(r, self.incarnations[r as usize])
+    }
+
+    /// Replaces slot `r`'s whole server (both disks) by a new, empty one, through a
+    /// membership change: the old one is crashed first unless `keep_old` (then it
+    /// runs on, replaced, as a server cut off during the change would), the new one
+    /// starts with nothing, and whoever leads lets it in (`Request::Replace`). Returns
+    /// the new server's id, or why the change did not happen within `within`.
+    pub async fn replace_server(
+        &mut self,
+        r: u16,
+        keep_old: bool,
+        within: std::time::Duration,
+    ) -> Result<u64, String> {
+        if !keep_old {
+            self.crash(r).await;
+        } else if let Some(old) = self.nodes[r as usize].take() {
+            // Off the cluster's books, still on the network.
+            self.retired.push(old);
+        }
+        let incarnation = self.incarnations[r as usize] + 1;
+        self.incarnations[r as usize] = incarnation;
+        self.disks[r as usize] = Cluster::new_disks(self.geometry, r, incarnation, self.raft_bytes)
+            .map_err(|e| e.to_string())?;
+        self.start_replica(r).await.map_err(|e| e.to_string())?;
+        let node = self.node_id(r);
+        let deadline = tokio::time::Instant::now() + within;
+        let mut last = String::from("no replica up");
+        loop {
+            let up: Vec<Arc<Node>> = self.nodes.iter().flatten().cloned().collect();
+            for n in up.iter().filter(|n| n.node_id != node) {
+                let req = crate::rpc::Request::Replace {
+                    slot: r,
+                    node,
+                    addr: format!("sim:{node}"),
+                };
+                match tokio::time::timeout(within, n.handle(req)).await {
+                    Ok(crate::rpc::Response::Replaced { .. }) => return Ok(node),
+                    Ok(crate::rpc::Response::Error(e)) => last = e.to_string(),
+                    Ok(other) => last = other.unexpected().to_string(),
+                    Err(_) => last = "timed out".into(),
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(last);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
     }
 
     pub fn node(&self, r: u16) -> Option<&Arc<Node>> {
@@ -392,12 +469,18 @@ impl Cluster {
             return Ok(());
         }
         let (log, data) = self.disks[r as usize].clone();
+        // A replacement initializes nothing: it is let in by the leader.
+        let members = if self.incarnations[r as usize] == 0 {
+            self.members.clone()
+        } else {
+            Default::default()
+        };
         let node = Node::start(
             r,
             log,
             data,
-            self.net.endpoint(u64::from(r)),
-            self.members.clone(),
+            self.net.endpoint(self.node_id(r)),
+            members,
             self.config.clone(),
         )
         .await?;
@@ -412,7 +495,7 @@ impl Cluster {
         let Some(node) = self.nodes[r as usize].take() else {
             return;
         };
-        self.net.unregister(u64::from(r));
+        self.net.unregister(node.node_id);
         let (log, data) = &self.disks[r as usize];
         let (log, data) = (log.crash(&mut self.rng), data.crash(&mut self.rng));
         self.disks[r as usize] = (log, data);
@@ -544,9 +627,13 @@ impl Cluster {
     pub async fn shutdown(&mut self) {
         for r in 0..self.replicas() {
             if let Some(n) = self.nodes[r as usize].take() {
-                self.net.unregister(u64::from(r));
+                self.net.unregister(n.node_id);
                 n.shutdown().await;
             }
+        }
+        for n in std::mem::take(&mut self.retired) {
+            self.net.unregister(n.node_id);
+            n.shutdown().await;
         }
     }
 }

@@ -245,3 +245,148 @@ async fn a_block_lost_everywhere_does_not_stall_the_rebuild() {
     assert_eq!(client.read(1, 63).await.unwrap(), data[BS..].to_vec());
     c.shutdown().await;
 }
+
+/// A whole server replaced (both disks gone) through a membership change, while a
+/// client writes: the new server joins empty, is let in in the old one's slot, and
+/// Phase 2 rebuilds its copies; then any one other server may fail and every
+/// acknowledged write still reads back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_server_replaced_is_rebuilt_and_counts() {
+    let g = Geometry::new(System::Gnothi, 1, BS as u32, 128, 16).unwrap();
+    let mut c = Cluster::start(g, 11, Faults::default(), config())
+        .await
+        .unwrap();
+    let client = std::sync::Arc::new(c.client(1, ClientConfig::default()).await.unwrap());
+    let before: Vec<u8> = (0..128).flat_map(block).collect();
+    client.write(0, &before).await.unwrap();
+    // Writes go on during the change (each block written again, one at a time).
+    let writer = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            for b in 0..64u64 {
+                client.write(b, &block(1000 + b)).await.unwrap();
+            }
+        })
+    };
+    let new = c
+        .replace_server(1, false, Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert_eq!(new, 4, "slot 1's second server is 1 + 3");
+    writer.await.unwrap();
+    let n1 = c.node(1).unwrap().clone();
+    assert_eq!(n1.node_id, 4);
+    wait_for("the new server to be a member and rebuilt", || {
+        let s = n1.status();
+        s.is_member && s.incomplete == 0
+    })
+    .await;
+    // Every member agrees slot 1 is the new server.
+    for r in [0, 2] {
+        let s = c.node(r).unwrap().status();
+        assert_eq!(s.slots[1].as_ref().map(|x| x.0), Some(4), "replica {r}");
+        assert!(!s.members.contains(&1), "the old server is no member");
+    }
+    wait_for("every block back on f+1 copies", || c.fully_redundant()).await;
+    let expect: Vec<u8> = (0..128)
+        .flat_map(|b| if b < 64 { block(1000 + b) } else { block(b) })
+        .collect();
+    assert_eq!(client.read(0, 128).await.unwrap(), expect);
+    // The copies the new server holds count: with slot 0 down, then slot 2 (the
+    // other back), every block reads from what remains.
+    for down in [0u16, 2] {
+        c.crash(down).await;
+        let fresh = c
+            .client(10 + u64::from(down), ClientConfig::default())
+            .await
+            .unwrap();
+        assert_eq!(
+            fresh.read(0, 128).await.unwrap(),
+            expect,
+            "slot {down} down"
+        );
+        c.start_replica(down).await.unwrap();
+        wait_for("it to catch up", || c.fully_redundant()).await;
+    }
+    c.shutdown().await;
+}
+
+/// A write routed by the membership before a server was replaced names copies on the
+/// old server (which may still run and answer): it is refused, never counted. The
+/// client routes again and the write lands on the new server. Phase 2 is off here, so
+/// every copy the table counts must have come from a store: the new server must hold
+/// each block the table says it holds, and with the slice's other server down every
+/// block reads from it alone. (Without the fence, the stale client's writes counted
+/// the old server's copies as the new one's: acknowledged on one real copy.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_routed_to_a_replaced_server_is_refused_then_rerouted() {
+    use quilt_gnothi::meta::{Outcome, Proposal};
+    use quilt_gnothi::replica::LocalRead;
+    use quilt_gnothi::Command;
+    use quilt_gnothi::{CommandError, Stored, WriteId};
+    let g = Geometry::new(System::Gnothi, 1, BS as u32, 64, 16).unwrap();
+    let slow = NodeConfig {
+        recovery_interval: Duration::from_secs(3600),
+        ..NodeConfig::default()
+    };
+    let mut c = Cluster::start(g, 12, Faults::default(), slow)
+        .await
+        .unwrap();
+    // Connected before the change: it routes slot 1 to server 1.
+    let stale = c.client(1, ClientConfig::default()).await.unwrap();
+    stale.write(0, &block(1)).await.unwrap();
+    let epoch_before = c.node(0).unwrap().status().epoch;
+    // The old server keeps running (cut off from the change, say).
+    c.replace_server(1, true, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let n0 = c.node(0).unwrap().clone();
+    assert!(n0.status().epoch > epoch_before);
+    // Directly: a write naming slot 1's copy under the old membership is refused.
+    let quorum = g.preferred(0);
+    assert_eq!(quorum, vec![0, 1]);
+    let old = Proposal {
+        session: None,
+        command: Command::Fenced {
+            epoch: epoch_before,
+            command: Box::new(Command::Write {
+                write: WriteId { client: 77, seq: 0 },
+                first: 0,
+                checksums: vec![crc32c::crc32c(&block(2))],
+                stored: quorum.iter().map(|&r| Stored::Home(r)).collect(),
+            }),
+        },
+    };
+    match n0.propose_through_leader(old).await {
+        Some(Outcome::Refused(CommandError::StaleMembership { epoch, current })) => {
+            assert_eq!(epoch, epoch_before);
+            assert!(current > epoch_before);
+        }
+        other => panic!("a write routed by the old membership: {other:?}"),
+    }
+    // Through the stale client: refused, rerouted, acknowledged.
+    for b in 0..16u64 {
+        stale.write(b, &block(500 + b)).await.unwrap();
+    }
+    let n1 = c.node(1).unwrap().clone();
+    wait_for("the new server to apply the writes", || {
+        n1.status().applied >= n0.status().applied
+    })
+    .await;
+    for b in 0..16u64 {
+        let holders = n0.machine().lock().table().meta(b).unwrap().holders;
+        assert!(
+            holders.contains(1),
+            "block {b}: slot 1 holds it ({holders:?})"
+        );
+        match n1.machine().lock().read(b) {
+            Ok(LocalRead::Data(d)) => assert_eq!(d, block(500 + b), "block {b}"),
+            other => panic!("block {b}: counted on the new server, which has {other:?}"),
+        }
+    }
+    c.crash(0).await;
+    let fresh = c.client(20, ClientConfig::default()).await.unwrap();
+    let expect: Vec<u8> = (0..16).flat_map(|b| block(500 + b)).collect();
+    assert_eq!(fresh.read(0, 16).await.unwrap(), expect);
+    c.shutdown().await;
+}
