@@ -98,10 +98,22 @@ impl Client {
         id: u64,
         config: ClientConfig,
     ) -> Result<Client, ClientError> {
+        let servers: Vec<u64> = (0..u64::from(replicas)).collect();
+        Client::connect_to(net, &servers, id, config).await
+    }
+
+    /// As [`Client::connect`], asking `servers` (ids the net knows) first; the rest of
+    /// the volume's servers are learned from the first that answers.
+    pub async fn connect_to(
+        net: Arc<dyn Net>,
+        servers: &[u64],
+        id: u64,
+        config: ClientConfig,
+    ) -> Result<Client, ClientError> {
         let deadline = Instant::now() + config.op_timeout;
         let mut last = String::from("no replicas");
         loop {
-            for r in 0..u64::from(replicas) {
+            for &r in servers {
                 match call_within(net.as_ref(), r, Request::Status, config.rpc_timeout).await {
                     Ok(Response::Status(s)) => {
                         let c = Client {
@@ -508,6 +520,8 @@ impl Client {
                     stored.len()
                 )));
             }
+            // (A slot's server may have been replaced since the route was learned.)
+            self.refresh_route().await;
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -641,6 +655,10 @@ impl Client {
                 )));
             }
             if attempt % order.len() == 0 {
+                // A round of servers without the block: one may have been replaced
+                // since the route was learned (from a server that had not applied the
+                // change yet, say).
+                self.refresh_route().await;
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }

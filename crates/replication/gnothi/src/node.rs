@@ -525,6 +525,21 @@ impl Node {
                 leader: m.current_leader,
             });
         }
+        // Done only once this replica applied it: the membership in the leader's
+        // metrics may hold an entry not yet committed, which a new leader may drop.
+        let applied = || {
+            let g = self.machine.lock();
+            let done = g
+                .slots()
+                .get(usize::from(slot))
+                .cloned()
+                .flatten()
+                .map(|x| x.0);
+            (done == Some(node)).then(|| g.epoch())
+        };
+        if let Some(epoch) = applied() {
+            return Response::Replaced { epoch };
+        }
         let voters: BTreeSet<u64> = m.membership_config.membership().voter_ids().collect();
         if !voters.contains(&node) {
             self.net.learn(node, &addr);
@@ -535,18 +550,27 @@ impl Node {
             {
                 return Response::Error(raft_error(e));
             }
-            let new: BTreeSet<u64> = voters
-                .iter()
-                .copied()
-                .filter(|&v| geo.slot_of(v) != slot)
-                .chain([node])
-                .collect();
-            if let Err(e) = self.raft.change_membership(new, false).await {
-                return Response::Error(raft_error(e));
-            }
         }
-        Response::Replaced {
-            epoch: self.machine.lock().epoch(),
+        let new: BTreeSet<u64> = voters
+            .iter()
+            .copied()
+            .filter(|&v| geo.slot_of(v) != slot)
+            .chain([node])
+            .collect();
+        if let Err(e) = self.raft.change_membership(new, false).await {
+            return Response::Error(raft_error(e));
+        }
+        let until = tokio::time::Instant::now() + self.config.rpc_timeout;
+        loop {
+            if let Some(epoch) = applied() {
+                return Response::Replaced { epoch };
+            }
+            if tokio::time::Instant::now() >= until {
+                return Response::Error(RpcError::Unavailable(
+                    "the membership change is not applied yet; ask again".into(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 

@@ -436,8 +436,12 @@ impl Local {
         let applied = match fence {
             // Refused alike everywhere: the membership is part of the log.
             Some(epoch) if epoch < current => {
+                // The staged data stays: the client sends the same write again, routed
+                // anew, and its second store may already have been answered from this
+                // very record (a retry of one write id is staged once). Dropping it
+                // here lost acknowledged writes (the simulation found it); a write
+                // never named again is trimmed when the data log needs the room.
                 self.table.note_applied(index);
-                self.drop_staged_of(command);
                 return Outcome::Refused(CommandError::StaleMembership { epoch, current });
             }
             _ => match self.table.apply(index, command) {

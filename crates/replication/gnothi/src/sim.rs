@@ -430,22 +430,41 @@ impl Cluster {
         self.disks[r as usize] = Cluster::new_disks(self.geometry, r, incarnation, self.raft_bytes)
             .map_err(|e| e.to_string())?;
         self.start_replica(r).await.map_err(|e| e.to_string())?;
+        self.let_in(r, within).await
+    }
+
+    /// Asks whoever leads to let slot `r`'s new server in (`Request::Replace`), until
+    /// it is done or `within` has passed (without a connected majority it cannot be:
+    /// then the new server waits, not a member, and this may be asked again). The
+    /// leader may be a server already replaced but still running.
+    pub async fn let_in(&mut self, r: u16, within: std::time::Duration) -> Result<u64, String> {
         let node = self.node_id(r);
         let deadline = tokio::time::Instant::now() + within;
         let mut last = String::from("no replica up");
         loop {
-            let up: Vec<Arc<Node>> = self.nodes.iter().flatten().cloned().collect();
-            for n in up.iter().filter(|n| n.node_id != node) {
+            let up: Vec<Arc<Node>> = self
+                .nodes
+                .iter()
+                .flatten()
+                .chain(self.retired.iter())
+                .filter(|n| n.node_id != node)
+                .cloned()
+                .collect();
+            for n in &up {
                 let req = crate::rpc::Request::Replace {
                     slot: r,
                     node,
                     addr: format!("sim:{node}"),
                 };
-                match tokio::time::timeout(within, n.handle(req)).await {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                match tokio::time::timeout(left, n.handle(req)).await {
                     Ok(crate::rpc::Response::Replaced { .. }) => return Ok(node),
                     Ok(crate::rpc::Response::Error(e)) => last = e.to_string(),
                     Ok(other) => last = other.unexpected().to_string(),
                     Err(_) => last = "timed out".into(),
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(last);
                 }
             }
             if tokio::time::Instant::now() >= deadline {
@@ -598,8 +617,11 @@ impl Cluster {
                 })
                 .collect();
             out.push(format!(
-                "replica {} (leader {}, applied {}, lost {:?}): under-replicated {:?}",
+                "replica {} (server {}, membership {} {:?}, leader {}, applied {}, lost {:?}): under-replicated {:?}",
                 n.id,
+                n.node_id,
+                st.epoch,
+                st.slots.iter().map(|s| s.as_ref().map(|x| x.0)).collect::<Vec<_>>(),
                 st.is_leader,
                 st.applied,
                 g.lost(),
@@ -619,8 +641,8 @@ impl Cluster {
         id: u64,
         config: crate::client::ClientConfig,
     ) -> Result<crate::client::Client, crate::client::ClientError> {
-        crate::client::Client::connect(self.net.endpoint(1000 + id), self.replicas(), id, config)
-            .await
+        let servers: Vec<u64> = (0..self.replicas()).map(|r| self.node_id(r)).collect();
+        crate::client::Client::connect_to(self.net.endpoint(1000 + id), &servers, id, config).await
     }
 
     /// Stops every replica (their disks keep everything: a clean stop).
