@@ -2,7 +2,8 @@
 # A replicated volume as real processes (quiltfs cluster), with ext2 on it through
 # FUSE: replicas killed with SIGKILL during a copy and while reading, one replica's
 # data device damaged (and scrubbed), another's data disk replaced by an empty one
-# during a copy, the whole cluster stopped and started again; and a cluster over TLS. Every time, the
+# during a copy, a whole server replaced through a membership change during a copy,
+# the whole cluster stopped and started again; and a cluster over TLS. Every time, the
 # files read back equal to their source, and the volume, exported to a file, passes
 # e2fsck -fn. Needs root (FUSE mounts).
 #
@@ -125,6 +126,28 @@ done
 "$Q" umount "$M"
 say "replica 0's data disk replaced during a copy: rebuilt, equal with each other replica down"
 
+# 5b. Replica 2's whole server (both disks) replaced during a copy: the new server joins
+#     through a membership change, is rebuilt, and serves with each other replica down.
+#     The mount was made with the old address list: it learns the new server's.
+"$Q" mount "$A" "$M" >/dev/null
+cp -r "$SRC" "$M/c" &
+CP=$!
+sleep 1
+"$Q" cluster replace "$D" --replica 2 >/dev/null 2>"$W/replace2.err" || { cat "$W/replace2.err"; fail "cluster replace"; }
+wait "$CP" || fail "the copy failed while a server was replaced"
+"$Q" sync "$M"
+wait_whole
+SERVER=$("$Q" cluster status "$D" --json | python3 -c "import json,sys; d=json.load(sys.stdin); print([r['server'] for r in d['replicas'] if r['replica']==2][0])")
+[ "$SERVER" = 5 ] || fail "slot 2 is served by server $SERVER, not the replacement (5)"
+for r in 0 1; do
+  "$Q" cluster stop "$D" --replica "$r" --kill >/dev/null
+  for d in a b c; do check_files $d "server 2 replaced, replica $r down"; done
+  "$Q" cluster start "$D" --replica "$r" >/dev/null
+  wait_whole
+done
+"$Q" umount "$M"
+say "replica 2's whole server replaced during a copy (now server $SERVER): rebuilt, equal with each other replica down"
+
 # 6. The whole cluster stopped and started again.
 "$Q" cluster down "$D" >/dev/null
 for r in 0 1 2; do "$Q" cluster start "$D" --replica $r >/dev/null; done
@@ -132,6 +155,7 @@ for _ in $(seq 1 100); do leader >/dev/null 2>&1 && break; sleep 0.2; done
 "$Q" mount "$A" "$M" >/dev/null
 check_files a "after a full restart"
 check_files b "after a full restart"
+check_files c "after a full restart"
 "$Q" umount "$M"
 fsck_volume "after a full restart"
 say "full restart: equal, e2fsck clean"

@@ -198,26 +198,44 @@ fn modelled(dev: Arc<dyn BlockDevice>, model: bool) -> Result<Arc<dyn BlockDevic
     Ok(Arc::new(m.without_host_flush()))
 }
 
-/// Runs a replica until `stop` resolves (the caller wires it to SIGTERM / ctrl-c).
-pub async fn run(
-    opts: ServeOptions,
-    stop: impl std::future::Future<Output = ()> + Send,
-) -> Result<(), String> {
-    let probe = open_file(&opts.log, 512, 1)?;
+/// A replica's log device, opened at the block size its label names, and the label.
+fn open_log(path: &Path) -> Result<(Arc<dyn BlockDevice>, Label), String> {
+    let probe = open_existing(path, 512)?;
     let mut b = vec![0u8; 512];
     probe.read(0, &mut b).map_err(|e| e.to_string())?;
     drop(probe);
     // The label is read at the device's own block size, which the label names.
     let bs = u32::from_le_bytes([b[16], b[17], b[18], b[19]]) as usize;
-    if !(512..=1 << 20).contains(&bs) || !bs.is_power_of_two() {
+    if &b[0..4] != b"QGLB" || !(512..=1 << 20).contains(&bs) || !bs.is_power_of_two() {
         return Err(format!(
             "{} is not a formatted replica log device (run `quiltfs replica format` first)",
-            opts.log.display()
+            path.display()
         ));
     }
-    let log_dev = open_file(&opts.log, bs, 1)?;
-    let label =
-        Label::read(log_dev.as_ref()).map_err(|e| format!("{}: {e}", opts.log.display()))?;
+    let log_dev = open_file(path, bs, 1)?;
+    let label = Label::read(log_dev.as_ref()).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok((log_dev, label))
+}
+
+fn open_existing(path: &Path, bs: usize) -> Result<Arc<dyn BlockDevice>, String> {
+    if !path.exists() {
+        return Err(format!("{} does not exist", path.display()));
+    }
+    open_file(path, bs, 1)
+}
+
+/// What a replica's log device is labelled.
+pub fn read_label(log: &Path) -> Result<Label, String> {
+    open_log(log).map(|(_, l)| l)
+}
+
+/// Runs a replica until `stop` resolves (the caller wires it to SIGTERM / ctrl-c).
+pub async fn run(
+    opts: ServeOptions,
+    stop: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), String> {
+    let (log_dev, label) = open_log(&opts.log)?;
+    let bs = label.geometry.block_size as usize;
     // Before anything is told to the volume (a wrong --id with --new-data-disk would
     // declare another replica's copies lost).
     if label.replica != opts.id {

@@ -86,6 +86,11 @@ impl VolumeShape {
 pub struct FormatArgs {
     #[arg(long)]
     pub id: u16,
+    /// For a server replacing another in slot ID: how many servers held the slot
+    /// before (1 for the first replacement). Its agreement id is then ID + n·this;
+    /// start it, then let it in with `quiltfs cluster replace`.
+    #[arg(long, default_value_t = 0)]
+    pub incarnation: u32,
     #[arg(long)]
     pub log_dev: PathBuf,
     #[arg(long)]
@@ -160,14 +165,25 @@ pub fn run_replica(c: ReplicaCommand) -> Result<()> {
                     g.replicas()
                 );
             }
-            let label = server::label_for(
+            let mut label = server::label_for(
                 a.id,
                 &a.shape.volume,
                 g,
                 a.shape.reserve_slots,
                 LogSizes::default(),
             );
+            label.incarnation = a.incarnation;
             server::format(&label, &a.log_dev, &a.data_dev).map_err(|e| anyhow!(e))?;
+            if a.incarnation > 0 {
+                eprintln!(
+                    "quiltfs: server {} for slot {} formatted; start it with `quiltfs replica serve --id {}`, then `quiltfs cluster replace ADDRESS --replica {} --address HOST:PORT --incarnation {}`",
+                    label.node_id(),
+                    a.id,
+                    a.id,
+                    a.id,
+                    a.incarnation
+                );
+            }
             eprintln!(
                 "quiltfs: replica {} of volume {} formatted ({} replicas, {} blocks of {} bytes)",
                 a.id,
@@ -277,6 +293,25 @@ pub enum ClusterCommand {
         #[arg(long)]
         replica: u16,
     },
+    /// Replace a replica's whole server (both disks) by a new, empty one through a
+    /// membership change: it joins as a learner, catches up, takes the old one's place
+    /// as a voter, and its copies are rebuilt from the others. For a cluster directory
+    /// this does it all (the old server is killed; the new one gets new files and a
+    /// new port). For a volume's address, format and start the new server first
+    /// (`replica format --incarnation`, `replica serve`) and name it here.
+    Replace {
+        /// A cluster directory (of `cluster up`) or a volume's address (gnothi://…).
+        #[arg(value_name = "DIR|ADDRESS")]
+        target: String,
+        #[arg(long)]
+        replica: u16,
+        /// (With an address.) Where the new server listens.
+        #[arg(long)]
+        address: Option<String>,
+        /// (With an address.) The new server's incarnation, as it was formatted.
+        #[arg(long)]
+        incarnation: Option<u32>,
+    },
     /// Start a stopped replica again, on its devices as they are.
     Start {
         dir: PathBuf,
@@ -369,6 +404,25 @@ struct ReplicaEntry {
     id: u16,
     addr: String,
     pid: Option<u32>,
+    /// Servers replaced in this slot before the current one (its files are
+    /// `r{id}.{incarnation}.log` and `.data` past the first).
+    #[serde(default)]
+    incarnation: u32,
+}
+
+/// A slot's current server's files in a cluster directory.
+fn files(dir: &Path, id: u16, incarnation: u32) -> (PathBuf, PathBuf) {
+    if incarnation == 0 {
+        (
+            dir.join(format!("r{id}.log")),
+            dir.join(format!("r{id}.data")),
+        )
+    } else {
+        (
+            dir.join(format!("r{id}.{incarnation}.log")),
+            dir.join(format!("r{id}.{incarnation}.data")),
+        )
+    }
 }
 
 fn cluster_file(dir: &Path) -> PathBuf {
@@ -439,7 +493,7 @@ fn replace_disk(dir: &Path, replica: u16) -> Result<()> {
     let mut c = load(dir)?;
     stop_replica(&mut c, replica, true)?;
     save(dir, &c)?;
-    let data = dir.join(format!("r{replica}.data"));
+    let (_, data) = files(dir, replica, c.replicas[replica as usize].incarnation);
     match std::fs::remove_file(&data) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -474,6 +528,151 @@ fn replace_disk(dir: &Path, replica: u16) -> Result<()> {
     Ok(())
 }
 
+/// Replaces slot `replica`'s whole server (see `ClusterCommand::Replace`).
+fn replace_server(
+    target: &str,
+    replica: u16,
+    address: Option<String>,
+    incarnation: Option<u32>,
+) -> Result<()> {
+    if quilt_gnothi::device::VolumeAddress::is_address(target) {
+        let (Some(addr), Some(inc)) = (address, incarnation) else {
+            bail!("with a volume's address, name the new server: --address HOST:PORT --incarnation N (as it was formatted)");
+        };
+        let t = Target::resolve(target)?;
+        let epoch = let_in(&t, replica, inc, &addr)?;
+        eprintln!("quiltfs: slot {replica} is now served from {addr} (membership {epoch}); its copies are being rebuilt (see `cluster status`)");
+        return Ok(());
+    }
+    if address.is_some() || incarnation.is_some() {
+        bail!("--address and --incarnation are for a volume's address; a cluster directory picks them");
+    }
+    let dir = PathBuf::from(target);
+    let mut c = load(&dir)?;
+    let entry = c
+        .replicas
+        .get(replica as usize)
+        .ok_or_else(|| anyhow!("no replica {replica} in {}", dir.display()))?;
+    let (old_log, _) = files(&dir, replica, entry.incarnation);
+    let incarnation = entry.incarnation + 1;
+    let host = entry
+        .addr
+        .rsplit_once(':')
+        .map_or("127.0.0.1", |(h, _)| h)
+        .to_string();
+    // The server it replaces is gone (a dead machine, say): killed here. (Its label,
+    // read once it no longer holds the file, gives the new one's shape.)
+    stop_replica(&mut c, replica, true)?;
+    save(&dir, &c)?;
+    let old = server::read_label(&old_log).map_err(|e| anyhow!(e))?;
+    let mut label = server::label_for(
+        replica,
+        &old.volume,
+        old.geometry,
+        old.reserve_slots,
+        LogSizes::default(),
+    );
+    label.incarnation = incarnation;
+    let (log, data) = files(&dir, replica, incarnation);
+    for p in [&log, &data] {
+        if p.exists() {
+            std::fs::remove_file(p).with_context(|| format!("removing {}", p.display()))?;
+        }
+    }
+    server::format(&label, &log, &data).map_err(|e| anyhow!(e))?;
+    // A port free now on the same host.
+    let port = std::net::TcpListener::bind((host.as_str(), 0))
+        .and_then(|l| l.local_addr())
+        .with_context(|| format!("finding a free port on {host}"))?
+        .port();
+    let addr = format!("{host}:{port}");
+    let old_addr = std::mem::replace(&mut c.replicas[replica as usize].addr, addr.clone());
+    c.replicas[replica as usize].incarnation = incarnation;
+    let pid = spawn(&dir, &c, replica)?;
+    c.replicas[replica as usize].pid = Some(pid);
+    save(&dir, &c)?;
+    // The others still list the old address: the change itself tells them the new one.
+    let mut t = Target::of_cluster(&dir, &c)?;
+    t.peers.insert(u64::from(replica), old_addr);
+    let epoch = let_in(&t, replica, incarnation, &addr)?;
+    eprintln!(
+        "quiltfs: slot {replica} is now served by server {} at {addr} (pid {pid}, membership {epoch}); its copies are being rebuilt (see `cluster status`)",
+        label.node_id()
+    );
+    Ok(())
+}
+
+/// Asks the leader to let slot `replica`'s new server in (it must be running), until
+/// it answers done or ten minutes pass (joining includes catching up).
+fn let_in(t: &Target, replica: u16, incarnation: u32, addr: &str) -> Result<u64> {
+    let st = statuses_of(t.peers.clone(), &t.secret, t.ca.clone())?;
+    let Some(g) = st.iter().find_map(|(_, s)| s.as_ref().map(|s| s.geometry)) else {
+        bail!("no replica of {} answers", t.volume);
+    };
+    if replica >= g.replicas() {
+        bail!(
+            "replica {replica} is not in a volume of {} replicas",
+            g.replicas()
+        );
+    }
+    let node = g.node_id(replica, incarnation);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let net =
+            GrpcNet::with_tls(t.peers.clone(), &t.secret, t.ca.clone()).map_err(|e| anyhow!(e))?;
+        use quilt_gnothi::net::Net;
+        // Where every member is (a leader's id may be a server that replaced another).
+        for s in st.iter().filter_map(|(_, s)| s.as_ref()) {
+            for (id, a) in s.slots.iter().flatten() {
+                if !a.is_empty() && *id >= u64::from(g.replicas()) {
+                    net.learn(*id, a);
+                }
+            }
+        }
+        net.learn(node, addr);
+        let deadline = Instant::now() + Duration::from_secs(600);
+        let mut to = st
+            .iter()
+            .find_map(|(_, s)| s.as_ref().and_then(|s| s.leader))
+            .unwrap_or(0);
+        let mut last;
+        let mut turn = 0u64;
+        loop {
+            let r = quilt_gnothi::net::call_within(
+                net.as_ref(),
+                to,
+                quilt_gnothi::rpc::Request::Replace {
+                    slot: replica,
+                    node,
+                    addr: addr.to_string(),
+                },
+                Duration::from_secs(600),
+            )
+            .await;
+            match r {
+                Ok(quilt_gnothi::rpc::Response::Replaced { epoch }) => return Ok(epoch),
+                Ok(quilt_gnothi::rpc::Response::Error(
+                    quilt_gnothi::rpc::RpcError::NotLeader { leader: Some(l) },
+                )) if l != to => {
+                    to = l;
+                    continue;
+                }
+                Ok(quilt_gnothi::rpc::Response::Error(e)) => last = e.to_string(),
+                Ok(other) => last = other.unexpected().to_string(),
+                Err(e) => last = e.to_string(),
+            }
+            if Instant::now() >= deadline {
+                bail!("the volume did not let server {node} in: {last}");
+            }
+            turn += 1;
+            to = turn % u64::from(g.replicas());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+}
+
 fn spawn(dir: &Path, c: &ClusterFile, id: u16) -> Result<u32> {
     spawn_with(dir, c, id, &[])
 }
@@ -485,14 +684,15 @@ fn spawn_with(dir: &Path, c: &ClusterFile, id: u16, extra: &[&str]) -> Result<u3
         .create(true)
         .append(true)
         .open(dir.join(format!("r{id}.out")))?;
+    let (log, data) = files(dir, id, c.replicas[id as usize].incarnation);
     let child = std::process::Command::new(me)
         .args(["replica", "serve", "--id", &id.to_string()])
         .args(["--listen", &c.replicas[id as usize].addr])
         .args(["--peers", &peers.join(",")])
         .arg("--log-dev")
-        .arg(dir.join(format!("r{id}.log")))
+        .arg(log)
         .arg("--data-dev")
-        .arg(dir.join(format!("r{id}.data")))
+        .arg(data)
         .arg("--secret-file")
         .arg(dir.join("secret"))
         .args([
@@ -669,6 +869,12 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
             save(&dir, &c)
         }
         ClusterCommand::ReplaceDisk { dir, replica } => replace_disk(&dir, replica),
+        ClusterCommand::Replace {
+            target,
+            replica,
+            address,
+            incarnation,
+        } => replace_server(&target, replica, address, incarnation),
         ClusterCommand::Start { dir, replica } => {
             let mut c = load(&dir)?;
             if c.replicas.get(replica as usize).is_none() {
@@ -694,7 +900,8 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
                     .iter()
                     .map(|(id, s)| match s {
                         Some(s) => serde_json::json!({
-                            "replica": id, "up": true, "role": if s.is_leader { "leader" } else { "follower" },
+                            "replica": id, "up": true, "server": s.node, "member": s.is_member, "membership": s.epoch,
+                            "role": if s.is_leader { "leader" } else if !s.is_member { "joining" } else { "follower" },
                             "term": s.term, "log_index": s.last_log_index, "applied": s.applied,
                             "incomplete": s.incomplete, "reserve_used": s.reserve_used, "checksum_failures": s.checksum_failures,
                             "write_back_failures": s.write_back_failures,
@@ -714,14 +921,28 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
             } else {
                 println!("volume {volume}  {addr}");
                 println!(
-                    "{:>7} {:>9} {:>6} {:>10} {:>10} {:>11} {:>9}",
-                    "replica", "role", "term", "log index", "applied", "incomplete", "reserve"
+                    "{:>7} {:>6} {:>9} {:>6} {:>10} {:>10} {:>11} {:>9}",
+                    "replica",
+                    "server",
+                    "role",
+                    "term",
+                    "log index",
+                    "applied",
+                    "incomplete",
+                    "reserve"
                 );
                 for (id, s) in st {
                     match s {
                         Some(s) => println!(
-                            "{id:>7} {:>9} {:>6} {:>10} {:>10} {:>11} {:>9}",
-                            if s.is_leader { "leader" } else { "follower" },
+                            "{id:>7} {:>6} {:>9} {:>6} {:>10} {:>10} {:>11} {:>9}",
+                            s.node,
+                            if s.is_leader {
+                                "leader"
+                            } else if !s.is_member {
+                                "joining"
+                            } else {
+                                "follower"
+                            },
                             s.term,
                             s.last_log_index,
                             s.applied,
@@ -852,6 +1073,7 @@ fn up(a: UpArgs) -> Result<()> {
                 id,
                 addr: format!("127.0.0.1:{}", a.port + id),
                 pid: None,
+                incarnation: 0,
             })
             .collect(),
         recovery_interval_ms: a.recovery_interval_ms,
