@@ -34,6 +34,9 @@ pub struct NodeConfig {
     pub fetch_bytes: u64,
     /// Client proposals put in one log entry, at most (the paper's write batch: 10).
     pub write_batch: usize,
+    /// Reads that share one confirmation of the leader's read index, at most (the
+    /// paper's read batch: 100). 1: each read confirms on its own.
+    pub read_batch: usize,
     /// Writes' data staged with one sync of the log device, at most (group commit).
     pub stage_batch: usize,
     /// Batches of proposals the leader has in agreement at once.
@@ -55,6 +58,7 @@ impl Default for NodeConfig {
             recovery_interval: Duration::from_millis(10),
             fetch_bytes: 16 << 20,
             write_batch: 10,
+            read_batch: 100,
             stage_batch: 64,
             batches_in_flight: 8,
             write_back_every: Duration::from_millis(20),
@@ -94,6 +98,102 @@ pub struct Node {
     phase2_cursor: std::sync::atomic::AtomicU64,
     /// When `step` last asked for a snapshot because the log's ring filled.
     snapshot_asked: Mutex<Option<tokio::time::Instant>>,
+    /// Reads waiting for a read index (from the leader, through it if this replica
+    /// follows), and `ReadIndex` requests waiting for this leader's confirmation: each
+    /// batch shares one.
+    reads: Coalescer,
+    leads: Coalescer,
+}
+
+type IndexAnswer = tokio::sync::oneshot::Sender<Result<u64, RpcError>>;
+
+/// Callers that wait for one log index each, answered in batches: the first caller
+/// starts a round, everyone who came meanwhile (up to the batch) waits for the next
+/// one, which starts only after they came, so a read index is never older than the
+/// read it is for.
+#[derive(Clone)]
+struct Coalescer {
+    tx: tokio::sync::mpsc::UnboundedSender<IndexAnswer>,
+}
+
+impl Coalescer {
+    fn start<F, Fut>(batch: usize, round: F) -> (Coalescer, JoinHandle<()>)
+    where
+        F: Fn() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<u64, RpcError>> + Send,
+    {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<IndexAnswer>();
+        let task = tokio::spawn(async move {
+            while let Some(first) = rx.recv().await {
+                let mut waiting = vec![first];
+                while waiting.len() < batch.max(1) {
+                    match rx.try_recv() {
+                        Ok(w) => waiting.push(w),
+                        Err(_) => break,
+                    }
+                }
+                let r = round().await;
+                for w in waiting {
+                    let _ = w.send(r.clone());
+                }
+            }
+        });
+        (Coalescer { tx }, task)
+    }
+
+    async fn index(&self) -> Result<u64, RpcError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.tx.send(tx).is_err() {
+            return Err(RpcError::Unavailable("the replica is stopping".into()));
+        }
+        rx.await
+            .unwrap_or_else(|_| Err(RpcError::Unavailable("the replica is stopping".into())))
+    }
+}
+
+/// The read index this leader confirms (openraft's, or its last log index if higher:
+/// see `Node::safe_read_index`); `NotLeader` when it does not lead.
+async fn confirm_read_index(raft: &Raft) -> Result<u64, RpcError> {
+    match raft.get_read_log_id().await {
+        Ok((read, _)) => Ok(safe_read_index(raft, read)),
+        Err(e) => Err(match e.forward_to_leader::<BasicNode>() {
+            Some(f) => RpcError::NotLeader {
+                leader: f.leader_id,
+            },
+            None => RpcError::Unavailable(e.to_string()),
+        }),
+    }
+}
+
+/// The read index to wait for, on a confirmed leader: openraft's (its commit index,
+/// or the first entry of its term), or its last log index if that is higher.
+/// openraft 0.9 lets a leader that restarts with its vote come back as leader in
+/// the same term, proposing no new first entry; its commit index is what its log
+/// store kept, which may predate writes it acknowledged before the crash. Every
+/// acknowledged write is in a leader's log (leader completeness), so waiting for
+/// the last log index never misses one. (Found by the simulation: a stale read.)
+fn safe_read_index(raft: &Raft, read: Option<crate::meta::LogId>) -> u64 {
+    let last = raft.metrics().borrow().last_log_index.unwrap_or(0);
+    read.map_or(0, |l| l.index).max(last)
+}
+
+/// The index a linearizable read must see applied: this leader's, or the leader's
+/// through a `ReadIndex` request.
+async fn read_index(raft: &Raft, net: &dyn Net, timeout: Duration) -> Result<u64, RpcError> {
+    match confirm_read_index(raft).await {
+        Err(RpcError::NotLeader {
+            leader: Some(leader),
+        }) => match call_within(net, leader, Request::ReadIndex, timeout).await {
+            Ok(Response::ReadIndex(i)) => Ok(i),
+            Ok(Response::Error(e)) => Err(e),
+            Ok(other) => Err(other.unexpected()),
+            Err(e) => Err(RpcError::Unavailable(e.to_string())),
+        },
+        Err(RpcError::NotLeader { leader: None }) => {
+            Err(RpcError::Unavailable("no leader known".into()))
+        }
+        r => r,
+    }
 }
 
 /// A proposal waiting for a batch, and where its answer goes.
@@ -384,9 +484,25 @@ impl Node {
             config.write_batch,
             config.batches_in_flight,
         ));
+        let (reads, reading) = {
+            let (raft, net, timeout) = (raft.clone(), net.clone(), config.rpc_timeout);
+            Coalescer::start(config.read_batch, move || {
+                let (raft, net) = (raft.clone(), net.clone());
+                async move { read_index(&raft, net.as_ref(), timeout).await }
+            })
+        };
+        let (leads, leading) = {
+            let raft = raft.clone();
+            Coalescer::start(config.read_batch, move || {
+                let raft = raft.clone();
+                async move { confirm_read_index(&raft).await }
+            })
+        };
         let node = Arc::new(Node {
             id,
             node_id,
+            reads,
+            leads,
             raft,
             machine,
             net,
@@ -404,7 +520,7 @@ impl Node {
         node.tasks
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .extend([bg, staging, proposing, writing_back]);
+            .extend([bg, staging, proposing, writing_back, reading, leading]);
         Ok(node)
     }
 
@@ -489,14 +605,9 @@ impl Node {
                 }
             }
             Request::Propose(p) => self.propose(p).await,
-            Request::ReadIndex => match self.raft.get_read_log_id().await {
-                Ok((read, _)) => Response::ReadIndex(self.safe_read_index(read)),
-                Err(e) => Response::Error(match e.forward_to_leader::<BasicNode>() {
-                    Some(f) => RpcError::NotLeader {
-                        leader: f.leader_id,
-                    },
-                    None => RpcError::Unavailable(e.to_string()),
-                }),
+            Request::ReadIndex => match self.leads.index().await {
+                Ok(i) => Response::ReadIndex(i),
+                Err(e) => Response::Error(e),
             },
             Request::Read { first, count } => self.read(first, count).await,
             Request::Fetch { first, count } => self.fetch(first, count).await,
@@ -626,51 +737,11 @@ impl Node {
         Ok(())
     }
 
-    /// The read index to wait for, on a confirmed leader: openraft's (its commit index,
-    /// or the first entry of its term), or its last log index if that is higher.
-    /// openraft 0.9 lets a leader that restarts with its vote come back as leader in
-    /// the same term, proposing no new first entry; its commit index is what its log
-    /// store kept, which may predate writes it acknowledged before the crash. Every
-    /// acknowledged write is in a leader's log (leader completeness), so waiting for
-    /// the last log index never misses one. (Found by the simulation: a stale read.)
-    fn safe_read_index(&self, read: Option<crate::meta::LogId>) -> u64 {
-        let last = self.raft.metrics().borrow().last_log_index.unwrap_or(0);
-        read.map_or(0, |l| l.index).max(last)
-    }
-
-    /// The index a linearizable read must see applied: the leader's read index.
-    async fn read_index(&self) -> Result<u64, RpcError> {
-        match self.raft.get_read_log_id().await {
-            Ok((read, _)) => Ok(self.safe_read_index(read)),
-            Err(e) => match e.forward_to_leader::<BasicNode>() {
-                Some(f) => {
-                    let Some(leader) = f.leader_id else {
-                        return Err(RpcError::Unavailable("no leader known".into()));
-                    };
-                    match call_within(
-                        self.net.as_ref(),
-                        leader,
-                        Request::ReadIndex,
-                        self.config.rpc_timeout,
-                    )
-                    .await
-                    {
-                        Ok(Response::ReadIndex(i)) => Ok(i),
-                        Ok(Response::Error(e)) => Err(e),
-                        Ok(other) => Err(other.unexpected()),
-                        Err(e) => Err(RpcError::Unavailable(e.to_string())),
-                    }
-                }
-                None => Err(RpcError::Unavailable(e.to_string())),
-            },
-        }
-    }
-
     async fn read(&self, first: u64, count: u32) -> Response {
         if let Err(e) = self.check_range(first, count) {
             return Response::Error(e);
         }
-        let index = match self.read_index().await {
+        let index = match self.reads.index().await {
             Ok(i) => i,
             Err(e) => return Response::Error(e),
         };

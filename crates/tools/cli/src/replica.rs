@@ -119,6 +119,13 @@ pub struct ServeArgs {
     /// Phase 2: milliseconds between fetches of missing data.
     #[arg(long, default_value_t = 10)]
     pub recovery_interval_ms: u64,
+    /// Client writes put in one agreement entry, at most (the paper's batch: 10).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    pub write_batch: u64,
+    /// Reads that share one confirmation of the leader's read index, at most (the
+    /// paper's batch: 100).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=10000))]
+    pub read_batch: u64,
     /// For benchmarks: both devices behave as 7200 RPM disks (the rotating-disk model,
     /// real time) and flushes stop at the model (not crash-safe on the host).
     #[arg(long)]
@@ -242,6 +249,8 @@ fn serve(a: ServeArgs) -> Result<()> {
         secret,
         config: NodeConfig {
             recovery_interval: Duration::from_millis(a.recovery_interval_ms),
+            write_batch: a.write_batch as usize,
+            read_batch: a.read_batch as usize,
             ..NodeConfig::default()
         },
         model_disks: a.model_disks,
