@@ -369,8 +369,15 @@ async fn a_write_routed_to_a_replaced_server_is_refused_then_rerouted() {
         stale.write(b, &block(500 + b)).await.unwrap();
     }
     let n1 = c.node(1).unwrap().clone();
-    wait_for("the new server to apply the writes", || {
-        n1.status().applied >= n0.status().applied
+    // Every write was applied by the leader before it was acknowledged.
+    let leader = (0..3)
+        .filter_map(|r| c.node(r))
+        .find(|n| n.status().is_leader)
+        .unwrap()
+        .clone();
+    let done = leader.status().applied;
+    wait_for("servers 0 and 4 to apply the writes", || {
+        n0.status().applied >= done && n1.status().applied >= done
     })
     .await;
     for b in 0..16u64 {
