@@ -4,16 +4,18 @@
 # their history for linearizability (every read the latest acknowledged write; at the
 # end, with every fault healed, every block read once more), while a nemesis breaks
 # at most one replica at a time: kill -9 and restart, its link taken down (the leader's
-# too), its data device filled, its data blocks damaged, its data disk replaced by an
-# empty one. Afterwards the volume must read the same with any one replica down (every
+# too), its data device filled, its data blocks damaged, its whole server replaced by
+# a new one through a membership change, its data disk replaced by an empty one.
+# Afterwards the volume must read the same with any one replica down (every
 # block has its f+1 copies again). Then the control: clients that acknowledge a write
 # after one copy, and that copy's disk replaced, must be caught.
 # Needs root (namespaces, a tmpfs mount).
 #
 # Usage: tests/gnothi-faults.sh QUILTFS_BINARY
-#   GNOTHI_FAULT_SECONDS   how long the load runs (40: the faults take about 35 s)
-#   GNOTHI_FAULTS          which faults, in order (default: all of
-#                          "kill partition-leader partition fill damage replace control")
+#   GNOTHI_FAULT_SECONDS   how long the load runs (50: the faults take about 45 s)
+#   GNOTHI_FAULTS          which faults, in order (default: all of "kill
+#                          partition-leader partition fill damage replace-server replace
+#                          control")
 #   GNOTHI_FAULT_LOG       the replicas' QUILTFS_LOG (e.g. info,openraft=warn)
 set -euo pipefail
 Q="$(realpath "$1")"
@@ -23,8 +25,8 @@ if [ "$(id -u)" != 0 ]; then
 fi
 command -v qemu-io >/dev/null && command -v qemu-img >/dev/null ||
   { echo "gnothi-faults: needs qemu-io and qemu-img (apt-get install qemu-utils)" >&2; exit 1; }
-SECS=${GNOTHI_FAULT_SECONDS:-40}   # the nemesis below takes about 35 s
-FAULTS=" ${GNOTHI_FAULTS:-kill partition-leader partition fill damage replace control} "
+SECS=${GNOTHI_FAULT_SECONDS:-50}   # the nemesis below takes about 45 s
+FAULTS=" ${GNOTHI_FAULTS:-kill partition-leader partition fill damage replace-server replace control} "
 want() { [[ "$FAULTS" == *" $1 "* ]]; }
 W="$(mktemp -d /tmp/quiltfs-gfaults.XXXXXX)"
 T="qf$$"                      # namespace and link names of this run
@@ -77,14 +79,17 @@ head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$W/secret"
 mkdir "$W/small"
 mount -t tmpfs -o size=64M quiltfs-gfaults "$W/small"
 data_of() { if [ "$1" = 1 ]; then echo "$W/small/r1.data"; else echo "$W/r$1.data"; fi; }
+# Each slot's current server's devices (a replaced server's are new files).
+declare -a LOG_OF DATA_OF
 for i in 0 1 2; do
-  "$Q" replica format --id "$i" --log-dev "$W/r$i.log" --data-dev "$(data_of "$i")" \
+  LOG_OF[$i]="$W/r$i.log"; DATA_OF[$i]="$(data_of "$i")"
+  "$Q" replica format --id "$i" --log-dev "${LOG_OF[$i]}" --data-dev "${DATA_OF[$i]}" \
     --size 64M --reserve-slots 1024 2>/dev/null
 done
 start() { # start REPLICA [extra serve flags]
   local i=$1; shift
   QUILTFS_LOG="${GNOTHI_FAULT_LOG:-error,openraft=off}" ip netns exec "${T}$i" "$Q" replica serve --id "$i" --listen "$(addr_of "$i")" --peers "$PEERS" \
-    --log-dev "$W/r$i.log" --data-dev "$(data_of "$i")" --secret-file "$W/secret" "$@" \
+    --log-dev "${LOG_OF[$i]}" --data-dev "${DATA_OF[$i]}" --secret-file "$W/secret" "$@" \
     >>"$W/r$i.out" 2>&1 &
   PID[$i]=$!
 }
@@ -92,11 +97,13 @@ kill9() { kill -9 "${PID[$1]}" 2>/dev/null || true; wait "${PID[$1]}" 2>/dev/nul
 status_json() { ip netns exec "$NSC" "$Q" cluster status "$ADDR" --json 2>/dev/null; }
 leader() { status_json | python3 -c 'import json,sys; r=[x["replica"] for x in json.load(sys.stdin)["replicas"] if x.get("role")=="leader"]; print(r[0] if r else 0)'; }
 failures() { status_json | python3 -c 'import json,sys; r=json.load(sys.stdin)["replicas"]['"$1"']; print(r.get("write_back_failures", 0))' 2>/dev/null || echo 0; }
-# Waits (bounded) until every replica is up and none lacks a block of its slices.
+# Waits (bounded) until every replica is up, a member (a new server's count only once
+# it applied the change: before, the table still names the old one's copies), and none
+# lacks a block of its slices.
 settle() {
   local n
   for n in $(seq 1 "${1:-120}"); do
-    if status_json | python3 -c 'import json,sys; r=json.load(sys.stdin)["replicas"]; sys.exit(0 if all(x["up"] and x["incomplete"]==0 for x in r) else 1)'; then
+    if status_json | python3 -c 'import json,sys; r=json.load(sys.stdin)["replicas"]; sys.exit(0 if all(x["up"] and x["incomplete"]==0 and x.get("member", True) for x in r) else 1)'; then
       return 0
     fi
     sleep 1
@@ -162,9 +169,25 @@ if want damage; then
   step "scrub: $(ip netns exec "$NSC" "$Q" cluster scrub "$ADDR" 2>&1 | grep 'replica 2' || true)"
   settle 60 || fail "replica 2's damaged copies were not fetched again"
 fi
+if want replace-server; then
+  # A new machine in slot 1 (the same address here; its data device on the disk, not
+  # the small tmpfs): formatted as the slot's second server, started, and let in by the
+  # leader. Slot 1 prefers the check's blocks (slice 0), so it has them to rebuild,
+  # before the next fault (at most f at a time).
+  step "replace replica 1's whole server (both disks) through a membership change"
+  kill9 1
+  LOG_OF[1]="$W/r1.1.log"; DATA_OF[1]="$W/r1.1.data"
+  "$Q" replica format --id 1 --incarnation 1 --log-dev "${LOG_OF[1]}" --data-dev "${DATA_OF[1]}" \
+    --size 64M --reserve-slots 1024 2>/dev/null
+  start 1
+  ip netns exec "$NSC" "$Q" cluster replace "$ADDR" --replica 1 --address "$(addr_of 1)" \
+    --incarnation 1 2>"$W/replace.err" || { cat "$W/replace.err" >&2; fail "cluster replace"; }
+  settle 60 || fail "replica 1's new server was not rebuilt"
+  step "replica 1 is now server $(status_json | python3 -c 'import json,sys; print(json.load(sys.stdin)["replicas"][1]["server"])'), rebuilt"
+fi
 if want replace; then
   step "replace replica 0's data disk"
-  kill9 0; rm -f "$W/r0.data"; start 0 --new-data-disk
+  kill9 0; rm -f "${DATA_OF[0]}"; start 0 --new-data-disk
 fi
 wait "$CHECK" || { cat "$W/check.err" >&2; fail "cluster check failed under faults"; }
 CHECK=""
@@ -176,7 +199,7 @@ assert r["linearizable"] is True, r
 # Enough operations acknowledged, faults or not, that the check says something.
 assert r["writes_acked"] >= 500 and r["reads"] >= 500, r
 PY
-say "history linearizable under kill -9, partitions, a full device, damage and a replaced disk"
+say "history linearizable under kill -9, partitions, a full device, damage, a replaced server and a replaced disk"
 
 # --- every block has its copies again: any one replica down, the same volume ------
 settle 120 || fail "the replicas did not finish recovering (status: $(status_json))"
@@ -205,7 +228,7 @@ control_run() { # control_run [--unsafe-claim-copies]; the check's status
     --clients 4 --hold 14 --final-wait 10 --op-timeout 5 "$@" >"$W/control.out" 2>&1 &
   CHECK=$!
   sleep 6
-  kill9 0; rm -f "$(data_of 0)"; start 0 --new-data-disk
+  kill9 0; rm -f "${DATA_OF[0]}"; start 0 --new-data-disk
   settle 8 || true
   local rc=0
   wait "$CHECK" || rc=$?
