@@ -206,7 +206,8 @@ impl Client {
     }
 
     /// Asks the servers where the slots are now (after a write was refused as routed
-    /// by an old membership): the leader first, then each slot's server.
+    /// by an old membership, or a round found no server with a block): the leader and
+    /// each slot's server at once, so one that is down costs one timeout, not one each.
     async fn refresh_route(&self) {
         let mut ask = vec![self.leader.load(Ordering::Relaxed)];
         ask.extend(
@@ -216,12 +217,13 @@ impl Client {
                 .nodes
                 .iter(),
         );
-        for to in ask {
-            if let Ok(Response::Status(s)) = self.call(to, Request::Status).await {
+        ask.sort_unstable();
+        ask.dedup();
+        let answers =
+            futures::future::join_all(ask.iter().map(|&to| self.call(to, Request::Status))).await;
+        for a in answers {
+            if let Ok(Response::Status(s)) = a {
                 self.learn(&s);
-                if s.is_leader {
-                    return;
-                }
             }
         }
     }

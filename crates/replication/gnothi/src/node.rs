@@ -152,7 +152,7 @@ impl Coalescer {
 }
 
 /// The read index this leader confirms (openraft's, or its last log index if higher:
-/// see `Node::safe_read_index`); `NotLeader` when it does not lead.
+/// see `safe_read_index`); `NotLeader` when it does not lead.
 async fn confirm_read_index(raft: &Raft) -> Result<u64, RpcError> {
     match raft.get_read_log_id().await {
         Ok((read, _)) => Ok(safe_read_index(raft, read)),

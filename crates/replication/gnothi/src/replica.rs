@@ -826,11 +826,28 @@ impl Local {
             // snapshot, and the last one again, which purges nothing more. An error
             // here would stop agreement on this replica for good (openraft treats it
             // as fatal); the write-back is retried, and the next snapshot may succeed.
+            tracing::warn!(replica = self.id, error = %e, "no snapshot: placed data not durable");
             if let Some(last) = self.snapshot.clone() {
-                tracing::warn!(replica = self.id, error = %e, "no snapshot: placed data not durable");
                 return Ok(last);
             }
-            return Err(e);
+            // None yet: one that names no entry, which openraft takes as nothing newer
+            // than what it has (it purges nothing, and keeps it nowhere). An error
+            // instead stopped agreement on this replica for good when its first
+            // snapshot came due on a full data device (found by gnothi-faults.sh).
+            let body = SnapshotBody {
+                last_applied: None,
+                membership: StoredMembership::default(),
+                table: MetaTable::new(*self.geometry()),
+                sessions: Sessions::default(),
+            };
+            let bytes =
+                postcard::to_stdvec(&body).map_err(|e| ReplicaError::Snapshot(e.to_string()))?;
+            let meta = SnapshotMeta {
+                last_log_id: None,
+                last_membership: StoredMembership::default(),
+                snapshot_id: format!("{}-none", self.id),
+            };
+            return Ok((meta, bytes));
         }
         let body = SnapshotBody {
             last_applied: self.last_applied,

@@ -152,6 +152,8 @@ pub struct CrashDisk {
     media: Mutex<HashMap<u64, Vec<u8>>>,
     cache: Mutex<HashMap<u64, Vec<u8>>>,
     dead: std::sync::atomic::AtomicBool,
+    /// Writes fail as on a full file system (reads and flushes go on).
+    full: std::sync::atomic::AtomicBool,
     counters: quilt_block::IoCounters,
 }
 
@@ -163,8 +165,14 @@ impl CrashDisk {
             media: Mutex::new(HashMap::new()),
             cache: Mutex::new(HashMap::new()),
             dead: false.into(),
+            full: false.into(),
             counters: Default::default(),
         })
+    }
+
+    /// From now on (until `false`), every write fails for want of room.
+    pub fn set_full(&self, full: bool) {
+        self.full.store(full, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// The disk as it is after a power cut: a new handle (this one fails every request
@@ -190,6 +198,7 @@ impl CrashDisk {
             media: Mutex::new(media),
             cache: Mutex::new(HashMap::new()),
             dead: false.into(),
+            full: false.into(),
             counters: Default::default(),
         })
     }
@@ -272,6 +281,13 @@ impl quilt_block::BlockDevice for CrashDisk {
         _class: quilt_block::WriteClass,
     ) -> quilt_block::Result<()> {
         self.check(first, buf.len())?;
+        if self.full.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(quilt_block::BlockError::NoSpace {
+                path: "crash disk".into(),
+                first,
+                end: first + (buf.len() / self.bs) as u64,
+            });
+        }
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         for (i, d) in buf.chunks(self.bs).enumerate() {
             cache.insert(first + i as u64, d.to_vec());

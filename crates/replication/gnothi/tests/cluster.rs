@@ -397,3 +397,59 @@ async fn a_write_routed_to_a_replaced_server_is_refused_then_rerouted() {
     assert_eq!(fresh.read(0, 16).await.unwrap(), expect);
     c.shutdown().await;
 }
+
+/// A replica whose data device is full when its first snapshot comes due keeps
+/// agreeing (no snapshot then: the placed data cannot be made durable), and catches up
+/// once there is room again. Its first snapshot failing used to stop agreement on it
+/// for good (openraft treats a snapshot error as fatal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_data_device_before_the_first_snapshot_stops_nothing() {
+    let g = Geometry::new(System::Gnothi, 1, BS as u32, 96, 16).unwrap();
+    let cfg = NodeConfig {
+        snapshot_every: 16,
+        keep_after_snapshot: 4,
+        write_back_every: Duration::from_secs(3600),
+        ..config()
+    };
+    let mut c = Cluster::start(g, 13, Faults::default(), cfg).await.unwrap();
+    let client = c.client(1, ClientConfig::default()).await.unwrap();
+    c.data_disk(2).set_full(true);
+    let n2 = c.node(2).unwrap().clone();
+    let data: Vec<Vec<u8>> = (0..96u64).map(|b| block(3000 + b)).collect();
+    // From the end: slice 5 is replica 2's, so its very first snapshot is due with
+    // placed data it cannot make durable.
+    for (b, d) in data.iter().enumerate().rev() {
+        client.write(b as u64, d).await.unwrap();
+    }
+    // Well past the first snapshot's due point: replica 2 still agrees.
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), n2.fatal())
+            .await
+            .is_err(),
+        "agreement stopped on the replica with the full data device"
+    );
+    let leader_applied = (0..3)
+        .filter_map(|r| c.node(r))
+        .map(|n| n.status().applied)
+        .max()
+        .unwrap();
+    wait_for("replica 2 to apply every write", || {
+        n2.status().applied >= leader_applied
+    })
+    .await;
+    // Room again: it catches up, and the volume reads with either other replica down.
+    c.data_disk(2).set_full(false);
+    wait_for("every block back on f+1 copies", || c.fully_redundant()).await;
+    let all: Vec<u8> = data.concat();
+    for down in [0u16, 1] {
+        c.crash(down).await;
+        let fresh = c
+            .client(30 + u64::from(down), ClientConfig::default())
+            .await
+            .unwrap();
+        assert_eq!(fresh.read(0, 96).await.unwrap(), all, "replica {down} down");
+        c.start_replica(down).await.unwrap();
+        wait_for("it to catch up", || c.fully_redundant()).await;
+    }
+    c.shutdown().await;
+}
