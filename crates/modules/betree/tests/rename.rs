@@ -7,7 +7,9 @@
 //! range, every shared node's reference count, no extent left unreachable) runs in the
 //! histories and after each.
 //!
-//! Case count: 2,000 by default, 300 under `CI=true`, or `QUILT_PROPTEST_CASES`.
+//! Case count: 2,000 by default, 300 under `CI=true`, or `QUILT_PROPTEST_CASES`; the
+//! histories over large directories 300, 100 under `CI=true`, or `QUILT_PROPTEST_BIG_CASES`
+//! (3,000 take a minute).
 
 use proptest::prelude::*;
 use quilt_betree::reference::apply;
@@ -126,8 +128,11 @@ fn contents(t: &Tree) -> Model {
 }
 
 fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
-    let dev = Arc::new(MemDevice::new(512, 32768).unwrap());
-    let opts = Options::tiny();
+    run_on(steps, 32768, Options::tiny())
+}
+
+fn run_on(steps: Vec<Step>, blocks: u64, opts: Options) -> Result<(), TestCaseError> {
+    let dev = Arc::new(MemDevice::new(512, blocks).unwrap());
     let mut t = Tree::create(dev.clone(), opts.clone()).unwrap();
     let mut model = Model::new();
     let mut since_sync: Vec<Model> = vec![model.clone()];
@@ -232,6 +237,123 @@ proptest! {
     #[test]
     fn renames_and_clones_match_a_btreemap(steps in prop::collection::vec(step(), 1..120)) {
         run(steps)?;
+    }
+}
+
+/// Keys of large directories (the histories above have at most 40 names a directory).
+fn big_key(d: u32, n: u32) -> Vec<u8> {
+    [dir(d), format!("g{n:05}").into_bytes()].concat()
+}
+
+/// Steps over a few directories of hundreds to thousands of keys each: clones share
+/// subtrees several levels deep, and deletes of originals, renames over clones and
+/// compactions meet shared nodes beside the ones they change (the shape that lost a
+/// clone's keys: a covered child's range passing to a shared neighbour).
+fn big_step() -> impl Strategy<Value = Vec<Step>> {
+    prop_oneof![
+        // Keys put in turn into `k` subdirectories of one directory (k = 1: straight
+        // into it), so that the directory's range spans subtrees whose cuts interleave.
+        3 => (0u32..12, 200u32..2500, 1u32..8, any::<u8>()).prop_map(|(d, n, k, b)| {
+            (0..n)
+                .collect::<Vec<u32>>()
+                .chunks(40)
+                .map(|c| {
+                    Step::Write(
+                        c.iter()
+                            .map(|&i| Op::Put {
+                                key: if k == 1 {
+                                    big_key(d, i)
+                                } else {
+                                    [dir(d), format!("s{}/g{i:05}", i % k).into_bytes()].concat()
+                                },
+                                value: vec![b; 20 + (i as usize * 13) % 60],
+                            })
+                            .collect(),
+                    )
+                })
+                .collect()
+        }),
+        3 => (0u32..12, 0u32..12).prop_map(|(a, b)| vec![Step::Write(vec![Op::CloneRange {
+            from: dir(a),
+            to: dir(b),
+            start: Vec::new(),
+            end: None,
+        }])]),
+        2 => (0u32..12, 0u32..1500, 1u32..1500).prop_map(|(d, lo, n)| {
+            // A whole directory or a run of its keys.
+            let (start, end) = if n > 1200 {
+                let p = dir(d);
+                let mut e = p.clone();
+                e.push(0xff);
+                (p, e)
+            } else {
+                (big_key(d, lo), big_key(d, lo + n))
+            };
+            vec![Step::Write(vec![Op::DeleteRange { start, end }])]
+        }),
+        2 => (0u32..12, 0u32..12).prop_map(|(a, b)| vec![Step::Write(vec![Op::RenamePrefix {
+            from: dir(a),
+            to: dir(b),
+        }])]),
+        2 => prop::collection::vec((0u32..12, 0u32..1500, 0u64..50, any::<u8>()), 1..30)
+            .prop_map(|w| vec![Step::Write(w.into_iter().map(|(d, i, off, b)| Op::Upsert {
+                key: big_key(d, i),
+                func: WRITE_AT,
+                arg: write_at_arg(off, &[b; 4]),
+            }).collect())]),
+        // A copy made, its original deleted, then compacted at once: what `cp
+        // --reflink` and `rm -r` of the original do on a file system short of space.
+        3 => (0u32..12, 0u32..12).prop_map(|(a, b)| {
+            let p = dir(a);
+            let mut e = p.clone();
+            e.push(0xff);
+            vec![
+                Step::Write(vec![Op::CloneRange {
+                    from: p.clone(),
+                    to: dir(b),
+                    start: Vec::new(),
+                    end: None,
+                }]),
+                Step::Write(vec![Op::DeleteRange { start: p, end: e }]),
+                Step::Compact,
+            ]
+        }),
+        1 => (0u32..12, 0u32..1500).prop_map(|(d, i)| vec![Step::Get(big_key(d, i))]),
+        2 => Just(vec![Step::Compact]),
+        1 => Just(vec![Step::Checkpoint]),
+        1 => Just(vec![Step::Reopen]),
+        1 => Just(vec![Step::Crash]),
+    ]
+}
+
+fn big_cases() -> u32 {
+    if let Ok(n) = std::env::var("QUILT_PROPTEST_BIG_CASES") {
+        return n
+            .parse()
+            .expect("QUILT_PROPTEST_BIG_CASES must be a number");
+    }
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        100
+    } else {
+        300
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: big_cases(), max_shrink_iters: 300, ..ProptestConfig::default() })]
+    #[test]
+    fn large_clones_deletes_and_compactions_match_a_btreemap(
+        steps in prop::collection::vec(big_step(), 2..14),
+        in_memory in any::<bool>(),
+    ) {
+        // Tiny nodes checkpointed often (deltas, partial nodes read back), or every
+        // node kept in memory until a compaction's checkpoint (whole nodes only).
+        let opts = if in_memory {
+            Options { cache_bytes: 1 << 30, dirty_bytes: 1 << 30, ..Options::tiny() }
+        } else {
+            Options::tiny()
+        };
+        run_on(steps.into_iter().flatten().collect(), 1 << 18, opts)?;
     }
 }
 
