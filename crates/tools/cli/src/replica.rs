@@ -603,7 +603,15 @@ fn replace_server(
     // The others still list the old address: the change itself tells them the new one.
     let mut t = Target::of_cluster(&dir, &c)?;
     t.peers.insert(u64::from(replica), old_addr);
-    let epoch = let_in(&t, replica, incarnation, &addr)?;
+    let epoch = let_in(&t, replica, incarnation, &addr).with_context(|| {
+        format!(
+            "the new server runs (pid {pid}, {}) but is not in yet; once the others have a \
+             leader, let it in with: quiltfs cluster replace '{}' --replica {replica} \
+             --address {addr} --incarnation {incarnation}",
+            log.display(),
+            t.address
+        )
+    })?;
     eprintln!(
         "quiltfs: slot {replica} is now served by server {} at {addr} (pid {pid}, membership {epoch}); its copies are being rebuilt (see `cluster status`)",
         label.node_id()
@@ -648,6 +656,7 @@ fn let_in(t: &Target, replica: u16, incarnation: u32, addr: &str) -> Result<u64>
             .unwrap_or(0);
         let mut last;
         let mut turn = 0u64;
+        let mut failing_since: Option<Instant> = None;
         loop {
             let r = quilt_gnothi::net::call_within(
                 net.as_ref(),
@@ -666,13 +675,17 @@ fn let_in(t: &Target, replica: u16, incarnation: u32, addr: &str) -> Result<u64>
                     quilt_gnothi::rpc::RpcError::NotLeader { leader: Some(l) },
                 )) if l != to => {
                     to = l;
+                    failing_since = None;
                     continue;
                 }
                 Ok(quilt_gnothi::rpc::Response::Error(e)) => last = e.to_string(),
                 Ok(other) => last = other.unexpected().to_string(),
                 Err(e) => last = e.to_string(),
             }
-            if Instant::now() >= deadline {
+            // A leader may take minutes to bring the new server up to date (the
+            // call waits for it); with no leader answering at all, half a minute.
+            let since = *failing_since.get_or_insert_with(Instant::now);
+            if Instant::now() >= deadline || since.elapsed() > Duration::from_secs(30) {
                 bail!("the volume did not let server {node} in: {last}");
             }
             turn += 1;
