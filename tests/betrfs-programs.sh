@@ -54,7 +54,7 @@ echo "betrfs-programs: untar of $n names matches the host's, after a remount too
 mkdir "$m/repo"
 cp -r "$here/../crates" "$m/repo/"
 ( cd "$m/repo" && git init -q && git add -A && git -c user.email=t@q -c user.name=t commit -qm "the tree" \
-  && git log --oneline | grep -q "the tree" && git fsck --full --no-progress ) >/dev/null 2>&1 || fail "git on the mount"
+  && git log --oneline | grep "the tree" >/dev/null && git fsck --full --no-progress ) >/dev/null 2>&1 || fail "git on the mount"
 remount git
 ( cd "$m/repo" && git fsck --full --no-progress ) >/dev/null 2>&1 || fail "git fsck after a remount"
 git clone -q "$m/repo" "$work/clone" 2>/dev/null || fail "git clone out of the mount"

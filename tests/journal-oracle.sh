@@ -63,7 +63,7 @@ replay_both() {
 echo "journal-oracle: mkfs --journal makes ext3 the kernel and e2fsck accept"
 "$q" mkfs "$work/j.img" --size 1G --journal >/dev/null
 fsck_clean "$work/j.img"
-dumpe2fs -h "$work/j.img" 2>/dev/null | grep -q "has_journal" || fail "no has_journal feature"
+dumpe2fs -h "$work/j.img" 2>/dev/null | grep "has_journal" >/dev/null || fail "no has_journal feature"
 mount -o loop -t ext3 "$work/j.img" "$k"
 bash "$here/build-tree.sh" "$k"
 python3 "$here/manifest.py" "$k" >"$work/kernel.txt"
@@ -84,7 +84,7 @@ mkdir "$k/d"; for i in $(seq 1 200); do echo "$i" >"$k/d/f$i"; done
 rm -rf "$k/crates/engine/patch"; sync -f "$k"; mv "$k/d" "$k/e"; sync -f "$k"
 cp --sparse=always "$work/j.img" "$work/dirty.img"
 umount "$k"
-dumpe2fs -h "$work/dirty.img" 2>/dev/null | grep -q needs_recovery || fail "the copy does not need recovery (test setup)"
+dumpe2fs -h "$work/dirty.img" 2>/dev/null | grep needs_recovery >/dev/null || fail "the copy does not need recovery (test setup)"
 replay_both "$work/dirty.img" "" "" meta-journal
 rm -f "$work/j.img" "$work/dirty.img"
 
@@ -121,7 +121,7 @@ for mode in meta-journal full-journal; do
     wait "$wl" 2>/dev/null || true
     umount -l "$m" 2>/dev/null || true
     [ -f "$work/synced.flag" ] || fail "the workload did not reach its fsync"
-    debugfs -R logdump "$work/j.img" 2>/dev/null | grep -q "commit block" \
+    debugfs -R logdump "$work/j.img" 2>/dev/null | grep "commit block" >/dev/null \
       || fail "debugfs logdump finds no committed transaction in our journal"
     replay_both "$work/j.img" synced fsynced "$mode"
     rm -f "$work/j.img"
@@ -147,7 +147,7 @@ rm -f "$work/d.img"
 echo "journal-oracle: journal_checksum (set by the kernel): e2fsck verifies our commit CRCs"
 "$q" mkfs "$work/c.img" --size 256M --journal >/dev/null
 mount -o loop,journal_checksum -t ext4 "$work/c.img" "$k"; echo x >"$k/x"; umount "$k"
-dumpe2fs -h "$work/c.img" 2>/dev/null | grep -q "journal_checksum" || fail "the kernel did not set journal_checksum (test setup)"
+dumpe2fs -h "$work/c.img" 2>/dev/null | grep "journal_checksum" >/dev/null || fail "the kernel did not set journal_checksum (test setup)"
 "$q" mount "$work/c.img" "$m" --mode meta-journal --foreground >/dev/null 2>&1 &
 srv=$!
 for _ in $(seq 1 100); do mountpoint -q "$m" && break; sleep 0.05; done

@@ -147,9 +147,9 @@ pid="$(echo "$out" | sed -n 's/.*server pid \([0-9]*\).*/\1/p')"
 [ -n "$pid" ] || fail "no server pid in: $out"
 echo kept >"$m/keep"; "$q" sync "$m"
 if out="$("$q" mount "$work/b.img" "$m2" 2>&1)"; then fail "a second mount of a mounted image succeeded"; fi
-echo "$out" | grep -q "is in use: it is mounted on $m " || fail "the second mount's error does not name the mount: $out"
+grep -q "is in use: it is mounted on $m " <<<"$out" || fail "the second mount's error does not name the mount: $out"
 if out="$("$q" mkfs "$work/b.img" --force 2>&1)"; then fail "mkfs --force of a mounted image succeeded"; fi
-echo "$out" | grep -q "is in use: it is mounted on $m " || fail "mkfs's error does not name the mount: $out"
+grep -q "is in use: it is mounted on $m " <<<"$out" || fail "mkfs's error does not name the mount: $out"
 if out="$("$q" stats "$work/b.img" 2>&1)"; then fail "stats of a mounted image opened it"; fi
 [ "$(cat "$m/keep")" = kept ] || fail "the mounted file system was changed"
 kill -9 "$pid"
@@ -170,7 +170,7 @@ for i in $(seq 1 100); do
   echo "$i" >"$m/f"
   umount "$m"
   out="$("$q" mkfs "$work/u.img" --size 64M 2>&1)" && fail "round $i: mkfs without --force succeeded"
-  echo "$out" | grep -q "already holds an ext2 file system" || fail "round $i: mkfs right after umount: $out"
+  grep -q "already holds an ext2 file system" <<<"$out" || fail "round $i: mkfs right after umount: $out"
 done
 "$q" mount "$work/u.img" "$m" >/dev/null
 [ "$(cat "$m/f")" = 100 ] || fail "the last round's file is not there"
@@ -183,15 +183,15 @@ echo "no-silent-loss: mkfs protects data"
 mkdir "$m/d"; echo hello >"$m/d/f"
 umount "$m"
 if out="$("$q" mkfs "$work/c.img" --size 64M 2>&1)"; then fail "mkfs over a file system succeeded without --force"; fi
-echo "$out" | grep -q "already holds an ext2 file system of 64 MiB" || fail "mkfs does not say what it found: $out"
-echo "$out" | grep -q -- "--force" || fail "mkfs does not say how to overwrite: $out"
+grep -q "already holds an ext2 file system of 64 MiB" <<<"$out" || fail "mkfs does not say what it found: $out"
+grep -q -- "--force" <<<"$out" || fail "mkfs does not say how to overwrite: $out"
 "$q" mount "$work/c.img" "$m" >/dev/null
 [ "$(cat "$m/d/f")" = hello ] || fail "the refused mkfs changed the image"
 umount "$m"
 fsck_clean "$work/c.img"
 rm -f "$work/e4.img"; truncate -s 64M "$work/e4.img"; mkfs.ext4 -F -q "$work/e4.img"
 if out="$("$q" mkfs "$work/e4.img" 2>&1)"; then fail "mkfs over ext4 succeeded without --force"; fi
-echo "$out" | grep -q "already holds an ext4 file system" || fail "mkfs does not name ext4: $out"
+grep -q "already holds an ext4 file system" <<<"$out" || fail "mkfs does not name ext4: $out"
 "$q" mkfs "$work/c.img" --force >/dev/null
 "$q" mount "$work/c.img" "$m" >/dev/null
 [ ! -e "$m/d" ] || fail "mkfs --force kept the old files"
@@ -203,11 +203,11 @@ for args in "--size 1K" "--size 100T" "--fs betrfs --size 1K"; do
   # shellcheck disable=SC2086
   if out="$("$q" mkfs "$work/n.img" $args 2>&1)"; then fail "mkfs $args succeeded"; fi
   [ ! -e "$work/n.img" ] || fail "a refused mkfs $args left $work/n.img behind"
-  case "$args" in *betrfs*) ! echo "$out" | grep -q ext2 || fail "betrfs mkfs talks of ext2: $out";; esac
+  case "$args" in *betrfs*) ! grep -q ext2 <<<"$out" || fail "betrfs mkfs talks of ext2: $out";; esac
 done
 mkdir "$work/adir"
 if out="$("$q" mount "$work/adir" "$m" 2>&1)"; then fail "a directory was mounted as an image"; fi
-echo "$out" | grep -q "$work/adir is a directory" || fail "mounting a directory does not say so: $out"
+grep -q "$work/adir is a directory" <<<"$out" || fail "mounting a directory does not say so: $out"
 
 echo "no-silent-loss: sync(1) and syncfs(2) reach the server"
 head -c 20M /dev/urandom >"$work/src.bin"
