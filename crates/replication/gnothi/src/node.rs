@@ -103,6 +103,11 @@ pub struct Node {
     /// batch shares one.
     reads: Coalescer,
     leads: Coalescer,
+    /// The membership `step` last looked at (its log index; `u64::MAX - 1` before
+    /// any, `u64::MAX` before the first step), and whether this server is its slot's
+    /// in it.
+    seen_membership: std::sync::atomic::AtomicU64,
+    member: std::sync::atomic::AtomicBool,
 }
 
 type IndexAnswer = tokio::sync::oneshot::Sender<Result<u64, RpcError>>;
@@ -124,14 +129,7 @@ impl Coalescer {
     {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<IndexAnswer>();
         let task = tokio::spawn(async move {
-            while let Some(first) = rx.recv().await {
-                let mut waiting = vec![first];
-                while waiting.len() < batch.max(1) {
-                    match rx.try_recv() {
-                        Ok(w) => waiting.push(w),
-                        Err(_) => break,
-                    }
-                }
+            while let Some(waiting) = next_batch(&mut rx, batch).await {
                 let r = round().await;
                 for w in waiting {
                     let _ = w.send(r.clone());
@@ -205,16 +203,10 @@ struct ProposeJob {
 impl ProposeJob {
     /// The blocks a write names (none for other commands, which go alone).
     fn write_range(&self) -> Option<std::ops::Range<u64>> {
-        match &self.proposal.command {
+        match self.proposal.command.unfenced().0 {
             Command::Write {
                 first, checksums, ..
             } => Some(*first..first.saturating_add(checksums.len() as u64)),
-            Command::Fenced { command, .. } => match command.as_ref() {
-                Command::Write {
-                    first, checksums, ..
-                } => Some(*first..first.saturating_add(checksums.len() as u64)),
-                _ => None,
-            },
             _ => None,
         }
     }
@@ -360,6 +352,22 @@ struct StageJob {
     done: tokio::sync::oneshot::Sender<Result<(), ReplicaError>>,
 }
 
+/// What waits in `rx` once something does, up to `max` (at least one); `None` when
+/// every sender is gone.
+async fn next_batch<T>(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<T>,
+    max: usize,
+) -> Option<Vec<T>> {
+    let mut batch = vec![rx.recv().await?];
+    while batch.len() < max.max(1) {
+        match rx.try_recv() {
+            Ok(x) => batch.push(x),
+            Err(_) => break,
+        }
+    }
+    Some(batch)
+}
+
 /// Stages the writes that wait, up to `batch` at a time, each batch with one sync of
 /// the log device (group commit), off the runtime's workers.
 async fn stager(
@@ -367,14 +375,7 @@ async fn stager(
     mut jobs: tokio::sync::mpsc::UnboundedReceiver<StageJob>,
     batch: usize,
 ) {
-    while let Some(first) = jobs.recv().await {
-        let mut group = vec![first];
-        while group.len() < batch.max(1) {
-            match jobs.try_recv() {
-                Ok(j) => group.push(j),
-                Err(_) => break,
-            }
-        }
+    while let Some(group) = next_batch(&mut jobs, batch).await {
         let (writes, answers): (Vec<_>, Vec<_>) = group
             .into_iter()
             .map(|j| ((j.write, j.first, j.data), j.done))
@@ -503,6 +504,8 @@ impl Node {
             node_id,
             reads,
             leads,
+            seen_membership: std::sync::atomic::AtomicU64::new(u64::MAX),
+            member: std::sync::atomic::AtomicBool::new(false),
             raft,
             machine,
             net,
@@ -935,12 +938,18 @@ impl Node {
         self.snapshot_if_log_fills().await;
         let (member, epoch) = {
             let g = self.machine.lock();
-            for (node, addr) in g.slots().into_iter().flatten() {
-                if node != self.node_id && !addr.is_empty() {
-                    self.net.learn(node, &addr);
+            let epoch = g.epoch();
+            // Addresses and this server's place change only with the membership.
+            let seen = g.membership_index().unwrap_or(u64::MAX - 1);
+            if self.seen_membership.swap(seen, Relaxed) != seen {
+                for (node, addr) in g.slots().into_iter().flatten() {
+                    if node != self.node_id && !addr.is_empty() {
+                        self.net.learn(node, &addr);
+                    }
                 }
+                self.member.store(g.is_member(), Relaxed);
             }
-            (g.is_member(), g.epoch())
+            (self.member.load(Relaxed), epoch)
         };
         if !member {
             // Replaced (or not yet in): its copies do not count, and what it would

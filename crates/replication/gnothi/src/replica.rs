@@ -222,6 +222,12 @@ impl Local {
         self.membership.log_id().map_or(0, |l| l.index)
     }
 
+    /// The log index of the membership applied, `None` before the first (whose index
+    /// may be 0 too: `epoch` does not tell them apart).
+    pub fn membership_index(&self) -> Option<u64> {
+        self.membership.log_id().map(|l| l.index)
+    }
+
     /// Each slot's server (agreement id) and address in the membership applied; in a
     /// joint membership, the newest configuration's. Empty before the first.
     pub fn slots(&self) -> Vec<Option<(u64, String)>> {
@@ -417,10 +423,7 @@ impl Local {
 
     /// Applies one committed proposal at `index`.
     pub fn apply(&mut self, index: Version, p: &Proposal) -> Outcome {
-        let (command, fence) = match &p.command {
-            Command::Fenced { epoch, command } => (command.as_ref(), Some(*epoch)),
-            c => (c, None),
-        };
+        let (command, fence) = p.command.unfenced();
         if let Some(s) = &p.session {
             if let Some(v) = self.sessions.applied(s) {
                 self.drop_staged_of(command);
@@ -543,10 +546,8 @@ impl Local {
     }
 
     fn drop_staged_of(&mut self, c: &Command) {
-        match c {
-            Command::Write { write, .. } => self.staged_remove(write),
-            Command::Fenced { command, .. } => self.drop_staged_of(command),
-            _ => {}
+        if let (Command::Write { write, .. }, _) = c.unfenced() {
+            self.staged_remove(write);
         }
     }
 

@@ -69,6 +69,16 @@ pub enum Stored {
     Reserve(ReplicaId),
 }
 
+impl Command {
+    /// The command a fence carries, and the fence's epoch (`None`: not fenced).
+    pub fn unfenced(&self) -> (&Command, Option<u64>) {
+        match self {
+            Command::Fenced { epoch, command } => (command, Some(*epoch)),
+            c => (c, None),
+        }
+    }
+}
+
 impl Stored {
     pub fn replica(self) -> ReplicaId {
         match self {
