@@ -22,8 +22,13 @@ grep -q "nosuch" "$work/err" || fail "unclear error: $(cat "$work/err")"
 
 port=$((20000 + RANDOM % 20000))
 "$q" bench gnothi --quick --systems gnothi,gprime,local --sizes 4 --workloads randwrite,randread \
-  --seconds 2 --size-mib 64 --port "$port" --work "$work/w" --out "$out" >"$work/log" 2>&1 ||
-  { tail -30 "$work/log"; fail "the quick run failed"; }
+  --seconds 2 --size-mib 64 --port "$port" --work "$work/w" --out "$out" >"$work/log" 2>&1 || {
+  rc=$?
+  tail -30 "$work/log"
+  # What the replicas said last (their stderr), to tell a crash of theirs from ours.
+  for f in "$work"/w/*/r*.out; do [ -f "$f" ] && { echo "--- $f"; tail -5 "$f"; }; done
+  fail "the quick run failed (exit status $rc$( [ $rc -gt 128 ] && echo ", signal $((rc - 128))"))"
+}
 for f in report.md results.json results.csv stored.csv throughput-f1.png catchup-10ms.png rereplication.png; do
   [ -s "$out/$f" ] || fail "$f is missing"
 done

@@ -4,7 +4,9 @@
 //! - `gnothi`: data on the f+1 replicas of each slice's rotated preferred quorum;
 //! - `gprime` (G′): the same code with data on all 2f+1 replicas (Gaios-like);
 //! - `cheap-paxos`: data on the f+1 main replicas, the f auxiliaries only on failure;
-//! - `local`: one replica, no replication (f = 0).
+//! - `local`: one replica, no replication (f = 0);
+//! - `ceph-rbd`: Ceph RBD, a pool of size 3 on three OSDs of a one-machine cluster,
+//!   driven by fio (plain files only: its OSDs are not on the modelled disks).
 //!
 //! With `--disks model` (the default) every replica's two devices behave as 7200 RPM
 //! disks (the rotating-disk model, real time, write cache on), so runs are disk-bound
@@ -18,6 +20,7 @@
 //! throughput per second with the kill, the restart, the end of Phase 1 and the end of
 //! Phase 2 marked), at several recovery intervals for Gnothi and G′.
 
+mod ceph;
 mod cluster;
 mod load;
 mod report;
@@ -39,7 +42,8 @@ pub struct GnothiArgs {
     /// Runs of each configuration (systems interleaved); default 3, 1 with --quick.
     #[arg(long)]
     pub runs: Option<usize>,
-    /// Comma-separated systems (default all): gnothi, gprime, cheap-paxos, local.
+    /// Comma-separated systems (default all): gnothi, gprime, cheap-paxos, local, and
+    /// with `--disks plain` ceph-rbd (its packages are installed when missing).
     #[arg(long)]
     pub systems: Option<String>,
     /// Comma-separated f values (default 1,2; 1 with --quick).
@@ -86,6 +90,10 @@ pub const SYSTEMS: &[(&str, &str)] = &[
         "Cheap Paxos: data on f+1 mains, f auxiliaries",
     ),
     ("local", "one disk, no replication"),
+    (
+        "ceph-rbd",
+        "Ceph RBD: a pool of size 3 on three OSDs, fio's rbd engine (plain files, f = 1)",
+    ),
 ];
 
 struct Scale {
@@ -161,6 +169,43 @@ pub struct Row {
     pub data_reads: u64,
 }
 
+impl Row {
+    /// An I/O run's row, its measurements zero until set.
+    fn io(
+        system: &str,
+        w: Workload,
+        request: usize,
+        f: u16,
+        run: usize,
+        disks: &str,
+        depth: usize,
+    ) -> Row {
+        Row {
+            system: system.into(),
+            workload: w.name().into(),
+            block_size: request,
+            f,
+            run,
+            mb_per_s: 0.0,
+            disks: disks.into(),
+            depth,
+            errors: 0,
+            recovery_interval_ms: None,
+            before_mb_per_s: None,
+            phase1_s: None,
+            recovery_s: None,
+            caught_up: None,
+            missed_entries: None,
+            requests: 0,
+            log_flushes: 0,
+            log_writes: 0,
+            data_flushes: 0,
+            data_writes: 0,
+            data_reads: 0,
+        }
+    }
+}
+
 /// Bytes on each replica's data device after a system's I/O runs.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Stored {
@@ -220,10 +265,28 @@ pub fn run(a: GnothiArgs) -> Result<()> {
     crate::catch_interrupts();
     let scale = if a.quick { QUICK } else { FULL };
     let runs = a.runs.unwrap_or(scale.runs).max(1);
+    let model_disks = match a.disks.as_str() {
+        "model" => true,
+        "plain" => false,
+        d => bail!("--disks: '{d}' is neither model nor plain"),
+    };
     let systems: Vec<&'static str> = list(&a.systems, "systems", |s| {
         SYSTEMS.iter().find(|x| x.0 == s).map(|x| x.0)
     })?
-    .unwrap_or_else(|| SYSTEMS.iter().map(|x| x.0).collect());
+    .unwrap_or_else(|| {
+        SYSTEMS
+            .iter()
+            .map(|x| x.0)
+            .filter(|s| *s != "ceph-rbd" || !model_disks)
+            .collect()
+    });
+    if systems.contains(&"ceph-rbd") {
+        if model_disks {
+            bail!("ceph-rbd runs only with --disks plain (its OSDs cannot use the modelled disks)");
+        }
+        crate::apt_install(ceph::PACKAGES)?;
+        ceph::Ceph::check_tools()?;
+    }
     let fs: Vec<u16> = list(&a.f, "f", |s| {
         s.parse().ok().filter(|f| (1..=3).contains(f))
     })?
@@ -241,11 +304,6 @@ pub fn run(a: GnothiArgs) -> Result<()> {
     .collect();
     let intervals: Vec<u64> = list(&a.intervals, "intervals", |s| s.parse().ok())?
         .unwrap_or_else(|| scale.intervals.to_vec());
-    let model_disks = match a.disks.as_str() {
-        "model" => true,
-        "plain" => false,
-        d => bail!("--disks: '{d}' is neither model nor plain"),
-    };
     let seconds = a.seconds.unwrap_or(scale.seconds).max(1);
     let size_mib = a.size_mib.unwrap_or(scale.size_mib).max(16);
     std::fs::create_dir_all(&a.work).with_context(|| format!("creating {}", a.work.display()))?;
@@ -255,11 +313,11 @@ pub fn run(a: GnothiArgs) -> Result<()> {
         .enable_all()
         .build()?;
 
-    // (system, f) pairs: local once, at f = 0.
+    // (system, f) pairs: local once, at f = 0; Ceph's pool of size 3 is f = 1.
     let mut configs: Vec<(&'static str, u16)> = Vec::new();
     for &f in &fs {
         for &s in &systems {
-            if s != "local" {
+            if s != "local" && (s != "ceph-rbd" || f == 1) {
                 configs.push((s, f));
             }
         }
@@ -297,6 +355,36 @@ pub fn run(a: GnothiArgs) -> Result<()> {
                 "{system} f={f}: fill, then I/O runs (run {})",
                 run + 1
             ));
+            if system == "ceph-rbd" {
+                let dir = a.work.join("ceph-rbd");
+                let peer = ceph::Ceph::up(&dir, size_mib, a.port)
+                    .context("bringing up a one-machine Ceph cluster")?;
+                peer.fill()?;
+                for &request in &sizes {
+                    for &w in &workloads {
+                        let depth = depth_for(request);
+                        let m = peer.run(w, request, depth, seconds)?;
+                        eprintln!(
+                            "bench: ceph-rbd {} {} KiB: {:.2} MB/s",
+                            w.name(),
+                            request >> 10,
+                            m.mb_per_s
+                        );
+                        rows.push(Row {
+                            mb_per_s: m.mb_per_s,
+                            errors: m.errors,
+                            requests: m.requests,
+                            ..Row::io(system, w, request, f, run, &disks, depth)
+                        });
+                        if interrupted() {
+                            bail!("interrupted");
+                        }
+                    }
+                }
+                drop(peer);
+                progress.inc();
+                continue;
+            }
             let shape = Shape {
                 system,
                 replicas: 2 * f + 1,
@@ -341,27 +429,15 @@ pub fn run(a: GnothiArgs) -> Result<()> {
                         io[4] as f64 / ops,
                     );
                     rows.push(Row {
-                        system: system.into(),
-                        workload: w.name().into(),
-                        block_size: request,
-                        f,
-                        run,
                         mb_per_s: mb,
-                        disks: disks.clone(),
-                        depth: load.depth,
                         errors: done.errors,
-                        recovery_interval_ms: None,
-                        before_mb_per_s: None,
-                        phase1_s: None,
-                        recovery_s: None,
-                        caught_up: None,
-                        missed_entries: None,
                         requests: done.requests,
                         log_flushes: io[0],
                         log_writes: io[1],
                         data_flushes: io[2],
                         data_writes: io[3],
                         data_reads: io[4],
+                        ..Row::io(system, w, request, f, run, &disks, load.depth)
                     });
                     if interrupted() {
                         bail!("interrupted");
