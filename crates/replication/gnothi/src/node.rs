@@ -793,7 +793,7 @@ impl Node {
                 for b in chunk..(chunk + FETCH_CHUNK).min(end) {
                     let version = g.table().meta(b).map_or(0, |m| m.version);
                     out.push(match g.read(b) {
-                        Ok(LocalRead::Data(d)) => (version, Some(d)),
+                        Ok(LocalRead::Data(d)) => (version, Some(serde_bytes::ByteBuf::from(d))),
                         Ok(_) => (version, None),
                         Err(e) => return Response::Error(RpcError::Failed(e.to_string())),
                     });

@@ -26,6 +26,9 @@ pub enum Request {
     PutData {
         write: WriteId,
         first: u64,
+        // Bytes, not a sequence of u8: the same encoding in postcard, without a call
+        // per byte (a tenth of a replica's CPU at 1 MiB writes).
+        #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
     /// Propose a write's (or a repair's) metadata; the leader answers once applied.
@@ -62,7 +65,7 @@ pub enum Request {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum BlockAnswer {
-    Data(Vec<u8>),
+    Data(#[serde(with = "serde_bytes")] Vec<u8>),
     Zero,
     /// Not held here at the current version; these replicas do.
     NotHere(Holders),
@@ -78,7 +81,7 @@ pub enum Response {
     ReadIndex(u64),
     Blocks(Vec<BlockAnswer>),
     /// Per block: the version held here, and the data if held.
-    Fetched(Vec<(Version, Option<Vec<u8>>)>),
+    Fetched(Vec<(Version, Option<serde_bytes::ByteBuf>)>),
     Status(Status),
     /// Copies verified, and those found damaged.
     Scrubbed {
@@ -160,5 +163,36 @@ pub fn outcome_version(o: &Outcome) -> Option<Version> {
     match o {
         Outcome::Applied(v) | Outcome::Duplicate(v) => Some(*v),
         Outcome::Refused(_) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Data fields are encoded as bytes, which postcard writes exactly as it wrote the
+    /// sequences of u8 they were before: servers of either build understand each other.
+    #[test]
+    fn data_is_encoded_as_it_was_as_a_sequence() {
+        let data = vec![7u8, 0, 255];
+        let as_seq = postcard::to_stdvec(&(0u8, data.clone())).unwrap();
+        assert_eq!(
+            postcard::to_stdvec(&BlockAnswer::Data(data.clone())).unwrap(),
+            as_seq
+        );
+        let fetched = Response::Fetched(vec![
+            (5, Some(serde_bytes::ByteBuf::from(data.clone()))),
+            (6, None),
+        ]);
+        let old: Vec<(Version, Option<Vec<u8>>)> = vec![(5, Some(data)), (6, None)];
+        let enc = postcard::to_stdvec(&fetched).unwrap();
+        let variant = enc[0];
+        let mut want = vec![variant];
+        want.extend(postcard::to_stdvec(&old).unwrap());
+        assert_eq!(enc, want);
+        let back: Response = postcard::from_bytes(&enc).unwrap();
+        assert!(
+            matches!(back, Response::Fetched(v) if v.len() == 2 && v[0].1.as_ref().map(|b| b.to_vec()) == Some(vec![7u8, 0, 255]))
+        );
     }
 }
