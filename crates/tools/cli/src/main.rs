@@ -105,7 +105,7 @@ const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 /// which should not stay resident); 10 for betrfs's servers, mimalloc's own default (its
 /// tree frees and takes node-sized buffers all the time: returning them at once made a
 /// quarter of a sequential write's time page faults; keeping them a second made an
-/// untar 40% slower).
+/// untar 40% slower); 1000 for replica servers (see `replica::serve`).
 pub(crate) fn set_allocator_purge_delay(ms: libc::c_long) {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
         return; // the user's choice stands
