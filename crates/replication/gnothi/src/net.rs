@@ -2,6 +2,7 @@
 //! replica, get its response), and openraft's network built on it. A transport
 //! implements `Net`: the in-process simulation (`sim.rs`) or gRPC (`transport.rs`).
 
+use crate::geometry::{Geometry, System};
 use crate::meta::Meta;
 use crate::rpc::{Request, Response};
 use openraft::error::{
@@ -13,10 +14,11 @@ use openraft::raft::{
     VoteRequest, VoteResponse,
 };
 use openraft::BasicNode;
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -58,11 +60,82 @@ pub async fn call_within(
 #[derive(Clone)]
 pub struct RaftNet {
     pub net: Arc<dyn Net>,
+    /// Cheap Paxos's auxiliaries, kept idle while the mains answer (else `None`).
+    pub standby: Option<Arc<Standby>>,
 }
 
 pub struct Peer {
     target: u64,
     net: Arc<dyn Net>,
+    standby: Option<Arc<Standby>>,
+}
+
+/// Cheap Paxos: the `f` auxiliaries are voters of the `2f+1`, but while every main
+/// replica answers, the `f+1` mains are a majority on their own, so the leader sends the
+/// auxiliaries nothing: no entries, no heartbeats, no snapshots. Once a main has not
+/// answered for `grace`, the leader replicates to the auxiliaries as to anyone (a
+/// snapshot first if they are far behind), and they vote on commits until the main
+/// answers again. Withholding messages is what a lossy network does, so agreement's
+/// safety does not rest on this; votes always go through, so a main can be elected
+/// with an auxiliary's vote. The auxiliaries never stand for election themselves
+/// (`enable_elect` off), so the leader is always a main.
+pub struct Standby {
+    geometry: Geometry,
+    /// This replica's slot.
+    me: u16,
+    grace: Duration,
+    /// When each main last answered an append (or when this began).
+    answered: Mutex<HashMap<u16, Instant>>,
+    since: Instant,
+}
+
+impl Standby {
+    /// For a Cheap Paxos volume; `None` for the other systems.
+    pub fn for_volume(geometry: Geometry, me: u16, grace: Duration) -> Option<Arc<Standby>> {
+        (geometry.system == System::CheapPaxos && geometry.f > 0).then(|| {
+            Arc::new(Standby {
+                geometry,
+                me,
+                grace,
+                answered: Mutex::new(HashMap::new()),
+                since: Instant::now(),
+            })
+        })
+    }
+
+    /// Whether the server with agreement id `node` is an auxiliary.
+    pub fn is_auxiliary(&self, node: u64) -> bool {
+        self.geometry.slot_of(node) > self.geometry.f
+    }
+
+    fn heard_from(&self, node: u64) {
+        let slot = self.geometry.slot_of(node);
+        if slot <= self.geometry.f {
+            self.answered
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(slot, Instant::now());
+        }
+    }
+
+    /// Whether every main but this replica answered within the grace: then the
+    /// auxiliaries are not needed.
+    pub fn mains_answer(&self) -> bool {
+        let answered = self.answered.lock().unwrap_or_else(|p| p.into_inner());
+        (0..=self.geometry.f).filter(|&m| m != self.me).all(|m| {
+            let last = answered
+                .get(&m)
+                .copied()
+                .unwrap_or(self.since)
+                .max(self.since);
+            last.elapsed() < self.grace
+        })
+    }
+
+    /// Whether a message to `node` is withheld now.
+    fn idle(&self, node: u64) -> bool {
+        self.is_auxiliary(node) && self.mains_answer()
+    }
 }
 
 impl RaftNetworkFactory<Meta> for RaftNet {
@@ -75,6 +148,7 @@ impl RaftNetworkFactory<Meta> for RaftNet {
         Peer {
             target,
             net: self.net.clone(),
+            standby: self.standby.clone(),
         }
     }
 }
@@ -83,6 +157,17 @@ type RpcResult<T, E = openraft::error::Infallible> =
     Result<T, RPCError<u64, BasicNode, RaftError<u64, E>>>;
 
 impl Peer {
+    /// Refuses at once what Cheap Paxos does not send to an idle auxiliary.
+    fn withheld(&self) -> Result<(), Unreachable> {
+        match &self.standby {
+            Some(s) if s.idle(self.target) => Err(Unreachable::new(&NetError::Unreachable(
+                self.target,
+                "an auxiliary, idle while the main replicas answer".into(),
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     async fn send(&self, req: Request, option: &RPCOption) -> Result<Response, Unreachable> {
         call_within(self.net.as_ref(), self.target, req, option.hard_ttl())
             .await
@@ -103,8 +188,14 @@ impl RaftNetwork<Meta> for Peer {
         rpc: AppendEntriesRequest<Meta>,
         option: RPCOption,
     ) -> RpcResult<AppendEntriesResponse<u64>> {
+        self.withheld()?;
         match self.send(Request::AppendEntries(rpc), &option).await? {
-            Response::AppendEntries(Ok(r)) => Ok(r),
+            Response::AppendEntries(Ok(r)) => {
+                if let Some(s) = &self.standby {
+                    s.heard_from(self.target);
+                }
+                Ok(r)
+            }
             Response::AppendEntries(Err(e)) => {
                 Err(RPCError::RemoteError(RemoteError::new(self.target, e)))
             }
@@ -117,6 +208,7 @@ impl RaftNetwork<Meta> for Peer {
         rpc: InstallSnapshotRequest<Meta>,
         option: RPCOption,
     ) -> RpcResult<InstallSnapshotResponse<u64>, InstallSnapshotError> {
+        self.withheld()?;
         match self.send(Request::InstallSnapshot(rpc), &option).await? {
             Response::InstallSnapshot(Ok(r)) => Ok(r),
             Response::InstallSnapshot(Err(e)) => {
@@ -135,6 +227,33 @@ impl RaftNetwork<Meta> for Peer {
             Response::Vote(Ok(r)) => Ok(r),
             Response::Vote(Err(e)) => Err(RPCError::RemoteError(RemoteError::new(self.target, e))),
             other => Err(self.protocol(&other)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auxiliaries_idle_only_while_every_other_main_answers() {
+        let g = Geometry::new(System::CheapPaxos, 2, 512, 1024, 16).unwrap();
+        let s = Standby::for_volume(g, 0, Duration::from_millis(50)).unwrap();
+        // Slots 0..=2 are mains, 3 and 4 auxiliaries, whatever the server's incarnation.
+        assert!(!s.is_auxiliary(1) && !s.is_auxiliary(2 + 5));
+        assert!(s.is_auxiliary(3) && s.is_auxiliary(4 + 5 * 2));
+        // At first every main counts as answering (the start is their last word).
+        assert!(s.idle(3));
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(!s.idle(3), "no main answered within the grace");
+        s.heard_from(1);
+        assert!(!s.idle(3), "main 2 still silent");
+        s.heard_from(2 + 5); // slot 2's second server
+        assert!(s.idle(4) && !s.idle(1), "only auxiliaries are ever withheld");
+        // The other systems have no auxiliaries.
+        for sys in [System::Gnothi, System::GPrime] {
+            let g = Geometry::new(sys, 1, 512, 1024, 16).unwrap();
+            assert!(Standby::for_volume(g, 0, Duration::from_secs(1)).is_none());
         }
     }
 }

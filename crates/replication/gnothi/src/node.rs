@@ -4,7 +4,7 @@
 
 use crate::geometry::ReplicaId;
 use crate::meta::{Batch, Outcome, Proposal, Raft};
-use crate::net::{call_within, Net, RaftNet};
+use crate::net::{call_within, Net, RaftNet, Standby};
 use crate::replica::{LocalRead, Machine, ReplicaError};
 use crate::rpc::{BlockAnswer, Request, Response, RpcError, Status, MAX_DATA};
 use crate::table::{Command, Version};
@@ -441,6 +441,10 @@ impl Node {
         let (_, ring) = raft_log.usage();
         let snapshot_every = config.snapshot_every.min((ring / 8).max(16));
         let keep_after_snapshot = config.keep_after_snapshot.min(snapshot_every / 4);
+        // Cheap Paxos: a main that has not answered for an election timeout is taken
+        // for down, and the auxiliaries are woken.
+        let standby = Standby::for_volume(*local.geometry(), local.id, config.election_min);
+        let auxiliary = standby.as_ref().is_some_and(|s| s.is_auxiliary(node_id));
         let machine = Machine::new(local);
         let ms = |d: Duration| d.as_millis() as u64;
         let raft_config = openraft::Config {
@@ -451,6 +455,9 @@ impl Node {
             snapshot_policy: SnapshotPolicy::LogsSinceLast(snapshot_every),
             max_in_snapshot_log_to_keep: keep_after_snapshot,
             install_snapshot_timeout: ms(config.rpc_timeout),
+            // An auxiliary hears nothing while the mains are well: it must not take
+            // that silence for a leader's failure.
+            enable_elect: !auxiliary,
             ..Default::default()
         }
         .validate()
@@ -458,7 +465,10 @@ impl Node {
         let raft = Raft::new(
             node_id,
             Arc::new(raft_config),
-            RaftNet { net: net.clone() },
+            RaftNet {
+                net: net.clone(),
+                standby,
+            },
             log,
             machine.clone(),
         )
@@ -468,9 +478,11 @@ impl Node {
             .is_initialized()
             .await
             .map_err(|e| NodeError::Raft(e.to_string()))?;
-        if !initialized && !members.is_empty() {
+        if !initialized && !members.is_empty() && !auxiliary {
             // Every replica of a new volume initializes with the same members: the
             // same entry at index 0 everywhere, so any of them may win the election.
+            // Not a Cheap Paxos auxiliary: initializing stands for election at once,
+            // and an auxiliary must never lead (it gets the entry when it is needed).
             if let Err(e) = raft.initialize(members).await {
                 tracing::debug!(replica = id, error = %e, "initialize");
             }

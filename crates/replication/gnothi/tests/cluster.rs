@@ -453,3 +453,84 @@ async fn a_full_data_device_before_the_first_snapshot_stops_nothing() {
     }
     c.shutdown().await;
 }
+
+/// Cheap Paxos: while both mains answer, the auxiliary hears nothing of agreement (its
+/// log does not grow, it never leads); when a main fails, it votes on commits and writes
+/// go on; once the main is back, it falls idle again. Nothing acknowledged is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cheap_paxos_auxiliaries_act_only_while_a_main_is_down() {
+    let g = Geometry::new(System::CheapPaxos, 1, BS as u32, 64, 16).unwrap();
+    let mut c = Cluster::start(g, 11, Faults::default(), config())
+        .await
+        .unwrap();
+    let client = c.client(1, ClientConfig::default()).await.unwrap();
+    let mut want = vec![Vec::new(); 64];
+    for i in 0..30u64 {
+        client.write(i % 64, &block(i)).await.unwrap();
+        want[(i % 64) as usize] = block(i);
+    }
+    let aux = c.node(2).unwrap().clone();
+    let leader = |c: &Cluster| (0..3).find(|&r| c.node(r).is_some_and(|n| n.status().is_leader));
+    let main_index = c.node(0).unwrap().status().last_log_index;
+    let idle_index = aux.status().last_log_index;
+    assert!(
+        idle_index + 20 < main_index,
+        "the auxiliary's log grew with the mains' ({idle_index} of {main_index}; leader {:?})",
+        leader(&c)
+    );
+    assert!(matches!(leader(&c), Some(0 | 1)), "the leader is a main");
+
+    // Main 1 fails (the leader or not): writes go on with the auxiliary's votes, and its
+    // log follows now.
+    c.crash(1).await;
+    for i in 30..60u64 {
+        client.write(i % 64, &block(i)).await.unwrap();
+        want[(i % 64) as usize] = block(i);
+    }
+    let n0 = c.node(0).unwrap().clone();
+    wait_for("the auxiliary to follow while a main is down", || {
+        aux.status().applied >= n0.status().applied.saturating_sub(2)
+            && aux.status().last_log_index > main_index
+    })
+    .await;
+    assert_eq!(
+        leader(&c),
+        Some(0),
+        "main 0 leads, elected with the auxiliary's vote"
+    );
+    for b in 0..64u64 {
+        let got = client.read(b, 1).await.unwrap();
+        if !want[b as usize].is_empty() {
+            assert_eq!(got, want[b as usize], "block {b} with main 1 down");
+        }
+    }
+
+    // Main 1 back and caught up: the auxiliary falls idle again.
+    c.start_replica(1).await.unwrap();
+    let n1 = c.node(1).unwrap().clone();
+    wait_for("main 1 to catch up", || {
+        n1.status().applied >= n0.status().applied && n1.status().incomplete == 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = aux.status().last_log_index;
+    for i in 60..90u64 {
+        client.write(i % 64, &block(i)).await.unwrap();
+        want[(i % 64) as usize] = block(i);
+    }
+    let after = aux.status().last_log_index;
+    assert!(
+        after < before + 5,
+        "the auxiliary kept following with both mains up ({before} -> {after})"
+    );
+    // With the other main down in turn, everything reads back.
+    c.crash(0).await;
+    for b in 0..64u64 {
+        assert_eq!(
+            client.read(b, 1).await.unwrap(),
+            want[b as usize],
+            "block {b}"
+        );
+    }
+    c.shutdown().await;
+}
