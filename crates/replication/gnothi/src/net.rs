@@ -249,7 +249,10 @@ mod tests {
         s.heard_from(1);
         assert!(!s.idle(3), "main 2 still silent");
         s.heard_from(2 + 5); // slot 2's second server
-        assert!(s.idle(4) && !s.idle(1), "only auxiliaries are ever withheld");
+        assert!(
+            s.idle(4) && !s.idle(1),
+            "only auxiliaries are ever withheld"
+        );
         // The other systems have no auxiliaries.
         for sys in [System::Gnothi, System::GPrime] {
             let g = Geometry::new(sys, 1, 512, 1024, 16).unwrap();
