@@ -30,8 +30,12 @@ LAYERS = {
     "interfaces": ["devices", "api"],
     # Replicated storage (Gnothi): stores through devices, and its client is one.
     "replication": ["devices"],
-    "wiring": ["devices", "api", "engine", "modules", "replication"],
-    "tools": ["devices", "api", "engine", "modules", "interfaces", "replication", "wiring"],
+    # The namespace service (Cudele): keeps a namespace in any module and serves it, and
+    # its client is a file system; like the front ends it speaks the api only.
+    "namespace": ["api"],
+    "wiring": ["devices", "api", "engine", "modules", "replication", "namespace"],
+    "tools": ["devices", "api", "engine", "modules", "interfaces", "replication", "namespace",
+              "wiring"],
 }
 
 

@@ -1,0 +1,836 @@
+//! Merging a client journal into the global namespace: every event validated first,
+//! then applied in atomic batches, each of which also moves the client's watermark.
+//!
+//! **Validation** replays the journal against a shadow of the namespace (the names and
+//! inodes the journal touched, over what the file system holds) and refuses the whole
+//! journal, changing nothing, if any event is wrong: a parent that is not a directory
+//! inside the subtree, a name that is empty, too long or holds `/`, an inode number
+//! outside the client's grants or used twice, a type or attribute a client may not
+//! set, an operation with no place in a journal (file data, reads other than a
+//! lookup). What the journal may touch is the subtree: its root, what the journal
+//! created, and what it reached by name from there (a `Lookup` event is a witness:
+//! it is checked, not applied).
+//!
+//! **The conflict rule** (others changed the subtree meanwhile, which `interfere=allow`
+//! permits): the decoupled client's updates win, and nothing of the others' is lost.
+//! A creation (or a rename's target under `noreplace`, or a link) whose name is taken
+//! in the namespace by an entry the journal did not make moves that entry aside first,
+//! to `NAME.cudele-conflict-INO` in the same directory (INO the entry's inode number;
+//! a further `.N` if that name is taken too). An unlink, rmdir or rename of a name that
+//! is already gone is skipped (what it removes is not there). Everything else an
+//! interfering client did stays.
+//!
+//! **Applying** runs the plan in order as root, in batches of at most `chunk` events
+//! (an event and the steps it needs, a move aside, the new file's owner, never split),
+//! each with the client's watermark (`trusted.quiltfs.cudele.merged.CLIENT` on the
+//! subtree's root: the last sequence number applied) set in the same batch. A batch is
+//! atomic on both modules, so after a crash the namespace holds a prefix of whole
+//! batches and the watermark says which: merging the journal again applies exactly the
+//! rest (the service stages a journal before merging it and finishes staged merges when
+//! it starts, so a merge it accepted ends whole).
+
+use crate::journal::Event;
+use quilt_vfs::{
+    Attr, Ctx, FileSystem, FileType, FsError, FsOp, Ino, InoGrant, RenameFlags, SetAttr, XattrFlags,
+};
+use std::collections::{HashMap, HashSet};
+
+/// The xattr names the service keeps on a subtree's root. Clients may never set them.
+pub const RESERVED_XATTR: &[u8] = b"trusted.quiltfs.";
+const MAX_NAME: usize = 255;
+const MAX_SYMLINK: usize = 4095;
+
+/// The watermark's xattr for `client`.
+pub fn watermark_name(client: u64) -> Vec<u8> {
+    format!("trusted.quiltfs.cudele.merged.{client}").into_bytes()
+}
+
+/// The last event of `client`'s journal merged into the subtree at `root` (0: none).
+pub fn watermark(fs: &dyn FileSystem, root: Ino, client: u64) -> Result<u64, FsError> {
+    match fs.getxattr(root, &watermark_name(client)) {
+        Ok(v) if v.len() == 8 => {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&v);
+            Ok(u64::from_le_bytes(a))
+        }
+        Ok(_) => Err(FsError::Io(
+            "a merge watermark of the wrong size on the subtree's root".into(),
+        )),
+        Err(FsError::NoAttr) => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
+/// What a merge may touch.
+#[derive(Debug, Clone)]
+pub struct Scope {
+    /// The subtree's root directory.
+    pub root: Ino,
+    pub client: u64,
+    /// The inode numbers granted to the client: every creation names one.
+    pub grants: Vec<InoGrant>,
+}
+
+impl Scope {
+    fn granted(&self, ino: Ino) -> bool {
+        self.grants.iter().any(|g| g.contains(ino))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MergeError {
+    #[error("event {seq}: {why}; nothing of the journal was applied")]
+    Invalid { seq: u64, why: String },
+    #[error("the journal is client {got}'s, not client {want}'s")]
+    WrongClient { want: u64, got: u64 },
+    #[error("the journal is for subtree {got}, not {want}")]
+    WrongSubtree { want: Ino, got: Ino },
+    #[error(
+        "applying events up to {seq}: {error}; events up to {applied} are merged, the \
+         rest can be merged again"
+    )]
+    Apply {
+        seq: u64,
+        applied: u64,
+        error: FsError,
+    },
+    #[error("reading the namespace: {0}")]
+    Namespace(FsError),
+}
+
+/// One step of a plan: an operation, and the event it comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    pub seq: u64,
+    pub op: FsOp,
+}
+
+/// A validated journal, ready to apply.
+#[derive(Debug, Clone, Default)]
+pub struct Plan {
+    pub steps: Vec<Step>,
+    /// The last event's sequence number (the watermark once applied).
+    pub last_seq: u64,
+    /// Events in the plan (past the watermark).
+    pub events: u64,
+    /// Events skipped by the conflict rule (their name was already gone).
+    pub skipped: u64,
+    /// Entries of other clients moved aside: (directory, old name, new name).
+    pub moved_aside: Vec<(Ino, Vec<u8>, Vec<u8>)>,
+    /// New inodes the plan creates.
+    pub creates: u64,
+}
+
+/// What the shadow knows of an inode the journal may touch.
+#[derive(Debug, Clone, Copy)]
+struct Known {
+    kind: FileType,
+    uid: u32,
+    /// Made by this journal (so far as the shadow goes, not in the namespace yet).
+    ours: bool,
+}
+
+/// A name in a directory, and what the journal left there (`None`: removed).
+type Names = HashMap<(Ino, Vec<u8>), Option<(Ino, FileType)>>;
+
+struct Shadow<'a> {
+    fs: &'a dyn FileSystem,
+    scope: &'a Scope,
+    /// Names the journal changed: `None` once removed.
+    names: Names,
+    known: HashMap<Ino, Known>,
+    /// Each directory's parent, as the journal left it (for the loop check of renames).
+    parent: HashMap<Ino, Ino>,
+    /// Entries added minus removed, per directory (for rmdir's emptiness).
+    delta: HashMap<Ino, i64>,
+    /// Existing directories' entry counts, read once.
+    counted: HashMap<Ino, i64>,
+    /// Existing directories found outside the subtree (not to ask twice).
+    outside: HashSet<Ino>,
+    used: HashSet<Ino>,
+}
+
+fn bad(seq: u64, why: impl Into<String>) -> MergeError {
+    MergeError::Invalid {
+        seq,
+        why: why.into(),
+    }
+}
+
+fn check_name(seq: u64, name: &[u8]) -> Result<(), MergeError> {
+    if name.is_empty() || name == b"." || name == b".." {
+        return Err(bad(seq, "an empty name, or . or .."));
+    }
+    if name.len() > MAX_NAME {
+        return Err(bad(
+            seq,
+            format!("a name of {} bytes (at most 255)", name.len()),
+        ));
+    }
+    if name.contains(&b'/') || name.contains(&0) {
+        return Err(bad(seq, "a name holding '/' or NUL"));
+    }
+    Ok(())
+}
+
+fn show(name: &[u8]) -> String {
+    String::from_utf8_lossy(name).into_owned()
+}
+
+impl<'a> Shadow<'a> {
+    fn new(fs: &'a dyn FileSystem, scope: &'a Scope) -> Result<Shadow<'a>, MergeError> {
+        let a = fs.getattr(scope.root).map_err(MergeError::Namespace)?;
+        if a.kind != FileType::Directory {
+            return Err(MergeError::Namespace(FsError::NotDir));
+        }
+        let mut known = HashMap::new();
+        known.insert(
+            scope.root,
+            Known {
+                kind: FileType::Directory,
+                uid: a.uid,
+                ours: false,
+            },
+        );
+        Ok(Shadow {
+            fs,
+            scope,
+            names: HashMap::new(),
+            known,
+            parent: HashMap::new(),
+            delta: HashMap::new(),
+            counted: HashMap::new(),
+            outside: HashSet::new(),
+            used: HashSet::new(),
+        })
+    }
+
+    /// What `name` in `dir` names now: the journal's change, else the namespace's.
+    fn resolve(&self, dir: Ino, name: &[u8]) -> Result<Option<(Ino, FileType)>, MergeError> {
+        if let Some(e) = self.names.get(&(dir, name.to_vec())) {
+            return Ok(*e);
+        }
+        if self.known.get(&dir).is_some_and(|k| k.ours) {
+            return Ok(None);
+        }
+        match self.fs.lookup(dir, name) {
+            Ok(a) => Ok(Some((a.ino, a.kind))),
+            Err(FsError::NotFound) => Ok(None),
+            Err(e) => Err(MergeError::Namespace(e)),
+        }
+    }
+
+    /// Whether `ino` is an inode of the subtree the journal may touch; directories not
+    /// met yet are placed by walking up their `..`.
+    fn inside(&mut self, ino: Ino) -> Result<Option<Known>, MergeError> {
+        if let Some(k) = self.known.get(&ino) {
+            return Ok(Some(*k));
+        }
+        if self.outside.contains(&ino) {
+            return Ok(None);
+        }
+        let a = match self.fs.getattr(ino) {
+            Ok(a) => a,
+            Err(FsError::NotFound) => return Ok(None),
+            Err(e) => return Err(MergeError::Namespace(e)),
+        };
+        if a.kind != FileType::Directory {
+            // A file is reached by name (a creation, a lookup), never by number alone.
+            return Ok(None);
+        }
+        let mut walk = vec![ino];
+        let mut d = ino;
+        for _ in 0..4096 {
+            let up = self.fs.lookup(d, b"..").map_err(MergeError::Namespace)?.ino;
+            if self.known.contains_key(&up) {
+                break;
+            }
+            if up == d || self.outside.contains(&up) {
+                self.outside.extend(walk);
+                return Ok(None);
+            }
+            walk.push(up);
+            d = up;
+        }
+        let k = Known {
+            kind: a.kind,
+            uid: a.uid,
+            ours: false,
+        };
+        // Only the directory asked for is remembered (its ancestors are found again if
+        // asked; they are few).
+        self.known.insert(ino, k);
+        Ok(Some(k))
+    }
+
+    fn learn(&mut self, a: &Attr) {
+        self.known.entry(a.ino).or_insert(Known {
+            kind: a.kind,
+            uid: a.uid,
+            ours: false,
+        });
+    }
+
+    /// A directory of the subtree the caller may add entries to or remove them from.
+    fn writable_dir(&mut self, seq: u64, dir: Ino, ctx: &Ctx) -> Result<Known, MergeError> {
+        let k = self
+            .inside(dir)?
+            .ok_or_else(|| bad(seq, format!("directory {dir} is not inside the subtree")))?;
+        if k.kind != FileType::Directory {
+            return Err(bad(seq, format!("{dir} is not a directory")));
+        }
+        if !k.ours {
+            self.fs
+                .access(dir, (libc::W_OK | libc::X_OK) as u32, ctx)
+                .map_err(|e| bad(seq, format!("no write permission in directory {dir}: {e}")))?;
+        }
+        Ok(k)
+    }
+
+    fn entries(&mut self, dir: Ino) -> Result<i64, MergeError> {
+        let base = if self.known.get(&dir).is_some_and(|k| k.ours) {
+            0
+        } else if let Some(n) = self.counted.get(&dir) {
+            *n
+        } else {
+            let mut n = 0i64;
+            self.fs
+                .readdir(dir, 0, &mut |e| {
+                    if e.name != b"." && e.name != b".." {
+                        n += 1;
+                    }
+                    true
+                })
+                .map_err(MergeError::Namespace)?;
+            self.counted.insert(dir, n);
+            n
+        };
+        Ok(base + self.delta.get(&dir).copied().unwrap_or(0))
+    }
+
+    fn add(&mut self, dir: Ino, name: &[u8], e: (Ino, FileType)) {
+        self.names.insert((dir, name.to_vec()), Some(e));
+        *self.delta.entry(dir).or_default() += 1;
+        if e.1 == FileType::Directory {
+            self.parent.insert(e.0, dir);
+        }
+    }
+
+    fn remove(&mut self, dir: Ino, name: &[u8]) {
+        self.names.insert((dir, name.to_vec()), None);
+        *self.delta.entry(dir).or_default() -= 1;
+    }
+
+    fn parent_of(&self, d: Ino) -> Result<Ino, MergeError> {
+        if let Some(p) = self.parent.get(&d) {
+            return Ok(*p);
+        }
+        Ok(self.fs.lookup(d, b"..").map_err(MergeError::Namespace)?.ino)
+    }
+
+    /// Makes `name` in `dir` free for the journal's entry: an entry the journal did not
+    /// make moves aside (the conflict rule). Refuses when the journal made it itself.
+    fn make_room(
+        &mut self,
+        seq: u64,
+        dir: Ino,
+        name: &[u8],
+        plan: &mut Plan,
+    ) -> Result<(), MergeError> {
+        let Some((ino, kind)) = self.resolve(dir, name)? else {
+            return Ok(());
+        };
+        if self.names.contains_key(&(dir, name.to_vec())) {
+            return Err(bad(
+                seq,
+                format!(
+                    "`{}` exists: an earlier event of the journal made it",
+                    show(name)
+                ),
+            ));
+        }
+        let mut aside = format!("{}.cudele-conflict-{ino}", show(name)).into_bytes();
+        let mut n = 1;
+        while aside.len() > MAX_NAME || self.resolve(dir, &aside)?.is_some() {
+            let stem = &name[..name.len().min(200)];
+            aside = format!("{}.cudele-conflict-{ino}.{n}", show(stem)).into_bytes();
+            n += 1;
+            if n > 1000 {
+                return Err(bad(seq, "no free name to move a conflicting entry to"));
+            }
+        }
+        plan.steps.push(Step {
+            seq,
+            op: FsOp::Rename {
+                parent: dir,
+                name: name.to_vec(),
+                new_parent: dir,
+                new_name: aside.clone(),
+                flags: RenameFlags {
+                    noreplace: true,
+                    ..Default::default()
+                },
+            },
+        });
+        plan.moved_aside.push((dir, name.to_vec(), aside.clone()));
+        self.names.insert((dir, name.to_vec()), None);
+        self.names.insert((dir, aside), Some((ino, kind)));
+        Ok(())
+    }
+
+    /// A creation of inode `ino` (of `kind`, for `uid`:`gid`) named `name` in `dir`.
+    #[allow(clippy::too_many_arguments)]
+    fn create(
+        &mut self,
+        seq: u64,
+        dir: Ino,
+        name: &[u8],
+        ino: Option<Ino>,
+        kind: FileType,
+        ev: &Event,
+        plan: &mut Plan,
+    ) -> Result<Ino, MergeError> {
+        let ctx = creds(ev);
+        check_name(seq, name)?;
+        let ino = ino.ok_or_else(|| bad(seq, "a creation without a granted inode number"))?;
+        if !self.scope.granted(ino) {
+            return Err(bad(
+                seq,
+                format!("inode {ino} is outside the client's grants"),
+            ));
+        }
+        if !self.used.insert(ino) {
+            return Err(bad(seq, format!("inode {ino} is created twice")));
+        }
+        match self.fs.getattr(ino) {
+            Err(FsError::NotFound) => {}
+            Ok(_) => return Err(bad(seq, format!("inode {ino} is already in use"))),
+            Err(e) => return Err(MergeError::Namespace(e)),
+        }
+        self.writable_dir(seq, dir, &ctx)?;
+        self.make_room(seq, dir, name, plan)?;
+        plan.steps.push(Step {
+            seq,
+            op: ev.op.clone(),
+        });
+        if ev.uid != 0 || ev.gid != 0 {
+            plan.steps.push(Step {
+                seq,
+                op: FsOp::Setattr {
+                    ino,
+                    set: SetAttr {
+                        uid: Some(ev.uid),
+                        gid: Some(ev.gid),
+                        ..Default::default()
+                    },
+                },
+            });
+        }
+        self.known.insert(
+            ino,
+            Known {
+                kind,
+                uid: ev.uid,
+                ours: true,
+            },
+        );
+        self.add(dir, name, (ino, kind));
+        plan.creates += 1;
+        Ok(ino)
+    }
+
+    /// An inode an ino-only event may change: inside, and the caller owns it or is root.
+    fn owned(&mut self, seq: u64, ino: Ino, ev: &Event) -> Result<Known, MergeError> {
+        let k = self.inside(ino)?.ok_or_else(|| {
+            bad(
+                seq,
+                format!("inode {ino} is not one the journal created or reached by name"),
+            )
+        })?;
+        if ev.uid != 0 && k.uid != ev.uid {
+            return Err(bad(seq, format!("inode {ino} belongs to another user")));
+        }
+        Ok(k)
+    }
+
+    /// Checks one event and adds its steps to the plan.
+    fn event(&mut self, seq: u64, ev: &Event, plan: &mut Plan) -> Result<(), MergeError> {
+        let ctx = creds(ev);
+        match &ev.op {
+            FsOp::Mknod {
+                parent,
+                name,
+                mode,
+                ino,
+                ..
+            } => {
+                let kind = FileType::from_mode(*mode)
+                    .ok_or_else(|| bad(seq, format!("mode {mode:o} names no file type")))?;
+                match kind {
+                    FileType::Regular | FileType::Fifo | FileType::Socket => {}
+                    FileType::CharDevice | FileType::BlockDevice if ev.uid == 0 => {}
+                    FileType::CharDevice | FileType::BlockDevice => {
+                        return Err(bad(seq, "a device node made by a user who is not root"))
+                    }
+                    _ => return Err(bad(seq, "mknod of a directory or symlink")),
+                }
+                self.create(seq, *parent, name, *ino, kind, ev, plan)?;
+            }
+            FsOp::Mkdir {
+                parent, name, ino, ..
+            } => {
+                let new = self.create(seq, *parent, name, *ino, FileType::Directory, ev, plan)?;
+                self.parent.insert(new, *parent);
+            }
+            FsOp::Symlink {
+                parent,
+                name,
+                target,
+                ino,
+            } => {
+                if target.is_empty() || target.len() > MAX_SYMLINK || target.contains(&0) {
+                    return Err(bad(
+                        seq,
+                        "a symlink target that is empty, too long or holds NUL",
+                    ));
+                }
+                self.create(seq, *parent, name, *ino, FileType::Symlink, ev, plan)?;
+            }
+            FsOp::Link {
+                ino,
+                new_parent,
+                new_name,
+            } => {
+                check_name(seq, new_name)?;
+                let k = self.owned(seq, *ino, ev)?;
+                if k.kind == FileType::Directory {
+                    return Err(bad(seq, "a hard link to a directory"));
+                }
+                self.writable_dir(seq, *new_parent, &ctx)?;
+                self.make_room(seq, *new_parent, new_name, plan)?;
+                plan.steps.push(Step {
+                    seq,
+                    op: ev.op.clone(),
+                });
+                self.add(*new_parent, new_name, (*ino, k.kind));
+            }
+            FsOp::Unlink { parent, name } | FsOp::Rmdir { parent, name } => {
+                let dir = matches!(ev.op, FsOp::Rmdir { .. });
+                check_name(seq, name)?;
+                self.writable_dir(seq, *parent, &ctx)?;
+                let Some((ino, kind)) = self.resolve(*parent, name)? else {
+                    plan.skipped += 1;
+                    return Ok(());
+                };
+                if dir != (kind == FileType::Directory) {
+                    return Err(bad(
+                        seq,
+                        format!(
+                            "{} of `{}`, which is {}a directory",
+                            if dir { "rmdir" } else { "unlink" },
+                            show(name),
+                            if dir { "not " } else { "" }
+                        ),
+                    ));
+                }
+                if dir {
+                    if ino == self.scope.root {
+                        return Err(bad(seq, "rmdir of the subtree's root"));
+                    }
+                    self.known.entry(ino).or_insert(Known {
+                        kind,
+                        uid: 0,
+                        ours: false,
+                    });
+                    if self.entries(ino)? != 0 {
+                        return Err(bad(seq, format!("rmdir of `{}`, not empty", show(name))));
+                    }
+                }
+                plan.steps.push(Step {
+                    seq,
+                    op: ev.op.clone(),
+                });
+                self.remove(*parent, name);
+            }
+            FsOp::Rename {
+                parent,
+                name,
+                new_parent,
+                new_name,
+                flags,
+            } => {
+                if flags.exchange || flags.whiteout {
+                    return Err(bad(
+                        seq,
+                        "exchange and whiteout renames have no place in a journal",
+                    ));
+                }
+                check_name(seq, name)?;
+                check_name(seq, new_name)?;
+                self.writable_dir(seq, *parent, &ctx)?;
+                self.writable_dir(seq, *new_parent, &ctx)?;
+                let Some((ino, kind)) = self.resolve(*parent, name)? else {
+                    plan.skipped += 1;
+                    return Ok(());
+                };
+                if parent == new_parent && name == new_name {
+                    return Ok(());
+                }
+                if kind == FileType::Directory {
+                    // Not into itself or below it.
+                    let mut d = *new_parent;
+                    for _ in 0..4096 {
+                        if d == ino {
+                            return Err(bad(seq, "a directory renamed into itself"));
+                        }
+                        if d == self.scope.root {
+                            break;
+                        }
+                        d = self.parent_of(d)?;
+                    }
+                }
+                let mut op = ev.op.clone();
+                match self.resolve(*new_parent, new_name)? {
+                    Some(_) if flags.noreplace => {
+                        self.make_room(seq, *new_parent, new_name, plan)?;
+                        // Room made: the rename itself need not refuse.
+                        if let FsOp::Rename { flags, .. } = &mut op {
+                            flags.noreplace = false;
+                        }
+                    }
+                    Some((t, tk)) => {
+                        if (tk == FileType::Directory) != (kind == FileType::Directory) {
+                            return Err(bad(
+                                seq,
+                                "a rename between a directory and a non-directory",
+                            ));
+                        }
+                        if tk == FileType::Directory {
+                            self.known.entry(t).or_insert(Known {
+                                kind: tk,
+                                uid: 0,
+                                ours: false,
+                            });
+                            if self.entries(t)? != 0 {
+                                return Err(bad(
+                                    seq,
+                                    "a rename over a directory that is not empty",
+                                ));
+                            }
+                        }
+                        self.remove(*new_parent, new_name);
+                    }
+                    None => {}
+                }
+                plan.steps.push(Step { seq, op });
+                self.remove(*parent, name);
+                self.add(*new_parent, new_name, (ino, kind));
+                self.known.entry(ino).or_insert(Known {
+                    kind,
+                    uid: 0,
+                    ours: false,
+                });
+            }
+            FsOp::Setattr { ino, set } => {
+                if set.size.is_some() {
+                    return Err(bad(
+                        seq,
+                        "a size change (file data has no place in a journal)",
+                    ));
+                }
+                self.owned(seq, *ino, ev)?;
+                if set.uid.is_some_and(|u| u != ev.uid) && ev.uid != 0 {
+                    return Err(bad(seq, "a change of owner by a user who is not root"));
+                }
+                if set.gid.is_some_and(|g| g != ev.gid) && ev.uid != 0 {
+                    return Err(bad(seq, "a change to a group not the caller's"));
+                }
+                if let Some(u) = set.uid {
+                    if let Some(k) = self.known.get_mut(ino) {
+                        k.uid = u;
+                    }
+                }
+                plan.steps.push(Step {
+                    seq,
+                    op: ev.op.clone(),
+                });
+            }
+            FsOp::Setxattr { ino, name, .. } | FsOp::Removexattr { ino, name } => {
+                if name.starts_with(RESERVED_XATTR) {
+                    return Err(bad(seq, "the service's own attributes (trusted.quiltfs.*)"));
+                }
+                if !name.starts_with(b"user.") && ev.uid != 0 {
+                    return Err(bad(
+                        seq,
+                        "an attribute outside user.* by a user who is not root",
+                    ));
+                }
+                if name.is_empty() || name.len() > MAX_NAME {
+                    return Err(bad(seq, "an attribute name that is empty or too long"));
+                }
+                self.owned(seq, *ino, ev)?;
+                plan.steps.push(Step {
+                    seq,
+                    op: ev.op.clone(),
+                });
+            }
+            FsOp::Lookup { parent, name } => {
+                check_name(seq, name)?;
+                let k = self.inside(*parent)?.ok_or_else(|| {
+                    bad(seq, format!("directory {parent} is not inside the subtree"))
+                })?;
+                if k.kind != FileType::Directory {
+                    return Err(bad(seq, format!("{parent} is not a directory")));
+                }
+                if !self.names.contains_key(&(*parent, name.clone())) {
+                    match self.fs.lookup(*parent, name) {
+                        Ok(a) => self.learn(&a),
+                        Err(FsError::NotFound) => {}
+                        Err(e) => return Err(MergeError::Namespace(e)),
+                    }
+                }
+            }
+            other => {
+                return Err(bad(
+                    seq,
+                    format!("{} has no place in a client journal", op_name(other)),
+                ))
+            }
+        }
+        Ok(())
+    }
+}
+
+fn op_name(op: &FsOp) -> &'static str {
+    match op {
+        FsOp::Read { .. } | FsOp::Readdir { .. } | FsOp::Readlink { .. } => "a read",
+        FsOp::Getattr { .. } | FsOp::Getxattr { .. } | FsOp::Listxattr { .. } => "a read",
+        FsOp::Write { .. } | FsOp::Fallocate { .. } => "file data",
+        FsOp::Fsync { .. } | FsOp::SyncAll => "a sync",
+        FsOp::Statfs => "statfs",
+        _ => "this operation",
+    }
+}
+
+fn creds(ev: &Event) -> Ctx {
+    Ctx {
+        uid: ev.uid,
+        gid: ev.gid,
+        pid: 0,
+        umask: 0,
+    }
+}
+
+/// Validates `events` (those past the watermark) for `scope`, against `fs` as it is
+/// now, and plans their merge. Changes nothing.
+pub fn plan(
+    fs: &dyn FileSystem,
+    scope: &Scope,
+    events: &[(u64, Event)],
+    watermark: u64,
+) -> Result<Plan, MergeError> {
+    let mut shadow = Shadow::new(fs, scope)?;
+    let mut plan = Plan {
+        last_seq: watermark,
+        ..Plan::default()
+    };
+    for (seq, ev) in events.iter().filter(|(s, _)| *s > watermark) {
+        shadow.event(*seq, ev, &mut plan)?;
+        plan.last_seq = *seq;
+        plan.events += 1;
+    }
+    if plan.creates > 0 {
+        let st = fs.statfs().map_err(MergeError::Namespace)?;
+        if st.files_free < plan.creates {
+            return Err(MergeError::Invalid {
+                seq: plan.last_seq,
+                why: format!(
+                    "the namespace has {} free inodes, the journal creates {}",
+                    st.files_free, plan.creates
+                ),
+            });
+        }
+    }
+    Ok(plan)
+}
+
+/// Applies a plan, at most `chunk` events per atomic batch, each batch moving the
+/// watermark. Returns the watermark reached (the plan's last event).
+pub fn apply(
+    fs: &dyn FileSystem,
+    scope: &Scope,
+    plan: &Plan,
+    chunk: usize,
+) -> Result<u64, MergeError> {
+    let chunk = chunk.max(1);
+    let name = watermark_name(scope.client);
+    let mut applied = watermark(fs, scope.root, scope.client).map_err(MergeError::Namespace)?;
+    let mut i = 0;
+    let steps = &plan.steps;
+    let mut batch: Vec<FsOp> = Vec::new();
+    let mut seqs: Vec<u64> = Vec::new();
+    while i < steps.len() {
+        batch.clear();
+        seqs.clear();
+        let mut events = 0;
+        let mut last = applied;
+        while i < steps.len() {
+            let seq = steps[i].seq;
+            if seq != last {
+                if events == chunk {
+                    break;
+                }
+                events += 1;
+                last = seq;
+            }
+            batch.push(steps[i].op.clone());
+            seqs.push(seq);
+            i += 1;
+        }
+        batch.push(FsOp::Setxattr {
+            ino: scope.root,
+            name: name.clone(),
+            value: last.to_le_bytes().to_vec(),
+            flags: XattrFlags::default(),
+        });
+        seqs.push(last);
+        fs.apply_batch(&batch, &Ctx::root())
+            .map_err(|e| MergeError::Apply {
+                seq: seqs.get(e.index).copied().unwrap_or(last),
+                applied,
+                error: e.error,
+            })?;
+        applied = last;
+    }
+    if plan.last_seq > applied {
+        // Events that were all skipped: the watermark still moves past them.
+        fs.setxattr(
+            scope.root,
+            &name,
+            &plan.last_seq.to_le_bytes(),
+            XattrFlags::default(),
+            &Ctx::root(),
+        )
+        .map_err(|e| MergeError::Apply {
+            seq: plan.last_seq,
+            applied,
+            error: e,
+        })?;
+        applied = plan.last_seq;
+    }
+    Ok(applied)
+}
+
+/// Validates and applies: the whole merge of one journal's events.
+pub fn merge(
+    fs: &dyn FileSystem,
+    scope: &Scope,
+    events: &[(u64, Event)],
+    chunk: usize,
+) -> Result<Plan, MergeError> {
+    let w = watermark(fs, scope.root, scope.client).map_err(MergeError::Namespace)?;
+    let p = plan(fs, scope, events, w)?;
+    apply(fs, scope, &p, chunk)?;
+    Ok(p)
+}
