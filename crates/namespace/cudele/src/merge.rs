@@ -232,11 +232,18 @@ impl<'a> Shadow<'a> {
         }
         let a = match self.fs.getattr(ino) {
             Ok(a) => a,
-            Err(FsError::NotFound) => return Ok(None),
+            // (A number no inode has: ENOENT or ESTALE, as the module says it.)
+            Err(FsError::NotFound | FsError::Stale) => return Ok(None),
             Err(e) => return Err(MergeError::Namespace(e)),
         };
+        if self.scope.granted(ino) {
+            // The client's own: granted numbers are only ever its creations (made by an
+            // earlier merge of its journal).
+            self.learn(&a);
+            return Ok(self.known.get(&ino).copied());
+        }
         if a.kind != FileType::Directory {
-            // A file is reached by name (a creation, a lookup), never by number alone.
+            // Anything else is reached by name (a creation, a lookup), never by number.
             return Ok(None);
         }
         let mut walk = vec![ino];
@@ -404,7 +411,7 @@ impl<'a> Shadow<'a> {
             return Err(bad(seq, format!("inode {ino} is created twice")));
         }
         match self.fs.getattr(ino) {
-            Err(FsError::NotFound) => {}
+            Err(FsError::NotFound | FsError::Stale) => {}
             Ok(_) => return Err(bad(seq, format!("inode {ino} is already in use"))),
             Err(e) => return Err(MergeError::Namespace(e)),
         }
