@@ -28,8 +28,9 @@ LAYERS = {
     "modules": ["devices", "api", "engine"],
     # Front ends speak the api only: the FUSE server never links a module or the engine.
     "interfaces": ["devices", "api"],
-    # Replicated storage (Gnothi): stores through devices, and its client is one.
-    "replication": ["devices"],
+    # Replicated storage (Gnothi): stores through devices, and its client is one; its
+    # RPC plumbing (quilt-rpc) is shared with the namespace service and lives in api.
+    "replication": ["devices", "api"],
     # The namespace service (Cudele): keeps a namespace in any module and serves it, and
     # its client is a file system; like the front ends it speaks the api only.
     "namespace": ["api"],

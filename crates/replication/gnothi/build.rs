@@ -1,6 +1,6 @@
 //! The replica's gRPC service, described here instead of in a .proto file: one unary
 //! method whose messages are the crate's own serde types (`rpc.rs`), carried by a
-//! postcard codec (`transport.rs`). No protoc is needed to build.
+//! postcard codec (`quilt_rpc`). No protoc is needed to build.
 
 fn main() {
     let call = tonic_build::manual::Method::builder()
@@ -8,7 +8,7 @@ fn main() {
         .route_name("Call")
         .input_type("crate::rpc::Request")
         .output_type("crate::rpc::Response")
-        .codec_path("crate::transport::PostcardCodec")
+        .codec_path("quilt_rpc::PostcardCodec")
         .build();
     let service = tonic_build::manual::Service::builder()
         .name("Replica")

@@ -537,6 +537,13 @@ pub trait FileSystem: Send + Sync {
     fn grant_inodes(&self, _count: u64) -> Result<InoGrant> {
         Err(FsError::NotSupported)
     }
+    /// Sets aside again the numbers of `grant`, a grant of an earlier mount whose
+    /// holder has not used them (grants live for a mount; the namespace service keeps
+    /// its clients' across restarts and says which numbers are still unused). `Invalid`
+    /// for numbers this file system never granted or hands out itself.
+    fn hold_inodes(&self, _grant: InoGrant) -> Result<()> {
+        Err(FsError::NotSupported)
+    }
     /// [`FileSystem::mknod`] under inode number `ino`, from a grant of this mount
     /// (`Invalid` otherwise).
     fn mknod_as(

@@ -1257,6 +1257,11 @@ impl FileSystem for Betrfs {
         self.checked(r)
     }
 
+    fn hold_inodes(&self, grant: quilt_vfs::InoGrant) -> Result<()> {
+        let r = self.hold(grant);
+        self.checked(r)
+    }
+
     fn mkdir(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
         self.mkdir_in(None, parent, name, mode, ctx)
     }

@@ -145,6 +145,29 @@ impl Betrfs {
         })
     }
 
+    /// Sets aside again an earlier mount's grant: numbers below the logged counter
+    /// (so never handed out since), of the first namespace, not held already.
+    pub(crate) fn hold(&self, g: quilt_vfs::InoGrant) -> Result<()> {
+        let mut st = self.lock();
+        self.writable(&st)?;
+        let first = g.first & (record::RAW_LIMIT - 1);
+        let end = first.checked_add(g.count);
+        let ok = record::ns_of(g.first) == 0
+            && g.count > 0
+            && first > 0
+            && end.is_some_and(|e| e <= st.next_ino);
+        let Some(end) = end.filter(|_| ok) else {
+            return Err(FsError::Invalid(
+                "inode numbers this file system never granted",
+            ));
+        };
+        if st.grants.iter().any(|&(a, b)| a < end && first < b) {
+            return Err(FsError::Invalid("inode numbers already set aside"));
+        }
+        st.grants.push((first, end));
+        Ok(())
+    }
+
     /// The mode and ACLs of a new inode: the directory's default ACL limited by the
     /// mode (directories keep it as theirs), or the umask without one. Symlinks take
     /// neither.

@@ -1389,6 +1389,29 @@ impl FileSystem for Ext2 {
         })
     }
 
+    fn hold_inodes(&self, grant: quilt_vfs::InoGrant) -> Result<()> {
+        self.check_writable()?;
+        let total = u64::from(self.geo.ipg) * u64::from(self.geo.groups);
+        let first_ino = u64::from(self.geo.first_ino);
+        let end = grant.first.checked_add(grant.count);
+        match end {
+            Some(end) if grant.count > 0 && grant.first >= first_ino && end <= total + 1 => {
+                let mut st = self.lock();
+                let (a, b) = (grant.first as u32, end as u32);
+                if (a..b).any(|i| st.grants.end_of(i).is_some()) {
+                    return Err(FsError::Invalid("inode numbers already set aside"));
+                }
+                // Numbers in use stay in use: the allocator takes only free ones, and a
+                // creation under a granted number checks it is free.
+                st.grants.add(a, b);
+                Ok(())
+            }
+            _ => Err(FsError::Invalid(
+                "inode numbers this file system does not have",
+            )),
+        }
+    }
+
     fn tmpfile(&self, parent: Ino, mode: u32, ctx: &Ctx) -> Result<Attr> {
         self.warm_inode(parent, None);
         let r = self.change(ctx, |op, st| {

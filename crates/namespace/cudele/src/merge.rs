@@ -23,7 +23,8 @@
 //! **Applying** runs the plan in order as root, in batches of at most `chunk` events
 //! (an event and the steps it needs, a move aside, the new file's owner, never split),
 //! each with the client's watermark (`trusted.quiltfs.cudele.merged.CLIENT` on the
-//! subtree's root: the last sequence number applied) set in the same batch. A batch is
+//! subtree's root: the last sequence number applied, and the highest granted number
+//! used) set in the same batch. A batch is
 //! atomic on both modules, so after a crash the namespace holds a prefix of whole
 //! batches and the watermark says which: merging the journal again applies exactly the
 //! rest (the service stages a journal before merging it and finishes staged merges when
@@ -45,18 +46,41 @@ pub fn watermark_name(client: u64) -> Vec<u8> {
     format!("trusted.quiltfs.cudele.merged.{client}").into_bytes()
 }
 
-/// The last event of `client`'s journal merged into the subtree at `root` (0: none).
-pub fn watermark(fs: &dyn FileSystem, root: Ino, client: u64) -> Result<u64, FsError> {
+/// How far a client's journal is merged into a subtree: the last event applied, and
+/// the highest granted number it created (a client takes its granted numbers in
+/// increasing order, so the numbers above this one are still unused: what the service
+/// sets aside again after a restart).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Watermark {
+    pub seq: u64,
+    pub max_ino: Ino,
+}
+
+impl Watermark {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = self.seq.to_le_bytes().to_vec();
+        v.extend_from_slice(&self.max_ino.to_le_bytes());
+        v
+    }
+}
+
+/// `client`'s watermark in the subtree at `root` (zero: nothing merged yet).
+pub fn watermark(fs: &dyn FileSystem, root: Ino, client: u64) -> Result<Watermark, FsError> {
     match fs.getxattr(root, &watermark_name(client)) {
-        Ok(v) if v.len() == 8 => {
+        Ok(v) if v.len() == 16 => {
             let mut a = [0u8; 8];
-            a.copy_from_slice(&v);
-            Ok(u64::from_le_bytes(a))
+            a.copy_from_slice(&v[..8]);
+            let seq = u64::from_le_bytes(a);
+            a.copy_from_slice(&v[8..]);
+            Ok(Watermark {
+                seq,
+                max_ino: u64::from_le_bytes(a),
+            })
         }
         Ok(_) => Err(FsError::Io(
             "a merge watermark of the wrong size on the subtree's root".into(),
         )),
-        Err(FsError::NoAttr) => Ok(0),
+        Err(FsError::NoAttr) => Ok(Watermark::default()),
         Err(e) => Err(e),
     }
 }
@@ -106,12 +130,22 @@ pub struct Step {
     pub op: FsOp,
 }
 
+impl Step {
+    /// The granted number this step creates under, if any.
+    fn creates(&self) -> Option<Ino> {
+        match &self.op {
+            FsOp::Mknod { ino, .. } | FsOp::Mkdir { ino, .. } | FsOp::Symlink { ino, .. } => *ino,
+            _ => None,
+        }
+    }
+}
+
 /// A validated journal, ready to apply.
 #[derive(Debug, Clone, Default)]
 pub struct Plan {
     pub steps: Vec<Step>,
-    /// The last event's sequence number (the watermark once applied).
-    pub last_seq: u64,
+    /// The watermark once applied.
+    pub last: Watermark,
     /// Events in the plan (past the watermark).
     pub events: u64,
     /// Events skipped by the conflict rule (their name was already gone).
@@ -149,6 +183,8 @@ struct Shadow<'a> {
     /// Existing directories found outside the subtree (not to ask twice).
     outside: HashSet<Ino>,
     used: HashSet<Ino>,
+    /// The highest granted number created so far (creations go up).
+    max_ino: Ino,
 }
 
 fn bad(seq: u64, why: impl Into<String>) -> MergeError {
@@ -203,6 +239,7 @@ impl<'a> Shadow<'a> {
             counted: HashMap::new(),
             outside: HashSet::new(),
             used: HashSet::new(),
+            max_ino: 0,
         })
     }
 
@@ -410,6 +447,17 @@ impl<'a> Shadow<'a> {
         if !self.used.insert(ino) {
             return Err(bad(seq, format!("inode {ino} is created twice")));
         }
+        if ino <= self.max_ino {
+            return Err(bad(
+                seq,
+                format!(
+                    "inode {ino} after {}: a client takes its granted numbers in increasing \
+                     order",
+                    self.max_ino
+                ),
+            ));
+        }
+        self.max_ino = ino;
         match self.fs.getattr(ino) {
             Err(FsError::NotFound | FsError::Stale) => {}
             Ok(_) => return Err(bad(seq, format!("inode {ino} is already in use"))),
@@ -735,23 +783,25 @@ pub fn plan(
     fs: &dyn FileSystem,
     scope: &Scope,
     events: &[(u64, Event)],
-    watermark: u64,
+    watermark: Watermark,
 ) -> Result<Plan, MergeError> {
     let mut shadow = Shadow::new(fs, scope)?;
+    shadow.max_ino = watermark.max_ino;
     let mut plan = Plan {
-        last_seq: watermark,
+        last: watermark,
         ..Plan::default()
     };
-    for (seq, ev) in events.iter().filter(|(s, _)| *s > watermark) {
+    for (seq, ev) in events.iter().filter(|(s, _)| *s > watermark.seq) {
         shadow.event(*seq, ev, &mut plan)?;
-        plan.last_seq = *seq;
+        plan.last.seq = *seq;
         plan.events += 1;
     }
+    plan.last.max_ino = shadow.max_ino;
     if plan.creates > 0 {
         let st = fs.statfs().map_err(MergeError::Namespace)?;
         if st.files_free < plan.creates {
             return Err(MergeError::Invalid {
-                seq: plan.last_seq,
+                seq: plan.last.seq,
                 why: format!(
                     "the namespace has {} free inodes, the journal creates {}",
                     st.files_free, plan.creates
@@ -769,12 +819,12 @@ pub fn apply(
     scope: &Scope,
     plan: &Plan,
     chunk: usize,
-) -> Result<u64, MergeError> {
+) -> Result<Watermark, MergeError> {
     let chunk = chunk.max(1);
     let name = watermark_name(scope.client);
     let mut applied = watermark(fs, scope.root, scope.client).map_err(MergeError::Namespace)?;
-    let mut i = 0;
     let steps = &plan.steps;
+    let mut i = 0;
     let mut batch: Vec<FsOp> = Vec::new();
     let mut seqs: Vec<u64> = Vec::new();
     while i < steps.len() {
@@ -783,48 +833,51 @@ pub fn apply(
         let mut events = 0;
         let mut last = applied;
         while i < steps.len() {
-            let seq = steps[i].seq;
-            if seq != last {
+            let step = &steps[i];
+            if step.seq != last.seq {
                 if events == chunk {
                     break;
                 }
                 events += 1;
-                last = seq;
+                last.seq = step.seq;
             }
-            batch.push(steps[i].op.clone());
-            seqs.push(seq);
+            if let Some(ino) = step.creates() {
+                last.max_ino = last.max_ino.max(ino);
+            }
+            batch.push(step.op.clone());
+            seqs.push(step.seq);
             i += 1;
         }
         batch.push(FsOp::Setxattr {
             ino: scope.root,
             name: name.clone(),
-            value: last.to_le_bytes().to_vec(),
+            value: last.encode(),
             flags: XattrFlags::default(),
         });
-        seqs.push(last);
+        seqs.push(last.seq);
         fs.apply_batch(&batch, &Ctx::root())
             .map_err(|e| MergeError::Apply {
-                seq: seqs.get(e.index).copied().unwrap_or(last),
-                applied,
+                seq: seqs.get(e.index).copied().unwrap_or(last.seq),
+                applied: applied.seq,
                 error: e.error,
             })?;
         applied = last;
     }
-    if plan.last_seq > applied {
+    if plan.last.seq > applied.seq {
         // Events that were all skipped: the watermark still moves past them.
         fs.setxattr(
             scope.root,
             &name,
-            &plan.last_seq.to_le_bytes(),
+            &plan.last.encode(),
             XattrFlags::default(),
             &Ctx::root(),
         )
         .map_err(|e| MergeError::Apply {
-            seq: plan.last_seq,
-            applied,
+            seq: plan.last.seq,
+            applied: applied.seq,
             error: e,
         })?;
-        applied = plan.last_seq;
+        applied = plan.last;
     }
     Ok(applied)
 }

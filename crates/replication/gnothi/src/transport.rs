@@ -11,20 +11,18 @@
 use crate::net::{BoxFuture, Net, NetError};
 use crate::node::Node;
 use crate::rpc::{Request, Response, MAX_DATA};
-use bytes::{Buf, BufMut};
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 use std::collections::BTreeMap;
-use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::metadata::MetadataValue;
 use tonic::transport::{
     Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig,
 };
 use tonic::Status;
+
+pub use quilt_rpc::{make_certificates, PostcardCodec, TlsIdentity};
+use quilt_rpc::{secret_value, SecretCheck};
 
 #[allow(clippy::all, clippy::unwrap_used)]
 mod generated {
@@ -36,61 +34,6 @@ use generated::replica_server::{Replica, ReplicaServer};
 /// The largest message on the wire: a batch of blocks and its envelope.
 pub const MAX_MESSAGE: usize = MAX_DATA + (64 << 10);
 const SECRET_KEY: &str = "x-gnothi-secret";
-
-/// Postcard in, postcard out.
-pub struct PostcardCodec<T, U>(PhantomData<(T, U)>);
-
-impl<T, U> Default for PostcardCodec<T, U> {
-    fn default() -> Self {
-        PostcardCodec(PhantomData)
-    }
-}
-
-pub struct PostcardEncoder<T>(PhantomData<T>);
-pub struct PostcardDecoder<U>(PhantomData<U>);
-
-impl<T, U> Codec for PostcardCodec<T, U>
-where
-    T: Serialize + Send + 'static,
-    U: DeserializeOwned + Send + 'static,
-{
-    type Encode = T;
-    type Decode = U;
-    type Encoder = PostcardEncoder<T>;
-    type Decoder = PostcardDecoder<U>;
-
-    fn encoder(&mut self) -> Self::Encoder {
-        PostcardEncoder(PhantomData)
-    }
-
-    fn decoder(&mut self) -> Self::Decoder {
-        PostcardDecoder(PhantomData)
-    }
-}
-
-impl<T: Serialize> Encoder for PostcardEncoder<T> {
-    type Item = T;
-    type Error = Status;
-
-    fn encode(&mut self, item: T, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        let bytes =
-            postcard::to_stdvec(&item).map_err(|e| Status::internal(format!("encoding: {e}")))?;
-        buf.put_slice(&bytes);
-        Ok(())
-    }
-}
-
-impl<U: DeserializeOwned> Decoder for PostcardDecoder<U> {
-    type Item = U;
-    type Error = Status;
-
-    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
-        let bytes = buf.copy_to_bytes(buf.remaining());
-        postcard::from_bytes(&bytes)
-            .map(Some)
-            .map_err(|e| Status::invalid_argument(format!("a message that does not decode: {e}")))
-    }
-}
 
 struct Service {
     node: Arc<Node>,
@@ -108,20 +51,6 @@ impl Replica for Service {
     }
 }
 
-fn secret_value(secret: &str) -> Result<MetadataValue<tonic::metadata::Ascii>, String> {
-    secret
-        .parse()
-        .map_err(|_| "the cluster secret must be printable ASCII".to_string())
-}
-
-/// A replica's TLS identity: its certificate (PEM, signed by the cluster's CA, naming
-/// the host its address uses) and private key.
-#[derive(Clone)]
-pub struct TlsIdentity {
-    pub cert_pem: Vec<u8>,
-    pub key_pem: Vec<u8>,
-}
-
 /// Serves `node` on `listen` until `shutdown` resolves; over TLS with `tls`.
 pub async fn serve(
     node: Arc<Node>,
@@ -130,13 +59,7 @@ pub async fn serve(
     tls: Option<TlsIdentity>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), String> {
-    let want = secret_value(&secret)?;
-    let check = move |req: tonic::Request<()>| -> Result<tonic::Request<()>, Status> {
-        match req.metadata().get(SECRET_KEY) {
-            Some(got) if got == want => Ok(req),
-            _ => Err(Status::unauthenticated("wrong or missing cluster secret")),
-        }
-    };
+    let check = SecretCheck::new(SECRET_KEY, &secret)?;
     let svc = ReplicaServer::new(Service { node })
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
@@ -245,34 +168,4 @@ impl Net for GrpcNet {
             }
         })
     }
-}
-
-/// A cluster's certificates, for trying TLS on one machine and for the tests: a CA,
-/// and for each host name or address in `hosts` a certificate and key signed by it.
-/// Production clusters bring their own (any CA; each replica's certificate must name
-/// the host its address uses).
-pub fn make_certificates(hosts: &[Vec<String>]) -> Result<(Vec<u8>, Vec<TlsIdentity>), String> {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
-    let err = |e: rcgen::Error| format!("making certificates: {e}");
-    let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(err)?;
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name
-        .push(DnType::CommonName, "quiltfs cluster CA");
-    let ca_key = KeyPair::generate().map_err(err)?;
-    let ca_cert = ca.self_signed(&ca_key).map_err(err)?;
-    let mut out = Vec::new();
-    for names in hosts {
-        let mut p = CertificateParams::new(names.clone()).map_err(err)?;
-        p.distinguished_name.push(
-            DnType::CommonName,
-            names.first().cloned().unwrap_or_default(),
-        );
-        let key = KeyPair::generate().map_err(err)?;
-        let cert = p.signed_by(&key, &ca_cert, &ca_key).map_err(err)?;
-        out.push(TlsIdentity {
-            cert_pem: cert.pem().into_bytes(),
-            key_pem: key.serialize_pem().into_bytes(),
-        });
-    }
-    Ok((ca_cert.pem().into_bytes(), out))
 }

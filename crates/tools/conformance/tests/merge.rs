@@ -248,7 +248,10 @@ fn a_merge_leaves_what_the_same_calls_leave_and_the_checker_is_clean() {
         assert_eq!(plan.events, evs.len() as u64);
         assert_eq!(plan.skipped, 0);
         assert!(plan.moved_aside.is_empty());
-        assert_eq!(merge::watermark(&*a, job_a, 42).unwrap(), evs.len() as u64);
+        assert_eq!(
+            merge::watermark(&*a, job_a, 42).unwrap().seq,
+            evs.len() as u64
+        );
         direct(&*b, &evs);
         let (ta, tb) = (tree(&*a, job_a), tree(&*b, job_b));
         assert_eq!(
@@ -264,7 +267,10 @@ fn a_merge_leaves_what_the_same_calls_leave_and_the_checker_is_clean() {
         let a = mount(kind, dev_a.clone());
         assert_eq!(a.lookup(a.root(), b"job").unwrap().ino, job_a);
         assert_eq!(tree(&*a, job_a), tb, "{kind:?}: after a remount");
-        assert_eq!(merge::watermark(&*a, job_a, 42).unwrap(), evs.len() as u64);
+        assert_eq!(
+            merge::watermark(&*a, job_a, 42).unwrap().seq,
+            evs.len() as u64
+        );
         unmount(a);
     }
 }
@@ -280,7 +286,7 @@ fn a_repeated_or_resumed_merge_applies_nothing_twice() {
         // A merge cut after its first batches: the prefix that a crash would keep.
         let half = &evs[..53];
         merge::merge(&*fs, &s, half, 10).unwrap();
-        assert_eq!(merge::watermark(&*fs, job, 42).unwrap(), 53);
+        assert_eq!(merge::watermark(&*fs, job, 42).unwrap().seq, 53);
         // The whole journal again: only the rest is applied.
         let p = merge::merge(&*fs, &s, &evs, 10).unwrap();
         assert_eq!(p.events, evs.len() as u64 - 53, "{kind:?}");
@@ -463,7 +469,7 @@ fn a_journal_with_any_bad_event_changes_nothing() {
                 before,
                 "{kind:?}: {what} changed the namespace"
             );
-            assert_eq!(merge::watermark(&*fs, job, 42).unwrap(), 0);
+            assert_eq!(merge::watermark(&*fs, job, 42).unwrap().seq, 0);
         }
         // The good journal alone still merges.
         merge::merge(&*fs, &scope(job, g), &through_the_format(job, &good, 8), 10).unwrap();
@@ -562,6 +568,80 @@ fn another_clients_entries_move_aside_and_nothing_is_lost() {
         aside("final", fin);
         assert!(matches!(fs.lookup(job, b"old"), Err(FsError::NotFound)));
         let _ = old;
+        unmount(fs);
+        check(kind, &dev);
+    }
+}
+
+/// A client's grant outlives the mount: after a remount the service sets aside again
+/// the numbers above the watermark's highest, the module's own creations avoid them,
+/// and the client's next journal merges under them.
+#[test]
+fn a_grant_held_again_after_a_remount_keeps_its_numbers_for_the_client() {
+    for kind in KINDS {
+        let dev = mkfs(kind);
+        let fs = mount(kind, dev.clone());
+        let (job, g) = setup(&*fs, 60);
+        let first = through_the_format(job, &workload(job, g, 20), 8);
+        merge::merge(&*fs, &scope(job, g), &first, 10).unwrap();
+        let w = merge::watermark(&*fs, job, 42).unwrap();
+        assert!(g.contains(w.max_ino));
+        unmount(fs);
+        let fs = mount(kind, dev.clone());
+        assert_eq!(fs.lookup(fs.root(), b"job").unwrap().ino, job);
+        let rest = InoGrant {
+            first: w.max_ino + 1,
+            count: g.first + g.count - w.max_ino - 1,
+        };
+        fs.hold_inodes(rest).unwrap();
+        assert!(
+            matches!(fs.hold_inodes(rest), Err(FsError::Invalid(_))),
+            "{kind:?}: held twice"
+        );
+        // Numbers never granted (past everything the module has).
+        assert!(
+            matches!(
+                fs.hold_inodes(InoGrant {
+                    first: 1 << 38,
+                    count: 10
+                }),
+                Err(FsError::Invalid(_))
+            ),
+            "{kind:?}"
+        );
+        let c = Ctx::root();
+        let own = fs.mkdir(fs.root(), b"own", 0o755, &c).unwrap().ino;
+        for i in 0..100 {
+            let a = fs
+                .mknod(
+                    own,
+                    format!("f{i}").as_bytes(),
+                    libc::S_IFREG | 0o644,
+                    0,
+                    &c,
+                )
+                .unwrap();
+            assert!(!rest.contains(a.ino), "{kind:?}: {} was held", a.ino);
+        }
+        // The client goes on: journal events 22.. (past its watermark), new numbers.
+        let mut evs: Vec<(u64, Event)> = first.clone();
+        let out = fs.lookup(job, b"out").unwrap().ino;
+        for (k, ino) in rest.iter().take(5).enumerate() {
+            evs.push((
+                w.seq + 1 + k as u64,
+                ev(FsOp::Mknod {
+                    parent: out,
+                    name: format!("after.{k}").into_bytes(),
+                    mode: libc::S_IFREG | 0o644,
+                    rdev: 0,
+                    ino: Some(ino),
+                }),
+            ));
+        }
+        let p = merge::merge(&*fs, &scope(job, g), &evs, 10)
+            .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+        assert_eq!(p.events, 5);
+        assert_eq!(fs.lookup(out, b"after.4").unwrap().ino, rest.first + 4);
         unmount(fs);
         check(kind, &dev);
     }
