@@ -7,18 +7,25 @@
 //! later. Durability says where that journal must be before an update counts: nowhere
 //! (memory), the client's disk, or the service's.
 //!
-//! This crate holds the parts that need no network: policies, the client journal's
-//! format, and the validated, atomic, repeatable merge of a journal into any
-//! [`quilt_vfs::FileSystem`]. The design and what of it is built is
-//! `docs/design/cudele.md`.
+//! Here: policies, the client journal's format, the validated, atomic, repeatable
+//! merge of a journal into any [`quilt_vfs::FileSystem`], the metadata service
+//! ([`service::Mds`], served over gRPC by [`transport`]), and the client library
+//! ([`client`]: the namespace as a `FileSystem` through RPCs, and decoupled subtrees).
+//! The design and what of it is built is `docs/design/cudele.md`.
 
 #![forbid(unsafe_code)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod client;
 pub mod journal;
 pub mod merge;
 pub mod policy;
+pub mod rpc;
+pub mod service;
+pub mod transport;
 
+pub use client::{Client, DecoupleOptions, Decoupled, RemoteFs};
 pub use journal::{ClientJournal, Event, Header};
 pub use merge::{MergeError, Plan, Scope};
 pub use policy::{Consistency, Durability, Interfere, Mechanism, Policy, Preset};
+pub use service::{Mds, MdsConfig};

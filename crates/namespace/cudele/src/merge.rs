@@ -824,7 +824,11 @@ pub fn apply(
     let name = watermark_name(scope.client);
     let mut applied = watermark(fs, scope.root, scope.client).map_err(MergeError::Namespace)?;
     let steps = &plan.steps;
-    let mut i = 0;
+    // What an earlier, cut application of this plan applied is not applied again.
+    let mut i = steps
+        .iter()
+        .position(|s| s.seq > applied.seq)
+        .unwrap_or(steps.len());
     let mut batch: Vec<FsOp> = Vec::new();
     let mut seqs: Vec<u64> = Vec::new();
     while i < steps.len() {

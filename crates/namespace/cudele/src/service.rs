@@ -1,0 +1,1291 @@
+//! The metadata service's core, free of any network: the global namespace in one
+//! [`FileSystem`] (a module that has atomic batches), the clients and their leases,
+//! subtree policies and holds, and what every request does.
+//!
+//! **What is kept where.** The namespace is the module's. The service's own records
+//! live in the same store, in a directory no client can see (`/.quiltfs-mds`): the
+//! registry (clients given out, and per subtree its policy, its version, the client
+//! holding it decoupled and that client's granted numbers; rewritten whole, through a
+//! new file renamed over the old, and synced), journals staged for a durable merge,
+//! and journals pushed by Global Persist. Merge watermarks are attributes of the
+//! subtree's root, set in the merge's own batches (`merge.rs`). So policies, holds,
+//! EBUSY blocks and grants survive a restart, and a durable merge that was cut by
+//! one is finished before the service answers anyone.
+//!
+//! **Which subtree a request touches.** The directories an operation names (a parent,
+//! the two of a rename, a directory itself; a file by the directory it was last seen
+//! in) are walked up to the root through `..` (cached; every change of a directory's
+//! place goes through the service). Each directory with a registry entry on the way
+//! governs: the nearest one's policy applies, and any hold on the way blocks (EBUSY)
+//! a client other than its holder when its interfere policy is `block` and the
+//! holder's lease is alive. A hold outlives its lease (the holder may come back and
+//! merge its locally persisted journal); only the blocking lapses.
+//!
+//! **Durability of requests.** Under a policy with global durability (Stream), a
+//! changing request is answered once the store made it durable: one `sync_all` covers
+//! every change made before it started (group commit), so concurrent clients share
+//! them.
+
+use crate::journal::{self, Tail};
+use crate::merge::{self, MergeError, Scope};
+use crate::policy::{Durability, Interfere, Policy};
+use crate::rpc::{PolicyInfo, Request, Response};
+use quilt_vfs::{
+    Attr, Ctx, FileSystem, FileType, FsError, FsOp, FsReply, Ino, InoGrant, WireError,
+};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+/// The service's own directory at the namespace's root, hidden from clients.
+pub const HIDDEN: &[u8] = b".quiltfs-mds";
+const REGISTRY: &[u8] = b"registry";
+const REGISTRY_NEW: &[u8] = b"registry.new";
+const REGISTRY_MAGIC: &[u8; 8] = b"QMDSREG1";
+
+#[derive(Debug, Clone)]
+pub struct MdsConfig {
+    /// How long a client's hold keeps blocking others without a renewal.
+    pub lease: Duration,
+    /// Events per atomic batch of a merge (halved while a batch is too large for the
+    /// store's journal).
+    pub merge_chunk: usize,
+}
+
+impl Default for MdsConfig {
+    fn default() -> MdsConfig {
+        MdsConfig {
+            lease: Duration::from_secs(30),
+            merge_chunk: 4096,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+struct Hold {
+    client: u64,
+    grants: Vec<InoGrant>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+struct Entry {
+    /// From the namespace's root, `/`-separated (betrfs knows a directory by number
+    /// only once it was looked up by name, so a restart finds entries by path).
+    path: Vec<u8>,
+    policy: Policy,
+    version: u64,
+    holder: Option<Hold>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+struct Registry {
+    next_client: u64,
+    subtrees: BTreeMap<Ino, Entry>,
+}
+
+impl Registry {
+    fn encode(&self) -> Vec<u8> {
+        let body = postcard::to_stdvec(self).unwrap_or_default();
+        let mut out = REGISTRY_MAGIC.to_vec();
+        out.extend_from_slice(&crc32c::crc32c(&body).to_le_bytes());
+        out.extend_from_slice(&body);
+        out
+    }
+
+    fn decode(b: &[u8]) -> Result<Registry, String> {
+        if b.len() < 12 || &b[..8] != REGISTRY_MAGIC {
+            return Err("not a metadata service registry".into());
+        }
+        let mut c = [0u8; 4];
+        c.copy_from_slice(&b[8..12]);
+        if crc32c::crc32c(&b[12..]) != u32::from_le_bytes(c) {
+            return Err("the registry is damaged (checksum mismatch)".into());
+        }
+        postcard::from_bytes(&b[12..]).map_err(|e| format!("the registry does not decode: {e}"))
+    }
+}
+
+struct State {
+    reg: Registry,
+    /// Directory → (parent, name), as last seen.
+    dirs: HashMap<Ino, (Ino, Vec<u8>)>,
+    /// File → the directory it was last seen in.
+    files: HashMap<Ino, Ino>,
+    leases: HashMap<u64, Instant>,
+}
+
+/// Group commit: changes counted as they are made, syncs that cover them.
+#[derive(Default)]
+struct Commit {
+    st: Mutex<CommitState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct CommitState {
+    changes: u64,
+    durable: u64,
+    syncing: bool,
+    error: Option<String>,
+}
+
+/// The metadata service.
+pub struct Mds {
+    fs: Arc<dyn FileSystem>,
+    cfg: MdsConfig,
+    root: Ino,
+    hidden: Ino,
+    st: Mutex<State>,
+    /// Per held subtree: requests inside it take it shared, a merge alone.
+    gates: Mutex<HashMap<Ino, Arc<RwLock<()>>>>,
+    /// Registry rewrites one at a time.
+    reg_write: Mutex<()>,
+    commit: Commit,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MdsError {
+    #[error("the namespace store: {0}")]
+    Store(FsError),
+    #[error("{0}")]
+    Registry(String),
+    #[error("finishing a staged merge: {0}")]
+    Staged(MergeError),
+}
+
+fn wire(errno: i32, message: impl Into<String>) -> WireError {
+    WireError {
+        errno,
+        message: message.into(),
+    }
+}
+
+fn fs_err(e: &FsError) -> WireError {
+    WireError::from(e)
+}
+
+fn err(errno: i32, message: impl Into<String>) -> Response {
+    Response::Error(wire(errno, message))
+}
+
+fn staged_name(client: u64, subtree: Ino) -> Vec<u8> {
+    format!("staged.{client}.{subtree}").into_bytes()
+}
+
+fn persisted_name(client: u64, subtree: Ino) -> Vec<u8> {
+    format!("persisted.{client}.{subtree}").into_bytes()
+}
+
+impl Mds {
+    /// Opens the service on `fs`: its hidden directory made if new, the registry read,
+    /// every hold's unused numbers set aside again, staged merges finished.
+    pub fn open(fs: Arc<dyn FileSystem>, cfg: MdsConfig) -> Result<Mds, MdsError> {
+        let root = fs.root();
+        let c = Ctx::root();
+        let hidden = match fs.lookup(root, HIDDEN) {
+            Ok(a) => a.ino,
+            Err(FsError::NotFound) => {
+                fs.mkdir(root, HIDDEN, 0o700, &c)
+                    .map_err(MdsError::Store)?
+                    .ino
+            }
+            Err(e) => return Err(MdsError::Store(e)),
+        };
+        let reg = match read_file(&*fs, hidden, REGISTRY) {
+            Ok(Some(b)) => Registry::decode(&b).map_err(MdsError::Registry)?,
+            Ok(None) => Registry {
+                next_client: 1,
+                ..Default::default()
+            },
+            Err(e) => return Err(MdsError::Store(e)),
+        };
+        let mds = Mds {
+            fs,
+            cfg,
+            root,
+            hidden,
+            st: Mutex::new(State {
+                reg,
+                dirs: HashMap::new(),
+                files: HashMap::new(),
+                leases: HashMap::new(),
+            }),
+            gates: Mutex::new(HashMap::new()),
+            reg_write: Mutex::new(()),
+            commit: Commit::default(),
+        };
+        mds.find_entries();
+        mds.hold_grants();
+        mds.finish_staged()?;
+        Ok(mds)
+    }
+
+    pub fn fs(&self) -> &Arc<dyn FileSystem> {
+        &self.fs
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Looks every registry entry up by its path (so that the store knows its number
+    /// in this mount), re-keying one whose number changed.
+    fn find_entries(&self) {
+        let entries: Vec<(Ino, Vec<u8>)> = self
+            .state()
+            .reg
+            .subtrees
+            .iter()
+            .map(|(i, e)| (*i, e.path.clone()))
+            .collect();
+        for (ino, path) in entries {
+            match self.resolve_path(&path) {
+                Ok(a) if a.ino == ino => {}
+                Ok(a) => {
+                    tracing::warn!(
+                        "mds: {} is inode {} now, not {ino}; its policy follows the path",
+                        String::from_utf8_lossy(&path),
+                        a.ino
+                    );
+                    let mut st = self.state();
+                    if let Some(e) = st.reg.subtrees.remove(&ino) {
+                        st.reg.subtrees.insert(a.ino, e);
+                    }
+                }
+                Err(e) => tracing::warn!(
+                    "mds: the subtree at {} (inode {ino}) is not found by its path ({e}); \
+                     its policy stays with its number",
+                    String::from_utf8_lossy(&path)
+                ),
+            }
+        }
+    }
+
+    /// Sets aside again the numbers of every hold above its merge watermark.
+    fn hold_grants(&self) {
+        let holds: Vec<(Ino, Hold)> = self
+            .state()
+            .reg
+            .subtrees
+            .iter()
+            .filter_map(|(i, e)| e.holder.clone().map(|h| (*i, h)))
+            .collect();
+        for (root, h) in holds {
+            // The holder gets a whole lease to come back: its block holds meanwhile.
+            self.renew(h.client);
+            let max = match merge::watermark(&*self.fs, root, h.client) {
+                Ok(w) => w.max_ino,
+                Err(e) => {
+                    tracing::error!("mds: subtree {root}'s watermark: {e}");
+                    continue;
+                }
+            };
+            for g in unused(&h.grants, max) {
+                if let Err(e) = self.fs.hold_inodes(g) {
+                    tracing::error!(
+                        "mds: setting aside client {}'s numbers {}..{} again: {e}",
+                        h.client,
+                        g.first,
+                        g.first + g.count
+                    );
+                }
+            }
+        }
+    }
+
+    /// Merges every journal staged for a durable merge, then removes it.
+    fn finish_staged(&self) -> Result<(), MdsError> {
+        let mut names = Vec::new();
+        self.fs
+            .readdir(self.hidden, 0, &mut |e| {
+                if e.name.starts_with(b"staged.") {
+                    names.push(e.name);
+                }
+                true
+            })
+            .map_err(MdsError::Store)?;
+        for name in names {
+            let Some(bytes) = read_file(&*self.fs, self.hidden, &name).map_err(MdsError::Store)?
+            else {
+                continue;
+            };
+            let read = match journal::read(&bytes, Tail::Strict) {
+                Ok(r) => r,
+                Err(e) => {
+                    // Staging is synced before the merge starts: a torn one never began.
+                    tracing::warn!(
+                        "mds: {} is not a whole journal ({e}); its merge never began",
+                        String::from_utf8_lossy(&name)
+                    );
+                    let _ = self.fs.unlink(self.hidden, &name, &Ctx::root());
+                    continue;
+                }
+            };
+            let Some(scope) = self.scope(read.header.client, read.header.subtree) else {
+                tracing::error!(
+                    "mds: a staged journal of client {} for subtree {}, which it no longer \
+                     holds; kept as {}",
+                    read.header.client,
+                    read.header.subtree,
+                    String::from_utf8_lossy(&name)
+                );
+                continue;
+            };
+            self.apply_merge(&scope, &read.events)
+                .map_err(MdsError::Staged)?;
+            self.fs.sync_all().map_err(MdsError::Store)?;
+            tracing::info!(
+                "mds: finished the staged merge of client {} into subtree {}",
+                scope.client,
+                scope.root
+            );
+            let _ = self.fs.unlink(self.hidden, &name, &Ctx::root());
+        }
+        Ok(())
+    }
+
+    fn scope(&self, client: u64, subtree: Ino) -> Option<Scope> {
+        let st = self.state();
+        let h = st.reg.subtrees.get(&subtree)?.holder.as_ref()?;
+        (h.client == client).then(|| Scope {
+            root: subtree,
+            client,
+            grants: h.grants.clone(),
+        })
+    }
+
+    /// Writes the registry: a new file, synced, renamed over the old, synced.
+    fn save_registry(&self) -> Result<(), FsError> {
+        let _one = self.reg_write.lock().unwrap_or_else(|p| p.into_inner());
+        let bytes = self.state().reg.encode();
+        write_file(&*self.fs, self.hidden, REGISTRY_NEW, &bytes)?;
+        self.fs.rename(
+            self.hidden,
+            REGISTRY_NEW,
+            self.hidden,
+            REGISTRY,
+            Default::default(),
+            &Ctx::root(),
+        )?;
+        self.fs.sync_all()
+    }
+
+    fn resolve_path(&self, path: &[u8]) -> Result<Attr, FsError> {
+        let mut a = self.fs.getattr(self.root)?;
+        for part in path.split(|&b| b == b'/').filter(|p| !p.is_empty()) {
+            if a.ino == self.root && part == HIDDEN {
+                return Err(FsError::NotFound);
+            }
+            let next = self.fs.lookup(a.ino, part)?;
+            self.learn(a.ino, part, &next);
+            a = next;
+        }
+        Ok(a)
+    }
+
+    fn learn(&self, parent: Ino, name: &[u8], a: &Attr) {
+        let mut st = self.state();
+        if a.kind == FileType::Directory {
+            st.dirs.insert(a.ino, (parent, name.to_vec()));
+        } else {
+            st.files.insert(a.ino, parent);
+        }
+    }
+
+    /// `dir`'s parent, from the cache or the store.
+    fn parent_of(&self, dir: Ino) -> Result<Ino, FsError> {
+        if let Some((p, _)) = self.state().dirs.get(&dir) {
+            return Ok(*p);
+        }
+        let p = self.fs.lookup(dir, b"..")?.ino;
+        Ok(p)
+    }
+
+    /// `dir`'s name in its parent: the cache, or a search of the parent.
+    fn name_of(&self, dir: Ino, parent: Ino) -> Result<Vec<u8>, FsError> {
+        if let Some((p, n)) = self.state().dirs.get(&dir) {
+            if *p == parent {
+                return Ok(n.clone());
+            }
+        }
+        let mut found = None;
+        self.fs.readdir(parent, 0, &mut |e| {
+            if e.ino == dir && e.name != b"." && e.name != b".." {
+                found = Some(e.name);
+                return false;
+            }
+            true
+        })?;
+        let n = found.ok_or(FsError::NotFound)?;
+        self.state().dirs.insert(dir, (parent, n.clone()));
+        Ok(n)
+    }
+
+    fn path_of(&self, dir: Ino) -> Result<Vec<u8>, FsError> {
+        let mut parts: Vec<Vec<u8>> = Vec::new();
+        let mut d = dir;
+        for _ in 0..4096 {
+            if d == self.root {
+                parts.reverse();
+                let mut p = Vec::new();
+                for part in parts {
+                    p.push(b'/');
+                    p.extend_from_slice(&part);
+                }
+                if p.is_empty() {
+                    p.push(b'/');
+                }
+                return Ok(p);
+            }
+            let parent = self.parent_of(d)?;
+            parts.push(self.name_of(d, parent)?);
+            d = parent;
+        }
+        Err(FsError::Io("a directory deeper than 4096 levels".into()))
+    }
+
+    /// The registry entries from `dir` up to the root, nearest first.
+    fn governing(&self, dir: Ino) -> Result<Vec<(Ino, Entry)>, FsError> {
+        let mut out = Vec::new();
+        if self.state().reg.subtrees.is_empty() {
+            return Ok(out);
+        }
+        let mut d = dir;
+        for _ in 0..4096 {
+            if let Some(e) = self.state().reg.subtrees.get(&d) {
+                out.push((d, e.clone()));
+            }
+            if d == self.root {
+                return Ok(out);
+            }
+            let p = self.parent_of(d)?;
+            if p == d {
+                return Ok(out);
+            }
+            d = p;
+        }
+        Err(FsError::Io("a directory deeper than 4096 levels".into()))
+    }
+
+    fn policy_of(&self, dir: Ino) -> Result<(Ino, Policy, u64), FsError> {
+        Ok(match self.governing(dir)?.first() {
+            Some((i, e)) => (*i, e.policy, e.version),
+            None => (self.root, Policy::default(), 0),
+        })
+    }
+
+    fn lease_alive(&self, client: u64) -> bool {
+        self.state()
+            .leases
+            .get(&client)
+            .is_some_and(|t| Instant::now() < *t)
+    }
+
+    fn renew(&self, client: u64) {
+        let until = Instant::now() + self.cfg.lease;
+        self.state().leases.insert(client, until);
+    }
+
+    fn known_client(&self, client: u64) -> Result<(), WireError> {
+        let next = self.state().reg.next_client;
+        if client == 0 || client >= next {
+            return Err(wire(
+                libc::EACCES,
+                format!("client {client} never said hello to this service"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn gate(&self, subtree: Ino) -> Arc<RwLock<()>> {
+        self.gates
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(subtree)
+            .or_default()
+            .clone()
+    }
+
+    /// Answers one request. Blocking: the caller runs it off the network's threads.
+    pub fn handle(&self, req: Request) -> Response {
+        match req {
+            Request::Hello { name } => self.hello(&name),
+            Request::Renew { client } => match self.known_client(client) {
+                Ok(()) => {
+                    self.renew(client);
+                    Response::Done
+                }
+                Err(e) => Response::Error(e),
+            },
+            Request::Op { client, creds, op } => match self.known_client(client) {
+                Ok(()) => self.op(client, &Ctx::from(creds), op),
+                Err(e) => Response::Error(e),
+            },
+            Request::Resolve { client, path } => {
+                if let Err(e) = self.known_client(client) {
+                    return Response::Error(e);
+                }
+                match self.resolve_path(&path) {
+                    Ok(a) => Response::Attr(a),
+                    Err(e) => Response::Error(fs_err(&e)),
+                }
+            }
+            Request::PolicyGet { client, ino } => self
+                .known_client(client)
+                .and_then(|()| self.policy_get(ino))
+                .map_or_else(Response::Error, Response::Policy),
+            Request::PolicySet {
+                client,
+                ino,
+                settings,
+            } => self
+                .known_client(client)
+                .and_then(|()| self.policy_set(ino, &settings))
+                .map_or_else(Response::Error, Response::Policy),
+            Request::Decouple { client, ino } => match self.known_client(client) {
+                Ok(()) => self.decouple(client, ino),
+                Err(e) => Response::Error(e),
+            },
+            Request::MoreInodes { client, subtree } => match self.known_client(client) {
+                Ok(()) => self.more_inodes(client, subtree),
+                Err(e) => Response::Error(e),
+            },
+            Request::Merge {
+                client,
+                subtree,
+                journal,
+                durable,
+            } => match self.known_client(client) {
+                Ok(()) => self.merge(client, subtree, &journal, durable),
+                Err(e) => Response::Error(e),
+            },
+            Request::Persist {
+                client,
+                subtree,
+                journal,
+            } => match self.known_client(client) {
+                Ok(()) => self.persist(client, subtree, &journal),
+                Err(e) => Response::Error(e),
+            },
+            Request::Release { client, subtree } => match self.known_client(client) {
+                Ok(()) => self.release(client, subtree),
+                Err(e) => Response::Error(e),
+            },
+            Request::Sync { client } => match self.known_client(client) {
+                Ok(()) => match self.fs.sync_all() {
+                    Ok(()) => Response::Done,
+                    Err(e) => Response::Error(fs_err(&e)),
+                },
+                Err(e) => Response::Error(e),
+            },
+        }
+    }
+
+    fn hello(&self, name: &str) -> Response {
+        let client = {
+            let mut st = self.state();
+            let c = st.reg.next_client.max(1);
+            st.reg.next_client = c + 1;
+            c
+        };
+        // The number is durable before it is given: a restart never gives it again.
+        if let Err(e) = self.save_registry() {
+            return Response::Error(fs_err(&e));
+        }
+        self.renew(client);
+        tracing::info!("mds: client {client} ({name}) said hello");
+        Response::Welcome {
+            client,
+            root: self.root,
+            lease_ms: self.cfg.lease.as_millis() as u64,
+        }
+    }
+
+    /// The directories `op` names (and the file it names by number, by the directory
+    /// it was seen in), for the subtree checks; and whether it touches the service's
+    /// own directory.
+    fn touched(&self, op: &FsOp) -> Result<Vec<Ino>, WireError> {
+        let hidden_name = |parent: Ino, name: &[u8]| parent == self.root && name == HIDDEN;
+        let (dirs, names): (Vec<Ino>, Vec<(Ino, &[u8])>) = match op {
+            FsOp::Lookup { parent, name }
+            | FsOp::Mknod { parent, name, .. }
+            | FsOp::Mkdir { parent, name, .. }
+            | FsOp::Symlink { parent, name, .. }
+            | FsOp::Unlink { parent, name }
+            | FsOp::Rmdir { parent, name } => (vec![*parent], vec![(*parent, name)]),
+            FsOp::Rename {
+                parent,
+                name,
+                new_parent,
+                new_name,
+                ..
+            } => (
+                vec![*parent, *new_parent],
+                vec![(*parent, name), (*new_parent, new_name)],
+            ),
+            FsOp::Link {
+                ino,
+                new_parent,
+                new_name,
+            } => {
+                let mut d = vec![*new_parent];
+                d.extend(self.state().files.get(ino).copied());
+                (d, vec![(*new_parent, new_name)])
+            }
+            FsOp::Readdir { ino, .. } => (vec![*ino], vec![]),
+            FsOp::Getattr { ino }
+            | FsOp::Setattr { ino, .. }
+            | FsOp::Readlink { ino }
+            | FsOp::Read { ino, .. }
+            | FsOp::Write { ino, .. }
+            | FsOp::Fsync { ino, .. }
+            | FsOp::Setxattr { ino, .. }
+            | FsOp::Getxattr { ino, .. }
+            | FsOp::Listxattr { ino }
+            | FsOp::Removexattr { ino, .. }
+            | FsOp::Fallocate { ino, .. } => {
+                let st = self.state();
+                let d = if *ino == self.root || st.dirs.contains_key(ino) {
+                    Some(*ino)
+                } else {
+                    st.files.get(ino).copied()
+                };
+                (d.into_iter().collect(), vec![])
+            }
+            _ => (vec![], vec![]),
+        };
+        if dirs.contains(&self.hidden) || names.iter().any(|(p, n)| hidden_name(*p, n)) {
+            return Err(wire(
+                libc::EPERM,
+                "the service's own directory (/.quiltfs-mds) is not for clients",
+            ));
+        }
+        Ok(dirs)
+    }
+
+    fn op(&self, client: u64, ctx: &Ctx, op: FsOp) -> Response {
+        // Looked up, the service's directory is not there; anything else done to it
+        // is refused.
+        if let FsOp::Lookup { parent, name } = &op {
+            if *parent == self.root && name.as_slice() == HIDDEN {
+                return Response::Error(fs_err(&FsError::NotFound));
+            }
+        }
+        let dirs = match self.touched(&op) {
+            Ok(d) => d,
+            Err(e) => return Response::Error(e),
+        };
+        // The holds over what the request names: blocked, or gates to pass.
+        let mut gates = Vec::new();
+        let mut durability = Policy::default().durability;
+        for (i, d) in dirs.iter().enumerate() {
+            let gov = match self.governing(*d) {
+                Ok(g) => g,
+                Err(e) => return Response::Error(fs_err(&e)),
+            };
+            if i == 0 {
+                if let Some((_, e)) = gov.first() {
+                    durability = e.policy.durability;
+                }
+            }
+            for (root, e) in gov {
+                let Some(h) = &e.holder else { continue };
+                if h.client != client
+                    && e.policy.interfere == Interfere::Block
+                    && self.lease_alive(h.client)
+                {
+                    return err(
+                        libc::EBUSY,
+                        format!(
+                            "{} is decoupled by client {} (interfere=block)",
+                            String::from_utf8_lossy(&e.path),
+                            h.client
+                        ),
+                    );
+                }
+                gates.push(root);
+            }
+        }
+        gates.sort_unstable();
+        gates.dedup();
+        let gates: Vec<Arc<RwLock<()>>> = gates.into_iter().map(|g| self.gate(g)).collect();
+        let _passing: Vec<_> = gates
+            .iter()
+            .map(|g| g.read().unwrap_or_else(|p| p.into_inner()))
+            .collect();
+        let changes = op.changes();
+        if changes {
+            self.commit
+                .st
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .changes += 1;
+        }
+        let reply = match op.apply(&*self.fs, ctx) {
+            Ok(r) => r,
+            Err(e) => return Response::Error(fs_err(&e)),
+        };
+        self.after(&op, &reply);
+        if changes && durability == Durability::Global {
+            if let Err(e) = self.durable() {
+                return err(libc::EIO, e);
+            }
+        }
+        Response::Reply(self.hide(&op, reply))
+    }
+
+    /// Keeps the caches: where directories and files were seen.
+    fn after(&self, op: &FsOp, reply: &FsReply) {
+        match (op, reply) {
+            (
+                FsOp::Lookup { parent, name }
+                | FsOp::Mknod { parent, name, .. }
+                | FsOp::Mkdir { parent, name, .. }
+                | FsOp::Symlink { parent, name, .. },
+                FsReply::Attr(a),
+            ) => self.learn(*parent, name, a),
+            (
+                FsOp::Link {
+                    new_parent,
+                    new_name,
+                    ..
+                },
+                FsReply::Attr(a),
+            ) => self.learn(*new_parent, new_name, a),
+            (FsOp::Readdir { ino, .. }, FsReply::Entries(es)) => {
+                let mut st = self.state();
+                for e in es {
+                    if e.name == b"." || e.name == b".." {
+                        continue;
+                    }
+                    if e.kind == FileType::Directory {
+                        st.dirs.insert(e.ino, (*ino, e.name.clone()));
+                    } else {
+                        st.files.insert(e.ino, *ino);
+                    }
+                }
+            }
+            (
+                FsOp::Rename {
+                    new_parent,
+                    new_name,
+                    ..
+                },
+                _,
+            ) => {
+                if let Ok(a) = self.fs.lookup(*new_parent, new_name) {
+                    self.learn(*new_parent, new_name, &a);
+                    if a.kind == FileType::Directory {
+                        self.refresh_paths();
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Recomputes every registry entry's path (a directory moved), saving the registry
+    /// if one changed.
+    fn refresh_paths(&self) {
+        let inos: Vec<(Ino, Vec<u8>)> = self
+            .state()
+            .reg
+            .subtrees
+            .iter()
+            .map(|(i, e)| (*i, e.path.clone()))
+            .collect();
+        let mut changed = false;
+        for (ino, old) in inos {
+            if let Ok(p) = self.path_of(ino) {
+                if p != old {
+                    if let Some(e) = self.state().reg.subtrees.get_mut(&ino) {
+                        e.path = p;
+                        changed = true;
+                    }
+                }
+            }
+        }
+        if changed {
+            if let Err(e) = self.save_registry() {
+                tracing::error!("mds: saving the registry after a move: {e}");
+            }
+        }
+    }
+
+    /// The service's directory left out of the root's listing.
+    fn hide(&self, op: &FsOp, reply: FsReply) -> FsReply {
+        match (op, reply) {
+            (FsOp::Readdir { ino, .. }, FsReply::Entries(mut es)) if *ino == self.root => {
+                es.retain(|e| e.name != HIDDEN);
+                FsReply::Entries(es)
+            }
+            (_, r) => r,
+        }
+    }
+
+    /// Waits until every change made so far is durable (one sync for all waiters).
+    fn durable(&self) -> Result<(), String> {
+        let c = &self.commit;
+        let mut g = c.st.lock().unwrap_or_else(|p| p.into_inner());
+        let target = g.changes;
+        loop {
+            if g.durable >= target {
+                return Ok(());
+            }
+            if !g.syncing {
+                g.syncing = true;
+                let covers = g.changes;
+                drop(g);
+                let r = self.fs.sync_all();
+                g = c.st.lock().unwrap_or_else(|p| p.into_inner());
+                g.syncing = false;
+                match r {
+                    Ok(()) => {
+                        g.durable = g.durable.max(covers);
+                        g.error = None;
+                    }
+                    Err(e) => g.error = Some(e.to_string()),
+                }
+                c.cv.notify_all();
+                if let Some(e) = &g.error {
+                    return Err(format!("making the change durable: {e}"));
+                }
+                continue;
+            }
+            g = c.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+            if let Some(e) = &g.error {
+                return Err(format!("making the change durable: {e}"));
+            }
+        }
+    }
+
+    fn dir(&self, ino: Ino) -> Result<Attr, WireError> {
+        if ino == self.hidden {
+            return Err(fs_err(&FsError::NotFound));
+        }
+        let a = self.fs.getattr(ino).map_err(|e| fs_err(&e))?;
+        if a.kind != FileType::Directory {
+            return Err(fs_err(&FsError::NotDir));
+        }
+        Ok(a)
+    }
+
+    fn policy_get(&self, ino: Ino) -> Result<PolicyInfo, WireError> {
+        self.dir(ino)?;
+        let (from, policy, version) = self.policy_of(ino).map_err(|e| fs_err(&e))?;
+        let holder = self
+            .governing(ino)
+            .map_err(|e| fs_err(&e))?
+            .into_iter()
+            .find_map(|(_, e)| e.holder.map(|h| h.client));
+        Ok(PolicyInfo {
+            from,
+            policy,
+            version,
+            holder,
+        })
+    }
+
+    fn policy_set(&self, ino: Ino, settings: &str) -> Result<PolicyInfo, WireError> {
+        self.dir(ino)?;
+        let (_, mut policy, _) = self.policy_of(ino).map_err(|e| fs_err(&e))?;
+        let existing = self.state().reg.subtrees.get(&ino).cloned();
+        if let Some(e) = &existing {
+            policy = e.policy;
+        }
+        for word in settings.split([' ', ',', '\n']).filter(|w| !w.is_empty()) {
+            policy
+                .set(word)
+                .map_err(|e| wire(libc::EINVAL, e.to_string()))?;
+        }
+        let path = self.path_of(ino).map_err(|e| fs_err(&e))?;
+        {
+            let mut st = self.state();
+            let e = st.reg.subtrees.entry(ino).or_insert(Entry {
+                path: path.clone(),
+                policy,
+                version: 0,
+                holder: None,
+            });
+            e.policy = policy;
+            e.path = path;
+            e.version += 1;
+        }
+        self.save_registry().map_err(|e| fs_err(&e))?;
+        self.policy_get(ino)
+    }
+
+    fn decouple(&self, client: u64, ino: Ino) -> Response {
+        match self.try_decouple(client, ino) {
+            Ok(r) => r,
+            Err(e) => Response::Error(e),
+        }
+    }
+
+    fn try_decouple(&self, client: u64, ino: Ino) -> Result<Response, WireError> {
+        self.dir(ino)?;
+        let gov = self.governing(ino).map_err(|e| fs_err(&e))?;
+        let policy = gov.first().map_or_else(Policy::default, |(_, e)| e.policy);
+        // Held already: by this client (it comes back), or by another.
+        for (root, e) in &gov {
+            if let Some(h) = &e.holder {
+                if h.client == client && *root == ino {
+                    self.renew(client);
+                    let w = merge::watermark(&*self.fs, ino, client).map_err(|e| fs_err(&e))?;
+                    return Ok(Response::Decoupled {
+                        policy: e.policy,
+                        grants: h.grants.clone(),
+                        merged_seq: w.seq,
+                        max_ino: w.max_ino,
+                    });
+                }
+                return Err(wire(
+                    libc::EBUSY,
+                    format!(
+                        "{} is held decoupled by client {}",
+                        String::from_utf8_lossy(&e.path),
+                        h.client
+                    ),
+                ));
+            }
+        }
+        if !policy.decoupled() {
+            return Err(wire(
+                libc::EINVAL,
+                "the subtree's consistency is strong: it is used through the service, \
+                 not decoupled (set consistency=weak or invisible first)",
+            ));
+        }
+        // A hold below it, by anyone, is in the way too.
+        let below: Vec<(Ino, u64)> = self
+            .state()
+            .reg
+            .subtrees
+            .iter()
+            .filter_map(|(i, e)| e.holder.as_ref().map(|h| (*i, h.client)))
+            .collect();
+        for (i, c) in below {
+            let mut d = i;
+            for _ in 0..4096 {
+                if d == ino {
+                    return Err(wire(
+                        libc::EBUSY,
+                        format!("a directory inside it is held decoupled by client {c}"),
+                    ));
+                }
+                if d == self.root {
+                    break;
+                }
+                d = self.parent_of(d).map_err(|e| fs_err(&e))?;
+            }
+        }
+        let grants = self.grant(policy.inodes).map_err(|e| fs_err(&e))?;
+        let path = self.path_of(ino).map_err(|e| fs_err(&e))?;
+        {
+            let mut st = self.state();
+            let e = st.reg.subtrees.entry(ino).or_insert(Entry {
+                path: path.clone(),
+                policy,
+                version: 0,
+                holder: None,
+            });
+            e.path = path;
+            e.holder = Some(Hold {
+                client,
+                grants: grants.clone(),
+            });
+        }
+        self.save_registry().map_err(|e| fs_err(&e))?;
+        self.renew(client);
+        let w = merge::watermark(&*self.fs, ino, client).map_err(|e| fs_err(&e))?;
+        Ok(Response::Decoupled {
+            policy,
+            grants,
+            merged_seq: w.seq,
+            max_ino: w.max_ino,
+        })
+    }
+
+    /// `count` numbers, in as few grants as the store gives (ext2 grants within one
+    /// block group).
+    fn grant(&self, count: u64) -> Result<Vec<InoGrant>, FsError> {
+        let mut out = Vec::new();
+        let mut left = count;
+        let mut ask = count;
+        while left > 0 {
+            match self.fs.grant_inodes(ask.min(left)) {
+                Ok(g) => {
+                    left -= g.count;
+                    out.push(g);
+                }
+                Err(FsError::Invalid(_)) if ask > 1 => ask = ask.div_ceil(2),
+                Err(e) => return Err(e),
+            }
+            if out.len() > 4096 {
+                return Err(FsError::NoSpace);
+            }
+        }
+        Ok(out)
+    }
+
+    fn more_inodes(&self, client: u64, subtree: Ino) -> Response {
+        if self.scope(client, subtree).is_none() {
+            return err(
+                libc::EPERM,
+                format!("client {client} does not hold subtree {subtree}"),
+            );
+        }
+        let policy = self.policy_of(subtree).map(|p| p.1).unwrap_or_default();
+        let got = match self.grant(policy.inodes) {
+            Ok(g) => g,
+            Err(e) => return Response::Error(fs_err(&e)),
+        };
+        {
+            let mut st = self.state();
+            if let Some(h) = st
+                .reg
+                .subtrees
+                .get_mut(&subtree)
+                .and_then(|e| e.holder.as_mut())
+            {
+                h.grants.extend(got.iter().copied());
+            }
+        }
+        if let Err(e) = self.save_registry() {
+            return Response::Error(fs_err(&e));
+        }
+        match got.first() {
+            Some(_) => Response::Granted(got),
+            None => err(libc::ENOSPC, "no inode numbers left"),
+        }
+    }
+
+    /// Applies a validated journal, halving the batch while the store's journal cannot
+    /// hold one.
+    fn apply_merge(
+        &self,
+        scope: &Scope,
+        events: &[(u64, journal::Event)],
+    ) -> Result<merge::Plan, MergeError> {
+        let w =
+            merge::watermark(&*self.fs, scope.root, scope.client).map_err(MergeError::Namespace)?;
+        let plan = merge::plan(&*self.fs, scope, events, w)?;
+        let mut chunk = self.cfg.merge_chunk.max(1);
+        loop {
+            match merge::apply(&*self.fs, scope, &plan, chunk) {
+                Ok(_) => return Ok(plan),
+                Err(MergeError::Apply {
+                    error: FsError::Invalid(why),
+                    ..
+                }) if why.contains("journal holds") && chunk > 1 => {
+                    chunk /= 2;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn merge(&self, client: u64, subtree: Ino, bytes: &[u8], durable: bool) -> Response {
+        let Some(scope) = self.scope(client, subtree) else {
+            return err(
+                libc::EPERM,
+                format!("client {client} does not hold subtree {subtree}: no merge into it"),
+            );
+        };
+        let read = match journal::read(bytes, Tail::Strict) {
+            Ok(r) => r,
+            Err(e) => return err(libc::EINVAL, format!("the journal: {e}")),
+        };
+        if read.header.client != client || read.header.subtree != subtree {
+            return err(
+                libc::EINVAL,
+                format!(
+                    "the journal is client {}'s for subtree {}, not client {client}'s for \
+                     subtree {subtree}",
+                    read.header.client, read.header.subtree
+                ),
+            );
+        }
+        self.renew(client);
+        let gate = self.gate(subtree);
+        let _alone = gate.write().unwrap_or_else(|p| p.into_inner());
+        let staged = staged_name(client, subtree);
+        if durable {
+            if let Err(e) =
+                write_file(&*self.fs, self.hidden, &staged, bytes).and_then(|()| self.fs.sync_all())
+            {
+                return Response::Error(fs_err(&e));
+            }
+        }
+        let result = self.apply_merge(&scope, &read.events);
+        let plan = match result {
+            Ok(p) => p,
+            Err(e) => {
+                if durable {
+                    // Refused whole (nothing applied) or cut by the store: either way
+                    // not to be finished at the next start.
+                    let _ = self.fs.unlink(self.hidden, &staged, &Ctx::root());
+                }
+                let errno = match &e {
+                    MergeError::Invalid { .. }
+                    | MergeError::WrongClient { .. }
+                    | MergeError::WrongSubtree { .. } => libc::EINVAL,
+                    MergeError::Apply { error, .. } | MergeError::Namespace(error) => error.errno(),
+                };
+                return err(errno, e.to_string());
+            }
+        };
+        if durable {
+            if let Err(e) = self.fs.sync_all() {
+                return Response::Error(fs_err(&e));
+            }
+            let _ = self.fs.unlink(self.hidden, &staged, &Ctx::root());
+        }
+        if plan
+            .steps
+            .iter()
+            .any(|s| matches!(s.op, FsOp::Rename { .. }))
+        {
+            self.refresh_paths();
+        }
+        Response::Merged {
+            merged_seq: plan.last.seq,
+            events: plan.events,
+            skipped: plan.skipped,
+            moved_aside: plan.moved_aside.len() as u64,
+        }
+    }
+
+    fn persist(&self, client: u64, subtree: Ino, bytes: &[u8]) -> Response {
+        if self.scope(client, subtree).is_none() {
+            return err(
+                libc::EPERM,
+                format!("client {client} does not hold subtree {subtree}"),
+            );
+        }
+        let read = match journal::read(bytes, Tail::Strict) {
+            Ok(r) => r,
+            Err(e) => return err(libc::EINVAL, format!("the journal: {e}")),
+        };
+        if read.header.client != client || read.header.subtree != subtree {
+            return err(libc::EINVAL, "the journal is another client's or subtree's");
+        }
+        self.renew(client);
+        let name = persisted_name(client, subtree);
+        let c = Ctx::root();
+        let r = (|| -> Result<u64, FsError> {
+            let a = match self.fs.lookup(self.hidden, &name) {
+                Ok(a) => a,
+                Err(FsError::NotFound) => {
+                    let a = self
+                        .fs
+                        .mknod(self.hidden, &name, libc::S_IFREG | 0o600, 0, &c)?;
+                    self.fs.write(a.ino, 0, &bytes[..journal::HEADER_LEN], &c)?;
+                    self.fs.getattr(a.ino)?
+                }
+                Err(e) => return Err(e),
+            };
+            let frames = &bytes[journal::HEADER_LEN..];
+            let mut off = a.size;
+            for part in frames.chunks(1 << 20) {
+                self.fs.write(a.ino, off, part, &c)?;
+                off += part.len() as u64;
+            }
+            self.fs.fsync(a.ino, true)?;
+            Ok(off)
+        })();
+        match r {
+            Ok(bytes) => Response::Persisted { bytes },
+            Err(e) => Response::Error(fs_err(&e)),
+        }
+    }
+
+    fn release(&self, client: u64, subtree: Ino) -> Response {
+        if self.scope(client, subtree).is_none() {
+            return err(
+                libc::EPERM,
+                format!("client {client} does not hold subtree {subtree}"),
+            );
+        }
+        {
+            let mut st = self.state();
+            if let Some(e) = st.reg.subtrees.get_mut(&subtree) {
+                e.holder = None;
+                if e.version == 0 {
+                    st.reg.subtrees.remove(&subtree);
+                }
+            }
+        }
+        match self.save_registry() {
+            Ok(()) => Response::Done,
+            Err(e) => Response::Error(fs_err(&e)),
+        }
+    }
+
+    /// Subtrees with a policy or a hold: (directory, path, policy, version, holder).
+    pub fn subtrees(&self) -> Vec<(Ino, String, Policy, u64, Option<u64>)> {
+        self.state()
+            .reg
+            .subtrees
+            .iter()
+            .map(|(i, e)| {
+                (
+                    *i,
+                    String::from_utf8_lossy(&e.path).into_owned(),
+                    e.policy,
+                    e.version,
+                    e.holder.as_ref().map(|h| h.client),
+                )
+            })
+            .collect()
+    }
+}
+
+/// The numbers of `grants` above `max` (a client takes them in increasing order).
+fn unused(grants: &[InoGrant], max: Ino) -> Vec<InoGrant> {
+    grants
+        .iter()
+        .filter_map(|g| {
+            let end = g.first + g.count;
+            let from = g.first.max(max + 1);
+            (from < end).then_some(InoGrant {
+                first: from,
+                count: end - from,
+            })
+        })
+        .collect()
+}
+
+fn read_file(fs: &dyn FileSystem, dir: Ino, name: &[u8]) -> Result<Option<Vec<u8>>, FsError> {
+    let a = match fs.lookup(dir, name) {
+        Ok(a) => a,
+        Err(FsError::NotFound) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut out = Vec::with_capacity(a.size as usize);
+    while (out.len() as u64) < a.size {
+        let part = fs.read(a.ino, out.len() as u64, 1 << 20)?;
+        if part.is_empty() {
+            break;
+        }
+        out.extend_from_slice(&part);
+    }
+    Ok(Some(out))
+}
+
+/// Writes `bytes` as file `name` in `dir` (replacing one), durable before it returns.
+fn write_file(fs: &dyn FileSystem, dir: Ino, name: &[u8], bytes: &[u8]) -> Result<(), FsError> {
+    let c = Ctx::root();
+    match fs.unlink(dir, name, &c) {
+        Ok(()) | Err(FsError::NotFound) => {}
+        Err(e) => return Err(e),
+    }
+    let a = fs.mknod(dir, name, libc::S_IFREG | 0o600, 0, &c)?;
+    let mut off = 0;
+    for part in bytes.chunks(1 << 20) {
+        fs.write(a.ino, off, part, &c)?;
+        off += part.len() as u64;
+    }
+    fs.fsync(a.ino, false)
+}

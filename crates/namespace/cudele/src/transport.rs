@@ -1,0 +1,120 @@
+//! gRPC (tonic) for the metadata service: the server around [`Mds`], and a channel to
+//! it. Every request carries the shared secret in its metadata, checked before the
+//! message is decoded; with TLS the service presents its certificate and clients
+//! verify it against the cluster's CA.
+
+use crate::rpc::{Request, Response, MAX_MESSAGE};
+use crate::service::Mds;
+use quilt_rpc::{secret_value, SecretCheck, TlsIdentity};
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{
+    Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig,
+};
+use tonic::Status;
+
+#[allow(clippy::all, clippy::unwrap_used)]
+mod generated {
+    include!(concat!(env!("OUT_DIR"), "/cudele.Mds.rs"));
+}
+use generated::mds_client::MdsClient;
+use generated::mds_server::{Mds as MdsService, MdsServer};
+
+pub const SECRET_KEY: &str = "x-quiltfs-secret";
+
+struct Service {
+    mds: Arc<Mds>,
+}
+
+#[tonic::async_trait]
+impl MdsService for Service {
+    async fn call(
+        &self,
+        request: tonic::Request<Request>,
+    ) -> Result<tonic::Response<Response>, Status> {
+        let mds = self.mds.clone();
+        let req = request.into_inner();
+        // The store's calls block: off the runtime's workers.
+        match tokio::task::spawn_blocking(move || mds.handle(req)).await {
+            Ok(r) => Ok(tonic::Response::new(r)),
+            Err(e) => Err(Status::internal(format!("the request's task failed: {e}"))),
+        }
+    }
+}
+
+/// Serves `mds` on `listener` (bound by the caller, so that port 0 works and the
+/// address is known) until `shutdown` resolves; over TLS with `tls`.
+pub async fn serve(
+    mds: Arc<Mds>,
+    listener: tokio::net::TcpListener,
+    secret: &str,
+    tls: Option<TlsIdentity>,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), String> {
+    let check = SecretCheck::new(SECRET_KEY, secret)?;
+    let at = listener
+        .local_addr()
+        .map_or_else(|_| "its port".to_string(), |a| a.to_string());
+    let svc = MdsServer::new(Service { mds })
+        .max_decoding_message_size(MAX_MESSAGE)
+        .max_encoding_message_size(MAX_MESSAGE);
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(t) = tls {
+        builder = builder
+            .tls_config(ServerTlsConfig::new().identity(Identity::from_pem(t.cert_pem, t.key_pem)))
+            .map_err(|e| format!("the service's TLS certificate or key: {e}"))?;
+    }
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    builder
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            svc, check,
+        ))
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+        .map_err(|e| format!("serving on {at}: {e}"))
+}
+
+/// A channel to the service.
+#[derive(Clone)]
+pub struct Channelled {
+    channel: Channel,
+    secret: MetadataValue<Ascii>,
+    addr: String,
+}
+
+impl Channelled {
+    /// A lazy channel to `addr` (`host:port`); with `ca_pem`, over TLS.
+    pub fn new(addr: &str, secret: &str, ca_pem: Option<Vec<u8>>) -> Result<Channelled, String> {
+        let scheme = if ca_pem.is_some() { "https" } else { "http" };
+        let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
+            .map_err(|e| format!("address {addr}: {e}"))?
+            .connect_timeout(Duration::from_secs(3))
+            .tcp_nodelay(true);
+        if let Some(ca) = ca_pem {
+            ep = ep
+                .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))
+                .map_err(|e| format!("TLS for {addr}: {e}"))?;
+        }
+        Ok(Channelled {
+            channel: ep.connect_lazy(),
+            secret: secret_value(secret)?,
+            addr: addr.to_string(),
+        })
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// One request; a transport failure or a refusal (a wrong secret) is the error.
+    pub async fn call(&self, req: Request) -> Result<Response, Status> {
+        let mut c = MdsClient::new(self.channel.clone())
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE);
+        let mut r = tonic::Request::new(req);
+        r.metadata_mut().insert(SECRET_KEY, self.secret.clone());
+        c.call(r).await.map(|r| r.into_inner())
+    }
+}

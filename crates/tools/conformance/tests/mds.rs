@@ -1,0 +1,486 @@
+//! The metadata service (Cudele) over loopback gRPC, on each module with atomic
+//! batches: clients that share the namespace through RPCs, a subtree decoupled by one
+//! client (EBUSY for others under `block`, the conflict rule under `allow`), merges
+//! over the wire, what survives a restart of the service (policies, holds and their
+//! blocks, grants, a staged merge finished), and bad requests refused with nothing
+//! changed.
+
+use quilt_cudele::client::{Client, DecoupleOptions, RemoteFs};
+use quilt_cudele::journal::{self, ClientJournal, Event, Header};
+use quilt_cudele::rpc::Request;
+use quilt_cudele::service::{Mds, MdsConfig};
+use quilt_vfs::{Ctx, FileSystem, FsError, FsOp};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[path = "support/modules.rs"]
+mod modules;
+
+use modules::{check, mkfs, Kind};
+
+const KINDS: [Kind; 2] = [Kind::Betrfs, Kind::Ext2(quilt_ext2::Mode::MetaJournal)];
+const SECRET: &str = "test-secret";
+
+/// A module mounted for the service: shared, and unmounted by its own type.
+enum Store {
+    Ext2(Arc<quilt_ext2::Ext2>),
+    Betrfs(Arc<quilt_betrfs::Betrfs>),
+}
+
+impl Store {
+    fn open(kind: Kind, dev: Arc<quilt_block::MemDevice>) -> Store {
+        match modules::mount(kind, dev) {
+            modules::Mounted::Ext2(f) => Store::Ext2(Arc::from(f)),
+            modules::Mounted::Betrfs(f) => Store::Betrfs(Arc::from(f)),
+        }
+    }
+    fn fs(&self) -> Arc<dyn FileSystem> {
+        match self {
+            Store::Ext2(f) => f.clone(),
+            Store::Betrfs(f) => f.clone(),
+        }
+    }
+    fn unmount(self) {
+        match self {
+            Store::Ext2(f) => f.unmount().unwrap(),
+            Store::Betrfs(f) => f.unmount().unwrap(),
+        }
+    }
+}
+
+/// The service on a loopback port, in its own runtime.
+struct Service {
+    rt: tokio::runtime::Runtime,
+    addr: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    done: Option<tokio::task::JoinHandle<Result<(), String>>>,
+}
+
+impl Service {
+    fn start(fs: Arc<dyn FileSystem>, at: Option<&str>, lease: Duration) -> Service {
+        let mds = Arc::new(
+            Mds::open(
+                fs,
+                MdsConfig {
+                    lease,
+                    merge_chunk: 64,
+                },
+            )
+            .unwrap(),
+        );
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind(at.unwrap_or("127.0.0.1:0")))
+            .unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let done = rt.spawn(quilt_cudele::transport::serve(
+            mds,
+            listener,
+            SECRET,
+            None,
+            async {
+                let _ = rx.await;
+            },
+        ));
+        Service {
+            rt,
+            addr,
+            stop: Some(tx),
+            done: Some(done),
+        }
+    }
+
+    fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        let done = self.done.take().unwrap();
+        self.rt.block_on(done).unwrap().unwrap();
+    }
+}
+
+fn user() -> Ctx {
+    Ctx {
+        uid: 1000,
+        gid: 1000,
+        pid: 7,
+        umask: 0o022,
+    }
+}
+
+fn connect(addr: &str, name: &str) -> Arc<Client> {
+    Client::connect(addr, SECRET, None, name).unwrap()
+}
+
+fn errno(r: Result<impl std::fmt::Debug, FsError>) -> i32 {
+    match r {
+        Err(e) => e.errno(),
+        Ok(v) => panic!("expected an error, got {v:?}"),
+    }
+}
+
+fn names(fs: &dyn FileSystem, dir: u64) -> Vec<Vec<u8>> {
+    let mut v = Vec::new();
+    fs.readdir(dir, 0, &mut |e| {
+        if e.name != b"." && e.name != b".." {
+            v.push(e.name);
+        }
+        true
+    })
+    .unwrap();
+    v.sort();
+    v
+}
+
+#[test]
+fn clients_share_the_namespace_through_rpcs() {
+    for kind in KINDS {
+        let dev = mkfs(kind);
+        let store = Store::open(kind, dev.clone());
+        let svc = Service::start(store.fs(), None, Duration::from_secs(30));
+        let (a, b) = (
+            RemoteFs::new(connect(&svc.addr, "a")),
+            RemoteFs::new(connect(&svc.addr, "b")),
+        );
+        assert_ne!(a.client().id(), b.client().id());
+        let c = Ctx::root();
+        let d = a.mkdir(a.root(), b"shared", 0o777, &c).unwrap();
+        let f = a
+            .mknod(d.ino, b"notes", libc::S_IFREG | 0o666, 0, &user())
+            .unwrap();
+        assert_eq!(f.uid, 1000);
+        a.write(f.ino, 0, b"written by a", &user()).unwrap();
+        // b sees it at once (strong consistency: every request reaches the service).
+        let seen = b.lookup(d.ino, b"notes").unwrap();
+        assert_eq!(seen.ino, f.ino);
+        assert_eq!(b.read(seen.ino, 0, 100).unwrap(), b"written by a");
+        b.rename(
+            d.ino,
+            b"notes",
+            d.ino,
+            b"renamed",
+            Default::default(),
+            &user(),
+        )
+        .unwrap();
+        assert_eq!(errno(a.lookup(d.ino, b"notes")), libc::ENOENT);
+        assert_eq!(a.lookup(d.ino, b"renamed").unwrap().ino, f.ino);
+        // The service's own directory is nobody's business.
+        assert!(!names(&a, a.root()).contains(&b".quiltfs-mds".to_vec()));
+        assert_eq!(errno(a.lookup(a.root(), b".quiltfs-mds")), libc::ENOENT);
+        assert_eq!(
+            errno(a.mkdir(a.root(), b".quiltfs-mds", 0o755, &c)),
+            libc::EPERM
+        );
+        // Errors keep their errno across the wire.
+        assert_eq!(errno(a.mkdir(d.ino, b"renamed", 0o755, &c)), libc::EEXIST);
+        assert_eq!(errno(a.rmdir(a.root(), b"shared", &c)), libc::ENOTEMPTY);
+        a.sync_all().unwrap();
+        svc.stop();
+        store.unmount();
+        check(kind, &dev);
+    }
+}
+
+#[test]
+fn a_decoupled_subtree_blocks_others_or_lets_them_in_and_wins_at_merge() {
+    for kind in KINDS {
+        let dev = mkfs(kind);
+        let store = Store::open(kind, dev.clone());
+        let svc = Service::start(store.fs(), None, Duration::from_secs(30));
+        let ca = connect(&svc.addr, "holder");
+        let (a, b) = (
+            RemoteFs::new(ca.clone()),
+            RemoteFs::new(connect(&svc.addr, "other")),
+        );
+        let c = Ctx::root();
+        let job = a.mkdir(a.root(), b"job", 0o777, &c).unwrap().ino;
+        let free = a.mkdir(a.root(), b"free", 0o777, &c).unwrap().ino;
+        // Strong (the default) cannot be decoupled.
+        assert_eq!(
+            ca.decouple(job, DecoupleOptions::default())
+                .err()
+                .unwrap()
+                .errno(),
+            libc::EINVAL
+        );
+        ca.set_policy(job, "consistency=weak interfere=block inodes=300 sync=0")
+            .unwrap();
+        let d = ca.decouple(job, DecoupleOptions::default()).unwrap();
+        // Every request of another client inside gets EBUSY; outside, nothing changes.
+        assert_eq!(
+            errno(b.mknod(job, b"x", libc::S_IFREG | 0o644, 0, &c)),
+            libc::EBUSY
+        );
+        assert_eq!(errno(b.lookup(job, b"anything")), libc::EBUSY);
+        assert_eq!(errno(b.getattr(job)), libc::EBUSY);
+        b.mknod(free, b"fine", libc::S_IFREG | 0o644, 0, &c)
+            .unwrap();
+        // The holder works alone: 1,000 creates, in directories of its own.
+        let out = d.mkdir(&user(), job, b"out", 0o755).unwrap();
+        for i in 0..1000 {
+            d.create(&user(), out, format!("f{i:04}").as_bytes(), 0o644)
+                .unwrap();
+        }
+        assert_eq!(
+            d.create(&user(), out, b"f0001", 0o644).err(),
+            Some(FsError::Exists)
+        );
+        assert_eq!(d.appended(), 1001);
+        let s = d.sync().unwrap();
+        assert_eq!(s.merged_seq, 1001);
+        // Merged, and still blocked until the holder lets go.
+        assert_eq!(errno(b.lookup(job, b"out")), libc::EBUSY);
+        assert_eq!(names(&a, out).len(), 1000);
+        d.release().unwrap();
+        let o = b.lookup(job, b"out").unwrap();
+        assert_eq!(o.uid, 1000);
+        assert_eq!(names(&b, o.ino).len(), 1000);
+
+        // interfere=allow: the other client's changes go in; the holder's win at merge.
+        ca.set_policy(job, "interfere=allow").unwrap();
+        let d = ca.decouple(job, DecoupleOptions::default()).unwrap();
+        let theirs = b
+            .mknod(job, b"result", libc::S_IFREG | 0o644, 0, &c)
+            .unwrap();
+        b.write(theirs.ino, 0, b"theirs", &c).unwrap();
+        let mine = d.create(&user(), job, b"result", 0o644).unwrap();
+        let s = d.sync().unwrap();
+        assert!(s.merged_seq > 1001);
+        assert_eq!(a.lookup(job, b"result").unwrap().ino, mine);
+        let aside = format!("result.cudele-conflict-{}", theirs.ino);
+        let kept = a.lookup(job, aside.as_bytes()).unwrap();
+        assert_eq!(a.read(kept.ino, 0, 10).unwrap(), b"theirs");
+        d.release().unwrap();
+        svc.stop();
+        store.unmount();
+        check(kind, &dev);
+    }
+}
+
+#[test]
+fn policies_holds_grants_and_staged_merges_survive_a_restart() {
+    for kind in KINDS {
+        let dev = mkfs(kind);
+        let store = Store::open(kind, dev.clone());
+        let svc = Service::start(store.fs(), None, Duration::from_secs(30));
+        let addr = svc.addr.clone();
+        let ca = connect(&addr, "holder");
+        let a = RemoteFs::new(ca.clone());
+        let c = Ctx::root();
+        let job = a.mkdir(a.root(), b"job", 0o777, &c).unwrap().ino;
+        let p = ca
+            .set_policy(
+                job,
+                "consistency=weak durability=global interfere=block sync=0",
+            )
+            .unwrap();
+        assert_eq!(p.version, 1);
+        let d = ca.decouple(job, DecoupleOptions::default()).unwrap();
+        for i in 0..50 {
+            d.create(&user(), job, format!("before.{i}").as_bytes(), 0o644)
+                .unwrap();
+        }
+        d.sync().unwrap();
+        drop(d);
+        svc.stop();
+        store.unmount();
+
+        // A journal staged for a durable merge when the service stopped (as a crash
+        // in the middle of the merge leaves it): events 51..=60, client `ca`.
+        let store = Store::open(kind, dev.clone());
+        let fs = store.fs();
+        let hidden = fs.lookup(fs.root(), b".quiltfs-mds").unwrap().ino;
+        let job_now = fs.lookup(fs.root(), b"job").unwrap().ino;
+        assert_eq!(job_now, job);
+        let w = quilt_cudele::merge::watermark(&*fs, job, ca.id()).unwrap();
+        assert_eq!(w.seq, 50);
+        let h = Header {
+            client: ca.id(),
+            subtree: job,
+        };
+        let mut j = ClientJournal::new(h, 51);
+        for i in 0..10 {
+            j.append(&Event {
+                uid: 1000,
+                gid: 1000,
+                op: FsOp::Mknod {
+                    parent: job,
+                    name: format!("staged.{i}").into_bytes(),
+                    mode: libc::S_IFREG | 0o644,
+                    rdev: 0,
+                    ino: Some(w.max_ino + 1 + i),
+                },
+            });
+        }
+        let bytes = journal::encode(&h, &[j.seal().unwrap()]);
+        let f = fs
+            .mknod(
+                hidden,
+                format!("staged.{}.{job}", ca.id()).as_bytes(),
+                libc::S_IFREG | 0o600,
+                0,
+                &c,
+            )
+            .unwrap();
+        fs.write(f.ino, 0, &bytes, &c).unwrap();
+
+        // The service again, on the same port: the staged merge is finished first.
+        let svc = Service::start(fs.clone(), Some(&addr), Duration::from_secs(30));
+        let b = RemoteFs::new(connect(&addr, "other"));
+        assert!(b.client().id() > ca.id(), "a client number given twice");
+        // The hold and its block survived (the holder gets a fresh lease).
+        assert_eq!(errno(b.lookup(job, b"before.1")), libc::EBUSY);
+        let info = ca.policy(job).unwrap();
+        assert_eq!(info.version, 1);
+        assert_eq!(info.holder, Some(ca.id()));
+        assert_eq!(info.policy.interfere, quilt_cudele::Interfere::Block);
+        // The holder comes back to its hold and goes on past the staged events.
+        let d = ca.decouple(job, DecoupleOptions::default()).unwrap();
+        for i in 0..5 {
+            d.create(&user(), job, format!("after.{i}").as_bytes(), 0o644)
+                .unwrap();
+        }
+        d.release().unwrap();
+        let all = names(&b, job);
+        assert_eq!(all.len(), 65, "{kind:?}: {:?}", all.len());
+        assert!(all.contains(&b"staged.9".to_vec()));
+        assert!(all.contains(&b"after.4".to_vec()));
+        assert_eq!(
+            errno(fs.lookup(hidden, format!("staged.{}.{job}", ca.id()).as_bytes())),
+            libc::ENOENT,
+            "the staged journal stays after its merge"
+        );
+        svc.stop();
+        store.unmount();
+        check(kind, &dev);
+    }
+}
+
+#[test]
+fn bad_requests_are_refused_and_change_nothing() {
+    let kind = Kind::Betrfs;
+    let dev = mkfs(kind);
+    let store = Store::open(kind, dev.clone());
+    let svc = Service::start(store.fs(), None, Duration::from_secs(30));
+    let ca = connect(&svc.addr, "holder");
+    let cb = connect(&svc.addr, "other");
+    let a = RemoteFs::new(ca.clone());
+    let c = Ctx::root();
+    let job = a.mkdir(a.root(), b"job", 0o777, &c).unwrap().ino;
+    ca.set_policy(job, "consistency=weak sync=0").unwrap();
+    let _d = ca.decouple(job, DecoupleOptions::default()).unwrap();
+    let before = names(&a, job);
+    let call = |cl: &Client, r: Request| cl.call(r).err().map(|e| e.errno);
+    // A journal that is garbage, truncated, or another client's.
+    let garbage = vec![0xAB; 300];
+    assert_eq!(
+        call(
+            &ca,
+            Request::Merge {
+                client: ca.id(),
+                subtree: job,
+                journal: garbage,
+                durable: true
+            }
+        ),
+        Some(libc::EINVAL)
+    );
+    let h = Header {
+        client: ca.id(),
+        subtree: job,
+    };
+    let mut j = ClientJournal::new(h, 1);
+    j.append(&Event {
+        uid: 0,
+        gid: 0,
+        op: FsOp::Mknod {
+            parent: 987_654_321,
+            name: b"dangling".to_vec(),
+            mode: libc::S_IFREG | 0o644,
+            rdev: 0,
+            ino: Some(1 << 30),
+        },
+    });
+    let bytes = journal::encode(&h, &[j.seal().unwrap()]);
+    assert_eq!(
+        call(
+            &ca,
+            Request::Merge {
+                client: ca.id(),
+                subtree: job,
+                journal: bytes[..bytes.len() - 3].to_vec(),
+                durable: false
+            }
+        ),
+        Some(libc::EINVAL)
+    );
+    assert_eq!(
+        call(
+            &ca,
+            Request::Merge {
+                client: ca.id(),
+                subtree: job,
+                journal: bytes.clone(),
+                durable: false
+            }
+        ),
+        Some(libc::EINVAL),
+        "a dangling parent and a number never granted"
+    );
+    // A client that does not hold the subtree cannot merge into it.
+    assert_eq!(
+        call(
+            &cb,
+            Request::Merge {
+                client: cb.id(),
+                subtree: job,
+                journal: bytes,
+                durable: false
+            }
+        ),
+        Some(libc::EPERM)
+    );
+    // A client number nobody was given; a hello with the wrong secret.
+    assert_eq!(
+        call(
+            &ca,
+            Request::Op {
+                client: 9999,
+                creds: Default::default(),
+                op: FsOp::Getattr { ino: job }
+            }
+        ),
+        Some(libc::EACCES)
+    );
+    let e = Client::connect(&svc.addr, "wrong", None, "intruder")
+        .err()
+        .unwrap();
+    assert!(e.contains("secret"), "{e}");
+    // A policy setting that is not one.
+    assert_eq!(
+        ca.set_policy(job, "consistency=eventual")
+            .err()
+            .unwrap()
+            .errno,
+        libc::EINVAL
+    );
+    // Letting go of another client's hold.
+    assert_eq!(
+        call(
+            &ca,
+            Request::Release {
+                client: cb.id(),
+                subtree: job
+            }
+        ),
+        Some(libc::EPERM)
+    );
+    assert_eq!(names(&a, job), before);
+    svc.stop();
+    store.unmount();
+    check(kind, &dev);
+}
