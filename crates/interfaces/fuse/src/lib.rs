@@ -82,6 +82,10 @@ pub struct FuseOptions {
     pub block_size: u32,
     /// Where the adapter counts requests (share it to report them).
     pub stats: Arc<RequestStats>,
+    /// How long the kernel may keep names and attributes without asking again: a
+    /// second for a file system only this mount changes; zero for a namespace others
+    /// change too (a strongly consistent namespace service).
+    pub cache_ttl: Duration,
 }
 
 impl Default for FuseOptions {
@@ -98,6 +102,7 @@ impl Default for FuseOptions {
             extra: Vec::new(),
             block: None,
             block_size: 4096,
+            cache_ttl: TTL,
             stats: Arc::default(),
         }
     }
@@ -109,6 +114,7 @@ pub type OnUnmount = Box<dyn FnOnce() + Send + Sync>;
 struct Adapter<F: KernelFs> {
     fs: Arc<F>,
     inos: Inos,
+    ttl: Duration,
     writeback_cache: bool,
     read_only: bool,
     posix_acl: bool,
@@ -172,12 +178,12 @@ fn wire_attr(a: &Attr, inos: Inos) -> WireAttr {
     }
 }
 
-fn entry(a: &WireAttr) -> Entry {
+fn entry(a: &WireAttr, ttl: Duration) -> Entry {
     Entry {
         attr: *a,
         generation: 0,
-        entry_valid: TTL,
-        attr_valid: TTL,
+        entry_valid: ttl,
+        attr_valid: ttl,
     }
 }
 
@@ -369,7 +375,7 @@ impl<F: KernelFs> Adapter<F> {
 
     fn reply_entry(&self, r: Result<Attr, FsError>, reply: Reply<'_>) {
         match r.and_then(|a| self.remember(&a).map(|()| a)) {
-            Ok(a) => reply.entry(&entry(&wire_attr(&a, self.inos))),
+            Ok(a) => reply.entry(&entry(&wire_attr(&a, self.inos), self.ttl)),
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -414,8 +420,11 @@ impl<F: KernelFs> Adapter<F> {
             let added = match attr {
                 Some(a) => match self.remember(&a) {
                     Ok(()) => {
-                        let added =
-                            buf.add_plus(&entry(&wire_attr(&a, self.inos)), e.next_offset, &e.name);
+                        let added = buf.add_plus(
+                            &entry(&wire_attr(&a, self.inos), self.ttl),
+                            e.next_offset,
+                            &e.name,
+                        );
                         if !added {
                             self.forget_all([(a.ino, 1)]);
                         }
@@ -523,7 +532,7 @@ impl<F: KernelFs> Adapter<F> {
             }
         }
         match self.fs.setattr(ino, set, &self.ctx(req)) {
-            Ok(a) => reply.attr(&wire_attr(&a, self.inos), TTL),
+            Ok(a) => reply.attr(&wire_attr(&a, self.inos), self.ttl),
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -557,7 +566,7 @@ impl<F: KernelFs> Adapter<F> {
             .and_then(|a| self.remember(&a).map(|()| a));
         match r {
             Ok(a) => reply.created(
-                &entry(&wire_attr(&a, self.inos)),
+                &entry(&wire_attr(&a, self.inos), self.ttl),
                 c.pid as u64,
                 self.open_flags(flags),
             ),
@@ -652,7 +661,7 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
             Op::Lookup { name } => {
                 let _t = self.stats.time(Stat::Lookup);
                 if is_control(node, name) {
-                    return reply.entry(&entry(&control::attr()));
+                    return reply.entry(&entry(&control::attr(), TTL));
                 }
                 self.reply_entry(self.fs.lookup(ino, name), reply);
             }
@@ -677,7 +686,7 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                     return reply.attr(&control::attr(), TTL);
                 }
                 match self.fs.getattr(ino) {
-                    Ok(a) => reply.attr(&wire_attr(&a, self.inos), TTL),
+                    Ok(a) => reply.attr(&wire_attr(&a, self.inos), self.ttl),
                     Err(e) => reply.error(errno(e)),
                 }
             }
@@ -993,7 +1002,7 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                     .and_then(|a| self.remember(&a).map(|()| a));
                 match r {
                     Ok(a) => reply.created(
-                        &entry(&wire_attr(&a, self.inos)),
+                        &entry(&wire_attr(&a, self.inos), self.ttl),
                         c.pid as u64,
                         self.open_flags(*flags),
                     ),
@@ -1081,6 +1090,7 @@ fn adapter<F: KernelFs + 'static>(
     let reaper = callers.watch(fs.clone(), Duration::from_millis(500));
     Adapter {
         inos: Inos { root: fs.root() },
+        ttl: opts.cache_ttl,
         fs,
         writeback_cache: opts.writeback_cache,
         read_only: opts.read_only,

@@ -437,6 +437,10 @@ impl FileSystem for RemoteFs {
     }
 }
 
+/// The kernel's references need nothing of the service: a mount's FUSE adapter drives
+/// the namespace as it drives a module.
+impl quilt_vfs::KernelFs for RemoteFs {}
+
 /// How a client works in a decoupled subtree.
 #[derive(Debug, Clone, Default)]
 pub struct DecoupleOptions {

@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod address;
 pub mod client;
 pub mod journal;
 pub mod merge;
@@ -24,6 +25,7 @@ pub mod rpc;
 pub mod service;
 pub mod transport;
 
+pub use address::MdsAddress;
 pub use client::{Client, DecoupleOptions, Decoupled, RemoteFs};
 pub use journal::{ClientJournal, Event, Header};
 pub use merge::{MergeError, Plan, Scope};

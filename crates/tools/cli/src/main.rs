@@ -12,6 +12,7 @@ mod demo;
 mod fileview;
 mod image;
 mod kv;
+mod mds;
 mod mkfs;
 mod mount;
 mod nbd;
@@ -94,6 +95,11 @@ enum Command {
     /// are the volume's (for losetup, and the kernel's own file systems on it), until
     /// unmounted.
     FileView(fileview::FileViewArgs),
+    /// The namespace service (Cudele): serve an image's namespace to many clients, and
+    /// set per-subtree consistency and durability (mount it with
+    /// `quiltfs mount mds://HOST:PORT[/SUBTREE]?secret-file=F MOUNTPOINT`).
+    #[command(subcommand)]
+    Mds(mds::MdsCommand),
 }
 
 /// `mi_option_purge_delay` of mimalloc 2.1 and later (the Rust bindings list only the
@@ -178,11 +184,15 @@ fn main() {
     // for output piped into `head`).
     if matches!(
         cli.command,
-        Command::Replica(_) | Command::Cluster(_) | Command::Nbd(_) | Command::FileView(_)
-    ) || argv
-        .iter()
-        .any(|a| quilt_gnothi::device::VolumeAddress::is_address(a))
-    {
+        Command::Replica(_)
+            | Command::Cluster(_)
+            | Command::Nbd(_)
+            | Command::FileView(_)
+            | Command::Mds(_)
+    ) || argv.iter().any(|a| {
+        quilt_gnothi::device::VolumeAddress::is_address(a)
+            || quilt_cudele::MdsAddress::is_address(a)
+    }) {
         // SAFETY: setting a signal's disposition to ignore touches no memory of ours.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     }
@@ -231,6 +241,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Cluster(c) => replica::run_cluster(c),
         Command::Nbd(a) => nbd::run(a),
         Command::FileView(a) => fileview::run(a),
+        Command::Mds(c) => mds::run(c),
     }
 }
 

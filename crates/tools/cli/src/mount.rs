@@ -178,7 +178,8 @@ pub use quilt_mountctl::runtime_paths;
 pub fn run(mut a: MountArgs) -> Result<()> {
     // Absolute paths: the server's command line and the mount table name the image and
     // the mount point, and messages about a busy image quote them.
-    let volume = crate::image::volume_address(&a.image).is_some();
+    let volume =
+        crate::image::volume_address(&a.image).is_some() || mds_address(&a.image).is_some();
     for p in [&mut a.image, &mut a.mountpoint] {
         if let Ok(c) = p.canonicalize() {
             *p = c;
@@ -298,8 +299,52 @@ impl Served for quilt_betrfs::Betrfs {
     }
 }
 
+/// The namespace service's address, when that is what is mounted.
+pub fn mds_address(image: &Path) -> Option<&str> {
+    image
+        .to_str()
+        .filter(|s| quilt_cudele::MdsAddress::is_address(s))
+}
+
+impl Served for quilt_cudele::RemoteFs {
+    fn finish(&self) -> quilt_vfs::Result<()> {
+        // Every change was answered by the service once it had it (and made it
+        // durable where the subtree's policy says so): nothing is held here.
+        Ok(())
+    }
+}
+
+/// A mount of the namespace service: every operation a request (RPCs), and no kernel
+/// cache of names or attributes, so that what other clients change is seen at once.
+fn serve_mds(a: &MountArgs, p: Parsed, addr: &str) -> Result<()> {
+    let address = quilt_cudele::MdsAddress::parse(addr).map_err(|e| anyhow::anyhow!(e))?;
+    let client = crate::mds::connect(&address, &format!("mount {}", a.mountpoint.display()))?;
+    let root = client
+        .resolve(address.subtree.as_bytes())
+        .map_err(|e| anyhow::anyhow!("{} in the namespace: {e}", address.subtree))?;
+    let policy = client
+        .policy(root.ino)
+        .map_err(|e| anyhow::anyhow!("{}: {}", address.subtree, e.message))?;
+    if policy.policy.decoupled() {
+        bail!(
+            "{}'s consistency is {}: a decoupled FUSE mount is not built yet (issue 50); \
+             use the client library (quilt_cudele::Decoupled), or set consistency=strong",
+            address.subtree,
+            policy.policy.consistency
+        );
+    }
+    let fs = Arc::new(quilt_cudele::RemoteFs::at(client, root.ino));
+    let mut fuse = p.fuse.clone();
+    fuse.cache_ttl = std::time::Duration::ZERO;
+    fuse.fs_name = format!("quiltfs-mds:{}", address.host);
+    serve_fs(a, fuse, fs, Vec::new())
+}
+
 /// Opens the image in whatever format it holds.
 fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
+    if let Some(addr) = mds_address(&a.image) {
+        return serve_mds(a, p, addr);
+    }
     match crate::betrfs::detect(&a.image)? {
         crate::betrfs::Format::Ext2 => {
             let mut locks = Vec::new();
@@ -401,7 +446,8 @@ fn serve_fs<F: Served>(
     // A replicated volume has no file to put a loop device on: a plain FUSE mount
     // (`quiltfs sync` or fsync make it durable; every write it passes down is already
     // durable on f+1 replicas once written back).
-    let volume = crate::image::volume_address(&a.image).is_some();
+    let volume =
+        crate::image::volume_address(&a.image).is_some() || mds_address(&a.image).is_some();
     fuse.block = if volume {
         None
     } else if crate::image::is_block_device(&a.image) {
