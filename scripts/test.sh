@@ -86,8 +86,11 @@ if [ "$(id -u)" = 0 ]; then
   # The volume as one file through FUSE, a loop device and the kernel's ext4 on it, a
   # replica killed during a copy (the files, e2fsck of the device and of the export).
   step tests/file-view.sh ./target/release/quiltfs
+  # The namespace service (Cudele): two mounts of one namespace, policies, kill -9 of
+  # the service during creates (every acknowledged file kept; quiltfs fsck, e2fsck).
+  step tests/mds.sh ./target/release/quiltfs
 else
-  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/unmount.sh, tests/betrfs-space.sh, tests/deep-paths.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/bench-betrfs.sh, tests/bench-bark.sh, tests/kernel-parity-betrfs.sh, tests/betrfs-programs.sh, tests/betrfs-clone.sh, tests/gnothi-cluster.sh, tests/gnothi-faults.sh and tests/file-view.sh (need root)" >&2
+  echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/unmount.sh, tests/betrfs-space.sh, tests/deep-paths.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/bench-betrfs.sh, tests/bench-bark.sh, tests/kernel-parity-betrfs.sh, tests/betrfs-programs.sh, tests/betrfs-clone.sh, tests/gnothi-cluster.sh, tests/gnothi-faults.sh, tests/file-view.sh and tests/mds.sh (need root)" >&2
 fi
 # The NBD export against QEMU's client (qemu-img, qemu-io): an image and a replicated
 # volume, the kernel's mkfs.ext4 image copied on, a replica killed, e2fsck clean.

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# The namespace service (Cudele) from the command line, on betrfs and on ext3:
+# `quiltfs mds serve`, two FUSE mounts of it (what one writes the other sees at once,
+# with real programs: cp -a and diff -r), policies set and shown through a mount, a
+# weak subtree's FUSE mount refused with a reason, and kill -9 of the service during a
+# create loop under global durability: after a restart every file whose creation was
+# acknowledged is there with its bytes, and the store's checker (quiltfs fsck, e2fsck)
+# finds it clean.
+#
+# Usage: tests/mds.sh QUILTFS_BINARY
+set -euo pipefail
+Q=${1:?usage: tests/mds.sh QUILTFS_BINARY}
+Q=$(readlink -f "$Q")
+W=$(mktemp -d /tmp/mds-test.XXXXXX)
+SERVE_PID=
+MOUNTS=()
+
+cleanup() {
+  for m in "${MOUNTS[@]}"; do
+    mountpoint -q "$m" 2>/dev/null && { umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; }
+  done
+  [ -n "$SERVE_PID" ] && kill "$SERVE_PID" 2>/dev/null && wait "$SERVE_PID" 2>/dev/null || true
+  rm -rf "$W"
+}
+trap cleanup EXIT
+fail() {
+  echo "mds: FAIL: $*" >&2
+  cat "$W/serve.err" >&2 2>/dev/null || true
+  exit 1
+}
+say() { echo "mds: $*"; }
+
+# Starts the service on $1 (port) for image $2; sets ADDR.
+serve() {
+  local port=$1 img=$2
+  "$Q" mds serve "$img" --listen "127.0.0.1:$port" --lease 3 >"$W/serve.out" 2>"$W/serve.err" &
+  SERVE_PID=$!
+  for _ in $(seq 1 100); do
+    ADDR=$(grep -o 'mds://[^ ]*' "$W/serve.out" 2>/dev/null || true)
+    [ -n "$ADDR" ] && return 0
+    kill -0 "$SERVE_PID" 2>/dev/null || fail "quiltfs mds serve exited"
+    sleep 0.1
+  done
+  fail "the service did not start"
+}
+stop_serving() { kill "$SERVE_PID"; wait "$SERVE_PID" || fail "the service did not stop cleanly"; SERVE_PID=; }
+crash_serving() { kill -9 "$SERVE_PID"; wait "$SERVE_PID" 2>/dev/null || true; SERVE_PID=; }
+mnt() {
+  mkdir -p "$2"
+  "$Q" mount "$1" "$2" >/dev/null || fail "mounting $1 on $2"
+  MOUNTS+=("$2")
+}
+unmnt() { umount "$1" || fail "umount $1"; }
+check_store() {
+  case $1 in
+    betrfs) "$Q" fsck "$2" >/dev/null || fail "quiltfs fsck of $2" ;;
+    ext3) e2fsck -fn "$2" >/dev/null 2>&1 || { e2fsck -fn "$2" >&2 || true; fail "e2fsck of $2"; } ;;
+  esac
+}
+
+for fs in betrfs ext3; do
+  IMG=$W/$fs.img
+  case $fs in
+    betrfs) "$Q" mkfs --fs betrfs --size 256M "$IMG" >/dev/null ;;
+    ext3) "$Q" mkfs --journal --size 256M "$IMG" >/dev/null ;;
+  esac
+  PORT=$((20000 + RANDOM % 20000))
+  serve "$PORT" "$IMG"
+  A=$W/a-$fs B=$W/b-$fs
+  mnt "$ADDR" "$A"
+  mnt "$ADDR" "$B"
+
+  # 1. Two clients, one namespace, no stale views.
+  echo "from a" >"$A/note"
+  [ "$(cat "$B/note")" = "from a" ] || fail "$fs: b does not read what a wrote"
+  mkdir "$B/dir" && mv "$A/note" "$A/dir/moved"
+  [ -f "$B/dir/moved" ] && [ ! -e "$B/note" ] || fail "$fs: b still sees the old name"
+  cp -a /etc/ssl "$A/ssl" 2>/dev/null || cp -a /usr/share/doc/bash "$A/ssl"
+  src=/etc/ssl; [ -d /etc/ssl ] || src=/usr/share/doc/bash
+  diff -r "$src" "$B/ssl" >/dev/null || fail "$fs: the copy read through the other mount differs"
+  ls -a "$A" | grep -q quiltfs-mds && fail "$fs: the service's own directory shows"
+
+  # 2. Policies through a mount; a weak subtree is not mounted as if it were strong.
+  "$Q" mds policy set "$A/dir" consistency=weak interfere=block inodes=2000 >/dev/null
+  out=$("$Q" mds policy show "$B/dir")
+  echo "$out" | grep -q "consistency=weak" || fail "$fs: policy show: $out"
+  echo "$out" | grep -q "version 1" || fail "$fs: policy version: $out"
+  "$Q" mds policy show "$B/dir/moved" >/dev/null 2>&1 && fail "$fs: a policy of a file"
+  sub="${ADDR%%\?*}dir?${ADDR#*\?}"
+  mkdir -p "$W/weak"
+  if "$Q" mount "$sub" "$W/weak" 2>"$W/weak.err"; then fail "$fs: a weak subtree mounted"; fi
+  grep -q "decoupled" "$W/weak.err" || fail "$fs: no reason given: $(cat "$W/weak.err")"
+
+  # 3. kill -9 during a create loop (global durability: each create is durable when
+  # it returns); every acknowledged file is there after a restart.
+  mkdir "$A/loop"
+  : >"$W/acked"
+  (
+    i=0
+    while [ $i -lt 100000 ]; do
+      if { echo "payload $i" >"$A/loop/f$i"; } 2>/dev/null; then echo "f$i" >>"$W/acked"; else break; fi
+      i=$((i + 1))
+    done
+  ) &
+  LOOP=$!
+  sleep 2
+  crash_serving
+  wait "$LOOP" || true
+  n=$(wc -l <"$W/acked")
+  [ "$n" -gt 10 ] || fail "$fs: only $n creates before the crash"
+  unmnt "$A"; unmnt "$B"
+  serve "$PORT" "$IMG"
+  C=$W/c-$fs
+  mnt "$ADDR" "$C"
+  missing=0
+  while read -r f; do
+    n_=${f#f}
+    [ "$(cat "$C/loop/$f" 2>/dev/null)" = "payload $n_" ] || missing=$((missing + 1))
+  done <"$W/acked"
+  # A line is written only once `echo > f` returned: its create and its write were
+  # both answered, so both were durable.
+  [ "$missing" -eq 0 ] || fail "$fs: $missing of $n acknowledged files lost or wrong"
+  [ "$(cat "$C/dir/moved")" = "from a" ] || fail "$fs: older files lost"
+  "$Q" mds policy show "$C/dir" | grep -q "interfere=block" || fail "$fs: the policy did not survive"
+  say "$fs: $n creates acknowledged before kill -9, all there after the restart"
+  unmnt "$C"
+  stop_serving
+  check_store "$fs" "$IMG"
+done
+say "all checks passed"
