@@ -98,6 +98,9 @@ step tests/nbd.sh ./target/release/quiltfs
 # `quiltfs bench gnothi`, small: every output, the issue's CSV columns, both catch-ups
 # complete, Gnothi's replicas keep less at home than G′'s.
 step tests/bench-gnothi.sh ./target/release/quiltfs
+# `quiltfs bench cudele`, small: every mechanism and composition, use case 1 with one
+# and two client processes, every output and the issue's CSV columns.
+step tests/bench-cudele.sh ./target/release/quiltfs
 # Fuzzing smoke: every input a fuzzer ever crashed on, and random damage to each region
 # of a seed image (the coverage-guided hour-long runs are scripts/fuzz.sh's).
 prebuilt

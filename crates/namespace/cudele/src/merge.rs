@@ -185,7 +185,13 @@ struct Shadow<'a> {
     used: HashSet<Ino>,
     /// The highest granted number created so far (creations go up).
     max_ino: Ino,
+    /// Names asked of existing directories, and the directories listed whole.
+    asked: HashMap<Ino, u32>,
+    listed: HashMap<Ino, HashMap<Vec<u8>, (Ino, FileType)>>,
 }
+
+/// Names asked of one existing directory before it is listed whole instead.
+const LIST_AFTER: u32 = 32;
 
 fn bad(seq: u64, why: impl Into<String>) -> MergeError {
     MergeError::Invalid {
@@ -240,16 +246,39 @@ impl<'a> Shadow<'a> {
             outside: HashSet::new(),
             used: HashSet::new(),
             max_ino: 0,
+            asked: HashMap::new(),
+            listed: HashMap::new(),
         })
     }
 
     /// What `name` in `dir` names now: the journal's change, else the namespace's.
-    fn resolve(&self, dir: Ino, name: &[u8]) -> Result<Option<(Ino, FileType)>, MergeError> {
+    fn resolve(&mut self, dir: Ino, name: &[u8]) -> Result<Option<(Ino, FileType)>, MergeError> {
         if let Some(e) = self.names.get(&(dir, name.to_vec())) {
             return Ok(*e);
         }
         if self.known.get(&dir).is_some_and(|k| k.ours) {
             return Ok(None);
+        }
+        // A directory the journal adds many names to is listed once rather than asked
+        // name by name.
+        if let Some(l) = self.listed.get(&dir) {
+            return Ok(l.get(name).copied());
+        }
+        let asked = self.asked.entry(dir).or_default();
+        *asked += 1;
+        if *asked >= LIST_AFTER {
+            let mut l = HashMap::new();
+            self.fs
+                .readdir(dir, 0, &mut |e| {
+                    if e.name != b"." && e.name != b".." {
+                        l.insert(e.name, (e.ino, e.kind));
+                    }
+                    true
+                })
+                .map_err(MergeError::Namespace)?;
+            let found = l.get(name).copied();
+            self.listed.insert(dir, l);
+            return Ok(found);
         }
         match self.fs.lookup(dir, name) {
             Ok(a) => Ok(Some((a.ino, a.kind))),
@@ -458,11 +487,9 @@ impl<'a> Shadow<'a> {
             ));
         }
         self.max_ino = ino;
-        match self.fs.getattr(ino) {
-            Err(FsError::NotFound | FsError::Stale) => {}
-            Ok(_) => return Err(bad(seq, format!("inode {ino} is already in use"))),
-            Err(e) => return Err(MergeError::Namespace(e)),
-        }
+        // A number above the client's watermark is unused: only the client creates under
+        // its grants, only through merges, which move the watermark (and the module
+        // refuses a number that is not free in its grants all the same).
         self.writable_dir(seq, dir, &ctx)?;
         self.make_room(seq, dir, name, plan)?;
         plan.steps.push(Step {

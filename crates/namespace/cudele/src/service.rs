@@ -57,7 +57,7 @@ impl Default for MdsConfig {
     fn default() -> MdsConfig {
         MdsConfig {
             lease: Duration::from_secs(30),
-            merge_chunk: 4096,
+            merge_chunk: 16384,
         }
     }
 }
@@ -1075,10 +1075,10 @@ impl Mds {
         loop {
             match merge::apply(&*self.fs, scope, &plan, chunk) {
                 Ok(_) => return Ok(plan),
-                Err(MergeError::Apply {
-                    error: FsError::Invalid(why),
-                    ..
-                }) if why.contains("journal holds") && chunk > 1 => {
+                // A batch larger than the store takes whole (ext2's journal, betrfs's
+                // log) is refused before it changes anything: smaller ones, from the
+                // watermark the earlier batches reached.
+                Err(MergeError::Apply { error, .. }) if too_large(&error) && chunk > 1 => {
                     chunk /= 2;
                 }
                 Err(e) => return Err(e),
@@ -1240,6 +1240,11 @@ impl Mds {
             })
             .collect()
     }
+}
+
+fn too_large(e: &FsError) -> bool {
+    let m = e.to_string();
+    m.contains("journal holds") || m.contains("too large for the log")
 }
 
 /// The numbers of `grants` above `max` (a client takes them in increasing order).

@@ -13,6 +13,7 @@
 
 pub mod bark;
 pub mod betrfs;
+pub mod cudele;
 pub mod featherstitch;
 pub mod gnothi;
 pub mod mail;

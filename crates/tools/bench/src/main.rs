@@ -39,6 +39,13 @@ enum BenchCommand {
     /// for f = 1 and 2 beside G′, Cheap Paxos and one local disk, all on modelled 7200
     /// RPM disks; bytes stored per replica; catch-up recovery timelines.
     Gnothi(quilt_bench::gnothi::GnothiArgs),
+    /// Per-subtree consistency and durability (Cudele): the seven mechanisms and the
+    /// paper's compositions, creates in private directories from several client
+    /// processes, journal bytes per event; local ext4 beside them.
+    Cudele(quilt_bench::cudele::CudeleArgs),
+    /// One client process of `cudele` (started by it).
+    #[command(hide = true)]
+    CudeleClient(quilt_bench::cudele::ClientArgs),
 }
 
 fn main() {
@@ -54,6 +61,8 @@ fn main() {
         BenchCommand::Betrfs(a) => quilt_bench::betrfs::run(a),
         BenchCommand::Bark(a) => quilt_bench::bark::run(a),
         BenchCommand::Gnothi(a) => quilt_bench::gnothi::run(a),
+        BenchCommand::Cudele(a) => quilt_bench::cudele::run(a),
+        BenchCommand::CudeleClient(a) => quilt_bench::cudele::client_main(a),
     };
     if let Err(e) = r {
         eprintln!("quiltfs bench: error: {e:#}");

@@ -35,6 +35,10 @@ pub struct ServeArgs {
     /// Page cache of the store, MiB.
     #[arg(long, default_value_t = 256)]
     pub cache_mib: usize,
+    /// Events per atomic batch of a merge (halved while the store cannot take one
+    /// whole); each batch also moves the client's watermark.
+    #[arg(long, default_value_t = 16384)]
+    pub merge_batch: usize,
 }
 
 #[derive(Subcommand)]
@@ -145,7 +149,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         store.fs(),
         MdsConfig {
             lease: Duration::from_secs(a.lease.max(1)),
-            ..Default::default()
+            merge_chunk: a.merge_batch.max(1),
         },
     )
     .map_err(|e| anyhow!("opening the namespace of {}: {e}", image.display()))?;
@@ -240,7 +244,7 @@ fn locate(path: &str) -> Result<(MdsAddress, String)> {
         let p = a.subtree.clone();
         return Ok((a, p));
     }
-    let abs = std::fs::canonicalize(path).with_context(|| format!("{path}"))?;
+    let abs = std::fs::canonicalize(path).with_context(|| path.to_string())?;
     let mut mp = abs.as_path();
     let dev = |p: &Path| std::fs::metadata(p).map(|m| std::os::unix::fs::MetadataExt::dev(&m));
     let d = dev(&abs)?;

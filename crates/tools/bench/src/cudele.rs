@@ -1,0 +1,736 @@
+//! `quiltfs bench cudele`: the evaluation of Cudele (IPDPS 2018) regenerated on one
+//! machine, against a metadata service (`quiltfs mds serve`) on a quiltfs image.
+//!
+//! - **Mechanisms** (the paper's figure 4): one client makes N creates in one directory
+//!   with each mechanism and each composition (the paper's presets), every time taken
+//!   end to end and normalized to Append Client Journal. Stream is measured as the
+//!   paper does: RPCs with global durability minus RPCs without.
+//! - **Use case 1** (figure 5a): 1, 2, 4 … client processes each making N creates in
+//!   a private directory, all at once: through RPCs, decoupled (append only), and
+//!   decoupled with its merge; total creates per second over the wall time from the
+//!   first start to the last end (the prototype's sleeps are not here).
+//! - **Journal bytes per create event.**
+//! - Beside them, the same create loop on local ext4 (a kernel loop mount; root only).
+//!
+//! Clients are this process (mechanisms) or processes of this binary
+//! (`quiltfs-bench cudele-client`, use case 1) linking the client library.
+
+use crate::{median, plot, quiltfs_exe, Progress};
+use anyhow::{anyhow, bail, Context, Result};
+use quilt_cudele::client::{Client, DecoupleOptions, RemoteFs};
+use quilt_vfs::{Ctx, FileSystem, Ino};
+use std::fmt::Write as _;
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+#[derive(clap::Args)]
+pub struct CudeleArgs {
+    /// Small: 5,000 creates, 1 and 2 clients, one run (what CI runs).
+    #[arg(long)]
+    pub quick: bool,
+    /// Runs of each measurement (default 3; 1 with --quick).
+    #[arg(long)]
+    pub runs: Option<usize>,
+    /// Creates per client (default 100,000; 5,000 with --quick).
+    #[arg(long)]
+    pub creates: Option<u64>,
+    /// Comma-separated client counts for use case 1 (default 1,2,4; 1,2 with --quick).
+    #[arg(long)]
+    pub clients: Option<String>,
+    /// The service's store: betrfs or ext3.
+    #[arg(long, default_value = "betrfs")]
+    pub fs: String,
+    #[arg(long, default_value_t = 7700)]
+    pub port: u16,
+    /// Events per atomic batch of the service's merges (`mds serve --merge-batch`).
+    #[arg(long, default_value_t = 16384)]
+    pub merge_batch: usize,
+    /// Where results.json, results.csv, report.md and the PNG plots go.
+    #[arg(long, default_value = "cudele-results")]
+    pub out: PathBuf,
+    /// Working directory for the image and the clients' journals (a local disk).
+    #[arg(long, default_value = "/var/tmp/quiltfs-bench-cudele")]
+    pub work: PathBuf,
+}
+
+/// One measurement: `system` is the mechanism, composition or peer.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Row {
+    pub system: String,
+    pub workload: String,
+    pub clients: u32,
+    pub run: usize,
+    pub creates: u64,
+    pub seconds: f64,
+    pub creates_per_s: f64,
+}
+
+/// The service as a child process on a fresh image.
+struct Service {
+    child: Child,
+    addr: String,
+    secret: String,
+}
+
+impl Service {
+    fn start(work: &Path, fs: &str, port: u16, merge_batch: usize) -> Result<Service> {
+        let img = work.join("ns.img");
+        let _ = std::fs::remove_file(&img);
+        let q = quiltfs_exe()?;
+        let mut mk = Command::new(&q);
+        mk.arg("mkfs").arg(&img).arg("--size").arg("2G");
+        match fs {
+            "betrfs" => {
+                mk.arg("--fs").arg("betrfs");
+            }
+            "ext3" => {
+                mk.arg("--journal").arg("--inodes").arg("1000000");
+            }
+            other => bail!("--fs {other}: betrfs or ext3"),
+        }
+        crate::sh(&mut mk)?;
+        let secret_file = work.join("secret");
+        std::fs::write(&secret_file, "bench-secret-0123456789abcdef\n")?;
+        let mut child = Command::new(&q)
+            .arg("mds")
+            .arg("serve")
+            .arg(&img)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--secret-file")
+            .arg(&secret_file)
+            .arg("--merge-batch")
+            .arg(merge_batch.to_string())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(work.join("serve.log"))?)
+            .spawn()
+            .context("starting quiltfs mds serve")?;
+        let out = child.stdout.take().context("the service's output")?;
+        let mut line = String::new();
+        std::io::BufReader::new(out).read_line(&mut line)?;
+        if !line.contains("mds://") {
+            let _ = child.kill();
+            bail!("the service did not start: {line:?}");
+        }
+        Ok(Service {
+            child,
+            addr: format!("127.0.0.1:{port}"),
+            secret: "bench-secret-0123456789abcdef".into(),
+        })
+    }
+
+    fn connect(&self, name: &str) -> Result<Arc<Client>> {
+        Client::connect(&self.addr, &self.secret, None, name).map_err(|e| anyhow!(e))
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        // SIGTERM: the service writes its store back and stops.
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+fn user() -> Ctx {
+    Ctx {
+        uid: 0,
+        gid: 0,
+        pid: std::process::id(),
+        umask: 0o022,
+    }
+}
+
+/// A fresh directory `name` under the root with `settings` as its policy.
+fn subtree(c: &Arc<Client>, name: &str, settings: &str) -> Result<Ino> {
+    let remote = RemoteFs::new(c.clone());
+    let d = remote
+        .mkdir(remote.root(), name.as_bytes(), 0o755, &Ctx::root())
+        .map_err(|e| anyhow!("mkdir {name}: {e}"))?;
+    c.set_policy(d.ino, settings)
+        .map_err(|e| anyhow!("policy of {name}: {}", e.message))?;
+    Ok(d.ino)
+}
+
+fn name(i: u64) -> Vec<u8> {
+    format!("file.{i:07}").into_bytes()
+}
+
+/// N creates through RPCs in a new directory with `settings`: seconds.
+fn rpcs(c: &Arc<Client>, dir: &str, settings: &str, n: u64) -> Result<f64> {
+    let d = subtree(c, dir, settings)?;
+    let remote = RemoteFs::new(c.clone());
+    let t = Instant::now();
+    for i in 0..n {
+        remote
+            .mknod(d, &name(i), libc::S_IFREG | 0o644, 0, &user())
+            .map_err(|e| anyhow!("create {i}: {e}"))?;
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// What a decoupled run measured: seconds appending, seconds in the final sync (or
+/// merge), and journal bytes.
+struct Decoupled {
+    append: f64,
+    finish: f64,
+    bytes: u64,
+}
+
+/// N decoupled creates in a new directory with `settings`, then `finish`: the policy's
+/// sync, or a merge (durable or not).
+fn decoupled(
+    c: &Arc<Client>,
+    dir: &str,
+    settings: &str,
+    n: u64,
+    local: &Path,
+    finish: Finish,
+) -> Result<Decoupled> {
+    let root = subtree(c, dir, &format!("{settings} inodes={n} sync=0"))?;
+    let d = c
+        .decouple(
+            root,
+            DecoupleOptions {
+                local_dir: Some(local.to_path_buf()),
+                sync_interval: Some(Duration::ZERO),
+            },
+        )
+        .map_err(|e| anyhow!("decoupling {dir}: {e}"))?;
+    let t = Instant::now();
+    for i in 0..n {
+        d.create(&user(), root, &name(i), 0o644)
+            .map_err(|e| anyhow!("decoupled create {i}: {e}"))?;
+    }
+    let append = t.elapsed().as_secs_f64();
+    let bytes = d.journal_bytes();
+    let t = Instant::now();
+    match finish {
+        Finish::Sync => d.sync().map(|_| ()),
+        Finish::Merge { durable } => d.merge(durable).map(|_| ()),
+        Finish::Nothing => Ok(()),
+    }
+    .map_err(|e| anyhow!("finishing {dir}: {e}"))?;
+    let finish_s = t.elapsed().as_secs_f64();
+    d.release().map_err(|e| anyhow!("releasing {dir}: {e}"))?;
+    Ok(Decoupled {
+        append,
+        finish: finish_s,
+        bytes,
+    })
+}
+
+#[derive(Clone, Copy)]
+enum Finish {
+    Sync,
+    Merge { durable: bool },
+    Nothing,
+}
+
+/// The mechanisms and compositions, one client, each on a fresh service and image (a
+/// store grown by the runs before would slow the later ones): rows of (system,
+/// seconds), and the journal's bytes per create.
+fn mechanisms(a: &CudeleArgs, n: u64, run: usize, local: &Path) -> Result<(Vec<Row>, f64)> {
+    let fresh = || -> Result<(Service, Arc<Client>)> {
+        let svc = Service::start(&a.work, &a.fs, a.port, a.merge_batch)?;
+        let c = svc.connect("bench mechanisms")?;
+        Ok((svc, c))
+    };
+    let mut out: Vec<(&str, f64)> = Vec::new();
+    let dec = |settings: &str, finish: Finish| -> Result<Decoupled> {
+        let (_svc, c) = fresh()?;
+        decoupled(&c, "job", settings, n, local, finish)
+    };
+    // Alone: append; then each mechanism's own time on such a journal.
+    let ap = dec("consistency=invisible durability=none", Finish::Nothing)?;
+    out.push(("append client journal", ap.append));
+    let bytes_per_event = ap.bytes as f64 / n as f64;
+    let v = dec(
+        "consistency=weak durability=none",
+        Finish::Merge { durable: false },
+    )?;
+    out.push(("volatile apply", v.finish));
+    let nv = dec(
+        "consistency=weak durability=none",
+        Finish::Merge { durable: true },
+    )?;
+    out.push(("nonvolatile apply", nv.finish));
+    let lp = dec("consistency=invisible durability=local", Finish::Sync)?;
+    out.push(("local persist", lp.finish));
+    let gp = dec("consistency=invisible durability=global", Finish::Sync)?;
+    out.push(("global persist", gp.finish));
+    let r = {
+        let (_svc, c) = fresh()?;
+        rpcs(&c, "job", "consistency=strong durability=none", n)?
+    };
+    out.push(("rpcs", r));
+    let rs = {
+        let (_svc, c) = fresh()?;
+        rpcs(&c, "job", "preset=posix", n)?
+    };
+    out.push(("stream", (rs - r).max(0.0)));
+    // The compositions, measured whole.
+    out.push(("posix", rs));
+    for (label, preset) in [
+        ("deltafs", "preset=deltafs"),
+        ("ramdisk", "preset=ramdisk"),
+        ("hdfs", "preset=hdfs"),
+        ("batchfs", "preset=batchfs"),
+    ] {
+        let d = dec(preset, Finish::Sync)?;
+        out.push((label, d.append + d.finish));
+    }
+    let rows = out
+        .into_iter()
+        .map(|(system, s)| Row {
+            system: system.to_string(),
+            workload: "mechanisms".into(),
+            clients: 1,
+            run,
+            creates: n,
+            seconds: s,
+            creates_per_s: n as f64 / s.max(1e-9),
+        })
+        .collect();
+    Ok((rows, bytes_per_event))
+}
+
+/// `quiltfs-bench cudele-client`: one client process of use case 1. Waits until
+/// `start_ms` (Unix time), makes `n` creates in a new directory `dir` as `mode`
+/// says, and prints `start_ms end_ms`.
+#[derive(clap::Args)]
+pub struct ClientArgs {
+    #[arg(long)]
+    pub addr: String,
+    #[arg(long)]
+    pub secret: String,
+    #[arg(long)]
+    pub dir: String,
+    #[arg(long)]
+    pub n: u64,
+    /// rpcs, create (decoupled, append only) or create+merge.
+    #[arg(long)]
+    pub mode: String,
+    #[arg(long)]
+    pub start_ms: u64,
+    #[arg(long)]
+    pub local: PathBuf,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+pub fn client_main(a: ClientArgs) -> Result<()> {
+    let c = Client::connect(&a.addr, &a.secret, None, "bench client").map_err(|e| anyhow!(e))?;
+    let settings = match a.mode.as_str() {
+        "rpcs" => "consistency=strong durability=none".to_string(),
+        "create" | "create+merge" => {
+            format!("consistency=weak durability=none inodes={} sync=0", a.n)
+        }
+        m => bail!("mode {m}: rpcs, create or create+merge"),
+    };
+    let root = subtree(&c, &a.dir, &settings)?;
+    let d = if a.mode == "rpcs" {
+        None
+    } else {
+        Some(
+            c.decouple(
+                root,
+                DecoupleOptions {
+                    local_dir: Some(a.local.clone()),
+                    sync_interval: Some(Duration::ZERO),
+                },
+            )
+            .map_err(|e| anyhow!("decoupling: {e}"))?,
+        )
+    };
+    let remote = RemoteFs::new(c.clone());
+    let wait = a.start_ms.saturating_sub(now_ms());
+    std::thread::sleep(Duration::from_millis(wait));
+    let start = now_ms();
+    for i in 0..a.n {
+        match &d {
+            None => remote
+                .mknod(root, &name(i), libc::S_IFREG | 0o644, 0, &user())
+                .map(|_| ()),
+            Some(d) => d.create(&user(), root, &name(i), 0o644).map(|_| ()),
+        }
+        .map_err(|e| anyhow!("create {i}: {e}"))?;
+    }
+    if let Some(d) = &d {
+        if a.mode == "create+merge" {
+            d.merge(false).map_err(|e| anyhow!("merge: {e}"))?;
+        }
+    }
+    let end = now_ms();
+    println!("{start} {end}");
+    if let Some(d) = d {
+        // Letting go is not part of the measured work.
+        if a.mode == "create" {
+            d.merge(false).map_err(|e| anyhow!("merge: {e}"))?;
+        }
+        d.release().map_err(|e| anyhow!("release: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Use case 1: `k` client processes at once, each `n` creates.
+fn use_case_1(svc: &Service, k: u32, n: u64, mode: &str, run: usize, local: &Path) -> Result<Row> {
+    let me = std::env::current_exe()?;
+    let start = now_ms() + 1500 + 100 * u64::from(k);
+    let kids: Vec<Child> = (0..k)
+        .map(|i| {
+            Command::new(&me)
+                .arg("cudele-client")
+                .arg("--addr")
+                .arg(&svc.addr)
+                .arg("--secret")
+                .arg(&svc.secret)
+                .arg("--dir")
+                .arg(format!("uc1-{mode}-{k}-{run}-{i}").replace('+', "-"))
+                .arg("--n")
+                .arg(n.to_string())
+                .arg("--mode")
+                .arg(mode)
+                .arg("--start-ms")
+                .arg(start.to_string())
+                .arg("--local")
+                .arg(local)
+                .stdout(Stdio::piped())
+                .spawn()
+                .context("starting a client process")
+        })
+        .collect::<Result<_>>()?;
+    let (mut first, mut last) = (u64::MAX, 0u64);
+    for kid in kids {
+        let out = kid.wait_with_output()?;
+        if !out.status.success() {
+            bail!("a {mode} client failed ({})", out.status);
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut it = text.split_whitespace().map(|w| w.parse::<u64>());
+        match (it.next(), it.next()) {
+            (Some(Ok(s)), Some(Ok(e))) => {
+                first = first.min(s);
+                last = last.max(e);
+            }
+            _ => bail!("a client printed {text:?}"),
+        }
+    }
+    let seconds = (last.saturating_sub(first)) as f64 / 1000.0;
+    let total = n * u64::from(k);
+    Ok(Row {
+        system: mode.to_string(),
+        workload: "use-case-1".into(),
+        clients: k,
+        run,
+        creates: total,
+        seconds,
+        creates_per_s: total as f64 / seconds.max(1e-3),
+    })
+}
+
+/// The same create loop on local ext4 (a loop mount of a file), as root.
+fn ext4(work: &Path, n: u64, run: usize) -> Result<Option<Row>> {
+    if unsafe { libc::geteuid() } != 0 || !crate::have("mkfs.ext4") {
+        return Ok(None);
+    }
+    let img = work.join("ext4.img");
+    let mnt = work.join("ext4");
+    std::fs::create_dir_all(&mnt)?;
+    let f = std::fs::File::create(&img)?;
+    f.set_len(2 << 30)?;
+    drop(f);
+    crate::sh(Command::new("mkfs.ext4").arg("-q").arg("-F").arg(&img))?;
+    crate::sh(
+        Command::new("mount")
+            .arg("-o")
+            .arg("loop")
+            .arg(&img)
+            .arg(&mnt),
+    )?;
+    let r = (|| -> Result<f64> {
+        let d = mnt.join(format!("dir{run}"));
+        std::fs::create_dir(&d)?;
+        let t = Instant::now();
+        for i in 0..n {
+            std::fs::File::create(d.join(format!("file.{i:07}")))?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    })();
+    let _ = crate::sh(Command::new("umount").arg(&mnt));
+    let _ = std::fs::remove_file(&img);
+    let s = r?;
+    Ok(Some(Row {
+        system: "ext4".into(),
+        workload: "mechanisms".into(),
+        clients: 1,
+        run,
+        creates: n,
+        seconds: s,
+        creates_per_s: n as f64 / s.max(1e-9),
+    }))
+}
+
+pub fn run(a: CudeleArgs) -> Result<()> {
+    crate::catch_interrupts();
+    let runs = a.runs.unwrap_or(if a.quick { 1 } else { 3 });
+    let n = a.creates.unwrap_or(if a.quick { 5_000 } else { 100_000 });
+    let clients: Vec<u32> = a
+        .clients
+        .clone()
+        .unwrap_or_else(|| {
+            if a.quick {
+                "1,2".into()
+            } else {
+                "1,2,4".into()
+            }
+        })
+        .split(',')
+        .map(|s| s.trim().parse().context("--clients"))
+        .collect::<Result<_>>()?;
+    std::fs::create_dir_all(&a.work)?;
+    std::fs::create_dir_all(&a.out)?;
+    let local = a.work.join("journals");
+    std::fs::create_dir_all(&local)?;
+    let modes = ["rpcs", "create", "create+merge"];
+    let steps = runs * (2 + clients.len() * modes.len());
+    let mut p = Progress::new(steps as u64, "steps");
+    let started = Instant::now();
+    let mut rows = Vec::new();
+    let mut bytes = Vec::new();
+    for run in 0..runs {
+        if crate::interrupted() {
+            bail!("interrupted");
+        }
+        p.step(format!("run {run}: mechanisms, {n} creates"));
+        let (r, b) = mechanisms(&a, n, run, &local)?;
+        rows.extend(r);
+        bytes.push(b);
+        p.inc();
+        let svc = Service::start(&a.work, &a.fs, a.port, a.merge_batch)?;
+        for &k in &clients {
+            for mode in modes {
+                if crate::interrupted() {
+                    bail!("interrupted");
+                }
+                p.step(format!("run {run}: use case 1, {k} clients, {mode}"));
+                rows.push(use_case_1(&svc, k, n, mode, run, &local)?);
+                p.inc();
+            }
+        }
+        drop(svc);
+        p.step(format!("run {run}: ext4"));
+        rows.extend(ext4(&a.work, n, run)?);
+        p.inc();
+    }
+    p.finish();
+    let _ = std::fs::remove_dir_all(&local);
+    let _ = std::fs::remove_file(a.work.join("ns.img"));
+    write_report(&a, runs, n, &rows, &bytes, started.elapsed().as_secs_f64())?;
+    eprintln!("bench: results in {}", a.out.display());
+    Ok(())
+}
+
+fn cell(rows: &[Row], workload: &str, system: &str, clients: u32) -> Option<(f64, f64, f64)> {
+    let v: Vec<f64> = rows
+        .iter()
+        .filter(|r| r.workload == workload && r.system == system && r.clients == clients)
+        .map(|r| r.seconds)
+        .collect();
+    (!v.is_empty()).then(|| median(v))
+}
+
+fn rate(rows: &[Row], workload: &str, system: &str, clients: u32) -> Option<(f64, f64, f64)> {
+    let v: Vec<f64> = rows
+        .iter()
+        .filter(|r| r.workload == workload && r.system == system && r.clients == clients)
+        .map(|r| r.creates_per_s)
+        .collect();
+    (!v.is_empty()).then(|| median(v))
+}
+
+const MECHANISMS: [&str; 7] = [
+    "append client journal",
+    "volatile apply",
+    "nonvolatile apply",
+    "local persist",
+    "global persist",
+    "rpcs",
+    "stream",
+];
+const COMPOSITIONS: [&str; 5] = ["posix", "hdfs", "batchfs", "deltafs", "ramdisk"];
+
+fn write_report(
+    a: &CudeleArgs,
+    runs: usize,
+    n: u64,
+    rows: &[Row],
+    bytes: &[f64],
+    elapsed: f64,
+) -> Result<()> {
+    let out = &a.out;
+    std::fs::write(
+        out.join("results.json"),
+        serde_json::to_string_pretty(&serde_json::json!({
+            "meta": {"quick": a.quick, "runs": runs, "creates": n, "fs": a.fs, "elapsed_s": elapsed},
+            "rows": rows,
+            "journal_bytes_per_create": bytes,
+        }))?,
+    )?;
+    std::fs::write(out.join("results.csv"), crate::csv(rows)?)?;
+    let mut md = String::new();
+    writeln!(md, "# Cudele on quiltfs: mechanisms and use case 1\n")?;
+    writeln!(
+        md,
+        "{} creates per client, {runs} run(s), store: {}, medians (min–max). One machine: \
+         the service and every client share its cores.\n",
+        n, a.fs
+    )?;
+    let base = cell(rows, "mechanisms", "append client journal", 1).map(|c| c.0);
+    writeln!(md, "## Mechanisms and compositions (figure 4)\n")?;
+    writeln!(md, "| | seconds | creates/s | ÷ Append Client Journal |")?;
+    writeln!(md, "|---|---|---|---|")?;
+    let mut bars = Vec::new();
+    for s in MECHANISMS
+        .iter()
+        .chain(COMPOSITIONS.iter())
+        .chain(["ext4"].iter())
+    {
+        let Some(c) = cell(rows, "mechanisms", s, 1) else {
+            continue;
+        };
+        let r = rate(rows, "mechanisms", s, 1).map_or(0.0, |r| r.0);
+        let norm = base.map(|b| c.0 / b.max(1e-9));
+        writeln!(
+            md,
+            "| {s} | {:.3} ({:.3}–{:.3}) | {:.0} | {} |",
+            c.0,
+            c.1,
+            c.2,
+            r,
+            norm.map_or("–".into(), |x| format!("{x:.2}×"))
+        )?;
+        bars.push((s.to_string(), vec![norm.map(|x| (x, x, x))]));
+    }
+    let (bpe, _, _) = median(bytes.to_vec());
+    writeln!(
+        md,
+        "\nJournal: {bpe:.1} bytes per create event (the paper: ~2,500).\n"
+    )?;
+    writeln!(
+        md,
+        "## Use case 1: creates in private directories (figure 5a)\n"
+    )?;
+    writeln!(md, "| clients | rpcs c/s | create c/s | create+merge c/s | create ÷ rpcs | create+merge ÷ rpcs |")?;
+    writeln!(md, "|---|---|---|---|---|---|")?;
+    let mut ks: Vec<u32> = rows
+        .iter()
+        .filter(|r| r.workload == "use-case-1")
+        .map(|r| r.clients)
+        .collect();
+    ks.sort_unstable();
+    ks.dedup();
+    let mut uc_bars = Vec::new();
+    for k in &ks {
+        let r = rate(rows, "use-case-1", "rpcs", *k).map(|c| c.0);
+        let c = rate(rows, "use-case-1", "create", *k).map(|c| c.0);
+        let m = rate(rows, "use-case-1", "create+merge", *k).map(|c| c.0);
+        let f = |x: Option<f64>| x.map_or("–".into(), |v| format!("{v:.0}"));
+        let q = |x: Option<f64>, y: Option<f64>| match (x, y) {
+            (Some(x), Some(y)) if y > 0.0 => format!("{:.1}×", x / y),
+            _ => "–".into(),
+        };
+        writeln!(
+            md,
+            "| {k} | {} | {} | {} | {} | {} |",
+            f(r),
+            f(c),
+            f(m),
+            q(c, r),
+            q(m, r)
+        )?;
+        uc_bars.push((
+            format!("{k} client(s)"),
+            vec![r, c, m]
+                .into_iter()
+                .map(|v| v.map(|x| (x, x, x)))
+                .collect(),
+        ));
+    }
+    writeln!(md, "\n## Goals (issue 50)\n")?;
+    let append_rate = rate(rows, "mechanisms", "append client journal", 1).map(|c| c.0);
+    let rpc_rate = rate(rows, "mechanisms", "rpcs", 1).map(|c| c.0);
+    let vapply_rate = rate(rows, "mechanisms", "volatile apply", 1).map(|c| c.0);
+    let judge = |ok: Option<bool>| match ok {
+        Some(true) => "met",
+        Some(false) => "**not met**",
+        None => "not judged",
+    };
+    writeln!(
+        md,
+        "- Append Client Journal ≥ 200,000 creates/s through the library: {:.0} — {}",
+        append_rate.unwrap_or(0.0),
+        judge(append_rate.map(|r| r >= 200_000.0))
+    )?;
+    let ratio = append_rate.zip(rpc_rate).map(|(a, r)| a / r.max(1e-9));
+    writeln!(
+        md,
+        "- Decoupled ÷ RPCs ≥ 20× through the library: {} — {}",
+        ratio.map_or("–".into(), |r| format!("{r:.1}×")),
+        judge(ratio.map(|r| r >= 20.0))
+    )?;
+    writeln!(
+        md,
+        "- Volatile Apply ≥ 300,000 validated events/s: {:.0} — {}",
+        vapply_rate.unwrap_or(0.0),
+        judge(vapply_rate.map(|r| r >= 300_000.0))
+    )?;
+    let k4 = ks.iter().copied().filter(|&k| k <= 4).max();
+    if let Some(k) = k4 {
+        let m = rate(rows, "use-case-1", "create+merge", k).map(|c| c.0);
+        let r = rate(rows, "use-case-1", "rpcs", k).map(|c| c.0);
+        let x = m.zip(r).map(|(m, r)| m / r.max(1e-9));
+        writeln!(
+            md,
+            "- Create plus merge ≥ 5× RPCs at 4 clients (here {k}): {} — {}",
+            x.map_or("–".into(), |r| format!("{r:.1}×")),
+            judge(if k == 4 { x.map(|r| r >= 5.0) } else { None })
+        )?;
+    }
+    writeln!(
+        md,
+        "- Journal ≤ 256 bytes per create: {bpe:.1} — {}",
+        judge(Some(bpe <= 256.0))
+    )?;
+    writeln!(
+        md,
+        "\nNot measured yet: CephFS (ceph-fuse) and sshfs beside it, decoupled creates \
+         through a FUSE mount, use cases 2 and 3.\n"
+    )?;
+    std::fs::write(out.join("report.md"), md)?;
+    if plot::font() {
+        plot::bars(
+            &out.join("mechanisms.png"),
+            "Cudele mechanisms: time for the same creates, ÷ Append Client Journal",
+            "×",
+            &["normalized time"],
+            &bars,
+        )?;
+        plot::bars(
+            &out.join("use-case-1.png"),
+            "Use case 1: creates per second, all clients",
+            "creates/s",
+            &["rpcs", "create", "create+merge"],
+            &uc_bars,
+        )?;
+    }
+    Ok(())
+}
