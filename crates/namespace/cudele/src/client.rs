@@ -25,6 +25,7 @@ pub struct Client {
     rt: tokio::runtime::Runtime,
     ch: Channelled,
     id: u64,
+    token: u128,
     root: Ino,
     lease: Duration,
     stop: Arc<AtomicBool>,
@@ -65,12 +66,16 @@ impl Client {
             Channelled::new(addr, secret, ca_pem)?
         };
         let welcome = rt
-            .block_on(ch.call(Request::Hello {
-                name: name.to_string(),
-            }))
+            .block_on(ch.call(
+                None,
+                Request::Hello {
+                    name: name.to_string(),
+                },
+            ))
             .map_err(|s| unreachable(addr, &s).message)?;
         let Response::Welcome {
             client,
+            token,
             root,
             lease_ms,
         } = welcome
@@ -83,6 +88,7 @@ impl Client {
             rt,
             ch,
             id: client,
+            token,
             root,
             lease: Duration::from_millis(lease_ms.max(300)),
             stop: Arc::new(AtomicBool::new(false)),
@@ -92,7 +98,7 @@ impl Client {
         c.rt.spawn(async move {
             while !stop.load(Ordering::Relaxed) {
                 tokio::time::sleep(every).await;
-                let _ = ch.call(Request::Renew { client }).await;
+                let _ = ch.call(Some(token), Request::Renew { client }).await;
             }
         });
         Ok(c)
@@ -112,7 +118,7 @@ impl Client {
 
     /// One request, answered; the service's refusals come back as errors.
     pub fn call(&self, req: Request) -> std::result::Result<Response, WireError> {
-        match self.rt.block_on(self.ch.call(req)) {
+        match self.rt.block_on(self.ch.call(Some(self.token), req)) {
             Ok(Response::Error(e)) => Err(e),
             Ok(r) => Ok(r),
             Err(s) => Err(unreachable(self.ch.addr(), &s)),

@@ -102,6 +102,8 @@ pub struct PolicyInfo {
 pub enum Response {
     Welcome {
         client: u64,
+        /// Carried by every later request of the client (in its metadata).
+        token: u128,
         root: Ino,
         lease_ms: u64,
     },

@@ -82,6 +82,9 @@ struct Entry {
 struct Registry {
     next_client: u64,
     subtrees: BTreeMap<Ino, Entry>,
+    /// Each client's token, given at hello: a request names its client and carries
+    /// the token, so that no client acts as another.
+    tokens: BTreeMap<u64, u128>,
 }
 
 impl Registry {
@@ -487,15 +490,18 @@ impl Mds {
         self.state().leases.insert(client, until);
     }
 
-    fn known_client(&self, client: u64) -> Result<(), WireError> {
-        let next = self.state().reg.next_client;
-        if client == 0 || client >= next {
-            return Err(wire(
+    fn known_client(&self, client: u64, token: Option<u128>) -> Result<(), WireError> {
+        match (self.state().reg.tokens.get(&client), token) {
+            (Some(want), Some(got)) if *want == got => Ok(()),
+            (Some(_), _) => Err(wire(
+                libc::EACCES,
+                format!("the request is not client {client}'s (a wrong or missing token)"),
+            )),
+            (None, _) => Err(wire(
                 libc::EACCES,
                 format!("client {client} never said hello to this service"),
-            ));
+            )),
         }
-        Ok(())
     }
 
     fn gate(&self, subtree: Ino) -> Arc<RwLock<()>> {
@@ -507,23 +513,24 @@ impl Mds {
             .clone()
     }
 
-    /// Answers one request. Blocking: the caller runs it off the network's threads.
-    pub fn handle(&self, req: Request) -> Response {
+    /// Answers one request, which carries `token` (the client's, given at hello).
+    /// Blocking: the caller runs it off the network's threads.
+    pub fn handle(&self, token: Option<u128>, req: Request) -> Response {
         match req {
             Request::Hello { name } => self.hello(&name),
-            Request::Renew { client } => match self.known_client(client) {
+            Request::Renew { client } => match self.known_client(client, token) {
                 Ok(()) => {
                     self.renew(client);
                     Response::Done
                 }
                 Err(e) => Response::Error(e),
             },
-            Request::Op { client, creds, op } => match self.known_client(client) {
+            Request::Op { client, creds, op } => match self.known_client(client, token) {
                 Ok(()) => self.op(client, &Ctx::from(creds), op),
                 Err(e) => Response::Error(e),
             },
             Request::Resolve { client, path } => {
-                if let Err(e) = self.known_client(client) {
+                if let Err(e) = self.known_client(client, token) {
                     return Response::Error(e);
                 }
                 match self.resolve_path(&path) {
@@ -532,7 +539,7 @@ impl Mds {
                 }
             }
             Request::PolicyGet { client, ino } => self
-                .known_client(client)
+                .known_client(client, token)
                 .and_then(|()| self.policy_get(ino))
                 .map_or_else(Response::Error, Response::Policy),
             Request::PolicySet {
@@ -540,14 +547,14 @@ impl Mds {
                 ino,
                 settings,
             } => self
-                .known_client(client)
+                .known_client(client, token)
                 .and_then(|()| self.policy_set(ino, &settings))
                 .map_or_else(Response::Error, Response::Policy),
-            Request::Decouple { client, ino } => match self.known_client(client) {
+            Request::Decouple { client, ino } => match self.known_client(client, token) {
                 Ok(()) => self.decouple(client, ino),
                 Err(e) => Response::Error(e),
             },
-            Request::MoreInodes { client, subtree } => match self.known_client(client) {
+            Request::MoreInodes { client, subtree } => match self.known_client(client, token) {
                 Ok(()) => self.more_inodes(client, subtree),
                 Err(e) => Response::Error(e),
             },
@@ -556,7 +563,7 @@ impl Mds {
                 subtree,
                 journal,
                 durable,
-            } => match self.known_client(client) {
+            } => match self.known_client(client, token) {
                 Ok(()) => self.merge(client, subtree, &journal, durable),
                 Err(e) => Response::Error(e),
             },
@@ -564,15 +571,15 @@ impl Mds {
                 client,
                 subtree,
                 journal,
-            } => match self.known_client(client) {
+            } => match self.known_client(client, token) {
                 Ok(()) => self.persist(client, subtree, &journal),
                 Err(e) => Response::Error(e),
             },
-            Request::Release { client, subtree } => match self.known_client(client) {
+            Request::Release { client, subtree } => match self.known_client(client, token) {
                 Ok(()) => self.release(client, subtree),
                 Err(e) => Response::Error(e),
             },
-            Request::Sync { client } => match self.known_client(client) {
+            Request::Sync { client } => match self.known_client(client, token) {
                 Ok(()) => match self.fs.sync_all() {
                     Ok(()) => Response::Done,
                     Err(e) => Response::Error(fs_err(&e)),
@@ -583,10 +590,15 @@ impl Mds {
     }
 
     fn hello(&self, name: &str) -> Response {
+        let token = match random_token() {
+            Ok(t) => t,
+            Err(e) => return err(libc::EIO, format!("a client token: {e}")),
+        };
         let client = {
             let mut st = self.state();
             let c = st.reg.next_client.max(1);
             st.reg.next_client = c + 1;
+            st.reg.tokens.insert(c, token);
             c
         };
         // The number is durable before it is given: a restart never gives it again.
@@ -597,6 +609,7 @@ impl Mds {
         tracing::info!("mds: client {client} ({name}) said hello");
         Response::Welcome {
             client,
+            token,
             root: self.root,
             lease_ms: self.cfg.lease.as_millis() as u64,
         }
@@ -813,12 +826,16 @@ impl Mds {
         }
     }
 
-    /// The service's directory left out of the root's listing.
+    /// The service's directory left out of the root's listing and of its link count.
     fn hide(&self, op: &FsOp, reply: FsReply) -> FsReply {
         match (op, reply) {
             (FsOp::Readdir { ino, .. }, FsReply::Entries(mut es)) if *ino == self.root => {
                 es.retain(|e| e.name != HIDDEN);
                 FsReply::Entries(es)
+            }
+            (_, FsReply::Attr(mut a)) if a.ino == self.root => {
+                a.nlink = a.nlink.saturating_sub(1).max(2);
+                FsReply::Attr(a)
             }
             (_, r) => r,
         }
@@ -1240,6 +1257,14 @@ impl Mds {
             })
             .collect()
     }
+}
+
+/// 128 bits from the system's random source.
+fn random_token() -> std::io::Result<u128> {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    Ok(u128::from_le_bytes(b))
 }
 
 fn too_large(e: &FsError) -> bool {

@@ -23,6 +23,8 @@ use generated::mds_client::MdsClient;
 use generated::mds_server::{Mds as MdsService, MdsServer};
 
 pub const SECRET_KEY: &str = "x-quiltfs-secret";
+/// The client's token (hex), given at hello.
+pub const TOKEN_KEY: &str = "x-quiltfs-client";
 
 struct Service {
     mds: Arc<Mds>,
@@ -35,9 +37,14 @@ impl MdsService for Service {
         request: tonic::Request<Request>,
     ) -> Result<tonic::Response<Response>, Status> {
         let mds = self.mds.clone();
+        let token = request
+            .metadata()
+            .get(TOKEN_KEY)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|t| u128::from_str_radix(t, 16).ok());
         let req = request.into_inner();
         // The store's calls block: off the runtime's workers.
-        match tokio::task::spawn_blocking(move || mds.handle(req)).await {
+        match tokio::task::spawn_blocking(move || mds.handle(token, req)).await {
             Ok(r) => Ok(tonic::Response::new(r)),
             Err(e) => Err(Status::internal(format!("the request's task failed: {e}"))),
         }
@@ -108,13 +115,19 @@ impl Channelled {
         &self.addr
     }
 
-    /// One request; a transport failure or a refusal (a wrong secret) is the error.
-    pub async fn call(&self, req: Request) -> Result<Response, Status> {
+    /// One request as the client of `token` (none for a hello); a transport failure or
+    /// a refusal (a wrong secret) is the error.
+    pub async fn call(&self, token: Option<u128>, req: Request) -> Result<Response, Status> {
         let mut c = MdsClient::new(self.channel.clone())
             .max_decoding_message_size(MAX_MESSAGE)
             .max_encoding_message_size(MAX_MESSAGE);
         let mut r = tonic::Request::new(req);
         r.metadata_mut().insert(SECRET_KEY, self.secret.clone());
+        if let Some(t) = token {
+            if let Ok(v) = format!("{t:032x}").parse() {
+                r.metadata_mut().insert(TOKEN_KEY, v);
+            }
+        }
         c.call(r).await.map(|r| r.into_inner())
     }
 }

@@ -168,8 +168,13 @@ fn clients_share_the_namespace_through_rpcs() {
         .unwrap();
         assert_eq!(errno(a.lookup(d.ino, b"notes")), libc::ENOENT);
         assert_eq!(a.lookup(d.ino, b"renamed").unwrap().ino, f.ino);
-        // The service's own directory is nobody's business.
+        // The service's own directory is nobody's business: not listed, not counted.
         assert!(!names(&a, a.root()).contains(&b".quiltfs-mds".to_vec()));
+        let subdirs = names(&a, a.root())
+            .iter()
+            .filter(|n| a.lookup(a.root(), n).unwrap().kind == quilt_vfs::FileType::Directory)
+            .count() as u32;
+        assert_eq!(a.getattr(a.root()).unwrap().nlink, 2 + subdirs);
         assert_eq!(errno(a.lookup(a.root(), b".quiltfs-mds")), libc::ENOENT);
         assert_eq!(
             errno(a.mkdir(a.root(), b".quiltfs-mds", 0o755, &c)),
@@ -468,16 +473,39 @@ fn bad_requests_are_refused_and_change_nothing() {
             .errno,
         libc::EINVAL
     );
-    // Letting go of another client's hold.
+    // Letting go of another client's hold, as itself and posing as the holder (its
+    // number without its token).
     assert_eq!(
         call(
-            &ca,
+            &cb,
             Request::Release {
                 client: cb.id(),
                 subtree: job
             }
         ),
         Some(libc::EPERM)
+    );
+    assert_eq!(
+        call(
+            &cb,
+            Request::Release {
+                client: ca.id(),
+                subtree: job
+            }
+        ),
+        Some(libc::EACCES)
+    );
+    assert_eq!(
+        call(
+            &cb,
+            Request::Merge {
+                client: ca.id(),
+                subtree: job,
+                journal: Vec::new(),
+                durable: false
+            }
+        ),
+        Some(libc::EACCES)
     );
     assert_eq!(names(&a, job), before);
     svc.stop();
