@@ -62,6 +62,9 @@ mod fuse_env;
 #[path = "support/mount_fs.rs"]
 mod mount_fs;
 use fuse_env::fuse_available;
+
+#[path = "support/mds_service.rs"]
+mod mds_service;
 use mount_fs::MountFs;
 
 const BS: u64 = 4096;
@@ -997,6 +1000,8 @@ struct Harness {
     fs: Arc<dyn FileSystem>,
     module_fs: Loaded,
     mounted: Option<Mounted>,
+    /// The namespace service over the module, when the steps go through it.
+    served: Option<mds_service::Service>,
     mode: Module,
     cache: usize,
     /// statfs right after mkfs.
@@ -1138,11 +1143,21 @@ impl Drop for Mounted {
     }
 }
 
-/// Whether the harness drives the file system directly or through a FUSE mount.
+/// Whether the harness drives the file system directly, through a FUSE mount, or
+/// through the namespace service (two clients taking turns, call by call).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Via {
     Native,
     Fuse,
+    Mds,
+}
+
+/// The namespace service over `module_fs`, and two clients of it taking turns.
+fn serve(module_fs: &Loaded) -> Result<(mds_service::Service, Arc<dyn FileSystem>), String> {
+    let svc =
+        mds_service::Service::start(module_fs.fs(), None, std::time::Duration::from_secs(30))?;
+    let fs = mds_service::Alternating::new(svc.connect("model a"), svc.connect("model b"));
+    Ok((svc, Arc::new(fs)))
 }
 
 impl Harness {
@@ -1165,11 +1180,17 @@ impl Harness {
             }
         }
         let module_fs = Loaded::open(mode, dev.clone(), cache)?;
+        let mut served = None;
         let (fs, mounted): (Arc<dyn FileSystem>, _) = match via {
             Via::Native => (module_fs.fs(), None),
             Via::Fuse => {
                 let (m, mfs) = module_fs.mount()?;
                 (Arc::new(mfs), Some(m))
+            }
+            Via::Mds => {
+                let (svc, fs) = serve(&module_fs)?;
+                served = Some(svc);
+                (fs, None)
             }
         };
         let sf = fs.statfs().map_err(|e| format!("statfs: {e}"))?;
@@ -1182,6 +1203,7 @@ impl Harness {
             fs,
             module_fs,
             mounted,
+            served,
             mode,
             cache,
             files_free0: sf.files_free,
@@ -1194,6 +1216,24 @@ impl Harness {
     fn remount(&mut self) -> Result<(), String> {
         if let Some(m) = self.mounted.as_mut() {
             m.unmount()?;
+        }
+        if let Some(svc) = self.served.take() {
+            // The clients go with the service (their lease renewals stop).
+            self.fs = self.module_fs.fs();
+            svc.stop()?;
+            let (svc, fs) = {
+                self.module_fs.unmount()?;
+                let bytes = self.dev.to_vec();
+                let dev = Arc::new(
+                    MemDevice::from_bytes(BS as usize, &bytes).map_err(|e| e.to_string())?,
+                );
+                self.module_fs = Loaded::open(self.mode, dev.clone(), self.cache)?;
+                self.dev = dev;
+                serve(&self.module_fs)?
+            };
+            self.served = Some(svc);
+            self.fs = fs;
+            return Ok(());
         }
         self.module_fs.unmount()?;
         let bytes = self.dev.to_vec();
@@ -1953,12 +1993,17 @@ fn teardown(h: &mut Harness, m: &mut Model) -> Result<(), String> {
         if let Loaded::Betrfs(b) = &h.module_fs {
             // Nothing may be left in the tree but the superblock record, the root and
             // lost+found: no data, inode, orphan or intent of a removed file.
+            // (Through the namespace service, its own directory and registry stay.)
+            let own = |k: &[u8]| h.served.is_some() && k.windows(12).any(|w| w == b".quiltfs-mds");
             let keys: Vec<Vec<u8>> = b
                 .tree()
                 .range(b"", None)
                 .map(|kv| kv.map(|(k, _)| k))
-                .collect::<Result<_, _>>()
-                .map_err(|e| format!("scan: {e}"))?;
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("scan: {e}"))?
+                .into_iter()
+                .filter(|k| !own(k))
+                .collect();
             if keys.len() != 3 {
                 return Err(format!(
                     "leak after removing everything{pass}: the tree holds {} keys: {:?}",
@@ -2257,6 +2302,42 @@ fn through_fuse(modules: &[Module]) {
             let tail = f.ops.len().saturating_sub(15);
             panic!(
                 "through FUSE ({mode}): {}\n(after {} operations; natively the same operations {native})\nlast operations:\n{}",
+                f.msg,
+                f.ops.len(),
+                listing(&f.ops[tail..])
+            );
+        }
+    }
+}
+
+/// The seeded sequence through the namespace service (Cudele) in strong mode: every
+/// call a request, the two clients taking turns, the whole visible state compared with
+/// the model after every operation (under CI: the first 500, after every tenth), the
+/// service restarted with the module at each remount.
+#[test]
+fn thousands_of_random_operations_through_the_namespace_service() {
+    // Every call is a request (and every change a sync, under the default policy's
+    // global durability): under CI the first 500 operations, compared every tenth.
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    let every = if ci { 10 } else { 1 };
+    let mut specs = seeded_specs();
+    if ci {
+        specs.truncate(500);
+    }
+    for mode in [Module::Ext2(Mode::SoftUpdates), Module::Betrfs] {
+        let t = std::time::Instant::now();
+        let r = run_via(&specs, mode, 1 << 20, 16_384, Via::Mds, every);
+        eprintln!(
+            "through the namespace service ({mode}): {} operations, state compared every \
+             {every}, {:.1?}",
+            specs.len(),
+            t.elapsed()
+        );
+        if let Err(f) = r {
+            let tail = f.ops.len().saturating_sub(15);
+            panic!(
+                "through the namespace service ({mode}): {}\n(after {} operations)\nlast \
+                 operations:\n{}",
                 f.msg,
                 f.ops.len(),
                 listing(&f.ops[tail..])
