@@ -8,18 +8,19 @@
 use quilt_cudele::client::{Client, DecoupleOptions, RemoteFs};
 use quilt_cudele::journal::{self, ClientJournal, Event, Header};
 use quilt_cudele::rpc::Request;
-use quilt_cudele::service::{Mds, MdsConfig};
 use quilt_vfs::{Ctx, FileSystem, FsError, FsOp};
 use std::sync::Arc;
 use std::time::Duration;
 
+#[path = "support/mds_service.rs"]
+mod mds_service;
 #[path = "support/modules.rs"]
 mod modules;
 
+use mds_service::{Service, SECRET};
 use modules::{check, mkfs, Kind};
 
 const KINDS: [Kind; 2] = [Kind::Betrfs, Kind::Ext2(quilt_ext2::Mode::MetaJournal)];
-const SECRET: &str = "test-secret";
 
 /// A module mounted for the service: shared, and unmounted by its own type.
 enum Store {
@@ -45,60 +46,6 @@ impl Store {
             Store::Ext2(f) => f.unmount().unwrap(),
             Store::Betrfs(f) => f.unmount().unwrap(),
         }
-    }
-}
-
-/// The service on a loopback port, in its own runtime.
-struct Service {
-    rt: tokio::runtime::Runtime,
-    addr: String,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    done: Option<tokio::task::JoinHandle<Result<(), String>>>,
-}
-
-impl Service {
-    fn start(fs: Arc<dyn FileSystem>, at: Option<&str>, lease: Duration) -> Service {
-        let mds = Arc::new(
-            Mds::open(
-                fs,
-                MdsConfig {
-                    lease,
-                    merge_chunk: 64,
-                },
-            )
-            .unwrap(),
-        );
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let listener = rt
-            .block_on(tokio::net::TcpListener::bind(at.unwrap_or("127.0.0.1:0")))
-            .unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let done = rt.spawn(quilt_cudele::transport::serve(
-            mds,
-            listener,
-            SECRET,
-            None,
-            async {
-                let _ = rx.await;
-            },
-        ));
-        Service {
-            rt,
-            addr,
-            stop: Some(tx),
-            done: Some(done),
-        }
-    }
-
-    fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        let done = self.done.take().unwrap();
-        self.rt.block_on(done).unwrap().unwrap();
     }
 }
 
@@ -140,7 +87,7 @@ fn clients_share_the_namespace_through_rpcs() {
     for kind in KINDS {
         let dev = mkfs(kind);
         let store = Store::open(kind, dev.clone());
-        let svc = Service::start(store.fs(), None, Duration::from_secs(30));
+        let svc = Service::start(store.fs(), None, Duration::from_secs(30)).unwrap();
         let (a, b) = (
             RemoteFs::new(connect(&svc.addr, "a")),
             RemoteFs::new(connect(&svc.addr, "b")),
@@ -184,7 +131,7 @@ fn clients_share_the_namespace_through_rpcs() {
         assert_eq!(errno(a.mkdir(d.ino, b"renamed", 0o755, &c)), libc::EEXIST);
         assert_eq!(errno(a.rmdir(a.root(), b"shared", &c)), libc::ENOTEMPTY);
         a.sync_all().unwrap();
-        svc.stop();
+        svc.stop().unwrap();
         store.unmount();
         check(kind, &dev);
     }
@@ -195,7 +142,7 @@ fn a_decoupled_subtree_blocks_others_or_lets_them_in_and_wins_at_merge() {
     for kind in KINDS {
         let dev = mkfs(kind);
         let store = Store::open(kind, dev.clone());
-        let svc = Service::start(store.fs(), None, Duration::from_secs(30));
+        let svc = Service::start(store.fs(), None, Duration::from_secs(30)).unwrap();
         let ca = connect(&svc.addr, "holder");
         let (a, b) = (
             RemoteFs::new(ca.clone()),
@@ -260,7 +207,7 @@ fn a_decoupled_subtree_blocks_others_or_lets_them_in_and_wins_at_merge() {
         let kept = a.lookup(job, aside.as_bytes()).unwrap();
         assert_eq!(a.read(kept.ino, 0, 10).unwrap(), b"theirs");
         d.release().unwrap();
-        svc.stop();
+        svc.stop().unwrap();
         store.unmount();
         check(kind, &dev);
     }
@@ -271,7 +218,7 @@ fn policies_holds_grants_and_staged_merges_survive_a_restart() {
     for kind in KINDS {
         let dev = mkfs(kind);
         let store = Store::open(kind, dev.clone());
-        let svc = Service::start(store.fs(), None, Duration::from_secs(30));
+        let svc = Service::start(store.fs(), None, Duration::from_secs(30)).unwrap();
         let addr = svc.addr.clone();
         let ca = connect(&addr, "holder");
         let a = RemoteFs::new(ca.clone());
@@ -291,7 +238,7 @@ fn policies_holds_grants_and_staged_merges_survive_a_restart() {
         }
         d.sync().unwrap();
         drop(d);
-        svc.stop();
+        svc.stop().unwrap();
         store.unmount();
 
         // A journal staged for a durable merge when the service stopped (as a crash
@@ -334,7 +281,7 @@ fn policies_holds_grants_and_staged_merges_survive_a_restart() {
         fs.write(f.ino, 0, &bytes, &c).unwrap();
 
         // The service again, on the same port: the staged merge is finished first.
-        let svc = Service::start(fs.clone(), Some(&addr), Duration::from_secs(30));
+        let svc = Service::start(fs.clone(), Some(&addr), Duration::from_secs(30)).unwrap();
         let b = RemoteFs::new(connect(&addr, "other"));
         assert!(b.client().id() > ca.id(), "a client number given twice");
         // The hold and its block survived (the holder gets a fresh lease).
@@ -359,7 +306,7 @@ fn policies_holds_grants_and_staged_merges_survive_a_restart() {
             libc::ENOENT,
             "the staged journal stays after its merge"
         );
-        svc.stop();
+        svc.stop().unwrap();
         store.unmount();
         check(kind, &dev);
     }
@@ -370,7 +317,7 @@ fn bad_requests_are_refused_and_change_nothing() {
     let kind = Kind::Betrfs;
     let dev = mkfs(kind);
     let store = Store::open(kind, dev.clone());
-    let svc = Service::start(store.fs(), None, Duration::from_secs(30));
+    let svc = Service::start(store.fs(), None, Duration::from_secs(30)).unwrap();
     let ca = connect(&svc.addr, "holder");
     let cb = connect(&svc.addr, "other");
     let a = RemoteFs::new(ca.clone());
@@ -508,7 +455,7 @@ fn bad_requests_are_refused_and_change_nothing() {
         Some(libc::EACCES)
     );
     assert_eq!(names(&a, job), before);
-    svc.stop();
+    svc.stop().unwrap();
     store.unmount();
     check(kind, &dev);
 }
