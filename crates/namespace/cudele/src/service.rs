@@ -691,17 +691,18 @@ impl Mds {
         };
         // The holds over what the request names: blocked, or gates to pass.
         let mut gates = Vec::new();
-        let mut durability = Policy::default().durability;
-        for (i, d) in dirs.iter().enumerate() {
+        // The strictest durability of the subtrees the request names (the default's,
+        // global, where none has a policy).
+        let mut global = dirs.is_empty();
+        for d in &dirs {
             let gov = match self.governing(*d) {
                 Ok(g) => g,
                 Err(e) => return Response::Error(fs_err(&e)),
             };
-            if i == 0 {
-                if let Some((_, e)) = gov.first() {
-                    durability = e.policy.durability;
-                }
-            }
+            let nearest = gov
+                .first()
+                .map_or(Policy::default().durability, |(_, e)| e.policy.durability);
+            global |= nearest == Durability::Global;
             for (root, e) in gov {
                 let Some(h) = &e.holder else { continue };
                 if h.client != client
@@ -727,20 +728,13 @@ impl Mds {
             .iter()
             .map(|g| g.read().unwrap_or_else(|p| p.into_inner()))
             .collect();
-        let changes = op.changes();
-        if changes {
-            self.commit
-                .st
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .changes += 1;
-        }
         let reply = match op.apply(&*self.fs, ctx) {
             Ok(r) => r,
             Err(e) => return Response::Error(fs_err(&e)),
         };
         self.after(&op, &reply);
-        if changes && durability == Durability::Global {
+        if op.changes() && global {
+            // Counted once made: a sync that starts after this covers it.
             if let Err(e) = self.durable() {
                 return err(libc::EIO, e);
             }
@@ -841,10 +835,12 @@ impl Mds {
         }
     }
 
-    /// Waits until every change made so far is durable (one sync for all waiters).
+    /// Counts a change the caller has made, then waits until a sync that began after
+    /// it has ended (one sync for every waiter that counted before it began).
     fn durable(&self) -> Result<(), String> {
         let c = &self.commit;
         let mut g = c.st.lock().unwrap_or_else(|p| p.into_inner());
+        g.changes += 1;
         let target = g.changes;
         loop {
             if g.durable >= target {

@@ -459,3 +459,172 @@ fn bad_requests_are_refused_and_change_nothing() {
     store.unmount();
     check(kind, &dev);
 }
+
+/// A store that numbers its creations as they are made and remembers how far each
+/// sync reached (what had been made when it began): a creation is durable once a sync
+/// that began after it has ended.
+struct Counted {
+    inner: Arc<dyn FileSystem>,
+    made: std::sync::atomic::AtomicU64,
+    synced: std::sync::atomic::AtomicU64,
+    order: std::sync::Mutex<std::collections::HashMap<Vec<u8>, u64>>,
+}
+
+impl FileSystem for Counted {
+    fn root(&self) -> u64 {
+        self.inner.root()
+    }
+    fn lookup(&self, p: u64, n: &[u8]) -> quilt_vfs::Result<quilt_vfs::Attr> {
+        self.inner.lookup(p, n)
+    }
+    fn getattr(&self, i: u64) -> quilt_vfs::Result<quilt_vfs::Attr> {
+        self.inner.getattr(i)
+    }
+    fn setattr(
+        &self,
+        i: u64,
+        s: quilt_vfs::SetAttr,
+        c: &Ctx,
+    ) -> quilt_vfs::Result<quilt_vfs::Attr> {
+        self.inner.setattr(i, s, c)
+    }
+    fn mknod(
+        &self,
+        p: u64,
+        n: &[u8],
+        m: u32,
+        r: u32,
+        c: &Ctx,
+    ) -> quilt_vfs::Result<quilt_vfs::Attr> {
+        let a = self.inner.mknod(p, n, m, r, c)?;
+        // Numbered under the lock, so that the numbers follow the order made.
+        let mut o = self.order.lock().unwrap();
+        let k = self.made.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        o.insert(n.to_vec(), k);
+        Ok(a)
+    }
+    fn mkdir(&self, p: u64, n: &[u8], m: u32, c: &Ctx) -> quilt_vfs::Result<quilt_vfs::Attr> {
+        self.inner.mkdir(p, n, m, c)
+    }
+    fn unlink(&self, p: u64, n: &[u8], c: &Ctx) -> quilt_vfs::Result<()> {
+        self.inner.unlink(p, n, c)
+    }
+    fn rmdir(&self, p: u64, n: &[u8], c: &Ctx) -> quilt_vfs::Result<()> {
+        self.inner.rmdir(p, n, c)
+    }
+    fn symlink(&self, p: u64, n: &[u8], t: &[u8], c: &Ctx) -> quilt_vfs::Result<quilt_vfs::Attr> {
+        self.inner.symlink(p, n, t, c)
+    }
+    fn readlink(&self, i: u64) -> quilt_vfs::Result<Vec<u8>> {
+        self.inner.readlink(i)
+    }
+    fn rename(
+        &self,
+        p: u64,
+        n: &[u8],
+        np: u64,
+        nn: &[u8],
+        f: quilt_vfs::RenameFlags,
+        c: &Ctx,
+    ) -> quilt_vfs::Result<()> {
+        self.inner.rename(p, n, np, nn, f, c)
+    }
+    fn link(&self, i: u64, np: u64, nn: &[u8], c: &Ctx) -> quilt_vfs::Result<quilt_vfs::Attr> {
+        self.inner.link(i, np, nn, c)
+    }
+    fn read(&self, i: u64, o: u64, s: u32) -> quilt_vfs::Result<Vec<u8>> {
+        self.inner.read(i, o, s)
+    }
+    fn write(&self, i: u64, o: u64, d: &[u8], c: &Ctx) -> quilt_vfs::Result<u32> {
+        self.inner.write(i, o, d, c)
+    }
+    fn readdir(
+        &self,
+        i: u64,
+        o: u64,
+        e: &mut dyn FnMut(quilt_vfs::DirEntry) -> bool,
+    ) -> quilt_vfs::Result<()> {
+        self.inner.readdir(i, o, e)
+    }
+    fn statfs(&self) -> quilt_vfs::Result<quilt_vfs::StatFs> {
+        self.inner.statfs()
+    }
+    fn fsync(&self, i: u64, d: bool) -> quilt_vfs::Result<()> {
+        self.inner.fsync(i, d)
+    }
+    fn sync_all(&self) -> quilt_vfs::Result<()> {
+        let upto = self.made.load(std::sync::atomic::Ordering::SeqCst);
+        // A slow disk: other requests make their changes meanwhile.
+        std::thread::sleep(Duration::from_millis(2));
+        self.inner.sync_all()?;
+        self.synced
+            .fetch_max(upto, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+    fn setxattr(
+        &self,
+        i: u64,
+        n: &[u8],
+        v: &[u8],
+        f: quilt_vfs::XattrFlags,
+        c: &Ctx,
+    ) -> quilt_vfs::Result<()> {
+        self.inner.setxattr(i, n, v, f, c)
+    }
+    fn getxattr(&self, i: u64, n: &[u8]) -> quilt_vfs::Result<Vec<u8>> {
+        self.inner.getxattr(i, n)
+    }
+    fn listxattr(&self, i: u64) -> quilt_vfs::Result<Vec<u8>> {
+        self.inner.listxattr(i)
+    }
+    fn removexattr(&self, i: u64, n: &[u8], c: &Ctx) -> quilt_vfs::Result<()> {
+        self.inner.removexattr(i, n, c)
+    }
+}
+
+/// Stream (global durability) under concurrent clients: every creation is answered
+/// only after a sync that began once it was made, whoever's sync that was.
+#[test]
+fn under_global_durability_every_answered_change_was_synced_after_it_was_made() {
+    let kind = Kind::Betrfs;
+    let dev = mkfs(kind);
+    let store = Store::open(kind, dev.clone());
+    let counted = Arc::new(Counted {
+        inner: store.fs(),
+        made: Default::default(),
+        synced: Default::default(),
+        order: Default::default(),
+    });
+    let svc = Service::start(counted.clone(), None, Duration::from_secs(30)).unwrap();
+    let setup = RemoteFs::new(connect(&svc.addr, "setup"));
+    let dir = setup
+        .mkdir(setup.root(), b"d", 0o777, &Ctx::root())
+        .unwrap()
+        .ino;
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let (addr, counted) = (svc.addr.clone(), counted.clone());
+            std::thread::spawn(move || {
+                let fs = RemoteFs::new(connect(&addr, "writer"));
+                for i in 0..60 {
+                    let name = format!("t{t}.{i}").into_bytes();
+                    fs.mknod(dir, &name, libc::S_IFREG | 0o644, 0, &user())
+                        .unwrap();
+                    let made = counted.order.lock().unwrap()[&name];
+                    let synced = counted.synced.load(std::sync::atomic::Ordering::SeqCst);
+                    assert!(
+                        synced >= made,
+                        "creation {made} answered with syncs only up to {synced}"
+                    );
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    svc.stop().unwrap();
+    drop(counted);
+    store.unmount();
+    check(kind, &dev);
+}
