@@ -985,7 +985,7 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
         }
         ClusterCommand::Down { dir } => {
             let mut c = load(&dir)?;
-            for r in &mut c.replicas {
+            for (id, r) in c.replicas.iter_mut().enumerate() {
                 if let Some(pid) = r.pid.take() {
                     if alive(pid) {
                         // SAFETY: a pid this tool started and recorded.
@@ -994,6 +994,21 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
                         while alive(pid) && t.elapsed() < Duration::from_secs(10) {
                             reap();
                             std::thread::sleep(Duration::from_millis(20));
+                        }
+                        // "Down" means down: one that did not stop in 10 s is killed
+                        // (its log and data are crash-safe), not left running.
+                        if alive(pid) {
+                            eprintln!(
+                                "quiltfs: replica {id} did not stop within 10 s of SIGTERM; \
+                                 killing it"
+                            );
+                            // SAFETY: as above.
+                            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+                            let t = Instant::now();
+                            while alive(pid) && t.elapsed() < Duration::from_secs(5) {
+                                reap();
+                                std::thread::sleep(Duration::from_millis(20));
+                            }
                         }
                     }
                 }
