@@ -105,6 +105,21 @@ impl tonic::service::Interceptor for SecretCheck {
     }
 }
 
+/// A tonic server, over TLS with `tls` (`who` names the server in the error).
+pub fn server_builder(
+    tls: Option<TlsIdentity>,
+    who: &str,
+) -> Result<tonic::transport::Server, String> {
+    use tonic::transport::{Identity, ServerTlsConfig};
+    let builder = tonic::transport::Server::builder();
+    match tls {
+        None => Ok(builder),
+        Some(t) => builder
+            .tls_config(ServerTlsConfig::new().identity(Identity::from_pem(t.cert_pem, t.key_pem)))
+            .map_err(|e| format!("{who}'s TLS certificate or key: {e}")),
+    }
+}
+
 /// A server's TLS identity: its certificate (PEM, signed by the cluster's CA, naming
 /// the host its address uses) and private key.
 #[derive(Clone)]

@@ -106,10 +106,6 @@ impl Scope {
 pub enum MergeError {
     #[error("event {seq}: {why}; nothing of the journal was applied")]
     Invalid { seq: u64, why: String },
-    #[error("the journal is client {got}'s, not client {want}'s")]
-    WrongClient { want: u64, got: u64 },
-    #[error("the journal is for subtree {got}, not {want}")]
-    WrongSubtree { want: Ino, got: Ino },
     #[error(
         "applying events up to {seq}: {error}; events up to {applied} are merged, the \
          rest can be merged again"

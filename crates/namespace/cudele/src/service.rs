@@ -902,17 +902,30 @@ impl Mds {
 
     fn policy_set(&self, ino: Ino, settings: &str) -> Result<PolicyInfo, WireError> {
         self.dir(ino)?;
+        // (The nearest policy is the directory's own when it has one.)
         let (_, mut policy, _) = self.policy_of(ino).map_err(|e| fs_err(&e))?;
-        let existing = self.state().reg.subtrees.get(&ino).cloned();
-        if let Some(e) = &existing {
-            policy = e.policy;
-        }
         for word in settings.split([' ', ',', '\n']).filter(|w| !w.is_empty()) {
             policy
                 .set(word)
                 .map_err(|e| wire(libc::EINVAL, e.to_string()))?;
         }
-        let path = self.path_of(ino).map_err(|e| fs_err(&e))?;
+        self.upsert(ino, policy, |e| {
+            e.policy = policy;
+            e.version += 1;
+        })
+        .map_err(|e| fs_err(&e))?;
+        self.policy_get(ino)
+    }
+
+    /// Changes directory `ino`'s registry entry (made with `policy` if it has none, its
+    /// path brought up to date), and saves the registry.
+    fn upsert(
+        &self,
+        ino: Ino,
+        policy: Policy,
+        change: impl FnOnce(&mut Entry),
+    ) -> Result<(), FsError> {
+        let path = self.path_of(ino)?;
         {
             let mut st = self.state();
             let e = st.reg.subtrees.entry(ino).or_insert(Entry {
@@ -921,12 +934,20 @@ impl Mds {
                 version: 0,
                 holder: None,
             });
-            e.policy = policy;
             e.path = path;
-            e.version += 1;
+            change(e);
         }
-        self.save_registry().map_err(|e| fs_err(&e))?;
-        self.policy_get(ino)
+        self.save_registry()
+    }
+
+    /// The scope of `client`'s hold on `subtree`, or the refusal.
+    fn held(&self, client: u64, subtree: Ino) -> Result<Scope, Response> {
+        self.scope(client, subtree).ok_or_else(|| {
+            err(
+                libc::EPERM,
+                format!("client {client} does not hold subtree {subtree}"),
+            )
+        })
     }
 
     fn decouple(&self, client: u64, ino: Ino) -> Response {
@@ -994,22 +1015,13 @@ impl Mds {
             }
         }
         let grants = self.grant(policy.inodes).map_err(|e| fs_err(&e))?;
-        let path = self.path_of(ino).map_err(|e| fs_err(&e))?;
-        {
-            let mut st = self.state();
-            let e = st.reg.subtrees.entry(ino).or_insert(Entry {
-                path: path.clone(),
-                policy,
-                version: 0,
-                holder: None,
-            });
-            e.path = path;
+        self.upsert(ino, policy, |e| {
             e.holder = Some(Hold {
                 client,
                 grants: grants.clone(),
-            });
-        }
-        self.save_registry().map_err(|e| fs_err(&e))?;
+            })
+        })
+        .map_err(|e| fs_err(&e))?;
         self.renew(client);
         let w = merge::watermark(&*self.fs, ino, client).map_err(|e| fs_err(&e))?;
         Ok(Response::Decoupled {
@@ -1043,11 +1055,8 @@ impl Mds {
     }
 
     fn more_inodes(&self, client: u64, subtree: Ino) -> Response {
-        if self.scope(client, subtree).is_none() {
-            return err(
-                libc::EPERM,
-                format!("client {client} does not hold subtree {subtree}"),
-            );
+        if let Err(r) = self.held(client, subtree) {
+            return r;
         }
         let policy = self.policy_of(subtree).map(|p| p.1).unwrap_or_default();
         let got = match self.grant(policy.inodes) {
@@ -1100,11 +1109,9 @@ impl Mds {
     }
 
     fn merge(&self, client: u64, subtree: Ino, bytes: &[u8], durable: bool) -> Response {
-        let Some(scope) = self.scope(client, subtree) else {
-            return err(
-                libc::EPERM,
-                format!("client {client} does not hold subtree {subtree}: no merge into it"),
-            );
+        let scope = match self.held(client, subtree) {
+            Ok(s) => s,
+            Err(r) => return r,
         };
         let read = match journal::read(bytes, Tail::Strict) {
             Ok(r) => r,
@@ -1141,9 +1148,7 @@ impl Mds {
                     let _ = self.fs.unlink(self.hidden, &staged, &Ctx::root());
                 }
                 let errno = match &e {
-                    MergeError::Invalid { .. }
-                    | MergeError::WrongClient { .. }
-                    | MergeError::WrongSubtree { .. } => libc::EINVAL,
+                    MergeError::Invalid { .. } => libc::EINVAL,
                     MergeError::Apply { error, .. } | MergeError::Namespace(error) => error.errno(),
                 };
                 return err(errno, e.to_string());
@@ -1171,11 +1176,8 @@ impl Mds {
     }
 
     fn persist(&self, client: u64, subtree: Ino, bytes: &[u8]) -> Response {
-        if self.scope(client, subtree).is_none() {
-            return err(
-                libc::EPERM,
-                format!("client {client} does not hold subtree {subtree}"),
-            );
+        if let Err(r) = self.held(client, subtree) {
+            return r;
         }
         let read = match journal::read(bytes, Tail::Strict) {
             Ok(r) => r,
@@ -1215,11 +1217,8 @@ impl Mds {
     }
 
     fn release(&self, client: u64, subtree: Ino) -> Response {
-        if self.scope(client, subtree).is_none() {
-            return err(
-                libc::EPERM,
-                format!("client {client} does not hold subtree {subtree}"),
-            );
+        if let Err(r) = self.held(client, subtree) {
+            return r;
         }
         {
             let mut st = self.state();

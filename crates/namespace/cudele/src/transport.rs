@@ -10,9 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::server::TcpIncoming;
-use tonic::transport::{
-    Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig,
-};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::Status;
 
 #[allow(clippy::all, clippy::unwrap_used)]
@@ -67,12 +65,7 @@ pub async fn serve(
     let svc = MdsServer::new(Service { mds })
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(t) = tls {
-        builder = builder
-            .tls_config(ServerTlsConfig::new().identity(Identity::from_pem(t.cert_pem, t.key_pem)))
-            .map_err(|e| format!("the service's TLS certificate or key: {e}"))?;
-    }
+    let mut builder = quilt_rpc::server_builder(tls, "the service")?;
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     builder
         .add_service(tonic::service::interceptor::InterceptedService::new(

@@ -16,9 +16,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tonic::metadata::MetadataValue;
-use tonic::transport::{
-    Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig,
-};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::Status;
 
 pub use quilt_rpc::{make_certificates, PostcardCodec, TlsIdentity};
@@ -63,12 +61,7 @@ pub async fn serve(
     let svc = ReplicaServer::new(Service { node })
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(t) = tls {
-        builder = builder
-            .tls_config(ServerTlsConfig::new().identity(Identity::from_pem(t.cert_pem, t.key_pem)))
-            .map_err(|e| format!("the replica's TLS certificate or key: {e}"))?;
-    }
+    let mut builder = quilt_rpc::server_builder(tls, "the replica")?;
     builder
         .add_service(tonic::service::interceptor::InterceptedService::new(
             svc, check,
