@@ -12,6 +12,8 @@ pub struct MdsAddress {
     pub subtree: String,
     pub secret_file: Option<PathBuf>,
     pub tls_ca: Option<PathBuf>,
+    /// Where a decoupled mount keeps its journal under local durability.
+    pub local_dir: Option<PathBuf>,
 }
 
 impl MdsAddress {
@@ -41,14 +43,16 @@ impl MdsAddress {
             subtree: if subtree.is_empty() { "/" } else { subtree }.to_string(),
             secret_file: None,
             tls_ca: None,
+            local_dir: None,
         };
         for kv in query.unwrap_or("").split('&').filter(|k| !k.is_empty()) {
             match kv.split_once('=') {
                 Some(("secret-file", v)) => a.secret_file = Some(v.into()),
                 Some(("tls-ca", v)) => a.tls_ca = Some(v.into()),
+                Some(("local-dir", v)) => a.local_dir = Some(v.into()),
                 _ => {
                     return Err(format!(
-                        "unknown option {kv:?} in {s:?} (known: secret-file=PATH, tls-ca=PATH)"
+                        "unknown option {kv:?} in {s:?} (known: secret-file=PATH, tls-ca=PATH, local-dir=PATH)"
                     ))
                 }
             }

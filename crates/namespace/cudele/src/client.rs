@@ -670,6 +670,11 @@ impl Decoupled {
 
     /// A regular file (or fifo, socket, device) named `name` in `parent`.
     pub fn create(&self, ctx: &Ctx, parent: Ino, name: &[u8], mode: u32) -> Result<Ino> {
+        self.mknod(ctx, parent, name, mode, 0)
+    }
+
+    /// [`Decoupled::create`] with a device number.
+    pub fn mknod(&self, ctx: &Ctx, parent: Ino, name: &[u8], mode: u32, rdev: u32) -> Result<Ino> {
         let mode = if mode & libc::S_IFMT == 0 {
             mode | libc::S_IFREG
         } else {
@@ -679,9 +684,30 @@ impl Decoupled {
             parent,
             name: name.to_vec(),
             mode: mode & !ctx.umask,
-            rdev: 0,
+            rdev,
             ino: Some(ino),
         })
+    }
+
+    /// File data of a file this client created in the subtree: it rides in the journal
+    /// (the file has no place at the service before the merge that makes it).
+    pub fn write(&self, ctx: &Ctx, ino: Ino, offset: u64, data: &[u8]) -> Result<u64> {
+        if data.len() > crate::merge::MAX_WRITE {
+            return Err(FsError::Invalid("a journaled write larger than 1 MiB"));
+        }
+        Ok(self.append(
+            ctx,
+            FsOp::Write {
+                ino,
+                offset,
+                data: data.to_vec(),
+            },
+        ))
+    }
+
+    /// A size change (with any other attributes in `set`) of a file this client created.
+    pub fn truncate(&self, ctx: &Ctx, ino: Ino, set: SetAttr) -> Result<u64> {
+        Ok(self.append(ctx, FsOp::Setattr { ino, set }))
     }
 
     pub fn mkdir(&self, ctx: &Ctx, parent: Ino, name: &[u8], mode: u32) -> Result<Ino> {
@@ -710,10 +736,36 @@ impl Decoupled {
                 "a decoupled journal takes name and attribute changes only",
             ));
         }
-        if let FsOp::Unlink { parent, name } | FsOp::Rmdir { parent, name } = &op {
-            self.lock().names.remove(&(*parent, name.clone()));
+        match &op {
+            FsOp::Unlink { parent, name } | FsOp::Rmdir { parent, name } => {
+                self.lock().names.remove(&(*parent, name.clone()));
+            }
+            FsOp::Rename {
+                parent,
+                name,
+                new_parent,
+                new_name,
+                flags,
+            } if !flags.exchange => {
+                let mut sh = self.lock();
+                sh.names.remove(&(*parent, name.clone()));
+                sh.names.insert((*new_parent, new_name.clone()));
+            }
+            _ => {}
         }
         Ok(self.append(ctx, op))
+    }
+
+    /// A witness that `name` in `parent` names an inode the client is about to change
+    /// by number (an attribute, a link): the merge reaches older files by name only.
+    pub fn witness(&self, ctx: &Ctx, parent: Ino, name: &[u8]) -> u64 {
+        self.append(
+            ctx,
+            FsOp::Lookup {
+                parent,
+                name: name.to_vec(),
+            },
+        )
     }
 
     /// Events appended so far (the next event's number minus one).
@@ -830,20 +882,32 @@ fn ship(
     }
     let events: u64 = frames.iter().map(|f| u64::from(f.count)).sum();
     let bytes = journal::encode(&header, &frames);
+    // A refusal is an I/O error to whoever synced (fsync's EIO: the changes did not
+    // get where the policy sends them), with the service's reason kept; the frames stay
+    // unsent.
+    let refused = |what: &str, e: WireError| {
+        let m = format!("{what} of subtree {subtree}: {}", e.message);
+        tracing::error!("cudele: {m}");
+        FsError::Io(m.into())
+    };
     if persist {
-        c.fs_call(Request::Persist {
+        c.call(Request::Persist {
             client: c.id,
             subtree,
             journal: bytes.clone(),
-        })?;
+        })
+        .map_err(|e| refused("Global Persist", e))?;
     }
     if merge {
-        match c.fs_call(Request::Merge {
-            client: c.id,
-            subtree,
-            journal: bytes.clone(),
-            durable,
-        })? {
+        match c
+            .call(Request::Merge {
+                client: c.id,
+                subtree,
+                journal: bytes.clone(),
+                durable,
+            })
+            .map_err(|e| refused("the merge", e))?
+        {
             Response::Merged { merged_seq, .. } => done.merged_seq = merged_seq,
             r => return Err(unexpected(&r)),
         }

@@ -24,6 +24,7 @@ pub mod policy;
 pub mod rpc;
 pub mod service;
 pub mod transport;
+pub mod view;
 
 pub use address::MdsAddress;
 pub use client::{Client, DecoupleOptions, Decoupled, RemoteFs};
@@ -31,3 +32,4 @@ pub use journal::{ClientJournal, Event, Header};
 pub use merge::{MergeError, Plan, Scope};
 pub use policy::{Consistency, Durability, Interfere, Mechanism, Policy, Preset};
 pub use service::{Mds, MdsConfig};
+pub use view::DecoupledFs;

@@ -40,6 +40,10 @@ use std::collections::{HashMap, HashSet};
 pub const RESERVED_XATTR: &[u8] = b"trusted.quiltfs.";
 const MAX_NAME: usize = 255;
 const MAX_SYMLINK: usize = 4095;
+/// The largest write one event carries (a FUSE write is at most 1 MiB).
+pub const MAX_WRITE: usize = 1 << 20;
+/// The largest file a journal's data may make.
+const MAX_FILE: u64 = 1 << 44;
 
 /// The watermark's xattr for `client`.
 pub fn watermark_name(client: u64) -> Vec<u8> {
@@ -532,6 +536,88 @@ impl<'a> Shadow<'a> {
         Ok(k)
     }
 
+    /// RENAME_EXCHANGE of two names: both must still be there (else skipped, as a
+    /// rename of a name already gone), and neither directory may end up inside itself.
+    fn exchange(&mut self, seq: u64, ev: &Event, plan: &mut Plan) -> Result<(), MergeError> {
+        let FsOp::Rename {
+            parent,
+            name,
+            new_parent,
+            new_name,
+            ..
+        } = &ev.op
+        else {
+            return Err(bad(seq, "not a rename"));
+        };
+        let ctx = creds(ev);
+        check_name(seq, name)?;
+        check_name(seq, new_name)?;
+        self.writable_dir(seq, *parent, &ctx)?;
+        self.writable_dir(seq, *new_parent, &ctx)?;
+        let (Some(a), Some(b)) = (
+            self.resolve(*parent, name)?,
+            self.resolve(*new_parent, new_name)?,
+        ) else {
+            plan.skipped += 1;
+            return Ok(());
+        };
+        if a.0 == b.0 {
+            return Ok(());
+        }
+        for (moved, into) in [(a, *new_parent), (b, *parent)] {
+            if moved.1 != FileType::Directory {
+                continue;
+            }
+            let mut d = into;
+            for _ in 0..4096 {
+                if d == moved.0 {
+                    return Err(bad(seq, "a directory exchanged into itself"));
+                }
+                if d == self.scope.root {
+                    break;
+                }
+                d = self.parent_of(d)?;
+            }
+        }
+        plan.steps.push(Step {
+            seq,
+            op: ev.op.clone(),
+        });
+        self.names.insert((*parent, name.clone()), Some(b));
+        self.names.insert((*new_parent, new_name.clone()), Some(a));
+        for (e, dir) in [(a, *new_parent), (b, *parent)] {
+            self.known.entry(e.0).or_insert(Known {
+                kind: e.1,
+                uid: 0,
+                ours: false,
+            });
+            if e.1 == FileType::Directory {
+                self.parent.insert(e.0, dir);
+            }
+        }
+        Ok(())
+    }
+
+    /// A regular file whose data the journal may carry: one the client created (its
+    /// number is granted), which no other client can have written before the merge
+    /// made it. Data of files that existed before goes to the service directly.
+    fn own_file(&mut self, seq: u64, ino: Ino, ev: &Event) -> Result<(), MergeError> {
+        let k = self.owned(seq, ino, ev)?;
+        if !self.scope.granted(ino) {
+            return Err(bad(
+                seq,
+                format!("file data of inode {ino}, which the client did not create"),
+            ));
+        }
+        if k.kind != FileType::Regular {
+            return Err(bad(
+                seq,
+                format!("file data of inode {ino}, not a regular file"),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks one event and adds its steps to the plan.
     fn event(&mut self, seq: u64, ev: &Event, plan: &mut Plan) -> Result<(), MergeError> {
         let ctx = creds(ev);
@@ -638,11 +724,11 @@ impl<'a> Shadow<'a> {
                 new_name,
                 flags,
             } => {
-                if flags.exchange || flags.whiteout {
-                    return Err(bad(
-                        seq,
-                        "exchange and whiteout renames have no place in a journal",
-                    ));
+                if flags.whiteout {
+                    return Err(bad(seq, "a whiteout rename has no place in a journal"));
+                }
+                if flags.exchange {
+                    return self.exchange(seq, ev, plan);
                 }
                 check_name(seq, name)?;
                 check_name(seq, new_name)?;
@@ -711,11 +797,11 @@ impl<'a> Shadow<'a> {
                 });
             }
             FsOp::Setattr { ino, set } => {
-                if set.size.is_some() {
-                    return Err(bad(
-                        seq,
-                        "a size change (file data has no place in a journal)",
-                    ));
+                if let Some(size) = set.size {
+                    self.own_file(seq, *ino, ev)?;
+                    if size > MAX_FILE {
+                        return Err(bad(seq, format!("a size of {size} bytes")));
+                    }
                 }
                 self.owned(seq, *ino, ev)?;
                 if set.uid.is_some_and(|u| u != ev.uid) && ev.uid != 0 {
@@ -728,6 +814,25 @@ impl<'a> Shadow<'a> {
                     if let Some(k) = self.known.get_mut(ino) {
                         k.uid = u;
                     }
+                }
+                plan.steps.push(Step {
+                    seq,
+                    op: ev.op.clone(),
+                });
+            }
+            FsOp::Write { ino, offset, data } => {
+                self.own_file(seq, *ino, ev)?;
+                if data.len() > MAX_WRITE {
+                    return Err(bad(
+                        seq,
+                        format!("a write of {} bytes (at most {MAX_WRITE})", data.len()),
+                    ));
+                }
+                if offset
+                    .checked_add(data.len() as u64)
+                    .is_none_or(|end| end > MAX_FILE)
+                {
+                    return Err(bad(seq, format!("a write at offset {offset}")));
                 }
                 plan.steps.push(Step {
                     seq,
@@ -861,6 +966,22 @@ pub fn apply(
         let mut last = applied;
         while i < steps.len() {
             let step = &steps[i];
+            if !step.op.batchable() {
+                // File data cannot be part of an atomic batch: what came before is
+                // applied first, then the write on its own. A crash before the next
+                // watermark applies it again, which leaves the same bytes.
+                if !batch.is_empty() {
+                    break;
+                }
+                apply_data(fs, &step.op).map_err(|error| MergeError::Apply {
+                    seq: step.seq,
+                    applied: applied.seq,
+                    error,
+                })?;
+                last.seq = step.seq;
+                i += 1;
+                continue;
+            }
             if step.seq != last.seq {
                 if events == chunk {
                     break;
@@ -874,6 +995,10 @@ pub fn apply(
             batch.push(step.op.clone());
             seqs.push(step.seq);
             i += 1;
+        }
+        if batch.is_empty() {
+            // Only file data since the last batch: the watermark moves at the end.
+            continue;
         }
         batch.push(FsOp::Setxattr {
             ino: scope.root,
@@ -907,6 +1032,25 @@ pub fn apply(
         applied = plan.last;
     }
     Ok(applied)
+}
+
+/// One event of file data, applied as root. A file another client removed meanwhile
+/// (`interfere=allow`) has no one left to read the data: skipped.
+fn apply_data(fs: &dyn FileSystem, op: &FsOp) -> Result<(), FsError> {
+    let r = match op {
+        FsOp::Write { ino, offset, data } => {
+            fs.write(*ino, *offset, data, &Ctx::root()).map(|_| ())
+        }
+        FsOp::Setattr { ino, set } => fs.setattr(*ino, *set, &Ctx::root()).map(|_| ()),
+        other => Err(FsError::Invalid(match other {
+            FsOp::Fallocate { .. } => "fallocate in a merge",
+            _ => "an operation a merge does not apply",
+        })),
+    };
+    match r {
+        Err(FsError::NotFound | FsError::Stale) => Ok(()),
+        r => r,
+    }
 }
 
 /// Validates and applies: the whole merge of one journal's events.

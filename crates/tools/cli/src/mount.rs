@@ -306,6 +306,14 @@ pub fn mds_address(image: &Path) -> Option<&str> {
         .filter(|s| quilt_cudele::MdsAddress::is_address(s))
 }
 
+impl Served for quilt_cudele::DecoupledFs {
+    fn finish(&self) -> quilt_vfs::Result<()> {
+        // The last sync as the policy says (a merge for a weak subtree), then the
+        // hold goes.
+        self.release().map(|_| ())
+    }
+}
+
 impl Served for quilt_cudele::RemoteFs {
     fn finish(&self) -> quilt_vfs::Result<()> {
         // Every change was answered by the service once it had it (and made it
@@ -326,12 +334,27 @@ fn serve_mds(a: &MountArgs, p: Parsed, addr: &str) -> Result<()> {
         .policy(root.ino)
         .map_err(|e| anyhow::anyhow!("{}: {}", address.subtree, e.message))?;
     if policy.policy.decoupled() {
-        bail!(
-            "{}'s consistency is {}: a decoupled FUSE mount is not built yet (issue 50); \
-             use the client library (quilt_cudele::Decoupled), or set consistency=strong",
+        // Weak or invisible: this client takes the subtree and works in its own journal;
+        // the kernel may cache what it sees, since every change goes through this view.
+        let opts = quilt_cudele::DecoupleOptions {
+            local_dir: address.local_dir.clone(),
+            sync_interval: None,
+        };
+        let fs = quilt_cudele::DecoupledFs::open(client, root.ino, opts)
+            .map_err(|e| anyhow::anyhow!("decoupling {}: {e}", address.subtree))?;
+        eprintln!(
+            "quiltfs: {} decoupled ({}): changes go to this client's journal; they merge {}",
             address.subtree,
-            policy.policy.consistency
+            policy.policy,
+            match policy.policy.consistency {
+                quilt_cudele::Consistency::Weak =>
+                    "at each sync interval, `quiltfs sync` and unmount",
+                _ => "only when the application merges them (invisible)",
+            }
         );
+        let mut fuse = p.fuse.clone();
+        fuse.fs_name = format!("quiltfs-mds:{}", address.host);
+        return serve_fs(a, fuse, Arc::new(fs), Vec::new());
     }
     let fs = Arc::new(quilt_cudele::RemoteFs::at(client, root.ino));
     let mut fuse = p.fuse.clone();
