@@ -6,10 +6,10 @@
 //! journal, changing nothing, if any event is wrong: a parent that is not a directory
 //! inside the subtree, a name that is empty, too long or holds `/`, an inode number
 //! outside the client's grants or used twice, a type or attribute a client may not
-//! set, an operation with no place in a journal (file data, reads other than a
-//! lookup). What the journal may touch is the subtree: its root, what the journal
-//! created, and what it reached by name from there (a `Lookup` event is a witness:
-//! it is checked, not applied).
+//! set, an operation with no place in a journal (reads other than a lookup, file
+//! data of a file the client did not create). What the journal may touch is the
+//! subtree: its root, what the journal created, and what it reached by name from
+//! there (a `Lookup` event is a witness: it is checked, not applied).
 //!
 //! **The conflict rule** (others changed the subtree meanwhile, which `interfere=allow`
 //! permits): the decoupled client's updates win, and nothing of the others' is lost.

@@ -178,6 +178,11 @@ impl DecoupledFs {
         }
     }
 
+    /// Appends a name or attribute change to the journal.
+    fn journal(&self, ctx: &Ctx, op: FsOp) -> Result<()> {
+        self.with(|d| d.change(ctx, op)).map(|_| ())
+    }
+
     /// Persists and merges what was appended, as the policy says.
     pub fn sync(&self) -> Result<Synced> {
         self.with(|d| d.sync())
@@ -612,15 +617,13 @@ impl FileSystem for DecoupledFs {
             return Err(FsError::IsDir);
         }
         self.ensure(ino)?;
-        self.with(|d| {
-            d.change(
-                ctx,
-                FsOp::Unlink {
-                    parent,
-                    name: name.to_vec(),
-                },
-            )
-        })?;
+        self.journal(
+            ctx,
+            FsOp::Unlink {
+                parent,
+                name: name.to_vec(),
+            },
+        )?;
         let mut v = locked(&self.v);
         v.dir(parent)?.remove(name);
         v.touch_dir(parent, 0)?;
@@ -641,15 +644,13 @@ impl FileSystem for DecoupledFs {
         if !self.empty(ino)? {
             return Err(FsError::NotEmpty);
         }
-        self.with(|d| {
-            d.change(
-                ctx,
-                FsOp::Rmdir {
-                    parent,
-                    name: name.to_vec(),
-                },
-            )
-        })?;
+        self.journal(
+            ctx,
+            FsOp::Rmdir {
+                parent,
+                name: name.to_vec(),
+            },
+        )?;
         let mut v = locked(&self.v);
         v.dir(parent)?.remove(name);
         v.touch_dir(parent, -1)?;
@@ -692,6 +693,13 @@ impl FileSystem for DecoupledFs {
         }
         self.writable_dir(parent)?;
         self.writable_dir(new_parent)?;
+        let op = FsOp::Rename {
+            parent,
+            name: name.to_vec(),
+            new_parent,
+            new_name: new_name.to_vec(),
+            flags,
+        };
         let (ino, kind) = self.entry(parent, name)?.ok_or(FsError::NotFound)?;
         let target = self.entry(new_parent, new_name)?;
         if flags.exchange {
@@ -707,18 +715,7 @@ impl FileSystem for DecoupledFs {
             }
             self.ensure(ino)?;
             self.ensure(t)?;
-            self.with(|d| {
-                d.change(
-                    ctx,
-                    FsOp::Rename {
-                        parent,
-                        name: name.to_vec(),
-                        new_parent,
-                        new_name: new_name.to_vec(),
-                        flags,
-                    },
-                )
-            })?;
+            self.journal(ctx, op)?;
             let mut v = locked(&self.v);
             v.dir(parent)?.insert(name, t, tkind);
             v.dir(new_parent)?.insert(new_name, ino, kind);
@@ -761,18 +758,7 @@ impl FileSystem for DecoupledFs {
             self.ensure(t)?;
         }
         self.ensure(ino)?;
-        self.with(|d| {
-            d.change(
-                ctx,
-                FsOp::Rename {
-                    parent,
-                    name: name.to_vec(),
-                    new_parent,
-                    new_name: new_name.to_vec(),
-                    flags,
-                },
-            )
-        })?;
+        self.journal(ctx, op)?;
         let mut v = locked(&self.v);
         let now = Timespec::now();
         let is_dir = kind == FileType::Directory;
@@ -821,16 +807,14 @@ impl FileSystem for DecoupledFs {
             return Err(FsError::TooManyLinks);
         }
         self.witness(ino, ctx)?;
-        self.with(|d| {
-            d.change(
-                ctx,
-                FsOp::Link {
-                    ino,
-                    new_parent,
-                    new_name: new_name.to_vec(),
-                },
-            )
-        })?;
+        self.journal(
+            ctx,
+            FsOp::Link {
+                ino,
+                new_parent,
+                new_name: new_name.to_vec(),
+            },
+        )?;
         let mut v = locked(&self.v);
         v.dir(new_parent)?.insert(new_name, ino, a.kind);
         v.touch_dir(new_parent, 0)?;
@@ -1057,15 +1041,13 @@ impl FileSystem for DecoupledFs {
         check_xattr_name(name)?;
         self.getxattr(ino, name)?;
         self.witness(ino, ctx)?;
-        self.with(|d| {
-            d.change(
-                ctx,
-                FsOp::Removexattr {
-                    ino,
-                    name: name.to_vec(),
-                },
-            )
-        })?;
+        self.journal(
+            ctx,
+            FsOp::Removexattr {
+                ino,
+                name: name.to_vec(),
+            },
+        )?;
         let mut v = locked(&self.v);
         let n = v.node(ino)?;
         if n.ours {
