@@ -367,19 +367,35 @@ fn a_journal_with_any_bad_event_changes_nothing() {
                 }),
             ),
             (
-                "file data",
+                "file data of another's file",
                 ev(FsOp::Write {
-                    ino: g.first + 1,
+                    ino: theirs,
                     offset: 0,
                     data: b"x".to_vec(),
                 }),
             ),
             (
-                "a size change",
+                "a write of more than 1 MiB",
+                ev(FsOp::Write {
+                    ino: g.first + 1,
+                    offset: 0,
+                    data: vec![7; merge::MAX_WRITE + 1],
+                }),
+            ),
+            (
+                "file data of a directory",
+                ev(FsOp::Write {
+                    ino: g.first + 21,
+                    offset: 0,
+                    data: b"x".to_vec(),
+                }),
+            ),
+            (
+                "a size of 32 TiB",
                 ev(FsOp::Setattr {
                     ino: g.first + 1,
                     set: SetAttr {
-                        size: Some(0),
+                        size: Some(1 << 45),
                         ..Default::default()
                     },
                 }),
