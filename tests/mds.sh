@@ -3,10 +3,13 @@
 # `quiltfs mds serve`, two FUSE mounts of it (what one writes the other sees at once,
 # with real programs: cp -a and diff -r), policies set and shown through a mount, a
 # weak subtree mounted decoupled (cp -a, mv, ln -s in the client's own view, EBUSY
-# for the other mount meanwhile, everything merged at unmount), and kill -9 of the service during a
-# create loop under global durability: after a restart every file whose creation was
+# for the other mount meanwhile, everything merged at unmount), and kill -9 of the
+# service during a create loop under global durability: after a restart every file whose creation was
 # acknowledged is there with its bytes, and the store's checker (quiltfs fsck, e2fsck)
-# finds it clean.
+# finds it clean. Then kill -9 of a decoupled client after Local Persist (the next
+# mount with its local directory merges its journal) and of the service during a
+# durable merge (whole or absent after the restart, every file once after the next
+# sync).
 #
 # Usage: tests/mds.sh QUILTFS_BINARY
 set -euo pipefail
@@ -34,7 +37,7 @@ say() { echo "mds: $*"; }
 # Starts the service on $1 (port) for image $2; sets ADDR.
 serve() {
   local port=$1 img=$2
-  "$Q" mds serve "$img" --listen "127.0.0.1:$port" --lease 3 >"$W/serve.out" 2>"$W/serve.err" &
+  QUILTFS_LOG=error,quilt_cudele=info "$Q" mds serve "$img" --listen "127.0.0.1:$port" --lease 3 >"$W/serve.out" 2>"$W/serve.err" &
   SERVE_PID=$!
   for _ in $(seq 1 100); do
     ADDR=$(grep -o 'mds://[^ ]*' "$W/serve.out" 2>/dev/null || true)
@@ -91,9 +94,10 @@ for fs in betrfs ext3; do
   # view, others get EBUSY meanwhile (interfere=block), and the unmount merges it.
   sub="${ADDR%%\?*}dir?${ADDR#*\?}"
   mkdir -p "$W/weak"
-  "$Q" mount "$sub" "$W/weak" 2>"$W/weak.err" >/dev/null || fail "$fs: the weak subtree: $(cat "$W/weak.err")"
+  "$Q" mount "$sub" "$W/weak" 2>"$W/weak.err" >"$W/weak.out" || fail "$fs: the weak subtree: $(cat "$W/weak.err")"
   MOUNTS+=("$W/weak")
-  "$Q" mds policy show "$sub" | grep -q "held decoupled by" || fail "$fs: the mount holds nothing: $("$Q" mds policy show "$sub" 2>&1)"
+  grep -q "decoupled" "$W/weak.out" || fail "$fs: the mount does not say it decoupled: $(cat "$W/weak.out")"
+  grep -q "held decoupled by" <<<"$("$Q" mds policy show "$sub")" || fail "$fs: the mount holds nothing: $("$Q" mds policy show "$sub" 2>&1)"
   cp -a "$src" "$W/weak/tree"
   mv "$W/weak/moved" "$W/weak/tree/moved-again"
   ln -s moved-again "$W/weak/tree/link"
@@ -102,10 +106,10 @@ for fs in betrfs ext3; do
   unmnt "$W/weak"
   # The release (after the last merge) ends the hold.
   for _ in $(seq 1 100); do
-    "$Q" mds policy show "$sub" | grep -q "not held" && break
+    grep -q "not held" <<<"$("$Q" mds policy show "$sub")" && break
     sleep 0.1
   done
-  "$Q" mds policy show "$sub" | grep -q "not held" || fail "$fs: still held after the unmount"
+  grep -q "not held" <<<"$("$Q" mds policy show "$sub")" || fail "$fs: still held after the unmount"
   diff -r "$src" "$B/dir/tree" -x moved-again -x link >/dev/null || fail "$fs: the merged copy differs"
   [ "$(cat "$B/dir/tree/moved-again")" = "from a" ] || fail "$fs: a rename of an older file was not merged"
   [ "$(readlink "$B/dir/tree/link")" = "moved-again" ] || fail "$fs: the symlink was not merged"
@@ -144,8 +148,69 @@ for fs in betrfs ext3; do
   # both answered, so both were durable.
   [ "$missing" -eq 0 ] || fail "$fs: $missing of $n acknowledged files lost or wrong"
   [ "$(cat "$C/dir/moved")" = "from a" ] || fail "$fs: older files lost"
-  "$Q" mds policy show "$C/dir" | grep -q "interfere=block" || fail "$fs: the policy did not survive"
+  grep -q "interfere=block" <<<"$("$Q" mds policy show "$C/dir")" || fail "$fs: the policy did not survive"
   say "$fs: $n creates acknowledged before kill -9, all there after the restart"
+
+  # 4. kill -9 of a decoupled client after Local Persist (an invisible subtree: nothing
+  # merged); a mount with the same local directory comes back as it and merges the
+  # journal, data of its new files included; what came after the sync is lost.
+  mkdir "$C/inv"
+  "$Q" mds policy set "$C/inv" preset=deltafs interfere=allow >/dev/null
+  inv="${ADDR%%\?*}inv?${ADDR#*\?}&local-dir=$W/local-$fs"
+  mkdir -p "$W/inv"
+  out=$("$Q" mount "$inv" "$W/inv") || fail "$fs: mounting the invisible subtree"
+  MOUNTS+=("$W/inv")
+  client_pid=$(echo "$out" | sed -n 's/.*server pid \([0-9]*\).*/\1/p')
+  [ -n "$client_pid" ] || fail "$fs: no server pid in: $out"
+  for i in $(seq 1 200); do echo "kept $i" >"$W/inv/k$i"; done
+  "$Q" sync "$W/inv" || fail "$fs: quiltfs sync of the decoupled mount"
+  echo lost >"$W/inv/after-sync"
+  kill -9 "$client_pid"
+  umount "$W/inv" 2>/dev/null || umount -l "$W/inv"
+  [ -z "$(ls "$C/inv")" ] || fail "$fs: an invisible subtree's files showed before any merge"
+  mkdir -p "$W/inv2"
+  "$Q" mount "$inv" "$W/inv2" >"$W/inv2.out" || fail "$fs: mounting again after the kill"
+  MOUNTS+=("$W/inv2")
+  grep -q "journal of subtree [0-9]*: [1-9][0-9]* events merged" "$W/inv2.out" || fail "$fs: the recovery: $(cat "$W/inv2.out")"
+  [ "$(ls "$C/inv" | grep -c '^k')" -eq 200 ] || fail "$fs: $(ls "$C/inv" | grep -c '^k') of 200 files after the recovery"
+  [ "$(cat "$C/inv/k77")" = "kept 77" ] || fail "$fs: a recovered file's data"
+  [ ! -e "$C/inv/after-sync" ] || fail "$fs: a change after the last sync survived the crash"
+  unmnt "$W/inv2"
+  say "$fs: a decoupled client killed after Local Persist came back and merged 200 files"
+
+  # 5. kill -9 of the service during a durable merge of N creates (60,000 on betrfs; 12,000 on ext3,
+  # whose 256 MiB image has 16,384 inodes) (weak, global:
+  # the journal is staged, then applied): after the restart the merge is whole or
+  # absent, and the client's next sync leaves every file there once.
+  N=60000; pause=0.4
+  [ "$fs" = ext3 ] && { N=12000; pause=0.15; }
+  mkdir "$C/big"
+  "$Q" mds policy set "$C/big" preset=hdfs interfere=allow inodes=$((N + 1000)) sync=0 >/dev/null
+  big="${ADDR%%\?*}big?${ADDR#*\?}"
+  mkdir -p "$W/big"
+  "$Q" mount "$big" "$W/big" >/dev/null || fail "$fs: mounting the weak subtree"
+  MOUNTS+=("$W/big")
+  python3 - "$W/big" "$N" <<'PY'
+import os, sys
+for i in range(int(sys.argv[2])):
+    os.close(os.open(f"{sys.argv[1]}/n{i}", os.O_CREAT | os.O_WRONLY, 0o644))
+PY
+  "$Q" sync "$W/big" 2>/dev/null &
+  SYNC=$!
+  sleep "$pause"
+  crash_serving
+  wait "$SYNC" || true
+  unmnt "$C"
+  serve "$PORT" "$IMG"
+  mnt "$ADDR" "$C"
+  n=$(ls "$C/big" | wc -l)
+  [ "$n" -eq 0 ] || [ "$n" -eq "$N" ] || fail "$fs: $n of $N files after a crash during the merge"
+  staged=no; grep -q "finished the staged merge" "$W/serve.err" && staged=yes
+  for _ in $(seq 1 50); do "$Q" sync "$W/big" 2>/dev/null && break; sleep 0.2; done
+  [ "$(ls "$C/big" | wc -l)" -eq "$N" ] || fail "$fs: $(ls "$C/big" | wc -l) of $N files after the client's next sync"
+  [ "$(ls "$C/big" | sort -u | wc -l)" -eq "$N" ] || fail "$fs: duplicate names"
+  unmnt "$W/big"
+  say "$fs: kill -9 during a merge: $n of $N after the restart (staged merge finished at start: $staged), all once after the next sync"
   unmnt "$C"
   stop_serving
   check_store "$fs" "$IMG"

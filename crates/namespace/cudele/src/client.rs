@@ -55,6 +55,37 @@ impl Client {
         ca_pem: Option<Vec<u8>>,
         name: &str,
     ) -> std::result::Result<Arc<Client>, String> {
+        let hello = Request::Hello {
+            name: name.to_string(),
+        };
+        Client::start(addr, secret, ca_pem, None, hello)
+    }
+
+    /// Comes back as client `client` (which died): `token` is the one it was given,
+    /// kept beside its local journal ([`crate::recover`]).
+    pub fn rejoin(
+        addr: &str,
+        secret: &str,
+        ca_pem: Option<Vec<u8>>,
+        client: u64,
+        token: u128,
+    ) -> std::result::Result<Arc<Client>, String> {
+        Client::start(
+            addr,
+            secret,
+            ca_pem,
+            Some(token),
+            Request::Rejoin { client },
+        )
+    }
+
+    fn start(
+        addr: &str,
+        secret: &str,
+        ca_pem: Option<Vec<u8>>,
+        token: Option<u128>,
+        first: Request,
+    ) -> std::result::Result<Arc<Client>, String> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("quiltfs-mds-client")
@@ -66,13 +97,11 @@ impl Client {
             Channelled::new(addr, secret, ca_pem)?
         };
         let welcome = rt
-            .block_on(ch.call(
-                None,
-                Request::Hello {
-                    name: name.to_string(),
-                },
-            ))
+            .block_on(ch.call(token, first))
             .map_err(|s| unreachable(addr, &s).message)?;
+        if let Response::Error(e) = &welcome {
+            return Err(format!("the service at {addr}: {}", e.message));
+        }
         let Response::Welcome {
             client,
             token,
@@ -516,7 +545,11 @@ impl Decoupled {
         };
         let local = match (policy.durability, &opts.local_dir) {
             (Durability::Local, Some(dir)) => {
-                let path = dir.join(format!("cudele-{}-{}.journal", c.id, subtree));
+                // Who this client is, kept before anything it journals: a client that
+                // dies comes back as itself to merge the journal (`recover.rs`).
+                crate::recover::keep_identity(dir, c.id, c.token)
+                    .map_err(|e| FsError::Io(e.into()))?;
+                let path = crate::recover::journal_path(dir, c.id, subtree);
                 Some(
                     LocalFile::open(&path, header)
                         .map_err(|e| FsError::Io(e.to_string().into()))?,

@@ -21,6 +21,7 @@ pub mod client;
 pub mod journal;
 pub mod merge;
 pub mod policy;
+pub mod recover;
 pub mod rpc;
 pub mod service;
 pub mod transport;

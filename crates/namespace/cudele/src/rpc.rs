@@ -83,6 +83,9 @@ pub enum Request {
     Release { client: u64, subtree: Ino },
     /// Everything durable.
     Sync { client: u64 },
+    /// A client that died comes back as itself (its token in the request's metadata,
+    /// kept beside its local journal): the same welcome, its holds still its own.
+    Rejoin { client: u64 },
 }
 
 /// What a `PolicyGet`/`PolicySet` answers.

@@ -579,6 +579,20 @@ impl Mds {
                 Ok(()) => self.release(client, subtree),
                 Err(e) => Response::Error(e),
             },
+            Request::Rejoin { client } => match (self.known_client(client, token), token) {
+                (Ok(()), Some(token)) => {
+                    self.renew(client);
+                    tracing::info!("mds: client {client} came back");
+                    Response::Welcome {
+                        client,
+                        token,
+                        root: self.root,
+                        lease_ms: self.cfg.lease.as_millis() as u64,
+                    }
+                }
+                (Err(e), _) => Response::Error(e),
+                (Ok(()), None) => err(libc::EACCES, "a rejoin without a token"),
+            },
             Request::Sync { client } => match self.known_client(client, token) {
                 Ok(()) => match self.fs.sync_all() {
                     Ok(()) => Response::Done,
@@ -1044,7 +1058,9 @@ impl Mds {
                     left -= g.count;
                     out.push(g);
                 }
-                Err(FsError::Invalid(_)) if ask > 1 => ask = ask.div_ceil(2),
+                // Too many for one grant (ext2 grants within a block group), or no
+                // free run that long: smaller ones.
+                Err(FsError::Invalid(_) | FsError::NoSpace) if ask > 1 => ask = ask.div_ceil(2),
                 Err(e) => return Err(e),
             }
             if out.len() > 4096 {

@@ -16,6 +16,16 @@ pub enum MdsCommand {
     /// A subtree's policy: consistency, durability, inodes, interfere, sync.
     #[command(subcommand)]
     Policy(PolicyCommand),
+    /// Merge the journals that decoupled clients which died left in DIR (their local
+    /// directory, `local-dir=` of the mount): each comes back as itself, merges durably,
+    /// lets its subtree go, and its journal is removed. A mount with the same local
+    /// directory does this for its subtree by itself.
+    Recover {
+        /// The local directory holding `cudele-*.journal` files.
+        dir: PathBuf,
+        /// The service: mds://HOST:PORT?secret-file=F.
+        address: String,
+    },
 }
 
 #[derive(Args)]
@@ -64,7 +74,45 @@ pub fn run(c: MdsCommand) -> Result<()> {
     match c {
         MdsCommand::Serve(a) => serve(a),
         MdsCommand::Policy(p) => policy(p),
+        MdsCommand::Recover { dir, address } => {
+            let a = MdsAddress::parse(&address).map_err(|e| anyhow!(e))?;
+            let n = recover(&a, &dir, None)?;
+            if n == 0 {
+                println!("{}: no journal left to merge", dir.display());
+            }
+            Ok(())
+        }
     }
+}
+
+/// Merges the journals left in `dir` (of `subtree` only, when given); says what each
+/// did. Returns how many were merged.
+pub fn recover(addr: &MdsAddress, dir: &Path, subtree: Option<quilt_vfs::Ino>) -> Result<usize> {
+    let secret = addr.secret().map_err(|e| anyhow!(e))?;
+    let ca = addr.ca().map_err(|e| anyhow!(e))?;
+    let left = quilt_cudele::recover::leftovers(dir).map_err(|e| anyhow!(e))?;
+    let mut n = 0;
+    for l in left
+        .iter()
+        .filter(|l| subtree.is_none_or(|s| s == l.subtree))
+    {
+        let r = quilt_cudele::recover::recover(&addr.host, &secret, ca.clone(), dir, l)
+            .map_err(|e| anyhow!("{}: {e}", l.path.display()))?;
+        println!(
+            "quiltfs: client {}'s journal of subtree {}: {} events merged now ({} in all){}",
+            l.client,
+            l.subtree,
+            r.events,
+            r.last_seq,
+            if r.torn_bytes > 0 {
+                format!(", a torn last frame of {} bytes dropped", r.torn_bytes)
+            } else {
+                String::new()
+            }
+        );
+        n += 1;
+    }
+    Ok(n)
 }
 
 /// The image's secret file: given, or IMAGE.secret (made with 32 random hex digits).

@@ -263,7 +263,12 @@ fn background(a: &MountArgs) -> Result<()> {
     let mut out = child.stdout.take().expect("piped");
     let mut buf = String::new();
     let _ = out.read_to_string(&mut buf);
-    if buf.starts_with("ready") {
+    // What the server says before it is ready (a decoupled subtree, journals it
+    // recovered) is for the user: passed on.
+    if buf.lines().any(|l| l == "ready") {
+        for l in buf.lines().filter(|l| *l != "ready") {
+            println!("{l}");
+        }
         println!(
             "quiltfs: {} mounted on {} (server pid {})",
             a.image.display(),
@@ -334,6 +339,11 @@ fn serve_mds(a: &MountArgs, p: Parsed, addr: &str) -> Result<()> {
         .policy(root.ino)
         .map_err(|e| anyhow::anyhow!("{}: {}", address.subtree, e.message))?;
     if policy.policy.decoupled() {
+        // A journal an earlier client of this local directory left when it died holds
+        // the subtree: merged first (that client comes back as itself).
+        if let Some(dir) = &address.local_dir {
+            crate::mds::recover(&address, dir, Some(root.ino))?;
+        }
         // Weak or invisible: this client takes the subtree and works in its own journal;
         // the kernel may cache what it sees, since every change goes through this view.
         let opts = quilt_cudele::DecoupleOptions {
@@ -342,7 +352,7 @@ fn serve_mds(a: &MountArgs, p: Parsed, addr: &str) -> Result<()> {
         };
         let fs = quilt_cudele::DecoupledFs::open(client, root.ino, opts)
             .map_err(|e| anyhow::anyhow!("decoupling {}: {e}", address.subtree))?;
-        eprintln!(
+        println!(
             "quiltfs: {} decoupled ({}): changes go to this client's journal; they merge {}",
             address.subtree,
             policy.policy,

@@ -213,6 +213,109 @@ fn a_decoupled_subtree_blocks_others_or_lets_them_in_and_wins_at_merge() {
     }
 }
 
+/// A decoupled client under Local Persist dies (no release, no merge: its hold stays
+/// and blocks everyone); it comes back as itself from what it kept in its local
+/// directory, and its journal is merged whole, once, with a torn last frame dropped.
+#[test]
+fn a_dead_decoupled_client_comes_back_and_merges_its_local_journal() {
+    use quilt_cudele::recover;
+    for kind in KINDS {
+        let dev = mkfs(kind);
+        let store = Store::open(kind, dev.clone());
+        let svc = Service::start(store.fs(), None, Duration::from_secs(30)).unwrap();
+        let admin = connect(&svc.addr, "admin");
+        let a = RemoteFs::new(admin.clone());
+        let c = Ctx::root();
+        let job = a.mkdir(a.root(), b"job", 0o777, &c).unwrap().ino;
+        admin
+            .set_policy(job, "preset=deltafs interfere=allow inodes=500")
+            .unwrap();
+        let local = tempfile::tempdir().unwrap();
+        let opts = DecoupleOptions {
+            local_dir: Some(local.path().to_path_buf()),
+            sync_interval: Some(Duration::ZERO),
+        };
+        let (dead, journal_file) = {
+            let worker = connect(&svc.addr, "worker");
+            let d = worker.decouple(job, opts.clone()).unwrap();
+            let dir = d.mkdir(&user(), job, b"out", 0o755).unwrap();
+            for i in 0..300 {
+                d.create(&user(), dir, format!("f{i}").as_bytes(), 0o644)
+                    .unwrap();
+            }
+            // Local Persist (invisible: nothing merges).
+            let s = d.sync().unwrap();
+            assert_eq!(s.merged_seq, 0);
+            // Appended after the last sync: never persisted, lost with the client.
+            d.create(&user(), dir, b"unsynced", 0o644).unwrap();
+            let id = worker.id();
+            // The client dies: no release, no last sync (its runtime stops renewing).
+            drop(d);
+            drop(worker);
+            (id, recover::journal_path(local.path(), id, job))
+        };
+        assert!(journal_file.exists());
+        assert_eq!(errno(a.lookup(job, b"out")), libc::ENOENT);
+        // Nobody else may decouple the subtree while the dead client's hold stands.
+        let other = connect(&svc.addr, "other");
+        assert_eq!(
+            other
+                .decouple(job, DecoupleOptions::default())
+                .err()
+                .map(|e| e.errno()),
+            Some(libc::EBUSY)
+        );
+        // A torn last frame: an append the crash cut.
+        {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new()
+                .append(true)
+                .open(&journal_file)
+                .unwrap();
+            f.write_all(&[0x40, 0, 0, 0, 1, 2, 3]).unwrap();
+        }
+        let left = recover::leftovers(local.path()).unwrap();
+        assert_eq!(left.len(), 1);
+        assert_eq!((left[0].client, left[0].subtree), (dead, job));
+        // Without its identity it cannot come back (nobody can pose as it).
+        let id_file = local.path().join(format!("cudele-{dead}.id"));
+        let kept = std::fs::read(&id_file).unwrap();
+        std::fs::write(
+            &id_file,
+            format!("quiltfs-cudele-client {dead} {:032x}\n", 7u128),
+        )
+        .unwrap();
+        assert!(
+            recover::recover(&svc.addr, mds_service::SECRET, None, local.path(), &left[0]).is_err()
+        );
+        std::fs::write(&id_file, &kept).unwrap();
+        let r =
+            recover::recover(&svc.addr, mds_service::SECRET, None, local.path(), &left[0]).unwrap();
+        assert_eq!(r.events, 301, "{kind:?}: {r:?}");
+        assert_eq!(r.torn_bytes, 7);
+        let out = a.lookup(job, b"out").unwrap();
+        assert_eq!(names(&a, out.ino).len(), 300);
+        assert_eq!(errno(a.lookup(out.ino, b"unsynced")), libc::ENOENT);
+        assert_eq!(a.lookup(out.ino, b"f7").unwrap().uid, 1000);
+        // The journal and the identity are gone; the hold too.
+        assert!(recover::leftovers(local.path()).unwrap().is_empty());
+        assert!(!id_file.exists());
+        let d = other
+            .decouple(
+                job,
+                DecoupleOptions {
+                    local_dir: Some(local.path().to_path_buf()),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        d.release().unwrap();
+        svc.stop().unwrap();
+        store.unmount();
+        check(kind, &dev);
+    }
+}
+
 #[test]
 fn policies_holds_grants_and_staged_merges_survive_a_restart() {
     for kind in KINDS {
