@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # `quiltfs bench cudele` end to end, small: every mechanism and composition measured,
-# use case 1 with one and two client processes, every output there, the issue's CSV
+# use case 1 with one and two client processes, creates through the service's FUSE
+# mounts (RPC mode with and without Stream, decoupled), use case 3 (sync at 1 s
+# against none), every output there, the issue's CSV
 # columns on every row with a positive rate, the journal far below the paper's 2.5 KB a
 # create, and no service process or image left behind; a bad argument gets a clear
 # error. (Timings are not checked: ratios come from the full run.)
@@ -20,7 +22,7 @@ grep -q "nosuch" "$work/err" || fail "unclear error: $(cat "$work/err")"
 port=$((20000 + RANDOM % 20000))
 "$q" bench cudele --quick --creates 2000 --port "$port" --work "$work/w" --out "$out" \
   >"$work/log" 2>&1 || { tail -30 "$work/log"; tail -20 "$work/w/serve.log" 2>/dev/null; fail "the quick run failed"; }
-for f in report.md results.json results.csv mechanisms.png use-case-1.png; do
+for f in report.md results.json results.csv mechanisms.png use-case-1.png mounts.png; do
   [ -s "$out/$f" ] || fail "$f is missing"
 done
 python3 - "$out" <<'PY'
@@ -39,12 +41,17 @@ uc = {(r["system"], r["clients"]) for r in rows if r["workload"] == "use-case-1"
 for m in ["rpcs", "create", "create+merge"]:
     for k in ["1", "2"]:
         assert (m, k) in uc, f"use case 1 has no {m} with {k} clients"
+mounts = {r["system"] for r in rows if r["workload"] == "mount"}
+assert {"decoupled", "rpcs", "rpcs+stream"} <= mounts, f"mounts measured: {mounts}"
+uc3 = {r["system"] for r in rows if r["workload"] == "use-case-3"}
+assert {"no sync", "sync 1 s"} <= uc3, f"use case 3 measured: {uc3}"
 j = json.load(open(f"{out}/results.json"))
 b = j["journal_bytes_per_create"][0]
 assert 10 < b < 256, f"{b} journal bytes per create"
 PY
 pgrep -f "mds serve $work" >/dev/null && fail "a service was left running"
 [ -e "$work/w/ns.img" ] && fail "the image was left behind"
+grep -q " $work/w/" /proc/self/mounts && fail "a mount was left behind"
 grep -q "Goals" "$out/report.md" || fail "the report has no goals"
 rm -rf "$work"
 echo "bench-cudele: ok"

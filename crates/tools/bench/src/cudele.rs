@@ -11,11 +11,17 @@
 //!   first start to the last end (the prototype's sleeps are not here).
 //! - **Journal bytes per create event.**
 //! - Beside them, the same create loop on local ext4 (a kernel loop mount; root only).
+//! - **Through mounts** (`cudele_mounts.rs`): one process creating N files in one
+//!   directory of a FUSE mount of the service, in RPC mode (with and without Stream)
+//!   and decoupled, beside CephFS through ceph-fuse (a one-machine Ceph with an MDS),
+//!   sshfs over loopback and ext4.
+//! - **Use case 3**: the same creates through a decoupled mount with namespace sync
+//!   every 1, 5, 10, 25 s, against none: the overhead.
 //!
 //! Clients are this process (mechanisms) or processes of this binary
 //! (`quiltfs-bench cudele-client`, use case 1) linking the client library.
 
-use crate::{median, plot, quiltfs_exe, Progress};
+use crate::{cudele_mounts, median, plot, quiltfs_exe, Progress};
 use anyhow::{anyhow, bail, Context, Result};
 use quilt_cudele::client::{Client, DecoupleOptions, RemoteFs};
 use quilt_vfs::{Ctx, FileSystem, Ino};
@@ -54,6 +60,23 @@ pub struct CudeleArgs {
     /// Working directory for the image and the clients' journals (a local disk).
     #[arg(long, default_value = "/var/tmp/quiltfs-bench-cudele")]
     pub work: PathBuf,
+    /// Creates per run through each mount (default 5,000; 500 with --quick): RPC mode
+    /// through FUSE makes a few hundred a second.
+    #[arg(long)]
+    pub mount_creates: Option<u64>,
+    /// Peers beside the mounts, comma-separated: cephfs (a one-machine Ceph with an MDS
+    /// and ceph-fuse), sshfs (over loopback), or none. Installed with apt when missing.
+    /// Default cephfs,sshfs; none with --quick.
+    #[arg(long)]
+    pub peers: Option<String>,
+    /// Use case 3: creates through a decoupled mount per interval (default 1,000,000;
+    /// 20,000 with --quick).
+    #[arg(long)]
+    pub uc3_creates: Option<u64>,
+    /// Use case 3: namespace-sync intervals, seconds, comma-separated (default 1,5,10,25;
+    /// 1 with --quick); each against the same creates with no sync.
+    #[arg(long)]
+    pub uc3_intervals: Option<String>,
 }
 
 /// One measurement: `system` is the mechanism, composition or peer.
@@ -73,6 +96,7 @@ struct Service {
     child: Child,
     addr: String,
     secret: String,
+    secret_file: PathBuf,
 }
 
 impl Service {
@@ -119,7 +143,17 @@ impl Service {
             child,
             addr: format!("127.0.0.1:{port}"),
             secret: "bench-secret-0123456789abcdef".into(),
+            secret_file,
         })
+    }
+
+    /// The address a mount of `subtree` takes.
+    fn address(&self, subtree: &str) -> String {
+        format!(
+            "mds://{}/{subtree}?secret-file={}",
+            self.addr,
+            self.secret_file.display()
+        )
     }
 
     fn connect(&self, name: &str) -> Result<Arc<Client>> {
@@ -479,6 +513,131 @@ fn ext4(work: &Path, n: u64, run: usize) -> Result<Option<Row>> {
     }))
 }
 
+fn mount_row(system: &str, workload: &str, n: u64, run: usize, seconds: f64) -> Row {
+    Row {
+        system: system.to_string(),
+        workload: workload.into(),
+        clients: 1,
+        run,
+        creates: n,
+        seconds,
+        creates_per_s: n as f64 / seconds.max(1e-9),
+    }
+}
+
+/// The service's FUSE mounts: RPC mode with and without Stream, and decoupled (the
+/// creates alone; the merge at unmount is not timed).
+fn mounts(svc: &Service, work: &Path, n: u64, run: usize) -> Result<Vec<Row>> {
+    let c = svc.connect("bench mounts")?;
+    let mut rows = Vec::new();
+    for (system, settings) in [
+        ("rpcs+stream", "preset=posix".to_string()),
+        ("rpcs", "consistency=strong durability=none".to_string()),
+        (
+            "decoupled",
+            format!("consistency=weak durability=none inodes={} sync=0", n + 100),
+        ),
+    ] {
+        let dir = format!("mount-{}-{run}", system.replace('+', "-"));
+        subtree(&c, &dir, &settings)?;
+        let m = cudele_mounts::Mounted::quiltfs(&svc.address(&dir), &work.join("mnt"))?;
+        let s = cudele_mounts::create_loop(&m.dir.join("d"), n)?;
+        m.unmount()?;
+        rows.push(mount_row(system, "mount", n, run, s));
+    }
+    Ok(rows)
+}
+
+/// Use case 3: the same creates through a decoupled mount with no namespace sync and
+/// with a sync every `interval` seconds (weak, durability none: each sync a Volatile
+/// Apply of what came since the last).
+fn use_case_3(
+    svc: &Service,
+    work: &Path,
+    n: u64,
+    intervals: &[u64],
+    run: usize,
+) -> Result<Vec<Row>> {
+    let c = svc.connect("bench use case 3")?;
+    let mut rows = Vec::new();
+    for &every in std::iter::once(&0).chain(intervals) {
+        let dir = format!("uc3-{every}-{run}");
+        subtree(
+            &c,
+            &dir,
+            &format!(
+                "consistency=weak durability=none inodes={} sync={every}",
+                n + 100
+            ),
+        )?;
+        let m = cudele_mounts::Mounted::quiltfs(&svc.address(&dir), &work.join("mnt"))?;
+        let s = cudele_mounts::create_loop(&m.dir.join("d"), n)?;
+        m.unmount()?;
+        let system = if every == 0 {
+            "no sync".to_string()
+        } else {
+            format!("sync {every} s")
+        };
+        rows.push(mount_row(&system, "use-case-3", n, run, s));
+    }
+    Ok(rows)
+}
+
+/// The peers a user would pick instead, each brought up once for every run.
+struct Peers {
+    ceph: Option<(crate::gnothi::ceph::Ceph, PathBuf)>,
+    sshfs: Option<cudele_mounts::Sshfs>,
+}
+
+impl Peers {
+    fn up(a: &CudeleArgs, wanted: &[String]) -> Result<Peers> {
+        let mut p = Peers {
+            ceph: None,
+            sshfs: None,
+        };
+        for w in wanted {
+            match w.as_str() {
+                "cephfs" => {
+                    crate::apt_install(crate::gnothi::ceph::CEPHFS_PACKAGES)?;
+                    p.ceph = Some(crate::gnothi::ceph::Ceph::cephfs(
+                        &a.work.join("ceph"),
+                        a.port + 10,
+                    )?);
+                }
+                "sshfs" => {
+                    crate::apt_install(cudele_mounts::SSHFS_PACKAGES)?;
+                    p.sshfs = Some(cudele_mounts::Sshfs::up(
+                        &a.work.join("sshfs"),
+                        a.port + 20,
+                    )?);
+                }
+                "none" | "" => {}
+                other => bail!("--peers {other}: cephfs, sshfs or none"),
+            }
+        }
+        Ok(p)
+    }
+
+    /// One run of the create loop on each peer, and on local ext4.
+    fn measure(&self, work: &Path, n: u64, run: usize) -> Result<Vec<Row>> {
+        let mut rows = Vec::new();
+        if let Some((_, mnt)) = &self.ceph {
+            let s = cudele_mounts::create_loop(&mnt.join(format!("run{run}")), n)?;
+            rows.push(mount_row("cephfs", "mount", n, run, s));
+        }
+        if let Some(m) = self.sshfs.as_ref().and_then(|s| s.mount.as_ref()) {
+            let s = cudele_mounts::create_loop(&m.dir.join(format!("run{run}")), n)?;
+            rows.push(mount_row("sshfs", "mount", n, run, s));
+        }
+        if let Some(m) = cudele_mounts::ext4(work)? {
+            let s = cudele_mounts::create_loop(&m.dir.join("d"), n)?;
+            m.unmount()?;
+            rows.push(mount_row("ext4", "mount", n, run, s));
+        }
+        Ok(rows)
+    }
+}
+
 pub fn run(a: CudeleArgs) -> Result<()> {
     crate::catch_interrupts();
     let runs = a.runs.unwrap_or(if a.quick { 1 } else { 3 });
@@ -501,11 +660,43 @@ pub fn run(a: CudeleArgs) -> Result<()> {
     let local = a.work.join("journals");
     std::fs::create_dir_all(&local)?;
     let modes = ["rpcs", "create", "create+merge"];
-    let steps = runs * (2 + clients.len() * modes.len());
+    let mount_n = a.mount_creates.unwrap_or(if a.quick { 500 } else { 5_000 });
+    let uc3_n = a
+        .uc3_creates
+        .unwrap_or(if a.quick { 20_000 } else { 1_000_000 });
+    let uc3_every: Vec<u64> = a
+        .uc3_intervals
+        .clone()
+        .unwrap_or_else(|| {
+            if a.quick {
+                "1".into()
+            } else {
+                "1,5,10,25".into()
+            }
+        })
+        .split(',')
+        .map(|s| s.trim().parse().context("--uc3-intervals"))
+        .collect::<Result<_>>()?;
+    let peers: Vec<String> = a
+        .peers
+        .clone()
+        .unwrap_or_else(|| {
+            if a.quick {
+                "none".into()
+            } else {
+                "cephfs,sshfs".into()
+            }
+        })
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .collect();
+    let steps = runs * (5 + clients.len() * modes.len());
     let mut p = Progress::new(steps as u64, "steps");
     let started = Instant::now();
     let mut rows = Vec::new();
     let mut bytes = Vec::new();
+    p.step(format!("bringing up the peers: {}", peers.join(", ")));
+    let peer = Peers::up(&a, &peers)?;
     for run in 0..runs {
         if crate::interrupted() {
             bail!("interrupted");
@@ -526,11 +717,21 @@ pub fn run(a: CudeleArgs) -> Result<()> {
                 p.inc();
             }
         }
+        p.step(format!(
+            "run {run}: {mount_n} creates through the service's mounts"
+        ));
+        rows.extend(mounts(&svc, &a.work, mount_n, run)?);
+        p.inc();
+        p.step(format!("run {run}: use case 3, {uc3_n} creates a interval"));
+        rows.extend(use_case_3(&svc, &a.work, uc3_n, &uc3_every, run)?);
+        p.inc();
         drop(svc);
-        p.step(format!("run {run}: ext4"));
+        p.step(format!("run {run}: ext4 and the peers"));
         rows.extend(ext4(&a.work, n, run)?);
+        rows.extend(peer.measure(&a.work, mount_n, run)?);
         p.inc();
     }
+    drop(peer);
     p.finish();
     let _ = std::fs::remove_dir_all(&local);
     let _ = std::fs::remove_file(a.work.join("ns.img"));
@@ -587,7 +788,10 @@ fn write_report(
     )?;
     std::fs::write(out.join("results.csv"), crate::csv(rows)?)?;
     let mut md = String::new();
-    writeln!(md, "# Cudele on quiltfs: mechanisms and use case 1\n")?;
+    writeln!(
+        md,
+        "# Cudele on quiltfs: mechanisms, use cases 1 and 3, mounts and peers\n"
+    )?;
     writeln!(
         md,
         "{} creates per client, {runs} run(s), store: {}, medians (min–max). One machine: \
@@ -710,10 +914,122 @@ fn write_report(
         "- Journal ≤ 256 bytes per create: {bpe:.1} — {}",
         judge(Some(bpe <= 256.0))
     )?;
+    let m_dec = rate(rows, "mount", "decoupled", 1).map(|c| c.0);
+    let m_rpc = rate(rows, "mount", "rpcs", 1).map(|c| c.0);
+    let m_posix = rate(rows, "mount", "rpcs+stream", 1).map(|c| c.0);
+    let m_ceph = rate(rows, "mount", "cephfs", 1).map(|c| c.0);
+    let x = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a / b.max(1e-9));
+    let shown = |r: Option<f64>| r.map_or("–".into(), |r| format!("{r:.1}×"));
+    let d_r = x(m_dec, m_rpc);
     writeln!(
         md,
-        "\nNot measured yet: CephFS (ceph-fuse) and sshfs beside it, decoupled creates \
-         through a FUSE mount, use cases 2 and 3.\n"
+        "- Decoupled creates through the FUSE mount ≥ 10× RPC-mode creates through the \
+         mount: {} (÷ RPCs with Stream: {}) — {}",
+        shown(d_r),
+        shown(x(m_dec, m_posix)),
+        judge(d_r.map(|r| r >= 10.0))
+    )?;
+    let r_c = x(m_rpc, m_ceph);
+    writeln!(
+        md,
+        "- RPC mode ≥ CephFS through ceph-fuse: {} (with Stream: {}) — {}",
+        shown(r_c),
+        shown(x(m_posix, m_ceph)),
+        judge(r_c.map(|r| r >= 1.0))
+    )?;
+    let d_c = x(m_dec, m_ceph);
+    writeln!(
+        md,
+        "- Decoupled through the FUSE mount ≥ 10× CephFS: {} — {}",
+        shown(d_c),
+        judge(d_c.map(|r| r >= 10.0))
+    )?;
+    writeln!(
+        md,
+        "\n## Creates through mounts (one process, one directory)\n"
+    )?;
+    writeln!(md, "| system | creates/s | ÷ ext4 | ÷ cephfs |")?;
+    writeln!(md, "|---|---|---|---|")?;
+    let m_ext4 = rate(rows, "mount", "ext4", 1).map(|c| c.0);
+    let mut mount_bars = Vec::new();
+    for sys in [
+        "decoupled",
+        "rpcs",
+        "rpcs+stream",
+        "cephfs",
+        "sshfs",
+        "ext4",
+    ] {
+        let Some((r, lo, hi)) = rate(rows, "mount", sys, 1) else {
+            continue;
+        };
+        writeln!(
+            md,
+            "| {sys} | {r:.0} ({lo:.0}–{hi:.0}) | {} | {} |",
+            shown(x(Some(r), m_ext4)),
+            shown(x(Some(r), m_ceph))
+        )?;
+        mount_bars.push((sys.to_string(), vec![Some((r, lo, hi))]));
+    }
+    writeln!(
+        md,
+        "\n`decoupled`: a FUSE mount of a weak subtree (the client's own view and \
+         journal; the merge at unmount not timed); `rpcs`: a mount of a strong subtree \
+         without durability, `rpcs+stream` with global durability (each create durable \
+         at the service before it returns); `cephfs`: a one-machine Ceph (one monitor, \
+         one OSD on a file, one MDS) through ceph-fuse; `sshfs`: over loopback to this \
+         machine's disk; `ext4`: the kernel on a loop device.\n"
+    )?;
+    writeln!(
+        md,
+        "## Use case 3: namespace sync while creating (decoupled mount)\n"
+    )?;
+    writeln!(md, "| interval | seconds | creates/s | overhead |")?;
+    writeln!(md, "|---|---|---|---|")?;
+    let base3 = cell(rows, "use-case-3", "no sync", 1).map(|c| c.0);
+    let mut systems3: Vec<(u64, String)> = rows
+        .iter()
+        .filter(|r| r.workload == "use-case-3")
+        .map(|r| {
+            let secs = r
+                .system
+                .strip_prefix("sync ")
+                .and_then(|t| t.trim_end_matches(" s").parse().ok())
+                .unwrap_or(0);
+            (secs, r.system.clone())
+        })
+        .collect();
+    systems3.sort();
+    systems3.dedup();
+    let mut overheads = Vec::new();
+    for (secs, sys) in &systems3 {
+        let Some((t, lo, hi)) = cell(rows, "use-case-3", sys, 1) else {
+            continue;
+        };
+        let r = rate(rows, "use-case-3", sys, 1).map_or(0.0, |r| r.0);
+        let over = base3.map(|b| (t / b.max(1e-9) - 1.0) * 100.0);
+        if *secs > 0 {
+            overheads.push((*secs, over));
+        }
+        writeln!(
+            md,
+            "| {sys} | {t:.2} ({lo:.2}–{hi:.2}) | {r:.0} | {} |",
+            over.map_or("–".into(), |o| format!("{o:+.1}%"))
+        )?;
+    }
+    for (limit, at) in [(3.0, 1u64), (1.0, 10)] {
+        if let Some((_, o)) = overheads.iter().find(|(s, _)| *s == at) {
+            writeln!(
+                md,
+                "\n- Namespace sync overhead ≤ {limit}% at {at} s: {} — {}",
+                o.map_or("–".into(), |o| format!("{o:+.1}%")),
+                judge(o.map(|o| o <= limit))
+            )?;
+        }
+    }
+    writeln!(
+        md,
+        "\nNot measured yet: use case 2 (a rogue client in every private directory).\n"
     )?;
     std::fs::write(out.join("report.md"), md)?;
     if plot::font() {
@@ -724,6 +1040,15 @@ fn write_report(
             &["normalized time"],
             &bars,
         )?;
+        if !mount_bars.is_empty() {
+            plot::bars(
+                &out.join("mounts.png"),
+                "Creates through mounts: creates per second",
+                "creates/s",
+                &["creates/s"],
+                &mount_bars,
+            )?;
+        }
         plot::bars(
             &out.join("use-case-1.png"),
             "Use case 1: creates per second, all clients",

@@ -14,6 +14,7 @@
 pub mod bark;
 pub mod betrfs;
 pub mod cudele;
+pub mod cudele_mounts;
 pub mod featherstitch;
 pub mod gnothi;
 pub mod mail;

@@ -19,6 +19,14 @@ use std::time::{Duration, Instant};
 
 /// The packages the peer needs (fio in Debian is built with librbd).
 pub const PACKAGES: &[&str] = &["ceph-mon", "ceph-osd", "ceph-common", "fio"];
+/// What CephFS through ceph-fuse needs besides.
+pub const CEPHFS_PACKAGES: &[&str] = &[
+    "ceph-mon",
+    "ceph-osd",
+    "ceph-mds",
+    "ceph-fuse",
+    "ceph-common",
+];
 
 const OSDS: u32 = 3;
 const POOL: &str = "rbd";
@@ -31,6 +39,9 @@ pub struct Ceph {
     conf: PathBuf,
     daemons: Vec<(String, Child)>,
     size_mib: u64,
+    osds: u32,
+    /// A ceph-fuse mount of CephFS, unmounted first when dropped.
+    fuse: Option<PathBuf>,
 }
 
 /// What one fio run measured.
@@ -61,89 +72,11 @@ impl Ceph {
     /// on `port` (msgr2) and `port + 1` (msgr1), and an image of `size_mib`.
     pub fn up(dir: &Path, size_mib: u64, port: u16) -> Result<Ceph> {
         Ceph::check_tools()?;
-        if dir.exists() {
-            std::fs::remove_dir_all(dir).with_context(|| format!("removing {}", dir.display()))?;
-        }
-        for sub in ["run", "log", "mon"] {
-            std::fs::create_dir_all(dir.join(sub))
-                .with_context(|| format!("creating {}", dir.join(sub).display()))?;
-        }
-        let dir = dir
-            .canonicalize()
-            .with_context(|| format!("resolving {}", dir.display()))?;
-        let fsid = std::fs::read_to_string("/proc/sys/kernel/random/uuid")
-            .context("reading a uuid from the kernel")?
-            .trim()
-            .to_string();
-        let mon = format!("[v2:127.0.0.1:{port},v1:127.0.0.1:{}]", port + 1);
         // Each OSD's block file: the image three times over, BlueStore's own metadata
         // and slack; never less than BlueStore accepts.
         let block_bytes = ((size_mib * 3 + 1024) << 20).max(2 << 30);
-        let conf = dir.join("ceph.conf");
-        let d = dir.display();
-        std::fs::write(
-            &conf,
-            format!(
-                "[global]\n\
-                 fsid = {fsid}\n\
-                 mon host = {mon}\n\
-                 mon initial members = a\n\
-                 auth cluster required = none\n\
-                 auth service required = none\n\
-                 auth client required = none\n\
-                 public network = 127.0.0.0/8\n\
-                 ms bind ipv6 = false\n\
-                 osd pool default size = 3\n\
-                 osd pool default min size = 2\n\
-                 osd pool default pg autoscale mode = off\n\
-                 osd crush chooseleaf type = 0\n\
-                 mon allow pool delete = true\n\
-                 mon warn on pool no redundancy = false\n\
-                 mon data avail warn = 1\n\
-                 run dir = {d}/run\n\
-                 log file = {d}/log/$name.log\n\
-                 admin socket = {d}/run/$name.asok\n\
-                 pid file = {d}/run/$name.pid\n\
-                 mon data = {d}/mon/$id\n\
-                 osd data = {d}/osd-$id\n\
-                 osd objectstore = bluestore\n\
-                 bluestore block path = {d}/osd-$id.block\n\
-                 bluestore block create = true\n\
-                 bluestore block size = {block_bytes}\n\
-                 osd memory target = 1073741824\n"
-            ),
-        )
-        .with_context(|| format!("writing {}", conf.display()))?;
-        let mut c = Ceph {
-            dir: dir.clone(),
-            conf,
-            daemons: Vec::new(),
-            size_mib,
-        };
-        let monmap = dir.join("monmap");
-        sh(Command::new("monmaptool")
-            .args(["--create", "--addv", "a", &mon, "--fsid", &fsid])
-            .arg(&monmap))?;
-        sh(c.daemon_cmd("ceph-mon")
-            .args(["--mkfs", "-i", "a", "--monmap"])
-            .arg(&monmap))?;
-        c.spawn("mon.a", c.daemon_cmd("ceph-mon").args(["-i", "a", "-f"]))?;
-        c.ceph(&["osd", "crush", "add-bucket", "h", "host"])?;
-        c.ceph(&["osd", "crush", "move", "h", "root=default"])?;
-        for _ in 0..OSDS {
-            let id = c.ceph(&["osd", "create"])?.trim().to_string();
-            let osd_dir = dir.join(format!("osd-{id}"));
-            std::fs::create_dir_all(&osd_dir)
-                .with_context(|| format!("creating {}", osd_dir.display()))?;
-            sh(c.daemon_cmd("ceph-osd").args(["-i", &id, "--mkfs"]))
-                .with_context(|| format!("making OSD {id}"))?;
-            c.ceph(&["osd", "crush", "add", &format!("osd.{id}"), "1.0", "host=h"])?;
-            c.spawn(
-                &format!("osd.{id}"),
-                c.daemon_cmd("ceph-osd").args(["-i", &id, "-f"]),
-            )?;
-        }
-        c.wait_osds_up(Duration::from_secs(120))?;
+        let mut c = Ceph::cluster(dir, port, OSDS, block_bytes)?;
+        c.size_mib = size_mib;
         c.ceph(&["osd", "pool", "create", POOL, "32", "32", "replicated"])?;
         c.ceph(&["osd", "pool", "set", POOL, "size", "3"])?;
         c.ceph(&["osd", "pool", "application", "enable", POOL, "rbd"])?;
@@ -159,6 +92,155 @@ impl Ceph {
                 &format!("{POOL}/{IMAGE}"),
             ]))
         .context("creating the RBD image (did the placement groups become active?)")?;
+        Ok(c)
+    }
+
+    /// CephFS as the Cudele paper ran it, on one machine: a monitor, one OSD on a file,
+    /// one MDS, pools of size 1, and the ceph-fuse client mounted at `dir/mnt`.
+    pub fn cephfs(dir: &Path, port: u16) -> Result<(Ceph, PathBuf)> {
+        let missing: Vec<&str> = ["ceph-mon", "ceph-osd", "ceph-mds", "ceph-fuse", "ceph"]
+            .into_iter()
+            .filter(|t| !have(t))
+            .collect();
+        if !missing.is_empty() {
+            bail!(
+                "cephfs needs {} (apt-get install {})",
+                missing.join(", "),
+                CEPHFS_PACKAGES.join(" ")
+            );
+        }
+        let mut c = Ceph::cluster(dir, port, 1, 4 << 30)?;
+        for pool in ["cephfs_metadata", "cephfs_data"] {
+            c.ceph(&["osd", "pool", "create", pool, "16", "16", "replicated"])?;
+            c.ceph(&[
+                "osd",
+                "pool",
+                "set",
+                pool,
+                "size",
+                "1",
+                "--yes-i-really-mean-it",
+            ])?;
+        }
+        c.ceph(&["fs", "new", "cephfs", "cephfs_metadata", "cephfs_data"])?;
+        std::fs::create_dir_all(c.dir.join("mds").join("a"))?;
+        c.spawn("mds.a", c.daemon_cmd("ceph-mds").args(["-i", "a", "-f"]))?;
+        let t = Instant::now();
+        loop {
+            let s = c.ceph(&["mds", "stat"])?;
+            if s.contains("up:active") {
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(120) {
+                bail!(
+                    "CephFS's MDS is not active after 120 s (ceph mds stat: {})",
+                    s.trim()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let mnt = c.dir.join("mnt");
+        std::fs::create_dir_all(&mnt)?;
+        c.spawn("client.fuse", c.daemon_cmd("ceph-fuse").arg("-f").arg(&mnt))?;
+        c.fuse = Some(mnt.clone());
+        let t = Instant::now();
+        while !crate::cudele_mounts::is_mount(&mnt) {
+            if t.elapsed() > Duration::from_secs(60) {
+                bail!("ceph-fuse did not mount {} in 60 s", mnt.display());
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Ok((c, mnt))
+    }
+
+    /// A fresh cluster of a monitor and `osds` OSDs in `dir` (whatever was there is
+    /// removed), its monitor on `port` (msgr2) and `port + 1` (msgr1).
+    fn cluster(dir: &Path, port: u16, osds: u32, block_bytes: u64) -> Result<Ceph> {
+        if dir.exists() {
+            std::fs::remove_dir_all(dir).with_context(|| format!("removing {}", dir.display()))?;
+        }
+        for sub in ["run", "log", "mon"] {
+            std::fs::create_dir_all(dir.join(sub))
+                .with_context(|| format!("creating {}", dir.join(sub).display()))?;
+        }
+        let dir = dir
+            .canonicalize()
+            .with_context(|| format!("resolving {}", dir.display()))?;
+        let fsid = std::fs::read_to_string("/proc/sys/kernel/random/uuid")
+            .context("reading a uuid from the kernel")?
+            .trim()
+            .to_string();
+        let mon = format!("[v2:127.0.0.1:{port},v1:127.0.0.1:{}]", port + 1);
+        let (size, min_size) = if osds >= 3 { (3, 2) } else { (1, 1) };
+        let conf = dir.join("ceph.conf");
+        let d = dir.display();
+        std::fs::write(
+            &conf,
+            format!(
+                "[global]\n\
+                 fsid = {fsid}\n\
+                 mon host = {mon}\n\
+                 mon initial members = a\n\
+                 auth cluster required = none\n\
+                 auth service required = none\n\
+                 auth client required = none\n\
+                 public network = 127.0.0.0/8\n\
+                 ms bind ipv6 = false\n\
+                 osd pool default size = {size}\n\
+                 osd pool default min size = {min_size}\n\
+                 mon allow pool size one = true\n\
+                 osd pool default pg autoscale mode = off\n\
+                 osd crush chooseleaf type = 0\n\
+                 mon allow pool delete = true\n\
+                 mon warn on pool no redundancy = false\n\
+                 mon data avail warn = 1\n\
+                 run dir = {d}/run\n\
+                 log file = {d}/log/$name.log\n\
+                 admin socket = {d}/run/$name.asok\n\
+                 pid file = {d}/run/$name.pid\n\
+                 mon data = {d}/mon/$id\n\
+                 mds data = {d}/mds/$id\n\
+                 osd data = {d}/osd-$id\n\
+                 osd objectstore = bluestore\n\
+                 bluestore block path = {d}/osd-$id.block\n\
+                 bluestore block create = true\n\
+                 bluestore block size = {block_bytes}\n\
+                 osd memory target = 1073741824\n"
+            ),
+        )
+        .with_context(|| format!("writing {}", conf.display()))?;
+        let mut c = Ceph {
+            dir: dir.clone(),
+            conf,
+            daemons: Vec::new(),
+            size_mib: 0,
+            osds,
+            fuse: None,
+        };
+        let monmap = dir.join("monmap");
+        sh(Command::new("monmaptool")
+            .args(["--create", "--addv", "a", &mon, "--fsid", &fsid])
+            .arg(&monmap))?;
+        sh(c.daemon_cmd("ceph-mon")
+            .args(["--mkfs", "-i", "a", "--monmap"])
+            .arg(&monmap))?;
+        c.spawn("mon.a", c.daemon_cmd("ceph-mon").args(["-i", "a", "-f"]))?;
+        c.ceph(&["osd", "crush", "add-bucket", "h", "host"])?;
+        c.ceph(&["osd", "crush", "move", "h", "root=default"])?;
+        for _ in 0..osds {
+            let id = c.ceph(&["osd", "create"])?.trim().to_string();
+            let osd_dir = dir.join(format!("osd-{id}"));
+            std::fs::create_dir_all(&osd_dir)
+                .with_context(|| format!("creating {}", osd_dir.display()))?;
+            sh(c.daemon_cmd("ceph-osd").args(["-i", &id, "--mkfs"]))
+                .with_context(|| format!("making OSD {id}"))?;
+            c.ceph(&["osd", "crush", "add", &format!("osd.{id}"), "1.0", "host=h"])?;
+            c.spawn(
+                &format!("osd.{id}"),
+                c.daemon_cmd("ceph-osd").args(["-i", &id, "-f"]),
+            )?;
+        }
+        c.wait_osds_up(Duration::from_secs(120))?;
         Ok(c)
     }
 
@@ -202,7 +284,7 @@ impl Ceph {
             let s = self.ceph(&["osd", "stat", "--format", "json"])?;
             let v: serde_json::Value =
                 serde_json::from_str(&s).context("`ceph osd stat` printed no JSON")?;
-            if v["num_up_osds"].as_u64() == Some(u64::from(OSDS)) {
+            if v["num_up_osds"].as_u64() == Some(u64::from(self.osds)) {
                 return Ok(());
             }
             if t.elapsed() > within {
@@ -286,6 +368,12 @@ impl Ceph {
 
 impl Drop for Ceph {
     fn drop(&mut self) {
+        if let Some(mnt) = self.fuse.take() {
+            let _ = Command::new("fusermount3").arg("-u").arg(&mnt).status();
+            if crate::cudele_mounts::is_mount(&mnt) {
+                let _ = Command::new("umount").arg("-l").arg(&mnt).status();
+            }
+        }
         // OSDs first, the monitor last; each is ours, stopped by its pid.
         for (_, child) in self.daemons.iter_mut().rev() {
             // SAFETY: signalling a child this process started and has not reaped.

@@ -20,7 +20,7 @@
 //! throughput per second with the kill, the restart, the end of Phase 1 and the end of
 //! Phase 2 marked), at several recovery intervals for Gnothi and G′.
 
-mod ceph;
+pub mod ceph;
 mod cluster;
 mod load;
 mod report;
