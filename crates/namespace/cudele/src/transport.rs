@@ -41,7 +41,17 @@ impl MdsService for Service {
             .and_then(|v| v.to_str().ok())
             .and_then(|t| u128::from_str_radix(t, 16).ok());
         let req = request.into_inner();
-        // The store's calls block: off the runtime's workers.
+        // The store's calls block. On a multi-threaded runtime the request runs where
+        // it is, its worker's other tasks moved away meanwhile (`block_in_place`): a
+        // lookup or getattr then costs no hand-off to another thread and back, which
+        // on this machine is most of a request's time. Else off the workers.
+        let multi = tokio::runtime::Handle::current().runtime_flavor()
+            == tokio::runtime::RuntimeFlavor::MultiThread;
+        if multi {
+            return Ok(tonic::Response::new(tokio::task::block_in_place(|| {
+                mds.handle(token, req)
+            })));
+        }
         match tokio::task::spawn_blocking(move || mds.handle(token, req)).await {
             Ok(r) => Ok(tonic::Response::new(r)),
             Err(e) => Err(Status::internal(format!("the request's task failed: {e}"))),
@@ -67,14 +77,37 @@ pub async fn serve(
         .max_encoding_message_size(MAX_MESSAGE);
     let mut builder = quilt_rpc::server_builder(tls, "the service")?;
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    builder
+    let (began, grace) = tokio::sync::oneshot::channel::<()>();
+    let server = builder
         .add_service(tonic::service::interceptor::InterceptedService::new(
             svc, check,
         ))
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
-        .map_err(|e| format!("serving on {at}: {e}"))
+        .serve_with_incoming_shutdown(incoming, async move {
+            shutdown.await;
+            let _ = began.send(());
+        });
+    // A graceful shutdown waits for every connection to close, and a client that
+    // never reads its connection again (hung, stopped, or one whose thread is gone)
+    // never lets it: a bounded wait, then they are dropped.
+    tokio::select! {
+        r = server => r.map_err(|e| format!("serving on {at}: {e}")),
+        () = async {
+            if grace.await.is_err() {
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } => {
+            tracing::warn!(
+                "mds: connections still open {} s after the shutdown began: closed",
+                SHUTDOWN_GRACE.as_secs()
+            );
+            Ok(())
+        }
+    }
 }
+
+/// How long a shutdown waits for clients to close their connections.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// A channel to the service.
 #[derive(Clone)]
