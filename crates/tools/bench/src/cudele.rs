@@ -320,15 +320,7 @@ fn mechanisms(a: &CudeleArgs, n: u64, run: usize, local: &Path) -> Result<(Vec<R
     }
     let rows = out
         .into_iter()
-        .map(|(system, s)| Row {
-            system: system.to_string(),
-            workload: "mechanisms".into(),
-            clients: 1,
-            run,
-            creates: n,
-            seconds: s,
-            creates_per_s: n as f64 / s.max(1e-9),
-        })
+        .map(|(system, s)| one_client_row(system, "mechanisms", n, run, s))
         .collect();
     Ok((rows, bytes_per_event))
 }
@@ -473,47 +465,16 @@ fn use_case_1(svc: &Service, k: u32, n: u64, mode: &str, run: usize, local: &Pat
 
 /// The same create loop on local ext4 (a loop mount of a file), as root.
 fn ext4(work: &Path, n: u64, run: usize) -> Result<Option<Row>> {
-    if unsafe { libc::geteuid() } != 0 || !crate::have("mkfs.ext4") {
+    let Some(m) = cudele_mounts::ext4(work)? else {
         return Ok(None);
-    }
-    let img = work.join("ext4.img");
-    let mnt = work.join("ext4");
-    std::fs::create_dir_all(&mnt)?;
-    let f = std::fs::File::create(&img)?;
-    f.set_len(2 << 30)?;
-    drop(f);
-    crate::sh(Command::new("mkfs.ext4").arg("-q").arg("-F").arg(&img))?;
-    crate::sh(
-        Command::new("mount")
-            .arg("-o")
-            .arg("loop")
-            .arg(&img)
-            .arg(&mnt),
-    )?;
-    let r = (|| -> Result<f64> {
-        let d = mnt.join(format!("dir{run}"));
-        std::fs::create_dir(&d)?;
-        let t = Instant::now();
-        for i in 0..n {
-            std::fs::File::create(d.join(format!("file.{i:07}")))?;
-        }
-        Ok(t.elapsed().as_secs_f64())
-    })();
-    let _ = crate::sh(Command::new("umount").arg(&mnt));
-    let _ = std::fs::remove_file(&img);
-    let s = r?;
-    Ok(Some(Row {
-        system: "ext4".into(),
-        workload: "mechanisms".into(),
-        clients: 1,
-        run,
-        creates: n,
-        seconds: s,
-        creates_per_s: n as f64 / s.max(1e-9),
-    }))
+    };
+    let s = cudele_mounts::create_loop(&m.dir.join(format!("dir{run}")), n)?;
+    m.unmount()?;
+    Ok(Some(one_client_row("ext4", "mechanisms", n, run, s)))
 }
 
-fn mount_row(system: &str, workload: &str, n: u64, run: usize, seconds: f64) -> Row {
+/// A row of one client's `n` creates in `seconds`.
+fn one_client_row(system: &str, workload: &str, n: u64, run: usize, seconds: f64) -> Row {
     Row {
         system: system.to_string(),
         workload: workload.into(),
@@ -543,7 +504,7 @@ fn mounts(svc: &Service, work: &Path, n: u64, run: usize) -> Result<Vec<Row>> {
         let m = cudele_mounts::Mounted::quiltfs(&svc.address(&dir), &work.join("mnt"))?;
         let s = cudele_mounts::create_loop(&m.dir.join("d"), n)?;
         m.unmount()?;
-        rows.push(mount_row(system, "mount", n, run, s));
+        rows.push(one_client_row(system, "mount", n, run, s));
     }
     Ok(rows)
 }
@@ -578,7 +539,7 @@ fn use_case_3(
         } else {
             format!("sync {every} s")
         };
-        rows.push(mount_row(&system, "use-case-3", n, run, s));
+        rows.push(one_client_row(&system, "use-case-3", n, run, s));
     }
     Ok(rows)
 }
@@ -623,16 +584,16 @@ impl Peers {
         let mut rows = Vec::new();
         if let Some((_, mnt)) = &self.ceph {
             let s = cudele_mounts::create_loop(&mnt.join(format!("run{run}")), n)?;
-            rows.push(mount_row("cephfs", "mount", n, run, s));
+            rows.push(one_client_row("cephfs", "mount", n, run, s));
         }
         if let Some(m) = self.sshfs.as_ref().and_then(|s| s.mount.as_ref()) {
             let s = cudele_mounts::create_loop(&m.dir.join(format!("run{run}")), n)?;
-            rows.push(mount_row("sshfs", "mount", n, run, s));
+            rows.push(one_client_row("sshfs", "mount", n, run, s));
         }
         if let Some(m) = cudele_mounts::ext4(work)? {
             let s = cudele_mounts::create_loop(&m.dir.join("d"), n)?;
             m.unmount()?;
-            rows.push(mount_row("ext4", "mount", n, run, s));
+            rows.push(one_client_row("ext4", "mount", n, run, s));
         }
         Ok(rows)
     }
