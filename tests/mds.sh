@@ -3,7 +3,8 @@
 # `quiltfs mds serve`, two FUSE mounts of it (what one writes the other sees at once,
 # with real programs: cp -a and diff -r), policies set and shown through a mount, a
 # weak subtree mounted decoupled (cp -a, mv, ln -s in the client's own view, EBUSY
-# for the other mount meanwhile, everything merged at unmount), and kill -9 of the
+# for the other mount meanwhile, everything merged at unmount), a strong subtree held
+# by the mount of it (EBUSY for the other until the unmount), and kill -9 of the
 # service during a create loop under global durability: after a restart every file whose creation was
 # acknowledged is there with its bytes, and the store's checker (quiltfs fsck, e2fsck)
 # finds it clean. Then kill -9 of a decoupled client after Local Persist (the next
@@ -117,6 +118,27 @@ for fs in betrfs ext3; do
   say "$fs: a weak subtree mounted decoupled, blocked for others, merged at unmount"
   # Back where the checks below expect it.
   mv "$A/dir/tree/moved-again" "$A/dir/moved"
+  # 2c. A strong subtree mounted as the root under interfere=block is held by that
+  # mount: the other mount gets EBUSY inside it until the unmount.
+  mkdir "$A/own"
+  "$Q" mds policy set "$A/own" consistency=strong interfere=block >/dev/null
+  own="${ADDR%%\?*}own?${ADDR#*\?}"
+  mkdir -p "$W/own"
+  "$Q" mount "$own" "$W/own" >"$W/own.out" 2>"$W/own.err" || fail "$fs: the strong subtree: $(cat "$W/own.err")"
+  MOUNTS+=("$W/own")
+  grep -q "held by this mount" "$W/own.out" || fail "$fs: the mount does not say it holds: $(cat "$W/own.out")"
+  grep -q "held by client" <<<"$("$Q" mds policy show "$own")" || fail "$fs: the mount holds nothing: $("$Q" mds policy show "$own" 2>&1)"
+  echo mine >"$W/own/f"
+  [ "$(cat "$W/own/f")" = mine ] || fail "$fs: the holder does not read its own file"
+  err=$(ls "$B/own" 2>&1) && fail "$fs: another mount listed a held subtree"
+  grep -qi "busy" <<<"$err" || fail "$fs: not EBUSY for the other mount: $err"
+  unmnt "$W/own"
+  for _ in $(seq 1 100); do
+    grep -q "not held" <<<"$("$Q" mds policy show "$own")" && break
+    sleep 0.1
+  done
+  [ "$(cat "$B/own/f")" = mine ] || fail "$fs: the other mount does not read the file after the unmount"
+  say "$fs: a strong subtree held by its mount, EBUSY for the other until the unmount"
 
   # 3. kill -9 during a create loop (global durability: each create is durable when
   # it returns); every acknowledged file is there after a restart.

@@ -199,6 +199,26 @@ impl Client {
         self.fs_call(Request::Sync { client: self.id }).map(|_| ())
     }
 
+    /// Holds the subtree at `ino` for this client's RPCs: with interfere=block, other
+    /// clients get EBUSY inside it until [`Client::let_go`] (or until this client's
+    /// lease lapses).
+    pub fn hold(&self, ino: Ino) -> Result<()> {
+        self.fs_call(Request::Hold {
+            client: self.id,
+            ino,
+        })
+        .map(|_| ())
+    }
+
+    /// Lets go of a hold taken with [`Client::hold`].
+    pub fn let_go(&self, ino: Ino) -> Result<()> {
+        self.fs_call(Request::Release {
+            client: self.id,
+            subtree: ino,
+        })
+        .map(|_| ())
+    }
+
     /// Decouples the subtree at `ino`: this client holds it until [`Decoupled::release`]
     /// and works in its own journal.
     pub fn decouple(self: &Arc<Self>, ino: Ino, opts: DecoupleOptions) -> Result<Decoupled> {
@@ -217,17 +237,40 @@ pub struct RemoteFs {
     c: Arc<Client>,
     /// Where operations start (`mds://HOST:PORT/SUBTREE` mounts a subtree as root).
     root: Ino,
+    /// Held for this client ([`RemoteFs::holding`]) until [`RemoteFs::release`].
+    held: AtomicBool,
 }
 
 impl RemoteFs {
     pub fn new(c: Arc<Client>) -> RemoteFs {
         let root = c.root();
-        RemoteFs { c, root }
+        RemoteFs::at(c, root)
     }
 
     /// The namespace from directory `root`.
     pub fn at(c: Arc<Client>, root: Ino) -> RemoteFs {
-        RemoteFs { c, root }
+        RemoteFs {
+            c,
+            root,
+            held: AtomicBool::new(false),
+        }
+    }
+
+    /// The namespace from directory `root`, which this client holds ([`Client::hold`])
+    /// until [`RemoteFs::release`].
+    pub fn holding(c: Arc<Client>, root: Ino) -> Result<RemoteFs> {
+        c.hold(root)?;
+        let fs = RemoteFs::at(c, root);
+        fs.held.store(true, Ordering::Relaxed);
+        Ok(fs)
+    }
+
+    /// Lets go of the hold [`RemoteFs::holding`] took (once; later calls do nothing).
+    pub fn release(&self) -> Result<()> {
+        if self.held.swap(false, Ordering::Relaxed) {
+            self.c.let_go(self.root)?;
+        }
+        Ok(())
     }
 
     pub fn client(&self) -> &Arc<Client> {

@@ -86,6 +86,10 @@ pub enum Request {
     /// A client that died comes back as itself (its token in the request's metadata,
     /// kept beside its local journal): the same welcome, its holds still its own.
     Rejoin { client: u64 },
+    /// The client holds the subtree at `ino` while it uses it through RPCs (a mount of
+    /// it as its root): under interfere=block every other client's request inside it
+    /// gets EBUSY until `Release`; nothing is granted or merged.
+    Hold { client: u64, ino: Ino },
 }
 
 /// What a `PolicyGet`/`PolicySet` answers.
@@ -97,7 +101,8 @@ pub struct PolicyInfo {
     pub policy: Policy,
     /// Changes made to it (0: the default, never set).
     pub version: u64,
-    /// The client holding the asked directory's subtree decoupled, if one does.
+    /// The client holding the asked directory's subtree (decoupled, or for its RPCs),
+    /// if one does.
     pub holder: Option<u64>,
 }
 

@@ -42,7 +42,10 @@ use std::time::{Duration, Instant};
 pub const HIDDEN: &[u8] = b".quiltfs-mds";
 const REGISTRY: &[u8] = b"registry";
 const REGISTRY_NEW: &[u8] = b"registry.new";
-const REGISTRY_MAGIC: &[u8; 8] = b"QMDSREG1";
+/// The registry's format: version 2 marks each hold decoupled or not; version 1 (every
+/// hold decoupled) is still read.
+const REGISTRY_MAGIC: &[u8; 8] = b"QMDSREG2";
+const REGISTRY_MAGIC_V1: &[u8; 8] = b"QMDSREG1";
 
 #[derive(Debug, Clone)]
 pub struct MdsConfig {
@@ -66,6 +69,10 @@ impl Default for MdsConfig {
 struct Hold {
     client: u64,
     grants: Vec<InoGrant>,
+    /// Decoupled (the holder journals and merges), or held by a client that uses the
+    /// subtree through RPCs and only keeps others out (`Request::Hold`): such a hold
+    /// has nothing to merge, so once its lease lapsed another client may take it.
+    decoupled: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -97,7 +104,8 @@ impl Registry {
     }
 
     fn decode(b: &[u8]) -> Result<Registry, String> {
-        if b.len() < 12 || &b[..8] != REGISTRY_MAGIC {
+        let v1 = b.len() >= 8 && &b[..8] == REGISTRY_MAGIC_V1;
+        if b.len() < 12 || (&b[..8] != REGISTRY_MAGIC && !v1) {
             return Err("not a metadata service registry".into());
         }
         let mut c = [0u8; 4];
@@ -105,7 +113,68 @@ impl Registry {
         if crc32c::crc32c(&b[12..]) != u32::from_le_bytes(c) {
             return Err("the registry is damaged (checksum mismatch)".into());
         }
-        postcard::from_bytes(&b[12..]).map_err(|e| format!("the registry does not decode: {e}"))
+        let undecoded = |e: postcard::Error| format!("the registry does not decode: {e}");
+        if v1 {
+            return postcard::from_bytes::<v1::Registry>(&b[12..])
+                .map(v1::Registry::upgrade)
+                .map_err(undecoded);
+        }
+        postcard::from_bytes(&b[12..]).map_err(undecoded)
+    }
+}
+
+/// The registry as version 1 wrote it (before holds for RPCs): every hold decoupled.
+mod v1 {
+    use quilt_vfs::{Ino, InoGrant};
+    use serde::Deserialize;
+    use std::collections::BTreeMap;
+
+    #[derive(Deserialize)]
+    struct Hold {
+        client: u64,
+        grants: Vec<InoGrant>,
+    }
+
+    #[derive(Deserialize)]
+    struct Entry {
+        path: Vec<u8>,
+        policy: crate::policy::Policy,
+        version: u64,
+        holder: Option<Hold>,
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct Registry {
+        next_client: u64,
+        subtrees: BTreeMap<Ino, Entry>,
+        tokens: BTreeMap<u64, u128>,
+    }
+
+    impl Registry {
+        pub(super) fn upgrade(self) -> super::Registry {
+            let subtrees = self
+                .subtrees
+                .into_iter()
+                .map(|(ino, e)| {
+                    let entry = super::Entry {
+                        path: e.path,
+                        policy: e.policy,
+                        version: e.version,
+                        holder: e.holder.map(|h| super::Hold {
+                            client: h.client,
+                            grants: h.grants,
+                            decoupled: true,
+                        }),
+                    };
+                    (ino, entry)
+                })
+                .collect();
+            super::Registry {
+                next_client: self.next_client,
+                subtrees,
+                tokens: self.tokens,
+            }
+        }
     }
 }
 
@@ -351,7 +420,7 @@ impl Mds {
     fn scope(&self, client: u64, subtree: Ino) -> Option<Scope> {
         let st = self.state();
         let h = st.reg.subtrees.get(&subtree)?.holder.as_ref()?;
-        (h.client == client).then(|| Scope {
+        (h.client == client && h.decoupled).then(|| Scope {
             root: subtree,
             client,
             grants: h.grants.clone(),
@@ -573,6 +642,10 @@ impl Mds {
                 journal,
             } => match self.known_client(client, token) {
                 Ok(()) => self.persist(client, subtree, &journal),
+                Err(e) => Response::Error(e),
+            },
+            Request::Hold { client, ino } => match self.known_client(client, token) {
+                Ok(()) => self.hold(client, ino),
                 Err(e) => Response::Error(e),
             },
             Request::Release { client, subtree } => match self.known_client(client, token) {
@@ -959,7 +1032,7 @@ impl Mds {
         self.scope(client, subtree).ok_or_else(|| {
             err(
                 libc::EPERM,
-                format!("client {client} does not hold subtree {subtree}"),
+                format!("client {client} does not hold subtree {subtree} decoupled"),
             )
         })
     }
@@ -975,28 +1048,20 @@ impl Mds {
         self.dir(ino)?;
         let gov = self.governing(ino).map_err(|e| fs_err(&e))?;
         let policy = gov.first().map_or_else(Policy::default, |(_, e)| e.policy);
-        // Held already: by this client (it comes back), or by another.
-        for (root, e) in &gov {
-            if let Some(h) = &e.holder {
-                if h.client == client && *root == ino {
-                    self.renew(client);
-                    let w = merge::watermark(&*self.fs, ino, client).map_err(|e| fs_err(&e))?;
-                    return Ok(Response::Decoupled {
-                        policy: e.policy,
-                        grants: h.grants.clone(),
-                        merged_seq: w.seq,
-                        max_ino: w.max_ino,
-                    });
-                }
-                return Err(wire(
-                    libc::EBUSY,
-                    format!(
-                        "{} is held decoupled by client {}",
-                        String::from_utf8_lossy(&e.path),
-                        h.client
-                    ),
-                ));
+        match self.in_the_way(client, ino, &gov)? {
+            // Decoupled already by this client: it comes back.
+            Some(h) if h.decoupled => {
+                self.renew(client);
+                let w = merge::watermark(&*self.fs, ino, client).map_err(|e| fs_err(&e))?;
+                return Ok(Response::Decoupled {
+                    policy,
+                    grants: h.grants,
+                    merged_seq: w.seq,
+                    max_ino: w.max_ino,
+                });
             }
+            // Held by this client for its RPCs: the hold becomes a decoupled one.
+            Some(_) | None => {}
         }
         if !policy.decoupled() {
             return Err(wire(
@@ -1005,34 +1070,12 @@ impl Mds {
                  not decoupled (set consistency=weak or invisible first)",
             ));
         }
-        // A hold below it, by anyone, is in the way too.
-        let below: Vec<(Ino, u64)> = self
-            .state()
-            .reg
-            .subtrees
-            .iter()
-            .filter_map(|(i, e)| e.holder.as_ref().map(|h| (*i, h.client)))
-            .collect();
-        for (i, c) in below {
-            let mut d = i;
-            for _ in 0..4096 {
-                if d == ino {
-                    return Err(wire(
-                        libc::EBUSY,
-                        format!("a directory inside it is held decoupled by client {c}"),
-                    ));
-                }
-                if d == self.root {
-                    break;
-                }
-                d = self.parent_of(d).map_err(|e| fs_err(&e))?;
-            }
-        }
         let grants = self.grant(policy.inodes).map_err(|e| fs_err(&e))?;
         self.upsert(ino, policy, |e| {
             e.holder = Some(Hold {
                 client,
                 grants: grants.clone(),
+                decoupled: true,
             })
         })
         .map_err(|e| fs_err(&e))?;
@@ -1044,6 +1087,118 @@ impl Mds {
             merged_seq: w.seq,
             max_ino: w.max_ino,
         })
+    }
+
+    /// What stands between `client` and a hold on `ino` (whose governing entries are
+    /// `gov`): an error when another client holds it, a directory above it or one
+    /// inside it; its own hold on `ino` itself when it has one. A hold for RPCs whose
+    /// lease lapsed is not in the way (it has nothing to merge): it is dropped.
+    fn in_the_way(
+        &self,
+        client: u64,
+        ino: Ino,
+        gov: &[(Ino, Entry)],
+    ) -> Result<Option<Hold>, WireError> {
+        let mut own = None;
+        let mut lapsed = Vec::new();
+        for (root, e) in gov {
+            let Some(h) = &e.holder else { continue };
+            if h.client == client && *root == ino {
+                own = Some(h.clone());
+            } else if !h.decoupled && h.client != client && !self.lease_alive(h.client) {
+                lapsed.push(*root);
+            } else {
+                return Err(wire(
+                    libc::EBUSY,
+                    format!(
+                        "{} is held {}by client {}",
+                        String::from_utf8_lossy(&e.path),
+                        if h.decoupled { "decoupled " } else { "" },
+                        h.client
+                    ),
+                ));
+            }
+        }
+        let below: Vec<(Ino, u64, bool)> = self
+            .state()
+            .reg
+            .subtrees
+            .iter()
+            .filter(|(i, _)| **i != ino)
+            .filter_map(|(i, e)| e.holder.as_ref().map(|h| (*i, h.client, h.decoupled)))
+            .collect();
+        for (i, c, decoupled) in below {
+            let mut d = i;
+            for _ in 0..4096 {
+                if d == ino {
+                    if !decoupled && c != client && !self.lease_alive(c) {
+                        lapsed.push(i);
+                        break;
+                    }
+                    return Err(wire(
+                        libc::EBUSY,
+                        format!("a directory inside it is held by client {c}"),
+                    ));
+                }
+                if d == self.root {
+                    break;
+                }
+                d = self.parent_of(d).map_err(|e| fs_err(&e))?;
+            }
+        }
+        if !lapsed.is_empty() {
+            {
+                let mut st = self.state();
+                for i in &lapsed {
+                    if let Some(e) = st.reg.subtrees.get_mut(i) {
+                        tracing::info!(
+                            "mds: client {}'s hold on {} lapsed with its lease; dropped",
+                            e.holder.as_ref().map_or(0, |h| h.client),
+                            String::from_utf8_lossy(&e.path)
+                        );
+                        e.holder = None;
+                    }
+                }
+            }
+            self.save_registry().map_err(|e| fs_err(&e))?;
+        }
+        Ok(own)
+    }
+
+    fn hold(&self, client: u64, ino: Ino) -> Response {
+        match self.try_hold(client, ino) {
+            Ok(()) => Response::Done,
+            Err(e) => Response::Error(e),
+        }
+    }
+
+    /// A hold for a client that uses the subtree through RPCs (a mount of it as its
+    /// root): others are kept out as its interfere policy says, nothing is granted.
+    fn try_hold(&self, client: u64, ino: Ino) -> Result<(), WireError> {
+        self.dir(ino)?;
+        if ino == self.root {
+            return Err(wire(
+                libc::EINVAL,
+                "the namespace's root is not held: hold a directory in it",
+            ));
+        }
+        let gov = self.governing(ino).map_err(|e| fs_err(&e))?;
+        let policy = gov.first().map_or_else(Policy::default, |(_, e)| e.policy);
+        if self.in_the_way(client, ino, &gov)?.is_some() {
+            // Held already by this client, decoupled or not: it stays as it is.
+            self.renew(client);
+            return Ok(());
+        }
+        self.upsert(ino, policy, |e| {
+            e.holder = Some(Hold {
+                client,
+                grants: Vec::new(),
+                decoupled: false,
+            })
+        })
+        .map_err(|e| fs_err(&e))?;
+        self.renew(client);
+        Ok(())
     }
 
     /// `count` numbers, in as few grants as the store gives (ext2 grants within one
@@ -1233,8 +1388,18 @@ impl Mds {
     }
 
     fn release(&self, client: u64, subtree: Ino) -> Response {
-        if let Err(r) = self.held(client, subtree) {
-            return r;
+        let holds = self
+            .state()
+            .reg
+            .subtrees
+            .get(&subtree)
+            .and_then(|e| e.holder.as_ref())
+            .is_some_and(|h| h.client == client);
+        if !holds {
+            return err(
+                libc::EPERM,
+                format!("client {client} does not hold subtree {subtree}"),
+            );
         }
         {
             let mut st = self.state();
@@ -1329,4 +1494,96 @@ fn write_file(fs: &dyn FileSystem, dir: Ino, name: &[u8], bytes: &[u8]) -> Resul
         off += part.len() as u64;
     }
     fs.fsync(a.ino, false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Version 1's layout, as it wrote registries (every hold decoupled).
+    #[derive(Serialize)]
+    struct HoldV1 {
+        client: u64,
+        grants: Vec<InoGrant>,
+    }
+    #[derive(Serialize)]
+    struct EntryV1 {
+        path: Vec<u8>,
+        policy: Policy,
+        version: u64,
+        holder: Option<HoldV1>,
+    }
+    #[derive(Serialize)]
+    struct RegistryV1 {
+        next_client: u64,
+        subtrees: BTreeMap<Ino, EntryV1>,
+        tokens: BTreeMap<u64, u128>,
+    }
+
+    fn framed(magic: &[u8; 8], body: &[u8]) -> Vec<u8> {
+        let mut out = magic.to_vec();
+        out.extend_from_slice(&crc32c::crc32c(body).to_le_bytes());
+        out.extend_from_slice(body);
+        out
+    }
+
+    #[test]
+    fn a_version_1_registry_is_read_with_its_holds_decoupled() {
+        let grant = InoGrant {
+            first: 1000,
+            count: 50,
+        };
+        let mut subtrees = BTreeMap::new();
+        subtrees.insert(
+            12,
+            EntryV1 {
+                path: b"job".to_vec(),
+                policy: Policy::default(),
+                version: 3,
+                holder: Some(HoldV1 {
+                    client: 4,
+                    grants: vec![grant],
+                }),
+            },
+        );
+        subtrees.insert(
+            13,
+            EntryV1 {
+                path: b"free".to_vec(),
+                policy: Policy::default(),
+                version: 1,
+                holder: None,
+            },
+        );
+        let v1 = RegistryV1 {
+            next_client: 9,
+            subtrees,
+            tokens: BTreeMap::from([(4, 77u128)]),
+        };
+        let bytes = framed(REGISTRY_MAGIC_V1, &postcard::to_stdvec(&v1).unwrap());
+        let reg = Registry::decode(&bytes).unwrap();
+        assert_eq!(reg.next_client, 9);
+        assert_eq!(reg.tokens.get(&4), Some(&77));
+        let job = &reg.subtrees[&12];
+        assert_eq!((job.path.as_slice(), job.version), (&b"job"[..], 3));
+        assert_eq!(
+            job.holder,
+            Some(Hold {
+                client: 4,
+                grants: vec![grant],
+                decoupled: true,
+            })
+        );
+        assert_eq!(reg.subtrees[&13].holder, None);
+        // Written again, it is version 2, and reads back the same.
+        let again = reg.encode();
+        assert_eq!(&again[..8], REGISTRY_MAGIC);
+        assert_eq!(Registry::decode(&again).unwrap(), reg);
+        // Damage is refused, whichever the version.
+        let mut bad = bytes.clone();
+        let last = bad.len() - 1;
+        bad[last] ^= 1;
+        assert!(Registry::decode(&bad).unwrap_err().contains("checksum"));
+        assert!(Registry::decode(b"QMDSREG9xxxxyyyy").is_err());
+    }
 }

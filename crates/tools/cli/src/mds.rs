@@ -361,7 +361,8 @@ fn policy(c: PolicyCommand) -> Result<()> {
         println!("{p}: {} ({from}, version {})", info.policy, info.version);
         println!("  mechanisms: {}", info.policy.formula());
         match info.holder {
-            Some(h) => println!("  held decoupled by client {h}"),
+            Some(h) if info.policy.decoupled() => println!("  held decoupled by client {h}"),
+            Some(h) => println!("  held by client {h}, which uses it through the service"),
             None => println!("  not held"),
         }
     }

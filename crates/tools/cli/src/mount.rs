@@ -322,8 +322,8 @@ impl Served for quilt_cudele::DecoupledFs {
 impl Served for quilt_cudele::RemoteFs {
     fn finish(&self) -> quilt_vfs::Result<()> {
         // Every change was answered by the service once it had it (and made it
-        // durable where the subtree's policy says so): nothing is held here.
-        Ok(())
+        // durable where the subtree's policy says so); only the hold is let go.
+        self.release()
     }
 }
 
@@ -366,7 +366,21 @@ fn serve_mds(a: &MountArgs, p: Parsed, addr: &str) -> Result<()> {
         fuse.fs_name = format!("quiltfs-mds:{}", address.host);
         return serve_fs(a, fuse, Arc::new(fs), Vec::new());
     }
-    let fs = Arc::new(quilt_cudele::RemoteFs::at(client, root.ino));
+    // A subtree mounted as the root whose policy keeps others out is held by this
+    // mount: others get EBUSY inside it until the unmount.
+    let block = policy.policy.interfere == quilt_cudele::Interfere::Block;
+    let fs = if block && root.ino != client.root() {
+        let fs = quilt_cudele::RemoteFs::holding(client, root.ino)
+            .map_err(|e| anyhow::anyhow!("holding {}: {e}", address.subtree))?;
+        println!(
+            "quiltfs: {} held by this mount (interfere=block): other clients get EBUSY \
+             inside it until the unmount",
+            address.subtree
+        );
+        Arc::new(fs)
+    } else {
+        Arc::new(quilt_cudele::RemoteFs::at(client, root.ino))
+    };
     let mut fuse = p.fuse.clone();
     fuse.cache_ttl = std::time::Duration::ZERO;
     fuse.fs_name = format!("quiltfs-mds:{}", address.host);

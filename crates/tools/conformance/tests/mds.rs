@@ -416,6 +416,101 @@ fn policies_holds_grants_and_staged_merges_survive_a_restart() {
 }
 
 #[test]
+fn a_strong_subtree_held_for_rpcs_keeps_others_out_until_let_go_or_lapsed() {
+    for kind in KINDS {
+        let dev = mkfs(kind);
+        let store = Store::open(kind, dev.clone());
+        let lease = Duration::from_millis(1500);
+        let svc = Service::start(store.fs(), None, lease).unwrap();
+        let addr = svc.addr.clone();
+        let ca = connect(&addr, "holder");
+        let cb = connect(&addr, "other");
+        let b = RemoteFs::new(cb.clone());
+        let c = Ctx::root();
+        let jobs = b.mkdir(b.root(), b"jobs", 0o777, &c).unwrap().ino;
+        let job = b.mkdir(jobs, b"job", 0o777, &c).unwrap().ino;
+        ca.set_policy(job, "consistency=strong durability=global interfere=block")
+            .unwrap();
+        let a = RemoteFs::holding(ca.clone(), job).unwrap();
+        assert_eq!(ca.policy(job).unwrap().holder, Some(ca.id()));
+        // A hold again by its holder changes nothing.
+        ca.hold(job).unwrap();
+        let f = a
+            .mknod(job, b"mine", libc::S_IFREG | 0o644, 0, &user())
+            .unwrap();
+        a.write(f.ino, 0, b"held", &user()).unwrap();
+        // Everyone else is kept out of it: requests, holds, decoupling, and holds of a
+        // directory above it; the namespace's root is never held.
+        assert_eq!(errno(b.lookup(job, b"mine")), libc::EBUSY);
+        assert_eq!(
+            errno(b.mknod(job, b"theirs", libc::S_IFREG | 0o644, 0, &user())),
+            libc::EBUSY
+        );
+        assert_eq!(errno(cb.hold(job)), libc::EBUSY);
+        assert_eq!(errno(cb.hold(jobs)), libc::EBUSY);
+        assert!(cb.decouple(job, DecoupleOptions::default()).is_err());
+        assert_eq!(errno(cb.hold(cb.root())), libc::EINVAL);
+        // Nor may anyone let go of it but its holder.
+        assert_eq!(errno(cb.let_go(job)), libc::EPERM);
+        // A hold for RPCs merges nothing.
+        let h = Header {
+            client: ca.id(),
+            subtree: job,
+        };
+        let mut j = ClientJournal::new(h, 1);
+        j.append(&Event {
+            uid: 1000,
+            gid: 1000,
+            op: FsOp::Unlink {
+                parent: job,
+                name: b"mine".to_vec(),
+            },
+        });
+        let merge = ca.call(Request::Merge {
+            client: ca.id(),
+            subtree: job,
+            journal: journal::encode(&h, &[j.seal().unwrap()]),
+            durable: false,
+        });
+        assert_eq!(merge.unwrap_err().errno, libc::EPERM);
+        assert_eq!(a.lookup(job, b"mine").unwrap().ino, f.ino);
+
+        // The hold and its block survive a restart of the service.
+        svc.stop().unwrap();
+        let svc = Service::start(store.fs(), Some(&addr), lease).unwrap();
+        assert_eq!(errno(b.lookup(job, b"mine")), libc::EBUSY);
+        assert_eq!(ca.policy(job).unwrap().holder, Some(ca.id()));
+
+        // Let go: the others are in.
+        a.release().unwrap();
+        a.release().unwrap();
+        assert_eq!(ca.policy(job).unwrap().holder, None);
+        assert_eq!(b.read(f.ino, 0, 10).unwrap(), b"held");
+        b.mknod(job, b"theirs", libc::S_IFREG | 0o644, 0, &user())
+            .unwrap();
+
+        // A holder that dies: once its lease lapsed, its block lapses and another
+        // client may take the hold (nothing of the dead one's is waiting to merge).
+        let cd = connect(&addr, "dies");
+        cd.hold(job).unwrap();
+        assert_eq!(errno(b.lookup(job, b"mine")), libc::EBUSY);
+        drop(cd);
+        std::thread::sleep(lease + Duration::from_millis(500));
+        assert_eq!(b.lookup(job, b"mine").unwrap().ino, f.ino);
+        cb.hold(job).unwrap();
+        assert_eq!(ca.policy(job).unwrap().holder, Some(cb.id()));
+        assert_eq!(errno(a.lookup(job, b"mine")), libc::EBUSY);
+        // Under interfere=allow a hold keeps nobody out.
+        cb.set_policy(job, "interfere=allow").unwrap();
+        assert_eq!(a.lookup(job, b"mine").unwrap().ino, f.ino);
+        cb.let_go(job).unwrap();
+        svc.stop().unwrap();
+        store.unmount();
+        check(kind, &dev);
+    }
+}
+
+#[test]
 fn bad_requests_are_refused_and_change_nothing() {
     let kind = Kind::Betrfs;
     let dev = mkfs(kind);
