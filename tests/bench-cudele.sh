@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # `quiltfs bench cudele` end to end, small: every mechanism and composition measured,
 # use case 1 with one and two client processes, creates through the service's FUSE
-# mounts (RPC mode with and without Stream, decoupled), use case 3 (sync at 1 s
-# against none), every output there, the CSV
+# mounts (RPC mode with and without Stream, decoupled), use case 2 (a rogue client:
+# none, allow, block against one client alone; under block every one of the rogue's
+# creates refused, under allow accepted), use case 3 (sync at 1 s against none),
+# every output there, the CSV
 # columns on every row with a positive rate, the journal far below the paper's 2.5 KB a
 # create, and no service process or image left behind; a bad argument gets a clear
 # error. (Timings are not checked: ratios come from the full run.)
@@ -45,7 +47,13 @@ mounts = {r["system"] for r in rows if r["workload"] == "mount"}
 assert {"decoupled", "rpcs", "rpcs+stream"} <= mounts, f"mounts measured: {mounts}"
 uc3 = {r["system"] for r in rows if r["workload"] == "use-case-3"}
 assert {"no sync", "sync 1 s"} <= uc3, f"use case 3 measured: {uc3}"
+uc2 = {(r["system"], r["clients"]) for r in rows if r["workload"] == "use-case-2"}
+assert {("alone", "1"), ("none", "2"), ("allow", "2"), ("block", "2")} <= uc2, f"use case 2 measured: {uc2}"
 j = json.load(open(f"{out}/results.json"))
+rogue = {r["case"]: r for r in j["rogue"]}
+assert set(rogue) == {"allow", "block"}, f"rogue cases: {set(rogue)}"
+assert rogue["block"]["accepted"] == 0 and rogue["block"]["refused"] > 0, rogue["block"]
+assert rogue["allow"]["accepted"] > 0 and rogue["allow"]["refused"] == 0, rogue["allow"]
 b = j["journal_bytes_per_create"][0]
 assert 10 < b < 256, f"{b} journal bytes per create"
 PY
@@ -53,5 +61,6 @@ pgrep -f "mds serve $work" >/dev/null && fail "a service was left running"
 [ -e "$work/w/ns.img" ] && fail "the image was left behind"
 grep -q " $work/w/" /proc/self/mounts && fail "a mount was left behind"
 grep -q "Goals" "$out/report.md" || fail "the report has no goals"
+grep -q "Block within 5% of no interference" "$out/report.md" || fail "the report has no use case 2"
 rm -rf "$work"
 echo "bench-cudele: ok"

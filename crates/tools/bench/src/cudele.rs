@@ -15,11 +15,15 @@
 //!   directory of a FUSE mount of the service, in RPC mode (with and without Stream)
 //!   and decoupled, beside CephFS through ceph-fuse (a one-machine Ceph with an MDS),
 //!   sshfs over loopback and ext4.
+//! - **Use case 2** (`cudele/rogue.rs`): clients creating through RPCs in private
+//!   directories while a rogue client creates in all of them (allow, block, none).
 //! - **Use case 3**: the same creates through a decoupled mount with namespace sync
 //!   every 1, 5, 10, 25 s, against none: the overhead.
 //!
 //! Clients are this process (mechanisms) or processes of this binary
 //! (`quiltfs-bench cudele-client`, use case 1) linking the client library.
+
+mod rogue;
 
 use crate::{cudele_mounts, median, plot, quiltfs_exe, Progress};
 use anyhow::{anyhow, bail, Context, Result};
@@ -77,6 +81,13 @@ pub struct CudeleArgs {
     /// 1 with --quick); each against the same creates with no sync.
     #[arg(long)]
     pub uc3_intervals: Option<String>,
+    /// Use case 2: creates per client (default 10,000; 300 with --quick). Each is
+    /// durable at the service before it returns (the paper's settings).
+    #[arg(long)]
+    pub uc2_creates: Option<u64>,
+    /// Use case 2: clients in private directories beside the rogue (default 2).
+    #[arg(long, default_value_t = 2)]
+    pub uc2_clients: u32,
 }
 
 /// One measurement: `system` is the mechanism, composition or peer.
@@ -325,7 +336,7 @@ fn mechanisms(a: &CudeleArgs, n: u64, run: usize, local: &Path) -> Result<(Vec<R
     Ok((rows, bytes_per_event))
 }
 
-/// `quiltfs-bench cudele-client`: one client process of use case 1. Waits until
+/// `quiltfs-bench cudele-client`: one client process of use case 1 or 2. Waits until
 /// `start_ms` (Unix time), makes `n` creates in a new directory `dir` as `mode`
 /// says, and prints `start_ms end_ms`.
 #[derive(clap::Args)]
@@ -338,13 +349,21 @@ pub struct ClientArgs {
     pub dir: String,
     #[arg(long)]
     pub n: u64,
-    /// rpcs, create (decoupled, append only) or create+merge.
+    /// rpcs, create (decoupled, append only) or create+merge (use case 1);
+    /// uc2-none, uc2-allow, uc2-block or rogue (use case 2: `dir` lists the rogue's
+    /// directories, comma-separated, and `n` bounds its attempts).
     #[arg(long)]
     pub mode: String,
     #[arg(long)]
     pub start_ms: u64,
     #[arg(long)]
     pub local: PathBuf,
+    /// The rogue's pace: creates a second at most (0: unpaced).
+    #[arg(long, default_value_t = 0)]
+    pub rate: u64,
+    /// The rogue stops once this file exists.
+    #[arg(long)]
+    pub until: Option<PathBuf>,
 }
 
 fn now_ms() -> u64 {
@@ -355,12 +374,18 @@ fn now_ms() -> u64 {
 
 pub fn client_main(a: ClientArgs) -> Result<()> {
     let c = Client::connect(&a.addr, &a.secret, None, "bench client").map_err(|e| anyhow!(e))?;
+    if a.mode == "rogue" {
+        return rogue::rogue(&c, &a);
+    }
+    if let Some(case) = a.mode.strip_prefix("uc2-") {
+        return rogue::client(&c, &a, case);
+    }
     let settings = match a.mode.as_str() {
         "rpcs" => "consistency=strong durability=none".to_string(),
         "create" | "create+merge" => {
             format!("consistency=weak durability=none inodes={} sync=0", a.n)
         }
-        m => bail!("mode {m}: rpcs, create or create+merge"),
+        m => bail!("mode {m}: rpcs, create, create+merge, uc2-none|allow|block or rogue"),
     };
     let root = subtree(&c, &a.dir, &settings)?;
     let d = if a.mode == "rpcs" {
@@ -409,46 +434,18 @@ pub fn client_main(a: ClientArgs) -> Result<()> {
 
 /// Use case 1: `k` client processes at once, each `n` creates.
 fn use_case_1(svc: &Service, k: u32, n: u64, mode: &str, run: usize, local: &Path) -> Result<Row> {
-    let me = std::env::current_exe()?;
     let start = now_ms() + 1500 + 100 * u64::from(k);
     let kids: Vec<Child> = (0..k)
         .map(|i| {
-            Command::new(&me)
-                .arg("cudele-client")
-                .arg("--addr")
-                .arg(&svc.addr)
-                .arg("--secret")
-                .arg(&svc.secret)
-                .arg("--dir")
-                .arg(format!("uc1-{mode}-{k}-{run}-{i}").replace('+', "-"))
-                .arg("--n")
-                .arg(n.to_string())
-                .arg("--mode")
-                .arg(mode)
-                .arg("--start-ms")
-                .arg(start.to_string())
-                .arg("--local")
-                .arg(local)
-                .stdout(Stdio::piped())
-                .spawn()
-                .context("starting a client process")
+            let dir = format!("uc1-{mode}-{k}-{run}-{i}").replace('+', "-");
+            spawn_client(svc, &dir, n, mode, start, local).spawn()
         })
         .collect::<Result<_>>()?;
     let (mut first, mut last) = (u64::MAX, 0u64);
     for kid in kids {
-        let out = kid.wait_with_output()?;
-        if !out.status.success() {
-            bail!("a {mode} client failed ({})", out.status);
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
-        let mut it = text.split_whitespace().map(|w| w.parse::<u64>());
-        match (it.next(), it.next()) {
-            (Some(Ok(s)), Some(Ok(e))) => {
-                first = first.min(s);
-                last = last.max(e);
-            }
-            _ => bail!("a client printed {text:?}"),
-        }
+        let (s, e) = client_times(kid, mode)?;
+        first = first.min(s);
+        last = last.max(e);
     }
     let seconds = (last.saturating_sub(first)) as f64 / 1000.0;
     let total = n * u64::from(k);
@@ -461,6 +458,72 @@ fn use_case_1(svc: &Service, k: u32, n: u64, mode: &str, run: usize, local: &Pat
         seconds,
         creates_per_s: total as f64 / seconds.max(1e-3),
     })
+}
+
+/// A client process of this binary (`cudele-client`), ready to spawn: `n` creates in
+/// `dir` as `mode` says, from `start_ms` (Unix time).
+struct ClientCommand(Command);
+
+impl ClientCommand {
+    fn arg(mut self, name: &str, value: impl AsRef<std::ffi::OsStr>) -> Self {
+        self.0.arg(name).arg(value);
+        self
+    }
+
+    /// Its standard input a pipe: it waits for the end of it before letting go.
+    fn with_stdin(mut self) -> Self {
+        self.0.stdin(Stdio::piped());
+        self
+    }
+
+    fn spawn(mut self) -> Result<Child> {
+        self.0
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting a client process")
+    }
+}
+
+fn spawn_client(
+    svc: &Service,
+    dir: &str,
+    n: u64,
+    mode: &str,
+    start_ms: u64,
+    local: &Path,
+) -> ClientCommand {
+    let mut c = Command::new(std::env::current_exe().unwrap_or_else(|_| "quiltfs-bench".into()));
+    c.arg("cudele-client");
+    ClientCommand(c)
+        .arg("--addr", &svc.addr)
+        .arg("--secret", &svc.secret)
+        .arg("--dir", dir)
+        .arg("--n", n.to_string())
+        .arg("--mode", mode)
+        .arg("--start-ms", start_ms.to_string())
+        .arg("--local", local)
+}
+
+/// Waits for a client process: the `start end` (ms) it printed.
+fn client_times(kid: Child, mode: &str) -> Result<(u64, u64)> {
+    let words = client_output(kid, mode)?;
+    match words.as_slice() {
+        [s, e, ..] => Ok((*s, *e)),
+        _ => bail!("a {mode} client printed {words:?}"),
+    }
+}
+
+/// Waits for a client process: the numbers it printed.
+fn client_output(kid: Child, mode: &str) -> Result<Vec<u64>> {
+    let out = kid.wait_with_output()?;
+    if !out.status.success() {
+        bail!("a {mode} client failed ({})", out.status);
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .map(|w| w.parse::<u64>())
+        .collect::<Result<_, _>>()
+        .map_err(|_| anyhow!("a {mode} client printed {text:?}"))
 }
 
 /// The same create loop on local ext4 (a loop mount of a file), as root.
@@ -651,11 +714,13 @@ pub fn run(a: CudeleArgs) -> Result<()> {
         .split(',')
         .map(|s| s.trim().to_string())
         .collect();
-    let steps = runs * (5 + clients.len() * modes.len());
+    let uc2_n = a.uc2_creates.unwrap_or(if a.quick { 300 } else { 10_000 });
+    let steps = runs * (6 + clients.len() * modes.len());
     let mut p = Progress::new(steps as u64, "steps");
     let started = Instant::now();
     let mut rows = Vec::new();
     let mut bytes = Vec::new();
+    let mut rogues = Vec::new();
     p.step(format!("bringing up the peers: {}", peers.join(", ")));
     let peer = Peers::up(&a, &peers)?;
     for run in 0..runs {
@@ -679,6 +744,20 @@ pub fn run(a: CudeleArgs) -> Result<()> {
             }
         }
         p.step(format!(
+            "run {run}: use case 2, {} clients × {uc2_n} creates, alone, {}",
+            a.uc2_clients,
+            rogue::CASES.join(", ")
+        ));
+        let alone = rogue::alone(&svc, uc2_n, run, &local)?;
+        let pace = alone.creates_per_s.round() as u64;
+        rows.push(alone);
+        for case in rogue::CASES {
+            let (row, r) = rogue::case(&svc, case, a.uc2_clients, uc2_n, pace, run, &local)?;
+            rows.push(row);
+            rogues.extend(r);
+        }
+        p.inc();
+        p.step(format!(
             "run {run}: {mount_n} creates through the service's mounts"
         ));
         rows.extend(mounts(&svc, &a.work, mount_n, run)?);
@@ -696,7 +775,15 @@ pub fn run(a: CudeleArgs) -> Result<()> {
     p.finish();
     let _ = std::fs::remove_dir_all(&local);
     let _ = std::fs::remove_file(a.work.join("ns.img"));
-    write_report(&a, runs, n, &rows, &bytes, started.elapsed().as_secs_f64())?;
+    write_report(
+        &a,
+        runs,
+        n,
+        &rows,
+        &rogues,
+        &bytes,
+        started.elapsed().as_secs_f64(),
+    )?;
     eprintln!("bench: results in {}", a.out.display());
     Ok(())
 }
@@ -735,6 +822,7 @@ fn write_report(
     runs: usize,
     n: u64,
     rows: &[Row],
+    rogues: &[rogue::Rogue],
     bytes: &[f64],
     elapsed: f64,
 ) -> Result<()> {
@@ -744,6 +832,7 @@ fn write_report(
         serde_json::to_string_pretty(&serde_json::json!({
             "meta": {"quick": a.quick, "runs": runs, "creates": n, "fs": a.fs, "elapsed_s": elapsed},
             "rows": rows,
+            "rogue": rogues,
             "journal_bytes_per_create": bytes,
         }))?,
     )?;
@@ -751,7 +840,7 @@ fn write_report(
     let mut md = String::new();
     writeln!(
         md,
-        "# Cudele on quiltfs: mechanisms, use cases 1 and 3, mounts and peers\n"
+        "# Cudele on quiltfs: mechanisms, use cases 1, 2 and 3, mounts and peers\n"
     )?;
     writeln!(
         md,
@@ -988,10 +1077,7 @@ fn write_report(
             )?;
         }
     }
-    writeln!(
-        md,
-        "\nNot measured yet: use case 2 (a rogue client in every private directory).\n"
-    )?;
+    rogue::report(&mut md, rows, rogues, judge)?;
     std::fs::write(out.join("report.md"), md)?;
     if plot::font() {
         plot::bars(
