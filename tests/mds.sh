@@ -12,10 +12,14 @@
 # durable merge (whole or absent after the restart, every file once after the next
 # sync).
 #
+# Throughout, seeded random calls (tests/errno_calls.py) through a strong mount and a
+# decoupled one give every result and errno the kernel's ext4 gives for them, and an
+# open file outlives its unlink by either mount until it is closed.
 # Usage: tests/mds.sh QUILTFS_BINARY
 set -euo pipefail
 Q=${1:?usage: tests/mds.sh QUILTFS_BINARY}
 Q=$(readlink -f "$Q")
+HERE=$(cd "$(dirname "$0")" && pwd)
 W=$(mktemp -d /tmp/mds-test.XXXXXX)
 SERVE_PID=
 MOUNTS=()
@@ -63,6 +67,26 @@ check_store() {
   esac
 }
 
+# The kernel's answers to seeded random calls (tests/errno_calls.py: every result and
+# errno, then the tree left), on ext4 through a loop mount: the oracle for the mounts.
+SEEDS="1 2"
+CALLS=1200
+truncate -s 64M "$W/k.img"
+mkfs.ext4 -F -q "$W/k.img"
+mkdir -p "$W/k"
+mount -o loop "$W/k.img" "$W/k"
+MOUNTS+=("$W/k")
+for seed in $SEEDS 3; do
+  mkdir "$W/k/s$seed"
+  python3 "$HERE/errno_calls.py" "$W/k/s$seed" "$seed" "$CALLS" >"$W/kernel.$seed"
+done
+umount "$W/k"
+# $1: directory, $2: seed, $3: what runs there; the same results as the kernel's.
+same_as_kernel() {
+  python3 "$HERE/errno_calls.py" "$1" "$2" "$CALLS" >"$W/ours.$2" || fail "$3: errno_calls.py failed"
+  diff -u "$W/kernel.$2" "$W/ours.$2" >"$W/errno.diff" || { head -40 "$W/errno.diff" >&2; fail "$3: seed $2: not the kernel's results"; }
+}
+
 for fs in betrfs ext3; do
   IMG=$W/$fs.img
   case $fs in
@@ -84,6 +108,29 @@ for fs in betrfs ext3; do
   src=/etc/ssl; [ -d /etc/ssl ] || src=/usr/share/doc/bash
   diff -r "$src" "$B/ssl" >/dev/null || fail "$fs: the copy read through the other mount differs"
   ls -a "$A" | grep -q quiltfs-mds && fail "$fs: the service's own directory shows"
+  # 1b. The kernel's errno values: the same calls through a strong mount.
+  for seed in $SEEDS; do
+    mkdir "$A/errno$seed"
+    same_as_kernel "$A/errno$seed" "$seed" "$fs: a strong mount"
+  done
+  say "$fs: $CALLS random calls × seeds $SEEDS through a strong mount, every result the kernel's (ext4)"
+  # 1c. An open file outlives its unlink, by this mount or the other, until closed.
+  python3 - "$A" "$B" <<'PY' || fail "$fs: an open file did not outlive its unlink"
+import os, sys
+a, b = sys.argv[1], sys.argv[2]
+fd = os.open(f"{a}/open-1", os.O_RDWR | os.O_CREAT, 0o644)
+os.write(fd, b"hello")
+os.unlink(f"{a}/open-1")
+os.pwrite(fd, b" world", 5)
+assert os.pread(fd, 100, 0) == b"hello world" and os.fstat(fd).st_nlink == 0
+os.close(fd)
+fd = os.open(f"{a}/open-2", os.O_RDWR | os.O_CREAT, 0o644)
+os.write(fd, b"x" * 100000)
+os.unlink(f"{b}/open-2")
+assert os.pread(fd, 200000, 0) == b"x" * 100000
+os.close(fd)
+assert not os.path.exists(f"{a}/open-1") and not os.path.exists(f"{b}/open-2")
+PY
 
   # 2. Policies through a mount; a weak subtree is not mounted as if it were strong.
   "$Q" mds policy set "$A/dir" consistency=weak interfere=block inodes=2000 >/dev/null
@@ -104,6 +151,10 @@ for fs in betrfs ext3; do
   ln -s moved-again "$W/weak/tree/link"
   diff -r "$src" "$W/weak/tree" -x moved-again -x link >/dev/null || fail "$fs: the decoupled view differs from what was copied in"
   ls "$B/dir" >/dev/null 2>&1 && fail "$fs: another client read a blocked subtree"
+  # The kernel's errno values from the client's own view too, and the tree it leaves
+  # merged as the kernel left it.
+  mkdir "$W/weak/errno"
+  same_as_kernel "$W/weak/errno" 3 "$fs: a decoupled mount"
   unmnt "$W/weak"
   # The release (after the last merge) ends the hold.
   for _ in $(seq 1 100); do
@@ -115,6 +166,8 @@ for fs in betrfs ext3; do
   [ "$(cat "$B/dir/tree/moved-again")" = "from a" ] || fail "$fs: a rename of an older file was not merged"
   [ "$(readlink "$B/dir/tree/link")" = "moved-again" ] || fail "$fs: the symlink was not merged"
   [ ! -e "$B/dir/moved" ] || fail "$fs: the old name is still there after the merge"
+  python3 "$HERE/errno_calls.py" "$B/dir/errno" 3 0 >"$W/merged.3"
+  diff -u <(grep '^tree ' "$W/kernel.3") "$W/merged.3" >&2 || fail "$fs: the merged tree of the calls is not the kernel's"
   say "$fs: a weak subtree mounted decoupled, blocked for others, merged at unmount"
   # Back where the checks below expect it.
   mv "$A/dir/tree/moved-again" "$A/dir/moved"

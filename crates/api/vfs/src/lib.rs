@@ -426,6 +426,14 @@ pub trait FileSystem: Send + Sync {
     fn open(&self, _ino: Ino) -> Result<()> {
         Ok(())
     }
+    /// Creates a regular file and opens a handle on it (the kernel's CREATE): `mknod`
+    /// then `open`. A module that does both in one step (the namespace service's client,
+    /// in one request) overrides it.
+    fn create_open(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
+        let a = self.mknod(parent, name, mode, 0, ctx)?;
+        self.open(a.ino)?;
+        Ok(a)
+    }
     fn release(&self, _ino: Ino) -> Result<()> {
         Ok(())
     }

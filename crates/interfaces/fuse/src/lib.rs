@@ -561,8 +561,7 @@ impl<F: KernelFs> Adapter<F> {
         };
         let r = self
             .fs
-            .mknod(self.inos.to_fs(parent), name, mode, 0, &c)
-            .and_then(|a| self.fs.open(a.ino).map(|()| a))
+            .create_open(self.inos.to_fs(parent), name, mode, &c)
             .and_then(|a| self.remember(&a).map(|()| a));
         match r {
             Ok(a) => reply.created(

@@ -154,6 +154,18 @@ impl Client {
         }
     }
 
+    /// Sends `req` and goes on: the answer is not waited for (errors are logged).
+    fn send_later(&self, req: Request) {
+        let (ch, token) = (self.ch.clone(), self.token);
+        self.rt.spawn(async move {
+            match ch.call(Some(token), req).await {
+                Ok(Response::Error(e)) => tracing::debug!("mds client: {}", e.message),
+                Err(s) => tracing::debug!("mds client: {}", s.message()),
+                Ok(_) => {}
+            }
+        });
+    }
+
     fn fs_call(&self, req: Request) -> Result<Response> {
         self.call(req).map_err(FsError::from)
     }
@@ -237,7 +249,7 @@ pub struct RemoteFs {
     c: Arc<Client>,
     /// Where operations start (`mds://HOST:PORT/SUBTREE` mounts a subtree as root).
     root: Ino,
-    /// Held for this client ([`RemoteFs::holding`]) until [`RemoteFs::release`].
+    /// Held for this client ([`RemoteFs::holding`]) until [`RemoteFs::let_go`].
     held: AtomicBool,
 }
 
@@ -257,7 +269,7 @@ impl RemoteFs {
     }
 
     /// The namespace from directory `root`, which this client holds ([`Client::hold`])
-    /// until [`RemoteFs::release`].
+    /// until [`RemoteFs::let_go`].
     pub fn holding(c: Arc<Client>, root: Ino) -> Result<RemoteFs> {
         c.hold(root)?;
         let fs = RemoteFs::at(c, root);
@@ -266,7 +278,7 @@ impl RemoteFs {
     }
 
     /// Lets go of the hold [`RemoteFs::holding`] took (once; later calls do nothing).
-    pub fn release(&self) -> Result<()> {
+    pub fn let_go(&self) -> Result<()> {
         if self.held.swap(false, Ordering::Relaxed) {
             self.c.let_go(self.root)?;
         }
@@ -312,6 +324,42 @@ impl RemoteFs {
 impl FileSystem for RemoteFs {
     fn root(&self) -> Ino {
         self.root
+    }
+    /// A handle at the service: the file outlives an unlink (by any client) until
+    /// this client closes it.
+    fn open(&self, ino: Ino) -> Result<()> {
+        self.c
+            .fs_call(Request::Open {
+                client: self.c.id,
+                ino,
+            })
+            .map(|_| ())
+    }
+    /// Sent without waiting for the answer: nothing the caller does next depends on
+    /// it (a close that is lost ends with this client's lease).
+    fn release(&self, ino: Ino) -> Result<()> {
+        self.c.send_later(Request::Close {
+            client: self.c.id,
+            inos: vec![ino],
+        });
+        Ok(())
+    }
+    fn create_open(&self, parent: Ino, name: &[u8], mode: u32, ctx: &Ctx) -> Result<Attr> {
+        let op = FsOp::Mknod {
+            parent,
+            name: name.to_vec(),
+            mode,
+            rdev: 0,
+            ino: None,
+        };
+        match self.c.fs_call(Request::CreateOpen {
+            client: self.c.id,
+            creds: Creds::from(ctx),
+            op,
+        })? {
+            Response::Reply(FsReply::Attr(a)) => Ok(a),
+            r => Err(unexpected(&r)),
+        }
     }
     fn lookup(&self, parent: Ino, name: &[u8]) -> Result<Attr> {
         self.attr(
@@ -517,7 +565,16 @@ impl FileSystem for RemoteFs {
 
 /// The kernel's references need nothing of the service: a mount's FUSE adapter drives
 /// the namespace as it drives a module.
-impl quilt_vfs::KernelFs for RemoteFs {}
+/// The kernel's references without a handle take nothing at the service: once a file
+/// is unlinked they no longer reach its data (handles do: `open`).
+impl quilt_vfs::KernelFs for RemoteFs {
+    fn reference(&self, _ino: Ino) -> Result<()> {
+        Ok(())
+    }
+    fn unreference(&self, _ino: Ino) -> Result<()> {
+        Ok(())
+    }
+}
 
 /// How a client works in a decoupled subtree.
 #[derive(Debug, Clone, Default)]

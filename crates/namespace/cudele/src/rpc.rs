@@ -90,6 +90,14 @@ pub enum Request {
     /// it as its root): under interfere=block every other client's request inside it
     /// gets EBUSY until `Release`; nothing is granted or merged.
     Hold { client: u64, ino: Ino },
+    /// A handle on file `ino` for the client: an unlinked file lives at the service
+    /// until the client's last `Close` of it (or until the client's lease lapses).
+    Open { client: u64, ino: Ino },
+    /// Handles the client let go of (one `Open` each).
+    Close { client: u64, inos: Vec<Ino> },
+    /// A `Mknod` (`op`) whose new file is opened for the client in the same request:
+    /// the kernel's CREATE in one round trip.
+    CreateOpen { client: u64, creds: Creds, op: FsOp },
 }
 
 /// What a `PolicyGet`/`PolicySet` answers.

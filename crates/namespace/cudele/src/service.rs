@@ -185,6 +185,12 @@ struct State {
     /// File → the directory it was last seen in.
     files: HashMap<Ino, Ino>,
     leases: HashMap<u64, Instant>,
+    /// Each client's open handles (file → count), each one `FileSystem::open` of the
+    /// store: an unlinked file lives until they are closed, or until the client's lease
+    /// lapses (`sweep_handles`).
+    handles: HashMap<u64, HashMap<Ino, u32>>,
+    /// When `sweep_handles` looks for lapsed clients next.
+    next_sweep: Instant,
 }
 
 /// Group commit: changes counted as they are made, syncs that cover them.
@@ -282,6 +288,8 @@ impl Mds {
                 dirs: HashMap::new(),
                 files: HashMap::new(),
                 leases: HashMap::new(),
+                handles: HashMap::new(),
+                next_sweep: Instant::now(),
             }),
             gates: Mutex::new(HashMap::new()),
             reg_write: Mutex::new(()),
@@ -585,6 +593,7 @@ impl Mds {
     /// Answers one request, which carries `token` (the client's, given at hello).
     /// Blocking: the caller runs it off the network's threads.
     pub fn handle(&self, token: Option<u128>, req: Request) -> Response {
+        self.sweep_handles();
         match req {
             Request::Hello { name } => self.hello(&name),
             Request::Renew { client } => match self.known_client(client, token) {
@@ -642,6 +651,28 @@ impl Mds {
                 journal,
             } => match self.known_client(client, token) {
                 Ok(()) => self.persist(client, subtree, &journal),
+                Err(e) => Response::Error(e),
+            },
+            Request::Open { client, ino } => match self.known_client(client, token) {
+                Ok(()) => self.open_handle(client, ino),
+                Err(e) => Response::Error(e),
+            },
+            Request::Close { client, inos } => match self.known_client(client, token) {
+                Ok(()) => self.close_handles(client, &inos),
+                Err(e) => Response::Error(e),
+            },
+            Request::CreateOpen { client, creds, op } => match self.known_client(client, token) {
+                Ok(()) if !matches!(op, FsOp::Mknod { ino: None, .. }) => err(
+                    libc::EINVAL,
+                    "CreateOpen takes a Mknod (with no inode number named)",
+                ),
+                Ok(()) => match self.op(client, &Ctx::from(creds), op) {
+                    Response::Reply(FsReply::Attr(a)) => match self.open_handle(client, a.ino) {
+                        Response::Done => Response::Reply(FsReply::Attr(a)),
+                        refused => refused,
+                    },
+                    other => other,
+                },
                 Err(e) => Response::Error(e),
             },
             Request::Hold { client, ino } => match self.known_client(client, token) {
@@ -1163,6 +1194,94 @@ impl Mds {
             self.save_registry().map_err(|e| fs_err(&e))?;
         }
         Ok(own)
+    }
+
+    /// A handle on `ino` for `client` (a file it may reach: the holds are checked as
+    /// for any request naming it).
+    fn open_handle(&self, client: u64, ino: Ino) -> Response {
+        match self.op(client, &Ctx::root(), FsOp::Getattr { ino }) {
+            Response::Reply(_) => {}
+            refused => return refused,
+        }
+        if let Err(e) = self.fs.open(ino) {
+            return Response::Error(fs_err(&e));
+        }
+        *self
+            .state()
+            .handles
+            .entry(client)
+            .or_default()
+            .entry(ino)
+            .or_default() += 1;
+        Response::Done
+    }
+
+    fn close_handles(&self, client: u64, inos: &[Ino]) -> Response {
+        let mut first = Ok(());
+        for &ino in inos {
+            let had = {
+                let mut st = self.state();
+                let Some(mine) = st.handles.get_mut(&client) else {
+                    break;
+                };
+                match mine.get_mut(&ino) {
+                    Some(n) if *n > 1 => {
+                        *n -= 1;
+                        true
+                    }
+                    Some(_) => {
+                        mine.remove(&ino);
+                        if mine.is_empty() {
+                            st.handles.remove(&client);
+                        }
+                        true
+                    }
+                    // Dropped with a lapsed lease already.
+                    None => false,
+                }
+            };
+            if had {
+                first = first.and(self.fs.release(ino));
+            }
+        }
+        match first {
+            Ok(()) => Response::Done,
+            Err(e) => Response::Error(fs_err(&e)),
+        }
+    }
+
+    /// Closes the handles of every client whose lease lapsed (at most once a second).
+    fn sweep_handles(&self) {
+        let lapsed: Vec<(u64, Vec<(Ino, u32)>)> = {
+            let mut st = self.state();
+            let now = Instant::now();
+            if now < st.next_sweep || st.handles.is_empty() {
+                return;
+            }
+            st.next_sweep = now + Duration::from_secs(1);
+            let dead: Vec<u64> = st
+                .handles
+                .keys()
+                .copied()
+                .filter(|c| st.leases.get(c).is_none_or(|t| now >= *t))
+                .collect();
+            dead.into_iter()
+                .filter_map(|c| st.handles.remove(&c).map(|h| (c, h.into_iter().collect())))
+                .collect()
+        };
+        for (client, handles) in lapsed {
+            tracing::info!(
+                "mds: client {client}'s lease lapsed: its {} open file(s) closed",
+                handles.len()
+            );
+            for (ino, n) in handles {
+                for _ in 0..n {
+                    if let Err(e) = self.fs.release(ino) {
+                        tracing::warn!("mds: closing inode {ino} of client {client}: {e}");
+                    }
+                }
+            }
+        }
     }
 
     fn hold(&self, client: u64, ino: Ino) -> Response {

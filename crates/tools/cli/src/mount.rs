@@ -323,7 +323,7 @@ impl Served for quilt_cudele::RemoteFs {
     fn finish(&self) -> quilt_vfs::Result<()> {
         // Every change was answered by the service once it had it (and made it
         // durable where the subtree's policy says so); only the hold is let go.
-        self.release()
+        self.let_go()
     }
 }
 

@@ -482,8 +482,8 @@ fn a_strong_subtree_held_for_rpcs_keeps_others_out_until_let_go_or_lapsed() {
         assert_eq!(ca.policy(job).unwrap().holder, Some(ca.id()));
 
         // Let go: the others are in.
-        a.release().unwrap();
-        a.release().unwrap();
+        a.let_go().unwrap();
+        a.let_go().unwrap();
         assert_eq!(ca.policy(job).unwrap().holder, None);
         assert_eq!(b.read(f.ino, 0, 10).unwrap(), b"held");
         b.mknod(job, b"theirs", libc::S_IFREG | 0o644, 0, &user())
@@ -504,6 +504,70 @@ fn a_strong_subtree_held_for_rpcs_keeps_others_out_until_let_go_or_lapsed() {
         cb.set_policy(job, "interfere=allow").unwrap();
         assert_eq!(a.lookup(job, b"mine").unwrap().ino, f.ino);
         cb.let_go(job).unwrap();
+        svc.stop().unwrap();
+        store.unmount();
+        check(kind, &dev);
+    }
+}
+
+#[test]
+fn an_open_file_outlives_its_unlink_until_closed_or_its_client_is_gone() {
+    for kind in KINDS {
+        let dev = mkfs(kind);
+        let store = Store::open(kind, dev.clone());
+        let lease = Duration::from_millis(1500);
+        let svc = Service::start(store.fs(), None, lease).unwrap();
+        let a = RemoteFs::new(connect(&svc.addr, "opener"));
+        let b = RemoteFs::new(connect(&svc.addr, "remover"));
+        let c = Ctx::root();
+        let d = a.mkdir(a.root(), b"d", 0o777, &c).unwrap().ino;
+        // Created open (the kernel's CREATE, one request), unlinked by another client.
+        let f = a
+            .create_open(d, b"f", libc::S_IFREG | 0o644, &user())
+            .unwrap();
+        a.write(f.ino, 0, b"still here", &user()).unwrap();
+        b.unlink(d, b"f", &user()).unwrap();
+        assert_eq!(errno(b.lookup(d, b"f")), libc::ENOENT);
+        assert_eq!(a.read(f.ino, 0, 100).unwrap(), b"still here");
+        a.write(f.ino, 10, b", written after", &user()).unwrap();
+        assert_eq!(a.getattr(f.ino).unwrap().nlink, 0);
+        // Opened twice, closed twice: gone after the last close.
+        a.open(f.ino).unwrap();
+        a.release(f.ino).unwrap();
+        assert_eq!(a.read(f.ino, 0, 100).unwrap(), b"still here, written after");
+        a.release(f.ino).unwrap();
+        let gone = |fs: &RemoteFs, ino| {
+            // Closes are sent without waiting for their answer.
+            for _ in 0..100 {
+                if fs.getattr(ino).is_err() {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            false
+        };
+        assert!(
+            gone(&a, f.ino),
+            "{kind:?}: the file outlived its last close"
+        );
+        // A plain open, and a client that dies holding it: its lease ends the handle.
+        let g = b.mknod(d, b"g", libc::S_IFREG | 0o644, 0, &user()).unwrap();
+        {
+            let dies = RemoteFs::new(connect(&svc.addr, "dies"));
+            dies.open(g.ino).unwrap();
+            b.unlink(d, b"g", &user()).unwrap();
+            assert_eq!(dies.read(g.ino, 0, 10).unwrap(), b"");
+        }
+        assert!(b.getattr(g.ino).is_ok(), "{kind:?}: freed while open");
+        std::thread::sleep(lease + Duration::from_millis(1200));
+        // The sweep runs on the next request after the lease lapsed.
+        assert!(
+            gone(&b, g.ino),
+            "{kind:?}: a dead client's handle kept the file"
+        );
+        // Closing what is not open changes nothing; an open of nothing is refused.
+        a.release(12345).unwrap();
+        assert_eq!(errno(a.open(f.ino)), errno(a.getattr(f.ino)));
         svc.stop().unwrap();
         store.unmount();
         check(kind, &dev);
