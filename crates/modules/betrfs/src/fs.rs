@@ -35,6 +35,7 @@
 
 use crate::keys::{self, Loc};
 use crate::record::{self, Entry, Inode, Super, BLOCK};
+use crate::undo::Undoable;
 use quilt_betree::{write_at_arg, Batch, Tree, WRITE_AT};
 use quilt_vfs::acl::{self, Acl};
 use quilt_vfs::{
@@ -141,7 +142,7 @@ impl State {
             }
             self.moves_base += self.moves.len() as u64;
             self.moves.clear();
-            self.by_path = self
+            let by_path = self
                 .nodes
                 .iter()
                 .filter_map(|(&ino, n)| match &n.loc {
@@ -149,18 +150,83 @@ impl State {
                     _ => None,
                 })
                 .collect();
+            self.by_path.replace(by_path);
         }
+    }
+}
+
+/// What a batch may change in the state besides its big maps (which record their own
+/// changes, `undo.rs`): copied whole at its start, all of it small.
+struct Small {
+    moves: Vec<Vec<(Vec<u8>, Vec<u8>)>>,
+    moves_base: u64,
+    next_ino: u64,
+    grants: Vec<(u64, u64)>,
+    next_ns: u64,
+    next_zone: u64,
+    zones: HashMap<u64, u64>,
+    cookies: HashMap<u64, (u64, Vec<u8>)>,
+    cookie_order: VecDeque<u64>,
+    next_cookie: u64,
+    failed: Option<String>,
+}
+
+impl State {
+    /// From now on until `commit_batch` or `rollback_batch`, every change can be taken
+    /// back.
+    fn begin_batch(&mut self, ops: usize) -> Small {
+        // About two nodes a creation (the new one, its directory), one path.
+        self.nodes.begin(ops.saturating_mul(2).min(1 << 20));
+        self.by_path.begin(ops.min(1 << 20));
+        self.orphan_paths.begin(0);
+        Small {
+            moves: self.moves.clone(),
+            moves_base: self.moves_base,
+            next_ino: self.next_ino,
+            grants: self.grants.clone(),
+            next_ns: self.next_ns,
+            next_zone: self.next_zone,
+            zones: self.zones.clone(),
+            cookies: self.cookies.clone(),
+            cookie_order: self.cookie_order.clone(),
+            next_cookie: self.next_cookie,
+            failed: self.failed.clone(),
+        }
+    }
+
+    fn commit_batch(&mut self) {
+        self.nodes.commit();
+        self.by_path.commit();
+        self.orphan_paths.commit();
+    }
+
+    /// The state as `begin_batch` found it.
+    fn rollback_batch(&mut self, s: Small) {
+        self.nodes.rollback();
+        self.by_path.rollback();
+        self.orphan_paths.rollback();
+        self.moves = s.moves;
+        self.moves_base = s.moves_base;
+        self.next_ino = s.next_ino;
+        self.grants = s.grants;
+        self.next_ns = s.next_ns;
+        self.next_zone = s.next_zone;
+        self.zones = s.zones;
+        self.cookies = s.cookies;
+        self.cookie_order = s.cookie_order;
+        self.next_cookie = s.next_cookie;
+        self.failed = s.failed;
     }
 }
 
 #[derive(Default, Clone)]
 pub(crate) struct State {
-    pub nodes: HashMap<u64, Node>,
+    pub nodes: Undoable<HashMap<u64, Node>>,
     /// Path-key → inode, for every cached name with a path (files with one name,
     /// directories, link stubs are not here: their names resolve through the tree).
-    pub by_path: BTreeMap<Vec<u8>, u64>,
+    pub by_path: Undoable<BTreeMap<Vec<u8>, u64>>,
     /// Path-key → orphan whose data is still under that path (`Loc::Orphan`).
-    pub orphan_paths: BTreeMap<Vec<u8>, u64>,
+    pub orphan_paths: Undoable<BTreeMap<Vec<u8>, u64>>,
     /// Renames of directories not yet applied to every cached path below them: each a
     /// set of simultaneous moves (old prefix → new; an exchange is two). A node's path
     /// catches up when it is next taken (`State::fresh`), so renaming a directory whose
@@ -785,7 +851,7 @@ impl Betrfs {
             match st.fresh(ino) {
                 Some(n) if matches!(&n.loc, Loc::Path(p) if p == key) => return Ok(Some(ino)),
                 _ => {
-                    st.by_path.remove(key);
+                    st.by_path.remove(&key.to_vec());
                 }
             }
         }
@@ -1219,15 +1285,22 @@ impl FileSystem for Betrfs {
         quilt_vfs::batch::check_batchable(ops)?;
         let _held = self.gate.batch().map_err(|e| BatchError::at(0, e))?;
         let before = {
-            let st = self.lock();
+            let mut st = self.lock();
             self.writable(&st).map_err(|e| BatchError::at(0, e))?;
-            State::clone(&st)
+            st.begin_batch(ops.len())
         };
-        self.tree.hold().map_err(|e| BatchError::at(0, io(e)))?;
+        if let Err(e) = self.tree.hold() {
+            self.lock().commit_batch();
+            return Err(BatchError::at(0, io(e)));
+        }
         match quilt_vfs::batch::run_in_order(self, ops, ctx) {
             Ok(replies) => match self.tree.release() {
-                Ok(()) => Ok(replies),
+                Ok(()) => {
+                    self.lock().commit_batch();
+                    Ok(replies)
+                }
                 Err(e) => {
+                    self.lock().commit_batch();
                     // Applied and not logged: what the cache holds is ahead of the tree.
                     let m = format!("a batch could not be logged: {e}");
                     tracing::error!("betrfs: {m}");
@@ -1240,11 +1313,13 @@ impl FileSystem for Betrfs {
             },
             Err(e) => {
                 match self.tree.rollback() {
-                    Ok(()) => *self.lock() = before,
+                    Ok(()) => self.lock().rollback_batch(before),
                     Err(r) => {
                         let m = format!("rolling back a batch: {r}");
                         tracing::error!("betrfs: {m}");
-                        self.lock().failed = Some(m);
+                        let mut st = self.lock();
+                        st.commit_batch();
+                        st.failed = Some(m);
                     }
                 }
                 Err(e)

@@ -34,6 +34,7 @@ mod recover;
 #[doc(hidden)]
 pub use recover::decode_intent;
 mod rename;
+mod undo;
 mod zones;
 
 pub use fs::{Betrfs, MountOptions, LINK_MAX, MAX_FILE_SIZE, NAME_MAX, ROOT_INO};

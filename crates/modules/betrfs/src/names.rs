@@ -257,7 +257,7 @@ impl Betrfs {
                     b.delete(&keys::meta_key(key));
                     Self::put_inode(b, &n);
                     b.put(&keys::orphan_key(ino), key);
-                    st.by_path.remove(key);
+                    st.by_path.remove(&key.to_vec());
                     st.orphan_paths.insert(key.to_vec(), ino);
                     return Ok(Some(n));
                 }
