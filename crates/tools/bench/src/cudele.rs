@@ -470,6 +470,22 @@ impl ClientCommand {
         self
     }
 
+    /// At the lowest CPU priority: its own work yields to every other process here.
+    fn niced(mut self) -> Self {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: setpriority is async-signal-safe and touches no memory of ours; it
+        // runs in the child between fork and exec.
+        unsafe {
+            self.0.pre_exec(|| {
+                if libc::setpriority(libc::PRIO_PROCESS, 0, 19) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        self
+    }
+
     /// Its standard input a pipe: it waits for the end of it before letting go.
     fn with_stdin(mut self) -> Self {
         self.0.stdin(Stdio::piped());

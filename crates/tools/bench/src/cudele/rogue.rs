@@ -11,11 +11,12 @@
 //! Each case reports the slowest client's time ÷ one client's time alone (the same
 //! settings, measured in the same run): the paper's "slowdown per client".
 //!
-//! The rogue is paced at the rate one client reaches alone. The paper's rogue was a
-//! client on its own machine; here every process shares two cores, and a rogue that
-//! ignores EBUSY and asks again at once would take a core of its own (a refusal costs
-//! the service far less than a create), which measures the machine rather than the
-//! service's work to refuse.
+//! The paper's rogue was a client on its own machine; here every process shares two
+//! cores. So the rogue is paced at the rate one client reaches alone (one that ignores
+//! EBUSY and asks again at once would take a core of its own: a refusal costs far less
+//! than a create), and runs at the lowest CPU priority, so that its own side of each
+//! request yields to the clients: what remains is the service's work for its requests,
+//! which is what the case measures.
 
 use super::{client_output, now_ms, spawn_client, subtree, user, ClientArgs, Row, Service};
 use anyhow::{anyhow, bail, Result};
@@ -153,7 +154,8 @@ pub fn case(
         let most = n * u64::from(k) * 4;
         let cmd = spawn_client(svc, &dirs.join(","), most, "rogue", start, local)
             .arg("--rate", rate.to_string())
-            .arg("--until", &until);
+            .arg("--until", &until)
+            .niced();
         Some(cmd.spawn()?)
     };
     // Each client's `start end` line, read while it still holds its directory.
@@ -247,7 +249,8 @@ pub fn report(
         md,
         "{k} clients, each creating in its own directory through RPCs with the paper's \
          settings (strong consistency, global durability); a rogue client creates in all \
-         of them in turn, paced at the rate one client reaches alone. Slowdown: the \
+         of them in turn, paced at the rate one client reaches alone and at the lowest \
+         CPU priority (its own machine in the paper). Slowdown: the \
          slowest client's time ÷ one client's time alone in the same run (medians, \
          min–max).\n"
     )?;
