@@ -24,39 +24,29 @@ pub(crate) trait Map: Default + Clone {
     fn remove_(&mut self, k: &Self::K) -> Option<Self::V>;
 }
 
-impl<K: Clone + Eq + Hash + Ord, V: Clone> Map for HashMap<K, V> {
-    type K = K;
-    type V = V;
-    fn get_mut_(&mut self, k: &K) -> Option<&mut V> {
-        self.get_mut(k)
-    }
-    fn get_(&self, k: &K) -> Option<&V> {
-        self.get(k)
-    }
-    fn insert_(&mut self, k: K, v: V) -> Option<V> {
-        self.insert(k, v)
-    }
-    fn remove_(&mut self, k: &K) -> Option<V> {
-        self.remove(k)
-    }
+/// Both maps the state keeps have the same four methods under the same names.
+macro_rules! map {
+    ($m:ident) => {
+        impl<K: Clone + Eq + Hash + Ord, V: Clone> Map for $m<K, V> {
+            type K = K;
+            type V = V;
+            fn get_mut_(&mut self, k: &K) -> Option<&mut V> {
+                self.get_mut(k)
+            }
+            fn get_(&self, k: &K) -> Option<&V> {
+                self.get(k)
+            }
+            fn insert_(&mut self, k: K, v: V) -> Option<V> {
+                self.insert(k, v)
+            }
+            fn remove_(&mut self, k: &K) -> Option<V> {
+                self.remove(k)
+            }
+        }
+    };
 }
-
-impl<K: Clone + Eq + Hash + Ord, V: Clone> Map for BTreeMap<K, V> {
-    type K = K;
-    type V = V;
-    fn get_mut_(&mut self, k: &K) -> Option<&mut V> {
-        self.get_mut(k)
-    }
-    fn get_(&self, k: &K) -> Option<&V> {
-        self.get(k)
-    }
-    fn insert_(&mut self, k: K, v: V) -> Option<V> {
-        self.insert(k, v)
-    }
-    fn remove_(&mut self, k: &K) -> Option<V> {
-        self.remove(k)
-    }
-}
+map!(HashMap);
+map!(BTreeMap);
 
 /// What a batch changed: each touched key's value before it (None: absent), or the
 /// whole map when the batch replaced it.

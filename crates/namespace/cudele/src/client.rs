@@ -29,6 +29,68 @@ pub struct Client {
     root: Ino,
     lease: Duration,
     stop: Arc<AtomicBool>,
+    refusals: Refusals,
+}
+
+/// Directories another client's hold keeps this client out of (EBUSY), remembered a
+/// moment so that a client that keeps asking (a loop that ignores the error) does not
+/// load the service with requests it must refuse: after a refusal, requests in that
+/// directory are refused here for 2 ms, doubling with each further refusal up to
+/// 200 ms; an answer that is not a refusal forgets it. So after the holder lets go, a
+/// client that was refused may be refused here for at most 200 ms more.
+#[derive(Default)]
+struct Refusals(Mutex<std::collections::HashMap<Ino, (Instant, Duration)>>);
+
+const REFUSED_FIRST: Duration = Duration::from_millis(2);
+const REFUSED_MOST: Duration = Duration::from_millis(200);
+
+impl Refusals {
+    fn refused(&self, dir: Ino) -> bool {
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        map.get(&dir)
+            .is_some_and(|(until, _)| Instant::now() < *until)
+    }
+
+    fn answered<T>(&self, dir: Ino, r: &Result<T>) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match r {
+            Err(e) if e.errno() == libc::EBUSY => {
+                let wait = map
+                    .get(&dir)
+                    .map_or(REFUSED_FIRST, |(_, w)| (*w * 2).min(REFUSED_MOST));
+                map.insert(dir, (Instant::now() + wait, wait));
+            }
+            _ => {
+                if !map.is_empty() {
+                    map.remove(&dir);
+                }
+            }
+        }
+    }
+}
+
+/// The one directory (or file) an operation is about, for [`Refusals`]; none for those
+/// that name two.
+fn refusal_key(op: &FsOp) -> Option<Ino> {
+    match op {
+        FsOp::Lookup { parent, .. }
+        | FsOp::Mknod { parent, .. }
+        | FsOp::Mkdir { parent, .. }
+        | FsOp::Symlink { parent, .. }
+        | FsOp::Unlink { parent, .. }
+        | FsOp::Rmdir { parent, .. } => Some(*parent),
+        FsOp::Getattr { ino }
+        | FsOp::Setattr { ino, .. }
+        | FsOp::Readlink { ino }
+        | FsOp::Read { ino, .. }
+        | FsOp::Write { ino, .. }
+        | FsOp::Readdir { ino, .. }
+        | FsOp::Listxattr { ino }
+        | FsOp::Getxattr { ino, .. }
+        | FsOp::Setxattr { ino, .. }
+        | FsOp::Removexattr { ino, .. } => Some(*ino),
+        _ => None,
+    }
 }
 
 fn unreachable(addr: &str, s: &tonic::Status) -> WireError {
@@ -121,6 +183,7 @@ impl Client {
             root,
             lease: Duration::from_millis(lease_ms.max(300)),
             stop: Arc::new(AtomicBool::new(false)),
+            refusals: Refusals::default(),
         });
         // Renewed at a third of the lease: two renewals may be lost before it lapses.
         let (ch, stop, every) = (c.ch.clone(), c.stop.clone(), c.lease / 3);
@@ -290,14 +353,34 @@ impl RemoteFs {
     }
 
     fn op(&self, ctx: &Ctx, op: FsOp) -> Result<FsReply> {
-        match self.c.fs_call(Request::Op {
-            client: self.c.id,
-            creds: Creds::from(ctx),
-            op,
-        })? {
+        self.refusable(refusal_key(&op), || {
+            self.c.fs_call(Request::Op {
+                client: self.c.id,
+                creds: Creds::from(ctx),
+                op,
+            })
+        })
+        .and_then(|r| match r {
             Response::Reply(r) => Ok(r),
             r => Err(unexpected(&r)),
+        })
+    }
+
+    /// `call`, unless a hold refused this client the directory `key` a moment ago.
+    fn refusable(
+        &self,
+        key: Option<Ino>,
+        call: impl FnOnce() -> Result<Response>,
+    ) -> Result<Response> {
+        let Some(dir) = key else {
+            return call();
+        };
+        if self.c.refusals.refused(dir) {
+            return Err(FsError::from_errno(libc::EBUSY));
         }
+        let r = call();
+        self.c.refusals.answered(dir, &r);
+        r
     }
 
     fn attr(&self, ctx: &Ctx, op: FsOp) -> Result<Attr> {
@@ -352,10 +435,12 @@ impl FileSystem for RemoteFs {
             rdev: 0,
             ino: None,
         };
-        match self.c.fs_call(Request::CreateOpen {
-            client: self.c.id,
-            creds: Creds::from(ctx),
-            op,
+        match self.refusable(Some(parent), || {
+            self.c.fs_call(Request::CreateOpen {
+                client: self.c.id,
+                creds: Creds::from(ctx),
+                op,
+            })
         })? {
             Response::Reply(FsReply::Attr(a)) => Ok(a),
             r => Err(unexpected(&r)),

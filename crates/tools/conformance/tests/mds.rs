@@ -62,6 +62,12 @@ fn connect(addr: &str, name: &str) -> Arc<Client> {
     Client::connect(addr, SECRET, None, name).unwrap()
 }
 
+/// Waits out a client's memory of refusals (up to 200 ms after a hold let go, a client
+/// refused in a directory is refused by its own library without asking the service).
+fn refusals_forgotten() {
+    std::thread::sleep(Duration::from_millis(250));
+}
+
 fn errno(r: Result<impl std::fmt::Debug, FsError>) -> i32 {
     match r {
         Err(e) => e.errno(),
@@ -188,6 +194,7 @@ fn a_decoupled_subtree_blocks_others_or_lets_them_in_and_wins_at_merge() {
         assert_eq!(errno(b.lookup(job, b"out")), libc::EBUSY);
         assert_eq!(names(&a, out).len(), 1000);
         d.release().unwrap();
+        refusals_forgotten();
         let o = b.lookup(job, b"out").unwrap();
         assert_eq!(o.uid, 1000);
         assert_eq!(names(&b, o.ino).len(), 1000);
@@ -400,6 +407,7 @@ fn policies_holds_grants_and_staged_merges_survive_a_restart() {
                 .unwrap();
         }
         d.release().unwrap();
+        refusals_forgotten();
         let all = names(&b, job);
         assert_eq!(all.len(), 65, "{kind:?}: {:?}", all.len());
         assert!(all.contains(&b"staged.9".to_vec()));
@@ -485,6 +493,7 @@ fn a_strong_subtree_held_for_rpcs_keeps_others_out_until_let_go_or_lapsed() {
         a.let_go().unwrap();
         a.let_go().unwrap();
         assert_eq!(ca.policy(job).unwrap().holder, None);
+        refusals_forgotten();
         assert_eq!(b.read(f.ino, 0, 10).unwrap(), b"held");
         b.mknod(job, b"theirs", libc::S_IFREG | 0o644, 0, &user())
             .unwrap();
@@ -502,6 +511,7 @@ fn a_strong_subtree_held_for_rpcs_keeps_others_out_until_let_go_or_lapsed() {
         assert_eq!(errno(a.lookup(job, b"mine")), libc::EBUSY);
         // Under interfere=allow a hold keeps nobody out.
         cb.set_policy(job, "interfere=allow").unwrap();
+        refusals_forgotten();
         assert_eq!(a.lookup(job, b"mine").unwrap().ino, f.ino);
         cb.let_go(job).unwrap();
         svc.stop().unwrap();
@@ -572,6 +582,58 @@ fn an_open_file_outlives_its_unlink_until_closed_or_its_client_is_gone() {
         store.unmount();
         check(kind, &dev);
     }
+}
+
+/// A client kept out of a held subtree that keeps asking is refused by its own
+/// library for a moment after each refusal (2 ms, doubling up to 200 ms), so that the
+/// service does not answer it again and again; the holder's going away is seen within
+/// that bound.
+#[test]
+fn a_refused_client_backs_off_and_sees_the_release_within_the_bound() {
+    let kind = KINDS[0];
+    let dev = mkfs(kind);
+    let store = Store::open(kind, dev.clone());
+    let svc = Service::start(store.fs(), None, Duration::from_secs(30)).unwrap();
+    let ca = connect(&svc.addr, "holder");
+    let b = RemoteFs::new(connect(&svc.addr, "rogue"));
+    let c = Ctx::root();
+    let job = b.mkdir(b.root(), b"job", 0o777, &c).unwrap().ino;
+    ca.set_policy(job, "consistency=strong interfere=block")
+        .unwrap();
+    ca.hold(job).unwrap();
+    // A second of asking as fast as it can: every answer EBUSY, and most of them given
+    // without a request (one takes ~100 µs on loopback: at most ~10,000 a second).
+    let t = std::time::Instant::now();
+    let mut calls = 0u64;
+    while t.elapsed() < Duration::from_secs(1) {
+        let r = b.mknod(job, b"x", libc::S_IFREG | 0o644, 0, &user());
+        assert_eq!(errno(r), libc::EBUSY);
+        calls += 1;
+    }
+    assert!(
+        calls > 50_000,
+        "only {calls} calls in a second: no backing off"
+    );
+    // Another directory is not refused by the memory of this one.
+    let other = b.mkdir(b.root(), b"other", 0o777, &c).unwrap().ino;
+    b.mknod(other, b"y", libc::S_IFREG | 0o644, 0, &user())
+        .unwrap();
+    ca.let_go(job).unwrap();
+    let t = std::time::Instant::now();
+    loop {
+        match b.mknod(job, b"x", libc::S_IFREG | 0o644, 0, &user()) {
+            Ok(_) => break,
+            Err(e) => assert_eq!(e.errno(), libc::EBUSY),
+        }
+        assert!(
+            t.elapsed() < Duration::from_millis(250),
+            "still refused {:?} after the release",
+            t.elapsed()
+        );
+    }
+    svc.stop().unwrap();
+    store.unmount();
+    check(kind, &dev);
 }
 
 #[test]

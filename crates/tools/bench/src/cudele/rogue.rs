@@ -256,7 +256,8 @@ pub fn report(
     )?;
     writeln!(
         md,
-        "| case | slowest client, s | slowdown | rogue's creates accepted | refused (EBUSY) |"
+        "| case | slowest client, s | slowdown | rogue's creates accepted | refused (EBUSY: \
+         by the service, or by the rogue's library remembering a refusal) |"
     )?;
     writeln!(md, "|---|---|---|---|---|")?;
     let alone = super::cell(rows, "use-case-2", "alone", 1);
