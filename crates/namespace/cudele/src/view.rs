@@ -449,6 +449,22 @@ impl FileSystem for DecoupledFs {
         self.root
     }
 
+    /// An older file's handle is the service's, so that it outlives an unlink this
+    /// view's journal merges; a file made here lives in the view.
+    fn open(&self, ino: Ino) -> Result<()> {
+        if self.is_ours(ino) {
+            return Ok(());
+        }
+        self.base.open(ino)
+    }
+
+    fn release(&self, ino: Ino) -> Result<()> {
+        if self.is_ours(ino) {
+            return Ok(());
+        }
+        self.base.release(ino)
+    }
+
     fn lookup(&self, parent: Ino, name: &[u8]) -> Result<Attr> {
         if name == b"." {
             return self.getattr(parent);
@@ -1090,4 +1106,13 @@ fn too_much() -> FsError {
 }
 
 /// The kernel's references need nothing of the view.
-impl quilt_vfs::KernelFs for DecoupledFs {}
+/// The kernel's references without a handle take nothing at the service (as for
+/// [`RemoteFs`]).
+impl quilt_vfs::KernelFs for DecoupledFs {
+    fn reference(&self, _ino: Ino) -> Result<()> {
+        Ok(())
+    }
+    fn unreference(&self, _ino: Ino) -> Result<()> {
+        Ok(())
+    }
+}

@@ -636,6 +636,51 @@ fn a_refused_client_backs_off_and_sees_the_release_within_the_bound() {
     check(kind, &dev);
 }
 
+/// A decoupled view's handle on an older file (made before the decoupling) is the
+/// service's: the view's journal unlinks the file, the merge applies it, and the open
+/// file still reads until the view closes it.
+#[test]
+fn an_older_file_open_in_a_decoupled_view_outlives_the_merged_unlink() {
+    let kind = KINDS[0];
+    let dev = mkfs(kind);
+    let store = Store::open(kind, dev.clone());
+    let svc = Service::start(store.fs(), None, Duration::from_secs(30)).unwrap();
+    let ca = connect(&svc.addr, "decoupled");
+    let a = RemoteFs::new(ca.clone());
+    let c = Ctx::root();
+    let job = a.mkdir(a.root(), b"job", 0o777, &c).unwrap().ino;
+    let old = a
+        .mknod(job, b"old", libc::S_IFREG | 0o644, 0, &user())
+        .unwrap();
+    a.write(old.ino, 0, b"from before", &user()).unwrap();
+    ca.set_policy(job, "consistency=weak durability=none sync=0")
+        .unwrap();
+    let view =
+        quilt_cudele::DecoupledFs::open(ca.clone(), job, DecoupleOptions::default()).unwrap();
+    let seen = view.lookup(job, b"old").unwrap();
+    FileSystem::open(&view, seen.ino).unwrap();
+    view.unlink(job, b"old", &user()).unwrap();
+    view.sync().unwrap();
+    // Merged: the name is gone at the service, the open file is not.
+    let b = RemoteFs::new(connect(&svc.addr, "other"));
+    assert_eq!(errno(a.lookup(job, b"old")), libc::ENOENT);
+    assert_eq!(view.read(seen.ino, 0, 100).unwrap(), b"from before");
+    FileSystem::release(&view, seen.ino).unwrap();
+    let mut gone = false;
+    for _ in 0..100 {
+        if b.getattr(seen.ino).is_err() {
+            gone = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(gone, "the file outlived its last close");
+    view.release().unwrap();
+    svc.stop().unwrap();
+    store.unmount();
+    check(kind, &dev);
+}
+
 #[test]
 fn bad_requests_are_refused_and_change_nothing() {
     let kind = Kind::Betrfs;
