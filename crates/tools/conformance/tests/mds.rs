@@ -68,6 +68,18 @@ fn refusals_forgotten() {
     std::thread::sleep(Duration::from_millis(250));
 }
 
+/// Whether `ino` is gone at the service within two seconds (closes are sent without
+/// waiting for their answer).
+fn gone(fs: &RemoteFs, ino: u64) -> bool {
+    for _ in 0..100 {
+        if fs.getattr(ino).is_err() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
 fn errno(r: Result<impl std::fmt::Debug, FsError>) -> i32 {
     match r {
         Err(e) => e.errno(),
@@ -546,16 +558,6 @@ fn an_open_file_outlives_its_unlink_until_closed_or_its_client_is_gone() {
         a.release(f.ino).unwrap();
         assert_eq!(a.read(f.ino, 0, 100).unwrap(), b"still here, written after");
         a.release(f.ino).unwrap();
-        let gone = |fs: &RemoteFs, ino| {
-            // Closes are sent without waiting for their answer.
-            for _ in 0..100 {
-                if fs.getattr(ino).is_err() {
-                    return true;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            false
-        };
         assert!(
             gone(&a, f.ino),
             "{kind:?}: the file outlived its last close"
@@ -666,15 +668,7 @@ fn an_older_file_open_in_a_decoupled_view_outlives_the_merged_unlink() {
     assert_eq!(errno(a.lookup(job, b"old")), libc::ENOENT);
     assert_eq!(view.read(seen.ino, 0, 100).unwrap(), b"from before");
     FileSystem::release(&view, seen.ino).unwrap();
-    let mut gone = false;
-    for _ in 0..100 {
-        if b.getattr(seen.ino).is_err() {
-            gone = true;
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(gone, "the file outlived its last close");
+    assert!(gone(&b, seen.ino), "the file outlived its last close");
     view.release().unwrap();
     svc.stop().unwrap();
     store.unmount();
