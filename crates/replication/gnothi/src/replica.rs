@@ -688,11 +688,17 @@ impl Local {
         written: Result<(), String>,
     ) -> Result<(), ReplicaError> {
         let ok = written.is_ok();
-        self.store.flush_done(wb.batch, ok)?;
+        let whole = self.store.flush_done(wb.batch, ok)?;
         if let Err(e) = written {
             self.unflushed = true;
             self.write_back_failures += 1;
             return Err(ReplicaError::Sync(e));
+        }
+        if !whole {
+            // An older write-back failed: what it held is buffered again, not durable,
+            // and its records stay in the data log until a later write-back succeeds.
+            self.unflushed = true;
+            return Ok(());
         }
         self.placed = self.placed.max(wb.applied);
         let oldest = self.staged_lsns.keys().next().copied().unwrap_or(u64::MAX);

@@ -73,13 +73,26 @@ pub struct DataStore {
     /// waits for the data disk. Past [`DIRTY_LIMIT`] blocks, home writes go to the
     /// device at once.
     dirty: BTreeMap<u64, Vec<u8>>,
-    /// What a write-back under way is writing, until it is done (reads look here
-    /// after `dirty`, before the device).
-    writing: Option<Arc<BTreeMap<u64, Vec<u8>>>>,
+    /// What write-backs under way are writing, in begin order (which is the order they
+    /// reach the device), with whether each is done: reads look here after `dirty`,
+    /// newest first, before the device. Two may be under way at once (the flusher's
+    /// and a Phase 2 fetch's): one slot for them let the first's end hide the second's
+    /// blocks, and reads then met the device's older copy. A batch that is done stays
+    /// until every older one is, so that an older one that fails knows which of its
+    /// blocks were written again since.
+    writing: Vec<(Blocks, bool)>,
     /// Held while home data goes to the device, so that an older batch never lands
     /// over a newer write: taken after the replica's lock, never before it.
     device_order: Arc<Mutex<()>>,
+    /// Write-backs begun so far; the first whose success again means that everything
+    /// buffered before its begin is durable (a failed one puts its blocks back in the
+    /// buffer, so only a batch begun after that carries them).
+    batches_begun: u64,
+    whole_from: u64,
 }
+
+/// Home blocks by device block, as a write-back batch carries them.
+type Blocks = Arc<BTreeMap<u64, Vec<u8>>>;
 
 /// Home blocks a store buffers at most before writing through.
 pub const DIRTY_LIMIT: usize = 16384;
@@ -90,6 +103,7 @@ pub struct Batch {
     pub blocks: Arc<BTreeMap<u64, Vec<u8>>>,
     pub device_order: Arc<Mutex<()>>,
     retired: Vec<u64>,
+    seq: u64,
 }
 
 impl Batch {
@@ -167,7 +181,9 @@ impl DataStore {
             free: Vec::new(),
             retired: Vec::new(),
             dirty: BTreeMap::new(),
-            writing: None,
+            writing: Vec::new(),
+            batches_begun: 0,
+            whole_from: 0,
             device_order: Arc::new(Mutex::new(())),
         };
         // The reserve is read in runs of slots (one request each), not a block at a time.
@@ -250,7 +266,11 @@ impl DataStore {
         let Ok(at) = self.home_block(block) else {
             return false;
         };
-        self.dirty.contains_key(&at) || self.writing.as_ref().is_some_and(|w| w.contains_key(&at))
+        self.dirty.contains_key(&at)
+            || self
+                .writing
+                .iter()
+                .any(|(w, done)| !done && w.contains_key(&at))
     }
 
     /// Whether freed reserve slots wait for a flush before they can be reused.
@@ -318,7 +338,7 @@ impl DataStore {
         let buffered = self
             .dirty
             .get(&at)
-            .or_else(|| self.writing.as_ref().and_then(|w| w.get(&at)));
+            .or_else(|| self.writing.iter().rev().find_map(|(w, _)| w.get(&at)));
         if let Some(d) = buffered {
             buf.copy_from_slice(d);
             return Ok(());
@@ -464,6 +484,13 @@ impl DataStore {
         {
             let order = self.device_order.clone();
             let _order = order.lock().unwrap_or_else(|p| p.into_inner());
+            // A write-back not reported done may have failed, and its blocks are not
+            // back in the buffer yet: written again, oldest first, before the buffer.
+            for (w, done) in &self.writing {
+                if !done {
+                    write_runs(self.dev.as_ref(), w)?;
+                }
+            }
             write_runs(self.dev.as_ref(), &self.dirty)?;
             self.dirty.clear();
             self.dev.flush()?;
@@ -481,30 +508,61 @@ impl DataStore {
     /// `flush_done`.
     pub fn flush_begin(&mut self) -> Batch {
         let blocks = Arc::new(std::mem::take(&mut self.dirty));
-        self.writing = Some(blocks.clone());
+        self.writing.push((blocks.clone(), false));
+        self.batches_begun += 1;
         Batch {
             dev: self.dev.clone(),
             blocks,
             device_order: self.device_order.clone(),
             retired: std::mem::take(&mut self.retired),
+            seq: self.batches_begun,
         }
     }
 
     /// The batch is on the device (`ok`), or not: then its blocks not written again
-    /// since wait for the next flush, and so do its slots.
-    pub fn flush_done(&mut self, batch: Batch, ok: bool) -> Result<()> {
-        self.writing = None;
-        if !ok {
+    /// since wait for the next flush, and so do its slots. Returns whether everything
+    /// buffered before the batch began is durable now: not while an older batch is not
+    /// reported done, nor after one failed (a newer one's success says nothing of the
+    /// blocks it put back) until a batch begun since succeeds.
+    pub fn flush_done(&mut self, batch: Batch, ok: bool) -> Result<bool> {
+        let at = self
+            .writing
+            .iter()
+            .position(|(w, _)| Arc::ptr_eq(w, &batch.blocks));
+        // Done ones leave from the front: this one is the oldest under way.
+        let oldest = at == Some(0);
+        if ok {
+            if let Some(i) = at {
+                self.writing[i].1 = true;
+            }
+        } else {
+            let i = at.unwrap_or(self.writing.len());
+            if at.is_some() {
+                self.writing.remove(i);
+            }
+            // Only blocks nothing newer replaced: the buffer, or a batch begun after
+            // this one (written after it, done or not), holds their newer data.
             for (b, d) in batch.blocks.iter() {
-                self.dirty.entry(*b).or_insert_with(|| d.clone());
+                if !self.writing[i..].iter().any(|(w, _)| w.contains_key(b)) {
+                    self.dirty.entry(*b).or_insert_with(|| d.clone());
+                }
             }
             self.retired.extend(batch.retired);
-            return Ok(());
+            self.prune_written();
+            self.whole_from = self.batches_begun + 1;
+            return Ok(false);
         }
+        self.prune_written();
         for slot in batch.retired {
             self.clear_slot(slot)?;
         }
-        Ok(())
+        Ok(oldest && batch.seq >= self.whole_from)
+    }
+
+    /// Lets go of the write-backs that are done and have no older one under way.
+    fn prune_written(&mut self) {
+        let done = self.writing.iter().take_while(|(_, done)| *done).count();
+        self.writing.drain(..done);
     }
 
     /// Home blocks waiting in the buffer.
@@ -552,6 +610,70 @@ mod tests {
             s.write_home(7, &[0u8; 100]),
             Err(StoreError::NotABlock { .. })
         ));
+    }
+
+    #[test]
+    fn two_write_backs_under_way_never_show_or_restore_older_data() {
+        let (g, dev) = setup(2);
+        let mut s = DataStore::open(g, 2, dev.clone(), 2).unwrap();
+        let mut b = block(0);
+        // Block 7 written, taken by a write-back; written again, taken by a second.
+        s.write_home(7, &block(1)).unwrap();
+        let first = s.flush_begin();
+        s.write_home(7, &block(2)).unwrap();
+        s.write_home(8, &block(2)).unwrap();
+        let second = s.flush_begin();
+        first.write_out().unwrap();
+        assert!(
+            s.flush_done(first, true).unwrap(),
+            "the oldest, done: all durable"
+        );
+        // The second is not on the device yet: reads still see its data.
+        s.read_home(7, &mut b).unwrap();
+        assert_eq!(b, block(2));
+        assert!(s.home_pending(7));
+        second.write_out().unwrap();
+        assert!(s.flush_done(second, true).unwrap());
+        assert!(!s.home_pending(7) && !s.home_pending(8));
+        s.read_home(7, &mut b).unwrap();
+        assert_eq!(b, block(2));
+
+        // The older of two fails after the newer is done: its block is not put back
+        // over the newer data.
+        s.write_home(7, &block(3)).unwrap();
+        s.write_home(9, &block(3)).unwrap();
+        let older = s.flush_begin();
+        s.write_home(7, &block(4)).unwrap();
+        let newer = s.flush_begin();
+        newer.write_out().unwrap();
+        assert!(
+            !s.flush_done(newer, true).unwrap(),
+            "an older batch is not reported: not everything before it is durable"
+        );
+        assert!(s.home_pending(9), "the older batch is still under way");
+        assert!(!s.flush_done(older, false).unwrap());
+        assert!(s.home_pending(9), "block 9 waits for the next flush");
+        s.write_home(10, &block(5)).unwrap();
+        let after = s.flush_begin();
+        after.write_out().unwrap();
+        assert!(
+            s.flush_done(after, true).unwrap(),
+            "a batch begun after the failure carries what it put back"
+        );
+        let mut on_dev = block(0);
+        dev.read(s.home_block(7).unwrap(), &mut on_dev).unwrap();
+        assert_eq!(on_dev, block(4));
+        dev.read(s.home_block(9).unwrap(), &mut on_dev).unwrap();
+        assert_eq!(on_dev, block(3));
+
+        // A flush while a write-back is begun and not written (it may yet fail)
+        // writes its blocks too: a flush makes everything so far durable.
+        s.write_home(11, &block(6)).unwrap();
+        let unwritten = s.flush_begin();
+        s.flush().unwrap();
+        dev.read(s.home_block(11).unwrap(), &mut on_dev).unwrap();
+        assert_eq!(on_dev, block(6));
+        assert!(!s.flush_done(unwritten, false).unwrap());
     }
 
     #[test]

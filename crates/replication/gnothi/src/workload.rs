@@ -50,6 +50,9 @@ pub fn decode(b: &[u8], block: u64) -> Result<u64, String> {
 #[derive(Default)]
 pub struct Recorder {
     clock: AtomicU64,
+    /// Ticks are microseconds since the Unix epoch (made unique), so that a violation
+    /// found from outside can be lined up with the replicas' logs; else a counter.
+    wall: bool,
     ops: Mutex<Vec<Op>>,
     /// Reads that returned data no write wrote (always a violation).
     garbage: Mutex<Vec<String>>,
@@ -68,8 +71,33 @@ pub struct Summary {
 }
 
 impl Recorder {
+    /// A recorder whose ticks are wall-clock microseconds (see `wall`).
+    pub fn wall_clock() -> Recorder {
+        Recorder {
+            wall: true,
+            ..Recorder::default()
+        }
+    }
+
     pub fn now(&self) -> u64 {
-        self.clock.fetch_add(1, Ordering::SeqCst)
+        if !self.wall {
+            return self.clock.fetch_add(1, Ordering::SeqCst);
+        }
+        let us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        // Unique and increasing even if the wall clock steps back or two calls meet.
+        let mut last = self.clock.load(Ordering::SeqCst);
+        loop {
+            let t = us.max(last + 1);
+            match self
+                .clock
+                .compare_exchange(last, t, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(_) => return t,
+                Err(seen) => last = seen,
+            }
+        }
     }
 
     fn push(&self, op: Op) {
@@ -147,7 +175,10 @@ impl Recorder {
             mine.sort_by_key(|o| o.invoke);
             let shown: Vec<String> = mine
                 .iter()
-                .map(|o| format!("{:?} {:#x}..{:?}", o.kind, o.invoke, o.complete))
+                .map(|o| match o.kind {
+                    Kind::Write(v) => format!("write {v:#x} {}..{:?}", o.invoke, o.complete),
+                    Kind::Read(v) => format!("read {v:#x} {}..{:?}", o.invoke, o.complete),
+                })
                 .collect();
             format!("{v}; its operations: {shown:?}")
         })?;

@@ -268,7 +268,16 @@ fn runs() -> Vec<u64> {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(12);
-    REGRESSIONS.iter().copied().chain(0..n).collect()
+    // Seeds from GNOTHI_SIM_FIRST (0): a long hunt need not run the seeds run before.
+    let first: u64 = std::env::var("GNOTHI_SIM_FIRST")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    REGRESSIONS
+        .iter()
+        .copied()
+        .chain(first..first + n)
+        .collect()
 }
 
 #[test]

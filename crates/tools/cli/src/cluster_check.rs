@@ -101,7 +101,7 @@ async fn check(a: CheckArgs, address: VolumeAddress) -> Result<()> {
         );
     }
     let bs = g.block_size as usize;
-    let h = Arc::new(Recorder::default());
+    let h = Arc::new(Recorder::wall_clock());
     // Every block first gets a value of this run: what a previous user left there is
     // no write of this history.
     for b in 0..a.blocks {
