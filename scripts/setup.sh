@@ -1,23 +1,8 @@
 #!/usr/bin/env bash
 # Installs what quiltfs needs on a fresh Debian machine (as root) and builds it.
 # Idempotent: packages already present are not installed again.
-#   scripts/setup.sh [--profile release|test]
-# release (the default): the optimized build users run. test: what the test command
-# uses, the binaries and every test of the workspace in one build with the test
-# profile (optimized, with debug assertions and overflow checks), so the suite builds
-# the workspace once instead of twice; its outputs go to target/debug.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-profile=release
-case "${1:-}" in
-  "") ;;
-  --profile)
-    case "${2:-}" in
-      release|test) profile=$2 ;;
-      *) echo "setup: --profile takes release or test, not '${2:-}'" >&2; exit 2 ;;
-    esac ;;
-  *) echo "usage: scripts/setup.sh [--profile release|test]" >&2; exit 2 ;;
-esac
 
 # Debian packages the stack and its tests use: e2fsprogs (mkfs/e2fsck/debugfs oracles),
 # fuse3 (fusermount3 for the FUSE mount), attr (getfattr/setfattr in the kernel-oracle
@@ -46,19 +31,13 @@ if ! command -v cargo >/dev/null 2>&1; then
   exit 1
 fi
 
-if [ "$profile" = release ]; then
-  cargo build --release --workspace --quiet
-  out=target/release
-else
-  cargo build --profile test --workspace --all-targets --quiet
-  out=target/debug
-fi
+cargo build --release --workspace --quiet
 
 # The binary, and the helpers that make `mount -t fuse.quiltfs IMAGE DIR`, fstab entries
 # and `umount DIR` (which then waits for the final write-back) work.
 if [ "$(id -u)" = 0 ]; then
-  install -m 755 "$out/quiltfs" /usr/local/bin/quiltfs
-  install -m 755 "$out/quiltfs-bench" /usr/local/bin/quiltfs-bench
+  install -m 755 target/release/quiltfs /usr/local/bin/quiltfs
+  install -m 755 target/release/quiltfs-bench /usr/local/bin/quiltfs-bench
   ln -sf /usr/local/bin/quiltfs /usr/sbin/mount.fuse.quiltfs
   ln -sf /usr/local/bin/quiltfs /usr/sbin/umount.fuse.quiltfs
   # Root's mounts are block-device FUSE mounts (fuseblk.quiltfs): without this helper
@@ -66,7 +45,7 @@ if [ "$(id -u)" = 0 ]; then
   # report a failed final write-back.
   ln -sf /usr/local/bin/quiltfs /usr/sbin/umount.fuseblk.quiltfs
   # The patchgroup libraries for programs: C interface and LD_PRELOAD.
-  install -m 755 "$out/libquilt_pg.so" "$out/libquilt_preload.so" /usr/local/lib/
+  install -m 755 target/release/libquilt_pg.so target/release/libquilt_preload.so /usr/local/lib/
   install -m 644 crates/interfaces/pg/include/quiltfs_pg.h /usr/local/include/
   ldconfig 2>/dev/null || true
   # FUSE over io_uring (kernel 6.14+): mounts serve each request on its caller's CPU,

@@ -12,10 +12,7 @@ step() {
 }
 # A clean clone builds once: incremental compilation only costs time there.
 if [ "${CI:-}" = true ]; then export CARGO_INCREMENTAL=0; fi
-# One build for everything below: the binaries and every test, with the test profile
-# (optimized, debug assertions and overflow checks on); the scripts run its binaries.
-step scripts/setup.sh --profile test
-bin=./target/debug
+step scripts/setup.sh
 step cargo fmt --all -- --check
 step cargo clippy --workspace --all-targets --quiet -- -D warnings
 # The layer map: every crate's dependencies run down the stack (and the check fails on
@@ -25,39 +22,6 @@ step tests/layers.sh
 # through a mount, privileges) need root and /dev/fuse: as root they must run, not skip.
 if [ "$(id -u)" = 0 ]; then export QUILT_REQUIRE_FUSE=1; fi
 export QUILT_REQUIRE_E2FSCK=1   # setup.sh installs e2fsprogs: the crash-state tests must run
-# The quick benchmarks run in a second lane, beside the tests: they mostly wait on
-# modelled disks and processes, and their timings are never checked (each has its own
-# work directory, ports and loop devices). Their step times and any failure are
-# reported at the end.
-bench_log="$(mktemp /tmp/quiltfs-bench-lane.XXXXXX)"
-# A failure elsewhere stops the lane's script (its own trap cleans up after it).
-trap '[ -n "${BENCHES:-}" ] && { pkill -TERM -P "$BENCHES"; kill "$BENCHES"; } 2>/dev/null; rm -f "$bench_log"' EXIT
-(
-  set -e
-  if [ "$(id -u)" = 0 ]; then
-    # The Featherstitch benchmark suite, quick, on a few systems: outputs and cleanup.
-    step tests/bench-featherstitch.sh $bin/quiltfs
-    step tests/bench-betrfs.sh $bin/quiltfs
-    # PostgreSQL pgbench with the log-skipping journal and kernel ext4's external
-    # journal on the disk model (quick).
-    step tests/bench-bark.sh $bin/quiltfs
-  fi
-  # `quiltfs bench gnothi`, small: every output, the issue's CSV columns, both
-  # catch-ups complete, Gnothi's replicas keep less at home than G′'s.
-  step tests/bench-gnothi.sh $bin/quiltfs
-  # `quiltfs bench cudele`, small: every mechanism and composition, use case 1 with one
-  # and two client processes, every output and the issue's CSV columns.
-  step tests/bench-cudele.sh $bin/quiltfs
-) >"$bench_log" 2>&1 &
-BENCHES=$!
-benches_done() {
-  local rc=0
-  wait "$BENCHES" || rc=$?
-  BENCHES=""
-  cat "$bench_log" >&2
-  rm -f "$bench_log"
-  if [ "$rc" != 0 ]; then echo "test: the benchmark lane failed (above)" >&2; exit 1; fi
-}
 step cargo test --workspace
 # Three builds for the last steps (the key-value bench's and the fuzzers' own
 # workspaces, the engine's benches) run in the background at the lowest priority while
@@ -67,7 +31,7 @@ prebuild_log="$(mktemp /tmp/quiltfs-prebuild.XXXXXX)"
 (
   nice -n 19 bash -c 'cd bench/kv && cargo build --release --quiet --no-default-features' &&
     nice -n 19 bash -c 'cd fuzz && cargo test --release --quiet --no-run' &&
-    nice -n 19 cargo test -p quilt-patch --benches --quiet --no-run
+    nice -n 19 cargo test --release -p quilt-patch --benches --quiet --no-run
 ) >"$prebuild_log" 2>&1 &
 PREBUILD=$!
 prebuilt() {
@@ -77,65 +41,77 @@ prebuilt() {
     PREBUILD=""
   fi
 }
-trap '[ -n "${PREBUILD:-}" ] && kill "$PREBUILD" 2>/dev/null; [ -n "${BENCHES:-}" ] && { pkill -TERM -P "$BENCHES"; kill "$BENCHES"; } 2>/dev/null; rm -f "$prebuild_log" "$bench_log"' EXIT
+trap '[ -n "${PREBUILD:-}" ] && kill "$PREBUILD" 2>/dev/null; rm -f "$prebuild_log"' EXIT
 # The kernel and e2fsck as oracles of the ext2 module, both directions (loop mounts need
 # root).
 if [ "$(id -u)" = 0 ]; then
-  step tests/kernel-oracle.sh $bin/quiltfs
+  step tests/kernel-oracle.sh ./target/release/quiltfs
   # Errors reach the caller, nothing acknowledged is lost, one writer per image, mkfs
   # protects data (kernel ext2 loop mounts and e2fsck as oracles).
-  step tests/no-silent-loss.sh $bin/quiltfs
+  step tests/no-silent-loss.sh ./target/release/quiltfs
   # When umount returns the image is free (no server, no loop device), and a final
   # write-back that failed makes umount fail (both modules).
-  step tests/unmount.sh $bin/quiltfs
+  step tests/unmount.sh ./target/release/quiltfs
   # betrfs gives deleted space back, cycle after cycle, and df tells what fits.
-  step tests/betrfs-space.sh $bin/quiltfs
+  step tests/betrfs-space.sh ./target/release/quiltfs
   # Paths of any length (30,000 bytes, reached relatively) and renames across every key
   # limit, the kernel's ext4 as the oracle.
-  step tests/deep-paths.sh $bin/quiltfs
+  step tests/deep-paths.sh ./target/release/quiltfs
   # Parity with the kernel's ext2 driver, call by call (the kernel as the oracle).
-  step tests/kernel-parity.sh $bin/quiltfs
+  step tests/kernel-parity.sh ./target/release/quiltfs
   # Several processes creating and renaming in one directory at once, over io_uring and
   # /dev/fuse (e2fsck and the kernel's view as oracles).
-  step tests/concurrent.sh $bin/quiltfs
-  step tests/journal-oracle.sh $bin/quiltfs
+  step tests/concurrent.sh ./target/release/quiltfs
+  step tests/journal-oracle.sh ./target/release/quiltfs
   # Patchgroups for programs: the C library and the LD_PRELOAD library on a mount.
-  step tests/patchgroups.sh $bin
+  step tests/patchgroups.sh ./target/release
+  # The Featherstitch benchmark suite, quick, on a few systems: outputs and cleanup
+  # (timings are not checked: they come from the full run, never from here).
+  step tests/bench-featherstitch.sh ./target/release/quiltfs
+  step tests/bench-betrfs.sh ./target/release/quiltfs
+  # PostgreSQL pgbench with the log-skipping journal and kernel ext4's external journal
+  # on the disk model (quick).
+  step tests/bench-bark.sh ./target/release/quiltfs
   # betrfs: the kernel's ext2 driver as the oracle of its POSIX behaviour, and real
   # programs (tar, git, SQLite, Dovecot) on a mount, checked for their contents.
-  step tests/kernel-parity-betrfs.sh $bin/quiltfs
-  step tests/betrfs-programs.sh $bin/quiltfs
+  step tests/kernel-parity-betrfs.sh ./target/release/quiltfs
+  step tests/betrfs-programs.sh ./target/release/quiltfs
   # Clones with cp, cp --reflink (libquilt_preload.so) and quiltfs clone, by content.
-  step tests/betrfs-clone.sh $bin/quiltfs
+  step tests/betrfs-clone.sh ./target/release/quiltfs
   # A replicated volume (Gnothi) as real processes with ext2 on it: replicas killed
   # during a copy and while reading, a damaged data device, a full restart (the files
   # and e2fsck of the exported volume as oracles).
-  step tests/gnothi-cluster.sh $bin/quiltfs
-  step tests/gnothi-faults.sh $bin/quiltfs
+  step tests/gnothi-cluster.sh ./target/release/quiltfs
+  step tests/gnothi-faults.sh ./target/release/quiltfs
   # The volume as one file through FUSE, a loop device and the kernel's ext4 on it, a
   # replica killed during a copy (the files, e2fsck of the device and of the export).
-  step tests/file-view.sh $bin/quiltfs
+  step tests/file-view.sh ./target/release/quiltfs
   # The namespace service (Cudele): two mounts of one namespace, policies, kill -9 of
   # the service during creates (every acknowledged file kept; quiltfs fsck, e2fsck).
-  step tests/mds.sh $bin/quiltfs
+  step tests/mds.sh ./target/release/quiltfs
 else
   echo "test: skipping tests/kernel-oracle.sh, tests/no-silent-loss.sh, tests/unmount.sh, tests/betrfs-space.sh, tests/deep-paths.sh, tests/kernel-parity.sh, tests/concurrent.sh, tests/journal-oracle.sh, tests/patchgroups.sh, tests/bench-featherstitch.sh, tests/bench-betrfs.sh, tests/bench-bark.sh, tests/kernel-parity-betrfs.sh, tests/betrfs-programs.sh, tests/betrfs-clone.sh, tests/gnothi-cluster.sh, tests/gnothi-faults.sh, tests/file-view.sh and tests/mds.sh (need root)" >&2
 fi
 # The NBD export against QEMU's client (qemu-img, qemu-io): an image and a replicated
 # volume, the kernel's mkfs.ext4 image copied on, a replica killed, e2fsck clean.
-step tests/nbd.sh $bin/quiltfs
+step tests/nbd.sh ./target/release/quiltfs
+# `quiltfs bench gnothi`, small: every output, the issue's CSV columns, both catch-ups
+# complete, Gnothi's replicas keep less at home than G′'s.
+step tests/bench-gnothi.sh ./target/release/quiltfs
+# `quiltfs bench cudele`, small: every mechanism and composition, use case 1 with one
+# and two client processes, every output and the issue's CSV columns.
+step tests/bench-cudele.sh ./target/release/quiltfs
 # Fuzzing smoke: every input a fuzzer ever crashed on, and random damage to each region
 # of a seed image (the coverage-guided hour-long runs are scripts/fuzz.sh's).
 prebuilt
 step bash -c "cd fuzz && cargo test --release --quiet"
 # The crash explorer on every mode (e2fsck as the oracle; no root needed), on betrfs
 # (quiltfs fsck as the oracle) and on the Bε-tree.
-step tests/crashtest.sh $bin/quiltfs
+step tests/crashtest.sh ./target/release/quiltfs
 # The key-value benchmark, as a smoke test (betree, redb, fjall; no RocksDB build).
 step tests/bench-kv.sh
 # Each benchmark once, as a smoke test (timings come from `cargo bench`, never from here).
-step cargo test -p quilt-patch --benches --quiet
+step cargo test --release -p quilt-patch --benches --quiet
 # The engine demo, small.
-step $bin/quiltfs demo --files 500 --image "${TMPDIR:-/tmp}/quiltfs-ci-demo.img" >/dev/null
-benches_done
+step ./target/release/quiltfs demo --files 500 --image "${TMPDIR:-/tmp}/quiltfs-ci-demo.img" >/dev/null
 echo "quiltfs: all checks passed"
