@@ -69,7 +69,9 @@ grep -q "^## Goals" "$out/report.md" || fail "report.md has no goals"
 [ -z "$(leftovers)" ] || fail "left behind: $(leftovers)"
 
 # 3. Ctrl-C in the middle: an error that says so, and everything torn down.
-setsid "$q" bench featherstitch --quick --systems quilt-su --workloads untar,postmark \
+# (Every workload: the run must still be going when the signal comes, a second after
+# the mount.)
+setsid "$q" bench featherstitch --quick --systems quilt-su --workloads untar,delete,postmark,andrew \
   --work "$work" --out "$work/out-int" >"$work/int.log" 2>&1 &
 pid=$!
 for _ in $(seq 1 300); do

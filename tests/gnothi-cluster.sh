@@ -72,6 +72,18 @@ say "copy with replica 1 killed: equal"
 "$Q" cluster start "$D" --replica 1 >/dev/null
 wait_whole
 say "replica 1 caught up, reserve empty"
+# Each replica's view of a block mkfs wrote: one version everywhere, f+1 home copies
+# that match it, none damaged.
+"$Q" cluster inspect "$D" 1 >"$W/inspect.out" || { cat "$W/inspect.out"; fail "cluster inspect"; }
+python3 - "$W/inspect.out" <<'PY' || fail "cluster inspect: $(cat "$W/inspect.out")"
+import re, sys
+lines = open(sys.argv[1]).read().splitlines()
+assert len(lines) == 3, lines
+versions = {re.search(r"version (\d+)", l).group(1) for l in lines}
+assert len(versions) == 1 and versions != {"0"}, versions
+assert sum("crc ok" in l and "home copy" in l for l in lines) == 2, lines
+assert not any("crc bad" in l for l in lines), lines
+PY
 
 # 3. The leader killed while reading.
 L=$(leader)

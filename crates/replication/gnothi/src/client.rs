@@ -260,6 +260,23 @@ impl Client {
         }
     }
 
+    /// Replica `replica`'s view of `block` (diagnosis; not a read).
+    pub async fn inspect(
+        &self,
+        replica: ReplicaId,
+        block: u64,
+    ) -> Result<crate::rpc::BlockView, ClientError> {
+        match self
+            .call(self.node_of(replica), Request::Inspect { block })
+            .await
+        {
+            Ok(Response::Inspected(v)) => Ok(v),
+            Ok(Response::Error(e)) => Err(ClientError::Protocol(e.to_string())),
+            Ok(other) => Err(ClientError::Protocol(other.unexpected().to_string())),
+            Err(e) => Err(ClientError::NoReplica(e.to_string())),
+        }
+    }
+
     async fn call(&self, to: u64, req: Request) -> Result<Response, NetError> {
         call_within(self.net.as_ref(), to, req, self.config.rpc_timeout).await
     }

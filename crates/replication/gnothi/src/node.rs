@@ -629,6 +629,17 @@ impl Node {
             Request::Status => Response::Status(self.status()),
             Request::Scrub => self.scrub().await,
             Request::Replace { slot, node, addr } => self.replace(slot, node, addr).await,
+            Request::Inspect { block } => {
+                let m = self.machine.clone();
+                let seen = tokio::task::spawn_blocking(move || m.lock().inspect(block)).await;
+                match seen {
+                    Ok(Some(v)) => Response::Inspected(v),
+                    Ok(None) => Response::Error(RpcError::BadRequest(format!(
+                        "block {block} is outside the volume"
+                    ))),
+                    Err(e) => Response::Error(RpcError::Failed(e.to_string())),
+                }
+            }
         }
     }
 

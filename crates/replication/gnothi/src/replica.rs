@@ -201,6 +201,7 @@ impl Local {
             };
             local.set_state(body);
             local.snapshot = Some((meta, bytes));
+            local.place_covered_staged();
         }
         Ok((local, raft_log))
     }
@@ -787,6 +788,37 @@ impl Local {
         Ok(LocalRead::NotHere(others))
     }
 
+    /// What this replica knows and keeps of `block`, changing nothing (diagnosis).
+    pub fn inspect(&self, block: u64) -> Option<crate::rpc::BlockView> {
+        let m = *self.table.meta(block)?;
+        let g = *self.geometry();
+        let first8 = |b: &[u8]| {
+            let mut v = [0u8; 8];
+            v.copy_from_slice(&b[..8]);
+            u64::from_le_bytes(v)
+        };
+        let mut buf = vec![0u8; g.block_size as usize];
+        let home = (g.prefers(self.id, g.slice_of(block))
+            && self.store.read_home(block, &mut buf).is_ok())
+        .then(|| (first8(&buf), block_crc(&buf) == m.checksum));
+        let reserved = match self.store.reserve_read(block, &mut buf) {
+            Ok(Some(r)) => Some((r.version, first8(&buf), block_crc(&buf) == m.checksum)),
+            _ => None,
+        };
+        Some(crate::rpc::BlockView {
+            replica: self.id,
+            node: self.node,
+            applied: self.last_applied.map_or(0, |l| l.index),
+            version: m.version,
+            checksum: m.checksum,
+            holders: m.holders,
+            reserve: m.reserve,
+            lost: self.lost.get(&block).copied(),
+            home,
+            reserved,
+        })
+    }
+
     /// Writes a block fetched from another replica (Phase 2, or a repair) at home, if
     /// `version` is still the table's and the data matches its checksum. Returns
     /// whether it did.
@@ -882,6 +914,46 @@ impl Local {
     fn install(&mut self, meta: &SnapshotMeta, bytes: Vec<u8>) -> Result<(), ReplicaError> {
         let body = decode_snapshot(&bytes, self.geometry())?;
         self.set_state(body);
+        self.place_covered_staged();
+        for r in self.store.reserved_all() {
+            // A copy newer than the snapshot's table is kept: this replica placed it
+            // before (its disks are ahead of the snapshot), and the entries after the
+            // snapshot name it or let it go.
+            let keep = self.table.meta(r.block).is_some_and(|m| {
+                r.version > m.version || (m.version == r.version && m.reserve.contains(self.id))
+            });
+            if !keep {
+                self.store.reserve_free(r.block)?;
+                self.unflushed = true;
+            }
+        }
+        // What this replica held before the snapshot and the table still names is
+        // checked lazily: a read verifies the checksum, and a miss is repaired.
+        self.lost.clear();
+        if let Err(e) = self.settle() {
+            // A data device that cannot take the placed data (full, failing): the
+            // snapshot is kept all the same, since agreement lets go of the entries it
+            // covers once this returns (an error here stopped agreement on this replica
+            // for good; keeping the old snapshot left a gap to the log after a restart).
+            // The data log keeps the records placed above until a write-back succeeds,
+            // and a restart places them again (`open`).
+            tracing::warn!(replica = self.id, error = %e, "snapshot installed; its placed data not durable yet");
+            self.unflushed = true;
+        }
+        self.snapshot_seq += 1;
+        self.label
+            .write_snapshot(self.log_dev.as_ref(), self.snapshot_seq, &bytes)?;
+        self.snapshot = Some((meta.clone(), bytes));
+        Ok(())
+    }
+
+    /// Places the staged records of writes the table (a snapshot's) already covers:
+    /// their entries will not be applied again, so their data goes where the table
+    /// says this replica keeps it, if it matches the version the table names and that
+    /// version is past the placed mark. At a snapshot's install, and when a replica
+    /// opens on one (an install whose data could not be made durable, a full data
+    /// device, left its records in the data log).
+    fn place_covered_staged(&mut self) {
         let bs = self.geometry().block_size as usize;
         let writes: Vec<WriteId> = self.staged.keys().copied().collect();
         for w in writes {
@@ -907,7 +979,12 @@ impl Local {
                 let Some(m) = self.table.meta(block).copied() else {
                     continue;
                 };
-                if !m.holders.contains(self.id) || block_crc(d) != m.checksum {
+                // At or below the placed mark, the copy was durable where it belongs
+                // before (and the home may since hold a newer one the mark covers).
+                if !m.holders.contains(self.id)
+                    || block_crc(d) != m.checksum
+                    || m.version <= self.placed
+                {
                     continue;
                 }
                 let res = if m.reserve.contains(self.id) {
@@ -928,27 +1005,6 @@ impl Local {
                 self.unflushed = true;
             }
         }
-        for r in self.store.reserved_all() {
-            // A copy newer than the snapshot's table is kept: this replica placed it
-            // before (its disks are ahead of the snapshot), and the entries after the
-            // snapshot name it or let it go.
-            let keep = self.table.meta(r.block).is_some_and(|m| {
-                r.version > m.version || (m.version == r.version && m.reserve.contains(self.id))
-            });
-            if !keep {
-                self.store.reserve_free(r.block)?;
-                self.unflushed = true;
-            }
-        }
-        // What this replica held before the snapshot and the table still names is
-        // checked lazily: a read verifies the checksum, and a miss is repaired.
-        self.lost.clear();
-        self.settle()?;
-        self.snapshot_seq += 1;
-        self.label
-            .write_snapshot(self.log_dev.as_ref(), self.snapshot_seq, &bytes)?;
-        self.snapshot = Some((meta.clone(), bytes));
-        Ok(())
     }
 }
 

@@ -61,6 +61,11 @@ pub enum Request {
         node: u64,
         addr: String,
     },
+    /// What this replica knows and keeps of one block, for diagnosis (a check that
+    /// found a violation asks every replica): not a read, and nothing is changed.
+    Inspect {
+        block: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -92,7 +97,59 @@ pub enum Response {
     Replaced {
         epoch: u64,
     },
+    Inspected(BlockView),
     Error(RpcError),
+}
+
+/// One replica's view of one block (`Request::Inspect`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockView {
+    pub replica: u16,
+    pub node: u64,
+    /// The last log index it applied.
+    pub applied: u64,
+    /// Its table's entry for the block.
+    pub version: Version,
+    pub checksum: u32,
+    pub holders: Holders,
+    pub reserve: Holders,
+    /// The version it found missing or damaged here, if it did (reads go elsewhere).
+    pub lost: Option<Version>,
+    /// Its home copy, if the block's slice is one it keeps: the copy's first eight
+    /// bytes (little-endian: a check's value) and whether it matches the checksum.
+    pub home: Option<(u64, bool)>,
+    /// Its reserve copy, if it keeps one: version, first eight bytes, checksum match.
+    pub reserved: Option<(Version, u64, bool)>,
+}
+
+impl std::fmt::Display for BlockView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = |h: Holders| h.iter().collect::<Vec<_>>();
+        let crc = |ok: bool| if ok { "crc ok" } else { "crc bad" };
+        write!(
+            f,
+            "replica {} (server {}, applied {}): version {} (crc {:#x}), holders {:?}, \
+             reserve {:?}",
+            self.replica,
+            self.node,
+            self.applied,
+            self.version,
+            self.checksum,
+            set(self.holders),
+            set(self.reserve)
+        )?;
+        if let Some(v) = self.lost {
+            write!(f, ", found lost at version {v}")?;
+        }
+        match self.home {
+            Some((x, ok)) => write!(f, ", home copy {x:#x} ({})", crc(ok))?,
+            None => write!(f, ", no home copy")?,
+        }
+        if let Some((v, x, ok)) = self.reserved {
+            write!(f, ", reserve copy {x:#x} at version {v} ({})", crc(ok))?;
+        }
+        Ok(())
+    }
 }
 
 /// A replica's view of itself and the volume.

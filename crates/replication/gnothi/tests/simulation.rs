@@ -3,7 +3,8 @@
 //! losing unflushed writes), restart, get empty data disks, are replaced whole by new
 //! servers (a membership change; sometimes while the old one still runs and answers
 //! clients that route by the old membership), and the network loses,
-//! delays and reorders messages and partitions endpoints. Every history must be
+//! delays and reorders messages and partitions endpoints; in a run of its own, data
+//! devices also fill up and have blocks damaged under running replicas. Every history must be
 //! linearizable per block, and at the end, with every replica back, every block must
 //! read (no acknowledged write lost).
 //!
@@ -46,6 +47,8 @@ const BLOCKS: u64 = 24;
 const REGRESSIONS: &[u64] = &[6, 45, 60, 62, 95, 227, 245, 317, 896];
 /// Seeds that once failed on Cheap Paxos volumes.
 const CHEAP_PAXOS_REGRESSIONS: &[u64] = &[];
+/// Seeds that once failed with data-device faults (`run_with(.., true)`).
+const DISK_FAULT_REGRESSIONS: &[u64] = &[];
 
 /// One simulated client: at most 60 operations, a pause of up to 30 ms after each.
 async fn client_loop(c: Client, id: u64, seed: u64, h: Arc<Recorder>, stop: Arc<AtomicBool>) {
@@ -65,12 +68,17 @@ fn encode(value: u64, block: u64) -> Vec<u8> {
 /// What a nemesis step did, for the failure message.
 /// Under the control, disks are replaced more often: the loss it risks (a write on one
 /// copy) only shows when that copy's disk goes.
+/// With `disks`, data devices also fill up (writes refused until freed) and have home
+/// blocks damaged under a running replica (then scrubbed, as an operator would); a
+/// replica with either counts against f until it is whole again (`troubled`).
+#[allow(clippy::too_many_arguments)]
 fn nemesis_step(
     rng: &mut ChaCha8Rng,
     c: &Cluster,
     f: u16,
     control: bool,
     pending: Option<u16>,
+    disks: Option<Disks>,
     log: &mut Vec<String>,
 ) -> Action {
     let n = c.replicas();
@@ -78,14 +86,17 @@ fn nemesis_step(
     let down: Vec<u16> = (0..n)
         .filter(|&r| !c.is_up(r) || pending == Some(r))
         .collect();
+    let troubled = disks.and_then(|d| d.full.or(d.damaged));
+    let busy = down.len() + usize::from(troubled.is_some());
     let x = if control && down.len() == 1 && rng.random_bool(0.7) {
         95
     } else {
-        rng.random_range(0..100)
+        rng.random_range(0..if disks.is_some() { 110 } else { 100 })
     };
     let r = rng.random_range(0..n);
+    let calm = troubled.is_none();
     let a = match x {
-        0..=29 if (down.len() as u16) < f && c.is_up(r) => Action::Crash(r),
+        0..=29 if (busy as u16) < f && c.is_up(r) => Action::Crash(r),
         30..=59 if !down.is_empty() => Action::Restart(down[rng.random_range(0..down.len())]),
         60..=69 => Action::Cut(u64::from(r), {
             let other = rng.random_range(0..n + 2);
@@ -100,17 +111,22 @@ fn nemesis_step(
             loss: rng.random_range(0.0..0.08),
             max_delay: Duration::from_millis(rng.random_range(0..15)),
         }),
-        90..=94 if down.len() == 1 => Action::Replace(down[0]),
+        90..=94 if down.len() == 1 && calm => Action::Replace(down[0]),
         // A whole server replaced: the one that is down, or (rarer) one still running,
         // which then runs on, replaced, answering clients that route by the old
         // membership.
-        95..=99 if down.len() == 1 && !control && pending.is_none() => {
+        95..=99 if down.len() == 1 && !control && pending.is_none() && calm => {
             Action::ReplaceServer(down[0], false)
         }
-        95..=99 if down.len() == 1 => Action::Replace(down[0]),
-        95..=96 if down.is_empty() && !control && pending.is_none() => {
+        95..=99 if down.len() == 1 && calm => Action::Replace(down[0]),
+        95..=96 if down.is_empty() && !control && pending.is_none() && calm => {
             Action::ReplaceServer(r, true)
         }
+        100..=104 if disks.is_some_and(|d| d.full.is_some()) => Action::Free,
+        100..=104 if down.is_empty() && calm && c.is_up(r) => Action::Fill(r),
+        // Only with every block on f+1 whole copies: damage is a failure of its own
+        // (a replica still rebuilding plus a damaged one were two at once, beyond f=1).
+        105..=109 if down.is_empty() && calm && c.is_up(r) && whole_volume(c) => Action::Damage(r),
         _ => Action::Nothing,
     };
     log.push(format!("{a:?}"));
@@ -126,11 +142,35 @@ enum Action {
     Faults(Faults),
     Replace(u16),
     ReplaceServer(u16, bool),
+    /// Replica r's data device refuses writes, as a full one does; `Free` ends it.
+    Fill(u16),
+    Free,
+    /// Some of replica r's home blocks damaged under it, then a scrub.
+    Damage(u16),
     Nothing,
+}
+
+/// Whether every block has its f+1 copies and no replica lacks any of its own.
+fn whole_volume(c: &Cluster) -> bool {
+    c.fully_redundant()
+        && (0..c.replicas()).all(|r| c.node(r).is_some_and(|n| n.status().incomplete == 0))
+}
+
+/// The data-device faults under way (`nemesis_step`'s `disks`).
+#[derive(Debug, Clone, Copy, Default)]
+struct Disks {
+    full: Option<u16>,
+    damaged: Option<u16>,
 }
 
 /// One seeded run; `Err` says what went wrong.
 fn run(seed: u64, control: bool, system: System) -> Result<(), String> {
+    run_with(seed, control, system, false)
+}
+
+/// One seeded run; with `disk_faults`, the nemesis also fills and damages data
+/// devices (its own seeds: the other runs' schedules stay as their seeds made them).
+fn run_with(seed: u64, control: bool, system: System, disk_faults: bool) -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
@@ -167,6 +207,7 @@ fn run(seed: u64, control: bool, system: System) -> Result<(), String> {
         let mut log = Vec::new();
         // A server replaced while no majority could let it in: asked again each step.
         let mut pending: Option<u16> = None;
+        let mut disks = Disks::default();
         for _ in 0..40 {
             tokio::time::sleep(Duration::from_millis(rng.random_range(50..250))).await;
             if let Some(r) = pending {
@@ -175,13 +216,35 @@ fn run(seed: u64, control: bool, system: System) -> Result<(), String> {
                     pending = None;
                 }
             }
-            let a = nemesis_step(&mut rng, &c, f, control, pending, &mut log);
+            // A crash gives a full disk back as it was (a new handle, not full); damage
+            // counts until every block has its f+1 copies again.
+            if disks.full.is_some_and(|r| !c.is_up(r)) {
+                disks.full = None;
+            }
+            // (Every replica's own count too: the table counts a damaged copy until
+            // its Lost commits.)
+            if disks.damaged.is_some() && whole_volume(&c) {
+                log.push("(damage repaired)".into());
+                disks.damaged = None;
+            }
+            let a = nemesis_step(
+                &mut rng,
+                &c,
+                f,
+                control,
+                pending,
+                disk_faults.then_some(disks),
+                &mut log,
+            );
             if std::env::var("GNOTHI_SIM_VERBOSE").is_ok() {
                 eprintln!("  at {:?}: {a:?}", tokio::time::Instant::now());
             }
             match a {
                 Action::Crash(r) => c.crash(r).await,
-                Action::Restart(r) => c.start_replica(r).await.map_err(|e| e.to_string())?,
+                Action::Restart(r) => c
+                    .start_replica(r)
+                    .await
+                    .map_err(|e| format!("restarting replica {r}: {e}; nemesis: {log:?}"))?,
                 Action::Cut(a, b) => c.net.cut(a, b, true),
                 Action::Heal => c.net.heal(),
                 Action::Faults(fl) => c.net.set_faults(fl),
@@ -204,8 +267,30 @@ fn run(seed: u64, control: bool, system: System) -> Result<(), String> {
                         log.push(format!("(replace server {r} skipped)"));
                     }
                 }
+                Action::Fill(r) => {
+                    c.data_disk(r).set_full(true);
+                    disks.full = Some(r);
+                }
+                Action::Free => {
+                    if let Some(r) = disks.full.take() {
+                        c.data_disk(r).set_full(false);
+                    }
+                }
+                Action::Damage(r) => {
+                    let home = g.home_blocks(r);
+                    for _ in 0..8 {
+                        c.data_disk(r).damage(rng.random_range(0..home.max(1)));
+                    }
+                    if let Some(node) = c.node(r) {
+                        node.handle(quilt_gnothi::rpc::Request::Scrub).await;
+                    }
+                    disks.damaged = Some(r);
+                }
                 Action::Nothing => {}
             }
+        }
+        if let Some(r) = disks.full.take() {
+            c.data_disk(r).set_full(false);
         }
         stop.store(true, Ordering::SeqCst);
         if std::env::var("GNOTHI_SIM_VERBOSE").is_ok() {
@@ -218,7 +303,9 @@ fn run(seed: u64, control: bool, system: System) -> Result<(), String> {
         c.net.heal();
         c.net.set_faults(Faults::default());
         for r in 0..c.replicas() {
-            c.start_replica(r).await.map_err(|e| e.to_string())?;
+            c.start_replica(r)
+                .await
+                .map_err(|e| format!("starting replica {r} at the end: {e}; nemesis: {log:?}"))?;
         }
         if let Some(r) = pending {
             c.let_in(r, Duration::from_secs(60))
@@ -300,6 +387,46 @@ fn histories_are_linearizable_under_faults() {
         seeds.len()
     );
     eprintln!("{} runs, 0 linearizability violations", seeds.len());
+}
+
+/// The nemesis with data-device faults too: a device that fills up under a running
+/// replica (write-backs fail; the data waits in the data log) and is freed, and home
+/// blocks damaged under one, then scrubbed. The same number of seeds as the main run,
+/// its own regressions first.
+#[test]
+fn histories_are_linearizable_under_disk_faults() {
+    let seeds: Vec<u64> = match std::env::var("GNOTHI_SIM_SEED") {
+        Ok(_) => runs(),
+        Err(_) => {
+            let n = runs().len().saturating_sub(REGRESSIONS.len()) as u64;
+            let first: u64 = std::env::var("GNOTHI_SIM_FIRST")
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            DISK_FAULT_REGRESSIONS
+                .iter()
+                .copied()
+                .chain(first..first + n)
+                .collect()
+        }
+    };
+    let mut failed = Vec::new();
+    for &seed in &seeds {
+        if let Err(e) = run_with(seed, false, System::Gnothi, true) {
+            eprintln!("disk-fault seed {seed}: {e}");
+            failed.push(seed);
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of {} runs with disk faults failed: seeds {failed:?}",
+        failed.len(),
+        seeds.len()
+    );
+    eprintln!(
+        "{} runs with disk faults, 0 linearizability violations",
+        seeds.len()
+    );
 }
 
 /// The same nemesis on Cheap Paxos volumes, whose auxiliaries hear nothing of

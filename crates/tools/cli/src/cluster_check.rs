@@ -169,6 +169,16 @@ async fn check(a: CheckArgs, address: VolumeAddress) -> Result<()> {
     let verdict = h.check();
     let s = h.summary();
     let ok = verdict.is_ok();
+    // What every replica holds of the block that failed, to tell a table that lost
+    // an acknowledged write from a copy served against a stale one.
+    let views = if ok {
+        Vec::new()
+    } else {
+        views_of_violation(&setup, &h).await
+    };
+    for v in &views {
+        eprintln!("quiltfs: {v}");
+    }
     if a.json {
         println!(
             "{}",
@@ -182,6 +192,7 @@ async fn check(a: CheckArgs, address: VolumeAddress) -> Result<()> {
                 "writes_unknown": s.writes_unknown,
                 "reads": s.reads,
                 "failed_reads": s.failed_reads,
+                "replica_views": views,
             })
         );
     } else {
@@ -200,4 +211,20 @@ async fn check(a: CheckArgs, address: VolumeAddress) -> Result<()> {
         Ok(_) => Ok(()),
         Err(e) => bail!("the history is not linearizable: {e}"),
     }
+}
+
+/// Each replica's view of the first block without a linearization: its table's entry
+/// and what its copies hold.
+async fn views_of_violation(c: &Client, h: &Recorder) -> Vec<String> {
+    let Err(v) = quilt_gnothi::history::check(&h.ops()) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for r in 0..c.geometry().replicas() {
+        out.push(match c.inspect(r, v.block).await {
+            Ok(b) => format!("block {}: {b}", v.block),
+            Err(e) => format!("block {}: replica {r}: no view: {e}", v.block),
+        });
+    }
+    out
 }

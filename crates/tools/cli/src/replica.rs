@@ -351,6 +351,14 @@ pub enum ClusterCommand {
         #[arg(value_name = "DIR|ADDRESS")]
         target: String,
     },
+    /// What each replica knows and keeps of one block: its table's version, checksum
+    /// and holders, and its home and reserve copies (for diagnosis; not a read).
+    Inspect {
+        /// A cluster directory (of `cluster up`) or a volume's address (gnothi://…).
+        #[arg(value_name = "DIR|ADDRESS")]
+        target: String,
+        block: u64,
+    },
     /// Check a volume from outside: clients write and read its first blocks
     /// (overwriting them) while you break replicas, then every block is read once more
     /// and the history must be linearizable.
@@ -847,6 +855,42 @@ fn scrub(target: &str) -> Result<()> {
     Ok(())
 }
 
+/// Prints each replica's view of `block`.
+fn inspect(target: &str, block: u64) -> Result<()> {
+    let t = Target::resolve(target)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let mut answered = 0;
+    rt.block_on(async {
+        let net =
+            GrpcNet::with_tls(t.peers.clone(), &t.secret, t.ca.clone()).map_err(|e| anyhow!(e))?;
+        for &id in t.peers.keys() {
+            let r = quilt_gnothi::net::call_within(
+                net.as_ref(),
+                id,
+                quilt_gnothi::rpc::Request::Inspect { block },
+                Duration::from_secs(5),
+            )
+            .await;
+            match r {
+                Ok(quilt_gnothi::rpc::Response::Inspected(v)) => {
+                    answered += 1;
+                    println!("{v}");
+                }
+                Ok(quilt_gnothi::rpc::Response::Error(e)) => println!("replica {id}: {e}"),
+                Ok(other) => println!("replica {id}: {}", other.unexpected()),
+                Err(e) => println!("replica {id}: no answer: {e}"),
+            }
+        }
+        Ok::<_, anyhow::Error>(())
+    })?;
+    if answered == 0 {
+        bail!("no replica of {} answered", t.volume);
+    }
+    Ok(())
+}
+
 fn statuses(dir: &Path, c: &ClusterFile) -> Result<Vec<(u16, Option<quilt_gnothi::rpc::Status>)>> {
     let t = Target::of_cluster(dir, c)?;
     statuses_of(t.peers, &t.secret, t.ca)
@@ -891,6 +935,7 @@ pub fn run_cluster(c: ClusterCommand) -> Result<()> {
         ClusterCommand::Export { address, file } => export(&address, &file),
         ClusterCommand::Check(a) => crate::cluster_check::run(a),
         ClusterCommand::Scrub { target } => scrub(&target),
+        ClusterCommand::Inspect { target, block } => inspect(&target, block),
         ClusterCommand::Stop { dir, replica, kill } => {
             let mut c = load(&dir)?;
             stop_replica(&mut c, replica, kill)?;

@@ -193,6 +193,11 @@ pub fn run(a: FeatherstitchArgs) -> Result<()> {
         }
     }
     bar.finish();
+    // A Ctrl-C that came during the last phase's teardown (its programs had ended) is
+    // still an interruption: no report, and a failed exit.
+    if crate::interrupted() {
+        bail!("interrupted: everything this run set up was unmounted, detached and removed");
+    }
     let meta = report::Meta::gather(&inputs, a.quick, runs, image_mib, started.elapsed());
     let md = report::markdown(&meta, &systems, &chosen, &samples);
     print!("{md}");
