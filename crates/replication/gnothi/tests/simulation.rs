@@ -343,28 +343,29 @@ fn trace() {
     }
 }
 
-fn runs() -> Vec<u64> {
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|s| s.parse().ok())
+}
+
+/// The seeds to run: `GNOTHI_SIM_SEED` alone, or `regressions` and then
+/// `GNOTHI_SIM_RUNS` (12) seeds from `GNOTHI_SIM_FIRST` (0: a long hunt need not run
+/// the seeds run before).
+fn seeds(regressions: &[u64]) -> Vec<u64> {
     trace();
-    if let Some(s) = std::env::var("GNOTHI_SIM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
+    if let Some(s) = env_u64("GNOTHI_SIM_SEED") {
         return vec![s];
     }
-    let n: u64 = std::env::var("GNOTHI_SIM_RUNS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(12);
-    // Seeds from GNOTHI_SIM_FIRST (0): a long hunt need not run the seeds run before.
-    let first: u64 = std::env::var("GNOTHI_SIM_FIRST")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    REGRESSIONS
+    let n = env_u64("GNOTHI_SIM_RUNS").unwrap_or(12);
+    let first = env_u64("GNOTHI_SIM_FIRST").unwrap_or(0);
+    regressions
         .iter()
         .copied()
         .chain(first..first + n)
         .collect()
+}
+
+fn runs() -> Vec<u64> {
+    seeds(REGRESSIONS)
 }
 
 #[test]
@@ -395,21 +396,7 @@ fn histories_are_linearizable_under_faults() {
 /// its own regressions first.
 #[test]
 fn histories_are_linearizable_under_disk_faults() {
-    let seeds: Vec<u64> = match std::env::var("GNOTHI_SIM_SEED") {
-        Ok(_) => runs(),
-        Err(_) => {
-            let n = runs().len().saturating_sub(REGRESSIONS.len()) as u64;
-            let first: u64 = std::env::var("GNOTHI_SIM_FIRST")
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(0);
-            DISK_FAULT_REGRESSIONS
-                .iter()
-                .copied()
-                .chain(first..first + n)
-                .collect()
-        }
-    };
+    let seeds = seeds(DISK_FAULT_REGRESSIONS);
     let mut failed = Vec::new();
     for &seed in &seeds {
         if let Err(e) = run_with(seed, false, System::Gnothi, true) {

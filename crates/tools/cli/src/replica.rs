@@ -808,47 +808,56 @@ impl Target {
     }
 }
 
-/// Asks every replica to verify the copies it holds; damaged ones are fetched again.
-fn scrub(target: &str) -> Result<()> {
-    let t = Target::resolve(target)?;
+/// Sends `req` to every replica of `t` in turn (each bounded by `timeout`): their
+/// answers by replica id, or why none came.
+fn ask_each(
+    t: &Target,
+    req: quilt_gnothi::rpc::Request,
+    timeout: Duration,
+) -> Result<Vec<(u64, Result<quilt_gnothi::rpc::Response, String>)>> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let mut failed = 0;
     rt.block_on(async {
-        let net = GrpcNet::with_tls(t.peers.clone(), &t.secret, t.ca.clone()).map_err(|e| anyhow!(e))?;
+        let net =
+            GrpcNet::with_tls(t.peers.clone(), &t.secret, t.ca.clone()).map_err(|e| anyhow!(e))?;
+        let mut out = Vec::new();
         for &id in t.peers.keys() {
-            let r = quilt_gnothi::net::call_within(
-                net.as_ref(),
-                id,
-                quilt_gnothi::rpc::Request::Scrub,
-                Duration::from_secs(3600),
-            )
-            .await;
-            match r {
-                Ok(quilt_gnothi::rpc::Response::Scrubbed { checked, damaged }) => {
-                    if damaged > 0 {
-                        println!("replica {id}: {checked} copies verified, {damaged} damaged (being fetched again)");
-                    } else {
-                        println!("replica {id}: {checked} copies verified, 0 damaged");
-                    }
-                }
-                Ok(quilt_gnothi::rpc::Response::Error(e)) => {
-                    failed += 1;
-                    println!("replica {id}: {e}");
-                }
-                Ok(other) => {
-                    failed += 1;
-                    println!("replica {id}: {}", other.unexpected());
-                }
-                Err(e) => {
-                    failed += 1;
-                    println!("replica {id}: not scrubbed: {e}");
+            let r = quilt_gnothi::net::call_within(net.as_ref(), id, req.clone(), timeout).await;
+            out.push((id, r.map_err(|e| e.to_string())));
+        }
+        Ok(out)
+    })
+}
+
+/// Asks every replica to verify the copies it holds; damaged ones are fetched again.
+fn scrub(target: &str) -> Result<()> {
+    use quilt_gnothi::rpc::{Request, Response};
+    let t = Target::resolve(target)?;
+    let mut failed = 0;
+    for (id, r) in ask_each(&t, Request::Scrub, Duration::from_secs(3600))? {
+        match r {
+            Ok(Response::Scrubbed { checked, damaged }) => {
+                if damaged > 0 {
+                    println!("replica {id}: {checked} copies verified, {damaged} damaged (being fetched again)");
+                } else {
+                    println!("replica {id}: {checked} copies verified, 0 damaged");
                 }
             }
+            Ok(Response::Error(e)) => {
+                failed += 1;
+                println!("replica {id}: {e}");
+            }
+            Ok(other) => {
+                failed += 1;
+                println!("replica {id}: {}", other.unexpected());
+            }
+            Err(e) => {
+                failed += 1;
+                println!("replica {id}: not scrubbed: {e}");
+            }
         }
-        Ok::<_, anyhow::Error>(())
-    })?;
+    }
     if failed > 0 {
         bail!("{failed} replica(s) of {} not scrubbed", t.volume);
     }
@@ -857,34 +866,20 @@ fn scrub(target: &str) -> Result<()> {
 
 /// Prints each replica's view of `block`.
 fn inspect(target: &str, block: u64) -> Result<()> {
+    use quilt_gnothi::rpc::{Request, Response};
     let t = Target::resolve(target)?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
     let mut answered = 0;
-    rt.block_on(async {
-        let net =
-            GrpcNet::with_tls(t.peers.clone(), &t.secret, t.ca.clone()).map_err(|e| anyhow!(e))?;
-        for &id in t.peers.keys() {
-            let r = quilt_gnothi::net::call_within(
-                net.as_ref(),
-                id,
-                quilt_gnothi::rpc::Request::Inspect { block },
-                Duration::from_secs(5),
-            )
-            .await;
-            match r {
-                Ok(quilt_gnothi::rpc::Response::Inspected(v)) => {
-                    answered += 1;
-                    println!("{v}");
-                }
-                Ok(quilt_gnothi::rpc::Response::Error(e)) => println!("replica {id}: {e}"),
-                Ok(other) => println!("replica {id}: {}", other.unexpected()),
-                Err(e) => println!("replica {id}: no answer: {e}"),
+    for (id, r) in ask_each(&t, Request::Inspect { block }, Duration::from_secs(5))? {
+        match r {
+            Ok(Response::Inspected(v)) => {
+                answered += 1;
+                println!("{v}");
             }
+            Ok(Response::Error(e)) => println!("replica {id}: {e}"),
+            Ok(other) => println!("replica {id}: {}", other.unexpected()),
+            Err(e) => println!("replica {id}: no answer: {e}"),
         }
-        Ok::<_, anyhow::Error>(())
-    })?;
+    }
     if answered == 0 {
         bail!("no replica of {} answered", t.volume);
     }
