@@ -923,7 +923,7 @@ impl Local {
                 r.version > m.version || (m.version == r.version && m.reserve.contains(self.id))
             });
             if !keep {
-                self.store.reserve_free(r.block)?;
+                self.store.reserve_retire(r.block);
                 self.unflushed = true;
             }
         }

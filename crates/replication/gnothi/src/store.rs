@@ -452,7 +452,36 @@ impl DataStore {
         if let Some(&(slot, r)) = self.reserved.get(&block) {
             if r.version <= version {
                 self.reserved.remove(&block);
-                self.clear_slot(slot)?;
+                if let Err(e) = self.clear_slot(slot) {
+                    // Not lost: cleared after the next flush that succeeds.
+                    self.retired.push(slot);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Lets go of `block`'s reserve copy without touching the device: its slot is
+    /// cleared after the next flush that succeeds. For paths that must not fail on a
+    /// data device that is full or failing (a snapshot's install: agreement has let go
+    /// of the entries the snapshot covers by then). A header that survives a crash
+    /// names a copy the table no longer does, which nothing reads.
+    pub fn reserve_retire(&mut self, block: u64) {
+        if let Some((slot, _)) = self.reserved.remove(&block) {
+            tracing::trace!(replica = self.replica, slot, block, "reserve slot retired");
+            self.retired.push(slot);
+        }
+    }
+
+    /// Clears `slots`; those not cleared (the device failed) wait for the next flush.
+    fn clear_retired(&mut self, slots: Vec<u64>) -> Result<()> {
+        let mut left = slots.into_iter();
+        while let Some(slot) = left.next() {
+            if let Err(e) = self.clear_slot(slot) {
+                self.retired.push(slot);
+                self.retired.extend(left);
+                return Err(e);
             }
         }
         Ok(())
@@ -495,10 +524,8 @@ impl DataStore {
             self.dirty.clear();
             self.dev.flush()?;
         }
-        for slot in std::mem::take(&mut self.retired) {
-            self.clear_slot(slot)?;
-        }
-        Ok(())
+        let retired = std::mem::take(&mut self.retired);
+        self.clear_retired(retired)
     }
 
     /// A flush in two halves, for writing back outside the replica's lock:
@@ -553,9 +580,7 @@ impl DataStore {
             return Ok(false);
         }
         self.prune_written();
-        for slot in batch.retired {
-            self.clear_slot(slot)?;
-        }
+        self.clear_retired(batch.retired)?;
         Ok(oldest && batch.seq >= self.whole_from)
     }
 
@@ -705,6 +730,49 @@ mod tests {
         assert_eq!(s.reserved(0), None);
         assert_eq!(s.reserved(2), Some(r(2, 5)));
         assert_eq!(s.reserve_used(), 2);
+    }
+
+    #[test]
+    fn a_reserve_copy_let_go_on_a_full_device_is_cleared_after_the_next_flush() {
+        let (g, _) = setup(2);
+        let dev = crate::sim::CrashDisk::new(512, DataStore::blocks_needed(&g, 2, 2));
+        let mut s = DataStore::open(g, 2, dev.clone(), 2).unwrap();
+        let r = |block, version| Reserved {
+            block,
+            version,
+            checksum: 0xabc,
+        };
+        s.reserve_put(r(0, 3), &block(1)).unwrap();
+        s.reserve_put(r(1, 4), &block(2)).unwrap();
+        s.flush().unwrap();
+        dev.set_full(true);
+        // Letting go never touches the device; freeing reports the full device, and
+        // neither loses the slot.
+        s.reserve_retire(0);
+        assert!(s.reserve_free(1).is_err());
+        assert_eq!((s.reserved(0), s.reserved(1)), (None, None));
+        assert!(
+            s.flush().is_err(),
+            "the slots' headers cannot be cleared yet"
+        );
+        assert!(s.has_retired());
+        assert!(matches!(
+            s.reserve_put(r(2, 5), &block(3)),
+            Err(StoreError::ReserveFull { .. })
+        ));
+        dev.set_full(false);
+        s.flush().unwrap();
+        assert!(!s.has_retired());
+        s.reserve_put_many(&[(r(2, 5), &block(3)[..]), (r(3, 6), &block(4)[..])])
+            .unwrap();
+        s.flush().unwrap();
+        drop(s);
+        let s = DataStore::open(g, 2, dev, 2).unwrap();
+        assert_eq!((s.reserved(0), s.reserved(1)), (None, None));
+        assert_eq!(
+            (s.reserved(2), s.reserved(3)),
+            (Some(r(2, 5)), Some(r(3, 6)))
+        );
     }
 
     #[test]
