@@ -41,6 +41,7 @@ for col in ["system", "workload", "block_size", "f", "run", "mb_per_s"]:
 got = {(r["system"], r["workload"]) for r in rows}
 want = {(s, w) for s in ["gnothi", "gprime", "local"] for w in ["randwrite", "randread"]}
 want |= {(s, w) for s in ["gnothi", "gprime"] for w in ["catchup", "rereplication"]}
+want |= {("gnothi", "phase1")}
 assert want <= got, f"missing runs: {sorted(want - got)}"
 for r in rows:
     assert float(r["mb_per_s"]) > 0, r
@@ -48,6 +49,11 @@ for r in rows:
     if r["workload"] in ("catchup", "rereplication"):
         assert r["caught_up"] == "true", f"{r['system']} did not catch up: {r}"
         assert float(r["phase1_s"]) <= float(r["recovery_s"]), r
+    if r["workload"] == "phase1":
+        # The replica missed writes while down, and caught up on their metadata.
+        assert r["caught_up"] == "true", f"Phase 1 did not end: {r}"
+        assert int(r["missed_writes"]) > 0 and int(r["missed_entries"]) > 0, r
+        assert 0 < float(r["phase1_s"]), r
 stored = list(csv.DictReader(open(f"{out}/stored.csv")))
 home = lambda s: sum(int(x["home_bytes"]) for x in stored if x["system"] == s)
 assert 0 < home("gnothi") < home("gprime"), f"home bytes gnothi {home('gnothi')} gprime {home('gprime')}"

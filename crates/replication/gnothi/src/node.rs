@@ -1045,7 +1045,17 @@ impl Node {
             else {
                 return;
             };
-            let holders: Vec<ReplicaId> = m.holders.iter().filter(|&r| r != self.id).collect();
+            // Home copies first: a slice's run lies in order on a preferred replica's
+            // home, while reserve copies are scattered slots, read a block at a time
+            // under the holder's lock (a 16 MiB fetch from a reserve held the holder's
+            // stores and applies for seconds: client writes stalled through Phase 2).
+            let others = || m.holders.iter().filter(|&r| r != self.id);
+            let home: Vec<ReplicaId> = others().filter(|&r| !m.reserve.contains(r)).collect();
+            let holders: Vec<ReplicaId> = if home.is_empty() {
+                others().collect()
+            } else {
+                home
+            };
             let from = holders[self.fetch_turn.load(Relaxed) % holders.len()];
             let shift = self.fetch_shift.load(Relaxed);
             let per_fetch = ((self.config.fetch_bytes / u64::from(geo.block_size)) >> shift).max(1);

@@ -159,6 +159,8 @@ pub struct Row {
     pub recovery_s: Option<f64>,
     pub caught_up: Option<bool>,
     pub missed_entries: Option<u64>,
+    /// Phase 1 runs only: the client writes acknowledged while the replica was down.
+    pub missed_writes: Option<u64>,
     /// Requests completed, and the device requests the replicas served meanwhile
     /// (summed over replicas; I/O runs only): where the time goes.
     pub requests: u64,
@@ -196,6 +198,7 @@ impl Row {
             recovery_s: None,
             caught_up: None,
             missed_entries: None,
+            missed_writes: None,
             requests: 0,
             log_flushes: 0,
             log_writes: 0,
@@ -339,7 +342,9 @@ pub fn run(a: GnothiArgs) -> Result<()> {
     } else {
         intervals.len() + 1
     };
-    let steps = runs * (configs.len() + recovery_systems.len() * recovery_runs);
+    // Phase 1's speed is measured on Gnothi alone (G′ catches up its metadata the same way).
+    let phase1_runs = usize::from(recovery_runs > 0 && recovery_systems.contains(&"gnothi"));
+    let steps = runs * (configs.len() + recovery_systems.len() * recovery_runs + phase1_runs);
     let mut progress = Progress::new(steps as u64, "clusters");
     let mut rows = Vec::new();
     let mut stored = Vec::new();
@@ -505,6 +510,35 @@ pub fn run(a: GnothiArgs) -> Result<()> {
                 }
             }
         }
+        if phase1_runs > 0 {
+            progress.step(format!(
+                "gnothi: Phase 1 after many small writes (run {})",
+                run + 1
+            ));
+            let shape = Shape {
+                system: "gnothi",
+                replicas: 3,
+                size_mib,
+                port: a.port,
+                recovery_interval_ms: intervals[0],
+                model_disks,
+            };
+            client_id += 1;
+            let row = phase1(&rt, &a.work, &shape, &scale, run, client_id, &disks)
+                .context("gnothi: Phase 1")?;
+            eprintln!(
+                "bench: gnothi Phase 1: {} missed writes ({} entries) caught up in {}",
+                row.missed_writes.unwrap_or(0),
+                row.missed_entries.unwrap_or(0),
+                row.phase1_s
+                    .map_or("– (not within the cap)".into(), |s| format!("{s:.2} s")),
+            );
+            rows.push(row);
+            progress.inc();
+            if interrupted() {
+                bail!("interrupted");
+            }
+        }
     }
     progress.finish();
     let meta = report::Meta {
@@ -525,6 +559,92 @@ fn errors_note(d: &Done) -> String {
         (Some(e), n) => format!(" ({n} errors; first: {e})"),
         _ => String::new(),
     }
+}
+
+/// Phase 1's load: the smallest writes, as many as the agreement takes, so that the
+/// replica misses as many writes (and log entries) as the run allows.
+const PHASE1_REQUEST: usize = 4 << 10;
+const PHASE1_DEPTH: usize = 256;
+
+/// Phase 1 alone, timed against the number of writes missed: a follower is killed, the
+/// clients write 4 KiB blocks for `down` seconds, then stop (so the target holds still),
+/// and the follower is restarted; Phase 1 ends when it has applied the leader's log
+/// index. Its time includes the process's start, reading its own log and rejoining.
+fn phase1(
+    rt: &tokio::runtime::Runtime,
+    work: &std::path::Path,
+    shape: &Shape,
+    scale: &Scale,
+    run: usize,
+    client_id: u64,
+    disks: &str,
+) -> Result<Row> {
+    let dir = work.join(format!("phase1-{}", shape.system));
+    let cl = LocalCluster::up(&dir, shape)?;
+    let client = cl.client(rt, client_id)?;
+    let st = cl.status()?;
+    let victim = (0..cl.replicas)
+        .rev()
+        .find(|&r| {
+            st.get(r as usize)
+                .copied()
+                .flatten()
+                .is_some_and(|s| !s.leader)
+        })
+        .context("no follower to kill")?;
+    let victim_index = st[victim as usize].map_or(0, |s| s.log_index);
+    cl.kill(victim)?;
+    let load = Load {
+        workload: Workload::RandWrite,
+        request: PHASE1_REQUEST,
+        depth: PHASE1_DEPTH,
+        duration: Duration::from_secs(scale.down),
+        seed: run as u64,
+    };
+    let done = rt.block_on(load::drive(client, load, Arc::new(AtomicBool::new(false))));
+    if interrupted() {
+        bail!("interrupted");
+    }
+    let target = leader_index(&cl.status()?).context("no leader after the load")?;
+    let restarted = Instant::now();
+    cl.start(victim)?;
+    let deadline = restarted + Duration::from_secs(scale.cap);
+    let mut phase1 = None;
+    while Instant::now() < deadline && !interrupted() {
+        let st = cl.status()?;
+        if st
+            .get(victim as usize)
+            .copied()
+            .flatten()
+            .is_some_and(|v| v.applied >= target)
+        {
+            phase1 = Some(restarted.elapsed().as_secs_f64());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mb_per_s = done.steady_mb_per_s(0.0);
+    Ok(Row {
+        mb_per_s,
+        errors: done.errors,
+        requests: done.requests,
+        phase1_s: phase1,
+        caught_up: Some(phase1.is_some()),
+        recovery_interval_ms: Some(shape.recovery_interval_ms),
+        missed_entries: Some(target.saturating_sub(victim_index)),
+        // Acknowledged within the run (a few more finish after it, uncounted).
+        missed_writes: Some(done.requests),
+        workload: "phase1".into(),
+        ..Row::io(
+            shape.system,
+            Workload::RandWrite,
+            PHASE1_REQUEST,
+            1,
+            run,
+            disks,
+            PHASE1_DEPTH,
+        )
+    })
 }
 
 /// The catch-up load: random 1 MiB writes, so that the clients are disk-bound (as the
@@ -662,6 +782,7 @@ fn recovery(
         recovery_s: phase2.map(|t| t.duration_since(restarted).as_secs_f64()),
         caught_up: Some(phase2.is_some()),
         missed_entries: Some(target.saturating_sub(victim_index)),
+        missed_writes: None,
         requests: done.requests,
         log_flushes: 0,
         log_writes: 0,

@@ -321,26 +321,6 @@ pub fn write(
                         g.len()
                     ),
                 ));
-                // Phase 1's time includes the process's start and an election; scaled
-                // up from a few hundred missed entries (each up to ten writes) it says
-                // little, so the verdict is left open below 10,000.
-                let per_100k: Vec<(f64, u64)> = g
-                    .iter()
-                    .filter_map(|r| {
-                        let missed = r.missed_entries?.max(1);
-                        Some((r.phase1_s? / (missed as f64 / 1e5), missed))
-                    })
-                    .collect();
-                if let Some(&(worst, missed)) = per_100k.iter().max_by(|a, b| a.0.total_cmp(&b.0)) {
-                    goals.push((
-                        format!(
-                            "interval {i} ms: Phase 1 ≤ 1 s per 100,000 missed writes \
-                             (scaled from {missed} missed entries, restart included)"
-                        ),
-                        (missed >= 10_000).then_some(worst <= 1.0),
-                        format!("{worst:.2} s"),
-                    ));
-                }
             }
             let p = at("gprime");
             let med = |v: &[&Row]| median(v.iter().map(|r| r.mb_per_s).collect()).0;
@@ -437,6 +417,62 @@ pub fn write(
         }
     }
 
+    let phase1: Vec<&Row> = rows.iter().filter(|r| r.workload == "phase1").collect();
+    if !phase1.is_empty() {
+        writeln!(md, "## Phase 1 after many small writes (Gnothi, f = 1)\n")?;
+        writeln!(
+            md,
+            "A follower is killed; the clients write random 4 KiB blocks for a while and \
+             stop; the follower is restarted, and Phase 1 ends when it has applied the \
+             leader's log index. The time includes the process's start, reading its own \
+             log and devices, and rejoining.\n"
+        )?;
+        writeln!(
+            md,
+            "| run | missed writes | missed entries | Phase 1 s | s per 100,000 writes |"
+        )?;
+        writeln!(md, "|---:|---:|---:|---:|---:|")?;
+        let per_100k = |r: &Row| Some(r.phase1_s? / (r.missed_writes?.max(1) as f64 / 1e5));
+        for r in &phase1 {
+            writeln!(
+                md,
+                "| {} | {} | {} | {} | {} |",
+                r.run + 1,
+                r.missed_writes.unwrap_or(0),
+                r.missed_entries.unwrap_or(0),
+                r.phase1_s
+                    .map_or("not within the cap".into(), |s| format!("{s:.2}")),
+                per_100k(r).map_or("–".into(), |s| format!("{s:.2}")),
+            )?;
+        }
+        writeln!(md)?;
+        let fewest = phase1
+            .iter()
+            .filter_map(|r| r.missed_writes)
+            .min()
+            .unwrap_or(0);
+        let all: Option<Vec<f64>> = phase1.iter().map(|r| per_100k(r)).collect();
+        let (verdict, measured) = match all {
+            // Below 10,000 missed writes the start's fixed cost dominates, and scaling
+            // it up says little: no verdict.
+            Some(v) => {
+                let m = median(v).0;
+                (
+                    (fewest >= 10_000).then_some(m <= 1.0),
+                    format!("{m:.2} s (median)"),
+                )
+            }
+            None => (Some(false), "not caught up within the cap".into()),
+        };
+        goals.push((
+            format!(
+                "Phase 1 ≤ 1 s per 100,000 missed writes (at least {fewest} missed, restart included)"
+            ),
+            verdict,
+            measured,
+        ));
+    }
+
     writeln!(md, "## Goals\n")?;
     if meta.quick {
         writeln!(
@@ -456,7 +492,7 @@ pub fn write(
 
 /// Rows of the recovery runs (catch-up, re-replication), not of the I/O runs.
 fn is_recovery(workload: &str) -> bool {
-    matches!(workload, "catchup" | "rereplication")
+    matches!(workload, "catchup" | "rereplication" | "phase1")
 }
 
 /// One recovery timeline plot: each system's client throughput, its events marked.
