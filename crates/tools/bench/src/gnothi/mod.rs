@@ -159,8 +159,10 @@ pub struct Row {
     pub recovery_s: Option<f64>,
     pub caught_up: Option<bool>,
     pub missed_entries: Option<u64>,
-    /// Phase 1 runs only: the client writes acknowledged while the replica was down.
+    /// Phase 1 runs only: the client writes acknowledged while the replica was down,
+    /// and the time the same restart took with nothing missed.
     pub missed_writes: Option<u64>,
+    pub phase1_baseline_s: Option<f64>,
     /// Requests completed, and the device requests the replicas served meanwhile
     /// (summed over replicas; I/O runs only): where the time goes.
     pub requests: u64,
@@ -199,6 +201,7 @@ impl Row {
             caught_up: None,
             missed_entries: None,
             missed_writes: None,
+            phase1_baseline_s: None,
             requests: 0,
             log_flushes: 0,
             log_writes: 0,
@@ -526,11 +529,22 @@ pub fn run(a: GnothiArgs) -> Result<()> {
             client_id += 1;
             let row = phase1(&rt, &a.work, &shape, &scale, run, client_id, &disks)
                 .context("gnothi: Phase 1")?;
+            let per = |n: u64| n as f64 / row.requests.max(1) as f64;
             eprintln!(
-                "bench: gnothi Phase 1: {} missed writes ({} entries) caught up in {}",
+                "bench: gnothi Phase 1: {} missed writes ({} entries, {:.2} MB/s; per write, summed over the replicas up: {:.2} log flushes, {:.2} log writes, {:.2} data flushes, {:.2} data writes) caught up in {}",
                 row.missed_writes.unwrap_or(0),
                 row.missed_entries.unwrap_or(0),
+                row.mb_per_s,
+                per(row.log_flushes),
+                per(row.log_writes),
+                per(row.data_flushes),
+                per(row.data_writes),
                 row.phase1_s
+                    .map_or("– (not within the cap)".into(), |s| format!("{s:.2} s")),
+            );
+            eprintln!(
+                "bench: gnothi Phase 1: the same restart with nothing missed took {}",
+                row.phase1_baseline_s
                     .map_or("– (not within the cap)".into(), |s| format!("{s:.2} s")),
             );
             rows.push(row);
@@ -566,10 +580,11 @@ fn errors_note(d: &Done) -> String {
 const PHASE1_REQUEST: usize = 4 << 10;
 const PHASE1_DEPTH: usize = 256;
 
-/// Phase 1 alone, timed against the number of writes missed: a follower is killed, the
-/// clients write 4 KiB blocks for `down` seconds, then stop (so the target holds still),
-/// and the follower is restarted; Phase 1 ends when it has applied the leader's log
-/// index. Its time includes the process's start, reading its own log and rejoining.
+/// Phase 1 alone, timed against the number of writes missed: a follower is killed
+/// and restarted with nothing missed (the restart's own cost: the process's start,
+/// reading its log and devices, rejoining), then killed again while the clients write
+/// 4 KiB blocks for twice the catch-up's down time, and restarted after they stop (so
+/// the target holds still). Phase 1 ends when it has applied the leader's log index.
 fn phase1(
     rt: &tokio::runtime::Runtime,
     work: &std::path::Path,
@@ -592,49 +607,46 @@ fn phase1(
                 .is_some_and(|s| !s.leader)
         })
         .context("no follower to kill")?;
-    let victim_index = st[victim as usize].map_or(0, |s| s.log_index);
+    let deadline = Duration::from_secs(scale.cap);
     cl.kill(victim)?;
+    let baseline = restart_until_applied(&cl, victim, deadline)?;
+    let victim_index = cl.status()?[victim as usize].map_or(0, |s| s.log_index);
+    cl.kill(victim)?;
+    let before = cl.status()?;
     let load = Load {
         workload: Workload::RandWrite,
         request: PHASE1_REQUEST,
         depth: PHASE1_DEPTH,
-        duration: Duration::from_secs(scale.down),
+        duration: Duration::from_secs(2 * scale.down),
         seed: run as u64,
     };
     let done = rt.block_on(load::drive(client, load, Arc::new(AtomicBool::new(false))));
     if interrupted() {
         bail!("interrupted");
     }
-    let target = leader_index(&cl.status()?).context("no leader after the load")?;
-    let restarted = Instant::now();
-    cl.start(victim)?;
-    let deadline = restarted + Duration::from_secs(scale.cap);
-    let mut phase1 = None;
-    while Instant::now() < deadline && !interrupted() {
-        let st = cl.status()?;
-        if st
-            .get(victim as usize)
-            .copied()
-            .flatten()
-            .is_some_and(|v| v.applied >= target)
-        {
-            phase1 = Some(restarted.elapsed().as_secs_f64());
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let after = cl.status()?;
+    // Where a write's time goes with a replica down (summed over the two left).
+    let io = cluster::io_between(&before, &after);
+    let target = leader_index(&after).context("no leader after the load")?;
+    let phase1 = restart_until_applied(&cl, victim, deadline)?;
     let mb_per_s = done.steady_mb_per_s(0.0);
     Ok(Row {
         mb_per_s,
         errors: done.errors,
         requests: done.requests,
         phase1_s: phase1,
+        phase1_baseline_s: baseline,
         caught_up: Some(phase1.is_some()),
         recovery_interval_ms: Some(shape.recovery_interval_ms),
         missed_entries: Some(target.saturating_sub(victim_index)),
         // Acknowledged within the run (a few more finish after it, uncounted).
         missed_writes: Some(done.requests),
         workload: "phase1".into(),
+        log_flushes: io[0],
+        log_writes: io[1],
+        data_flushes: io[2],
+        data_writes: io[3],
+        data_reads: io[4],
         ..Row::io(
             shape.system,
             Workload::RandWrite,
@@ -645,6 +657,27 @@ fn phase1(
             PHASE1_DEPTH,
         )
     })
+}
+
+/// Starts replica `r` and times it until it has applied the leader's log index as it
+/// was at the start (`None`: not within `cap`).
+fn restart_until_applied(cl: &LocalCluster, r: u16, cap: Duration) -> Result<Option<f64>> {
+    let target = leader_index(&cl.status()?).context("no leader")?;
+    let started = Instant::now();
+    cl.start(r)?;
+    while started.elapsed() < cap && !interrupted() {
+        let st = cl.status()?;
+        if st
+            .get(r as usize)
+            .copied()
+            .flatten()
+            .is_some_and(|v| v.applied >= target)
+        {
+            return Ok(Some(started.elapsed().as_secs_f64()));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(None)
 }
 
 /// The catch-up load: random 1 MiB writes, so that the clients are disk-bound (as the
@@ -783,6 +816,7 @@ fn recovery(
         caught_up: Some(phase2.is_some()),
         missed_entries: Some(target.saturating_sub(victim_index)),
         missed_writes: None,
+        phase1_baseline_s: None,
         requests: done.requests,
         log_flushes: 0,
         log_writes: 0,

@@ -422,27 +422,34 @@ pub fn write(
         writeln!(md, "## Phase 1 after many small writes (Gnothi, f = 1)\n")?;
         writeln!(
             md,
-            "A follower is killed; the clients write random 4 KiB blocks for a while and \
-             stop; the follower is restarted, and Phase 1 ends when it has applied the \
-             leader's log index. The time includes the process's start, reading its own \
-             log and devices, and rejoining.\n"
+            "A follower is killed and restarted with nothing missed (the restart's own \
+             cost: the process's start, reading its log and devices, rejoining); then \
+             killed again while the clients write random 4 KiB blocks, and restarted \
+             after they stop. Phase 1 ends when it has applied the leader's log index. \
+             The marginal cost is the difference, per missed write.\n"
         )?;
         writeln!(
             md,
-            "| run | missed writes | missed entries | Phase 1 s | s per 100,000 writes |"
+            "| run | missed writes | missed entries | writes/s while down | restart, nothing missed, s | Phase 1 s | marginal s per 100,000 writes | s per 100,000 writes, restart included |"
         )?;
-        writeln!(md, "|---:|---:|---:|---:|---:|")?;
-        let per_100k = |r: &Row| Some(r.phase1_s? / (r.missed_writes?.max(1) as f64 / 1e5));
+        writeln!(md, "|---:|---:|---:|---:|---:|---:|---:|---:|")?;
+        let per_100k = |r: &Row, t: f64| t / (r.missed_writes.unwrap_or(0).max(1) as f64 / 1e5);
+        let marginal = |r: &Row| Some(per_100k(r, (r.phase1_s? - r.phase1_baseline_s?).max(0.0)));
+        let total = |r: &Row| Some(per_100k(r, r.phase1_s?));
+        let s2 = |v: Option<f64>| v.map_or("–".into(), |s| format!("{s:.2}"));
         for r in &phase1 {
             writeln!(
                 md,
-                "| {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {:.0} | {} | {} | {} | {} |",
                 r.run + 1,
                 r.missed_writes.unwrap_or(0),
                 r.missed_entries.unwrap_or(0),
+                r.mb_per_s * 1e6 / r.block_size.max(1) as f64,
+                s2(r.phase1_baseline_s),
                 r.phase1_s
                     .map_or("not within the cap".into(), |s| format!("{s:.2}")),
-                per_100k(r).map_or("–".into(), |s| format!("{s:.2}")),
+                s2(marginal(r)),
+                s2(total(r)),
             )?;
         }
         writeln!(md)?;
@@ -451,26 +458,30 @@ pub fn write(
             .filter_map(|r| r.missed_writes)
             .min()
             .unwrap_or(0);
-        let all: Option<Vec<f64>> = phase1.iter().map(|r| per_100k(r)).collect();
-        let (verdict, measured) = match all {
-            // Below 10,000 missed writes the start's fixed cost dominates, and scaling
-            // it up says little: no verdict.
-            Some(v) => {
-                let m = median(v).0;
-                (
-                    (fewest >= 10_000).then_some(m <= 1.0),
-                    format!("{m:.2} s (median)"),
-                )
-            }
-            None => (Some(false), "not caught up within the cap".into()),
-        };
-        goals.push((
-            format!(
-                "Phase 1 ≤ 1 s per 100,000 missed writes (at least {fewest} missed, restart included)"
-            ),
-            verdict,
-            measured,
-        ));
+        for (what, f) in [
+            ("marginal", &marginal as &dyn Fn(&Row) -> Option<f64>),
+            ("restart included", &total),
+        ] {
+            let all: Option<Vec<f64>> = phase1.iter().map(|r| f(r)).collect();
+            let (verdict, measured) = match all {
+                // Below 10,000 missed writes timing noise dominates: no verdict.
+                Some(v) => {
+                    let m = median(v).0;
+                    (
+                        (fewest >= 10_000).then_some(m <= 1.0),
+                        format!("{m:.2} s (median)"),
+                    )
+                }
+                None => (Some(false), "not caught up within the cap".into()),
+            };
+            goals.push((
+                format!(
+                    "Phase 1 ≤ 1 s per 100,000 missed writes, {what} (at least {fewest} missed)"
+                ),
+                verdict,
+                measured,
+            ));
+        }
     }
 
     writeln!(md, "## Goals\n")?;
