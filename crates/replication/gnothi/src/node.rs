@@ -813,12 +813,16 @@ impl Node {
             // fetch needs.
             for chunk in (first..end).step_by(FETCH_CHUNK as usize) {
                 let mut g = machine.lock();
-                for b in chunk..(chunk + FETCH_CHUNK).min(end) {
+                let n = FETCH_CHUNK.min(end - chunk);
+                let read = match g.read_run(chunk, n) {
+                    Ok(r) => r,
+                    Err(e) => return Response::Error(RpcError::Failed(e.to_string())),
+                };
+                for (b, r) in (chunk..chunk + n).zip(read) {
                     let version = g.table().meta(b).map_or(0, |m| m.version);
-                    out.push(match g.read(b) {
-                        Ok(LocalRead::Data(d)) => (version, Some(serde_bytes::ByteBuf::from(d))),
-                        Ok(_) => (version, None),
-                        Err(e) => return Response::Error(RpcError::Failed(e.to_string())),
+                    out.push(match r {
+                        LocalRead::Data(d) => (version, Some(serde_bytes::ByteBuf::from(d))),
+                        _ => (version, None),
                     });
                 }
             }

@@ -346,6 +346,39 @@ impl DataStore {
         Ok(self.dev.read(at, buf)?)
     }
 
+    /// Reads the home copies of `out.len() / block size` blocks from `first`, with one
+    /// device request per run of consecutive home blocks (a slice's are consecutive),
+    /// buffered blocks taken from the buffer.
+    pub fn read_home_run(&self, first: u64, out: &mut [u8]) -> Result<()> {
+        let bs = self.geometry.block_size as usize;
+        if out.is_empty() || out.len() % bs != 0 {
+            return self.check_block(out);
+        }
+        let n = (out.len() / bs) as u64;
+        let mut i = 0u64;
+        while i < n {
+            let at = self.home_block(first + i)?;
+            let mut j = i + 1;
+            while j < n && self.home_block(first + j)? == at + (j - i) {
+                j += 1;
+            }
+            self.dev
+                .read_blocks(at, &mut out[(i as usize) * bs..(j as usize) * bs])?;
+            i = j;
+        }
+        for (i, buf) in out.chunks_mut(bs).enumerate() {
+            let at = self.home_block(first + i as u64)?;
+            let buffered = self
+                .dirty
+                .get(&at)
+                .or_else(|| self.writing.iter().rev().find_map(|(w, _)| w.get(&at)));
+            if let Some(d) = buffered {
+                buf.copy_from_slice(d);
+            }
+        }
+        Ok(())
+    }
+
     /// Keeps `data` for `block` at `version` in the reserve, replacing an older copy
     /// of the same block; durable at the next flush.
     pub fn reserve_put(&mut self, r: Reserved, data: &[u8]) -> Result<()> {
@@ -700,6 +733,37 @@ mod tests {
         dev.read(s.home_block(11).unwrap(), &mut on_dev).unwrap();
         assert_eq!(on_dev, block(6));
         assert!(!s.flush_done(unwritten, false).unwrap());
+    }
+
+    #[test]
+    fn a_home_run_reads_in_one_request_with_buffered_blocks_over_the_device() {
+        let (g, _) = setup(2);
+        // (A disk that counts a multi-block read once; the memory device counts blocks.)
+        let dev = crate::sim::CrashDisk::new(512, DataStore::blocks_needed(&g, 2, 2));
+        let mut s = DataStore::open(g, 2, dev.clone(), 2).unwrap();
+        // Blocks 5..15 are replica 2's (slices 1 and 2): one run on its device.
+        for b in 5..15u64 {
+            s.write_home(b, &block(b as u8)).unwrap();
+        }
+        s.flush().unwrap();
+        s.write_home(7, &block(70)).unwrap();
+        let taken = s.flush_begin();
+        s.write_home(9, &block(90)).unwrap();
+        let before = dev.stats();
+        let mut out = vec![0u8; 10 * 512];
+        s.read_home_run(5, &mut out).unwrap();
+        assert_eq!(dev.stats().reads, before.reads + 1, "one request");
+        for (i, d) in out.chunks(512).enumerate() {
+            let b = 5 + i as u64;
+            let want = match b {
+                7 => 70,
+                9 => 90,
+                _ => b as u8,
+            };
+            assert_eq!(d, &block(want)[..], "block {b}");
+        }
+        assert!(s.read_home_run(0, &mut out).is_err(), "not this replica's");
+        assert!(!s.flush_done(taken, false).unwrap());
     }
 
     #[test]
