@@ -317,7 +317,16 @@ impl DataStore {
         if data.is_empty() || data.len() % bs != 0 {
             return self.check_block(data);
         }
-        let n = (data.len() / bs) as u64;
+        for (at, i, j) in self.home_runs(first, (data.len() / bs) as u64)? {
+            self.buffer(at, &data[i * bs..j * bs])?;
+        }
+        Ok(())
+    }
+
+    /// The runs of consecutive device blocks that `n` volume blocks from `first` map
+    /// to at home: (first device block, index of its first block, index past its last).
+    fn home_runs(&self, first: u64, n: u64) -> Result<Vec<(u64, usize, usize)>> {
+        let mut runs = Vec::new();
         let mut i = 0u64;
         while i < n {
             let at = self.home_block(first + i)?;
@@ -325,11 +334,10 @@ impl DataStore {
             while j < n && self.home_block(first + j)? == at + (j - i) {
                 j += 1;
             }
-            let part = &data[(i as usize) * bs..(j as usize) * bs];
-            self.buffer(at, part)?;
+            runs.push((at, i as usize, j as usize));
             i = j;
         }
-        Ok(())
+        Ok(runs)
     }
 
     pub fn read_home(&self, block: u64, buf: &mut [u8]) -> Result<()> {
@@ -354,17 +362,8 @@ impl DataStore {
         if out.is_empty() || out.len() % bs != 0 {
             return self.check_block(out);
         }
-        let n = (out.len() / bs) as u64;
-        let mut i = 0u64;
-        while i < n {
-            let at = self.home_block(first + i)?;
-            let mut j = i + 1;
-            while j < n && self.home_block(first + j)? == at + (j - i) {
-                j += 1;
-            }
-            self.dev
-                .read_blocks(at, &mut out[(i as usize) * bs..(j as usize) * bs])?;
-            i = j;
+        for (at, i, j) in self.home_runs(first, (out.len() / bs) as u64)? {
+            self.dev.read_blocks(at, &mut out[i * bs..j * bs])?;
         }
         for (i, buf) in out.chunks_mut(bs).enumerate() {
             let at = self.home_block(first + i as u64)?;

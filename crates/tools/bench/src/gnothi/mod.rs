@@ -598,15 +598,7 @@ fn phase1(
     let cl = LocalCluster::up(&dir, shape)?;
     let client = cl.client(rt, client_id)?;
     let st = cl.status()?;
-    let victim = (0..cl.replicas)
-        .rev()
-        .find(|&r| {
-            st.get(r as usize)
-                .copied()
-                .flatten()
-                .is_some_and(|s| !s.leader)
-        })
-        .context("no follower to kill")?;
+    let victim = a_follower(&st, cl.replicas)?;
     let deadline = Duration::from_secs(scale.cap);
     cl.kill(victim)?;
     let baseline = restart_until_applied(&cl, victim, deadline)?;
@@ -657,6 +649,19 @@ fn phase1(
             PHASE1_DEPTH,
         )
     })
+}
+
+/// The highest-numbered replica up that does not lead: the one the recovery runs kill.
+fn a_follower(st: &[Option<cluster::ReplicaStatus>], replicas: u16) -> Result<u16> {
+    (0..replicas)
+        .rev()
+        .find(|&r| {
+            st.get(r as usize)
+                .copied()
+                .flatten()
+                .is_some_and(|s| !s.leader)
+        })
+        .context("no follower to kill")
 }
 
 /// Starts replica `r` and times it until it has applied the leader's log index as it
@@ -733,15 +738,7 @@ fn recovery(
     let mut events = Vec::new();
     std::thread::sleep(Duration::from_secs(scale.before));
     let st = cl.status()?;
-    let victim = (0..cl.replicas)
-        .rev()
-        .find(|&r| {
-            st.get(r as usize)
-                .copied()
-                .flatten()
-                .is_some_and(|s| !s.leader)
-        })
-        .context("no follower to kill")?;
+    let victim = a_follower(&st, cl.replicas)?;
     let victim_index = st[victim as usize].map_or(0, |s| s.log_index);
     let target = match kind {
         Recovery::CatchUp => {
