@@ -32,6 +32,10 @@ use generated::replica_server::{Replica, ReplicaServer};
 /// The largest message on the wire: a batch of blocks and its envelope.
 pub const MAX_MESSAGE: usize = MAX_DATA + (64 << 10);
 const SECRET_KEY: &str = "x-gnothi-secret";
+/// The agreement id of the server a request is meant for. A server replaced by another
+/// at the same address must not have its messages answered by the new one: during the
+/// joint change, agreement would count one server's answers for both ids.
+const TO_KEY: &str = "x-gnothi-to";
 
 struct Service {
     node: Arc<Node>,
@@ -43,10 +47,36 @@ impl Replica for Service {
         &self,
         request: tonic::Request<Request>,
     ) -> Result<tonic::Response<Response>, Status> {
-        Ok(tonic::Response::new(
-            self.node.handle(request.into_inner()).await,
-        ))
+        let to = request
+            .metadata()
+            .get(TO_KEY)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        let req = request.into_inner();
+        if let Some(to) = to.filter(|&to| to != self.node.node_id && for_one_server(&req)) {
+            return Err(Status::failed_precondition(format!(
+                "this server is agreement id {}, not {to} (a server that replaced it at \
+                 this address?)",
+                self.node.node_id
+            )));
+        }
+        Ok(tonic::Response::new(self.node.handle(req).await))
     }
+}
+
+/// Whether only the server a request names may answer it: agreement's messages and
+/// data stored or fetched as a slot's copy. Questions any server may answer truthfully
+/// (status, reads, proposals, which a follower redirects) are let through, so a
+/// caller that knows an address but not who serves it now can learn it.
+fn for_one_server(req: &Request) -> bool {
+    matches!(
+        req,
+        Request::AppendEntries(_)
+            | Request::Vote(_)
+            | Request::InstallSnapshot(_)
+            | Request::PutData { .. }
+            | Request::Fetch { .. }
+    )
 }
 
 /// Serves `node` on `listen` until `shutdown` resolves; over TLS with `tls`.
@@ -155,6 +185,7 @@ impl Net for GrpcNet {
                 .max_encoding_message_size(MAX_MESSAGE);
             let mut r = tonic::Request::new(req);
             r.metadata_mut().insert(SECRET_KEY, self.secret.clone());
+            r.metadata_mut().insert(TO_KEY, MetadataValue::from(to));
             match client.call(r).await {
                 Ok(resp) => Ok(resp.into_inner()),
                 Err(s) => Err(NetError::Unreachable(to, s.message().to_string())),

@@ -100,6 +100,34 @@ async fn a_volume_over_grpc_serves_and_refuses_bad_input() {
         ),
     }
 
+    // Server 0's address taken for another server's (as after a replacement at the
+    // same address): data and agreement messages meant for that one are refused, with
+    // the reason; a status question is answered, and says who is there.
+    let mut misdirected = peers.clone();
+    misdirected.insert(7, peers[&0].clone());
+    let mis = GrpcNet::new(misdirected, SECRET).unwrap();
+    let put = Request::PutData {
+        write: quilt_gnothi::WriteId { client: 9, seq: 1 },
+        first: 0,
+        data: vec![0u8; 4096],
+    };
+    match quilt_gnothi::net::call_within(mis.as_ref(), 7, put, Duration::from_secs(5)).await {
+        Err(e) => assert!(e.to_string().contains("agreement id 0, not 7"), "{e}"),
+        Ok(other) => panic!("data meant for server 7 was taken by server 0: {other:?}"),
+    }
+    let fetch = Request::Fetch { first: 0, count: 1 };
+    assert!(
+        quilt_gnothi::net::call_within(mis.as_ref(), 7, fetch, Duration::from_secs(5))
+            .await
+            .is_err()
+    );
+    match quilt_gnothi::net::call_within(mis.as_ref(), 7, Request::Status, Duration::from_secs(5))
+        .await
+    {
+        Ok(Response::Status(st)) => assert_eq!(st.node, 0),
+        other => panic!("a status question was not answered: {other:?}"),
+    }
+
     // Garbage on the port: the connection fails, the server does not.
     for addr in peers.values() {
         use std::io::Write;
