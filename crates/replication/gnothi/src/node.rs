@@ -784,16 +784,19 @@ impl Node {
         let machine = self.machine.clone();
         let read = tokio::task::spawn_blocking(move || {
             let mut g = machine.lock();
-            let mut out = Vec::with_capacity(count as usize);
-            for b in first..first + u64::from(count) {
-                out.push(match g.read(b) {
-                    Ok(LocalRead::Data(d)) => BlockAnswer::Data(d),
-                    Ok(LocalRead::Zero) => BlockAnswer::Zero,
-                    Ok(LocalRead::NotHere(h)) => BlockAnswer::NotHere(h),
-                    Err(e) => return Response::Error(RpcError::Failed(e.to_string())),
-                });
+            // A run of home copies in one device request (a request per block before).
+            match g.read_run(first, u64::from(count)) {
+                Ok(read) => Response::Blocks(
+                    read.into_iter()
+                        .map(|r| match r {
+                            LocalRead::Data(d) => BlockAnswer::Data(d),
+                            LocalRead::Zero => BlockAnswer::Zero,
+                            LocalRead::NotHere(h) => BlockAnswer::NotHere(h),
+                        })
+                        .collect(),
+                ),
+                Err(e) => Response::Error(RpcError::Failed(e.to_string())),
             }
-            Response::Blocks(out)
         });
         read.await
             .unwrap_or_else(|e| Response::Error(RpcError::Failed(e.to_string())))
