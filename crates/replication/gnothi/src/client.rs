@@ -88,6 +88,8 @@ struct Suspect {
 
 /// How often a suspected replica is probed.
 const PROBE_EVERY: Duration = Duration::from_millis(500);
+/// Times a write is sent again after the volume abandoned it (see `Command::Abandon`).
+const ABANDONED_TRIES: u32 = 8;
 
 impl Client {
     /// Connects to the volume on replicas `0..replicas`, learning its geometry from
@@ -336,17 +338,32 @@ impl Client {
     }
 
     async fn write_piece(&self, first: u64, data: &[u8]) -> Result<(), ClientError> {
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        self.in_flight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(seq);
-        let r = self.write_seq(seq, first, data).await;
-        self.in_flight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&seq);
-        r
+        let mut tries = 0;
+        loop {
+            let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+            self.in_flight
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(seq);
+            let r = self.write_seq(seq, first, data).await;
+            self.in_flight
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&seq);
+            tries += 1;
+            match r {
+                // Its staged data was let go before it committed (a replica's data
+                // log out of room): nothing of it applies, ever; as a new write.
+                Err(ClientError::Refused(CommandError::Abandoned)) if tries < ABANDONED_TRIES => {
+                    tracing::debug!(
+                        seq,
+                        first,
+                        "write abandoned by the volume; writing it again"
+                    );
+                }
+                r => return r,
+            }
+        }
     }
 
     /// Tells the volume that replica `r`'s data device was replaced by an empty one

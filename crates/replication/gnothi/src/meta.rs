@@ -6,7 +6,7 @@
 //! upgrade to 0.10 changes the trait signatures of this module's users (`raftlog.rs`,
 //! `machine.rs`, `net.rs`), not the protocol.
 
-use crate::table::{Command, CommandError, Version};
+use crate::table::{Command, CommandError, Version, WriteId};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 use std::io::Cursor;
@@ -83,8 +83,27 @@ struct ClientWrites {
     applied: BTreeSet<(u64, Version)>,
 }
 
+/// What [`Sessions::applied`] says of a write abandoned before it was applied
+/// (`Command::Abandon`): no index is this large.
+pub const ABANDONED: Version = Version::MAX;
+
 impl Sessions {
-    /// The index `s.seq` was applied at, if it was.
+    /// Records `w` as abandoned unless it was applied: applied later, it is refused.
+    /// (One its client already let go of needs nothing: a late copy of it is
+    /// `forgotten`, and changes nothing.)
+    pub fn abandon(&mut self, w: WriteId) {
+        let c = self.clients.entry(w.client).or_default();
+        if w.seq >= c.done_below
+            && c.applied
+                .range((w.seq, 0)..=(w.seq, Version::MAX))
+                .next()
+                .is_none()
+        {
+            c.applied.insert((w.seq, ABANDONED));
+        }
+    }
+
+    /// The index `s.seq` was applied at, if it was ([`ABANDONED`] if it was let go).
     pub fn applied(&self, s: &Session) -> Option<Version> {
         let c = self.clients.get(&s.client)?;
         c.applied

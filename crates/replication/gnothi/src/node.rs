@@ -455,6 +455,9 @@ impl Node {
             snapshot_policy: SnapshotPolicy::LogsSinceLast(snapshot_every),
             max_in_snapshot_log_to_keep: keep_after_snapshot,
             install_snapshot_timeout: ms(config.rpc_timeout),
+            // A chunk must fit one message (openraft's default, 3 MiB, did not: a
+            // snapshot of a volume's table past a megabyte never arrived).
+            snapshot_max_chunk_size: (crate::rpc::MAX_DATA / 2) as u64,
             // An auxiliary hears nothing while the mains are well: it must not take
             // that silence for a leader's failure.
             enable_elect: !auxiliary,
@@ -1003,6 +1006,19 @@ impl Node {
                 },
             ))
             .await;
+        }
+        // Staged writes to let go of, for room in the data log: through the log, so
+        // that none of them commits after its data is gone (unfenced: which server
+        // holds a slot does not matter to it).
+        let abandon = self.machine.lock().take_abandoning();
+        if !abandon.is_empty() {
+            tracing::info!(
+                replica = self.id,
+                writes = abandon.len(),
+                "data log out of room: abandoning staged writes"
+            );
+            self.propose_anywhere(Command::Abandon { writes: abandon })
+                .await;
         }
         let late = self.machine.lock().take_late();
         match late {

@@ -16,6 +16,7 @@ use crate::geometry::{Geometry, ReplicaId};
 use crate::layout::{Label, LayoutError};
 use crate::meta::{
     Entry, LogId, Meta, Outcome, Proposal, Sessions, SnapshotMeta, StorageError, StoredMembership,
+    ABANDONED,
 };
 use crate::raftlog::{RaftLog, RaftLogError};
 use crate::store::{DataStore, Reserved, StoreError};
@@ -26,9 +27,10 @@ use openraft::storage::{RaftSnapshotBuilder, RaftStateMachine, Snapshot};
 use openraft::{EntryPayload, RaftLogId, StorageIOError};
 use quilt_block::BlockDevice;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Cursor;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// A write-back under way: see [`Local::write_back_begin`].
 pub struct WriteBack {
@@ -57,6 +59,8 @@ pub enum ReplicaError {
     Unaligned { len: usize, block_size: usize },
     #[error("the data log's sync failed: {0}")]
     Sync(String),
+    #[error("the data log is out of room ({need} blocks wanted twice, {used} of {ring} used by writes not yet applied); try again")]
+    DataLogFull { need: u64, used: u64, ring: u64 },
 }
 
 /// What a replica keeps in a snapshot: the replicated state as of `last_applied`.
@@ -83,7 +87,15 @@ struct StagedData {
     lsn: u64,
     first: u64,
     data: Vec<u8>,
+    /// When it was staged (or found in the data log at open).
+    since: Instant,
 }
+
+/// A staged write not applied after this long may be abandoned when the data log is
+/// out of room: a client's proposal normally commits within milliseconds of its store.
+const ABANDON_AFTER: Duration = Duration::from_secs(1);
+/// Writes abandoned by one log entry, at most.
+const ABANDON_AT_ONCE: usize = 256;
 
 pub struct Local {
     /// This replica's slot in the placement.
@@ -100,6 +112,10 @@ pub struct Local {
     staged: HashMap<WriteId, StagedData>,
     /// Staged records by lsn, for trimming in order.
     staged_lsns: BTreeMap<u64, WriteId>,
+    /// Staged writes to be abandoned through the log (`make_room`), and when that
+    /// was last asked.
+    abandoning: BTreeSet<WriteId>,
+    abandon_asked: Instant,
     last_applied: Option<LogId>,
     membership: StoredMembership,
     snapshot: Option<(SnapshotMeta, Vec<u8>)>,
@@ -166,6 +182,10 @@ impl Local {
             datalog,
             staged: HashMap::new(),
             staged_lsns: BTreeMap::new(),
+            abandoning: BTreeSet::new(),
+            abandon_asked: Instant::now()
+                .checked_sub(ABANDON_AFTER)
+                .unwrap_or_else(Instant::now),
             last_applied: None,
             membership: StoredMembership::default(),
             snapshot: None,
@@ -188,6 +208,7 @@ impl Local {
                     lsn: r.lsn,
                     first: r.first,
                     data: r.data,
+                    since: Instant::now(),
                 },
             );
         }
@@ -365,7 +386,15 @@ impl Local {
                 let lsn = self.datalog.append(write, first, &data)?;
                 appended.push(write);
                 self.staged_lsns.insert(lsn, write);
-                self.staged.insert(write, StagedData { lsn, first, data });
+                self.staged.insert(
+                    write,
+                    StagedData {
+                        lsn,
+                        first,
+                        data,
+                        since: Instant::now(),
+                    },
+                );
                 Ok(())
             });
             out.push(r);
@@ -391,16 +420,53 @@ impl Local {
         if self.datalog.used() + 2 * need > ring {
             self.settle()?;
         }
-        while self.datalog.used() + 2 * need > ring {
-            let Some((&lsn, &write)) = self.staged_lsns.iter().next() else {
-                break;
-            };
-            self.staged_lsns.remove(&lsn);
-            self.staged.remove(&write);
-            let next = self.staged_lsns.keys().next().copied().unwrap_or(u64::MAX);
-            self.datalog.trim(next)?;
+        if self.datalog.used() + 2 * need <= ring {
+            return Ok(());
         }
-        Ok(())
+        // The rest is staged writes not applied yet, each of which may be about to
+        // commit naming this replica: dropping one here lost acknowledged writes (on
+        // every preferred replica alike, when their logs were full alike). This write
+        // is refused instead (its client stands in a reserve, or tries again), and
+        // the records staged longest are put to the log to be abandoned: once that
+        // entry applies, none of them can commit any more, and they go.
+        let now = Instant::now();
+        let due: Vec<WriteId> = self
+            .staged_lsns
+            .values()
+            .filter(|w| {
+                self.staged
+                    .get(w)
+                    .is_some_and(|st| now.duration_since(st.since) >= ABANDON_AFTER)
+            })
+            .take(ABANDON_AT_ONCE)
+            .copied()
+            .collect();
+        self.abandoning.extend(due);
+        Err(ReplicaError::DataLogFull {
+            need,
+            used: self.datalog.used(),
+            ring,
+        })
+    }
+
+    /// Staged writes to put to the log as abandoned (see `make_room`), each asked once
+    /// until applied; a proposal lost with a leader is asked again after a while.
+    pub fn take_abandoning(&mut self) -> Vec<WriteId> {
+        let now = Instant::now();
+        if now.duration_since(self.abandon_asked) < ABANDON_AFTER {
+            return Vec::new();
+        }
+        let writes: Vec<WriteId> = self
+            .abandoning
+            .iter()
+            .filter(|w| self.staged.contains_key(w))
+            .copied()
+            .collect();
+        self.abandoning.retain(|w| writes.contains(w));
+        if !writes.is_empty() {
+            self.abandon_asked = now;
+        }
+        writes
     }
 
     fn check_range(&self, first: u64, len: usize) -> Result<(), ReplicaError> {
@@ -428,6 +494,10 @@ impl Local {
         if let Some(s) = &p.session {
             if let Some(v) = self.sessions.applied(s) {
                 self.drop_staged_of(command);
+                if v == ABANDONED {
+                    self.table.note_applied(index);
+                    return Outcome::Refused(CommandError::Abandoned);
+                }
                 return Outcome::Duplicate(v);
             }
             if self.sessions.forgotten(s) {
@@ -455,6 +525,15 @@ impl Local {
         };
         if let Some(s) = &p.session {
             self.sessions.record(s, index);
+        }
+        // (Before the replay check below: a replayed abandonment still refuses the
+        // writes it names.)
+        if let Command::Abandon { writes } = command {
+            for &w in writes {
+                self.sessions.abandon(w);
+                self.staged_remove(&w);
+                self.abandoning.remove(&w);
+            }
         }
         if index <= self.placed {
             // Replayed after a restart or a snapshot: this entry's data was placed and
@@ -495,7 +574,8 @@ impl Local {
             Command::Repaired { .. }
             | Command::Reclaim { .. }
             | Command::Lost { .. }
-            | Command::Fenced { .. } => {}
+            | Command::Fenced { .. }
+            | Command::Abandon { .. } => {}
         }
         Outcome::Applied(index)
     }

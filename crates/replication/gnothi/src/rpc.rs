@@ -15,6 +15,11 @@ use serde::{Deserialize, Serialize};
 /// The largest data a message may carry (a batch of blocks): bigger writes are split.
 pub const MAX_DATA: usize = 1 << 20;
 
+/// The largest message a transport must carry: a batch of blocks and its envelope.
+/// Agreement's own messages are cut to fit (`net.rs`: entries per append; node.rs:
+/// snapshot chunks).
+pub const MAX_MESSAGE: usize = MAX_DATA + (64 << 10);
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[allow(clippy::large_enum_variant)]
 pub enum Request {

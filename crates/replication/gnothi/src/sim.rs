@@ -5,7 +5,7 @@
 
 use crate::net::{BoxFuture, Net, NetError};
 use crate::node::Node;
-use crate::rpc::{Request, Response};
+use crate::rpc::{Request, Response, MAX_MESSAGE};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::{HashMap, HashSet};
@@ -111,6 +111,14 @@ impl SimNet {
         // On the wire: what cannot be encoded cannot be sent.
         let wire =
             postcard::to_stdvec(&req).map_err(|e| NetError::Unreachable(to, e.to_string()))?;
+        // Nor what is larger than gRPC carries (`transport.rs`): a sender that does
+        // not cut its messages to size fails here as it would between processes.
+        if wire.len() > MAX_MESSAGE {
+            return Err(NetError::Unreachable(
+                to,
+                format!("a message of {} bytes; at most {MAX_MESSAGE}", wire.len()),
+            ));
+        }
         let (through, delay) = self.fate(from, to);
         tokio::time::sleep(delay).await;
         if !through {
@@ -127,6 +135,12 @@ impl SimNet {
         let resp = node.handle(req).await;
         let wire =
             postcard::to_stdvec(&resp).map_err(|e| NetError::Unreachable(to, e.to_string()))?;
+        if wire.len() > MAX_MESSAGE {
+            return Err(NetError::Unreachable(
+                to,
+                format!("an answer of {} bytes; at most {MAX_MESSAGE}", wire.len()),
+            ));
+        }
         let (through, delay) = self.fate(to, from);
         tokio::time::sleep(delay).await;
         // The answer of a replica that went away meanwhile is lost with it.

@@ -17,7 +17,7 @@ pub type Version = u64;
 
 /// A client's name for one write: what replicas file its data under until the write's
 /// metadata commits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct WriteId {
     pub client: u64,
     pub seq: u64,
@@ -122,6 +122,12 @@ pub enum Command {
     /// again. The replica applies the fence (`replica.rs`); the table never sees one.
     /// (Last, so that logs written before it existed decode the same.)
     Fenced { epoch: u64, command: Box<Command> },
+    /// These writes' staged data is let go (a data log out of room): any of them
+    /// applied after this entry is refused (`CommandError::Abandoned`) and its client
+    /// writes it again. Before this entry is applied no replica drops a staged write
+    /// that may yet commit: which comes first in the log decides, alike everywhere.
+    /// The replica applies it (its sessions and staged data); the table ignores it.
+    Abandon { writes: Vec<WriteId> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
@@ -153,6 +159,8 @@ pub enum CommandError {
     StaleMembership { epoch: u64, current: u64 },
     #[error("a fenced command inside a fence, or one that reached the table unchecked")]
     Unfenced,
+    #[error("the write's staged data was let go before it committed (a replica's data log ran out of room); write it again")]
+    Abandoned,
 }
 
 /// What applying a command asks of each replica beyond the table: reserve copies that
@@ -306,6 +314,7 @@ impl MetaTable {
                 blocks.iter().flatten().try_for_each(|&(b, _)| block(b))
             }
             Command::Fenced { .. } => Err(CommandError::Unfenced),
+            Command::Abandon { .. } => Ok(()),
         }
     }
 
@@ -388,6 +397,7 @@ impl MetaTable {
                 }
             }
             Command::Fenced { .. } => unreachable!("refused by check"),
+            Command::Abandon { .. } => {}
         }
         Ok(out)
     }
@@ -619,6 +629,7 @@ mod tests {
             }),
             1 => (0..n, proptest::option::of(proptest::collection::vec(0..blocks, 1..3)))
                 .prop_map(|(r, blocks)| Command::Lost { replica: r, blocks: blocks.map(|bs| bs.into_iter().map(|b| (b, 0)).collect()) }),
+            1 => (0..blocks).prop_map(|seq| Command::Abandon { writes: vec![WriteId { client: 0, seq }] }),
         ]
     }
 
@@ -681,7 +692,8 @@ mod tests {
                             }
                         }
                     }
-                    Command::Reclaim { .. } => {}
+                    // The replica's business (sessions, staged data): no block changes.
+                    Command::Reclaim { .. } | Command::Abandon { .. } => {}
                     Command::Fenced { .. } => prop_assert!(false, "the table applied a fence"),
                 }
             }

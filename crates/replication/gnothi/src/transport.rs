@@ -10,7 +10,7 @@
 
 use crate::net::{BoxFuture, Net, NetError};
 use crate::node::Node;
-use crate::rpc::{Request, Response, MAX_DATA};
+use crate::rpc::{Request, Response};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -29,8 +29,7 @@ mod generated {
 use generated::replica_client::ReplicaClient;
 use generated::replica_server::{Replica, ReplicaServer};
 
-/// The largest message on the wire: a batch of blocks and its envelope.
-pub const MAX_MESSAGE: usize = MAX_DATA + (64 << 10);
+pub use crate::rpc::MAX_MESSAGE;
 const SECRET_KEY: &str = "x-gnothi-secret";
 /// The agreement id of the server a request is meant for. A server replaced by another
 /// at the same address must not have its messages answered by the new one: during the

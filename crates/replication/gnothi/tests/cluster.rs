@@ -4,7 +4,7 @@
 
 use quilt_gnothi::client::{ClientConfig, ClientError};
 use quilt_gnothi::node::NodeConfig;
-use quilt_gnothi::rpc::{Request, Response};
+use quilt_gnothi::rpc::{Request, Response, MAX_MESSAGE};
 use quilt_gnothi::sim::{Cluster, Faults};
 use quilt_gnothi::{Geometry, System};
 use std::time::Duration;
@@ -580,6 +580,152 @@ async fn cheap_paxos_auxiliaries_act_only_while_a_main_is_down() {
             want[b as usize],
             "block {b}"
         );
+    }
+    c.shutdown().await;
+}
+
+/// A replica down while megabytes of metadata were committed (a checksum per block:
+/// 1 MiB writes of 512-byte blocks) catches up. openraft sends a follower that far
+/// behind up to 300 entries at once, which came to more than a message may carry
+/// (`rpc::MAX_MESSAGE`, as gRPC enforces it and the simulated network now does): it
+/// was refused at every retry. With `purge`, the others let go of every entry it
+/// missed, and the snapshot of a 160 MiB volume's table (every block's entry) is itself
+/// larger than a message: it must go in chunks that fit.
+async fn a_replica_down_through_megabytes_of_metadata_catches_up(purge: bool) {
+    const SLICE: u64 = 2048; // 1 MiB of 512-byte blocks
+    let g = Geometry::new(System::Gnothi, 1, BS as u32, 160 * SLICE, SLICE).unwrap();
+    let mut c = Cluster::start_with_log(g, 5, Faults::default(), config(), 32 << 20)
+        .await
+        .unwrap();
+    let client = std::sync::Arc::new(c.client(1, ClientConfig::default()).await.unwrap());
+    c.crash(2).await;
+    // Only slices replica 2 does not prefer: nothing for it to fetch afterwards, and
+    // no reserve needed while it is down; what it missed is metadata alone.
+    let slices: Vec<u64> = (0..g.slices()).filter(|&s| !g.prefers(2, s)).collect();
+    let data = |i: u64| -> Vec<u8> { (0..SLICE).flat_map(|b| block(i * SLICE + b)).collect() };
+    let writes = 160u64;
+    for round in 0..writes / 8 {
+        let batch = (0..8).map(|k| {
+            let i = round * 8 + k;
+            let (client, slice) = (client.clone(), slices[(i as usize) % slices.len()]);
+            async move { client.write(slice * SLICE, &data(i)).await }
+        });
+        for r in futures::future::join_all(batch).await {
+            r.unwrap();
+        }
+    }
+    let n0 = c.node(0).unwrap().clone();
+    let target = n0.status().applied;
+    if purge {
+        // Every entry replica 2 missed goes into a snapshot and out of the logs: it
+        // can catch up from nothing but the snapshot, which is larger than a message.
+        let table = n0.machine().lock().table().clone();
+        let size = postcard::to_stdvec(&table).unwrap().len();
+        assert!(
+            size > MAX_MESSAGE,
+            "the case under test: a table of {size} bytes"
+        );
+        for r in 0..2 {
+            let raft = c.node(r).unwrap().raft().clone();
+            raft.trigger().snapshot().await.unwrap();
+            let mut m = raft.metrics();
+            while m.borrow().snapshot.map_or(0, |s| s.index) < target {
+                m.changed().await.unwrap();
+            }
+            raft.trigger().purge_log(target).await.unwrap();
+            while m.borrow().purged.map_or(0, |p| p.index) < target {
+                m.changed().await.unwrap();
+            }
+        }
+    }
+    c.start_replica(2).await.unwrap();
+    let n2 = c.node(2).unwrap().clone();
+    wait_for("replica 2 to apply what it missed", || {
+        n2.status().applied >= target
+    })
+    .await;
+    // It agrees on the metadata: the last write to each slice, from its own table.
+    let t2 = n2.machine().lock().table().clone();
+    let t0 = n0.machine().lock().table().clone();
+    for &s in &slices {
+        for b in [s * SLICE, s * SLICE + SLICE - 1] {
+            assert_eq!(t2.meta(b), t0.meta(b), "block {b}");
+        }
+    }
+    // And it serves reads with the others down in turn.
+    let last = |s: u64| {
+        (0..writes)
+            .filter(|i| slices[(*i as usize) % slices.len()] == s)
+            .max()
+    };
+    for &s in slices.iter().take(4) {
+        let i = last(s).unwrap();
+        assert_eq!(client.read(s * SLICE, SLICE).await.unwrap(), data(i));
+    }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_far_behind_catches_up_from_a_log_of_large_appends() {
+    a_replica_down_through_megabytes_of_metadata_catches_up(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_far_behind_catches_up_from_a_snapshot_larger_than_a_message() {
+    a_replica_down_through_megabytes_of_metadata_catches_up(true).await;
+}
+
+/// More writes in flight than the replicas' data logs hold (8 MiB each here, 24 MiB
+/// of writes at once, all to slices replicas 0 and 1 prefer): every acknowledged
+/// write reads back, with any one replica down. A replica out of room used to drop
+/// the oldest staged writes not yet applied, some of which then committed naming it:
+/// acknowledged writes with no copy anywhere. Now it refuses the new write (its client
+/// stands in a reserve or tries again) and lets go of old records only through an
+/// `Abandon` entry, after which none of them can commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_beyond_the_data_logs_room_are_refused_never_lost() {
+    const SLICE: u64 = 2048; // 1 MiB of 512-byte blocks
+    let g = Geometry::new(System::Gnothi, 1, BS as u32, 48 * SLICE, SLICE).unwrap();
+    let mut c = Cluster::start(g, 9, Faults::default(), config())
+        .await
+        .unwrap();
+    let client = std::sync::Arc::new(c.client(1, ClientConfig::default()).await.unwrap());
+    let slices: Vec<u64> = (0..g.slices())
+        .filter(|&s| g.prefers(0, s) && g.prefers(1, s))
+        .collect();
+    let data = |i: u64| -> Vec<u8> { (0..SLICE).flat_map(|b| block(i * 7919 + b)).collect() };
+    let writes: Vec<(u64, u64)> = (0..24u64)
+        .map(|i| (i, slices[i as usize % slices.len()]))
+        .collect();
+    let done = futures::future::join_all(writes.iter().map(|&(i, s)| {
+        let client = client.clone();
+        async move { client.write(s * SLICE, &data(i)).await }
+    }))
+    .await;
+    for (r, &(i, s)) in done.iter().zip(&writes) {
+        if let Err(e) = r {
+            panic!("write {i} to slice {s}: {e}");
+        }
+    }
+    // The last write to each slice, read with each replica down in turn.
+    let last = |s: u64| writes.iter().filter(|w| w.1 == s).map(|w| w.0).max();
+    for down in 0..3u16 {
+        c.crash(down).await;
+        let fresh = c
+            .client(20 + u64::from(down), ClientConfig::default())
+            .await
+            .unwrap();
+        for &s in &slices {
+            if let Some(i) = last(s) {
+                assert_eq!(
+                    fresh.read(s * SLICE, SLICE).await.unwrap(),
+                    data(i),
+                    "slice {s} with replica {down} down"
+                );
+            }
+        }
+        c.start_replica(down).await.unwrap();
+        wait_for("every block back on f+1 copies", || c.fully_redundant()).await;
     }
     c.shutdown().await;
 }
