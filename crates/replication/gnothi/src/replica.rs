@@ -59,6 +59,8 @@ pub enum ReplicaError {
     Unaligned { len: usize, block_size: usize },
     #[error("the data log's sync failed: {0}")]
     Sync(String),
+    #[error("the reserve has {free} free slots, {pending} promised to staged copies; {want} more do not fit")]
+    ReserveFull { want: u64, pending: u64, free: u64 },
     #[error("the data log is out of room ({need} blocks wanted twice, {used} of {ring} used by writes not yet applied); try again")]
     DataLogFull { need: u64, used: u64, ring: u64 },
 }
@@ -382,6 +384,7 @@ impl Local {
                     // is answered after this batch's sync, which covers it too).
                     return Ok(());
                 }
+                self.reserve_room(first, &data)?;
                 self.make_room(&data)?;
                 let lsn = self.datalog.append(write, first, &data)?;
                 appended.push(write);
@@ -411,6 +414,35 @@ impl Local {
     /// never committed: their clients gave up on them long ago (the ring holds many
     /// seconds of writes), and a commit naming them after this would find the data
     /// missing and report the blocks lost, never read wrong data.
+    /// A write to a slice this replica does not prefer is a reserve copy: refused now
+    /// unless the reserve has a slot for each of its blocks beyond those the staged
+    /// reserve copies will take. Accepted and then found no slot when applied, the
+    /// acknowledged write would have had one copy fewer than promised.
+    fn reserve_room(&self, first: u64, data: &[u8]) -> Result<(), ReplicaError> {
+        let g = *self.geometry();
+        let bs = g.block_size as usize;
+        let reserve_bound = |first: u64| !g.prefers(self.id, g.slice_of(first));
+        if !reserve_bound(first) {
+            return Ok(());
+        }
+        let pending: u64 = self
+            .staged
+            .values()
+            .filter(|st| reserve_bound(st.first))
+            .map(|st| (st.data.len() / bs) as u64)
+            .sum();
+        let want = (data.len() / bs) as u64;
+        let free = self.store.reserve_slots_free();
+        if pending + want > free {
+            return Err(ReplicaError::ReserveFull {
+                want,
+                pending,
+                free,
+            });
+        }
+        Ok(())
+    }
+
     fn make_room(&mut self, data: &[u8]) -> Result<(), ReplicaError> {
         let bs = self.geometry().block_size as usize;
         let need = (data.len() / bs) as u64 + 1;

@@ -539,6 +539,11 @@ impl DataStore {
         self.reserved.len() as u64
     }
 
+    /// Reserve slots free now (slots of replaced copies come back after a flush).
+    pub fn reserve_slots_free(&self) -> u64 {
+        self.free.len() as u64
+    }
+
     /// Makes every write so far durable; then clears the slots of replaced copies
     /// (their clearing is durable at the next flush, and harmless if lost: the newer
     /// copy wins at reopen).

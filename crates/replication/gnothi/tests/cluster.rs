@@ -729,3 +729,55 @@ async fn writes_beyond_the_data_logs_room_are_refused_never_lost() {
     }
     c.shutdown().await;
 }
+
+/// A reserve stand-in accepts only what its reserve has slots for. With replica 2
+/// down, writes to a slice it prefers with replica 0 stand in replica 1's reserve
+/// (4,096 slots of 512 bytes here). Once that is promised, the next write fails
+/// `Unavailable` with nothing committed, and every acknowledged one is on two
+/// replicas: it reads back from replica 1's reserve with replica 0 down. (Accepted
+/// regardless, the write that found no slot when applied had one copy, though
+/// acknowledged on two.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_reserve_refuses_writes_it_cannot_keep() {
+    const SLICE: u64 = 2048; // 1 MiB of 512-byte blocks
+    let g = Geometry::new(System::Gnothi, 1, BS as u32, 12 * SLICE, SLICE).unwrap();
+    let mut c = Cluster::start(g, 13, Faults::default(), config())
+        .await
+        .unwrap();
+    let cfg = ClientConfig {
+        op_timeout: Duration::from_secs(2),
+        ..ClientConfig::default()
+    };
+    let client = c.client(1, cfg.clone()).await.unwrap();
+    let slices: Vec<u64> = (0..g.slices())
+        .filter(|&s| g.prefers(0, s) && g.prefers(2, s))
+        .collect();
+    assert!(slices.len() >= 3);
+    c.crash(2).await;
+    let data = |i: u64| -> Vec<u8> { (0..SLICE).flat_map(|b| block(i * 104_729 + b)).collect() };
+    for (i, &s) in slices.iter().take(2).enumerate() {
+        client.write(s * SLICE, &data(i as u64)).await.unwrap();
+    }
+    assert_eq!(c.node(1).unwrap().status().reserve_used, 2 * SLICE);
+    let third = client.write(slices[2] * SLICE, &data(2)).await;
+    assert!(
+        matches!(third, Err(ClientError::Unavailable(_))),
+        "{third:?}"
+    );
+    c.crash(0).await;
+    c.start_replica(2).await.unwrap();
+    let fresh = c.client(2, cfg).await.unwrap();
+    for (i, &s) in slices.iter().take(2).enumerate() {
+        assert_eq!(
+            fresh.read(s * SLICE, SLICE).await.unwrap(),
+            data(i as u64),
+            "slice {s}, from replica 1's reserve"
+        );
+    }
+    assert_eq!(
+        fresh.read(slices[2] * SLICE, SLICE).await.unwrap(),
+        vec![0u8; SLICE as usize * BS],
+        "the refused write changed nothing"
+    );
+    c.shutdown().await;
+}
