@@ -1054,7 +1054,7 @@ impl Node {
     /// One Phase 2 fetch: the first run of blocks this replica lacks, from a replica
     /// that holds the first of them, written home if still current, then reported.
     async fn phase2(&self) {
-        let (first, count, from, epoch) = {
+        let (first, count, piece, from, epoch) = {
             let g = self.machine.lock();
             let geo = *g.geometry();
             // From where the last fetch ended, and only blocks someone else holds: a
@@ -1082,34 +1082,44 @@ impl Node {
             let from = holders[self.fetch_turn.load(Relaxed) % holders.len()];
             let shift = self.fetch_shift.load(Relaxed);
             let per_fetch = ((self.config.fetch_bytes / u64::from(geo.block_size)) >> shift).max(1);
-            let max = (MAX_DATA / geo.block_size as usize) as u64;
             let slice_end = (geo.slice_of(first) + 1) * geo.slice_blocks;
-            let count = per_fetch.min(max).min(slice_end.min(geo.blocks) - first);
+            let count = per_fetch.min(slice_end.min(geo.blocks) - first);
             self.phase2_cursor.store(first + count, Relaxed);
-            (first, count as u32, g.node_of(from), g.epoch())
+            let piece = (MAX_DATA / geo.block_size as usize) as u64;
+            (first, count, piece, g.node_of(from), g.epoch())
         };
-        let resp = call_within(
-            self.net.as_ref(),
-            from,
-            Request::Fetch { first, count },
-            self.config.rpc_timeout,
-        )
-        .await;
         let slower = || {
             self.fetch_turn.fetch_add(1, Relaxed);
             let _ = self
                 .fetch_shift
                 .fetch_update(Relaxed, Relaxed, |s| Some((s + 1).min(12)));
         };
-        let Ok(Response::Fetched(blocks)) = resp else {
-            slower();
-            return;
-        };
+        // One round fetches up to `fetch_bytes` (the paper's 16 MiB), in requests of
+        // at most a message's data, one after another from the same holder: its run
+        // is read in order, and the round is made durable and reported once.
         let mut repaired = Vec::new();
-        {
+        let mut short = false;
+        let end = first + count;
+        let mut at = first;
+        while at < end {
+            let n = (end - at).min(piece);
+            let resp = call_within(
+                self.net.as_ref(),
+                from,
+                Request::Fetch {
+                    first: at,
+                    count: n as u32,
+                },
+                self.config.rpc_timeout,
+            )
+            .await;
+            let Ok(Response::Fetched(blocks)) = resp else {
+                short = true;
+                break;
+            };
             let mut g = self.machine.lock();
             for (i, (version, data)) in blocks.into_iter().enumerate() {
-                let b = first + i as u64;
+                let b = at + i as u64;
                 let Some(d) = data else { continue };
                 let lacks = g
                     .table()
@@ -1119,6 +1129,11 @@ impl Node {
                     repaired.push((b, version));
                 }
             }
+            at += n;
+        }
+        if repaired.is_empty() && short {
+            slower();
+            return;
         }
         // Durable before they are reported; written outside the lock (16 MiB written and
         // flushed under it held the replica's stores and applies for the whole time).
@@ -1138,7 +1153,7 @@ impl Node {
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        if repaired.is_empty() {
+        if repaired.is_empty() || short {
             slower();
         } else {
             let _ = self

@@ -68,8 +68,8 @@ pub struct DataStore {
     /// that a crash never finds the old header cleared and the new one not yet
     /// durable (no copy at all). Until then, reopening keeps the newer of the two.
     retired: Vec<u64>,
-    /// Home writes not on the device yet (device block → data), written back in
-    /// block order by a flush: the page cache's job, so that applying a write never
+    /// Home and reserve writes not on the device yet (device block → data), written
+    /// back in block order by a flush: the page cache's job, so that applying a write never
     /// waits for the data disk. Past [`DIRTY_LIMIT`] blocks, home writes go to the
     /// device at once.
     dirty: BTreeMap<u64, Vec<u8>>,
@@ -81,6 +81,11 @@ pub struct DataStore {
     /// until every older one is, so that an older one that fails knows which of its
     /// blocks were written again since.
     writing: Vec<(Blocks, bool)>,
+    /// Blocks written through to the device (the buffer was full) while write-backs
+    /// were under way: the device has them newer than any of those batches, so reads
+    /// skip the batches for them, and a batch that fails or is written again leaves
+    /// them alone. Cleared once no batch is under way.
+    through: std::collections::BTreeSet<u64>,
     /// Held while home data goes to the device, so that an older batch never lands
     /// over a newer write: taken after the replica's lock, never before it.
     device_order: Arc<Mutex<()>>,
@@ -182,6 +187,7 @@ impl DataStore {
             retired: Vec::new(),
             dirty: BTreeMap::new(),
             writing: Vec::new(),
+            through: std::collections::BTreeSet::new(),
             batches_begun: 0,
             whole_from: 0,
             device_order: Arc::new(Mutex::new(())),
@@ -289,8 +295,8 @@ impl DataStore {
         self.buffer(at, data)
     }
 
-    /// Buffers home blocks from device block `at`, or writes them through when the
-    /// buffer is full.
+    /// Buffers device blocks from `at` (home, or a reserve's data and headers), or
+    /// writes them through when the buffer is full.
     fn buffer(&mut self, at: u64, data: &[u8]) -> Result<()> {
         let bs = self.geometry.block_size as usize;
         let n = (data.len() / bs) as u64;
@@ -307,7 +313,11 @@ impl DataStore {
         for b in at..at + n {
             self.dirty.remove(&b);
         }
-        Ok(self.dev.write_blocks(at, data, WriteClass::Data)?)
+        self.dev.write_blocks(at, data, WriteClass::Data)?;
+        if !self.writing.is_empty() {
+            self.through.extend(at..at + n);
+        }
+        Ok(())
     }
 
     /// Writes whole blocks from `first` at home in as few requests as their homes
@@ -340,14 +350,21 @@ impl DataStore {
         Ok(runs)
     }
 
+    /// Device block `at` as buffered, newest first: the buffer, then write-backs
+    /// under way (newest last in `writing`).
+    fn buffered(&self, at: u64) -> Option<&Vec<u8>> {
+        self.dirty.get(&at).or_else(|| {
+            if self.through.contains(&at) {
+                return None;
+            }
+            self.writing.iter().rev().find_map(|(w, _)| w.get(&at))
+        })
+    }
+
     pub fn read_home(&self, block: u64, buf: &mut [u8]) -> Result<()> {
         self.check_block(buf)?;
         let at = self.home_block(block)?;
-        let buffered = self
-            .dirty
-            .get(&at)
-            .or_else(|| self.writing.iter().rev().find_map(|(w, _)| w.get(&at)));
-        if let Some(d) = buffered {
+        if let Some(d) = self.buffered(at) {
             buf.copy_from_slice(d);
             return Ok(());
         }
@@ -367,11 +384,7 @@ impl DataStore {
         }
         for (i, buf) in out.chunks_mut(bs).enumerate() {
             let at = self.home_block(first + i as u64)?;
-            let buffered = self
-                .dirty
-                .get(&at)
-                .or_else(|| self.writing.iter().rev().find_map(|(w, _)| w.get(&at)));
-            if let Some(d) = buffered {
+            if let Some(d) = self.buffered(at) {
                 buf.copy_from_slice(d);
             }
         }
@@ -422,7 +435,12 @@ impl DataStore {
         Ok(())
     }
 
-    fn fill_slots(&self, slots: &[u64], items: &[(Reserved, &[u8])]) -> Result<()> {
+    /// Puts the slots' data and headers in the buffer, as home writes go (written back
+    /// in block order by the next flush): applying a write that stands in a reserve
+    /// never waits for the data disk. (Written through, under the replica's lock, each
+    /// waited out any write-back the disk was busy with: with one replica down, writes
+    /// ran at a quarter of their rate.)
+    fn fill_slots(&mut self, slots: &[u64], items: &[(Reserved, &[u8])]) -> Result<()> {
         let bs = self.dev.block_size();
         // Runs of consecutive slots: (first slot, index of its first item, length).
         let mut runs: Vec<(u64, usize, usize)> = Vec::new();
@@ -438,8 +456,7 @@ impl DataStore {
             for (_, d) in &items[at..at + len] {
                 buf.extend_from_slice(d);
             }
-            self.dev
-                .write_blocks(self.data_block(first), &buf, WriteClass::Data)?;
+            self.buffer(self.data_block(first), &buf)?;
         }
         for &(first, at, len) in &runs {
             buf.clear();
@@ -452,8 +469,7 @@ impl DataStore {
                 let c = crc(&h[..28]);
                 h[28..32].copy_from_slice(&c.to_le_bytes());
             }
-            self.dev
-                .write_blocks(self.header_block(first), &buf, WriteClass::Metadata)?;
+            self.buffer(self.header_block(first), &buf)?;
         }
         Ok(())
     }
@@ -468,7 +484,11 @@ impl DataStore {
         let Some(&(slot, r)) = self.reserved.get(&block) else {
             return Ok(None);
         };
-        self.dev.read(self.data_block(slot), buf)?;
+        let at = self.data_block(slot);
+        match self.buffered(at) {
+            Some(d) => buf.copy_from_slice(d),
+            None => self.dev.read(at, buf)?,
+        }
         Ok(Some(r))
     }
 
@@ -523,8 +543,7 @@ impl DataStore {
     fn clear_slot(&mut self, slot: u64) -> Result<()> {
         tracing::trace!(replica = self.replica, slot, "reserve slot cleared");
         let zero = vec![0u8; self.dev.block_size()];
-        self.dev
-            .write(self.header_block(slot), &zero, WriteClass::Metadata)?;
+        self.buffer(self.header_block(slot), &zero)?;
         self.free.push(slot);
         Ok(())
     }
@@ -555,7 +574,12 @@ impl DataStore {
             // back in the buffer yet: written again, oldest first, before the buffer.
             for (w, done) in &self.writing {
                 if !done {
-                    write_runs(self.dev.as_ref(), w)?;
+                    let older: BTreeMap<u64, Vec<u8>> = w
+                        .iter()
+                        .filter(|(b, _)| !self.through.contains(b))
+                        .map(|(&b, d)| (b, d.clone()))
+                        .collect();
+                    write_runs(self.dev.as_ref(), &older)?;
                 }
             }
             write_runs(self.dev.as_ref(), &self.dirty)?;
@@ -608,7 +632,9 @@ impl DataStore {
             // Only blocks nothing newer replaced: the buffer, or a batch begun after
             // this one (written after it, done or not), holds their newer data.
             for (b, d) in batch.blocks.iter() {
-                if !self.writing[i..].iter().any(|(w, _)| w.contains_key(b)) {
+                if !self.through.contains(b)
+                    && !self.writing[i..].iter().any(|(w, _)| w.contains_key(b))
+                {
                     self.dirty.entry(*b).or_insert_with(|| d.clone());
                 }
             }
@@ -626,6 +652,9 @@ impl DataStore {
     fn prune_written(&mut self) {
         let done = self.writing.iter().take_while(|(_, done)| *done).count();
         self.writing.drain(..done);
+        if self.writing.is_empty() {
+            self.through.clear();
+        }
     }
 
     /// Home blocks waiting in the buffer.
@@ -673,6 +702,53 @@ mod tests {
             s.write_home(7, &[0u8; 100]),
             Err(StoreError::NotABlock { .. })
         ));
+    }
+
+    /// A block written through (the buffer full) while a write-back holding an older
+    /// copy of it is under way: reads see the newer data, and neither the batch
+    /// failing nor a flush that writes it again puts the older data back.
+    #[test]
+    fn a_block_written_through_during_a_write_back_is_never_shown_older() {
+        let g = Geometry::new(System::Gnothi, 1, 512, 3 * DIRTY_LIMIT as u64, 8).unwrap();
+        let dev = Arc::new(MemDevice::new(512, DataStore::blocks_needed(&g, 2, 2)).unwrap());
+        let mut s = DataStore::open(g, 2, dev.clone(), 2).unwrap();
+        let home: Vec<u64> = (0..g.blocks)
+            .filter(|&b| g.prefers(2, g.slice_of(b)))
+            .collect();
+        let x = home[0];
+        s.write_home(x, &block(1)).unwrap();
+        let batch = s.flush_begin();
+        // Fill the buffer with other blocks, so that x's next write goes through.
+        for &b in &home[1..=DIRTY_LIMIT] {
+            s.write_home(b, &block(5)).unwrap();
+        }
+        assert_eq!(s.dirty(), DIRTY_LIMIT);
+        s.write_home(x, &block(2)).unwrap();
+        let mut b = block(0);
+        s.read_home(x, &mut b).unwrap();
+        assert_eq!(b, block(2), "not the older copy the write-back holds");
+        // The batch fails: its older copy of x does not come back to the buffer.
+        assert!(!s.flush_done(batch, false).unwrap());
+        s.read_home(x, &mut b).unwrap();
+        assert_eq!(b, block(2));
+        s.flush().unwrap();
+        dev.read(s.home_block(x).unwrap(), &mut b).unwrap();
+        assert_eq!(b, block(2), "on the device after the flush");
+        // A batch under way when a flush writes it again: likewise.
+        s.write_home(x, &block(3)).unwrap();
+        let batch = s.flush_begin();
+        for &b in &home[1..=DIRTY_LIMIT] {
+            s.write_home(b, &block(6)).unwrap();
+        }
+        s.write_home(x, &block(4)).unwrap();
+        s.flush().unwrap();
+        dev.read(s.home_block(x).unwrap(), &mut b).unwrap();
+        assert_eq!(
+            b,
+            block(4),
+            "the flush wrote the unfinished batch again, not over x"
+        );
+        let _ = s.flush_done(batch, true);
     }
 
     #[test]
@@ -815,20 +891,18 @@ mod tests {
         s.reserve_put(r(1, 4), &block(2)).unwrap();
         s.flush().unwrap();
         dev.set_full(true);
-        // Letting go never touches the device; freeing reports the full device, and
-        // neither loses the slot.
+        // Neither letting go nor freeing touches the device (the cleared header waits
+        // in the buffer), and neither loses the slot.
+        let writes = dev.stats().writes;
         s.reserve_retire(0);
-        assert!(s.reserve_free(1).is_err());
+        s.reserve_free(1).unwrap();
+        assert_eq!(dev.stats().writes, writes);
         assert_eq!((s.reserved(0), s.reserved(1)), (None, None));
         assert!(
             s.flush().is_err(),
             "the slots' headers cannot be cleared yet"
         );
         assert!(s.has_retired());
-        assert!(matches!(
-            s.reserve_put(r(2, 5), &block(3)),
-            Err(StoreError::ReserveFull { .. })
-        ));
         dev.set_full(false);
         s.flush().unwrap();
         assert!(!s.has_retired());
@@ -859,12 +933,18 @@ mod tests {
         s.reserve_put_many(&[(r(0), &b1[..]), (r(1), &b2[..]), (r(2), &b3[..])])
             .unwrap();
         assert_eq!(
-            dev.stats().flushes,
-            before.flushes,
-            "durable at the replica's next write-back, not by a flush of its own"
+            (dev.stats().writes, dev.stats().flushes),
+            (before.writes, before.flushes),
+            "buffered, durable at the replica's next write-back: no request of its own"
         );
-        // The run's data lies in consecutive device blocks (one request can write it):
-        // slots 1..4, after the four headers and slot 0's data.
+        // Read back from the buffer, before any write-back.
+        let mut b = block(0);
+        assert_eq!(s.reserve_read(1, &mut b).unwrap(), Some(r(1)));
+        assert_eq!(b, b2);
+        s.flush().unwrap();
+        // The run's data lies in consecutive device blocks: slots 1..4, after the four
+        // headers and slot 0's data.
+        assert_eq!(dev.stats().bytes_written, before.bytes_written + 8 * 512);
         let data_at = g.home_blocks(2) + 4 + 1;
         let mut run = vec![0u8; 3 * 512];
         dev.read_blocks(data_at, &mut run).unwrap();
@@ -888,8 +968,9 @@ mod tests {
         s.reserve_put(r(3), &block(4)).unwrap();
     }
 
-    /// A copy replaced by a newer one, and a crash before the next flush that lets any
-    /// part of the unflushed writes reach the disk: reopening finds the old copy whole,
+    /// A copy replaced by a newer one, and a crash during the write-back (its blocks
+    /// written, the device not flushed) that lets any part of the unflushed writes
+    /// reach the disk: reopening finds the old copy whole,
     /// or the new one whole, or a header of the new one whose data fails its checksum
     /// (its record is still in the data log, which the replica replays: the placed
     /// mark has not moved). Never the old header over other data, nor a checksum
@@ -916,6 +997,9 @@ mod tests {
             let flushed = seed % 4 == 0;
             if flushed {
                 s.flush().unwrap();
+            } else {
+                let batch = s.flush_begin();
+                write_runs(batch.dev.as_ref(), &batch.blocks).unwrap();
             }
             let after: Arc<dyn BlockDevice> = disk.crash(&mut rng);
             let again = DataStore::open(g, 2, after, 4).unwrap();
