@@ -27,6 +27,7 @@ pub struct LocalCluster {
     pub dir: PathBuf,
     pub address: String,
     pub replicas: u16,
+    reserve_slots: u64,
     exe: PathBuf,
 }
 
@@ -51,7 +52,7 @@ impl LocalCluster {
             .args(["--system", shape.system])
             .args(["--size", &format!("{}M", shape.size_mib)])
             .args(["--port", &shape.port.to_string()])
-            .args(["--reserve-slots", &RESERVE_SLOTS.to_string()])
+            .args(["--reserve-slots", &shape.reserve_slots().to_string()])
             .args([
                 "--recovery-interval-ms",
                 &shape.recovery_interval_ms.to_string(),
@@ -70,6 +71,7 @@ impl LocalCluster {
             dir: dir.to_path_buf(),
             address,
             replicas: shape.replicas,
+            reserve_slots: shape.reserve_slots(),
             exe,
         })
     }
@@ -135,7 +137,7 @@ impl LocalCluster {
         let p = self.dir.join(format!("r{r}.data"));
         let f = std::fs::File::open(&p).with_context(|| format!("{}", p.display()))?;
         let len = f.metadata()?.len();
-        let home_end = len.saturating_sub(2 * RESERVE_SLOTS * BLOCK_SIZE);
+        let home_end = len.saturating_sub(2 * self.reserve_slots * BLOCK_SIZE);
         allocated(&f, home_end).with_context(|| format!("mapping {}", p.display()))
     }
 
@@ -211,9 +213,20 @@ pub fn leader_index(st: &[Option<ReplicaStatus>]) -> Option<u64> {
     st.iter().flatten().find(|s| s.leader).map(|s| s.log_index)
 }
 
-/// Reserve slots each replica's data device has (passed to `cluster up`); a slot is a
-/// header block and a data block, after the home area.
-pub const RESERVE_SLOTS: u64 = 16384;
+impl Shape {
+    /// Reserve slots each replica's data device gets (passed to `cluster up`; a slot is
+    /// a header block and a data block, after the home area): enough to stand in for
+    /// a replica down through a whole run. With one down, a replica stands in for it on
+    /// the slices the two of them do not share, f/(2f+1) of the volume at most; writes
+    /// past a full reserve wait (its copies are refused rather than dropped), and with
+    /// the CLI's default of 16,384 slots the catch-up runs' clients stalled for the
+    /// whole time the replica was down. The area is sparse until used.
+    pub fn reserve_slots(&self) -> u64 {
+        let blocks = (self.size_mib << 20) / BLOCK_SIZE;
+        let f = u64::from(self.replicas.saturating_sub(1) / 2);
+        (blocks * f).div_ceil(2 * f + 1).max(16384)
+    }
+}
 /// The volumes' block size (`cluster up`'s default).
 pub const BLOCK_SIZE: u64 = 4096;
 
