@@ -158,4 +158,29 @@ mod tests {
         assert_eq!(s.applied(&w(3, 0)), Some(13));
         assert_eq!(s.clients[&7].applied.len(), 2);
     }
+
+    #[test]
+    fn an_abandoned_write_is_refused_unless_it_was_applied_or_let_go() {
+        let mut s = Sessions::default();
+        let w = |seq, done_below| Session {
+            client: 7,
+            seq,
+            done_below,
+        };
+        let id = |seq| WriteId { client: 7, seq };
+        s.record(&w(1, 0), 10);
+        s.abandon(id(1));
+        assert_eq!(
+            s.applied(&w(1, 0)),
+            Some(10),
+            "applied first: stays applied"
+        );
+        s.abandon(id(2));
+        assert_eq!(s.applied(&w(2, 0)), Some(ABANDONED));
+        // The client lets 0..3 go: nothing to record below that.
+        s.record(&w(3, 3), 11);
+        s.abandon(id(0));
+        assert!(s.forgotten(&w(0, 0)));
+        assert_eq!(s.applied(&w(0, 0)), None);
+    }
 }

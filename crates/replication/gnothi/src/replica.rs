@@ -410,10 +410,6 @@ impl Local {
         self.log_dev.clone()
     }
 
-    /// When the data log has no room, lets go of the oldest records of writes that
-    /// never committed: their clients gave up on them long ago (the ring holds many
-    /// seconds of writes), and a commit naming them after this would find the data
-    /// missing and report the blocks lost, never read wrong data.
     /// A write to a slice this replica does not prefer is a reserve copy: refused now
     /// unless the reserve has a slot for each of its blocks beyond those the staged
     /// reserve copies will take. Accepted and then found no slot when applied, the
@@ -443,6 +439,8 @@ impl Local {
         Ok(())
     }
 
+    /// Room in the data log for `data`: what a settle frees (records of placed writes),
+    /// else a refusal, and the oldest staged records put up for abandonment.
     fn make_room(&mut self, data: &[u8]) -> Result<(), ReplicaError> {
         let bs = self.geometry().block_size as usize;
         let need = (data.len() / bs) as u64 + 1;
