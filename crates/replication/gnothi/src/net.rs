@@ -258,21 +258,17 @@ impl RaftNetwork<Meta> for Peer {
 /// the transport refused the message at every retry, and the follower never caught
 /// up from the log. openraft sends the number hinted instead.
 fn entries_that_fit(rpc: &AppendEntriesRequest<Meta>, limit: usize) -> Option<u64> {
-    let whole = encoded_size(rpc);
-    if whole <= limit {
-        return None;
-    }
-    let sizes: Vec<usize> = rpc.entries.iter().map(encoded_size).collect();
-    let mut used = whole.saturating_sub(sizes.iter().sum());
-    let mut fit = 0u64;
-    for s in sizes {
-        used = used.saturating_add(s);
+    // One pass over the entries, on every append: postcard lays a struct out field by
+    // field, so the whole is the other fields, the entries' count and each entry.
+    let mut used = encoded_size(&(&rpc.vote, &rpc.prev_log_id, &rpc.leader_commit))
+        .saturating_add(encoded_size(&(rpc.entries.len() as u64)));
+    for (fit, e) in rpc.entries.iter().enumerate() {
+        used = used.saturating_add(encoded_size(e));
         if used > limit {
-            break;
+            return Some((fit as u64).max(1));
         }
-        fit += 1;
     }
-    Some(fit.max(1))
+    None
 }
 
 /// Bytes `v` takes in postcard, counted without a buffer.
