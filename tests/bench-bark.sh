@@ -7,9 +7,10 @@
 # run.)   tests/bench-bark.sh [path/to/quiltfs]
 set -euo pipefail
 q="$(realpath "${1:-./target/release/quiltfs}")"
-work="${TMPDIR:-/tmp}/quiltfs-ci-bench-bark"
+# A fresh directory per run: a mount left by a run that was killed (a fixed path)
+# would make the next run refuse to mount over it.
+work="$(mktemp -d "${TMPDIR:-/tmp}/quiltfs-ci-bench-bark.XXXXXX")"
 out="$work/out"
-rm -rf "$out"; mkdir -p "$work"
 fail() { echo "bench-bark: FAIL: $*" >&2; exit 1; }
 leftovers() {
   { grep -F "$work" /proc/self/mountinfo || true; } | sed 's/^/mount: /'

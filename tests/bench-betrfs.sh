@@ -6,9 +6,10 @@
 #   tests/bench-betrfs.sh [path/to/quiltfs]
 set -euo pipefail
 q="$(realpath "${1:-./target/release/quiltfs}")"
-work="${TMPDIR:-/tmp}/quiltfs-ci-bench-betrfs"
+# A fresh directory per run: a mount left by a run that was killed (a fixed path)
+# would make the next run refuse to mount over it.
+work="$(mktemp -d "${TMPDIR:-/tmp}/quiltfs-ci-bench-betrfs.XXXXXX")"
 out="$work/out"
-rm -rf "$out"; mkdir -p "$work"
 fail() { echo "bench-betrfs: FAIL: $*" >&2; exit 1; }
 leftovers() {
   { grep -F "$work" /proc/self/mountinfo || true; } | sed 's/^/mount: /'
@@ -52,4 +53,5 @@ print(f"bench-betrfs: {len(d['samples'])} samples from {len(systems)} systems, e
 PY
 grep -q "^## Goals" "$out/report.md" || fail "report.md has no goals"
 [ -z "$(leftovers)" ] || fail "left behind: $(leftovers)"
+rm -rf "$work"
 echo "bench-betrfs: ok (quick run of every system and workload, outputs, checks, cleanup)"

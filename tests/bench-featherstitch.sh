@@ -5,9 +5,10 @@
 #   tests/bench-featherstitch.sh [path/to/quiltfs]
 set -euo pipefail
 q="$(realpath "${1:-./target/release/quiltfs}")"
-work="${TMPDIR:-/tmp}/quiltfs-ci-bench-fs"
+# A fresh directory per run: a mount left by a run that was killed (a fixed path)
+# would make the next run refuse to mount over it.
+work="$(mktemp -d "${TMPDIR:-/tmp}/quiltfs-ci-bench-fs.XXXXXX")"
 out="$work/out"
-rm -rf "$out"; mkdir -p "$work"
 fail() { echo "bench-featherstitch: FAIL: $*" >&2; exit 1; }
 
 leftovers() {
@@ -84,4 +85,5 @@ kill -INT -- "-$pid"
 if wait "$pid"; then fail "an interrupted run exited 0"; fi
 grep -q "interrupted" "$work/int.log" || fail "no word of the interruption: $(tail -5 "$work/int.log")"
 [ -z "$(leftovers)" ] || fail "left behind after Ctrl-C: $(leftovers)"
+rm -rf "$work"
 echo "bench-featherstitch: ok (quick run, outputs, Ctrl-C cleanup, bad arguments)"

@@ -10,9 +10,10 @@
 #   tests/bench-gnothi.sh [path/to/quiltfs]
 set -euo pipefail
 q="$(realpath "${1:-./target/release/quiltfs}")"
-work="${TMPDIR:-/tmp}/quiltfs-ci-bench-gnothi"
+# A fresh directory per run: a mount left by a run that was killed (a fixed path)
+# would make the next run refuse to mount over it.
+work="$(mktemp -d "${TMPDIR:-/tmp}/quiltfs-ci-bench-gnothi.XXXXXX")"
 out="$work/out"
-rm -rf "$work"; mkdir -p "$work"
 fail() { echo "bench-gnothi: FAIL: $*" >&2; exit 1; }
 
 if "$q" bench gnothi --systems gnothi,nosuch --work "$work/w" --out "$out" 2>"$work/err"; then
