@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Helpers for tests/no-silent-loss.sh, each a subcommand printing one JSON line.
 
-fill PATH SEED CHUNK   write a pattern that names (SEED, offset) in every 8-byte word
-                       until write(2) fails; then fsync and close; report how many bytes
-                       write(2) acknowledged and which call failed with which errno
+fill PATH SEED CHUNK [LIMIT]
+                       write a pattern that names (SEED, offset) in every 8-byte word
+                       until write(2) fails (or LIMIT bytes are written: "NEVER"); then
+                       fsync and close; report how many bytes write(2) acknowledged and
+                       which call failed with which errno
 verify PATH SEED ACKED the file holds exactly ACKED bytes of SEED's pattern
 maxsize PATH           the largest size truncate(2) accepts (binary search; EFBIG above)
 edge PATH MAX          pwrite of one byte at MAX-1 and at MAX, ftruncate to MAX+1 (errnos)
@@ -28,7 +30,7 @@ def pattern(seed, offset, length):
     return words[skip:skip + length]
 
 
-def fill(path, seed, chunk):
+def fill(path, seed, chunk, limit=None):
     res = {"path": path, "acked": 0, "write_errno": None, "fsync_errno": None,
            "close_errno": None}
     fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
@@ -41,6 +43,10 @@ def fill(path, seed, chunk):
             res["write_errno"] = errno.errorcode.get(e.errno, str(e.errno))
             break
         off += n
+        if limit is not None and off > limit:
+            # More than the file system holds: write(2) never failed.
+            res["write_errno"] = "NEVER"
+            break
         if n < len(data):
             # A short write: the next one reports why.
             continue
@@ -147,7 +153,7 @@ def hold(path):
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "fill":
-        fill(args[0], int(args[1]), int(args[2]))
+        fill(args[0], int(args[1]), int(args[2]), int(args[3]) if len(args) > 3 else None)
     elif cmd == "verify":
         verify(args[0], int(args[1]), int(args[2]))
     elif cmd == "maxsize":

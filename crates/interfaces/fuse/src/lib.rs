@@ -3,8 +3,9 @@
 //! Choices: the kernel checks permissions (`default_permissions`); attributes and entries
 //! are cached for one second; writes go through to the server (1 MiB at most each), so a
 //! write the file system cannot store fails in write(2) itself, as on a kernel file
-//! system; the kernel's writeback cache is an option (`writeback_cache`) that trades
-//! that for fewer, larger writes; requests are served by several threads.
+//! system; the kernel's writeback cache is an option (`writeback_cache`) for fewer,
+//! larger writes, kept within what the file system can still store (see `room`);
+//! requests are served by several threads.
 
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
@@ -24,6 +25,7 @@ mod callers;
 mod clone;
 mod control;
 mod fileattr;
+mod room;
 mod stats;
 use callers::Callers;
 use control::{is_control, CONTROL_INO};
@@ -33,10 +35,11 @@ pub use stats::RequestStats;
 
 const TTL: Duration = Duration::from_secs(1);
 
-/// Under the writeback cache, opens for writing bypass the cache while free space is
-/// below this, so a write that would not fit fails in write(2). More than the kernel
-/// lets one FUSE mount hold dirty (its share of the dirty limit, strictly enforced).
-pub const LOW_SPACE: u64 = 128 << 20;
+/// The kernel's dirty bound for a mount under the writeback cache, by default.
+pub const DIRTY_LIMIT: u64 = 64 << 20;
+
+/// Read-ahead asked of the kernel: as large as one READ.
+const READ_AHEAD: u64 = 1 << 20;
 
 /// What the mount names as its block device (see [`quilt_fusewire::mount`]): with one,
 /// the mount is `fuseblk`, so sync(1) and syncfs(2) reach the server.
@@ -61,10 +64,14 @@ pub struct FuseOptions {
     pub ring: Option<RingOptions>,
     /// Kernel writeback cache. Off (the default), every write(2) reaches the server
     /// before it returns, so no space, too large and I/O errors fail the write itself.
-    /// On, the kernel gathers writes in its page cache and sends them later: errors then
-    /// surface only at fsync(2) or close(2), so opens for writing while free space is
-    /// below [`LOW_SPACE`] bypass the cache (direct I/O).
+    /// On, the kernel gathers writes in its page cache and sends them later, at most
+    /// `dirty_limit` of them at a time, and the mount keeps room for them (see
+    /// `room`); where it cannot bound the kernel (no access to /sys/class/bdi), files
+    /// opened for writing write through.
     pub writeback_cache: bool,
+    /// What the kernel may hold dirty under the writeback cache (at most a sixteenth of
+    /// the file system).
+    pub dirty_limit: u64,
     /// The kernel checks permissions against the mode bits (on by default). Off, every
     /// request reaches the file system unchecked: tests use that to drive it as any
     /// user without modelling permissions.
@@ -97,6 +104,7 @@ impl Default for FuseOptions {
             threads: 4,
             ring: Some(RingOptions::default()),
             writeback_cache: false,
+            dirty_limit: DIRTY_LIMIT,
             default_permissions: true,
             posix_acl: false,
             extra: Vec::new(),
@@ -116,6 +124,12 @@ struct Adapter<F: KernelFs> {
     inos: Inos,
     ttl: Duration,
     writeback_cache: bool,
+    /// The writeback cache's reservation, once the mount exists (see `room`).
+    room: OnceLock<Arc<room::Room>>,
+    /// Read-ahead waits for the first request: the kernel sets its own when it takes
+    /// the answer to INIT, after the mount exists.
+    read_ahead: Mutex<Option<room::Bdi>>,
+    read_ahead_pending: std::sync::atomic::AtomicBool,
     read_only: bool,
     posix_acl: bool,
     on_unmount: Mutex<Option<OnUnmount>>,
@@ -230,9 +244,11 @@ fn spec(t: (i64, u32)) -> Timespec {
 }
 
 impl<F: KernelFs> Adapter<F> {
-    /// How a file is opened: through the kernel's cache, or (writeback cache on, opened
-    /// for writing, free space low) directly, so a write that does not fit fails in
-    /// write(2) instead of at close.
+    /// The handle and open flags for `ino` opened with `flags` by process `pid`: through
+    /// the kernel's cache, or (writeback cache on, opened for writing, and no room kept
+    /// for it) directly, so a write that does not fit fails in write(2) instead of at
+    /// close. A handle opened for writing through the cache is marked (`room::CACHED`)
+    /// and counted until it is released.
     ///
     /// Without the writeback cache, a handle opened write-only writes directly: each
     /// write(2) is then exactly one WRITE request, where the cached path splits a write
@@ -243,22 +259,90 @@ impl<F: KernelFs> Adapter<F> {
     /// drops its cached pages of the range a direct write covers, so readers through
     /// other handles still see the data. What is lost: the written pages are not left
     /// in the kernel's cache, so reading them back asks the server (which caches them).
-    fn open_flags(&self, flags: i32) -> u32 {
+    fn open_reply(&self, ino: u64, flags: i32, pid: u64) -> (u64, u32) {
         let access = flags & libc::O_ACCMODE;
-        let direct = if self.writeback_cache {
-            access != libc::O_RDONLY
-                && self
-                    .fs
-                    .statfs()
-                    .map(|s| s.blocks_free * s.block_size as u64 <= LOW_SPACE)
-                    .unwrap_or(true)
-        } else {
-            access == libc::O_WRONLY
+        if !self.writeback_cache {
+            let direct = access == libc::O_WRONLY;
+            return (pid, if direct { fopen::DIRECT_IO } else { 0 });
+        }
+        if access == libc::O_RDONLY {
+            return (pid, 0);
+        }
+        match self.room.get() {
+            Some(r) if r.open_cached(ino) => (pid | room::CACHED, 0),
+            _ => (pid, fopen::DIRECT_IO),
+        }
+    }
+
+    /// Read-ahead as large as one READ, once the kernel has taken the answer to INIT
+    /// (which sets it to the smaller of its default and ours).
+    #[cold]
+    fn set_read_ahead(&self) {
+        let Some(b) = self
+            .read_ahead
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        else {
+            return;
         };
-        if direct {
-            fopen::DIRECT_IO
-        } else {
-            0
+        self.read_ahead_pending
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        if let Err(e) = b.read_ahead(READ_AHEAD) {
+            tracing::warn!("setting read-ahead: {e}");
+        }
+    }
+
+    /// Bytes a write by `uid` may still take: root's may take the blocks reserved for
+    /// it, as may the kernel's write-back (which comes with no one's credentials).
+    fn free_bytes(&self, uid: u32) -> u64 {
+        self.fs
+            .statfs()
+            .map(|s| {
+                let blocks = if uid == 0 {
+                    s.blocks_free
+                } else {
+                    s.blocks_avail
+                };
+                blocks.saturating_mul(s.block_size as u64)
+            })
+            .unwrap_or(0)
+    }
+
+    /// Looks at free space again if the room asks for it, and acts on a change.
+    fn recheck_room(&self, force: bool, wrote: u64) {
+        let Some(r) = self.room.get() else { return };
+        if !(force || r.wrote(wrote)) {
+            return;
+        }
+        match r.check(self.free_bytes(0)) {
+            Some(room::Change::BecameLow(inos)) => {
+                tracing::info!("space is low: files opened for writing now write through");
+                for ino in inos {
+                    self.invalidate_attr(ino);
+                }
+            }
+            Some(room::Change::BecameAmple) => {
+                tracing::info!("space is ample again: files opened for writing use the cache")
+            }
+            None => {}
+        }
+    }
+
+    /// After a space-freeing change: while space is low, it may be ample again.
+    fn freed(&self) {
+        if self.room.get().is_some_and(|r| r.is_low()) {
+            self.recheck_room(true, 0);
+        }
+    }
+
+    /// Whether a change by `uid` that takes `need` bytes, not from the kernel's
+    /// write-back, may go ahead (while space is low it must leave room for what the
+    /// kernel holds).
+    fn admit(&self, need: u64, uid: u32) -> bool {
+        match self.room.get() {
+            Some(r) if r.is_low() => r.admit(need, self.free_bytes(uid), || self.free_bytes(uid)),
+            _ => true,
         }
     }
 
@@ -371,6 +455,8 @@ impl<F: KernelFs> Adapter<F> {
         if let Err(e) = self.fs.unreference_all(&gone) {
             tracing::warn!("releasing inodes {gone:?} after FORGET: {e}");
         }
+        // An unlinked file's blocks are freed only now.
+        self.freed();
     }
 
     fn reply_entry(&self, r: Result<Attr, FsError>, reply: Reply<'_>) {
@@ -531,9 +617,13 @@ impl<F: KernelFs> Adapter<F> {
                 return reply.error(errno(e));
             }
         }
+        let resized = set.size.is_some();
         match self.fs.setattr(ino, set, &self.ctx(req)) {
             Ok(a) => reply.attr(&wire_attr(&a, self.inos), self.ttl),
             Err(e) => reply.error(errno(e)),
+        }
+        if resized {
+            self.freed();
         }
     }
 
@@ -564,11 +654,10 @@ impl<F: KernelFs> Adapter<F> {
             .create_open(self.inos.to_fs(parent), name, mode, &c)
             .and_then(|a| self.remember(&a).map(|()| a));
         match r {
-            Ok(a) => reply.created(
-                &entry(&wire_attr(&a, self.inos), self.ttl),
-                c.pid as u64,
-                self.open_flags(flags),
-            ),
+            Ok(a) => {
+                let (fh, open) = self.open_reply(a.ino, flags, c.pid as u64);
+                reply.created(&entry(&wire_attr(&a, self.inos), self.ttl), fh, open)
+            }
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -590,9 +679,13 @@ impl<F: KernelFs> Adapter<F> {
             return reply.error(libc::EPERM);
         }
         let mut c = self.ctx(req);
-        if req.header.pid == 0 {
+        let writeback = req.header.pid == 0;
+        if writeback {
             // Writeback by the kernel: done for whoever opened the handle.
             c.pid = fh as u32;
+        } else if !self.admit(data.len() as u64, req.header.uid) {
+            // Space is low and this would take what the kernel's cached writes need.
+            return reply.error(libc::ENOSPC);
         }
         if let Err(e) = self.drop_capability(ino, &c) {
             return reply.error(errno(e));
@@ -605,7 +698,14 @@ impl<F: KernelFs> Adapter<F> {
             }
         }
         match self.fs.write(ino, offset, data, &c) {
-            Ok(n) => reply.written(n),
+            Ok(n) => {
+                reply.written(n);
+                self.recheck_room(false, n as u64);
+                if writeback && self.room.get().is_some_and(|r| r.gated(ino)) {
+                    // Keep the next write(2) to it asking first (see `room`).
+                    self.invalidate_attr(ino);
+                }
+            }
             Err(e) => reply.error(errno(e)),
         }
     }
@@ -654,6 +754,12 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
     }
 
     fn request(&self, req: &Request<'_>, reply: Reply<'_>) {
+        if self
+            .read_ahead_pending
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            self.set_read_ahead();
+        }
         let node = NodeId(req.header.nodeid);
         let ino = self.inos.to_fs(node);
         match &req.op {
@@ -679,13 +785,25 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 );
                 reply.none();
             }
-            Op::Getattr { .. } => {
+            Op::Getattr { fh } => {
                 let _t = self.stats.time(Stat::Getattr);
                 if node == CONTROL_NODE {
                     return reply.attr(&control::attr(), TTL);
                 }
+                // A write(2) through the cache asks with its handle once its attributes
+                // were dropped: while space is low, that is the gate (see `room`).
+                let gated = fh.is_some_and(|h| h & room::CACHED != 0)
+                    && self.room.get().is_some_and(|r| r.gated(ino));
+                if gated && self.free_bytes(req.header.uid) < room::GATE {
+                    return reply.error(libc::ENOSPC);
+                }
                 match self.fs.getattr(ino) {
-                    Ok(a) => reply.attr(&wire_attr(&a, self.inos), self.ttl),
+                    Ok(a) => {
+                        reply.attr(&wire_attr(&a, self.inos), self.ttl);
+                        if gated {
+                            self.invalidate_attr(ino);
+                        }
+                    }
                     Err(e) => reply.error(errno(e)),
                 }
             }
@@ -726,6 +844,7 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                     return reply.error(libc::EPERM);
                 }
                 self.reply_unit(self.fs.unlink(ino, name, &self.ctx(req)), reply);
+                self.freed();
             }
             Op::Rmdir { name } => {
                 let _t = self.stats.time(Stat::Rmdir);
@@ -733,6 +852,7 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                     return reply.error(libc::ENOTDIR);
                 }
                 self.reply_unit(self.fs.rmdir(ino, name, &self.ctx(req)), reply);
+                self.freed();
             }
             Op::Symlink { name, target } => {
                 let _t = self.stats.time(Stat::Symlink);
@@ -797,7 +917,10 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                     return reply.error(errno(e));
                 }
                 match self.fs.open(ino) {
-                    Ok(()) => reply.open(opener, self.open_flags(*flags)),
+                    Ok(()) => {
+                        let (fh, open) = self.open_reply(ino, *flags, opener);
+                        reply.open(fh, open)
+                    }
                     Err(e) => reply.error(errno(e)),
                 }
             }
@@ -824,7 +947,13 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 if node == CONTROL_NODE {
                     return reply.ok();
                 }
+                if let (Op::Release { fh, .. }, Some(r)) = (&req.op, self.room.get()) {
+                    if fh & room::CACHED != 0 {
+                        r.closed(ino);
+                    }
+                }
                 self.reply_unit(self.fs.release(ino), reply);
+                self.freed();
             }
             Op::Fsync { datasync, .. } => {
                 let _t = self.stats.time(Stat::Fsync);
@@ -1000,11 +1129,10 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                     .and_then(|a| self.fs.open(a.ino).map(|()| a))
                     .and_then(|a| self.remember(&a).map(|()| a));
                 match r {
-                    Ok(a) => reply.created(
-                        &entry(&wire_attr(&a, self.inos), self.ttl),
-                        c.pid as u64,
-                        self.open_flags(*flags),
-                    ),
+                    Ok(a) => {
+                        let (fh, open) = self.open_reply(a.ino, *flags, c.pid as u64);
+                        reply.created(&entry(&wire_attr(&a, self.inos), self.ttl), fh, open)
+                    }
                     // The kernel then answers EOPNOTSUPP, so callers fall back.
                     Err(FsError::NotSupported) => reply.error(libc::ENOSYS),
                     Err(e) => reply.error(errno(e)),
@@ -1027,6 +1155,9 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 }
                 // The answer counts bytes in 32 bits.
                 let len = (*len).min(u32::MAX as u64 & !4095);
+                if !self.admit(len, req.header.uid) {
+                    return reply.error(libc::ENOSPC);
+                }
                 match self.fs.copy_file_range(
                     ino,
                     *off_in,
@@ -1069,10 +1200,19 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 if node == CONTROL_NODE {
                     return reply.error(libc::EPERM);
                 }
+                let allocates = *mode as i32 & libc::FALLOC_FL_PUNCH_HOLE == 0;
+                if allocates && !self.admit(*length, req.header.uid) {
+                    return reply.error(libc::ENOSPC);
+                }
                 let r = self
                     .fs
                     .fallocate(ino, *offset, *length, *mode as i32, &self.ctx(req));
                 self.reply_unit(r, reply);
+                if allocates {
+                    self.recheck_room(true, 0);
+                } else {
+                    self.freed();
+                }
             }
             // Not served: ENOSYS makes the kernel answer EOPNOTSUPP and stop asking.
             _ => reply.error(libc::ENOSYS),
@@ -1091,7 +1231,10 @@ fn adapter<F: KernelFs + 'static>(
         inos: Inos { root: fs.root() },
         ttl: opts.cache_ttl,
         fs,
-        writeback_cache: opts.writeback_cache,
+        writeback_cache: opts.writeback_cache && !opts.read_only,
+        room: OnceLock::new(),
+        read_ahead: Mutex::new(None),
+        read_ahead_pending: Default::default(),
         read_only: opts.read_only,
         posix_acl: opts.posix_acl && opts.default_permissions,
         on_unmount: Mutex::new(Some(on_unmount)),
@@ -1100,6 +1243,48 @@ fn adapter<F: KernelFs + 'static>(
         lookups: Default::default(),
         callers,
         _reaper: reaper,
+    }
+}
+
+/// The kernel's settings for the new mount at `mountpoint`: read-ahead as large as a
+/// READ, and under the writeback cache its dirty bound and the room kept for it. Where
+/// the settings cannot be written (another user's mount), read-ahead stays the
+/// kernel's and files opened for writing write through.
+fn settle<F: KernelFs>(
+    adapter: &Adapter<F>,
+    mountpoint: &Path,
+    kind: MountKind,
+    opts: &FuseOptions,
+) {
+    let bdi = match room::Bdi::of_mount(mountpoint, kind == MountKind::Fuseblk) {
+        Ok(b) => b,
+        Err(e) => {
+            if adapter.writeback_cache {
+                tracing::warn!("the mount's backing device: {e}; writes go through");
+            }
+            return;
+        }
+    };
+    *adapter.read_ahead.lock().unwrap_or_else(|e| e.into_inner()) = Some(bdi.clone());
+    adapter
+        .read_ahead_pending
+        .store(true, std::sync::atomic::Ordering::Release);
+    if !adapter.writeback_cache {
+        return;
+    }
+    // At most a sixteenth of the file system, so small ones still use the cache.
+    let size = adapter
+        .fs
+        .statfs()
+        .map(|s| s.blocks.saturating_mul(s.block_size as u64))
+        .unwrap_or(0);
+    let limit = opts.dirty_limit.min(size / 16);
+    match room::Room::new(bdi, limit, mountpoint) {
+        Ok(r) => {
+            let _ = adapter.room.set(r);
+            adapter.recheck_room(true, 0);
+        }
+        Err(e) => tracing::warn!("bounding the kernel's dirty data: {e}; writes go through"),
     }
 }
 
@@ -1141,6 +1326,7 @@ pub fn serve<F: KernelFs + 'static>(
 ) -> std::io::Result<()> {
     let adapter = adapter(fs, opts, on_unmount);
     let mounted = mount(mountpoint, opts)?;
+    settle(&adapter, mountpoint, mounted.kind, opts);
     let loop_dev = mounted.loop_dev;
     let session = Session::new(mounted.channel, opts.threads).with_ring(opts.ring);
     let _ = adapter.notifier.set(session.notifier());
@@ -1240,6 +1426,7 @@ pub fn spawn<F: KernelFs + 'static>(
 ) -> std::io::Result<BackgroundSession> {
     let adapter = adapter(fs, opts, on_unmount);
     let mounted = mount(mountpoint, opts)?;
+    settle(&adapter, mountpoint, mounted.kind, opts);
     let session = Session::new(mounted.channel, opts.threads).with_ring(opts.ring);
     let _ = adapter.notifier.set(session.notifier());
     opts.stats.set_ring_stats(session.ring_stats());

@@ -39,9 +39,12 @@ pub struct MountArgs {
     /// damage is found, marked in the superblock, no more changes) or errors=continue,
     /// flusher_ms=N (background write-back every N ms, 1000 by default; 0: only when
     /// memory, fsync, sync or unmount ask),
-    /// wbcache (the kernel's writeback cache: fewer, larger writes, but errors such as
-    /// no space surface only at fsync or close while free space is plentiful; nowbcache,
-    /// the default, fails write(2) itself), threads=N, uring (the default: requests
+    /// wbcache (the kernel's writeback cache: fewer, larger writes; the kernel may hold
+    /// at most dirty_mib=N MiB unwritten, 64 by default and at most a sixteenth of the
+    /// file system, and the mount keeps that much room for it: when space runs low,
+    /// files opened for writing write through and writes through the cache are refused
+    /// with ENOSPC in write(2); nowbcache, the default, sends every write(2) to the
+    /// server before it returns), threads=N, uring (the default: requests
     /// over io_uring, each served on its caller's CPU, where the kernel offers it, that
     /// is when /sys/module/fuse/parameters/enable_uring is Y; /dev/fuse otherwise) or
     /// nouring (always /dev/fuse), ring_threads=N (workers per CPU, 2 by default),
@@ -101,6 +104,13 @@ fn parse(a: &MountArgs) -> Result<Parsed> {
             ("unsafe", None) => settings.unsafe_durability = true,
             ("nowbcache", None) => fuse.writeback_cache = false,
             ("wbcache", None) => fuse.writeback_cache = true,
+            ("dirty_mib", Some(n)) => {
+                let mib: u64 = n.parse().context("dirty_mib=N (MiB)")?;
+                if mib == 0 {
+                    bail!("dirty_mib=0: the writeback cache needs at least 1 MiB (nowbcache turns it off)");
+                }
+                fuse.dirty_limit = mib << 20;
+            }
             ("nohard", None) => settings.hard_patches = false,
             ("nomerge", None) => settings.overlap_merge = false,
             ("acl", None) => settings.acl = true,
