@@ -299,6 +299,11 @@ impl DataLog {
         Ok(lsn)
     }
 
+    /// The lsn the next record appended will get.
+    pub fn next_lsn(&self) -> u64 {
+        self.tail.0
+    }
+
     /// Makes every record appended so far durable.
     pub fn sync(&self) -> Result<()> {
         Ok(self.dev.flush()?)

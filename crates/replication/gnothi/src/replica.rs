@@ -35,6 +35,10 @@ use std::time::{Duration, Instant};
 /// A write-back under way: see [`Local::write_back_begin`].
 pub struct WriteBack {
     applied: Version,
+    /// The data log may let go of records before this lsn once the batch is durable:
+    /// those placed when it began. A record staged then, or appended since, may be
+    /// placed while the batch is written out, into the buffer, not the batch.
+    trim_below: u64,
     pub batch: crate::store::Batch,
 }
 
@@ -787,8 +791,10 @@ impl Local {
             return None;
         }
         self.unflushed = false;
+        let staged = self.staged_lsns.keys().next().copied().unwrap_or(u64::MAX);
         Some(WriteBack {
             applied,
+            trim_below: staged.min(self.datalog.next_lsn()),
             batch: self.store.flush_begin(),
         })
     }
@@ -812,8 +818,11 @@ impl Local {
             return Ok(());
         }
         self.placed = self.placed.max(wb.applied);
+        // Not up to the oldest record staged now: one placed since the batch began is
+        // in the buffer only, and its record is what a crash would replay it from.
         let oldest = self.staged_lsns.keys().next().copied().unwrap_or(u64::MAX);
-        self.datalog.trim_marked(oldest, self.placed)?;
+        self.datalog
+            .trim_marked(oldest.min(wb.trim_below), self.placed)?;
         Ok(())
     }
 

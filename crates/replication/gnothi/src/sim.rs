@@ -617,6 +617,11 @@ impl Cluster {
         let copies = u32::from(self.geometry.copies());
         up.iter().all(|n| {
             let g = n.machine().lock();
+            // A copy the table names but the replica found gone (damaged, or its data
+            // lost) is one fewer until it is repaired.
+            if !g.lost().is_empty() {
+                return false;
+            }
             let t = g.table();
             (0..self.geometry.blocks).all(|b| {
                 t.meta(b)
