@@ -359,6 +359,10 @@ impl State {
         // and the run is ready on each of them).
         let mut work = chosen;
         let mut taken: HashSet<BlockNo> = work.iter().copied().collect();
+        // A run's patch is ready on each of its blocks: its blocks are added once, not
+        // once per block (a 1 MiB write's run of 256 blocks made 65,536 set inserts,
+        // a fifth of the server's time writing sequentially).
+        let mut expanded: HashSet<PatchId> = HashSet::default();
         let mut next = 0;
         while next < work.len() {
             let block = work[next];
@@ -411,7 +415,7 @@ impl State {
             for &p in &ready {
                 let patch = self.g.get_mut(p);
                 patch.in_flight = true;
-                if patch.span > 1 {
+                if patch.span > 1 && expanded.insert(p) {
                     for b in patch.blocks() {
                         if taken.insert(b) {
                             work.push(b);

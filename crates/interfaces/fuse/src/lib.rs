@@ -795,7 +795,14 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 let gated = fh.is_some_and(|h| h & room::CACHED != 0)
                     && self.room.get().is_some_and(|r| r.gated(ino));
                 if gated && self.free_bytes(req.header.uid) < room::GATE {
-                    return reply.error(libc::ENOSPC);
+                    // A file system may hold room it can give back (betrfs's log until
+                    // its next checkpoint): settled first, it says what is truly left.
+                    if let Err(e) = self.fs.sync_all() {
+                        tracing::warn!("syncing before refusing a write for space: {e}");
+                    }
+                    if self.free_bytes(req.header.uid) < room::GATE {
+                        return reply.error(libc::ENOSPC);
+                    }
                 }
                 match self.fs.getattr(ino) {
                     Ok(a) => {

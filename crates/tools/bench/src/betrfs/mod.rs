@@ -46,7 +46,8 @@ pub struct BetrfsArgs {
     #[arg(long, default_value = "betrfs-results")]
     pub out: PathBuf,
     /// Comma-separated systems (default: all): ext4, xfs, btrfs, fuse2fs, quilt-su (the
-    /// ext2 module, soft updates), betrfs, bindfs (passthrough over ext4: the FUSE
+    /// ext2 module, soft updates), quilt-su-wbcache (the same under the kernel's
+    /// writeback cache), betrfs, bindfs (passthrough over ext4: the FUSE
     /// floor).
     #[arg(long)]
     pub systems: Option<String>,
@@ -105,6 +106,18 @@ pub const SYSTEMS: &[System] = &[
             mode: "soft-updates",
             unsafe_: false,
             options: "",
+        },
+        safe: true,
+        opt: None,
+    },
+    System {
+        name: "quilt-su-wbcache",
+        what: "quiltfs ext2 module, soft updates, kernel writeback cache (-o wbcache)",
+        kind: Kind::Quilt {
+            fs: QuiltFs::Ext2,
+            mode: "soft-updates",
+            unsafe_: false,
+            options: "wbcache",
         },
         safe: true,
         opt: None,
