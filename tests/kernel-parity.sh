@@ -145,6 +145,15 @@ grep -q "^i: open O_WRONLY: EPERM" "$work/flags.kernel" && grep -q "^uid 1234: a
 diff -u "$work/lsattr.kernel" "$work/lsattr.ours" || fail "lsattr differs from the kernel's"
 diff -u "$work/flags.kernel" "$work/flags.ours" || fail "inode flags differ from the kernel's"
 fsck_clean "$work/fq.img"
+# The same under the writeback cache, where the kernel keeps mtime itself (sending it
+# as explicit times) and writes whole pages back (an append repeats the last page's
+# bytes).
+"$q" mkfs "$work/fw.img" --size 64M >/dev/null
+"$q" mount "$work/fw.img" "$m" -o allow_other,wbcache >/dev/null
+flags_setup "$m" >/dev/null
+flags_probe "$m" >"$work/flags.wbcache"; umount "$m"
+diff -u "$work/flags.kernel" "$work/flags.wbcache" || fail "inode flags under the writeback cache differ from the kernel's"
+fsck_clean "$work/fw.img"
 # Flags the kernel set, enforced by quiltfs.
 "$q" mount "$work/fk2.img" "$m" -o allow_other >/dev/null
 flags_probe "$m" >"$work/flags.cross"; umount "$m"

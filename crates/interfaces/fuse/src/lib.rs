@@ -236,6 +236,14 @@ impl Inos {
     }
 }
 
+/// Whether `t` is within a second or two of the clock (a time the kernel just read).
+fn near_now(t: (i64, u32)) -> bool {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    (t.0 - now).abs() <= 2
+}
+
 fn spec(t: (i64, u32)) -> Timespec {
     Timespec {
         sec: t.0,
@@ -272,6 +280,32 @@ impl<F: KernelFs> Adapter<F> {
             Some(r) if r.open_cached(ino) => (pid | room::CACHED, 0),
             _ => (pid, fopen::DIRECT_IO),
         }
+    }
+
+    /// The kernel's write-back to an append-only file: it writes whole pages, so the
+    /// first one repeats the bytes the file already ends with. Those are the file's own
+    /// (nothing may change them), so only what lies past the end is written. (Any other
+    /// refusal stands.)
+    fn write_back_appended(
+        &self,
+        ino: u64,
+        offset: u64,
+        data: &[u8],
+        c: &Ctx,
+    ) -> Result<u32, FsError> {
+        let appends = self.fs.get_flags(ino)? & quilt_vfs::flags::APPEND != 0;
+        let size = self.fs.getattr(ino)?.size;
+        if !appends || offset >= size {
+            return Err(FsError::Perm);
+        }
+        let repeated = ((size - offset) as usize).min(data.len());
+        if repeated < data.len() {
+            let n = self.fs.write(ino, size, &data[repeated..], c)? as usize;
+            if n < data.len() - repeated {
+                return Ok((repeated + n) as u32);
+            }
+        }
+        Ok(data.len() as u32)
     }
 
     /// Read-ahead as large as one READ, once the kernel has taken the answer to INIT
@@ -591,7 +625,20 @@ impl<F: KernelFs> Adapter<F> {
             return reply.error(libc::EPERM);
         }
         let ino = self.inos.to_fs(node);
-        let v = s.valid;
+        let mut v = s.valid;
+        if self.writeback_cache
+            && v & fattr::MTIME != 0
+            && v & fattr::MTIME_NOW == 0
+            && (v & fattr::ATIME == 0 || v & fattr::ATIME_NOW != 0)
+            && near_now(s.mtime)
+        {
+            // Under the writeback cache the kernel keeps mtime itself: it sends "now"
+            // as the time it read (utimes(NULL), which still says ATIME_NOW), and
+            // after writes the mtime they set. Both are taken as "now" again, so that
+            // who may set them is judged as for "now" (an append-only file's writer
+            // may; an explicit time far from now stays refused).
+            v |= fattr::MTIME_NOW;
+        }
         let time = |now: u32, set: u32, t: (i64, u32)| {
             if v & now != 0 {
                 Some(TimeOrNow::Now)
@@ -697,7 +744,11 @@ impl<F: KernelFs> Adapter<F> {
                 return reply.error(errno(e));
             }
         }
-        match self.fs.write(ino, offset, data, &c) {
+        let written = match self.fs.write(ino, offset, data, &c) {
+            Err(FsError::Perm) if writeback => self.write_back_appended(ino, offset, data, &c),
+            r => r,
+        };
+        match written {
             Ok(n) => {
                 reply.written(n);
                 self.recheck_room(false, n as u64);
