@@ -44,29 +44,42 @@ kernel_img() { # PATH BLOCK_SIZE: a Debian mkfs.ext2 image of 64 MiB, 5% reserve
   rm -f "$1"; truncate -s 64M "$1"; mkfs.ext2 -F -q -b "$2" -m 5 "$1"
 }
 
+# Four writers fill IMAGE (64 MiB) mounted with OPTIONS at once: write(2) itself fails
+# with ENOSPC (each stops after 128 MiB if it never does), fsync and close succeed,
+# more than 55 MiB is stored, and after a remount each file is exactly what write(2)
+# acknowledged. Leaves the image mounted, full, for the caller's own checks first
+# (CHECKS: a function run then).
+fill_four() { # TAG IMAGE OPTIONS CHECKS
+  local tag="$1" img="$2" opts="$3" checks="$4" i r acked
+  "$q" mkfs "$img" --size 64M >/dev/null
+  "$q" mount "$img" "$m" ${opts:+-o "$opts"} >/dev/null
+  for i in 1 2 3 4; do "${py[@]}" fill "$m/w$i" "$i" 262144 $((128 << 20)) >"$work/$tag$i.json" & done
+  wait
+  total=0
+  for i in 1 2 3 4; do
+    r="$(cat "$work/$tag$i.json")"
+    [ "$(jget "$r" write_errno)" = ENOSPC ] || fail "$tag, writer $i: write(2) did not fail with ENOSPC: $r"
+    [ "$(jget "$r" fsync_errno)" = None ] && [ "$(jget "$r" close_errno)" = None ] ||
+      fail "$tag, writer $i: fsync or close failed after write(2) had acknowledged: $r"
+    total=$((total + $(jget "$r" acked)))
+  done
+  [ "$total" -gt $((55 << 20)) ] || fail "$tag: the writers stored only $total bytes in 64 MiB"
+  "$checks"
+  umount "$m"
+  fsck_clean "$img"
+  "$q" mount "$img" "$m" >/dev/null
+  for i in 1 2 3 4; do
+    acked="$(jget "$(cat "$work/$tag$i.json")" acked)"
+    "${py[@]}" verify "$m/w$i" "$i" "$acked" >"$work/$tag-verify$i.json" ||
+      fail "$tag, writer $i: after a remount the file is not what was acknowledged: $(cat "$work/$tag-verify$i.json")"
+  done
+}
+
 echo "no-silent-loss: four writers fill a 64 MiB image"
-"$q" mkfs "$work/a.img" --size 64M >/dev/null
-"$q" mount "$work/a.img" "$m" >/dev/null
-for i in 1 2 3 4; do "${py[@]}" fill "$m/w$i" "$i" 262144 >"$work/fill$i.json" & done
-wait
-total=0
-for i in 1 2 3 4; do
-  r="$(cat "$work/fill$i.json")"
-  [ "$(jget "$r" write_errno)" = ENOSPC ] || fail "writer $i: write(2) did not fail with ENOSPC: $r"
-  [ "$(jget "$r" fsync_errno)" = None ] && [ "$(jget "$r" close_errno)" = None ] ||
-    fail "writer $i: fsync or close failed after write(2) had acknowledged: $r"
-  total=$((total + $(jget "$r" acked)))
-done
-[ "$total" -gt $((55 << 20)) ] || fail "the writers stored only $total bytes in 64 MiB"
-if echo x >"$m/small" 2>/dev/null; then fail "a write into the full file system succeeded"; fi
-umount "$m"
-fsck_clean "$work/a.img"
-"$q" mount "$work/a.img" "$m" >/dev/null
-for i in 1 2 3 4; do
-  acked="$(jget "$(cat "$work/fill$i.json")" acked)"
-  "${py[@]}" verify "$m/w$i" "$i" "$acked" >"$work/verify$i.json" ||
-    fail "writer $i: after a remount the file is not what was acknowledged: $(cat "$work/verify$i.json")"
-done
+full_refuses() {
+  if echo x >"$m/small" 2>/dev/null; then fail "a write into the full file system succeeded"; fi
+}
+fill_four direct "$work/a.img" "" full_refuses
 [ "$(stat -c %s "$m/small")" = 0 ] || fail "the refused write left bytes in small"
 umount "$m"
 fsck_clean "$work/a.img"
@@ -74,32 +87,14 @@ fsck_clean "$work/a.img"
 echo "no-silent-loss: four writers fill a 64 MiB image through the writeback cache"
 # Opened while space is ample, so through the kernel's cache; the mount keeps room for
 # what the kernel holds, so write(2) itself still fails, and nothing acknowledged is
-# lost. The same checks as above.
-"$q" mkfs "$work/wb.img" --size 64M >/dev/null
-"$q" mount "$work/wb.img" "$m" -o wbcache >/dev/null
-for i in 1 2 3 4; do "${py[@]}" fill "$m/w$i" "$i" 262144 $((128 << 20)) >"$work/cfill$i.json" & done
-wait
-total=0
-for i in 1 2 3 4; do
-  r="$(cat "$work/cfill$i.json")"
-  [ "$(jget "$r" write_errno)" = ENOSPC ] || fail "cache, writer $i: write(2) did not fail with ENOSPC: $r"
-  [ "$(jget "$r" fsync_errno)" = None ] && [ "$(jget "$r" close_errno)" = None ] ||
-    fail "cache, writer $i: fsync or close failed after write(2) had acknowledged: $r"
-  total=$((total + $(jget "$r" acked)))
-done
-[ "$total" -gt $((55 << 20)) ] || fail "through the cache, the writers stored only $total bytes in 64 MiB"
-# Through the cache the kernel sends larger writes than the writers' 256 KiB.
-writes="$("$q" stats "$m" | awk '$1 == "fuse.write.count" {print $2}')"
-[ "$writes" -lt $((total / 262144)) ] ||
-  fail "the cache was not used: $writes WRITE requests for $((total / 262144)) write(2)s"
-umount "$m"
-fsck_clean "$work/wb.img"
-"$q" mount "$work/wb.img" "$m" >/dev/null
-for i in 1 2 3 4; do
-  acked="$(jget "$(cat "$work/cfill$i.json")" acked)"
-  "${py[@]}" verify "$m/w$i" "$i" "$acked" >"$work/cverify$i.json" ||
-    fail "cache, writer $i: after a remount the file is not what was acknowledged: $(cat "$work/cverify$i.json")"
-done
+# lost.
+cache_used() { # the kernel sent larger writes than the writers' 256 KiB
+  local writes
+  writes="$("$q" stats "$m" | awk '$1 == "fuse.write.count" {print $2}')"
+  [ "$writes" -lt $((total / 262144)) ] ||
+    fail "the cache was not used: $writes WRITE requests for $((total / 262144)) write(2)s"
+}
+fill_four cache "$work/wb.img" wbcache cache_used
 umount "$m"
 fsck_clean "$work/wb.img"
 
