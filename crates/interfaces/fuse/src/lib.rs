@@ -322,8 +322,13 @@ impl<F: KernelFs> Adapter<F> {
         };
         self.read_ahead_pending
             .store(false, std::sync::atomic::Ordering::Relaxed);
-        if let Err(e) = b.read_ahead(READ_AHEAD) {
-            tracing::warn!("setting read-ahead: {e}");
+        match b.read_ahead(READ_AHEAD) {
+            // Another user's mount (fusermount3) keeps the kernel's.
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                tracing::debug!("setting read-ahead: {e}")
+            }
+            Err(e) => tracing::warn!("setting read-ahead: {e}"),
+            Ok(()) => {}
         }
     }
 

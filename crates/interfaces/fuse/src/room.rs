@@ -23,6 +23,8 @@
 //! What remains open, and is reported at fsync(2) and close(2) rather than lost in
 //! silence: one write(2) larger than the gate's margin, begun when the gate still let it
 //! through; and stores through a shared writable mapping (no request precedes them).
+//! And a side effect of the gate: near full, other calls that ask for attributes with
+//! such a handle (`lseek(SEEK_END)`) fail with ENOSPC too.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
