@@ -327,3 +327,95 @@ impl Room {
         self.is_low() && self.lock().cached_writers.contains_key(&ino)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A room whose "sysfs" directory is a temporary one, to read back what it set.
+    fn room(limit: u64) -> (Arc<Room>, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("quilt-room-{}-{}", std::process::id(), limit));
+        std::fs::create_dir_all(&dir).unwrap();
+        let r = Room::new(Bdi { dir: dir.clone() }, limit, &dir).unwrap();
+        (r, dir)
+    }
+
+    fn bound(dir: &Path) -> u64 {
+        std::fs::read_to_string(dir.join("max_bytes"))
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+
+    #[test]
+    fn the_regime_follows_free_space_with_hysteresis() {
+        const MIB: u64 = 1 << 20;
+        let (r, dir) = room(8 * MIB);
+        // Starts low, at the low bound, until space is looked at.
+        assert!(r.is_low() && !r.open_cached(1));
+        assert_eq!(bound(&dir), LOW_LIMIT);
+        assert!(r
+            .check(100 * MIB)
+            .is_some_and(|c| matches!(c, Change::BecameAmple)));
+        assert_eq!(bound(&dir), 8 * MIB);
+        assert!(r.open_cached(7) && r.open_cached(7));
+        // Between the thresholds nothing changes.
+        assert!(r.check(2 * 8 * MIB + SLACK).is_none());
+        let Some(Change::BecameLow(inos)) = r.check(2 * 8 * MIB + SLACK - 1) else {
+            panic!("not low below twice the bound and the slack");
+        };
+        assert_eq!(inos, vec![7]);
+        assert_eq!(bound(&dir), LOW_LIMIT);
+        assert!(r.gated(7) && !r.gated(8));
+        assert!(
+            !r.open_cached(9),
+            "a new open went through the cache while low"
+        );
+        // Back only at three times the bound and the slack.
+        assert!(r.check(3 * 8 * MIB + SLACK - 1).is_none());
+        assert!(r.check(3 * 8 * MIB + SLACK).is_some());
+        assert!(!r.gated(7));
+        r.closed(7);
+        r.closed(7);
+        assert!(!r.lock().cached_writers.contains_key(&7));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn direct_writes_leave_room_for_what_the_kernel_holds() {
+        const MIB: u64 = 1 << 20;
+        let (r, dir) = room(16 * MIB);
+        r.check(100 * MIB);
+        // Ample: anything goes (the file system itself says ENOSPC).
+        assert!(r.admit(MIB, 0, || 0));
+        r.check(10 * MIB);
+        assert!(r.is_low());
+        // Drained (set by hand: the test has no mount to sync), the kernel holds at
+        // most the low bound and the slack.
+        r.lock().drained = true;
+        assert!(r.admit(MIB, LOW_LIMIT + SLACK + MIB, || 0));
+        assert!(!r.admit(MIB, LOW_LIMIT + SLACK + MIB - 1, || u64::MAX));
+        // Not drained, a write that would eat into the old bound waits for the drain,
+        // then asks again.
+        r.lock().drained = false;
+        let waiter = {
+            let r = r.clone();
+            std::thread::spawn(move || r.admit(MIB, 4 * MIB, || 64 * MIB))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        {
+            let mut st = r.lock();
+            st.drained = true;
+            r.drained.notify_all();
+        }
+        assert!(waiter.join().unwrap());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn mount_points_in_mountinfo_are_unescaped() {
+        assert_eq!(unescape(r"/tmp/a\040b\134c"), b"/tmp/a b\\c".to_vec());
+        assert_eq!(unescape(r"/plain"), b"/plain".to_vec());
+        assert_eq!(unescape(r"/end\04"), br"/end\04".to_vec());
+    }
+}
