@@ -10,6 +10,7 @@ q="$(realpath "${1:-./target/release/quiltfs}")"
 # A fresh directory per run: a mount left by a run that was killed (a fixed path)
 # would make the next run refuse to mount over it.
 work="$(mktemp -d "${TMPDIR:-/tmp}/quiltfs-ci-bench-bark.XXXXXX")"
+chmod 755 "$work"  # mktemp makes it 0700; servers run as other users below it
 out="$work/out"
 fail() { echo "bench-bark: FAIL: $*" >&2; exit 1; }
 leftovers() {

@@ -13,6 +13,7 @@ q="$(realpath "${1:-./target/release/quiltfs}")"
 # A fresh directory per run: a mount left by a run that was killed (a fixed path)
 # would make the next run refuse to mount over it.
 work="$(mktemp -d "${TMPDIR:-/tmp}/quiltfs-ci-bench-gnothi.XXXXXX")"
+chmod 755 "$work"  # mktemp makes it 0700; servers run as other users below it
 out="$work/out"
 fail() { echo "bench-gnothi: FAIL: $*" >&2; exit 1; }
 
