@@ -791,10 +791,9 @@ impl Local {
             return None;
         }
         self.unflushed = false;
-        let staged = self.staged_lsns.keys().next().copied().unwrap_or(u64::MAX);
         Some(WriteBack {
             applied,
-            trim_below: staged.min(self.datalog.next_lsn()),
+            trim_below: self.oldest_staged().min(self.datalog.next_lsn()),
             batch: self.store.flush_begin(),
         })
     }
@@ -820,10 +819,15 @@ impl Local {
         self.placed = self.placed.max(wb.applied);
         // Not up to the oldest record staged now: one placed since the batch began is
         // in the buffer only, and its record is what a crash would replay it from.
-        let oldest = self.staged_lsns.keys().next().copied().unwrap_or(u64::MAX);
-        self.datalog
-            .trim_marked(oldest.min(wb.trim_below), self.placed)?;
+        // (Every record staged now is at or past `trim_below`: staged then, or
+        // appended since.)
+        self.datalog.trim_marked(wb.trim_below, self.placed)?;
         Ok(())
+    }
+
+    /// The lsn of the oldest record still staged (`u64::MAX` if none).
+    fn oldest_staged(&self) -> u64 {
+        self.staged_lsns.keys().next().copied().unwrap_or(u64::MAX)
     }
 
     /// Whether any of `blocks`' home copies is not durable yet.
@@ -840,8 +844,8 @@ impl Local {
         // Everything applied is placed and durable now.
         let applied = self.last_applied.map_or(0, |l| l.index);
         self.placed = self.placed.max(applied);
-        let oldest = self.staged_lsns.keys().next().copied().unwrap_or(u64::MAX);
-        self.datalog.trim_marked(oldest, self.placed)?;
+        self.datalog
+            .trim_marked(self.oldest_staged(), self.placed)?;
         Ok(())
     }
 
