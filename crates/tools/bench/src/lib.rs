@@ -16,6 +16,7 @@ pub mod betrfs;
 pub mod cudele;
 pub mod cudele_mounts;
 pub mod featherstitch;
+pub mod floor;
 pub mod gnothi;
 pub mod mail;
 pub mod plot;
@@ -71,6 +72,24 @@ pub fn apt_install(packages: &[&str]) -> Result<()> {
         .env("DEBIAN_FRONTEND", "noninteractive"))
     .with_context(|| format!("installing {}", missing.join(" ")))?;
     Ok(())
+}
+
+/// The FUSE requests between two counter snapshots, by type (`fuse.<type>.count`).
+pub fn request_counts(
+    a: Option<&serde_json::Value>,
+    b: Option<&serde_json::Value>,
+) -> Option<std::collections::BTreeMap<String, u64>> {
+    let (a, b) = (a?.as_object()?, b?.as_object()?);
+    let counts = b
+        .iter()
+        .filter_map(|(k, v)| {
+            let t = k.strip_prefix("fuse.")?.strip_suffix(".count")?;
+            let before = a.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+            let n = v.as_u64()?.saturating_sub(before);
+            (n > 0).then(|| (t.to_string(), n))
+        })
+        .collect();
+    Some(counts)
 }
 
 pub fn require_root(what: &str) -> Result<()> {

@@ -1,7 +1,8 @@
 //! The systems a suite compares, and the guards that set each one up on its own loop
 //! device and tear it down again, also after an error or Ctrl-C: kernel file systems
-//! (any mkfs, type and options), fuse2fs, a FUSE passthrough (bindfs over ext4: the
-//! floor any FUSE file system pays), and quiltfs's modules.
+//! (any mkfs, type and options), fuse2fs, FUSE passthroughs over ext4 (libfuse's
+//! `passthrough_hp`: the floor any FUSE file system pays; bindfs, the old floor), and
+//! quiltfs's modules.
 
 use crate::{cpu_of, is_mounted, jbd2_thread, reap, sh, Reaped};
 use anyhow::{bail, Context, Result};
@@ -44,6 +45,24 @@ pub const MKFS_EXT4: &[&str] = &[
 pub const MKFS_XFS: &[&str] = &["mkfs.xfs", "-f", "-q", "-m", "reflink=1"];
 pub const MKFS_BTRFS: &[&str] = &["mkfs.btrfs", "-f", "-q"];
 
+/// Which FUSE passthrough serves a `Kind::Passthrough` system.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Floor {
+    /// Debian's bindfs: a high-level (path-based) passthrough, single requests.
+    Bindfs,
+    /// libfuse's `passthrough_hp` with the kernel's writeback cache and splice, every
+    /// read and write through the server (`--nopassthrough`): the floor for a file
+    /// system that must see its data, as quiltfs must.
+    Hp,
+    /// `passthrough_hp` with FUSE passthrough: the kernel reads and writes the backing
+    /// files itself, the server sees only metadata. Shown for reference: a file system
+    /// whose files are not files below it cannot do this.
+    HpKernel,
+}
+
+/// The system every "vs FUSE floor" ratio is taken against.
+pub const FLOOR: &str = "passthrough";
+
 /// Which of quiltfs's file-system modules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuiltFs {
@@ -61,9 +80,12 @@ pub enum Kind {
     },
     /// fuse2fs (e2fsprogs' FUSE ext2/3/4) on an image `mkfs` makes.
     Fuse2fs { mkfs: &'static [&'static str] },
-    /// A FUSE passthrough (Debian's bindfs) over a kernel ext4 on the same kind of
-    /// image: what any FUSE file system pays for the transport alone, the floor.
-    Passthrough { mkfs: &'static [&'static str] },
+    /// A FUSE passthrough over a kernel ext4 on the same kind of image: what any FUSE
+    /// file system pays for the transport alone, the floor.
+    Passthrough {
+        mkfs: &'static [&'static str],
+        server: Floor,
+    },
     /// quiltfs: a module, a consistency mode (ext2), extra mount options.
     Quilt {
         fs: QuiltFs,
@@ -145,6 +167,24 @@ impl System {
     }
 }
 
+/// Builds what the chosen passthrough systems run (once per machine; see `floor`), so
+/// that no timed phase waits for a build.
+pub fn prepare_floor(systems: &[System]) -> Result<()> {
+    let hp = systems.iter().any(|s| {
+        matches!(
+            s.kind,
+            Kind::Passthrough {
+                server: Floor::Hp | Floor::HpKernel,
+                ..
+            }
+        )
+    });
+    if hp {
+        crate::floor::passthrough_hp()?;
+    }
+    Ok(())
+}
+
 /// An image file with a fresh file system of the system's kind, attached to a loop
 /// device. Dropping it detaches the device and removes the image, unless `keep` is set.
 pub struct Disk {
@@ -166,7 +206,7 @@ impl Disk {
             e
         };
         match sys.kind {
-            Kind::Kernel { mkfs, .. } | Kind::Fuse2fs { mkfs } | Kind::Passthrough { mkfs } => {
+            Kind::Kernel { mkfs, .. } | Kind::Fuse2fs { mkfs } | Kind::Passthrough { mkfs, .. } => {
                 sh(Command::new(mkfs[0]).args(&mkfs[1..]).arg(&image)).map_err(remove)?;
             }
             Kind::Quilt { fs, mode, .. } => {
@@ -250,7 +290,7 @@ impl Mounted {
                 c.arg(&disk.dev).arg(mnt).arg("-f");
                 c
             }
-            Kind::Passthrough { .. } => {
+            Kind::Passthrough { server, .. } => {
                 let lower = mnt.with_extension("lower");
                 std::fs::create_dir_all(&lower)?;
                 sh(Command::new("mount")
@@ -258,8 +298,22 @@ impl Mounted {
                     .arg(&disk.dev)
                     .arg(&lower))?;
                 m.lower = Some(lower.clone());
-                let mut c = Command::new("bindfs");
-                c.arg("-f").arg(&lower).arg(mnt);
+                let mut c = match server {
+                    Floor::Bindfs => {
+                        let mut c = Command::new("bindfs");
+                        c.arg("-f");
+                        c
+                    }
+                    Floor::Hp | Floor::HpKernel => {
+                        let mut c = Command::new(crate::floor::passthrough_hp()?);
+                        c.arg("--foreground");
+                        if server == Floor::Hp {
+                            c.arg("--nopassthrough");
+                        }
+                        c
+                    }
+                };
+                c.arg(&lower).arg(mnt);
                 c
             }
             Kind::Quilt {
@@ -325,6 +379,16 @@ impl Mounted {
         }
     }
 
+    /// The quiltfs server's counters (None for other systems).
+    pub fn counters(&self) -> Result<Option<serde_json::Value>> {
+        if !self.sys.is_quilt() {
+            return Ok(None);
+        }
+        quilt_mountctl::stats(&self.mnt)
+            .map(Some)
+            .with_context(|| format!("reading the counters of {}", self.sys.name))
+    }
+
     /// Makes everything written durable: syncfs for the kernel (and for fuse2fs, which
     /// then writes back at unmount), quiltfs's own sync request (FUSE_SYNCFS does not
     /// reach FUSE servers here).
@@ -332,8 +396,10 @@ impl Mounted {
         if self.sys.is_quilt() {
             Ok(quilt_mountctl::sync(&self.mnt)?)
         } else if let Some(lower) = &self.lower {
-            // A passthrough passes every change on at once: durable once its kernel
+            // A passthrough's writeback cache (passthrough_hp keeps one) is written back
+            // to it by syncing the mount; what it passed on is durable once its kernel
             // file system is synced.
+            sh(Command::new("sync").arg("-f").arg(&self.mnt))?;
             sh(Command::new("sync").arg("-f").arg(lower)).map(|_| ())
         } else {
             sh(Command::new("sync").arg("-f").arg(&self.mnt)).map(|_| ())

@@ -2,7 +2,8 @@
 //! writes, directory operations on the linux source, TokuBench, rename and clone
 //! latencies) regenerated on this machine, with the systems a user would pick instead
 //! measured in the same run: kernel ext4, xfs and btrfs on loop devices, fuse2fs, the
-//! ext2 module in soft-updates mode, betrfs, and the FUSE floor (bindfs over ext4).
+//! ext2 module in soft-updates mode, betrfs, and the FUSE floor (libfuse's
+//! passthrough_hp over ext4, with and without FUSE passthrough; bindfs beside it).
 //!
 //! Each run gives every system fresh images, one per group of workloads:
 //! - **data**: `seqwrite` (a large file in 40 KiB writes, then fsync), `seqread` (it read
@@ -29,7 +30,7 @@ mod native;
 mod report;
 mod workloads;
 
-use crate::systems::{self, Disk, Kind, Mounted, QuiltFs, System};
+use crate::systems::{self, Disk, Floor, Kind, Mounted, QuiltFs, System};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -47,8 +48,8 @@ pub struct BetrfsArgs {
     pub out: PathBuf,
     /// Comma-separated systems (default: all): ext4, xfs, btrfs, fuse2fs, quilt-su (the
     /// ext2 module, soft updates), quilt-su-wbcache (the same under the kernel's
-    /// writeback cache), betrfs, bindfs (passthrough over ext4: the FUSE
-    /// floor).
+    /// writeback cache), betrfs, passthrough (libfuse's passthrough_hp over ext4: the
+    /// FUSE floor), passthrough-kernel (the same with FUSE passthrough), bindfs.
     #[arg(long)]
     pub systems: Option<String>,
     /// Comma-separated workloads (default: all): seqwrite, seqread, randwrite, untar,
@@ -135,10 +136,31 @@ pub const SYSTEMS: &[System] = &[
         opt: None,
     },
     System {
-        name: "bindfs",
-        what: "bindfs (FUSE passthrough) over ext4: the FUSE floor",
+        name: "passthrough",
+        what: "libfuse passthrough_hp over ext4, writeback cache, no kernel passthrough: the FUSE floor",
         kind: Kind::Passthrough {
             mkfs: systems::MKFS_EXT4,
+            server: Floor::Hp,
+        },
+        safe: true,
+        opt: None,
+    },
+    System {
+        name: "passthrough-kernel",
+        what: "libfuse passthrough_hp over ext4 with FUSE passthrough (the kernel does reads and writes)",
+        kind: Kind::Passthrough {
+            mkfs: systems::MKFS_EXT4,
+            server: Floor::HpKernel,
+        },
+        safe: true,
+        opt: None,
+    },
+    System {
+        name: "bindfs",
+        what: "bindfs (high-level FUSE passthrough) over ext4",
+        kind: Kind::Passthrough {
+            mkfs: systems::MKFS_EXT4,
+            server: Floor::Bindfs,
         },
         safe: true,
         opt: None,
@@ -229,6 +251,10 @@ pub struct Sample {
     pub fs_cpu_s: f64,
     /// Bytes the device was asked to write over the phase, MB.
     pub device_write_mb: f64,
+    /// FUSE requests the quiltfs server answered over the phase (the workload and, for
+    /// phases that write, the sync), by type; None for other systems and latencies.
+    #[serde(default)]
+    pub requests: Option<std::collections::BTreeMap<String, u64>>,
 }
 
 pub const WORKLOADS: &[&str] = &[
@@ -278,11 +304,15 @@ fn ensure_prerequisites(systems: &[System]) -> Result<()> {
                 fstype: "btrfs", ..
             } => pkgs.push("btrfs-progs"),
             Kind::Fuse2fs { .. } => pkgs.push("fuse2fs"),
-            Kind::Passthrough { .. } => pkgs.push("bindfs"),
+            Kind::Passthrough {
+                server: Floor::Bindfs,
+                ..
+            } => pkgs.push("bindfs"),
             _ => {}
         }
     }
     crate::apt_install(&pkgs)?;
+    systems::prepare_floor(systems)?;
     for tool in ["losetup", "mount", "umount", "tar", "find", "grep"] {
         if !crate::have(tool) {
             bail!("bench betrfs needs {tool}");

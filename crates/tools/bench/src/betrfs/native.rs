@@ -121,6 +121,7 @@ fn sample(
         client_cpu_s: 0.0,
         fs_cpu_s: cpu_s,
         device_write_mb: 0.0,
+        requests: None,
     }
 }
 

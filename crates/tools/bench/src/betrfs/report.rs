@@ -1,12 +1,14 @@
 //! The BetrFS suite's report: what ran where, a table per workload (medians with
-//! min–max, ratios to ext4), rename and clone latencies by size, the native API, every
-//! goal of the benchmark issue as met or missed with its figure, and the plots.
+//! min–max, ratios to ext4 and to the FUSE floor), the FUSE requests of each quiltfs
+//! server, rename and clone latencies by size, the native API, every goal of the
+//! benchmark and FUSE data path issues as met or missed with its figure, and the plots.
 
 use super::{Sample, Scale};
 use crate::median;
 use crate::plot::{self, BarRow, Spread};
-use crate::systems::System;
+use crate::systems::{System, FLOOR};
 use anyhow::{Context, Result};
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -101,6 +103,43 @@ const THROUGHPUT: &[&str] = &[
 ];
 const NATIVE: &[&str] = &["randwrite-native", "toku1-native", "toku4-native"];
 
+/// How many times better `v` is than `base` (above 1: better), for times and
+/// throughputs alike.
+fn better_by(unit: &str, v: f64, base: f64) -> f64 {
+    if higher_is_better(unit) {
+        v / base
+    } else {
+        base / v
+    }
+}
+
+/// The median count of each FUSE request type over the runs that counted them.
+fn requests_med(samples: &[Sample], system: &str, w: &str) -> Option<BTreeMap<String, f64>> {
+    let runs: Vec<&BTreeMap<String, u64>> = samples
+        .iter()
+        .filter(|s| s.system == system && s.workload == w)
+        .filter_map(|s| s.requests.as_ref())
+        .collect();
+    if runs.is_empty() {
+        return None;
+    }
+    let mut types: Vec<&String> = runs.iter().flat_map(|r| r.keys()).collect();
+    types.sort();
+    types.dedup();
+    Some(
+        types
+            .into_iter()
+            .map(|t| {
+                let v = runs
+                    .iter()
+                    .map(|r| r.get(t).copied().unwrap_or(0) as f64)
+                    .collect();
+                (t.clone(), median(v).0)
+            })
+            .collect(),
+    )
+}
+
 fn cpu_med(samples: &[Sample], system: &str, w: &str) -> Option<(f64, f64)> {
     let v: Vec<&Sample> = samples
         .iter()
@@ -162,9 +201,10 @@ pub fn markdown(
     let _ = writeln!(o, "\n## Workloads\n");
     let _ = writeln!(
         o,
-        "Medians [min–max] over the runs; the ratio is to ext4 (above 1: better than ext4, for \
-         times and throughputs alike); CPU is the workload's and the file system's own \
-         (FUSE server or kernel thread), seconds.\n"
+        "Medians [min–max] over the runs; the ratios are to ext4 and to the FUSE floor \
+         (`{FLOOR}`: libfuse's passthrough_hp over ext4), above 1 better than it, for times \
+         and throughputs alike; CPU is the workload's and the file system's own (FUSE server \
+         or kernel thread), seconds.\n"
     );
     for &w in THROUGHPUT {
         let untar_for_dirs =
@@ -176,33 +216,61 @@ pub fn markdown(
         if unit.is_empty() {
             continue;
         }
-        let _ = writeln!(o, "### {w} ({unit})\n\n| system | median | min–max | vs ext4 | CPU (client + fs) |\n|---|---|---|---|---|");
+        let _ = writeln!(o, "### {w} ({unit})\n\n| system | median | min–max | vs ext4 | vs floor | CPU (client + fs) |\n|---|---|---|---|---|---|");
         let base = med(samples, "ext4", w, "");
+        let floor = med(samples, FLOOR, w, "");
         for s in systems {
             let Some(m) = spread(samples, s.name, w, "") else {
                 continue;
             };
-            let ratio = base.map_or("—".to_string(), |b| {
-                format!(
-                    "{:.2}×",
-                    if higher_is_better(unit) {
-                        m.0 / b
-                    } else {
-                        b / m.0
-                    }
-                )
-            });
+            let ratio = |to: Option<f64>| {
+                to.map_or("—".to_string(), |b| {
+                    format!("{:.2}×", better_by(unit, m.0, b))
+                })
+            };
             let cpu = cpu_med(samples, s.name, w)
                 .map_or(String::new(), |(c, f)| format!("{c:.1} + {f:.1}"));
             let _ = writeln!(
                 o,
-                "| {} | {} | {}–{} | {ratio} | {cpu} |",
+                "| {} | {} | {}–{} | {} | {} | {cpu} |",
                 s.name,
                 plot::number(m.0),
                 plot::number(m.1),
-                plot::number(m.2)
+                plot::number(m.2),
+                ratio(base),
+                ratio(floor)
             );
         }
+        let _ = writeln!(o);
+    }
+    // FUSE requests per workload, for the quiltfs systems (their servers count them).
+    let mut head = false;
+    for &w in THROUGHPUT {
+        let rows: Vec<(&str, BTreeMap<String, f64>)> = systems
+            .iter()
+            .filter_map(|s| Some((s.name, requests_med(samples, s.name, w)?)))
+            .collect();
+        if rows.is_empty() {
+            continue;
+        }
+        if !head {
+            let _ = writeln!(
+                o,
+                "## FUSE requests\n\nRequests each quiltfs server answered over the timed phase \
+                 (the workload and, for phases that write, the sync), medians of each type.\n\n\
+                 | workload | system | requests | by type |\n|---|---|---|---|"
+            );
+            head = true;
+        }
+        for (name, reqs) in rows {
+            let total: f64 = reqs.values().sum();
+            let mut by: Vec<(&String, &f64)> = reqs.iter().filter(|(_, n)| **n >= 1.0).collect();
+            by.sort_by(|a, b| b.1.total_cmp(a.1));
+            let types: Vec<String> = by.iter().map(|(k, n)| format!("{k} {n:.0}")).collect();
+            let _ = writeln!(o, "| {w} | {name} | {total:.0} | {} |", types.join(", "));
+        }
+    }
+    if head {
         let _ = writeln!(o);
     }
     // Latencies.
@@ -358,6 +426,33 @@ pub fn goals(samples: &[Sample], meta: &Meta) -> Vec<String> {
             ));
         }
     }
+    // The FUSE data path issue (51): sequential I/O near ext4 on both modules, and
+    // every workload within 1.25× of the floor.
+    for sys in ["quilt-su", "quilt-su-wbcache", "betrfs"] {
+        for (w, k) in [("seqwrite", 0.5), ("seqread", 0.8)] {
+            if let (Some(b), Some(e)) = (m(sys, w), m("ext4", w)) {
+                g.push(format!(
+                    "`{sys}` `{w}` ≥ {k}× ext4: {b:.0} against {e:.0} MB/s ({:.2}×) {}.",
+                    b / e,
+                    verdict(b >= k * e)
+                ));
+            }
+        }
+        for &w in THROUGHPUT {
+            let unit = unit_of(samples, w);
+            if let (Some(b), Some(f)) = (m(sys, w), m(FLOOR, w)) {
+                // "Within 1.25× of its time": a throughput at least 1/1.25 of it.
+                let x = better_by(unit, b, f);
+                g.push(format!(
+                    "`{sys}` `{w}` within 1.25× of `{FLOOR}`: {} against {} {unit} ({:.2}× its time) {}.",
+                    plot::number(b),
+                    plot::number(f),
+                    1.0 / x,
+                    verdict(x >= 1.0 / 1.25)
+                ));
+            }
+        }
+    }
     let lat = |sys: &str, w: &str, p: &str| med(samples, sys, w, p);
     if let (Some(big), Some(small)) = (
         lat("betrfs", "rename", "linux"),
@@ -489,4 +584,97 @@ pub fn plots(out: &Path, systems: &[System], samples: &[Sample]) -> Result<Vec<S
         written.push(name);
     }
     Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(
+        system: &'static str,
+        workload: &'static str,
+        value: f64,
+        unit: &'static str,
+    ) -> Sample {
+        Sample {
+            system,
+            workload,
+            param: String::new(),
+            run: 0,
+            value,
+            unit,
+            wall_s: 1.0,
+            client_cpu_s: 0.0,
+            fs_cpu_s: 0.0,
+            device_write_mb: 0.0,
+            requests: None,
+        }
+    }
+
+    fn meta() -> Meta {
+        Meta {
+            quiltfs_version: "0",
+            kernel: String::new(),
+            cpu: String::new(),
+            cores: 2,
+            placement: String::new(),
+            quick: false,
+            runs: 3,
+            scale: Scale::new(false),
+            tarball: String::new(),
+            duration_s: 0.0,
+        }
+    }
+
+    fn line<'a>(g: &'a [String], needle: &str) -> &'a str {
+        g.iter()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no goal line with {needle:?} in {g:#?}"))
+    }
+
+    #[test]
+    fn floor_goals_read_throughputs_and_times_the_right_way_round() {
+        let s = vec![
+            sample("passthrough", "seqwrite", 200.0, "MB/s"),
+            sample("quilt-su", "seqwrite", 170.0, "MB/s"),
+            sample("betrfs", "seqwrite", 150.0, "MB/s"),
+            sample("passthrough", "untar", 10.0, "s"),
+            sample("quilt-su", "untar", 12.0, "s"),
+            sample("betrfs", "untar", 13.0, "s"),
+            sample("ext4", "seqwrite", 400.0, "MB/s"),
+        ];
+        let g = goals(&s, &meta());
+        // 200/170 = 1.18× the floor's time: within 1.25×; 200/150 = 1.33×: not.
+        let l = line(&g, "`quilt-su` `seqwrite` within 1.25×");
+        assert!(l.contains("1.18×") && l.contains("**met**"), "{l}");
+        let l = line(&g, "`betrfs` `seqwrite` within 1.25×");
+        assert!(l.contains("1.33×") && l.contains("**missed**"), "{l}");
+        // Times: 12/10 = 1.2×, met; 13/10 = 1.3×, missed.
+        let l = line(&g, "`quilt-su` `untar` within 1.25×");
+        assert!(l.contains("1.20×") && l.contains("**met**"), "{l}");
+        let l = line(&g, "`betrfs` `untar` within 1.25×");
+        assert!(l.contains("1.30×") && l.contains("**missed**"), "{l}");
+        let l = line(&g, "`quilt-su` `seqwrite` ≥ 0.5× ext4");
+        assert!(l.contains("0.42×") && l.contains("**missed**"), "{l}");
+    }
+
+    #[test]
+    fn request_counts_are_medians_per_type_over_the_runs_that_counted() {
+        let reqs =
+            |w: u64, g: u64| Some([("write".to_string(), w), ("getattr".to_string(), g)].into());
+        let mut s = vec![
+            sample("quilt-su", "seqwrite", 1.0, "MB/s"),
+            sample("quilt-su", "seqwrite", 1.0, "MB/s"),
+            sample("quilt-su", "seqwrite", 1.0, "MB/s"),
+            sample("quilt-su", "seqwrite", 1.0, "MB/s"),
+        ];
+        s[0].requests = reqs(100, 1);
+        s[1].requests = reqs(300, 3);
+        s[2].requests = reqs(200, 0);
+        // The fourth run counted nothing (a system without counters): not a zero.
+        let m = requests_med(&s, "quilt-su", "seqwrite").expect("counted");
+        assert_eq!(m["write"], 200.0);
+        assert_eq!(m["getattr"], 1.0);
+        assert!(requests_med(&s, "ext4", "seqwrite").is_none());
+    }
 }

@@ -74,6 +74,8 @@ struct Measured {
     client_cpu_s: f64,
     fs_cpu_s: f64,
     device_write_mb: f64,
+    /// FUSE requests the quiltfs server answered over the phase, by type.
+    requests: Option<std::collections::BTreeMap<String, u64>>,
 }
 
 fn sectors_written(dev: &str) -> u64 {
@@ -106,14 +108,19 @@ fn phase(
     let m = mount(ctx.sys, disk, ctx.work)?;
     drop_caches()?;
     let s0 = sectors_written(&disk.dev);
+    let stats0 = m.counters()?;
     let (fu0, fs0) = m.fs_cpu();
     let c0 = own_cpu();
     let t = Instant::now();
     let children = f(&m.mnt)?;
     let (fu1, fs1) = m.fs_cpu();
     let mut wall_s = t.elapsed().as_secs_f64();
+    let stats1;
     let fs_total = if durable {
         m.sync()?;
+        // Counted before the unmount, whose own requests (FORGET, DESTROY) are the
+        // same for every workload.
+        stats1 = m.counters()?;
         let (fu2, fs2) = m.fs_cpu();
         let un = m.unmount()?;
         wall_s = t.elapsed().as_secs_f64();
@@ -122,6 +129,7 @@ fn phase(
             None => fu2 + fs2 - fu0 - fs0,
         }
     } else {
+        stats1 = m.counters()?;
         m.unmount()?;
         fu1 + fs1 - fu0 - fs0
     };
@@ -132,6 +140,7 @@ fn phase(
         client_cpu_s,
         fs_cpu_s: fs_total.max(0.0),
         device_write_mb: sectors_written(&disk.dev).saturating_sub(s0) as f64 * 512.0 / 1e6,
+        requests: crate::request_counts(stats0.as_ref(), stats1.as_ref()),
     })
 }
 
@@ -154,6 +163,7 @@ fn sample(
         client_cpu_s: m.client_cpu_s,
         fs_cpu_s: m.fs_cpu_s,
         device_write_mb: m.device_write_mb,
+        requests: m.requests.clone(),
     }
 }
 
@@ -423,6 +433,7 @@ fn latency(ctx: &Ctx, w: &'static str, param: String, ms: f64) -> Sample {
         client_cpu_s: 0.0,
         fs_cpu_s: 0.0,
         device_write_mb: 0.0,
+        requests: None,
     }
 }
 
@@ -484,6 +495,7 @@ fn clone_writes(ctx: &Ctx, m: &crate::systems::Mounted, dir: &str) -> Result<Sam
         client_cpu_s: 0.0,
         fs_cpu_s: 0.0,
         device_write_mb: 0.0,
+        requests: None,
     })
 }
 

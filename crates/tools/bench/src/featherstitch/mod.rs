@@ -41,7 +41,8 @@ pub struct FeatherstitchArgs {
     /// never; the default does while callers ping-pong between CPUs); the optimization
     /// table's
     /// quilt-su-opt-none, -opt-hard, -opt-merge; kernel: ext2, ext3-writeback,
-    /// ext3-journal, ext4; FUSE peers: fuse2fs, bindfs (passthrough over ext4: the floor).
+    /// ext3-journal, ext4; FUSE peers: fuse2fs, passthrough (libfuse's passthrough_hp
+    /// over ext4: the floor), passthrough-kernel (the same with FUSE passthrough), bindfs.
     #[arg(long)]
     pub systems: Option<String>,
     /// Comma-separated workloads: untar, delete, postmark, andrew (default: all).
@@ -115,6 +116,7 @@ fn ensure_prerequisites(systems: &[System], workloads: &[Workload]) -> Result<()
         pkgs.push("postmark");
     }
     crate::apt_install(&pkgs)?;
+    crate::systems::prepare_floor(systems)?;
     for tool in ["losetup", "mount", "umount", "e2fsck", "tar"] {
         if !crate::have(tool) {
             bail!("bench featherstitch needs {tool}");
@@ -278,7 +280,7 @@ fn one_phase(
     let m = Mounted::mount(sys, disk, mnt, &log)?;
     drop_caches()?;
     inputs.before(w, mnt, work)?;
-    let stats0 = quilt_counters(&m)?;
+    let stats0 = m.counters()?;
     let (w0, f0) = loop_stat(&disk.dev)?;
     let (fu0, fs0) = m.fs_cpu();
     let errlog = work.join("workload.err");
@@ -286,7 +288,7 @@ fn one_phase(
     let t = Instant::now();
     m.sync()?;
     let sync_s = t.elapsed().as_secs_f64();
-    let stats1 = quilt_counters(&m)?;
+    let stats1 = m.counters()?;
     // Kernel threads exist only while mounted: read them before the unmount.
     let (fu1, fs1) = m.fs_cpu();
     let t = Instant::now();
@@ -321,41 +323,13 @@ fn one_phase(
         patches_made_hard: delta("patch.patches_made_hard"),
         patches_rolled_back: delta("patch.patches_rolled_back"),
         server_peak_rss_mib: un.server.as_ref().map(|r| r.peak_rss_mib),
-        requests: request_counts(stats0.as_ref(), stats1.as_ref()),
+        requests: crate::request_counts(stats0.as_ref(), stats1.as_ref()),
         io_uring: stats1
             .as_ref()
             .and_then(|j| j.get("fuse.io_uring"))
             .and_then(|v| v.as_u64())
             .map(|v| v == 1),
     })
-}
-
-/// The FUSE requests between two counter snapshots, by type (`fuse.<type>.count`).
-fn request_counts(
-    a: Option<&serde_json::Value>,
-    b: Option<&serde_json::Value>,
-) -> Option<std::collections::BTreeMap<String, u64>> {
-    let (a, b) = (a?.as_object()?, b?.as_object()?);
-    let counts = b
-        .iter()
-        .filter_map(|(k, v)| {
-            let t = k.strip_prefix("fuse.")?.strip_suffix(".count")?;
-            let before = a.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
-            let n = v.as_u64()?.saturating_sub(before);
-            (n > 0).then(|| (t.to_string(), n))
-        })
-        .collect();
-    Some(counts)
-}
-
-/// The quiltfs server's counters (None for other systems).
-fn quilt_counters(m: &Mounted) -> Result<Option<serde_json::Value>> {
-    if !m.sys.is_quilt() {
-        return Ok(None);
-    }
-    quilt_mountctl::stats(&m.mnt)
-        .map(Some)
-        .with_context(|| format!("reading the counters of {}", m.sys.name))
 }
 
 /// For the report's header: what ran where.
