@@ -397,6 +397,14 @@ pub trait FileSystem: Send + Sync {
     fn link(&self, ino: Ino, new_parent: Ino, new_name: &[u8], ctx: &Ctx) -> Result<Attr>;
     /// Reads up to `size` bytes at `offset`; short only at end of file.
     fn read(&self, ino: Ino, offset: u64, size: u32) -> Result<Vec<u8>>;
+    /// [`read`](Self::read) appended to `out`, for a caller that reuses its buffer (the
+    /// FUSE server's per-thread reply buffer): a module that can fill it in place
+    /// overrides this and a read costs no allocation. On an error, `out` may hold part
+    /// of the data past its old length.
+    fn read_into(&self, ino: Ino, offset: u64, size: u32, out: &mut Vec<u8>) -> Result<()> {
+        out.extend_from_slice(&self.read(ino, offset, size)?);
+        Ok(())
+    }
     /// Writes all of `data` at `offset` and returns the count.
     fn write(&self, ino: Ino, offset: u64, data: &[u8], ctx: &Ctx) -> Result<u32>;
     /// Lists entries from cookie `offset` (0 = start); `emit` returns false when full.

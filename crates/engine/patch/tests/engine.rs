@@ -755,3 +755,89 @@ fn hints_go_to_the_device_in_runs_once_and_never_for_cached_blocks() {
     e.will_need(&mut vec![63, 64, u64::MAX]);
     assert_eq!(taken(), vec![(63, 1)]);
 }
+
+/// A memory device that logs each read request as (first block, blocks).
+struct ReadLog {
+    inner: MemDevice,
+    reads: std::sync::Mutex<Vec<(u64, u64)>>,
+}
+
+impl BlockDevice for ReadLog {
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+    fn block_count(&self) -> u64 {
+        self.inner.block_count()
+    }
+    fn read(&self, block: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
+        self.reads.lock().unwrap().push((block, 1));
+        self.inner.read(block, buf)
+    }
+    fn write(
+        &self,
+        block: u64,
+        buf: &[u8],
+        class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
+        self.inner.write(block, buf, class)
+    }
+    fn flush(&self) -> quilt_block::Result<()> {
+        self.inner.flush()
+    }
+    fn stats(&self) -> quilt_block::IoStats {
+        self.inner.stats()
+    }
+    fn read_blocks(&self, first: u64, buf: &mut [u8]) -> quilt_block::Result<()> {
+        self.reads
+            .lock()
+            .unwrap()
+            .push((first, (buf.len() / self.inner.block_size()) as u64));
+        self.inner.read_blocks(first, buf)
+    }
+    fn write_blocks(
+        &self,
+        first: u64,
+        buf: &[u8],
+        class: quilt_block::WriteClass,
+    ) -> quilt_block::Result<()> {
+        quilt_block::write_each(self, first, buf, class)
+    }
+    fn capabilities(&self) -> quilt_block::Capabilities<'_> {
+        quilt_block::Capabilities::default()
+    }
+}
+
+#[test]
+fn prefetch_reads_runs_in_one_request_and_never_replaces_a_newer_cached_block() {
+    let dev = Arc::new(ReadLog {
+        inner: MemDevice::new(BS, 64).unwrap(),
+        reads: Default::default(),
+    });
+    for b in 0..64u64 {
+        dev.inner
+            .write(b, &[b as u8; BS], WriteClass::Data)
+            .unwrap();
+    }
+    let e = Engine::new(dev.clone(), EngineOptions::default());
+    let taken = || std::mem::take(&mut *dev.reads.lock().unwrap());
+    // Block 14 is changed in the cache (not written back): its device copy is older.
+    e.write(14, 0, &[0xee; 8], &[], NONE).unwrap();
+    taken();
+    e.prefetch(10, 10).unwrap();
+    // 10..14 in one request, 14 cached, 15..20 in another.
+    assert_eq!(taken(), vec![(10, 4), (15, 5)]);
+    for b in 10..20u64 {
+        let got = e.with_block(b, |d| d.to_vec()).unwrap();
+        if b == 14 {
+            assert_eq!(&got[..8], &[0xee; 8], "the newer cached copy stays");
+            assert_eq!(got[8], 14);
+        } else {
+            assert_eq!(got, vec![b as u8; BS], "block {b}");
+        }
+    }
+    assert!(taken().is_empty(), "every block was cached by the prefetch");
+    // A run clipped at the device's end; a lone block through the ordinary path.
+    e.prefetch(60, 10).unwrap();
+    e.prefetch(30, 1).unwrap();
+    assert_eq!(taken(), vec![(60, 4), (30, 1)]);
+}

@@ -1460,6 +1460,12 @@ impl FileSystem for Betrfs {
     }
 
     fn read(&self, ino: Ino, offset: u64, size: u32) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        self.read_into(ino, offset, size, &mut out)?;
+        Ok(out)
+    }
+
+    fn read_into(&self, ino: Ino, offset: u64, size: u32, out: &mut Vec<u8>) -> Result<()> {
         let n = {
             let mut st = self.lock();
             let n = self.node(&mut st, ino)?;
@@ -1471,7 +1477,7 @@ impl FileSystem for Betrfs {
         // Without our lock: the tree's reads serve concurrent readers; a read racing a
         // write of the same bytes sees either version of each block, as POSIX allows
         // between unsynchronized callers.
-        let r = self.read_data(&n, offset, size);
+        let r = self.read_data_into(&n, offset, size, out);
         self.checked(r)
     }
 

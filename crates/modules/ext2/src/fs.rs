@@ -1506,10 +1506,21 @@ impl FileSystem for Ext2 {
     }
 
     fn read(&self, ino: Ino, offset: u64, size: u32) -> Result<Vec<u8>> {
-        // A miss in the file's data reads ahead over the rest of the request.
-        let ahead = (size as u64).div_ceil(self.geo.bs as u64).clamp(1, 64);
+        let mut out = Vec::new();
+        self.read_into(ino, offset, size, &mut out)?;
+        Ok(out)
+    }
+
+    fn read_into(&self, ino: Ino, offset: u64, size: u32, out: &mut Vec<u8>) -> Result<()> {
+        // A miss in the file's data reads ahead over the rest of the request (in one
+        // device request where the file's blocks lie together), so that the attempt
+        // after it finds the request's blocks cached.
+        let ahead = (size as u64).div_ceil(self.geo.bs as u64).clamp(1, 256);
+        let start = out.len();
         let r = self.reading(ahead, |st| {
-            self.do_read(st, Self::to_ino(ino)?, offset, size)
+            // An attempt cut short by a miss leaves a part: dropped, the capacity kept.
+            out.truncate(start);
+            self.do_read_into(st, Self::to_ino(ino)?, offset, size, out)
         });
         self.checked(r)
     }

@@ -514,34 +514,45 @@ impl Ext2 {
         Ok(head)
     }
 
-    pub(crate) fn do_read(&self, st: &State, ino: u32, offset: u64, size: u32) -> Result<Vec<u8>> {
+    /// Appends up to `size` bytes of the file at `offset` to `out` (short only at end
+    /// of file). Each byte is written once: the cached blocks copied in, holes zeroed;
+    /// `out` is not cleared first, so a reused buffer costs no allocation.
+    pub(crate) fn do_read_into(
+        &self,
+        st: &State,
+        ino: u32,
+        offset: u64,
+        size: u32,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
         let inode = self.read_live_inode(st, ino)?;
         if inode.is_dir() {
             return Err(FsError::IsDir);
         }
         if offset >= inode.size {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let end = inode.size.min(offset.saturating_add(size as u64));
         let bs = self.geo.bs as u64;
-        let mut out = vec![0u8; (end - offset) as usize];
+        out.reserve((end - offset) as usize);
         let mut pos = offset;
         while pos < end {
             let lblk = pos / bs;
             let in_off = (pos % bs) as usize;
             let n = ((bs - in_off as u64).min(end - pos)) as usize;
             let phys = self.bmap(&inode, lblk)?;
-            let dst = (pos - offset) as usize;
             if phys != 0 {
                 self.engine()
                     .with_block(phys as u64, |d| {
-                        out[dst..dst + n].copy_from_slice(&d[in_off..in_off + n])
+                        out.extend_from_slice(&d[in_off..in_off + n])
                     })
                     .map_err(Self::io)?;
+            } else {
+                out.resize(out.len() + n, 0);
             }
             pos += n as u64;
         }
-        Ok(out)
+        Ok(())
     }
 
     pub(crate) fn do_write(
