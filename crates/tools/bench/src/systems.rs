@@ -138,6 +138,20 @@ impl System {
         }
     }
 
+    /// Whether a failure of this system is reported and the suite goes on without it:
+    /// libfuse's passthrough_hp, a peer outside this project whose limits are the
+    /// host's (it keeps a descriptor per inode, and where the host caps open files
+    /// below a workload's file count it fails with EMFILE).
+    pub fn may_fail(&self) -> bool {
+        matches!(
+            self.kind,
+            Kind::Passthrough {
+                server: Floor::Hp | Floor::HpKernel,
+                ..
+            }
+        )
+    }
+
     /// Whether the optimization table alone uses this system (not the main tables).
     pub fn opt_only(&self) -> bool {
         self.opt.is_some_and(|o| o != "both")

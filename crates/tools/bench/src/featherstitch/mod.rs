@@ -176,12 +176,17 @@ pub fn run(a: FeatherstitchArgs) -> Result<()> {
     let mut bar = crate::Progress::new((systems.len() * runs * phases.len()) as u64, "steps");
     let started = Instant::now();
     let mut samples = Vec::new();
+    let mut failed: Vec<String> = Vec::new();
     for run in 0..runs {
         for sys in &systems {
             let got = one_system(sys, run, &phases, &inputs, &a.work, image_mib, &mut bar)
                 .with_context(|| format!("{} run {}", sys.name, run + 1));
             match got {
                 Ok(s) => samples.extend(s),
+                Err(e) if sys.may_fail() && !crate::interrupted() => {
+                    eprintln!("bench: {e:#}; going on without it");
+                    failed.push(format!("{e:#}"));
+                }
                 Err(e) => {
                     bar.finish();
                     if crate::interrupted() {
@@ -201,7 +206,13 @@ pub fn run(a: FeatherstitchArgs) -> Result<()> {
         bail!("interrupted: everything this run set up was unmounted, detached and removed");
     }
     let meta = report::Meta::gather(&inputs, a.quick, runs, image_mib, started.elapsed());
-    let md = report::markdown(&meta, &systems, &chosen, &samples);
+    let mut md = report::markdown(&meta, &systems, &chosen, &samples);
+    if !failed.is_empty() {
+        md.push_str("\n## Not measured\n\nPeers that failed (their phases of that run are missing above):\n\n");
+        for f in &failed {
+            md.push_str(&format!("- {}\n", f.replace('\n', " ")));
+        }
+    }
     print!("{md}");
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     std::fs::write(a.out.join("report.md"), &md)?;
@@ -213,6 +224,7 @@ pub fn run(a: FeatherstitchArgs) -> Result<()> {
                 "name": s.name, "what": s.what, "safe": s.safe, "opt": s.opt,
             })).collect::<Vec<_>>(),
             "samples": samples,
+            "failed": failed,
         }))?,
     )?;
     std::fs::write(a.out.join("results.csv"), crate::csv(&samples)?)?;
