@@ -268,7 +268,7 @@ thread_local! {
     static THREAD_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     /// The buffer `Engine::prefetch` reads runs into, kept so that a read costs no
     /// allocation (and no page faults) after the first.
-    static PREFETCH_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    static PREFETCH_BUF: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// The longest run of blocks `Engine::prefetch` reads in one device request (1 MiB of
@@ -617,8 +617,10 @@ impl Engine {
                 }
                 (n, st.stats.evictions)
             };
-            let read = PREFETCH_BUF.with(|buf| {
-                let mut buf = buf.borrow_mut();
+            // Taken out of the thread's slot (and put back below), so that a read that
+            // came back into an engine on this thread would find it empty, not borrowed.
+            let mut buf = PREFETCH_BUF.with(|b| b.take());
+            let read = (|| {
                 let len = run as usize * bs;
                 if buf.len() < len {
                     buf.resize(len, 0);
@@ -644,7 +646,8 @@ impl Engine {
                     }
                 }
                 Ok::<(), PatchError>(())
-            });
+            })();
+            PREFETCH_BUF.with(|b| b.replace(buf));
             read?;
             b += run;
         }

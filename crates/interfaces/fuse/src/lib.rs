@@ -44,7 +44,7 @@ const READ_AHEAD: u64 = 1 << 20;
 thread_local! {
     /// Each server thread's READ reply, filled by the module in place and kept for the
     /// next: a read costs no allocation, and no page faults for a fresh megabyte.
-    static READ_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    static READ_BUF: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// What the mount names as its block device (see [`quilt_fusewire::mount`]): with one,
@@ -998,14 +998,15 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 if node == CONTROL_NODE {
                     return reply.data(&[]);
                 }
-                READ_BUF.with(|buf| {
-                    let mut buf = buf.borrow_mut();
-                    buf.clear();
-                    match self.fs.read_into(ino, *offset, *size, &mut buf) {
-                        Ok(()) => reply.data(&buf),
-                        Err(e) => reply.error(errno(e)),
-                    }
-                })
+                // Out of the thread's slot for the request and back after it (a slot
+                // found empty costs only an allocation).
+                let mut buf = READ_BUF.with(|b| b.take());
+                buf.clear();
+                match self.fs.read_into(ino, *offset, *size, &mut buf) {
+                    Ok(()) => reply.data(&buf),
+                    Err(e) => reply.error(errno(e)),
+                }
+                READ_BUF.with(|b| b.replace(buf));
             }
             Op::Write { .. } => self.write(req, reply),
             Op::Flush { .. } => {

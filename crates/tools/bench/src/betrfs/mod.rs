@@ -393,7 +393,10 @@ pub fn run(a: BetrfsArgs) -> Result<()> {
                     }
                     Err(e) if sys.may_fail() && !crate::interrupted() => {
                         eprintln!("bench: {e:#}; going on without it");
-                        checks.push(format!("not measured: {}", format!("{e:#}").replace('\n', " ")));
+                        checks.push(format!(
+                            "not measured: {}",
+                            format!("{e:#}").replace('\n', " ")
+                        ));
                     }
                     Err(e) => {
                         bar.finish();
