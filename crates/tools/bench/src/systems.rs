@@ -63,6 +63,36 @@ pub enum Floor {
 /// The system every "vs FUSE floor" ratio is taken against.
 pub const FLOOR: &str = "passthrough";
 
+/// The FUSE passthroughs both suites compare with, over ext4 (see [`Floor`]).
+pub const PASSTHROUGH: System = passthrough(
+    FLOOR,
+    "libfuse passthrough_hp over ext4, writeback cache, no kernel passthrough: the FUSE floor",
+    Floor::Hp,
+);
+pub const PASSTHROUGH_KERNEL: System = passthrough(
+    "passthrough-kernel",
+    "libfuse passthrough_hp over ext4 with FUSE passthrough (the kernel does reads and writes)",
+    Floor::HpKernel,
+);
+pub const BINDFS: System = passthrough(
+    "bindfs",
+    "bindfs (high-level FUSE passthrough) over ext4",
+    Floor::Bindfs,
+);
+
+const fn passthrough(name: &'static str, what: &'static str, server: Floor) -> System {
+    System {
+        name,
+        what,
+        kind: Kind::Passthrough {
+            mkfs: MKFS_EXT4,
+            server,
+        },
+        safe: true,
+        opt: None,
+    }
+}
+
 /// Which of quiltfs's file-system modules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuiltFs {

@@ -135,36 +135,9 @@ pub const SYSTEMS: &[System] = &[
         safe: true,
         opt: None,
     },
-    System {
-        name: "passthrough",
-        what: "libfuse passthrough_hp over ext4, writeback cache, no kernel passthrough: the FUSE floor",
-        kind: Kind::Passthrough {
-            mkfs: systems::MKFS_EXT4,
-            server: Floor::Hp,
-        },
-        safe: true,
-        opt: None,
-    },
-    System {
-        name: "passthrough-kernel",
-        what: "libfuse passthrough_hp over ext4 with FUSE passthrough (the kernel does reads and writes)",
-        kind: Kind::Passthrough {
-            mkfs: systems::MKFS_EXT4,
-            server: Floor::HpKernel,
-        },
-        safe: true,
-        opt: None,
-    },
-    System {
-        name: "bindfs",
-        what: "bindfs (high-level FUSE passthrough) over ext4",
-        kind: Kind::Passthrough {
-            mkfs: systems::MKFS_EXT4,
-            server: Floor::Bindfs,
-        },
-        safe: true,
-        opt: None,
-    },
+    systems::PASSTHROUGH,
+    systems::PASSTHROUGH_KERNEL,
+    systems::BINDFS,
 ];
 
 pub fn by_name(name: &str) -> Result<System> {

@@ -3,8 +3,8 @@
 //! floor.
 
 pub use crate::systems::{
-    log_tail, Disk, Floor, Kind, Mounted, QuiltFs, System, CACHE_MIB, MKFS_EXT2, MKFS_EXT3,
-    MKFS_EXT4,
+    log_tail, Disk, Kind, Mounted, QuiltFs, System, BINDFS, CACHE_MIB, MKFS_EXT2, MKFS_EXT3,
+    MKFS_EXT4, PASSTHROUGH, PASSTHROUGH_KERNEL,
 };
 use anyhow::{Context, Result};
 
@@ -184,36 +184,9 @@ pub const SYSTEMS: &[System] = &[
         safe: false,
         opt: None,
     },
-    System {
-        name: "passthrough",
-        what: "libfuse passthrough_hp over ext4, writeback cache, no kernel passthrough: the FUSE floor",
-        kind: Kind::Passthrough {
-            mkfs: MKFS_EXT4,
-            server: Floor::Hp,
-        },
-        safe: true,
-        opt: None,
-    },
-    System {
-        name: "passthrough-kernel",
-        what: "libfuse passthrough_hp over ext4 with FUSE passthrough (the kernel does reads and writes)",
-        kind: Kind::Passthrough {
-            mkfs: MKFS_EXT4,
-            server: Floor::HpKernel,
-        },
-        safe: true,
-        opt: None,
-    },
-    System {
-        name: "bindfs",
-        what: "bindfs (high-level FUSE passthrough) over ext4",
-        kind: Kind::Passthrough {
-            mkfs: MKFS_EXT4,
-            server: Floor::Bindfs,
-        },
-        safe: true,
-        opt: None,
-    },
+    PASSTHROUGH,
+    PASSTHROUGH_KERNEL,
+    BINDFS,
     opt("quilt-su-opt-none", "nohard,nomerge", "none"),
     opt("quilt-su-opt-hard", "nomerge", "hard"),
     opt("quilt-su-opt-merge", "nohard", "merge"),
