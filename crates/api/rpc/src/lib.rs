@@ -3,10 +3,13 @@
 //! ([`PostcardCodec`]; each service is described in its crate's `build.rs`, so no
 //! protoc is needed), a shared secret in every request's metadata checked before the
 //! message is decoded ([`SecretCheck`]), and TLS certificates for trying a cluster on
-//! one machine ([`make_certificates`]).
+//! one machine ([`make_certificates`]); and a Prometheus endpoint for their counters
+//! ([`metrics`]).
 
 #![forbid(unsafe_code)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
+pub mod metrics;
 
 use bytes::{Buf, BufMut};
 use serde::de::DeserializeOwned;

@@ -71,6 +71,8 @@ impl Geometry {
 /// One checkpoint's header.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Header {
+    /// The format version it was read as, or will be written as (`Header::version_for`).
+    pub version: u32,
     /// Random at creation: log blocks of an older tree on the same device never match.
     pub instance: u64,
     pub generation: u64,
@@ -88,6 +90,16 @@ pub struct Header {
 }
 
 impl Header {
+    /// The version a header of a tree of this shape is written as: a tree without a
+    /// mirror keeps writing version 2, which older binaries read.
+    pub fn version_for(geo: &Geometry) -> u32 {
+        if geo.mirror == 0 {
+            2
+        } else {
+            HEADER_VERSION
+        }
+    }
+
     pub fn slot(&self) -> BlockNo {
         self.generation % HEADER_SLOTS
     }
@@ -95,12 +107,7 @@ impl Header {
     pub fn encode(&self, bs: usize) -> Vec<u8> {
         let mut w = Writer::with_capacity(bs);
         w.u64(HEADER_MAGIC);
-        // A tree without a mirror keeps writing version 2, which older binaries read.
-        w.u32(if self.geo.mirror == 0 {
-            2
-        } else {
-            HEADER_VERSION
-        });
+        w.u32(Header::version_for(&self.geo));
         w.u32(0); // crc
         w.u64(self.instance);
         w.u64(self.generation);
@@ -141,6 +148,7 @@ impl Header {
         }
         let crc = r.u32()?;
         let h = Header {
+            version,
             instance: r.u64()?,
             generation: r.u64()?,
             geo: Geometry {
@@ -202,7 +210,7 @@ pub const COUNTER_LIMIT: u64 = 1 << 62;
 
 /// Version 2 of the table added the reference counts of shared nodes after the extents,
 /// version 3 the base extents of delta leaves after those; older tables still decode.
-const TABLE_VERSION: u32 = 3;
+pub(crate) const TABLE_VERSION: u32 = 3;
 
 /// Encodes the block translation table (each node's extent, then the reference counts
 /// of shared nodes) into whole blocks; returns the bytes and the crc the header records.
@@ -364,6 +372,7 @@ mod tests {
 
     fn header() -> Header {
         Header {
+            version: 2,
             instance: 7,
             generation: 3,
             geo: Geometry {

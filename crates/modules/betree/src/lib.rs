@@ -301,6 +301,14 @@ impl Options {
     }
 }
 
+/// See `Tree::format_versions`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FormatVersions {
+    pub header: u32,
+    pub node_written: u16,
+    pub table_written: u32,
+}
+
 /// Counters (see `Tree::stats`).
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Stats {
@@ -683,6 +691,16 @@ impl Tree {
 
     pub fn stats(&self) -> Stats {
         self.lock().stats()
+    }
+
+    /// The on-disk format versions: of the newest header (as read at open, or as the
+    /// last checkpoint wrote it), and of what this build writes for nodes and tables.
+    pub fn format_versions(&self) -> FormatVersions {
+        FormatVersions {
+            header: self.lock().header_version,
+            node_written: node::VERSION,
+            table_written: format::TABLE_VERSION,
+        }
     }
 
     /// Checks the whole tree's invariants (pivot order, keys within their node's range,

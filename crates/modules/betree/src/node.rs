@@ -45,7 +45,7 @@ pub enum Kind {
 /// Version 3 added deltas (written with version 3; the other kinds keep 2's layout).
 /// Version 4 cuts an internal node's buffers into runs for point queries (see
 /// `BufferRef::runs`); nodes of versions 1-3 still decode.
-const VERSION: u16 = 4;
+pub(crate) const VERSION: u16 = 4;
 pub const PREFIX: usize = 32;
 const CRC_AT: usize = 24;
 

@@ -92,6 +92,9 @@ pub(crate) struct Inner {
     /// Damage to the header blocks found at open that lost nothing (a mirror stood in,
     /// or a stale slot): for fsck to report and `repair_headers` to rewrite.
     pub(crate) damage: Vec<String>,
+    /// The format version of the newest header: as read at open, and as written by
+    /// each checkpoint since (`Tree::header_version`).
+    pub(crate) header_version: u32,
     pub stats: Stats,
     /// What basement reads land in, kept from read to read: a fresh zeroed buffer for
     /// each of a scan's chunks (64-256 KiB) cost its allocation and a `memset` every
@@ -297,6 +300,7 @@ impl Inner {
             held: None,
             failed: None,
             damage: Vec::new(),
+            header_version: h.map_or_else(|| Header::version_for(&geo), |h| h.version),
             stats: Stats::default(),
             read_buf: Vec::new(),
         }

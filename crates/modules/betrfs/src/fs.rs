@@ -342,6 +342,8 @@ impl Drop for Locked<'_> {
 /// The file system on a Bε-tree.
 pub struct Betrfs {
     pub(crate) tree: Arc<Tree>,
+    /// The superblock record's format version as this mount found it (`quiltfs stats`).
+    sb_version: u8,
     pub(crate) st: Mutex<State>,
     /// A change logged a batch while the checkpoint in flight was too far behind: the
     /// next `Locked` to be dropped waits for it (`Tree::catch_up`), after letting go.
@@ -505,6 +507,7 @@ impl Betrfs {
             freeing: Arc::default(),
             errored: AtomicBool::new(sup.error),
             flusher: Mutex::new(None),
+            sb_version: sup.version,
         };
         {
             let mut st = fs.lock();
@@ -1963,7 +1966,23 @@ impl FileSystem for Betrfs {
         let c = &self.counters;
         let s = self.tree.stats();
         let st = self.lock();
+        let versions = self.tree.format_versions();
         vec![
+            // The on-disk formats (quiltfs-formats(5)): the superblock record's as found
+            // at mount, the tree header's as last read or written, and the node format
+            // this build writes.
+            (
+                "format.superblock_version".into(),
+                u64::from(self.sb_version),
+            ),
+            (
+                "format.tree_header_version".into(),
+                u64::from(versions.header),
+            ),
+            (
+                "format.node_version_written".into(),
+                u64::from(versions.node_written),
+            ),
             ("fs.ops".into(), c.ops.load(Relaxed)),
             ("fs.fsyncs".into(), c.fsyncs.load(Relaxed)),
             ("fs.syncs".into(), c.syncs.load(Relaxed)),

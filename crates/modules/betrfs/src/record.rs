@@ -342,6 +342,34 @@ pub enum Entry {
     Link { ino: u64, mode: u32 },
 }
 
+/// Why an image of betrfs's first development layout is refused: its inode records
+/// (version 1 as first written, before commit 21eadea of 2026-11-25) lack the block
+/// count that every later version 1 record carries, and nothing in the record tells the
+/// two apart but its length.
+pub const FIRST_LAYOUT: &str = "this betrfs image was made by a development build of \
+     2026-11-25 (before commit 21eadea: its inode records carry no block count), a layout \
+     no release reads; copy its files out with the build that made it";
+
+/// Whether `b` parses whole as an inode record of that first layout.
+fn first_layout(b: &[u8]) -> bool {
+    let mut r = Reader::new(b, "entry");
+    // Tag, version, ino, mode/uid/gid/nlink, size, three times, rdev, flags.
+    let fixed = 2 + 8 + 16 + 8 + 3 * 12 + 4 + 4;
+    let parse = |r: &mut Reader<'_>| -> Result<bool> {
+        r.bytes(fixed)?;
+        let tl = r.u32()? as usize;
+        r.bytes(tl)?;
+        for _ in 0..r.u32()? {
+            let nl = r.u32()? as usize;
+            r.bytes(nl)?;
+            let vl = r.u32()? as usize;
+            r.bytes(vl)?;
+        }
+        Ok(r.done())
+    };
+    parse(&mut r).unwrap_or(false)
+}
+
 impl Entry {
     pub fn ino(&self) -> u64 {
         match self {
@@ -361,7 +389,13 @@ impl Entry {
         let version = r.u8()?;
         match tag {
             TAG_INODE if (VERSION..=VERSION_3).contains(&version) => {
-                Ok(Entry::Inode(Inode::decode_body(&mut r, version)?))
+                match Inode::decode_body(&mut r, version) {
+                    Ok(i) => Ok(Entry::Inode(i)),
+                    Err(_) if version == VERSION && first_layout(b) => {
+                        Err(FsError::Invalid(FIRST_LAYOUT))
+                    }
+                    Err(e) => Err(e),
+                }
             }
             TAG_LINK if version == VERSION => {
                 let ino = r.u64()?;
@@ -437,6 +471,30 @@ impl<'a> Reader<'a> {
 
 #[cfg(test)]
 mod tests {
+
+    /// A record of the first development layout (no block count) is refused as that,
+    /// not as damage; the same record cut short is still damage.
+    #[test]
+    fn the_first_layout_is_named_when_refused() {
+        let mut i = Inode::new(5, libc::S_IFREG | 0o644, 0, 0, 1, Timespec::default());
+        i.target = b"t".to_vec();
+        i.xattrs.push((b"user.a".to_vec(), b"b".to_vec()));
+        let now = i.encode();
+        // Version 1, without the block count (8 bytes after flags) and the marker.
+        let fixed = 2 + 8 + 16 + 8 + 36 + 4 + 4;
+        let mut first = now[..fixed].to_vec();
+        first[1] = VERSION;
+        first.extend_from_slice(&now[fixed + 8..now.len() - 1]);
+        match Entry::decode(&first) {
+            Err(FsError::Invalid(why)) => assert_eq!(why, FIRST_LAYOUT),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            Entry::decode(&first[..first.len() - 3]),
+            Err(FsError::Corrupt(_))
+        ));
+        assert!(matches!(Entry::decode(&now), Ok(Entry::Inode(_))));
+    }
     use super::*;
 
     #[test]

@@ -44,6 +44,75 @@ pub const RO_COMPAT_SUPPORTED: u32 = RO_COMPAT_SPARSE_SUPER | RO_COMPAT_LARGE_FI
 /// on the first change, as the kernel's ext2 does).
 pub const INDEX_FL: u32 = 0x1000;
 
+/// The names e2fsprogs gives the feature bits (`dumpe2fs -h`), those this module knows
+/// and the common ones it refuses, in compat, incompat, ro_compat order; a bit without a
+/// name is shown as its mask (`incompat:0x20000`).
+pub fn feature_names(compat: u32, incompat: u32, ro_compat: u32) -> Vec<String> {
+    const COMPAT: &[(u32, &str)] = &[
+        (COMPAT_DIR_PREALLOC, "dir_prealloc"),
+        (COMPAT_IMAGIC_INODES, "imagic_inodes"),
+        (COMPAT_HAS_JOURNAL, "has_journal"),
+        (COMPAT_EXT_ATTR, "ext_attr"),
+        (COMPAT_RESIZE_INODE, "resize_inode"),
+        (COMPAT_DIR_INDEX, "dir_index"),
+        (0x200, "sparse_super2"),
+    ];
+    const INCOMPAT: &[(u32, &str)] = &[
+        (0x1, "compression"),
+        (INCOMPAT_FILETYPE, "filetype"),
+        (INCOMPAT_RECOVER, "needs_recovery"),
+        (0x8, "journal_dev"),
+        (0x10, "meta_bg"),
+        (0x40, "extent"),
+        (0x80, "64bit"),
+        (0x100, "mmp"),
+        (0x200, "flex_bg"),
+        (0x400, "ea_inode"),
+        (0x1000, "dirdata"),
+        (0x2000, "metadata_csum_seed"),
+        (0x4000, "large_dir"),
+        (0x8000, "inline_data"),
+        (0x10000, "encrypt"),
+        (0x20000, "casefold"),
+    ];
+    const RO_COMPAT: &[(u32, &str)] = &[
+        (RO_COMPAT_SPARSE_SUPER, "sparse_super"),
+        (RO_COMPAT_LARGE_FILE, "large_file"),
+        (0x4, "btree_dir"),
+        (0x8, "huge_file"),
+        (0x10, "uninit_bg"),
+        (0x20, "dir_nlink"),
+        (0x40, "extra_isize"),
+        (0x100, "quota"),
+        (0x200, "bigalloc"),
+        (0x400, "metadata_csum"),
+        (0x1000, "read-only"),
+        (0x2000, "project"),
+        (0x8000, "verity"),
+        (0x10000, "orphan_present"),
+    ];
+    let mut out = Vec::new();
+    for (kind, mask, table) in [
+        ("compat", compat, COMPAT),
+        ("incompat", incompat, INCOMPAT),
+        ("ro_compat", ro_compat, RO_COMPAT),
+    ] {
+        let mut left = mask;
+        for &(bit, name) in table {
+            if mask & bit != 0 {
+                out.push(name.to_string());
+                left &= !bit;
+            }
+        }
+        for i in 0..32 {
+            if left & (1 << i) != 0 {
+                out.push(format!("{kind}:{:#x}", 1u32 << i));
+            }
+        }
+    }
+    out
+}
+
 pub fn corrupt(what: impl Into<String>) -> FsError {
     FsError::Corrupt(what.into())
 }
@@ -588,4 +657,23 @@ pub fn encode_dirent(b: &mut [u8], inode: u32, rec_len: usize, name: &[u8], file
     b[6] = name.len() as u8;
     b[7] = file_type;
     b[8..8 + name.len()].copy_from_slice(name);
+}
+
+#[cfg(test)]
+mod feature_name_tests {
+    #[test]
+    fn names_as_e2fsprogs_and_unknown_bits_as_masks() {
+        assert_eq!(
+            super::feature_names(0x8 | 0x4, 0x2 | 0x1_0000_0, 0x1 | 0x2),
+            [
+                "has_journal",
+                "ext_attr",
+                "filetype",
+                "incompat:0x1000000",
+                "sparse_super",
+                "large_file"
+            ]
+        );
+        assert!(super::feature_names(0, 0, 0).is_empty());
+    }
 }

@@ -1099,8 +1099,26 @@ impl Ext2 {
     }
 
     pub(crate) fn counters_list(&self) -> Vec<(String, u64)> {
-        let c = self.read_lock().counters;
+        let (c, sb) = {
+            let st = self.read_lock();
+            let sb = &st.sb;
+            (
+                st.counters,
+                [
+                    sb.rev_level,
+                    sb.feature_compat,
+                    sb.feature_incompat,
+                    sb.feature_ro_compat,
+                ],
+            )
+        };
         let mut v: Vec<(String, u64)> = vec![
+            // The on-disk format (quiltfs-formats(5)): revision and feature masks as the
+            // superblock holds them now.
+            ("format.revision".into(), u64::from(sb[0])),
+            ("format.feature_compat".into(), u64::from(sb[1])),
+            ("format.feature_incompat".into(), u64::from(sb[2])),
+            ("format.feature_ro_compat".into(), u64::from(sb[3])),
             ("fs.blocks_allocated".into(), c.blocks_allocated),
             ("fs.blocks_freed".into(), c.blocks_freed),
             ("fs.inodes_created".into(), c.inodes_created),

@@ -147,3 +147,49 @@ pub enum Response {
     Done,
     Error(WireError),
 }
+
+/// The kinds of request, in `Request::kind`'s numbering (the service counts them).
+pub const REQUEST_KINDS: [&str; 17] = [
+    "hello",
+    "renew",
+    "op",
+    "resolve",
+    "policy_get",
+    "policy_set",
+    "decouple",
+    "more_inodes",
+    "merge",
+    "persist",
+    "release",
+    "sync",
+    "rejoin",
+    "hold",
+    "open",
+    "close",
+    "create_open",
+];
+
+impl Request {
+    /// This request's index in `REQUEST_KINDS`.
+    pub fn kind(&self) -> usize {
+        match self {
+            Request::Hello { .. } => 0,
+            Request::Renew { .. } => 1,
+            Request::Op { .. } => 2,
+            Request::Resolve { .. } => 3,
+            Request::PolicyGet { .. } => 4,
+            Request::PolicySet { .. } => 5,
+            Request::Decouple { .. } => 6,
+            Request::MoreInodes { .. } => 7,
+            Request::Merge { .. } => 8,
+            Request::Persist { .. } => 9,
+            Request::Release { .. } => 10,
+            Request::Sync { .. } => 11,
+            Request::Rejoin { .. } => 12,
+            Request::Hold { .. } => 13,
+            Request::Open { .. } => 14,
+            Request::Close { .. } => 15,
+            Request::CreateOpen { .. } => 16,
+        }
+    }
+}

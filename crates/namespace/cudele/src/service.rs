@@ -35,6 +35,7 @@ use quilt_vfs::{
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -220,6 +221,18 @@ pub struct Mds {
     /// Registry rewrites one at a time.
     reg_write: Mutex<()>,
     commit: Commit,
+    counters: Counters,
+}
+
+/// What the service has answered since it started (`Mds::metrics`).
+#[derive(Default)]
+struct Counters {
+    requests: [AtomicU64; crate::rpc::REQUEST_KINDS.len()],
+    errors: [AtomicU64; crate::rpc::REQUEST_KINDS.len()],
+    /// Errors that were EBUSY: requests refused inside a subtree another client holds.
+    busy: AtomicU64,
+    merged_events: AtomicU64,
+    skipped_events: AtomicU64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -294,6 +307,7 @@ impl Mds {
             gates: Mutex::new(HashMap::new()),
             reg_write: Mutex::new(()),
             commit: Commit::default(),
+            counters: Counters::default(),
         };
         mds.find_entries();
         mds.hold_grants();
@@ -593,6 +607,126 @@ impl Mds {
     /// Answers one request, which carries `token` (the client's, given at hello).
     /// Blocking: the caller runs it off the network's threads.
     pub fn handle(&self, token: Option<u128>, req: Request) -> Response {
+        let kind = req.kind();
+        let c = &self.counters;
+        c.requests[kind].fetch_add(1, Relaxed);
+        let r = self.answer(token, req);
+        match &r {
+            Response::Error(e) => {
+                c.errors[kind].fetch_add(1, Relaxed);
+                if e.errno == libc::EBUSY {
+                    c.busy.fetch_add(1, Relaxed);
+                }
+            }
+            Response::Merged {
+                events, skipped, ..
+            } => {
+                c.merged_events.fetch_add(*events, Relaxed);
+                c.skipped_events.fetch_add(*skipped, Relaxed);
+            }
+            _ => {}
+        }
+        r
+    }
+
+    /// The service's counters and state in Prometheus's text format (`quiltfs mds
+    /// serve --metrics ADDR`): requests and errors by kind (so RPC and merge rates),
+    /// refusals under holds, merged events, and the clients, holds and open handles
+    /// now.
+    pub fn metrics(&self) -> String {
+        use quilt_rpc::metrics::{Exposition, Kind};
+        let c = &self.counters;
+        let mut e = Exposition::new();
+        let by_kind = |a: &[AtomicU64]| -> Vec<(String, f64)> {
+            crate::rpc::REQUEST_KINDS
+                .iter()
+                .zip(a)
+                .map(|(k, n)| (k.to_string(), n.load(Relaxed) as f64))
+                .collect()
+        };
+        for (name, help, values) in [
+            (
+                "cudele_requests_total",
+                "Requests answered, by kind.",
+                by_kind(&c.requests),
+            ),
+            (
+                "cudele_request_errors_total",
+                "Requests answered with an error, by kind.",
+                by_kind(&c.errors),
+            ),
+        ] {
+            let labels: Vec<[(&str, &str); 1]> =
+                values.iter().map(|(k, _)| [("kind", k.as_str())]).collect();
+            let samples: Vec<(&[(&str, &str)], f64)> = labels
+                .iter()
+                .zip(&values)
+                .map(|(l, (_, v))| (&l[..], *v))
+                .collect();
+            e.family(name, Kind::Counter, help, &samples);
+        }
+        e.metric(
+            "cudele_refused_busy_total",
+            Kind::Counter,
+            "Requests refused with EBUSY inside a subtree another client holds.",
+            c.busy.load(Relaxed) as f64,
+        );
+        e.metric(
+            "cudele_merged_events_total",
+            Kind::Counter,
+            "Client journal events applied by merges.",
+            c.merged_events.load(Relaxed) as f64,
+        );
+        e.metric(
+            "cudele_merge_skipped_events_total",
+            Kind::Counter,
+            "Client journal events a merge skipped (at or below the watermark: applied before).",
+            c.skipped_events.load(Relaxed) as f64,
+        );
+        let (clients, held, subtrees, handles) = {
+            let st = self.state();
+            (
+                st.leases.len(),
+                st.reg
+                    .subtrees
+                    .values()
+                    .filter(|s| s.holder.is_some())
+                    .count(),
+                st.reg.subtrees.len(),
+                st.handles
+                    .values()
+                    .map(|h| h.values().map(|&n| u64::from(n)).sum::<u64>())
+                    .sum::<u64>(),
+            )
+        };
+        e.metric(
+            "cudele_clients",
+            Kind::Gauge,
+            "Clients with a lease now.",
+            clients as f64,
+        );
+        e.metric(
+            "cudele_subtrees",
+            Kind::Gauge,
+            "Subtrees with a policy of their own.",
+            subtrees as f64,
+        );
+        e.metric(
+            "cudele_subtrees_held",
+            Kind::Gauge,
+            "Subtrees a client holds now (decoupled or held).",
+            held as f64,
+        );
+        e.metric(
+            "cudele_open_handles",
+            Kind::Gauge,
+            "Files clients hold open through the service.",
+            handles as f64,
+        );
+        e.finish()
+    }
+
+    fn answer(&self, token: Option<u128>, req: Request) -> Response {
         self.sweep_handles();
         match req {
             Request::Hello { name } => self.hello(&name),

@@ -21,6 +21,7 @@ mod geometry;
 pub mod history;
 pub mod layout;
 pub mod meta;
+pub mod metrics;
 pub mod net;
 pub mod node;
 pub mod raftlog;

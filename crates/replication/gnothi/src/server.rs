@@ -156,6 +156,8 @@ pub struct ServeOptions {
     pub new_data_disk: bool,
     /// TLS: this replica's identity, and the CA its peers' certificates chain to.
     pub tls: Option<ReplicaTls>,
+    /// Where to serve Prometheus metrics (`GET /metrics`), if anywhere.
+    pub metrics: Option<SocketAddr>,
 }
 
 #[derive(Clone)]
@@ -282,6 +284,15 @@ pub async fn run(
         ));
     }
     let net = opts.peers_net()?;
+    // Bound before the replica starts, so that a port in use fails the start cleanly.
+    let metrics_listener = match opts.metrics {
+        Some(at) => Some(
+            tokio::net::TcpListener::bind(at)
+                .await
+                .map_err(|e| format!("listening for metrics on {at}: {e}"))?,
+        ),
+        None => None,
+    };
     // A volume's first servers initialize its agreement with each other (the same
     // first entry on each). A server that replaces another joins through the
     // leader's `Replace` instead: it initializes nothing, and learns who the members
@@ -303,6 +314,17 @@ pub async fn run(
         .await
         .map_err(|e| e.to_string())?;
     tracing::info!(replica = opts.id, listen = %opts.listen, volume = %label.volume, "replica serving");
+    let metrics = match metrics_listener {
+        Some(listener) => {
+            let node = node.clone();
+            Some(tokio::spawn(quilt_rpc::metrics::serve(
+                listener,
+                move || crate::metrics::render(&node.status()),
+                std::future::pending(),
+            )))
+        }
+        None => None,
+    };
     // A replica whose agreement failed for good (its log device failing, say) ends
     // with the reason, rather than answering every request with it: a supervisor
     // restarts it, and its log is replayed.
@@ -320,6 +342,9 @@ pub async fn run(
     };
     let identity = opts.tls.map(|t| t.identity);
     let res = serve(node.clone(), opts.listen, opts.secret, identity, until).await;
+    if let Some(m) = metrics {
+        m.abort();
+    }
     node.shutdown().await;
     if let Some(why) = fatal.lock().unwrap_or_else(|p| p.into_inner()).take() {
         return Err(format!("agreement on this replica stopped: {why}"));

@@ -11,6 +11,8 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "quiltfs bench",
     bin_name = "quiltfs bench",
+    display_name = "quiltfs-bench",
+    version,
     about = "Run a benchmark suite"
 )]
 struct Cli {
@@ -46,6 +48,19 @@ enum BenchCommand {
     /// One client process of `cudele` (started by it).
     #[command(hide = true)]
     CudeleClient(quilt_bench::cudele::ClientArgs),
+    /// Internal (packaging): write quiltfs-bench(1) and a page per suite into DIR.
+    #[command(hide = true)]
+    Manpages { dir: std::path::PathBuf },
+}
+
+/// quiltfs-bench(1), quiltfs-bench-featherstitch(1), ...: the pages of `quiltfs bench`,
+/// whose definitions live here (quiltfs(1) and the rest come from `quiltfs manpages`).
+fn manpages(dir: &std::path::Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let cmd = <Cli as clap::CommandFactory>::command().disable_help_subcommand(true);
+    clap_mangen::generate_to(cmd, dir)
+        .with_context(|| format!("writing pages into {}", dir.display()))
 }
 
 fn main() {
@@ -76,6 +91,7 @@ fn main() {
         BenchCommand::Gnothi(a) => quilt_bench::gnothi::run(a),
         BenchCommand::Cudele(a) => quilt_bench::cudele::run(a),
         BenchCommand::CudeleClient(a) => quilt_bench::cudele::client_main(a),
+        BenchCommand::Manpages { dir } => manpages(&dir),
     };
     if let Err(e) = r {
         eprintln!("quiltfs bench: error: {e:#}");

@@ -78,37 +78,12 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
         placement: a.journal_placement,
         more_seeds: true,
     };
-    // A progress bar with an estimate (drawn only on a terminal).
-    let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} states, {eta} left  {msg}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    // Off a terminal the bar is not drawn: a line every half minute instead, for logs.
-    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let t0 = std::time::Instant::now();
-    let mut last = t0;
+    let mut meter = crate::progress::Meter::new("crashtest", "states", 0);
     let r = quilt_crashtest::run(&cfg, |checked, planned, run| {
-        bar.set_length(planned as u64);
-        bar.set_position(checked as u64);
-        bar.set_message(run.to_string());
-        if !tty && last.elapsed().as_secs() >= 30 {
-            last = std::time::Instant::now();
-            let secs = t0.elapsed().as_secs_f64();
-            let left = if checked > 0 {
-                secs / checked as f64 * planned.saturating_sub(checked) as f64
-            } else {
-                0.0
-            };
-            eprintln!(
-                "crashtest: {checked}/{planned} states in {secs:.0} s, about {left:.0} s left ({run})"
-            );
-        }
+        meter.set(checked as u64, planned as u64, run)
     })
     .map_err(anyhow::Error::msg);
-    bar.finish_and_clear();
+    meter.finish();
     let r = r?;
     print!("{}", r.text());
     if let Some(p) = &a.report {
@@ -152,18 +127,12 @@ pub fn run(a: CrashtestArgs) -> Result<()> {
 }
 
 fn run_betree(a: &CrashtestArgs) -> Result<()> {
-    let bar = indicatif::ProgressBar::new(a.states as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} states, {eta} left",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let r = quilt_crashtest::kv::run(a.states, a.seed, a.lying, |done, _| {
-        bar.set_position(done as u64)
+    let mut meter = crate::progress::Meter::new("crashtest", "states", a.states as u64);
+    let r = quilt_crashtest::kv::run(a.states, a.seed, a.lying, |done, total| {
+        meter.set(done as u64, total as u64, "")
     })
     .map_err(anyhow::Error::msg);
-    bar.finish_and_clear();
+    meter.finish();
     let r = r?;
     print!("{}", r.text());
     if let Some(p) = &a.report {

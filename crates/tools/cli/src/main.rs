@@ -12,10 +12,14 @@ mod demo;
 mod fileview;
 mod image;
 mod kv;
+mod logging;
+mod manpages;
 mod mds;
 mod mkfs;
 mod mount;
+mod mount_options;
 mod nbd;
+mod progress;
 mod replica;
 mod stats;
 
@@ -27,12 +31,14 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser)]
 #[command(
     name = "quiltfs",
-    version,
+    version = env!("QUILTFS_LONG_VERSION"),
     about = "A user-space storage stack with explicit, programmable write ordering"
 )]
-struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    log: logging::LogArgs,
 }
 
 #[derive(Subcommand)]
@@ -45,6 +51,9 @@ enum Command {
     /// Check a betrfs image (exit status as e2fsck's; ext2 images go to e2fsck).
     Fsck(betrfs::FsckArgs),
     /// Mount an image through FUSE (unmount with `umount MOUNTPOINT`).
+    #[command(
+        after_long_help = "Every -o option, with what it does, is in quiltfs-mount-options(7); the image formats in quiltfs-formats(5)."
+    )]
     Mount(mount::MountArgs),
     /// Unmount and wait for the server to finish writing back (what `umount` does once
     /// the helpers are installed).
@@ -100,6 +109,15 @@ enum Command {
     /// `quiltfs mount mds://HOST:PORT[/SUBTREE]?secret-file=F MOUNTPOINT`).
     #[command(subcommand)]
     Mds(mds::MdsCommand),
+    /// Print a shell's completion script for quiltfs (bash, zsh, fish, elvish,
+    /// powershell): e.g. `quiltfs completions bash > /etc/bash_completion.d/quiltfs`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Internal (packaging): write every man page into DIR.
+    #[command(hide = true)]
+    Manpages { dir: std::path::PathBuf },
 }
 
 /// `mi_option_purge_delay` of mimalloc 2.1 and later (the Rust bindings list only the
@@ -142,24 +160,13 @@ fn main() {
     // pile up (meta-journal PostMark peaked at 185-189 MiB with the 128 MiB cache, 159-
     // 169 MiB this way, no slower within the noise).
     set_allocator_purge_delay(0);
-    // Errors by default. openraft logs an error for every message to a replica that is
-    // down (each read's leadership check among them: thousands a minute while one
-    // replica is away); its failures that matter reach the replica as errors of its
-    // calls, which it reports itself. QUILTFS_LOG=openraft=warn shows them.
-    let filter = match std::env::var("QUILTFS_LOG") {
-        Ok(f) => tracing_subscriber::EnvFilter::new(f),
-        Err(_) => tracing_subscriber::EnvFilter::new("error,openraft=off"),
-    };
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
     let argv: Vec<String> = std::env::args().collect();
     let name = argv
         .first()
         .map(|a| a.rsplit('/').next().unwrap_or(a).to_string())
         .unwrap_or_default();
     if name.starts_with("mount.fuse.quiltfs") || name == "mount.quiltfs" {
+        logging::init(&logging::LogArgs::default());
         if let Err(e) = mount::helper_main(argv) {
             eprintln!("quiltfs: error: {e:#}");
             std::process::exit(1);
@@ -172,6 +179,7 @@ fn main() {
         || name.starts_with("umount.fuseblk.quiltfs")
         || name == "umount.quiltfs"
     {
+        logging::init(&logging::LogArgs::default());
         if let Err(e) = mount::umount_helper_main(argv) {
             eprintln!("quiltfs: error: {e:#}");
             std::process::exit(1);
@@ -179,6 +187,7 @@ fn main() {
         return;
     }
     let cli = Cli::parse();
+    logging::init(&cli.log);
     // Processes that talk to replicas over TCP must not die of a peer that went away
     // while a request was being written (the default disposition restored above is
     // for output piped into `head`).
@@ -242,6 +251,12 @@ fn run(cli: Cli) -> Result<()> {
         Command::Nbd(a) => nbd::run(a),
         Command::FileView(a) => fileview::run(a),
         Command::Mds(c) => mds::run(c),
+        Command::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut cmd, "quiltfs", &mut std::io::stdout());
+            Ok(())
+        }
+        Command::Manpages { dir } => manpages::write_all(&dir),
     }
 }
 
@@ -264,4 +279,15 @@ fn bench(args: Vec<std::ffi::OsString>) -> Result<()> {
         "cannot run {} ({err}): the benchmarks are a binary of their own, built with the workspace (cargo build --release) and installed by scripts/setup.sh",
         exe.display()
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    /// clap's own checks of the definitions (two arguments with one id, a global flag
+    /// shadowing a subcommand's argument, ...), which it otherwise makes only when a
+    /// command line reaches the faulty part.
+    #[test]
+    fn the_command_line_definitions_are_consistent() {
+        <super::Cli as clap::CommandFactory>::command().debug_assert();
+    }
 }

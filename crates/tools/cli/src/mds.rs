@@ -49,6 +49,10 @@ pub struct ServeArgs {
     /// whole); each batch also moves the client's watermark.
     #[arg(long, default_value_t = 16384)]
     pub merge_batch: usize,
+    /// Serve Prometheus metrics (requests and errors by kind, merged events, refusals
+    /// under holds, clients, holds and open files) at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 #[derive(Subcommand)]
@@ -210,6 +214,19 @@ fn serve(a: ServeArgs) -> Result<()> {
         .block_on(tokio::net::TcpListener::bind(&a.listen))
         .with_context(|| format!("listening on {}", a.listen))?;
     let at = listener.local_addr()?;
+    let metrics = match a.metrics {
+        Some(m) => {
+            let l = rt
+                .block_on(tokio::net::TcpListener::bind(m))
+                .with_context(|| format!("listening for metrics on {m}"))?;
+            // A weak reference: the store is finished once the service is gone.
+            let weak = Arc::downgrade(&mds);
+            let render = move || weak.upgrade().map(|m| m.metrics()).unwrap_or_default();
+            eprintln!("quiltfs: metrics at http://{m}/metrics");
+            Some(rt.spawn(quilt_rpc::metrics::serve(l, render, std::future::pending())))
+        }
+        None => None,
+    };
     println!(
         "quiltfs: serving the namespace of {} at mds://{at}/?secret-file={}",
         image.display(),
@@ -235,6 +252,10 @@ fn serve(a: ServeArgs) -> Result<()> {
         None,
         stop,
     ));
+    if let Some(m) = metrics {
+        m.abort();
+        let _ = rt.block_on(m);
+    }
     drop(mds);
     let finished = store.finish();
     for l in locks {

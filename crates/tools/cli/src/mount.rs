@@ -70,12 +70,12 @@ pub struct MountArgs {
     pub notify_ready: bool,
 }
 
-struct Parsed {
+pub(crate) struct Parsed {
     settings: OpenSettings,
     fuse: FuseOptions,
 }
 
-fn parse(a: &MountArgs) -> Result<Parsed> {
+pub(crate) fn parse(a: &MountArgs) -> Result<Parsed> {
     let mut settings = OpenSettings {
         mode: a.mode,
         unsafe_durability: a.r#unsafe,

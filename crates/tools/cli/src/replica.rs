@@ -144,6 +144,10 @@ pub struct ServeArgs {
     pub tls_key: Option<PathBuf>,
     #[arg(long, requires_all = ["tls_cert", "tls_key"])]
     pub tls_ca: Option<PathBuf>,
+    /// Serve Prometheus metrics (role, log index and lag, INCOMPLETE blocks, reserve
+    /// and log use, device requests) at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -262,6 +266,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         model_disks: a.model_disks,
         new_data_disk: a.new_data_disk,
         tls,
+        metrics: a.metrics,
     };
     // The Raft log's appends and the state machine's placements wait for their disks
     // on the workers that run them: enough workers that heartbeats and answers still

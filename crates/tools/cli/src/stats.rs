@@ -49,6 +49,7 @@ pub fn run(a: StatsArgs) -> Result<()> {
         )?;
         crate::mount::stats_json(&fs)
     };
+    let v = with_feature_names(v);
     if a.json {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else if let serde_json::Value::Object(m) = v {
@@ -58,4 +59,21 @@ pub fn run(a: StatsArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// An ext2 image's feature masks also as e2fsprogs's names (`format.features`).
+fn with_feature_names(mut v: serde_json::Value) -> serde_json::Value {
+    let Some(m) = v.as_object_mut() else {
+        return v;
+    };
+    let mask = |k: &str| m.get(k).and_then(|x| x.as_u64()).map(|x| x as u32);
+    if let (Some(c), Some(i), Some(r)) = (
+        mask("format.feature_compat"),
+        mask("format.feature_incompat"),
+        mask("format.feature_ro_compat"),
+    ) {
+        let names = quilt_ext2::format::feature_names(c, i, r).join(",");
+        m.insert("format.features".into(), names.into());
+    }
+    v
 }

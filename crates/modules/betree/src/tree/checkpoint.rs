@@ -353,7 +353,9 @@ impl Inner {
         self.generation += 1;
         // Replay starts at the very next record, wherever it falls in its block.
         let (log_lsn, log_offset) = self.log.position();
+        self.header_version = Header::version_for(&self.geo);
         let header = Header {
+            version: self.header_version,
             instance: self.log.instance,
             generation: self.generation,
             geo: self.geo,
