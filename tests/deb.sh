@@ -163,7 +163,7 @@ for i in 0 1 2; do
   listen="$(cut -d, -f$((i + 1)) <<<"$peers")"
   (cd "$d" && exec setpriv --reuid=nobody --regid=nogroup --clear-groups --no-new-privs "${cmd[@]}" \
      --id "$i" --listen "$listen" --peers "$peers" --log-dev log.img --data-dev data.img \
-     --metrics "127.0.0.1:${mports[$i]}") >"$work/replica-$i.log" 2>&1 &
+     --metrics "127.0.0.1:${mports[$i]}" --log info --log-target stderr) >"$work/replica-$i.log" 2>&1 &
   pids+=("$!")
 done
 leaders=0
@@ -175,6 +175,7 @@ for _ in $(seq 1 150); do
 done
 [ "$leaders" = 1 ] || fail "no single leader in the replicas' metrics: $(scrape "${mports[0]}" | grep -v '^#' | head -20)"
 scrape "${mports[1]}" | grep -q '^gnothi_incomplete_blocks{replica="1"} 0$' || fail "replica 1's metrics"
+grep -q 'INFO.*replica serving' "$work/replica-0.log" || fail "--log info showed no info line: $(cat "$work/replica-0.log")"
 for p in "${pids[@]:1}"; do kill -TERM "$p"; done
 for p in "${pids[@]:1}"; do wait "$p" || fail "a replica did not stop cleanly on SIGTERM"; done
 pids=()

@@ -20,6 +20,9 @@ const READ_TIMEOUT: Duration = Duration::from_secs(5);
 pub enum Kind {
     Counter,
     Gauge,
+    /// A value whose kind the server does not know (a module's counters, some of
+    /// which rise and fall).
+    Untyped,
 }
 
 /// One scrape's text, built metric by metric.
@@ -50,6 +53,7 @@ impl Exposition {
         let kind = match kind {
             Kind::Counter => "counter",
             Kind::Gauge => "gauge",
+            Kind::Untyped => "untyped",
         };
         let _ = writeln!(
             self.text,

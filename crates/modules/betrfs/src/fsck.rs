@@ -17,7 +17,7 @@ use crate::keys::{self, Loc};
 use crate::record::{self, Entry, Inode, Super, BLOCK};
 use quilt_betree::Batch;
 use quilt_block::{BlockDevice, OverlayDevice};
-use quilt_vfs::{FsError, Result};
+use quilt_vfs::{FileSystem, FsError, Result};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
@@ -52,6 +52,16 @@ impl Report {
 /// guessing (link counts, data past the end or without a file, inodes without names
 /// go to lost+found) and writes the result.
 pub fn fsck(dev: Arc<dyn BlockDevice>, repair: bool) -> Result<Report> {
+    fsck_with_progress(dev, repair, &mut |_, _| {})
+}
+
+/// `fsck`, telling `progress` how far the scan is: (keys checked, keys expected, a
+/// rough estimate from the space and inodes in use), every few thousand keys.
+pub fn fsck_with_progress(
+    dev: Arc<dyn BlockDevice>,
+    repair: bool,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Report> {
     let dev: Arc<dyn BlockDevice> = if repair {
         dev
     } else {
@@ -83,7 +93,10 @@ pub fn fsck(dev: Arc<dyn BlockDevice>, repair: bool) -> Result<Report> {
         report.problems.push(format!("the tree: {e}"));
         return Ok(report);
     }
-    let fixes = check_schema(&fs, &mut report)?;
+    let expected = fs.statfs().map_or(0, |s| {
+        s.blocks.saturating_sub(s.blocks_free) + s.files.saturating_sub(s.files_free)
+    });
+    let fixes = check_schema(&fs, &mut report, &mut |n| progress(n, expected.max(n)))?;
     if repair && !fixes.ops.is_empty() {
         fs.tree()
             .write(fixes)
@@ -91,7 +104,7 @@ pub fn fsck(dev: Arc<dyn BlockDevice>, repair: bool) -> Result<Report> {
         report.fixed.append(&mut report.problems);
         // What could not be fixed stays a problem: check again.
         let mut again = Report::default();
-        check_schema(&fs, &mut again)?;
+        check_schema(&fs, &mut again, &mut |_| {})?;
         report.problems = again.problems;
     }
     fs.unmount()?;
@@ -139,7 +152,8 @@ fn parent_of(path: &[u8], zone_roots: &HashMap<u64, Vec<u8>>) -> Option<Vec<u8>>
 }
 
 /// Checks the schema; returns the batch that repairs what can be repaired.
-fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
+fn check_schema(fs: &Betrfs, r: &mut Report, progress: &mut dyn FnMut(u64)) -> Result<Batch> {
+    let mut scanned = 0u64;
     let mut fix = Batch::new();
     let mut sup = None;
     let mut names: BTreeMap<Vec<u8>, Entry> = BTreeMap::new();
@@ -152,6 +166,10 @@ fn check_schema(fs: &Betrfs, r: &mut Report) -> Result<Batch> {
     let mut zones: BTreeMap<u64, u64> = BTreeMap::new();
     for kv in fs.tree().range(b"", None) {
         let (k, v) = kv.map_err(|e| FsError::Corrupt(e.to_string()))?;
+        scanned += 1;
+        if scanned % 4096 == 0 {
+            progress(scanned);
+        }
         let (k, v) = (&k, &v);
         match k.first() {
             Some(b'S') if k == keys::SUPER => match Super::decode(v) {

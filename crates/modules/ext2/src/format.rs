@@ -664,7 +664,7 @@ mod feature_name_tests {
     #[test]
     fn names_as_e2fsprogs_and_unknown_bits_as_masks() {
         assert_eq!(
-            super::feature_names(0x8 | 0x4, 0x2 | 0x1_0000_0, 0x1 | 0x2),
+            super::feature_names(0x8 | 0x4, 0x2 | 0x0100_0000, 0x1 | 0x2),
             [
                 "has_journal",
                 "ext_attr",

@@ -17,6 +17,19 @@ pub struct MkfsOptions {
     /// Owner of the root directory.
     pub root_uid: u32,
     pub root_gid: u32,
+    /// Told (groups done, groups) after each block group is laid out: zeroing the inode
+    /// tables of a large device that does not read as zeros takes minutes.
+    pub progress: Option<Progress>,
+}
+
+/// A progress callback (`MkfsOptions::progress`).
+#[derive(Clone)]
+pub struct Progress(pub std::sync::Arc<dyn Fn(u64, u64) + Send + Sync>);
+
+impl std::fmt::Debug for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Progress(..)")
+    }
 }
 
 pub const INODE_SIZE: u16 = 256;
@@ -191,6 +204,9 @@ pub fn mkfs(engine: &Engine, opts: &MkfsOptions) -> Result<Superblock, FsError> 
             free_inodes: (sb.inodes_per_group - if g == 0 { LOST_FOUND_INO } else { 0 }) as u16,
             used_dirs: if g == 0 { 2 } else { 0 },
         });
+        if let Some(p) = &opts.progress {
+            (p.0)(u64::from(g) + 1, u64::from(ng));
+        }
     }
 
     // Inodes 2 (root) and 11 (lost+found); the other reserved ones stay zero.

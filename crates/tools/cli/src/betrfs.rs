@@ -150,7 +150,12 @@ pub fn fsck(a: FsckArgs) -> Result<i32> {
             return Ok(8);
         }
     };
-    let r = match quilt_betrfs::fsck::fsck(dev, a.yes) {
+    let mut meter = crate::progress::Meter::new("fsck", "keys (estimated)", 0);
+    let r = quilt_betrfs::fsck::fsck_with_progress(dev, a.yes, &mut |done, total| {
+        meter.set(done, total, "")
+    });
+    meter.finish();
+    let r = match r {
         Ok(r) => r,
         Err(e) => {
             println!("{}: cannot be mounted: {e}", a.image.display());

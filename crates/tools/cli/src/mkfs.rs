@@ -103,15 +103,18 @@ fn format_volume(a: &MkfsArgs, addr: &str, asked: Option<u64>) -> Result<()> {
     if a.fs == "betrfs" {
         return crate::betrfs::mkfs(&a.image, dev);
     }
+    let meter = group_meter();
     let opts = quilt_ext2::MkfsOptions {
         inodes: a.inodes,
         label: a.label.clone(),
         device_is_zeroed: false,
         root_uid: 0,
         root_gid: 0,
+        progress: Some(meter.1),
     };
-    let (engine, sb) =
-        quilt_stack::mkfs_ext2(dev, EngineOptions::default(), &opts).context("mkfs failed")?;
+    let made = quilt_stack::mkfs_ext2(dev, EngineOptions::default(), &opts);
+    lock(&meter.0).finish();
+    let (engine, sb) = made.context("mkfs failed")?;
     let mut kind = "ext2".to_string();
     if a.journal {
         let blocks = bytes / a.block_size as u64;
@@ -212,15 +215,18 @@ fn format(a: &MkfsArgs, target: crate::image::Target, asked: Option<u64>) -> Res
     if !target.is_device {
         host_room_note(&a.image, bytes);
     }
+    let meter = group_meter();
     let opts = quilt_ext2::MkfsOptions {
         inodes: a.inodes,
         label: a.label.clone(),
         device_is_zeroed,
         root_uid: 0,
         root_gid: 0,
+        progress: Some(meter.1),
     };
-    let (engine, sb) = quilt_stack::mkfs_ext2(Arc::new(dev), EngineOptions::default(), &opts)
-        .context("mkfs failed")?;
+    let made = quilt_stack::mkfs_ext2(Arc::new(dev), EngineOptions::default(), &opts);
+    lock(&meter.0).finish();
+    let (engine, sb) = made.context("mkfs failed")?;
     let mut kind = "ext2".to_string();
     let skip = a.journal_placement == "skip";
     if let Some(jpath) = &a.journal_dev {
@@ -336,4 +342,21 @@ fn host_room_note(image: &std::path::Path, bytes: u64) {
             bytes >> 20
         );
     }
+}
+
+type SharedMeter = Arc<std::sync::Mutex<crate::progress::Meter>>;
+
+/// Progress of the block groups laid out (a bar on a terminal, lines otherwise): the
+/// meter, and the callback mkfs calls.
+fn group_meter() -> (SharedMeter, quilt_ext2::mkfs::Progress) {
+    let meter: SharedMeter = Arc::new(std::sync::Mutex::new(crate::progress::Meter::new(
+        "mkfs", "groups", 0,
+    )));
+    let m = meter.clone();
+    let cb = quilt_ext2::mkfs::Progress(Arc::new(move |done, total| lock(&m).set(done, total, "")));
+    (meter, cb)
+}
+
+fn lock(m: &SharedMeter) -> std::sync::MutexGuard<'_, crate::progress::Meter> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }

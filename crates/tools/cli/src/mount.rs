@@ -73,6 +73,8 @@ pub struct MountArgs {
 pub(crate) struct Parsed {
     settings: OpenSettings,
     fuse: FuseOptions,
+    /// Where the server serves its counters for Prometheus (`metrics=HOST:PORT`).
+    metrics: Option<std::net::SocketAddr>,
 }
 
 pub(crate) fn parse(a: &MountArgs) -> Result<Parsed> {
@@ -82,6 +84,7 @@ pub(crate) fn parse(a: &MountArgs) -> Result<Parsed> {
         cache_mib: a.cache_mib,
         ..Default::default()
     };
+    let mut metrics = None;
     let mut fuse = FuseOptions {
         fs_name: a.image.display().to_string(),
         // Root's mounts serve every user, as a kernel file system does, under the
@@ -130,6 +133,11 @@ pub(crate) fn parse(a: &MountArgs) -> Result<Parsed> {
                 bail!("journal_model={m}: the disk models are 7200 (a desktop disk) and none")
             }
             ("model_nohostsync", None) => settings.model_nohostsync = true,
+            ("metrics", Some(addr)) => metrics = Some(addr.parse().with_context(|| {
+                format!(
+                    "metrics={addr}: expected HOST:PORT with a numeric host, e.g. 127.0.0.1:9430"
+                )
+            })?),
             ("errors", Some(e)) => settings.errors = e.parse().map_err(anyhow::Error::msg)?,
             ("mode", Some(m)) => settings.mode = m.parse().map_err(anyhow::Error::msg)?,
             ("cache_mib", Some(n)) => settings.cache_mib = n.parse().context("cache_mib=N")?,
@@ -180,7 +188,11 @@ pub(crate) fn parse(a: &MountArgs) -> Result<Parsed> {
     }
     fuse.read_only = settings.read_only;
     fuse.posix_acl = settings.acl;
-    Ok(Parsed { settings, fuse })
+    Ok(Parsed {
+        settings,
+        fuse,
+        metrics,
+    })
 }
 
 pub use quilt_mountctl::runtime_paths;
@@ -447,6 +459,9 @@ fn serve_fs<F: Served>(
         fuse_opts.stats.clone(),
         unmounted.clone(),
     )?;
+    if let Some(at) = parse(a)?.metrics {
+        serve_metrics(at, fs.clone(), fuse_opts.stats.clone())?;
+    }
     let locks = Arc::new(Mutex::new(locks));
     // How the module's final write-back ended, once it has.
     let outcome: Arc<Mutex<Option<Result<(), String>>>> = Arc::default();
@@ -599,15 +614,7 @@ fn start_control<F: Served>(
             let mut line = String::new();
             let _ = BufReader::new(&conn).read_line(&mut line);
             let reply = match line.trim() {
-                "stats" => {
-                    let mut j = stats_json(&*fs);
-                    if let Some(m) = j.as_object_mut() {
-                        for (k, v) in requests.fields() {
-                            m.insert(k, v.into());
-                        }
-                    }
-                    serde_json::to_string(&j).unwrap_or_default()
-                }
+                "stats" => serde_json::to_string(&all_stats(&*fs, &requests)).unwrap_or_default(),
                 "pid" => std::process::id().to_string(),
                 "image" => image.display().to_string(),
                 // What sync(1) does through the mount, for scripts and for plain FUSE
@@ -631,6 +638,60 @@ fn start_control<F: Served>(
         }
     });
     Ok(listener)
+}
+
+/// What `quiltfs stats MOUNTPOINT` shows: the module's counters and the FUSE requests.
+fn all_stats(fs: &dyn FileSystem, requests: &quilt_fuse::RequestStats) -> serde_json::Value {
+    let mut j = stats_json(fs);
+    if let Some(m) = j.as_object_mut() {
+        for (k, v) in requests.fields() {
+            m.insert(k, v.into());
+        }
+    }
+    j
+}
+
+/// The same counters for Prometheus at http://AT/metrics, from a thread of the server's
+/// own (its runtime serves nothing else). Bound before the mount, so that an address in
+/// use fails the mount with the reason.
+fn serve_metrics<F: Served>(
+    at: std::net::SocketAddr,
+    fs: Arc<F>,
+    requests: Arc<quilt_fuse::RequestStats>,
+) -> Result<()> {
+    let listener = std::net::TcpListener::bind(at)
+        .with_context(|| format!("listening for metrics on {at}"))?;
+    listener.set_nonblocking(true)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the metrics runtime")?;
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            rt.block_on(async move {
+                let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                    return;
+                };
+                let render = move || {
+                    let mut e = quilt_rpc::metrics::Exposition::new();
+                    if let serde_json::Value::Object(m) = all_stats(&*fs, &requests) {
+                        for (k, v) in m {
+                            if let Some(v) = v.as_f64() {
+                                let help = format!("quiltfs stats: {k}");
+                                let name = format!("quiltfs_{k}");
+                                e.metric(&name, quilt_rpc::metrics::Kind::Untyped, &help, v);
+                            }
+                        }
+                    }
+                    e.finish()
+                };
+                quilt_rpc::metrics::serve(listener, render, std::future::pending()).await
+            })
+        })
+        .context("starting the metrics thread")?;
+    tracing::info!(metrics = %at, "metrics served at /metrics");
+    Ok(())
 }
 
 pub fn stats_json(fs: &dyn FileSystem) -> serde_json::Value {

@@ -64,6 +64,7 @@ pub const GROUPS: &[(&str, &[MountOption])] = &[
             o("model_nohostsync", "model_nohostsync", "The models' flushes stop at the model: the files under them are not flushed on the host. For benchmarks only: the files then survive a crash of quiltfs but not one of the host."),
             o("nohard", "nohard", "The patch engine's hard patches off (to compare the optimization)."),
             o("nomerge", "nomerge", "The patch engine's overlap merging off (to compare the optimization)."),
+            o("metrics=HOST:PORT", "metrics=127.0.0.1:9430", "Serve the counters that `quiltfs stats` shows (the module's, the patch layer's, the device's and the FUSE requests by type) for Prometheus at http://HOST:PORT/metrics, from the server."),
         ],
     ),
     (

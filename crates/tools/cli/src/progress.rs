@@ -15,6 +15,8 @@ pub struct Meter {
     every: Duration,
     done: u64,
     total: u64,
+    /// What the last plain line said was done (None: no line yet).
+    printed: Option<u64>,
 }
 
 impl Meter {
@@ -48,6 +50,7 @@ impl Meter {
             every,
             done: 0,
             total,
+            printed: None,
         }
     }
 
@@ -68,7 +71,8 @@ impl Meter {
         self.line(note);
     }
 
-    fn line(&self, note: &str) {
+    fn line(&mut self, note: &str) {
+        self.printed = Some(self.done);
         let secs = self.start.elapsed().as_secs_f64();
         let left = if self.done > 0 && self.done < self.total {
             let s = secs / self.done as f64 * (self.total - self.done) as f64;
@@ -87,11 +91,11 @@ impl Meter {
         );
     }
 
-    /// The end: the bar is cleared; off a terminal a last line says the total, if any
-    /// line was printed before.
-    pub fn finish(&self) {
+    /// The end: the bar is cleared; off a terminal a last line says where it ended, if
+    /// lines were printed and the last did not say so already.
+    pub fn finish(&mut self) {
         self.bar.finish_and_clear();
-        if !self.tty && self.last_line != self.start {
+        if !self.tty && self.printed.is_some_and(|d| d != self.done) {
             self.line("done");
         }
     }

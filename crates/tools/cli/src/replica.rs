@@ -408,6 +408,9 @@ pub struct UpArgs {
     /// address names the CA (`tls-ca=DIR/ca.pem`).
     #[arg(long)]
     pub tls: bool,
+    /// Each replica serves Prometheus metrics at http://127.0.0.1:(PORT+ID)/metrics.
+    #[arg(long, value_name = "PORT")]
+    pub metrics_port: Option<u16>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -421,6 +424,8 @@ struct ClusterFile {
     model_disks: bool,
     #[serde(default)]
     tls: bool,
+    #[serde(default)]
+    metrics_port: Option<u16>,
 }
 
 fn default_recovery_interval() -> u64 {
@@ -753,6 +758,16 @@ fn spawn_with(dir: &Path, c: &ClusterFile, id: u16, extra: &[&str]) -> Result<u3
         } else {
             Vec::new()
         })
+        .args(
+            c.metrics_port
+                .map(|p| {
+                    vec![
+                        "--metrics".to_string(),
+                        format!("127.0.0.1:{}", p.saturating_add(id)),
+                    ]
+                })
+                .unwrap_or_default(),
+        )
         .args(extra)
         .stdin(std::process::Stdio::null())
         .stdout(out.try_clone()?)
@@ -1167,7 +1182,11 @@ fn up(a: UpArgs) -> Result<()> {
         recovery_interval_ms: a.recovery_interval_ms,
         model_disks: a.model_disks,
         tls: a.tls,
+        metrics_port: a.metrics_port,
     };
+    // Format each, start each, and the election.
+    let steps = 2 * u64::from(a.replicas) + 1;
+    let mut meter = crate::progress::Meter::new("cluster up", "steps", steps);
     if a.tls {
         // Each certificate names the host of its replica's address.
         let hosts: Vec<Vec<String>> = c
@@ -1193,6 +1212,7 @@ fn up(a: UpArgs) -> Result<()> {
         }
     }
     for id in 0..a.replicas {
+        meter.set(u64::from(id), steps, &format!("formatting replica {id}"));
         let label = server::label_for(id, &a.volume, g, shape.reserve_slots, LogSizes::default());
         server::format(
             &label,
@@ -1203,6 +1223,11 @@ fn up(a: UpArgs) -> Result<()> {
     }
     save(&a.dir, &c)?;
     for id in 0..a.replicas {
+        meter.set(
+            u64::from(a.replicas + id),
+            steps,
+            &format!("starting replica {id}"),
+        );
         let pid = spawn(&a.dir, &c, id)?;
         c.replicas[id as usize].pid = Some(pid);
         save(&a.dir, &c)?;
@@ -1210,6 +1235,7 @@ fn up(a: UpArgs) -> Result<()> {
     // Wait for a leader.
     let t = Instant::now();
     loop {
+        meter.set(steps - 1, steps, "electing a leader");
         let st = statuses(&a.dir, &c)?;
         if st
             .iter()
@@ -1225,6 +1251,8 @@ fn up(a: UpArgs) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+    meter.set(steps, steps, "up");
+    meter.finish();
     eprintln!(
         "quiltfs: volume {} up on {} replicas ({:?}, f={f}), {} MiB",
         a.volume,
