@@ -48,6 +48,18 @@ if [ "$(id -u)" = 0 ]; then
   install -m 755 target/release/libquilt_pg.so target/release/libquilt_preload.so /usr/local/lib/
   install -m 644 crates/interfaces/pg/include/quiltfs_pg.h /usr/local/include/
   ldconfig 2>/dev/null || true
+  # Man pages (quiltfs(1), a page per subcommand, quiltfs-mount-options(7),
+  # quiltfs-formats(5)) and bash completion, as the Debian package installs them.
+  man_tmp="$(mktemp -d)"
+  if target/release/quiltfs manpages "$man_tmp" 2>/dev/null && target/release/quiltfs-bench manpages "$man_tmp"; then
+    for page in "$man_tmp"/*; do
+      mkdir -p "/usr/local/share/man/man${page##*.}"
+      install -m 644 "$page" "/usr/local/share/man/man${page##*.}/"
+    done
+  fi
+  rm -rf "$man_tmp"
+  mkdir -p /usr/local/share/bash-completion/completions
+  target/release/quiltfs completions bash > /usr/local/share/bash-completion/completions/quiltfs
   # FUSE over io_uring (kernel 6.14+): mounts serve each request on its caller's CPU,
   # about twice as fast on this kind of machine as /dev/fuse (docs/results). Off by
   # default in the kernel; `-o nouring` keeps a mount on /dev/fuse.

@@ -72,6 +72,8 @@ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$work/$(basename "$new")"
 commit="$(git -C "$root" rev-parse --short=12 HEAD)"
 v="$(/usr/bin/quiltfs --version)"
 grep -q "^quiltfs $version (commit $commit" <<<"$v" || fail "--version says: $v (commit $commit expected)"
+# Only the package's pages (scripts/setup.sh puts copies under /usr/local).
+export MANPATH=/usr/share/man
 [ "$(man -w quiltfs-mount)" = /usr/share/man/man1/quiltfs-mount.1.gz ] || fail "man -w quiltfs-mount: $(man -w quiltfs-mount 2>&1)"
 MANWIDTH=200 man quiltfs-mount 2>/dev/null | grep -q -- '--foreground' || fail "man quiltfs-mount has no options"
 MANWIDTH=200 man quiltfs-mount-options 2>/dev/null | grep -q 'dirty_mib=N' || fail "man quiltfs-mount-options"
