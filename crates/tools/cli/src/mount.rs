@@ -133,11 +133,13 @@ pub(crate) fn parse(a: &MountArgs) -> Result<Parsed> {
                 bail!("journal_model={m}: the disk models are 7200 (a desktop disk) and none")
             }
             ("model_nohostsync", None) => settings.model_nohostsync = true,
-            ("metrics", Some(addr)) => metrics = Some(addr.parse().with_context(|| {
-                format!(
+            ("metrics", Some(addr)) => {
+                metrics = Some(addr.parse().with_context(|| {
+                    format!(
                     "metrics={addr}: expected HOST:PORT with a numeric host, e.g. 127.0.0.1:9430"
                 )
-            })?),
+                })?)
+            }
             ("errors", Some(e)) => settings.errors = e.parse().map_err(anyhow::Error::msg)?,
             ("mode", Some(m)) => settings.mode = m.parse().map_err(anyhow::Error::msg)?,
             ("cache_mib", Some(n)) => settings.cache_mib = n.parse().context("cache_mib=N")?,
