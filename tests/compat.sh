@@ -64,6 +64,10 @@ before="$(sha256sum < "$img")"
 if out="$("$q" mount "$img" "$m" 2>&1)"; then umount "$m"; fail "the first layout mounted"; fi
 grep -q "development build of 2026-11-25" <<<"$out" || fail "the refusal does not name the layout: $out"
 if "$q" fsck -n "$img" >/dev/null 2>&1; then fail "fsck called the first layout clean"; fi
+# stats names it too, and does not open it as something else (a key-value tree, which
+# would rewrite its header in a version its own build cannot read).
+if out="$("$q" stats "$img" 2>&1)"; then fail "stats read the first layout: $out"; fi
+grep -q "development build of 2026-11-25" <<<"$out" || fail "stats: $out"
 [ "$(sha256sum < "$img")" = "$before" ] || fail "the refused image was changed"
 
 echo "compat: 3. ext2 revision 0 (mke2fs -r 0, debugfs)"

@@ -26,7 +26,10 @@ helpers=(/usr/sbin/mount.fuse.quiltfs /usr/sbin/umount.fuse.quiltfs /usr/sbin/um
 declare -A saved=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  mountpoint -q "$m" && { umount "$m" 2>/dev/null || umount -l "$m" || true; }
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  for d in "$m" "$work/srv/q"; do
+    mountpoint -q "$d" && { umount "$d" 2>/dev/null || umount -l "$d" || true; }
+  done
   if dpkg -s quiltfs >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive apt-get purge -y -qq quiltfs >/dev/null 2>&1 || true
   fi
@@ -37,8 +40,12 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "deb: FAIL: $*" >&2; exit 1; }
 need=()
-for p in lintian man-db bash-completion pkgconf gcc; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
+# (systemd for systemd-analyze, procps for pgrep, util-linux for setpriv.)
+for p in lintian man-db bash-completion pkgconf gcc systemd procps util-linux; do
+  dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+done
 if [ ${#need[@]} -gt 0 ]; then
+  apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
@@ -153,6 +160,7 @@ for _ in $(seq 1 100); do text="$(scrape "$mp")"; [ -n "$text" ] && break; sleep
 grep -q '^cudele_clients 0$' <<<"$text" || fail "the namespace service's metrics: $text $(cat "$work/mds.log")"
 grep -q '^cudele_requests_total{kind="op"} 0$' <<<"$text" || fail "no request counters: $text"
 kill -TERM "$mds"; wait "$mds" || fail "the namespace service did not stop cleanly: $(cat "$work/mds.log")"
+pids=()
 grep -q 'is clean' "$work/mds.log" || fail "the namespace service's stop: $(cat "$work/mds.log")"
 # Three replicas of a volume, as their units run them.
 peers=""; mports=()
@@ -178,24 +186,40 @@ done
 [ "$leaders" = 1 ] || fail "no single leader in the replicas' metrics: $(scrape "${mports[0]}" | grep -v '^#' | head -20)"
 scrape "${mports[1]}" | grep -q '^gnothi_incomplete_blocks{replica="1"} 0$' || fail "replica 1's metrics"
 grep -q 'INFO.*replica serving' "$work/replica-0.log" || fail "--log info showed no info line: $(cat "$work/replica-0.log")"
-for p in "${pids[@]:1}"; do kill -TERM "$p"; done
-for p in "${pids[@]:1}"; do wait "$p" || fail "a replica did not stop cleanly on SIGTERM"; done
+for p in "${pids[@]}"; do kill -TERM "$p"; done
+for p in "${pids[@]}"; do wait "$p" || fail "a replica did not stop cleanly on SIGTERM"; done
 pids=()
-# The mount unit: ExecStart in the background, ExecStop.
+# The mount unit: ExecStart (which returns once mounted); the server killed, and
+# ExecStartPre detaching the dead mount it left so that a restart can mount again;
+# ExecStop.
 mkdir -p "$work/srv/q"
 IMAGE="$work/disk.img"; OPTIONS="mode=soft-updates"
-start="$(exec_of quiltfs-mount@.service ExecStart "${work#/}/srv/q" "$creds")"
-start="${start/\$IMAGE/$IMAGE}"; start="${start/\$\{OPTIONS\}/$OPTIONS}"
-read -r -a cmd <<<"$start"
-"${cmd[@]}" >"$work/mount.log" 2>&1 &
-unit=$!; pids+=("$unit")
-for _ in $(seq 1 100); do mountpoint -q "$work/srv/q" && break; sleep 0.1; done
-mountpoint -q "$work/srv/q" || fail "the mount unit's ExecStart did not mount: $(cat "$work/mount.log")"
-[ "$(cat "$work/srv/q/f")" = "through the package" ] || fail "the mount unit's mount reads wrong"
-read -r -a cmd <<<"$(exec_of quiltfs-mount@.service ExecStop "${work#/}/srv/q" "$creds")"
+inst="${work#/}/srv/q"
+start="$(exec_of quiltfs-mount@.service ExecStart "$inst" "$creds")"
+start="${start/\$\{IMAGE\}/$IMAGE}"; start="${start/\$\{OPTIONS\}/$OPTIONS}"
+read -r -a start_cmd <<<"$start"
+unit_start() {
+  "${start_cmd[@]}" >"$work/mount.log" 2>&1 || fail "the mount unit's ExecStart failed: $(cat "$work/mount.log")"
+  mountpoint -q "$work/srv/q" || fail "the mount unit's ExecStart returned before the mount"
+  [ "$(cat "$work/srv/q/f")" = "through the package" ] || fail "the mount unit's mount reads wrong"
+}
+read -r -a cmd <<<"$(exec_of quiltfs-mount@.service ExecStartPre "$inst" "$creds")"
+"${cmd[@]}" || fail "ExecStartPre failed with nothing mounted"
+unit_start
+"${cmd[@]}" || fail "ExecStartPre failed on a live mount"
+mountpoint -q "$work/srv/q" || fail "ExecStartPre detached a live mount"
+pid="$(pgrep -n -f "mount $IMAGE $work/srv/q")" || fail "no server for the unit's mount"
+kill -9 "$pid"
+for _ in $(seq 1 50); do [ -e "/proc/$pid" ] || break; sleep 0.1; done
+stat "$work/srv/q" >/dev/null 2>&1 && fail "the killed server's mount still answers"
+read -r -a cmd <<<"$(exec_of quiltfs-mount@.service ExecStartPre "$inst" "$creds")"
+"${cmd[@]}" || fail "ExecStartPre failed on the dead mount"
+grep -q " $work/srv/q " /proc/self/mountinfo && fail "the dead mount is still there"
+unit_start
+read -r -a cmd <<<"$(exec_of quiltfs-mount@.service ExecStop "$inst" "$creds")"
 "${cmd[@]}" || fail "the mount unit's ExecStop failed"
-wait "$unit" || fail "the mount unit's server exited non-zero: $(cat "$work/mount.log")"
-pids=()
+mountpoint -q "$work/srv/q" && fail "still mounted after ExecStop"
+e2fsck -fn "$work/disk.img" >/dev/null 2>&1 || fail "e2fsck after the mount unit's stop"
 
 echo "deb: 4. purge"
 DEBIAN_FRONTEND=noninteractive apt-get purge -y -qq quiltfs >/dev/null

@@ -4,7 +4,10 @@
 //! else and holds no state: a scrape reads counters the server keeps anyway.
 //!
 //! Bad input is bounded: a request head larger than 8 KiB, or not complete within
-//! five seconds, is dropped; anything but `GET /metrics` gets 404 or 405.
+//! five seconds, is dropped; anything but `GET /metrics` gets 404 or 405. At most
+//! eight connections are served at once (more wait to be accepted), and a render is
+//! reused for a second: a flood of scrapes costs the server at most one render a
+//! second, whatever locks rendering takes.
 
 use std::fmt::Write as _;
 use std::future::Future;
@@ -14,6 +17,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const MAX_HEAD: usize = 8192;
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
+const MAX_CONNECTIONS: usize = 8;
+const RENDER_REUSE: Duration = Duration::from_secs(1);
+
+/// The last render and when it was made.
+type Cache = std::sync::Mutex<Option<(std::time::Instant, Arc<String>)>>;
 
 /// What a metric is, for its `# TYPE` line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,8 +128,8 @@ fn number(v: f64) -> String {
     }
 }
 
-/// Serves `GET /metrics` on `listener` until `stop` resolves; `render` makes each
-/// scrape's text (it runs on a blocking thread: it may take locks).
+/// Serves `GET /metrics` on `listener` until `stop` resolves; `render` makes a scrape's
+/// text (on a blocking thread: it may take locks), at most once a second.
 pub async fn serve<F>(
     listener: tokio::net::TcpListener,
     render: F,
@@ -130,8 +138,17 @@ pub async fn serve<F>(
     F: Fn() -> String + Send + Sync + 'static,
 {
     let render = Arc::new(render);
+    let cache: Arc<Cache> = Arc::default();
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     tokio::pin!(stop);
     loop {
+        let slot = tokio::select! {
+            _ = &mut stop => return,
+            s = slots.clone().acquire_owned() => match s {
+                Ok(s) => s,
+                Err(_) => return,
+            },
+        };
         tokio::select! {
             _ = &mut stop => return,
             accepted = listener.accept() => {
@@ -140,16 +157,42 @@ pub async fn serve<F>(
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 };
-                let render = render.clone();
+                let (render, cache) = (render.clone(), cache.clone());
                 tokio::spawn(async move {
-                    let _ = answer(conn, render).await;
+                    let _ = answer(conn, render, cache).await;
+                    drop(slot);
                 });
             }
         }
     }
 }
 
-async fn answer<F>(mut conn: tokio::net::TcpStream, render: Arc<F>) -> std::io::Result<()>
+/// The text to answer with: the cached render if it is fresh, a new one otherwise.
+async fn rendered<F>(render: Arc<F>, cache: Arc<Cache>) -> Option<Arc<String>>
+where
+    F: Fn() -> String + Send + Sync + 'static,
+{
+    tokio::task::spawn_blocking(move || {
+        // Held while rendering: concurrent scrapes wait for one render, not make one each.
+        let mut c = cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((at, text)) = c.as_ref() {
+            if at.elapsed() < RENDER_REUSE {
+                return text.clone();
+            }
+        }
+        let text = Arc::new(render());
+        *c = Some((std::time::Instant::now(), text.clone()));
+        text
+    })
+    .await
+    .ok()
+}
+
+async fn answer<F>(
+    mut conn: tokio::net::TcpStream,
+    render: Arc<F>,
+    cache: Arc<Cache>,
+) -> std::io::Result<()>
 where
     F: Fn() -> String + Send + Sync + 'static,
 {
@@ -178,15 +221,21 @@ where
     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let path = path.split('?').next().unwrap_or("");
     let (status, body) = match (method, path) {
-        ("GET" | "HEAD", "/metrics") => {
-            let r = render.clone();
-            match tokio::task::spawn_blocking(move || r()).await {
-                Ok(text) => ("200 OK", text),
-                Err(_) => ("500 Internal Server Error", "rendering failed\n".into()),
-            }
-        }
-        ("GET" | "HEAD", _) => ("404 Not Found", "only /metrics is served here\n".into()),
-        _ => ("405 Method Not Allowed", "only GET /metrics\n".into()),
+        ("GET" | "HEAD", "/metrics") => match rendered(render, cache).await {
+            Some(text) => ("200 OK", text),
+            None => (
+                "500 Internal Server Error",
+                Arc::new("rendering failed\n".into()),
+            ),
+        },
+        ("GET" | "HEAD", _) => (
+            "404 Not Found",
+            Arc::new("only /metrics is served here\n".into()),
+        ),
+        _ => (
+            "405 Method Not Allowed",
+            Arc::new("only GET /metrics\n".into()),
+        ),
     };
     let mut out = format!(
         "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -195,7 +244,9 @@ where
     if method != "HEAD" {
         out.push_str(&body);
     }
-    conn.write_all(out.as_bytes()).await?;
+    tokio::time::timeout(READ_TIMEOUT, conn.write_all(out.as_bytes()))
+        .await
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
     conn.shutdown().await
 }
 
@@ -262,5 +313,41 @@ mod tests {
             .contains("up 1"));
         tx.send(()).unwrap();
         server.await.unwrap();
+    }
+
+    /// Scrapes within a second share one render; idle connections beyond the bound
+    /// wait, and the server answers again once they are gone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn renders_are_shared_and_connections_bounded() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let renders = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let r = renders.clone();
+        let render = move || {
+            let n = r.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            format!("renders {n}\n")
+        };
+        let server = tokio::spawn(serve(l, render, std::future::pending()));
+        for _ in 0..20 {
+            assert!(get(addr, b"GET /metrics HTTP/1.1\r\n\r\n")
+                .await
+                .ends_with("renders 1\n"));
+        }
+        assert_eq!(renders.load(std::sync::atomic::Ordering::SeqCst), 1);
+        // Idle connections hold every slot: a scrape waits for the head timeout.
+        let mut idle = Vec::new();
+        for _ in 0..MAX_CONNECTIONS {
+            idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let t = std::time::Instant::now();
+        let text = get(addr, b"GET /metrics HTTP/1.1\r\n\r\n").await;
+        assert!(text.contains("renders"), "{text}");
+        assert!(
+            t.elapsed() >= Duration::from_secs(3),
+            "answered past the bound"
+        );
+        drop(idle);
+        server.abort();
     }
 }

@@ -340,6 +340,11 @@ impl Drop for Locked<'_> {
 }
 
 /// The file system on a Bε-tree.
+/// The refusal of a Bε-tree that holds no betrfs superblock record (a key-value store):
+/// callers that also open key-value stores tell it from other refusals by this text.
+pub const NOT_BETRFS: &str = "not a betrfs image: a Bε-tree without betrfs's superblock \
+     record (a key-value store? see quiltfs kv)";
+
 pub struct Betrfs {
     pub(crate) tree: Arc<Tree>,
     /// The superblock record's format version as this mount found it (`quiltfs stats`).
@@ -462,9 +467,10 @@ impl Betrfs {
     /// Mounts the file system on an open tree: finishes what a crash interrupted
     /// (orphans, chunked moves), then marks the image in use.
     pub fn mount(tree: Tree, opts: MountOptions) -> Result<Betrfs> {
-        let sup = tree.get(keys::SUPER).map_err(io)?.ok_or(FsError::Invalid(
-            "not a betrfs image: a Bε-tree without betrfs's superblock record (a key-value store? see quiltfs kv)",
-        ))?;
+        let sup = tree
+            .get(keys::SUPER)
+            .map_err(io)?
+            .ok_or(FsError::Invalid(NOT_BETRFS))?;
         let sup = Super::decode(&sup)?;
         let g = tree.geometry();
         // A record of the log may take a quarter of it; half of that leaves room for the

@@ -37,7 +37,7 @@ mod rename;
 mod undo;
 mod zones;
 
-pub use fs::{Betrfs, MountOptions, LINK_MAX, MAX_FILE_SIZE, NAME_MAX, ROOT_INO};
+pub use fs::{Betrfs, MountOptions, LINK_MAX, MAX_FILE_SIZE, NAME_MAX, NOT_BETRFS, ROOT_INO};
 use quilt_betree::{Options, Tree};
 use quilt_block::BlockDevice;
 use quilt_patch::Engine;

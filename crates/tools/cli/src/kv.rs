@@ -228,16 +228,26 @@ pub fn run(c: KvCommand) -> Result<()> {
 
 /// The tree's counters, for `quiltfs stats` on a tree image (`None`: not a tree image).
 pub fn stats_json(image: &Path) -> Result<Option<serde_json::Value>> {
-    if open_dev(image).is_err() {
+    let Ok(dev) = open_dev(image) else {
         return Ok(None);
-    }
-    let t = open(image)?;
+    };
+    // Through a copy-on-write view: opening replays the log and closing checkpoints,
+    // and a summary must leave the image as it found it (in its format versions too).
+    let view: Arc<dyn BlockDevice> = Arc::new(quilt_block::OverlayDevice::new(dev));
+    let t = quilt_stack::tree(view, Options::default())
+        .with_context(|| format!("opening the tree on {}", image.display()))?;
     let g = t.geometry();
+    let versions = t.format_versions();
     let mut v = serde_json::to_value(t.stats())?;
     if let Some(m) = v.as_object_mut() {
         m.insert("node_size".into(), g.node_bytes.into());
         m.insert("basement_size".into(), g.basement_bytes.into());
         m.insert("fanout".into(), g.fanout.into());
+        m.insert("format.tree_header_version".into(), versions.header.into());
+        m.insert(
+            "format.node_version_written".into(),
+            versions.node_written.into(),
+        );
     }
     t.close()?;
     Ok(Some(v))

@@ -62,6 +62,11 @@ enum Command {
         /// Detach now even if busy.
         #[arg(long, short = 'l')]
         lazy: bool,
+        /// Only a mount whose server is gone (its directory answers ENOTCONN), which
+        /// is then detached; anything else is left alone, and that is no error. For a
+        /// service's restart after its server crashed.
+        #[arg(long, conflicts_with = "lazy")]
+        if_dead: bool,
     },
     /// Make everything written to a mount durable. On mounts made as root (fuseblk),
     /// sync(1) and syncfs(2) do the same; on plain FUSE mounts (made by other users)
@@ -242,7 +247,14 @@ fn run(cli: Cli) -> Result<()> {
             );
             Ok(())
         }
-        Command::Umount { mountpoint, lazy } => mount::unmount_and_wait(&mountpoint, lazy),
+        Command::Umount {
+            mountpoint,
+            if_dead: true,
+            ..
+        } => mount::detach_if_dead(&mountpoint),
+        Command::Umount {
+            mountpoint, lazy, ..
+        } => mount::unmount_and_wait(&mountpoint, lazy),
         Command::Crashtest(a) => crashtest::run(a),
         Command::Kv(c) => kv::run(c),
         Command::Bench { args } => bench(args),

@@ -165,6 +165,19 @@ fn serve(a: ServeArgs) -> Result<()> {
         .canonicalize()
         .with_context(|| format!("image {} (make one with quiltfs mkfs)", a.image.display()))?;
     let (secret_path, secret) = secret_for(&image, a.secret_file)?;
+    // Both ports before the store is opened: an address in use must fail the start
+    // before anything marks the image in use.
+    let bind = |addr: &str, what: &str| -> Result<std::net::TcpListener> {
+        let l = std::net::TcpListener::bind(addr)
+            .with_context(|| format!("listening {what}on {addr}"))?;
+        l.set_nonblocking(true)?;
+        Ok(l)
+    };
+    let service_listener = bind(&a.listen, "")?;
+    let metrics_listener = match a.metrics {
+        Some(m) => Some((m, bind(&m.to_string(), "for metrics ")?)),
+        None => None,
+    };
     let mut locks = Vec::new();
     let store: Store = match crate::betrfs::detect(&image)? {
         crate::betrfs::Format::Ext2 => {
@@ -210,15 +223,12 @@ fn serve(a: ServeArgs) -> Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind(&a.listen))
-        .with_context(|| format!("listening on {}", a.listen))?;
+    let _in_runtime = rt.enter();
+    let listener = tokio::net::TcpListener::from_std(service_listener)?;
     let at = listener.local_addr()?;
-    let metrics = match a.metrics {
-        Some(m) => {
-            let l = rt
-                .block_on(tokio::net::TcpListener::bind(m))
-                .with_context(|| format!("listening for metrics on {m}"))?;
+    let metrics = match metrics_listener {
+        Some((m, l)) => {
+            let l = tokio::net::TcpListener::from_std(l)?;
             // A weak reference: the store is finished once the service is gone.
             let weak = Arc::downgrade(&mds);
             let render = move || weak.upgrade().map(|m| m.metrics()).unwrap_or_default();

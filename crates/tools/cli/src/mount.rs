@@ -453,6 +453,17 @@ fn serve_fs<F: Served>(
     locks: Vec<quilt_block::ImageLock>,
 ) -> Result<()> {
     let (sock, _) = runtime_paths(&a.mountpoint);
+    // The metrics port first: if it is in use, the image is let go of clean (the
+    // module finishes) and nothing is left behind.
+    if let Some(at) = parse(a)?.metrics {
+        if let Err(e) = serve_metrics(at, fs.clone(), fuse_opts.stats.clone()) {
+            let _ = fs.finish();
+            for l in locks {
+                l.release();
+            }
+            return Err(e);
+        }
+    }
     let unmounted = Arc::new(Mutex::new(false));
     let listener = start_control(
         &sock,
@@ -461,9 +472,6 @@ fn serve_fs<F: Served>(
         fuse_opts.stats.clone(),
         unmounted.clone(),
     )?;
-    if let Some(at) = parse(a)?.metrics {
-        serve_metrics(at, fs.clone(), fuse_opts.stats.clone())?;
-    }
     let locks = Arc::new(Mutex::new(locks));
     // How the module's final write-back ended, once it has.
     let outcome: Arc<Mutex<Option<Result<(), String>>>> = Arc::default();
@@ -761,6 +769,23 @@ pub fn helper_main(args: Vec<String>) -> Result<()> {
 /// holds the image afterwards. When this returns Ok, no process and no loop device of
 /// ours holds the image. util-linux's `umount` runs this as the `umount.fuse.quiltfs`
 /// and `umount.fuseblk.quiltfs` helpers, so `umount MOUNTPOINT` waits and reports too.
+/// `quiltfs umount --if-dead`: detaches the mount at `mountpoint` if its server died
+/// (the kernel answers ENOTCONN for it), and does nothing otherwise.
+pub fn detach_if_dead(mountpoint: &Path) -> Result<()> {
+    match std::fs::metadata(mountpoint) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            quilt_fuse::unmount(mountpoint, true)
+                .with_context(|| format!("cannot detach {}", mountpoint.display()))?;
+            eprintln!(
+                "quiltfs: detached {}, whose server had gone",
+                mountpoint.display()
+            );
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
 pub fn unmount_and_wait(mountpoint: &Path, lazy: bool) -> Result<()> {
     let pid: Option<u32> = ask(mountpoint, "pid")
         .ok()

@@ -37,8 +37,8 @@ impl Meter {
         let every = std::env::var("QUILTFS_PROGRESS_SECS")
             .ok()
             .and_then(|s| s.parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s >= 0.0)
-            .map_or(Duration::from_secs(10), Duration::from_secs_f64);
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            .unwrap_or(Duration::from_secs(10));
         let now = Instant::now();
         Meter {
             bar,

@@ -32,7 +32,14 @@ pub fn run(a: StatsArgs) -> Result<()> {
                 v
             }
             // A tree without betrfs's superblock record: a key-value store.
-            Err(e) if matches!(e.downcast_ref(), Some(quilt_vfs::FsError::Invalid(_))) => {
+            // Only that refusal: any other (a layout no release reads, say) is the
+            // answer, and the image is not opened again as something else.
+            Err(e)
+                if matches!(
+                    e.downcast_ref(),
+                    Some(quilt_vfs::FsError::Invalid(m)) if *m == quilt_betrfs::NOT_BETRFS
+                ) =>
+            {
                 crate::kv::stats_json(&a.target)?.unwrap_or_default()
             }
             Err(e) => return Err(e),
