@@ -353,7 +353,12 @@ impl Served for quilt_cudele::RemoteFs {
 
 /// A mount of the namespace service: every operation a request (RPCs), and no kernel
 /// cache of names or attributes, so that what other clients change is seen at once.
-fn serve_mds(a: &MountArgs, p: Parsed, addr: &str) -> Result<()> {
+fn serve_mds(
+    a: &MountArgs,
+    p: Parsed,
+    addr: &str,
+    metrics: Option<std::net::TcpListener>,
+) -> Result<()> {
     let address = quilt_cudele::MdsAddress::parse(addr).map_err(|e| anyhow::anyhow!(e))?;
     let client = crate::mds::connect(&address, &format!("mount {}", a.mountpoint.display()))?;
     let root = client
@@ -388,7 +393,7 @@ fn serve_mds(a: &MountArgs, p: Parsed, addr: &str) -> Result<()> {
         );
         let mut fuse = p.fuse.clone();
         fuse.fs_name = format!("quiltfs-mds:{}", address.host);
-        return serve_fs(a, fuse, Arc::new(fs), Vec::new());
+        return serve_fs(a, fuse, Arc::new(fs), Vec::new(), metrics);
     }
     // A subtree mounted as the root whose policy keeps others out is held by this
     // mount: others get EBUSY inside it until the unmount.
@@ -408,19 +413,28 @@ fn serve_mds(a: &MountArgs, p: Parsed, addr: &str) -> Result<()> {
     let mut fuse = p.fuse.clone();
     fuse.cache_ttl = std::time::Duration::ZERO;
     fuse.fs_name = format!("quiltfs-mds:{}", address.host);
-    serve_fs(a, fuse, fs, Vec::new())
+    serve_fs(a, fuse, fs, Vec::new(), metrics)
 }
 
 /// Opens the image in whatever format it holds.
 fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
+    // The metrics port before anything is opened: an address in use fails the mount
+    // with the reason, and nothing was marked in use.
+    let metrics = match p.metrics {
+        Some(at) => Some(
+            std::net::TcpListener::bind(at)
+                .with_context(|| format!("listening for metrics on {at}"))?,
+        ),
+        None => None,
+    };
     if let Some(addr) = mds_address(&a.image) {
-        return serve_mds(a, p, addr);
+        return serve_mds(a, p, addr, metrics);
     }
     match crate::betrfs::detect(&a.image)? {
         crate::betrfs::Format::Ext2 => {
             let mut locks = Vec::new();
             let fs = open_fs(&a.image, &p.settings, &mut locks)?;
-            serve_fs(a, p.fuse.clone(), Arc::new(fs), locks)
+            serve_fs(a, p.fuse.clone(), Arc::new(fs), locks, metrics)
         }
         // (A bare key-value tree fails here: it has no betrfs superblock record.)
         crate::betrfs::Format::Tree(bs) => {
@@ -437,7 +451,7 @@ fn serve(a: &MountArgs, p: Parsed) -> Result<()> {
                 },
                 &mut locks,
             )?;
-            serve_fs(a, p.fuse.clone(), Arc::new(fs), locks)
+            serve_fs(a, p.fuse.clone(), Arc::new(fs), locks, metrics)
         }
     }
 }
@@ -451,18 +465,11 @@ fn serve_fs<F: Served>(
     fuse_opts: FuseOptions,
     fs: Arc<F>,
     locks: Vec<quilt_block::ImageLock>,
+    metrics: Option<std::net::TcpListener>,
 ) -> Result<()> {
     let (sock, _) = runtime_paths(&a.mountpoint);
-    // The metrics port first: if it is in use, the image is let go of clean (the
-    // module finishes) and nothing is left behind.
-    if let Some(at) = parse(a)?.metrics {
-        if let Err(e) = serve_metrics(at, fs.clone(), fuse_opts.stats.clone()) {
-            let _ = fs.finish();
-            for l in locks {
-                l.release();
-            }
-            return Err(e);
-        }
+    if let Some(listener) = metrics {
+        serve_metrics(listener, fs.clone(), fuse_opts.stats.clone())?;
     }
     let unmounted = Arc::new(Mutex::new(false));
     let listener = start_control(
@@ -661,16 +668,14 @@ fn all_stats(fs: &dyn FileSystem, requests: &quilt_fuse::RequestStats) -> serde_
     j
 }
 
-/// The same counters for Prometheus at http://AT/metrics, from a thread of the server's
-/// own (its runtime serves nothing else). Bound before the mount, so that an address in
-/// use fails the mount with the reason.
+/// The same counters for Prometheus on `listener` (bound by `serve` before the image
+/// was opened), from a thread of the server's own (its runtime serves nothing else).
 fn serve_metrics<F: Served>(
-    at: std::net::SocketAddr,
+    listener: std::net::TcpListener,
     fs: Arc<F>,
     requests: Arc<quilt_fuse::RequestStats>,
 ) -> Result<()> {
-    let listener = std::net::TcpListener::bind(at)
-        .with_context(|| format!("listening for metrics on {at}"))?;
+    let at = listener.local_addr()?;
     listener.set_nonblocking(true)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
