@@ -7,12 +7,15 @@ pub struct Chunk {
     bytes: Vec<u8>,
     /// Where each entry's key starts, the key's length and the value's (which follows).
     ents: Vec<(u32, u32, u32)>,
+    /// A keys-only chunk's value lengths, one per entry (its values are not held).
+    lens: Vec<u32>,
 }
 
 impl Chunk {
     pub fn clear(&mut self) {
         self.bytes.clear();
         self.ents.clear();
+        self.lens.clear();
     }
 
     /// Room for what the next chunk is expected to hold. Called on an empty chunk: a
@@ -35,9 +38,24 @@ impl Chunk {
         self.bytes.extend_from_slice(v);
     }
 
+    /// An entry of a keys-only chunk: its key, and its value's length only.
+    pub fn push_key(&mut self, k: &[u8], value_len: usize) {
+        self.ents.push((self.bytes.len() as u32, k.len() as u32, 0));
+        self.bytes.extend_from_slice(k);
+        self.lens.push(value_len as u32);
+    }
+
+    /// The length of entry `i`'s value (held, or only counted in a keys-only chunk).
+    pub fn value_len(&self, i: usize) -> usize {
+        match self.lens.get(i) {
+            Some(&l) => l as usize,
+            None => self.ents[i].2 as usize,
+        }
+    }
+
     /// Bytes its buffers hold room for.
     pub fn capacity(&self) -> usize {
-        self.bytes.capacity() + self.ents.capacity() * 12
+        self.bytes.capacity() + self.ents.capacity() * 12 + self.lens.capacity() * 4
     }
 
     pub fn len(&self) -> usize {

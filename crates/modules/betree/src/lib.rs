@@ -689,6 +689,18 @@ impl Tree {
         Iter::new(self, lo, hi, false)
     }
 
+    /// The keys in `lo..hi` in ascending order, each with its value's length, without
+    /// the values: a leaf on disk is read for its index only where its basements hold
+    /// one entry each (a file system's data blocks), so a scan over a gigabyte of
+    /// values reads a few megabytes. Messages pending above the leaves are applied as
+    /// in [`Tree::range`]; a registered upsert among them makes the scan read the
+    /// values it changes.
+    pub fn keys(&self, lo: &[u8], hi: Option<&[u8]>) -> Keys<'_> {
+        let mut it = Iter::new(self, lo, hi, true);
+        it.keys_only = true;
+        Keys(it)
+    }
+
     pub fn stats(&self) -> Stats {
         self.lock().stats()
     }
@@ -769,6 +781,8 @@ pub struct Iter<'a> {
     reach: usize,
     /// Entries still to return, under [`Iter::limit`].
     left: Option<usize>,
+    /// Keys and value lengths only ([`Tree::keys`]).
+    keys_only: bool,
 }
 
 impl<'a> Iter<'a> {
@@ -790,6 +804,7 @@ impl<'a> Iter<'a> {
             taken: 0,
             reach: 0,
             left: None,
+            keys_only: false,
         }
     }
 
@@ -835,6 +850,7 @@ impl Iter<'_> {
                 self.cursor.as_deref(),
                 self.reach,
                 self.left,
+                self.keys_only,
                 &mut self.chunk,
             );
             self.reach = (self.reach * 2).clamp(1, t.geo.node_bytes);
@@ -901,6 +917,44 @@ impl Iter<'_> {
         };
         self.taken += 1;
         Some(Ok(self.chunk.get(i)))
+    }
+}
+
+/// Ordered keys of a range with their values' lengths (see [`Tree::keys`]).
+pub struct Keys<'a>(Iter<'a>);
+
+impl Keys<'_> {
+    /// Returns at most `n` keys (as [`Iter::limit`]).
+    pub fn limit(self, n: usize) -> Self {
+        Keys(self.0.limit(n))
+    }
+
+    /// The next key, lent rather than copied (valid until the next call), and its
+    /// value's length.
+    pub fn next_key(&mut self) -> Option<Result<(&[u8], usize)>> {
+        let it = &mut self.0;
+        if it.left == Some(0) {
+            return None;
+        }
+        match it.fill() {
+            Err(e) => return Some(Err(e)),
+            Ok(false) => return None,
+            Ok(true) => {}
+        }
+        if let Some(left) = &mut it.left {
+            *left -= 1;
+        }
+        let i = it.taken;
+        it.taken += 1;
+        Some(Ok((it.chunk.get(i).0, it.chunk.value_len(i))))
+    }
+}
+
+impl Iterator for Keys<'_> {
+    type Item = Result<(Vec<u8>, usize)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.next_key().map(|r| r.map(|(k, l)| (k.to_vec(), l)))
     }
 }
 

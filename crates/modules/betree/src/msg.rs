@@ -325,6 +325,38 @@ impl Upserts {
         }
     }
 
+    /// The length of the value after upsert `func` with `arg`, from the old value's
+    /// length alone (`None`: absent), for a scan that reads keys without their values:
+    /// known for the built-ins, which it mirrors exactly (a failure, or a result past
+    /// the value limit, leaves the value as it was); `None` for a registered function,
+    /// whose result needs the old value itself.
+    pub fn length_after(&self, old: Option<usize>, func: u16, arg: &[u8]) -> Option<Option<usize>> {
+        let keep = Some(old);
+        let Ok((n, bytes)) = arg_u64(arg) else {
+            return matches!(func, WRITE_AT | TRUNCATE).then_some(old);
+        };
+        let n = usize::try_from(n).ok();
+        let within = |l: usize| l <= BUILTIN_VALUE_MAX && l <= self.max_value;
+        match func {
+            WRITE_AT => {
+                let Some(end) = n.and_then(|o| o.checked_add(bytes.len())) else {
+                    return keep;
+                };
+                if end > BUILTIN_VALUE_MAX {
+                    return keep;
+                }
+                let len = old.unwrap_or(0).max(end);
+                Some(if within(len) { Some(len) } else { old })
+            }
+            TRUNCATE => match (old, n) {
+                (None, _) => Some(None),
+                (Some(_), Some(len)) if within(len) => Some(Some(len)),
+                _ => keep,
+            },
+            _ => None,
+        }
+    }
+
     /// Applies one message read in place.
     pub fn apply_ref(&self, old: Option<Vec<u8>>, msg: MsgRef) -> Result<Option<Vec<u8>>> {
         match msg {

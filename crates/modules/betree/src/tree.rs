@@ -235,6 +235,77 @@ fn decode_whole_leaf(
 /// Storage behind the headers and the log ring, where the device is a sparse image
 /// file: log writes (every batch, every sync) must never fail for a full host.
 /// (Node extents are reserved as checkpoints allocate them.)
+/// What a scan's chunk holds of each value, and what the leaf's entries hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The values.
+    Values,
+    /// Their lengths only, taken from the values.
+    Lengths,
+    /// Their lengths only; the leaf's entries hold each length (`encode_len`) in place
+    /// of its value (from the leaf's index, its basements unread).
+    Encoded,
+}
+
+fn encode_len(n: usize) -> [u8; 4] {
+    (n as u32).to_le_bytes()
+}
+
+fn decode_len(v: &[u8]) -> usize {
+    v.get(..4)
+        .and_then(|b| b.try_into().ok())
+        .map_or(0, |b| u32::from_le_bytes(b) as usize)
+}
+
+/// The keys of basements `a..b` of the partial leaf `leaf`, each with its value's
+/// length encoded as its value: a loaded basement's own, and a basement of one entry
+/// from the index (its first key, and its length less the entry's framing; the index
+/// is checksummed, the basement's own checksum is not read). Basements of more entries
+/// must be loaded.
+fn index_keys(leaf: &Node, a: usize, b: usize, id: NodeId) -> Result<Entries> {
+    let Node::Leaf(Leaf {
+        data: LeafData::Partial { index, loaded },
+        ..
+    }) = leaf
+    else {
+        return Err(Error::Invalid(
+            "internal: keys of a leaf not partial".into(),
+        ));
+    };
+    let mut es = Entries::with_capacity(0, b.saturating_sub(a));
+    for i in a..b.min(index.len()) {
+        match (&loaded[i], index[i].count) {
+            (Some(got), _) => {
+                for (k, v) in got.iter() {
+                    es.push(k, &encode_len(v.len()));
+                }
+            }
+            (None, 0) => {}
+            (None, 1) => {
+                let r = &index[i];
+                let framing = 8 + r.lo.len();
+                if (r.len as usize) < framing {
+                    return Err(Error::Corrupt(format!(
+                        "node {id}: a basement of one entry shorter than its key"
+                    )));
+                }
+                if !es.is_empty() && key_cmp(es.key(es.len() - 1), &r.lo).is_ge() {
+                    return Err(Error::Corrupt(format!(
+                        "node {id}: basement keys out of order"
+                    )));
+                }
+                es.push(&r.lo, &encode_len(r.len as usize - framing));
+            }
+            (None, _) => {
+                return Err(Error::Invalid(
+                    "internal: a keys-only scan's basement unread".into(),
+                ))
+            }
+        }
+    }
+    Ok(es)
+}
+
 fn reserve_log(engine: &Engine, geo: &Geometry) -> Result<()> {
     engine.reserve(0, geo.data_first()).map_err(|e| match e {
         quilt_patch::PatchError::Block(quilt_block::BlockError::NoSpace { path, .. }) => {
@@ -2098,13 +2169,13 @@ impl Inner {
 
     /// Reads the basements `a..b` of a cached partial leaf that are not loaded, in one
     /// read of the blocks that hold them.
-    fn load_basements(&mut self, id: NodeId, a: usize, b: usize) -> Result<()> {
+    fn load_basements(&mut self, id: NodeId, a: usize, b: usize, many_only: bool) -> Result<()> {
         let want: Vec<(usize, node::BasementRef)> = match &*self.cache[&id].node {
             Node::Leaf(Leaf {
                 data: LeafData::Partial { index, loaded },
                 ..
             }) => (a..b.min(index.len()))
-                .filter(|&i| loaded[i].is_none())
+                .filter(|&i| loaded[i].is_none() && !(many_only && index[i].count <= 1))
                 .map(|i| (i, index[i].clone()))
                 .collect(),
             _ => return Ok(()),
@@ -2202,6 +2273,7 @@ impl Inner {
         cursor: Option<&[u8]>,
         reach: usize,
         want: Option<usize>,
+        keys_only: bool,
         out: &mut Chunk,
     ) -> Result<Option<Vec<u8>>> {
         self.check_failed()?;
@@ -2269,6 +2341,8 @@ impl Inner {
                 // ones until their counts hold the count. A scan of 1,000 keys then reads
                 // about 32 basements instead of 16 + 32 in two chunks.
                 let basements = match want {
+                    // (A keys-only scan reads the index only, which is already here.)
+                    None if keys_only => index.len(),
                     None => basements,
                     Some(w) => {
                         let beyond = |k: usize| -> Option<&node::BasementRef> {
@@ -2329,7 +2403,9 @@ impl Inner {
             _ => None,
         };
         if let Some((a, b)) = parts {
-            self.load_basements(id, a, b)?;
+            // A keys-only scan needs no basement of one entry: the leaf's index gives
+            // its key, and its length gives the value's.
+            self.load_basements(id, a, b, keys_only)?;
         }
         // The window of keys this chunk settles (outer space).
         let (wlo, whi): (Vec<u8>, Option<Vec<u8>>) = if forward {
@@ -2370,17 +2446,50 @@ impl Inner {
                 nodes.push(c.node.clone());
             }
             let leaf = self.cache[&id].node.clone();
-            self.merge_window(
+            let synth = match (keys_only, parts) {
+                (true, Some((a, b))) => Some(index_keys(&leaf, a, b, id)?),
+                _ => None,
+            };
+            let mode = match (keys_only, &synth) {
+                (false, _) => Mode::Values,
+                (true, None) => Mode::Lengths,
+                (true, Some(_)) => Mode::Encoded,
+            };
+            let done = self.merge_window(
                 &nodes,
                 &path,
                 &leaf,
                 parts,
+                synth.as_ref(),
+                mode,
                 &lifts,
                 &windows,
                 &wlo,
                 whi.as_deref(),
                 out,
             )?;
+            if !done {
+                // A registered upsert on the path needs the values it changes: the
+                // basements are read after all, and the lengths taken from them.
+                out.clear();
+                if let Some((a, b)) = parts {
+                    self.load_basements(id, a, b, false)?;
+                }
+                let leaf = self.cache[&id].node.clone();
+                self.merge_window(
+                    &nodes,
+                    &path,
+                    &leaf,
+                    parts,
+                    None,
+                    Mode::Lengths,
+                    &lifts,
+                    &windows,
+                    &wlo,
+                    whi.as_deref(),
+                    out,
+                )?;
+            }
         }
         let next = if forward {
             match node_hi {
@@ -2477,12 +2586,14 @@ impl Inner {
         path: &[(NodeId, usize)],
         leaf: &Node,
         parts: Option<(usize, usize)>,
+        synth: Option<&Entries>,
+        mode: Mode,
         lifts: &PathLifts,
         windows: &[Option<Buffer>],
         wlo: &[u8],
         whi: Option<&[u8]>,
         out: &mut Chunk,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         use crate::points::MsgRef;
         use std::borrow::Cow;
         let leaf_level = path.len();
@@ -2499,6 +2610,12 @@ impl Inner {
             (from, to.max(from))
         };
         match (leaf, parts) {
+            _ if synth.is_some() => {
+                if let Some(es) = synth {
+                    let (a, b) = leaf_run(es);
+                    runs.push((es, a, b));
+                }
+            }
             (
                 Node::Leaf(Leaf {
                     data: LeafData::Full(es),
@@ -2612,14 +2729,28 @@ impl Inner {
         // outgrows its buffers copies them, and a fresh large buffer is page faults).
         let items = || levels.iter().flat_map(|l| &l.items);
         let total = runs.iter().map(|&(_, a, b)| b - a).sum::<usize>() + items().count();
-        let bytes = runs
-            .iter()
-            .map(|&(es, a, b)| es.body(a, b).len())
-            .sum::<usize>()
-            + items()
-                .map(|(k, it)| k.len() + it.size_hint())
-                .sum::<usize>();
+        let bytes = match mode {
+            Mode::Values => {
+                runs.iter()
+                    .map(|&(es, a, b)| es.body(a, b).len())
+                    .sum::<usize>()
+                    + items()
+                        .map(|(k, it)| k.len() + it.size_hint())
+                        .sum::<usize>()
+            }
+            Mode::Lengths | Mode::Encoded => {
+                runs.iter()
+                    .map(|&(es, a, b)| (a..b).map(|x| es.key(x).len()).sum::<usize>())
+                    .sum::<usize>()
+                    + items().map(|(k, _)| k.len()).sum::<usize>()
+            }
+        };
         out.reserve(bytes, total);
+        let emit = |out: &mut Chunk, k: &[u8], v: &[u8]| match mode {
+            Mode::Values => out.push(k, v),
+            Mode::Lengths => out.push_key(k, v.len()),
+            Mode::Encoded => out.push_key(k, decode_len(v)),
+        };
         let any_ranges = levels.iter().any(|l| !l.ranges.is_empty());
         // (run, index in run, index over all runs)
         let (mut r, mut j, mut n) = (0, runs.first().map_or(0, |x| x.1), 0);
@@ -2661,7 +2792,7 @@ impl Inner {
                         } else {
                             lifted[n + x - j].as_slice()
                         };
-                        out.push(k, v);
+                        emit(out, k, v);
                     }
                     n += stop - j;
                     j = stop;
@@ -2681,7 +2812,7 @@ impl Inner {
                         .iter()
                         .any(|l| l.ranges.iter().any(|rd| rd.covers(k))))
                 {
-                    out.push(k, v);
+                    emit(out, k, v);
                 }
                 j += 1;
                 n += 1;
@@ -2698,6 +2829,39 @@ impl Inner {
                     j += 1;
                     n += 1;
                 }
+            }
+            if mode == Mode::Encoded {
+                // Lengths only: the built-in upserts' results follow from the old
+                // length; a registered one's needs the value (the caller reads the
+                // basements and asks again).
+                let mut len = v.map(|v| decode_len(&v));
+                for l in &mut levels {
+                    if l.ranges.iter().any(|rd| rd.covers(&key)) {
+                        len = None;
+                    }
+                    while let Some((k, it)) = l.items.get(l.at) {
+                        if !key_eq(k, &key) {
+                            break;
+                        }
+                        for (_, msg) in it.msgs() {
+                            len = match msg {
+                                MsgRef::Put(x) => Some(x.len()),
+                                MsgRef::Delete => None,
+                                MsgRef::Upsert { func, arg } => {
+                                    match self.upserts.length_after(len, func, arg) {
+                                        Some(l) => l,
+                                        None => return Ok(false),
+                                    }
+                                }
+                            };
+                        }
+                        l.at += 1;
+                    }
+                }
+                if let Some(len) = len {
+                    out.push_key(&key, len);
+                }
+                continue;
             }
             for l in &mut levels {
                 if l.ranges.iter().any(|rd| rd.covers(&key)) {
@@ -2721,10 +2885,10 @@ impl Inner {
                 }
             }
             if let Some(v) = v {
-                out.push(&key, &v);
+                emit(out, &key, &v);
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     // ---- space ----

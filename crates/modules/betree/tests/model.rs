@@ -1,7 +1,7 @@
 //! Model-based property test: random histories of every operation (puts, deletes, both
 //! built-in upserts, range deletes, point queries, scans in both directions, atomic
-//! batches, syncs, checkpoints, reopen after sync, reopen after a crash) run against the
-//! tree with tiny nodes (many splits, merges and flushes) and against a `BTreeMap`.
+//! batches, syncs, checkpoints, reopen after sync, reopen after a crash, keys-only scans)
+//! run against the tree with tiny nodes (many splits, merges and flushes) and against a `BTreeMap`.
 //!
 //! Case count: 10,000 by default, 1,000 under `CI=true`, or `QUILT_PROPTEST_CASES`.
 
@@ -67,14 +67,22 @@ fn step() -> impl Strategy<Value = Step> {
 }
 
 fn contents(t: &Tree) -> Model {
-    t.range(b"", None).map(|r| r.unwrap()).collect()
+    let all: Model = t.range(b"", None).map(|r| r.unwrap()).collect();
+    // A keys-only scan agrees (after a reopen it reads leaves' indexes, not basements).
+    let keys: Vec<(Vec<u8>, usize)> = t.keys(b"", None).map(|r| r.unwrap()).collect();
+    let lens: Vec<(Vec<u8>, usize)> = all.iter().map(|(k, v)| (k.clone(), v.len())).collect();
+    assert_eq!(keys, lens, "keys-only scan");
+    all
 }
 
 /// `fanout` 8 makes flushes into leaves small enough for leaf deltas.
-fn run(steps: Vec<Step>, fanout: usize) -> Result<(), TestCaseError> {
+/// `basement` 256 puts most large values in basements of their own (which keys-only
+/// scans read from the leaf's index).
+fn run(steps: Vec<Step>, fanout: usize, basement: usize) -> Result<(), TestCaseError> {
     let dev = Arc::new(MemDevice::new(512, 16384).unwrap());
     let mut opts = Options::tiny();
     opts.fanout = fanout;
+    opts.basement_bytes = basement;
     let mut t = Tree::create(dev.clone(), opts.clone()).unwrap();
     let mut model = Model::new();
     // Model states since the last sync: a crash may leave any of them.
@@ -159,6 +167,16 @@ fn run(steps: Vec<Step>, fanout: usize) -> Result<(), TestCaseError> {
                         }
                     }
                 };
+                // Keys-only: the same keys with their values' lengths.
+                if forward {
+                    let keys: Vec<_> = t
+                        .keys(&lo, hi.as_deref())
+                        .limit(take)
+                        .map(|r| r.unwrap())
+                        .collect();
+                    let lens: Vec<_> = want.iter().map(|(k, v)| (k.clone(), v.len())).collect();
+                    prop_assert_eq!(keys, lens);
+                }
                 prop_assert_eq!(got, want);
             }
             Step::Sync => {
@@ -233,8 +251,9 @@ proptest! {
     fn tree_matches_a_btreemap(
         steps in prop::collection::vec(step(), 1..150),
         fanout in prop_oneof![Just(4usize), Just(8)],
+        basement in prop_oneof![Just(1024usize), Just(256)],
     ) {
-        run(steps, fanout)?;
+        run(steps, fanout, basement)?;
     }
 }
 

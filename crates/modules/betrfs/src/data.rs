@@ -136,11 +136,11 @@ impl Betrfs {
             return Ok(to - from);
         }
         let mut c = 0;
-        for kv in self
+        let mut keys = self
             .tree
-            .range(&n.loc.data_key(from), Some(&n.loc.data_key(to)))
-        {
-            kv.map_err(io)?;
+            .keys(&n.loc.data_key(from), Some(&n.loc.data_key(to)));
+        while let Some(k) = keys.next_key() {
+            k.map_err(io)?;
             c += 1;
         }
         Ok(c)
@@ -161,17 +161,20 @@ impl Betrfs {
         }
     }
 
+    /// The blocks present from `from` on: the first, and those after it up to the
+    /// first hole (and the first block past it, if any). A keys-only scan: the data's
+    /// values are not read.
     pub(crate) fn present_blocks(&self, n: &Node, from: u64) -> Result<Vec<u64>> {
         let prefix = n.loc.data_prefix();
         let last = n.inode.size.div_ceil(BLOCK);
         let mut out = Vec::new();
-        for kv in self
+        let mut keys = self
             .tree
-            .range(&n.loc.data_key(from), Some(&n.loc.data_key(last)))
-        {
-            let (k, _) = kv.map_err(io)?;
+            .keys(&n.loc.data_key(from), Some(&n.loc.data_key(last)));
+        while let Some(k) = keys.next_key() {
+            let (k, _) = k.map_err(io)?;
             out.push(
-                keys::block_of(&prefix, &k)
+                keys::block_of(&prefix, k)
                     .ok_or_else(|| FsError::Corrupt("a data key of the wrong length".into()))?,
             );
             if out.len() > 1 && out[out.len() - 1] != out[out.len() - 2] + 1 {
@@ -179,5 +182,24 @@ impl Betrfs {
             }
         }
         Ok(out)
+    }
+
+    /// The first block present at or after `from` (below the file's end).
+    pub(crate) fn next_present(&self, n: &Node, from: u64) -> Result<Option<u64>> {
+        let prefix = n.loc.data_prefix();
+        let last = n.inode.size.div_ceil(BLOCK);
+        let mut keys = self
+            .tree
+            .keys(&n.loc.data_key(from), Some(&n.loc.data_key(last)))
+            .limit(1);
+        match keys.next_key() {
+            None => Ok(None),
+            Some(k) => {
+                let (k, _) = k.map_err(io)?;
+                keys::block_of(&prefix, k)
+                    .map(Some)
+                    .ok_or_else(|| FsError::Corrupt("a data key of the wrong length".into()))
+            }
+        }
     }
 }

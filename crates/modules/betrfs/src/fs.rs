@@ -1682,21 +1682,20 @@ impl FileSystem for Betrfs {
             return Err(FsError::NoData);
         }
         // Every block present (the count is exact; fsck checks it key by key): data here
-        // and the only hole at the end, without a scan. A scan reads the values as well
-        // as the keys: grep's SEEK_HOLE on a freshly written 1 GiB file kept the server
-        // busy for minutes.
+        // and the only hole at the end, without a scan. Otherwise a keys-only scan,
+        // which reads the leaves' indexes and not the data.
         if n.inode.blocks >= size.div_ceil(BLOCK) {
             return Ok(if data { offset } else { size });
         }
         let mut blk = offset / BLOCK;
+        if data {
+            return match self.next_present(&n, blk)? {
+                Some(b) if b * BLOCK < size => Ok(offset.max(b * BLOCK)),
+                _ => Err(FsError::NoData),
+            };
+        }
         loop {
             let present = self.present_blocks(&n, blk)?;
-            if data {
-                return match present.first() {
-                    Some(&b) if b * BLOCK < size => Ok(offset.max(b * BLOCK)),
-                    _ => Err(FsError::NoData),
-                };
-            }
             // The first block from `blk` on that is not present.
             let mut want = blk;
             let mut contiguous = true;

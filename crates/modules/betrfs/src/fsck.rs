@@ -164,13 +164,14 @@ fn check_schema(fs: &Betrfs, r: &mut Report, progress: &mut dyn FnMut(u64)) -> R
     let mut index: Vec<Vec<u8>> = Vec::new();
     // Zone → the number its record names as its root's.
     let mut zones: BTreeMap<u64, u64> = BTreeMap::new();
-    for kv in fs.tree().range(b"", None) {
-        let (k, v) = kv.map_err(|e| FsError::Corrupt(e.to_string()))?;
+    // Every key, with its value; the data key spaces (`d`, `e`) keys-only, since a
+    // data block is checked by its length alone (the tree's own check, before, read
+    // every node and verified its checksums).
+    let mut visit = |k: &[u8], v: &[u8], len: usize| {
         scanned += 1;
         if scanned % 4096 == 0 {
             progress(scanned);
         }
-        let (k, v) = (&k, &v);
         match k.first() {
             Some(b'S') if k == keys::SUPER => match Super::decode(v) {
                 Ok(s) => sup = Some(s),
@@ -180,7 +181,7 @@ fn check_schema(fs: &Betrfs, r: &mut Report, progress: &mut dyn FnMut(u64)) -> R
                 let path = &k[1..];
                 if !keys::valid_key(path) {
                     r.problems.push(format!("a malformed name key {:?}", path));
-                    continue;
+                    return;
                 }
                 match Entry::decode(v) {
                     Ok(e) => {
@@ -203,7 +204,6 @@ fn check_schema(fs: &Betrfs, r: &mut Report, progress: &mut dyn FnMut(u64)) -> R
             }
             Some(&keys::DATA) | Some(&keys::INODE_DATA) => match keys::data_owner(k) {
                 Some((loc, blk)) => {
-                    let len = v.len();
                     let same = data.last().is_some_and(|d| d.loc == loc);
                     if !same {
                         data.push(DataRun {
@@ -225,7 +225,7 @@ fn check_schema(fs: &Betrfs, r: &mut Report, progress: &mut dyn FnMut(u64)) -> R
                 }
                 None => r.problems.push(format!("a malformed data key {k:?}")),
             },
-            Some(&keys::ORPHAN) | Some(&keys::RENAME) => markers.push(k.clone()),
+            Some(&keys::ORPHAN) | Some(&keys::RENAME) => markers.push(k.to_vec()),
             Some(&keys::INDEX) => index.push(k[1..].to_vec()),
             Some(&keys::ZONE) if k.len() == 9 => {
                 let z = u64::from_be_bytes(k[1..9].try_into().expect("8 bytes"));
@@ -238,6 +238,23 @@ fn check_schema(fs: &Betrfs, r: &mut Report, progress: &mut dyn FnMut(u64)) -> R
             }
             _ => r.problems.push(format!("a key in no key space: {k:?}")),
         }
+    };
+    let bad = |e: quilt_betree::Error| FsError::Corrupt(e.to_string());
+    let data_lo = [keys::DATA];
+    let data_hi = [keys::INODE_DATA + 1];
+    for kv in fs.tree().range(b"", Some(&data_lo)) {
+        let (k, v) = kv.map_err(bad)?;
+        visit(&k, &v, v.len());
+    }
+    let mut data_keys = fs.tree().keys(&data_lo, Some(&data_hi));
+    while let Some(kl) = data_keys.next_key() {
+        let (k, len) = kl.map_err(bad)?;
+        visit(k, &[], len);
+    }
+    drop(data_keys);
+    for kv in fs.tree().range(&data_hi, None) {
+        let (k, v) = kv.map_err(bad)?;
+        visit(&k, &v, v.len());
     }
     if !markers.is_empty() {
         r.problems.push(format!(

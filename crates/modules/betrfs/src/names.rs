@@ -200,8 +200,9 @@ impl Betrfs {
     pub(crate) fn has_children(&self, n: &Node) -> Result<bool> {
         let lo = keys::meta_key(&keys::child_key(&Self::prefix_of(n)?, b""));
         let hi = keys::prefix_end(&lo);
-        // (Limited: one entry answers, and the tree then reads one basement, not a chunk.)
-        match self.tree.range(&lo, Some(&hi)).limit(1).next() {
+        // (Limited: one entry answers; keys-only: its record is not copied out, and an
+        // entry alone in its basement is answered from the leaf's index.)
+        match self.tree.keys(&lo, Some(&hi)).limit(1).next_key() {
             None => Ok(false),
             Some(Ok(_)) => Ok(true),
             Some(Err(e)) => Err(io(e)),

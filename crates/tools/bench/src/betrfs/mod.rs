@@ -16,7 +16,8 @@
 //! - **names**: `rename` of directories of 10 to 100,000 files and of the linux tree, and
 //!   `clone` of the same (`quiltfs clone` on betrfs, `cp -r --reflink=always` where the
 //!   kernel's file systems can) and of a 1 GiB file: latency of each call, back and
-//!   forth;
+//!   forth; `seek`: SEEK_HOLE and SEEK_DATA on a 1 GiB file with a hole in its middle
+//!   and one at its end (cold first), and the walk of its whole extent map;
 //! - **native** (quiltfs's modules only, no FUSE): `randwrite` and TokuBench through the
 //!   library, to separate the file system from the transport.
 //!
@@ -53,7 +54,7 @@ pub struct BetrfsArgs {
     #[arg(long)]
     pub systems: Option<String>,
     /// Comma-separated workloads (default: all): seqwrite, seqread, randwrite, untar,
-    /// find, grep, rmrf, toku1, toku4, rename, clone, native.
+    /// find, grep, rmrf, toku1, toku4, rename, clone, seek, native.
     #[arg(long)]
     pub workloads: Option<String>,
     /// Working directory for images and inputs (a local disk; keeps the decompressed
@@ -242,6 +243,7 @@ pub const WORKLOADS: &[&str] = &[
     "toku4",
     "rename",
     "clone",
+    "seek",
     "native",
 ];
 

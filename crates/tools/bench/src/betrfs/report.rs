@@ -274,7 +274,7 @@ pub fn markdown(
         let _ = writeln!(o);
     }
     // Latencies.
-    for w in ["rename", "clone"] {
+    for w in ["rename", "clone", "seek"] {
         if !chosen.contains(&w) {
             continue;
         }
@@ -292,6 +292,8 @@ pub fn markdown(
             "## {w} latency (ms, median of every call)\n\n{}\n",
             if w == "rename" {
                 "rename(2) of a directory holding that many files (in subdirectories of 100), and of the linux tree, back and forth."
+            } else if w == "seek" {
+                "lseek(2) on a file the size of the clone's with a 64 KiB hole in its middle and a 1 MiB hole at its end, the first call cold: `hole`: SEEK_HOLE from 0; `data`: SEEK_DATA from the middle hole; `map`: the whole extent map (SEEK_DATA and SEEK_HOLE in turn, as `cp --sparse` does)."
             } else {
                 "`quiltfs clone` on betrfs, `cp -r --reflink=always` on btrfs and xfs (the others cannot share storage); `file-cp`: `cp --reflink=always` of the large file (on betrfs through libquilt_preload.so), `file`: `quiltfs clone` of it."
             }
@@ -490,6 +492,20 @@ pub fn goals(samples: &[Sample], meta: &Meta) -> Vec<String> {
         g.push(format!(
             "After writing 1% of a clone's files, under 5% of the clone copied: {p:.2}% {}.",
             verdict(p < 5.0)
+        ));
+    }
+    if let Some(h) = lat("betrfs", "seek", "hole") {
+        let ext4 =
+            lat("ext4", "seek", "hole").map_or(String::new(), |e| format!(" (ext4 {e:.3} ms)"));
+        g.push(format!(
+            "SEEK_HOLE on a {} MiB sparse file ≤ 10 ms: {h:.3} ms{ext4} {}{}.",
+            meta.scale.clone_file_bytes >> 20,
+            verdict(h <= 10.0),
+            if meta.scale.clone_file_bytes < 1 << 30 {
+                " (quick sizes: the issue's file is 1 GiB)"
+            } else {
+                ""
+            }
         ));
     }
     if let Some(f) = lat("betrfs", "clone", "file") {

@@ -36,7 +36,7 @@ impl Group {
             Group::Data => &["seqwrite", "seqread", "randwrite"],
             Group::Dirs => &["untar", "find", "grep", "rmrf"],
             Group::Toku => &["toku1", "toku4"],
-            Group::Names => &["rename", "clone"],
+            Group::Names => &["rename", "clone", "seek"],
             Group::Native => &["native"],
         }
     }
@@ -193,6 +193,7 @@ pub fn run_group(g: Group, ctx: &Ctx, bar: &mut Progress) -> Result<(Vec<Sample>
     let mut d = disk(ctx.sys, ctx.work, ctx.scale.image_mib)?;
     let want = |w: &str| ctx.chosen.contains(&w);
     let mut out = Vec::new();
+    let mut notes = Vec::new();
     let step = |what: &str, bar: &mut Progress| {
         bar.step(format!("{what} on {} (run {})", ctx.sys.name, ctx.run + 1));
     };
@@ -328,6 +329,9 @@ pub fn run_group(g: Group, ctx: &Ctx, bar: &mut Progress) -> Result<(Vec<Sample>
                 make_tree(&m.mnt.join(format!("n{n}")), n)?;
             }
             make_file(&m.mnt.join("file"), ctx.scale.clone_file_bytes)?;
+            if want("seek") {
+                make_sparse(&m.mnt.join("sparse"), ctx.scale.clone_file_bytes)?;
+            }
             std::fs::create_dir_all(m.mnt.join("into"))?;
             m.sync()?;
             m.unmount()?;
@@ -385,6 +389,16 @@ pub fn run_group(g: Group, ctx: &Ctx, bar: &mut Progress) -> Result<(Vec<Sample>
                 m.unmount()?;
                 bar.inc();
             }
+            if want("seek") {
+                step("seek", bar);
+                m = mount(ctx.sys, &d, ctx.work)?;
+                drop_caches()?;
+                let (lat, note) = seeks(ctx, &m.mnt.join("sparse"), ctx.scale.clone_file_bytes)?;
+                out.extend(lat);
+                notes.extend(note);
+                m.unmount()?;
+                bar.inc();
+            }
         }
         Group::Native => {
             step("native", bar);
@@ -418,7 +432,122 @@ pub fn run_group(g: Group, ctx: &Ctx, bar: &mut Progress) -> Result<(Vec<Sample>
         g,
         ctx.run + 1
     );
-    Ok((out, vec![note]))
+    notes.push(note);
+    Ok((out, notes))
+}
+
+/// The sparse file's layout (`make_sparse`): data, a 64 KiB hole in the middle, data,
+/// and a hole of the last MiB.
+fn sparse_layout(bytes: u64) -> [(u64, u64); 2] {
+    let mid = bytes / 2;
+    [(0, mid), (mid + (64 << 10), bytes - (1 << 20))]
+}
+
+/// A file of `bytes` with the holes of `sparse_layout`, its data in 1 MiB writes.
+fn make_sparse(path: &Path, bytes: u64) -> Result<()> {
+    let f = std::fs::File::create(path)?;
+    let mut buf = vec![0u8; 1 << 20];
+    for (from, to) in sparse_layout(bytes) {
+        let mut at = from;
+        while at < to {
+            fill(&mut buf[..4096], at);
+            let n = (to - at).min(buf.len() as u64) as usize;
+            f.write_all_at(&buf[..n], at)?;
+            at += n as u64;
+        }
+    }
+    f.set_len(bytes)?;
+    f.sync_all()?;
+    Ok(())
+}
+
+fn lseek(fd: i32, at: u64, whence: i32) -> Result<Option<u64>> {
+    // SAFETY: lseek on a descriptor this process holds open; no memory is passed.
+    let r = unsafe { libc::lseek(fd, at as libc::off_t, whence) };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ENXIO) {
+            return Ok(None);
+        }
+        return Err(e).context("lseek");
+    }
+    Ok(Some(r as u64))
+}
+
+/// SEEK_HOLE and SEEK_DATA on the sparse file, cold first: `hole` (from 0, the middle
+/// hole half a file away), `data` (from that hole to the data after it) and `map`
+/// (every extent, as `cp --sparse` and tar walk a file). Each call's latency; a note
+/// when a system answers other than the file's layout (a file system without holes
+/// may report all of it as data, which POSIX allows).
+fn seeks(ctx: &Ctx, path: &Path, bytes: u64) -> Result<(Vec<Sample>, Vec<String>)> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let fd = f.as_raw_fd();
+    let [(_, mid), (data2, _)] = sparse_layout(bytes);
+    let mut out = Vec::new();
+    let mut wrong = Vec::new();
+    let mut time = |what: &'static str,
+                    out: &mut Vec<Sample>,
+                    f: &mut dyn FnMut() -> Result<Vec<u64>>,
+                    want: Vec<u64>|
+     -> Result<()> {
+        let t = Instant::now();
+        let got = f()?;
+        out.push(latency(
+            ctx,
+            "seek",
+            what.into(),
+            t.elapsed().as_secs_f64() * 1e3,
+        ));
+        if got != want && !wrong.contains(&what) {
+            wrong.push(what);
+        }
+        Ok(())
+    };
+    for _ in 0..ctx.scale.latency_calls {
+        time(
+            "hole",
+            &mut out,
+            &mut || Ok(lseek(fd, 0, libc::SEEK_HOLE)?.into_iter().collect()),
+            vec![mid],
+        )?;
+        time(
+            "data",
+            &mut out,
+            &mut || Ok(lseek(fd, mid, libc::SEEK_DATA)?.into_iter().collect()),
+            vec![data2],
+        )?;
+        time(
+            "map",
+            &mut out,
+            &mut || {
+                let mut edges = Vec::new();
+                let mut at = 0;
+                while let Some(d) = lseek(fd, at, libc::SEEK_DATA)? {
+                    let Some(h) = lseek(fd, d, libc::SEEK_HOLE)? else {
+                        break;
+                    };
+                    edges.extend([d, h]);
+                    at = h;
+                    if edges.len() > 64 {
+                        bail!("more than 32 extents in a file of 2");
+                    }
+                }
+                Ok(edges)
+            },
+            vec![0, mid, data2, bytes - (1 << 20)],
+        )?;
+    }
+    let notes = wrong
+        .iter()
+        .map(|w| {
+            format!(
+                "{}: seek `{w}` did not find the sparse file's holes",
+                ctx.sys.name
+            )
+        })
+        .collect();
+    Ok((out, notes))
 }
 
 fn latency(ctx: &Ctx, w: &'static str, param: String, ms: f64) -> Sample {
