@@ -21,8 +21,10 @@ pub const VERSION: u32 = 1;
 /// the stream offset of the first record to replay; version 1 always named a block's
 /// start, which means the same). Version 1 binaries refuse version 2 headers rather than
 /// stop replay at once. Version 3 adds the mirror's block (`Geometry::mirror`); version
-/// 2 binaries refuse it (they would allocate nodes over the mirror).
-const HEADER_VERSION: u32 = 3;
+/// 2 binaries refuse it (they would allocate nodes over the mirror). Version 4 has
+/// version 3's layout; its log may hold puts by reference and the records that bind
+/// their values (`log.rs`), which version 3 binaries would replay as a torn record.
+const HEADER_VERSION: u32 = 4;
 pub const HEADER_SLOTS: u64 = 2;
 
 /// A run of blocks.

@@ -261,6 +261,17 @@ pub struct Options {
     /// then reads and copies little more than it returns, and a long one (a file
     /// read whole) soon reads whole leaves.
     pub scan_first_bytes: usize,
+    /// Puts of values at least this long are logged by reference (late binding): the
+    /// record holds the key, the value's length and checksum, and the value reaches
+    /// the device once, in its node, at the next checkpoint; a sync that comes first
+    /// logs the values it still owes (a bind record), so nothing synced is lost.
+    /// `usize::MAX`: every value in its record.
+    pub late_put_bytes: usize,
+    /// A control for the crash explorer only: syncs leave the values of puts by
+    /// reference unlogged (a log record that names data nothing made durable), which
+    /// the explorer must catch as lost syncs.
+    #[doc(hidden)]
+    pub control_unbound_syncs: bool,
 }
 
 impl Default for Options {
@@ -278,6 +289,10 @@ impl Default for Options {
             delta_bytes: 64 << 10,
             upserts: Upserts::default(),
             scan_first_bytes: 64 << 10,
+            // Half a file system block: a whole 4 KiB block is a put by reference, a
+            // small record (an inode, a name) stays in the log.
+            late_put_bytes: 2048,
+            control_unbound_syncs: false,
         }
     }
 }
@@ -297,6 +312,8 @@ impl Options {
             delta_bytes: 2048,
             upserts: Upserts::default(),
             scan_first_bytes: 1024,
+            late_put_bytes: 128,
+            control_unbound_syncs: false,
         }
     }
 }
@@ -313,6 +330,10 @@ pub struct FormatVersions {
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Stats {
     pub puts: u64,
+    /// Puts logged by reference (`Options::late_put_bytes`), and the bytes of their
+    /// values a sync logged after all (a bind record) because no checkpoint held them.
+    pub late_puts: u64,
+    pub late_bytes_bound: u64,
     pub deletes: u64,
     pub upserts: u64,
     pub range_deletes: u64,

@@ -15,10 +15,32 @@ use crate::msg::Msn;
 use crate::{Op, Result};
 use quilt_block::BlockNo;
 use quilt_patch::{ChangeOpts, Engine, PatchId};
+use std::sync::Arc;
 
-pub fn encode_ops(w: &mut Writer, ops: &[Op]) {
+/// The first MSN a bind record carries in place of a batch's (no batch reaches it:
+/// MSNs stay below `format::COUNTER_LIMIT`).
+pub const BIND_MSN: Msn = u64::MAX;
+
+/// A put logged by reference: the value's length and checksum stand in for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Late {
+    /// The operation's place in its record.
+    pub index: usize,
+    pub len: u32,
+    pub crc: u32,
+}
+
+/// Encodes `ops`; a put whose value is at least `late_min` bytes is logged by
+/// reference (kind 7: key, value length, value crc32c).
+pub fn encode_ops(w: &mut Writer, ops: &[Op], late_min: usize) {
     for op in ops {
         match op {
+            Op::Put { key, value } if value.len() >= late_min => {
+                w.u8(7);
+                w.bytes(key);
+                w.u32(value.len() as u32);
+                w.u32(crc32c(&[value]));
+            }
             Op::Put { key, value } => {
                 w.u8(1);
                 w.bytes(key);
@@ -66,10 +88,23 @@ pub fn encode_ops(w: &mut Writer, ops: &[Op]) {
     }
 }
 
-fn decode_ops(r: &mut Reader, n: usize) -> Result<Vec<Op>> {
+/// Decodes `n` operations; a put by reference becomes a put of no bytes, listed in
+/// the second vector.
+fn decode_ops(r: &mut Reader, n: usize) -> Result<(Vec<Op>, Vec<Late>)> {
     let mut ops = Vec::with_capacity(n.min(r.remaining()));
-    for _ in 0..n {
+    let mut late = Vec::new();
+    for index in 0..n {
         ops.push(match r.u8()? {
+            7 => {
+                let key = r.bytes()?.to_vec();
+                let len = r.u32()?;
+                let crc = r.u32()?;
+                late.push(Late { index, len, crc });
+                Op::Put {
+                    key,
+                    value: Vec::new(),
+                }
+            }
             1 => Op::Put {
                 key: r.bytes()?.to_vec(),
                 value: r.bytes()?.to_vec(),
@@ -113,20 +148,37 @@ fn decode_ops(r: &mut Reader, n: usize) -> Result<Vec<Op>> {
             k => return Err(r.corrupt(format!("unknown operation {k}"))),
         });
     }
-    Ok(ops)
+    Ok((ops, late))
 }
 
-/// One batch as a framed record.
-pub fn record(msn: Msn, ops: &[Op]) -> Vec<u8> {
-    let mut p = Writer::default();
-    p.u64(msn);
-    p.u32(ops.len() as u32);
-    encode_ops(&mut p, ops);
+fn frame(p: Writer) -> Vec<u8> {
     let mut w = Writer::with_capacity(p.len() + 8);
     w.u32(p.len() as u32);
     w.u32(crc32c(&[&p.buf]));
     w.raw(&p.buf);
     w.buf
+}
+
+/// One batch as a framed record, its puts of at least `late_min` bytes by reference.
+pub fn record(msn: Msn, ops: &[Op], late_min: usize) -> Vec<u8> {
+    let mut p = Writer::default();
+    p.u64(msn);
+    p.u32(ops.len() as u32);
+    encode_ops(&mut p, ops, late_min);
+    frame(p)
+}
+
+/// A bind record: the values of puts logged by reference, by MSN. Its first MSN is
+/// `BIND_MSN`, then a count and each (MSN, value bytes).
+pub fn bind_record(values: &[(Msn, Arc<Vec<u8>>)]) -> Vec<u8> {
+    let mut p = Writer::with_capacity(12 + values.iter().map(|(_, v)| v.len() + 12).sum::<usize>());
+    p.u64(BIND_MSN);
+    p.u32(values.len() as u32);
+    for (msn, v) in values {
+        p.u64(*msn);
+        p.bytes(v);
+    }
+    frame(p)
 }
 
 /// The log as the running tree writes it.
@@ -232,10 +284,13 @@ impl LogWriter {
     }
 }
 
-/// A record found by replay.
+/// A record found by replay: a batch (its puts by reference listed in `late`, their
+/// values empty), or (`msn` = `BIND_MSN`, no ops) the values that bind such puts.
 pub struct Replayed {
     pub msn: Msn,
     pub ops: Vec<Op>,
+    pub late: Vec<Late>,
+    pub binds: Vec<(Msn, Vec<u8>)>,
 }
 
 /// Reads the log from `lsn` (data at stream offset `offset`) and returns its complete
@@ -314,13 +369,32 @@ pub fn records(stream: &[u8]) -> Result<Vec<Replayed>> {
         let mut p = Reader::new(payload, "log record");
         let msn = p.u64()?;
         let n = p.u32()? as usize;
-        let ops = match decode_ops(&mut p, n) {
-            Ok(ops) => ops,
+        let decoded = if msn == BIND_MSN {
+            decode_binds(&mut p, n).map(|b| (Vec::new(), Vec::new(), b))
+        } else {
+            decode_ops(&mut p, n).map(|(ops, late)| (ops, late, Vec::new()))
+        };
+        let (ops, late, binds) = match decoded {
+            Ok(d) => d,
             Err(e) if e.is_damage() => break,
             Err(e) => return Err(e),
         };
-        out.push(Replayed { msn, ops });
+        out.push(Replayed {
+            msn,
+            ops,
+            late,
+            binds,
+        });
         r.skip(len)?;
+    }
+    Ok(out)
+}
+
+fn decode_binds(r: &mut Reader, n: usize) -> Result<Vec<(Msn, Vec<u8>)>> {
+    let mut out = Vec::with_capacity(n.min(r.remaining() / 12));
+    for _ in 0..n {
+        let msn = r.u64()?;
+        out.push((msn, r.bytes()?.to_vec()));
     }
     Ok(out)
 }

@@ -95,6 +95,13 @@ pub(crate) struct Inner {
     /// The format version of the newest header: as read at open, and as written by
     /// each checkpoint since (`Tree::header_version`).
     pub(crate) header_version: u32,
+    /// The version of the newest durable header: puts are logged by reference only
+    /// under a header of version 4, which binaries that cannot replay them refuse.
+    durable_version: u32,
+    /// Puts logged by reference whose values no durable header's nodes and no bind
+    /// record hold yet: what a sync must bind (`bind_late`), by MSN, with their bytes.
+    unbound: Vec<(Msn, Arc<Vec<u8>>)>,
+    unbound_bytes: usize,
     pub stats: Stats,
     /// What basement reads land in, kept from read to read: a fresh zeroed buffer for
     /// each of a scan's chunks (64-256 KiB) cost its allocation and a `memset` every
@@ -235,6 +242,29 @@ fn decode_whole_leaf(
 /// Storage behind the headers and the log ring, where the device is a sparse image
 /// file: log writes (every batch, every sync) must never fail for a full host.
 /// (Node extents are reserved as checkpoints allocate them.)
+/// Gives a replayed batch's puts by reference their values from bind records, whose
+/// lengths and checksums must match; `false` if one has none (or a wrong one).
+fn bind_replayed(rec: &mut log::Replayed, bound: &mut HashMap<Msn, Vec<u8>>) -> bool {
+    for l in &rec.late {
+        let msn = rec.msn + l.index as u64;
+        let ok = bound
+            .get(&msn)
+            .is_some_and(|v| v.len() == l.len as usize && crate::codec::crc32c(&[v]) == l.crc);
+        if !ok {
+            return false;
+        }
+    }
+    for l in std::mem::take(&mut rec.late) {
+        let msn = rec.msn + l.index as u64;
+        if let (Some(v), Some(Op::Put { value, .. })) =
+            (bound.remove(&msn), rec.ops.get_mut(l.index))
+        {
+            *value = v;
+        }
+    }
+    true
+}
+
 /// What a scan's chunk holds of each value, and what the leaf's entries hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -372,6 +402,9 @@ impl Inner {
             failed: None,
             damage: Vec::new(),
             header_version: h.map_or_else(|| Header::version_for(&geo), |h| h.version),
+            durable_version: h.map_or(0, |h| h.version),
+            unbound: Vec::new(),
+            unbound_bytes: 0,
             stats: Stats::default(),
             read_buf: Vec::new(),
         }
@@ -639,9 +672,25 @@ impl Inner {
                 }
             )));
         }
-        for rec in records {
+        // The values bind records give puts logged by reference, by MSN (a bind record
+        // follows the records it binds, so this looks ahead).
+        let mut bound: HashMap<Msn, Vec<u8>> = HashMap::new();
+        for rec in &records {
+            if rec.msn == log::BIND_MSN {
+                bound.extend(rec.binds.iter().cloned());
+            }
+        }
+        for mut rec in records {
+            if rec.msn == log::BIND_MSN {
+                continue;
+            }
             if rec.msn != t.next_msn {
                 break; // a gap: nothing after it may be applied
+            }
+            // A put by reference whose value neither a durable header nor a bind record
+            // holds was never promised: replay ends before its batch.
+            if !bind_replayed(&mut rec, &mut bound) {
+                break;
             }
             for op in &rec.ops {
                 t.validate(op)?;
@@ -1266,7 +1315,9 @@ impl Inner {
             }
         }
         // What was logged before is in the engine's cache, where a rollback's replay
-        // reads it.
+        // reads it; with the values of its puts by reference, which the rollback's
+        // replay needs as a crash's would.
+        self.bind_late()?;
         self.log.write_tail(&self.engine)?;
         self.held = Some(Held {
             msn: self.next_msn,
@@ -1285,7 +1336,7 @@ impl Inner {
         if held.ops.is_empty() {
             return Ok(());
         }
-        let rec = log::record(held.msn, &held.ops);
+        let rec = log::record(held.msn, &held.ops, usize::MAX);
         if let Err(e) = self.log.append(&self.engine, &rec) {
             // Applied but not logged: the in-memory tree is ahead of what a replay
             // finds.
@@ -1309,7 +1360,8 @@ impl Inner {
             self.validate(op)?;
         }
         self.admit(&ops)?;
-        let rec = log::record(self.next_msn, &ops);
+        let late_min = self.late_min();
+        let rec = log::record(self.next_msn, &ops, late_min);
         let bs = self.geo.block_size;
         if let Some(held) = &self.held {
             // Refused before anything is applied: the held record would outgrow the log.
@@ -1340,6 +1392,9 @@ impl Inner {
         }
         if self.held.is_none() {
             self.log.append(&self.engine, &rec)?;
+            if late_min != usize::MAX {
+                self.owe_late(&ops, late_min);
+            }
         }
         for op in &ops {
             match op {
@@ -3013,9 +3068,72 @@ impl Inner {
 
     // ---- durability ----
 
+    /// The value length from which a put is logged by reference: never while batches
+    /// are held (their one record is logged whole), nor before a header of version 4
+    /// is durable (a binary that cannot replay such records might open the tree).
+    fn late_min(&self) -> usize {
+        if self.held.is_none() && self.durable_version >= 4 {
+            self.opts.late_put_bytes.max(1)
+        } else {
+            usize::MAX
+        }
+    }
+
+    /// Notes the values of a logged batch's puts by reference: a sync owes them until
+    /// a durable checkpoint holds them.
+    fn owe_late(&mut self, ops: &[Op], late_min: usize) {
+        for (i, op) in ops.iter().enumerate() {
+            if let Op::Put { value, .. } = op {
+                if value.len() >= late_min {
+                    self.unbound
+                        .push((self.next_msn + i as u64, Arc::new(value.clone())));
+                    self.unbound_bytes += value.len();
+                    self.stats.late_puts += 1;
+                }
+            }
+        }
+    }
+
+    /// Makes the values of every put logged by reference so far reach the log or a
+    /// header: a bind record after the records it binds, or, when they are many (a
+    /// checkpoint writes them once, where a bind record would be a second copy) or do
+    /// not fit the ring, a checkpoint.
+    fn bind_late(&mut self) -> Result<()> {
+        if self.unbound.is_empty() {
+            return Ok(());
+        }
+        let bs = self.geo.block_size;
+        let fits = |t: &Inner, len: usize| {
+            let blocks = t.log.blocks_for(len, bs);
+            blocks + 1 <= t.record_blocks_max() && blocks < t.log.room()
+        };
+        let len: usize = 12
+            + self
+                .unbound
+                .iter()
+                .map(|(_, v)| v.len() + 12)
+                .sum::<usize>();
+        if self.opts.control_unbound_syncs {
+            // (The explorer's control: the values are forgotten, not made durable.)
+        } else if self.unbound_bytes < self.opts.dirty_bytes / 8 && fits(self, len) {
+            let rec = log::bind_record(&self.unbound);
+            self.log.append(&self.engine, &rec)?;
+            self.stats.late_bytes_bound += self.unbound_bytes as u64;
+        } else {
+            self.finish_checkpoint()?;
+            if !self.unbound.is_empty() {
+                self.checkpoint()?;
+            }
+        }
+        self.unbound.clear();
+        self.unbound_bytes = 0;
+        Ok(())
+    }
+
     /// A patch that is durable once every batch written so far is.
     pub fn sync_point(&mut self) -> Result<PatchId> {
         self.check_failed()?;
+        self.bind_late()?;
         self.log.write_tail(&self.engine)?;
         let engine = self.engine.clone();
         self.log.pending.retain(|p| !engine.is_durable(*p));

@@ -11,7 +11,9 @@
 //! operations for some `k` from the last sync's count to the operations begun.
 //!
 //! The control run (`lying`) marks `synced-K` without syncing: the oracle must then find
-//! lost operations, which shows it can see them.
+//! lost operations, which shows it can see them. The second control (`unbound`) syncs,
+//! but its syncs leave the values of puts logged by reference out of the log (a record
+//! naming data that nothing made durable): the oracle must find those syncs broken.
 
 use crate::states::{self, CrashState};
 use crate::workload::Rng;
@@ -44,6 +46,9 @@ pub struct KvReport {
     pub seconds: f64,
     /// Whether this was the control run (syncs claimed, not made).
     pub lying: bool,
+    /// Whether this was the unbound control (syncs that leave puts by reference
+    /// without their values).
+    pub unbound: bool,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -182,7 +187,7 @@ struct Recorded {
     prefixes: Vec<u64>,
 }
 
-fn record(seed: u64, lying: bool) -> Result<Recorded, String> {
+fn record(seed: u64, lying: bool, unbound: bool) -> Result<Recorded, String> {
     let s = |e: quilt_betree::Error| e.to_string();
     let mem = Arc::new(MemDevice::new(BS, BLOCKS).map_err(|e| e.to_string())?);
     // The tree starts with some contents, checkpointed, so that the history runs on a
@@ -204,7 +209,9 @@ fn record(seed: u64, lying: bool) -> Result<Recorded, String> {
     }
     let base = mem.to_vec();
     let rec = Arc::new(RecordingDevice::new(mem.clone(), 1 << 30));
-    let t = quilt_stack::tree(rec.clone(), options()).map_err(s)?;
+    let mut o = options();
+    o.control_unbound_syncs = unbound;
+    let t = quilt_stack::tree(rec.clone(), o).map_err(s)?;
     let mut prefixes = vec![fingerprint(&model)];
     let mut i = 0;
     while i < OPS {
@@ -293,17 +300,19 @@ pub fn run(
     states_wanted: usize,
     seed: u64,
     lying: bool,
+    unbound: bool,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<KvReport, String> {
     let t0 = std::time::Instant::now();
     let mut report = KvReport {
         lying,
+        unbound,
         ..Default::default()
     };
     let mut rng = Rng::new(seed ^ 0x6b76);
     let mut run_seed = seed;
     while report.states_checked < states_wanted {
-        let rec = record(run_seed, lying)?;
+        let rec = record(run_seed, lying, unbound)?;
         report.runs += 1;
         for e in &rec.log.entries {
             if let quilt_block::LogEntry::Write { data, .. } = e {
@@ -358,6 +367,8 @@ impl KvReport {
              {} states generated, {} checked ({} cuts), {} clean, {} with violations, {:.1} s\n",
             if self.lying {
                 " (control: syncs claimed, not made)"
+            } else if self.unbound {
+                " (control: syncs leave puts by reference without their values)"
             } else {
                 ""
             },

@@ -40,6 +40,7 @@
 use super::Inner;
 use crate::alloc::Alloc;
 use crate::format::{self, Extent, Header};
+use crate::msg::Msn;
 use crate::node::{self, Node, NodeId};
 use crate::{Error, Result};
 use quilt_patch::{ChangeOpts, Engine, PatchError, PatchId};
@@ -178,6 +179,11 @@ pub(crate) struct InFlight {
     /// Where its header's replay starts: the ring's space before it is free once the
     /// header is durable.
     log_lsn: u64,
+    /// Its header's next MSN: the values of puts by reference below it are in its
+    /// nodes once it is durable.
+    next_msn: Msn,
+    /// Its header's version.
+    version: u32,
     /// Extents that become free once the header is durable.
     freeing: Vec<Extent>,
 }
@@ -412,6 +418,8 @@ impl Inner {
             before,
             bases: new_bases,
             log_lsn,
+            next_msn: self.next_msn,
+            version: self.header_version,
             freeing,
         });
         self.stats.checkpoints += 1;
@@ -454,6 +462,10 @@ impl Inner {
         self.full_at = None;
         // 2. and 3.: the header is durable.
         self.log.start_lsn = f.log_lsn;
+        // Its nodes hold the values of the puts by reference below its cut.
+        self.unbound.retain(|(msn, _)| *msn >= f.next_msn);
+        self.unbound_bytes = self.unbound.iter().map(|(_, v)| v.len()).sum();
+        self.durable_version = f.version;
         let alloc = self.alloc.clone();
         let mut alloc = alloc.lock().unwrap_or_else(|e| e.into_inner());
         for (id, e, section) in placed.nodes {
