@@ -3105,7 +3105,7 @@ impl Inner {
         let bs = self.geo.block_size;
         let fits = |t: &Inner, len: usize| {
             let blocks = t.log.blocks_for(len, bs);
-            blocks + 1 <= t.record_blocks_max() && blocks < t.log.room()
+            blocks < t.record_blocks_max() && blocks < t.log.room()
         };
         let len: usize = 12
             + self

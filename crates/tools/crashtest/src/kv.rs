@@ -394,7 +394,7 @@ impl KvReport {
 mod tests {
     #[test]
     fn every_crash_state_recovers_to_a_synced_prefix() {
-        let r = super::run(150, 1, false, |_, _| {}).unwrap();
+        let r = super::run(150, 1, false, false, |_, _| {}).unwrap();
         eprintln!("{}", r.text());
         assert_eq!(r.with_violations, 0, "{}", r.text());
         assert!(r.states_checked >= 150 && r.clean == r.states_checked);
@@ -402,10 +402,22 @@ mod tests {
 
     #[test]
     fn the_oracle_sees_lost_operations() {
-        let r = super::run(150, 1, true, |_, _| {}).unwrap();
+        let r = super::run(150, 1, true, false, |_, _| {}).unwrap();
         assert!(
             r.with_violations > 0,
             "claimed syncs that never happened went unnoticed: {}",
+            r.text()
+        );
+    }
+
+    /// Syncs that leave the values of puts by reference out of the log lose synced
+    /// batches, and the oracle sees it.
+    #[test]
+    fn the_oracle_sees_unbound_puts_by_reference() {
+        let r = super::run(300, 1, false, true, |_, _| {}).unwrap();
+        assert!(
+            r.with_violations > 0,
+            "syncs that left values unlogged went unnoticed: {}",
             r.text()
         );
     }
