@@ -7,6 +7,9 @@
 #     manifest taken through its own mount, tests/compat/betrfs-v1.manifest), takes new
 #     files and changes, and after the unmount fsck is clean and the records are the
 #     current version.
+#  1b. betrfs made by the quiltfs of commit 609eb35 (tree header version 3, the last
+#     before puts by reference): read right, written (a file of whole blocks, an
+#     append), its header rewritten as version 4, fsck clean, the data read back.
 #  2. betrfs's first development layout (commit 3d4f672, inode records without a block
 #     count) is refused with a message that says so, and left unchanged.
 #  3. ext2 revision 0 (the original layout, made here by Debian's mke2fs -r 0 and
@@ -56,6 +59,27 @@ umount "$m"
 diff -u "$work/after.manifest" "$work/again.manifest" || fail "a remount changed the files"
 grep -q '^a/b/c/new.txt 0644 1 file 22 ' "$work/again.manifest" || fail "the new file is not there"
 grep -q '^docs/sub/copy.txt 0644 1 file 1092000 902333cb' "$work/again.manifest" || fail "the copy is wrong"
+
+echo "compat: 1b. betrfs of commit 609eb35 (tree header version 3, before puts by reference)"
+img="$work/v3.img"
+gunzip -c "$fx/betrfs-v3header.img.gz" > "$img"
+[ "$(stat_of "$img" format.tree_header_version)" = 3 ] || fail "stats: tree header version $(stat_of "$img" format.tree_header_version), not 3"
+"$q" fsck -n "$img" >/dev/null || fail "fsck of the version 3 image"
+"$q" mount "$img" "$m" >/dev/null
+python3 "$fx/manifest.py" "$m" > "$work/seen3.manifest"
+diff -u "$fx/betrfs-v3header.manifest" "$work/seen3.manifest" || fail "the version 3 image's files differ from what its build wrote"
+# Whole blocks (puts by reference once the header is version 4) and small writes.
+python3 -c "import random,sys; r=random.Random(9); sys.stdout.buffer.write(bytes(r.getrandbits(8) for _ in range(2000000)))" > "$work/blocks.bin"
+cp "$work/blocks.bin" "$m/a/blocks.bin"
+sync
+printf 'appended\n' >> "$m/hello.txt"
+umount "$m"
+[ "$(stat_of "$img" format.tree_header_version)" = 4 ] || fail "the tree header was not rewritten as version 4"
+"$q" fsck -n "$img" >/dev/null || fail "fsck after writing to the version 3 image"
+"$q" mount "$img" "$m" >/dev/null
+cmp "$work/blocks.bin" "$m/a/blocks.bin" || fail "the file written in whole blocks reads back wrong"
+grep -q 'appended' "$m/hello.txt" || fail "the append is lost"
+umount "$m"
 
 echo "compat: 2. betrfs's first development layout is refused, by name"
 img="$work/first.img"
