@@ -356,6 +356,8 @@ pub struct Stats {
     pub batches: u64,
     pub gets: u64,
     pub scans: u64,
+    /// Pieces the scans read (a leaf's window each).
+    pub scan_chunks: u64,
     /// Buffer flushes (parent → child), and the message bytes they moved.
     pub flushes: u64,
     pub flushed_bytes: u64,
@@ -864,6 +866,7 @@ impl Iter<'_> {
                 self.started = true;
                 self.reach = t.opts.scan_first_bytes;
             }
+            t.stats.scan_chunks += 1;
             let r = t.scan_chunk(
                 &self.lo,
                 self.hi.as_deref(),

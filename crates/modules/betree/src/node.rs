@@ -1517,6 +1517,12 @@ pub fn decode_basement(body: &[u8], b: &BasementRef, id: NodeId) -> Result<Entri
 
 /// The basement of `index` that holds `key`.
 pub fn basement_for(index: &[BasementRef], key: &[u8]) -> usize {
+    // A scan moving from leaf to leaf asks for the first basement (its cursor is the
+    // leaf's lower bound): one comparison, not a search through keys that all share
+    // their prefix (each a cache miss).
+    if index.get(1).is_none_or(|b| key_cmp(key, &b.lo).is_lt()) {
+        return 0;
+    }
     let kp = key_prefix(key);
     index
         .partition_point(|b| match b.lo_prefix.cmp(&kp) {

@@ -302,8 +302,10 @@ fn index_keys(leaf: &Node, a: usize, b: usize, id: NodeId) -> Result<Entries> {
             "internal: keys of a leaf not partial".into(),
         ));
     };
-    let mut es = Entries::with_capacity(0, b.saturating_sub(a));
-    for i in a..b.min(index.len()) {
+    let b = b.min(index.len());
+    let room: usize = index[a.min(b)..b].iter().map(|r| r.lo.len() + 12).sum();
+    let mut es = Entries::with_capacity(room, b.saturating_sub(a));
+    for i in a..b {
         match (&loaded[i], index[i].count) {
             (Some(got), _) => {
                 for (k, v) in got.iter() {
