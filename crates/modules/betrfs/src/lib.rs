@@ -68,9 +68,14 @@ pub fn tree_options(block_size: usize, blocks: u64) -> Options {
         .max((blocks / 64).min((256 << 20) / block_size as u64))
         .min(blocks / 8)
         .max(64);
+    // Dirty nodes at most the log's size: while every value went through the log, its
+    // ring bounded what a checkpoint wrote; with large values logged by reference it
+    // no longer does, and a small image on a host that runs out of room (a sparse file)
+    // needs that bound to keep the room for a checkpoint and the one in flight small.
     o.dirty_bytes = o
         .dirty_bytes
         .min((bytes / 8) as usize)
+        .min((o.log_blocks * block_size as u64) as usize)
         .max(o.node_bytes * 4);
     // A checkpoint hands every dirty node to the engine at once: with room for them all,
     // it goes out in one write-back and one flush at its end, instead of throttled
