@@ -49,7 +49,9 @@ for s in d["samples"]:
     assert (s["value"] >= 0 if copied else s["value"] > 0) and s["wall_s"] > 0, s
 groups = {(c.split(":")[0]) for c in d["checks"]}
 assert groups == set(systems), f"checks for {groups}, systems {systems}"
-assert all(c.endswith("clean") for c in d["checks"]), d["checks"]
+# (Besides the checkers' lines, notes such as a system whose lseek reports no holes.)
+assert all(c.endswith("clean") for c in d["checks"] if " workloads, run " in c), d["checks"]
+assert any(" workloads, run " in c for c in d["checks"]), d["checks"]
 print(f"bench-betrfs: {len(d['samples'])} samples from {len(systems)} systems, every group checked clean")
 PY
 grep -q "^## Goals" "$out/report.md" || fail "report.md has no goals"
