@@ -923,6 +923,15 @@ impl Iter<'_> {
     /// The next entry, lent rather than copied (valid until the next call): a scan
     /// that only looks at its entries allocates nothing per entry.
     pub fn next_entry(&mut self) -> Option<Result<(&[u8], &[u8])>> {
+        match self.advance()? {
+            Err(e) => Some(Err(e)),
+            Ok(i) => Some(Ok(self.chunk.get(i))),
+        }
+    }
+
+    /// Moves to the next entry and returns its place in the chunk (reading the next
+    /// chunk if need be); `None` at the end or past the limit.
+    fn advance(&mut self) -> Option<Result<usize>> {
         if self.left == Some(0) {
             return None;
         }
@@ -940,7 +949,7 @@ impl Iter<'_> {
             self.chunk.len() - 1 - self.taken
         };
         self.taken += 1;
-        Some(Ok(self.chunk.get(i)))
+        Some(Ok(i))
     }
 }
 
@@ -957,20 +966,10 @@ impl Keys<'_> {
     /// value's length.
     pub fn next_key(&mut self) -> Option<Result<(&[u8], usize)>> {
         let it = &mut self.0;
-        if it.left == Some(0) {
-            return None;
+        match it.advance()? {
+            Err(e) => Some(Err(e)),
+            Ok(i) => Some(Ok((it.chunk.get(i).0, it.chunk.value_len(i)))),
         }
-        match it.fill() {
-            Err(e) => return Some(Err(e)),
-            Ok(false) => return None,
-            Ok(true) => {}
-        }
-        if let Some(left) = &mut it.left {
-            *left -= 1;
-        }
-        let i = it.taken;
-        it.taken += 1;
-        Some(Ok((it.chunk.get(i).0, it.chunk.value_len(i))))
     }
 }
 
