@@ -36,6 +36,50 @@ pub fn gallop(from: usize, to: usize, below: impl Fn(usize) -> bool) -> usize {
     lo
 }
 
+/// Pushes onto `offs` where each of `count` entries of `buf` starts (plus `base`),
+/// checking bounds and that keys ascend strictly (from above `after`, if given).
+fn offsets(
+    buf: &[u8],
+    count: usize,
+    after: Option<&[u8]>,
+    base: u32,
+    offs: &mut Vec<u32>,
+) -> Result<()> {
+    let bad = |why: &str| Err(Error::Corrupt(format!("basement: {why}")));
+    if count > buf.len() / 8 {
+        return bad("entry count past the end");
+    }
+    offs.reserve(count);
+    let mut at = 0usize;
+    let mut prev: Option<&[u8]> = after;
+    for _ in 0..count {
+        if at + 4 > buf.len() {
+            return bad("truncated");
+        }
+        let kl = u32_at(buf, at);
+        let kend = at + 4 + kl;
+        if kend + 4 > buf.len() {
+            return bad("truncated key");
+        }
+        let vl = u32_at(buf, kend);
+        let end = kend + 4 + vl;
+        if end > buf.len() {
+            return bad("truncated value");
+        }
+        let key = &buf[at + 4..kend];
+        if prev.is_some_and(|p| key_cmp(p, key).is_ge()) {
+            return bad("keys out of order");
+        }
+        prev = Some(key);
+        offs.push(base + at as u32);
+        at = end;
+    }
+    if at != buf.len() {
+        return bad("trailing bytes");
+    }
+    Ok(())
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Entries {
     buf: Vec<u8>,
@@ -56,40 +100,33 @@ impl Entries {
 
     /// Validates an encoded run of `count` entries (bounds, strictly ascending keys).
     pub fn from_body(buf: Vec<u8>, count: usize) -> Result<Entries> {
-        let bad = |why: &str| Err(Error::Corrupt(format!("basement: {why}")));
-        if count > buf.len() / 8 {
-            return bad("entry count past the end");
-        }
         let mut offs = Vec::with_capacity(count);
-        let mut at = 0usize;
-        let mut prev: Option<(usize, usize)> = None;
-        for _ in 0..count {
-            if at + 4 > buf.len() {
-                return bad("truncated");
-            }
-            let kl = u32_at(&buf, at);
-            let kend = at + 4 + kl;
-            if kend + 4 > buf.len() {
-                return bad("truncated key");
-            }
-            let vl = u32_at(&buf, kend);
-            let end = kend + 4 + vl;
-            if end > buf.len() {
-                return bad("truncated value");
-            }
-            if let Some((ps, pe)) = prev {
-                if key_cmp(&buf[ps..pe], &buf[at + 4..kend]).is_ge() {
-                    return bad("keys out of order");
-                }
-            }
-            prev = Some((at + 4, kend));
-            offs.push(at as u32);
-            at = end;
-        }
-        if at != buf.len() {
-            return bad("trailing bytes");
-        }
+        offsets(&buf, count, None, 0, &mut offs)?;
         Ok(Entries { buf, offs })
+    }
+
+    /// Appends an encoded run of `count` entries (a basement's body, validated as
+    /// `from_body` does, its first key above every key so far): a scan that streams
+    /// basements through one reused `Entries` copies each once and allocates nothing.
+    pub fn append_body(&mut self, body: &[u8], count: usize) -> Result<()> {
+        let Entries { buf, offs } = self;
+        let last = offs.last().map(|&at| {
+            let at = at as usize;
+            &buf[at + 4..at + 4 + u32_at(buf, at)]
+        });
+        let had = offs.len();
+        if let Err(e) = offsets(body, count, last, buf.len() as u32, offs) {
+            offs.truncate(had);
+            return Err(e);
+        }
+        buf.extend_from_slice(body);
+        Ok(())
+    }
+
+    /// Empties it, keeping its buffers.
+    pub fn clear(&mut self) {
+        self.buf.clear();
+        self.offs.clear();
     }
 
     pub fn len(&self) -> usize {

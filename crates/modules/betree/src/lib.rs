@@ -440,10 +440,11 @@ impl Space {
 pub struct Tree {
     inner: Mutex<tree::Inner>,
     engine: Engine,
-    /// The buffers of the last iterator dropped, for the next: a short scan's chunk is
-    /// 100-300 KiB, and a fresh one each scan is an allocation the allocator may meet
-    /// with fresh (faulted, zeroed) pages.
-    spare_chunk: Mutex<Option<chunk::Chunk>>,
+    /// The buffers of the last iterators dropped, for the next: a short scan's chunk is
+    /// 100-300 KiB (a file read's, a megabyte), and a fresh one each scan is an
+    /// allocation the allocator may meet with fresh (faulted, zeroed) pages. A few,
+    /// for scans that run at once (a mount's request threads).
+    spare_chunks: Mutex<Vec<chunk::Chunk>>,
 }
 
 /// The engine settings a tree with `opts` wants on a device of `block_size` bytes a
@@ -485,7 +486,7 @@ impl Tree {
         Ok(Tree {
             inner: Mutex::new(inner),
             engine,
-            spare_chunk: Mutex::default(),
+            spare_chunks: Mutex::default(),
         })
     }
 
@@ -500,7 +501,7 @@ impl Tree {
         Ok(Tree {
             inner: Mutex::new(inner),
             engine,
-            spare_chunk: Mutex::default(),
+            spare_chunks: Mutex::default(),
         })
     }
 
@@ -850,12 +851,13 @@ impl Iter<'_> {
                 return Ok(false);
             }
             if !self.started {
+                // The largest spare (they are kept smallest first).
                 if let Some(c) = self
                     .tree
-                    .spare_chunk
+                    .spare_chunks
                     .try_lock()
                     .ok()
-                    .and_then(|mut s| s.take())
+                    .and_then(|mut s| s.pop())
                 {
                     self.chunk = c;
                 }
@@ -981,14 +983,22 @@ impl Iterator for Keys<'_> {
     }
 }
 
+/// Spare chunks a tree keeps (see `Tree::spare_chunks`).
+const SPARE_CHUNKS: usize = 4;
+
 impl Drop for Iter<'_> {
     fn drop(&mut self) {
-        // (A chunk that held a huge value is not worth keeping.)
-        if self.chunk.capacity() <= 4 << 20 {
-            if let Ok(mut s) = self.tree.spare_chunk.try_lock() {
+        // (A chunk that held a huge value is not worth keeping; nor is one never used.)
+        let cap = self.chunk.capacity();
+        if cap > 0 && cap <= 4 << 20 {
+            if let Ok(mut s) = self.tree.spare_chunks.try_lock() {
                 let mut c = std::mem::take(&mut self.chunk);
                 c.clear();
-                *s = Some(c);
+                let at = s.partition_point(|x| x.capacity() <= cap);
+                s.insert(at, c);
+                if s.len() > SPARE_CHUNKS {
+                    s.remove(0);
+                }
             }
         }
     }

@@ -1515,6 +1515,14 @@ pub fn decode_basement(body: &[u8], b: &BasementRef, id: NodeId) -> Result<Entri
     Entries::from_body(body.to_vec(), b.count as usize).map_err(|e| e.within(&format!("node {id}")))
 }
 
+/// Appends a basement read from disk to `into` (checked as `decode_basement` checks it),
+/// for a scan that streams basements instead of caching them.
+pub fn append_basement(body: &[u8], b: &BasementRef, id: NodeId, into: &mut Entries) -> Result<()> {
+    verify(crc32c(&[body]), b.crc, || format!("node {id}: basement"))?;
+    into.append_body(body, b.count as usize)
+        .map_err(|e| e.within(&format!("node {id}")))
+}
+
 /// The basement of `index` that holds `key`.
 pub fn basement_for(index: &[BasementRef], key: &[u8]) -> usize {
     // A scan moving from leaf to leaf asks for the first basement (its cursor is the

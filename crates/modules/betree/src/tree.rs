@@ -107,6 +107,8 @@ pub(crate) struct Inner {
     /// each of a scan's chunks (64-256 KiB) cost its allocation and a `memset` every
     /// time.
     read_buf: Vec<u8>,
+    /// Basements a scan streams rather than caches (`stream_basements`), reused.
+    stream_buf: Entries,
 }
 
 fn instance_id() -> u64 {
@@ -409,6 +411,7 @@ impl Inner {
             unbound_bytes: 0,
             stats: Stats::default(),
             read_buf: Vec::new(),
+            stream_buf: Entries::default(),
         }
     }
 
@@ -2270,6 +2273,67 @@ impl Inner {
         Ok(())
     }
 
+    /// Basements `a..b` of a partial leaf as one run of entries, for a scan of values:
+    /// those cached are copied, the others (of one entry each: `load_basements` took the
+    /// rest) read with one device read and appended, into the tree's reused
+    /// `stream_buf`; `None` if every one is cached. A file's data (a block a basement)
+    /// passes through the tree this way without being kept: the kernel's page cache
+    /// above and the host's below keep it, and caching it here cost an allocation per
+    /// block, page faults on that fresh memory, and the eviction of what is worth
+    /// keeping.
+    fn stream_basements(&mut self, id: NodeId, a: usize, b: usize) -> Result<Option<Entries>> {
+        let node = self.cache[&id].node.clone();
+        let Node::Leaf(Leaf {
+            data: LeafData::Partial { index, loaded },
+            ..
+        }) = &*node
+        else {
+            return Ok(None);
+        };
+        let b = b.min(index.len());
+        // (Empty basements too: the window's runs must cover every basement.)
+        let unread = || (a..b).filter(|&i| loaded[i].is_none());
+        let (Some(first), Some(last)) = (unread().next(), unread().last()) else {
+            return Ok(None);
+        };
+        let start = index[first].offset;
+        let len = (index[last].offset.saturating_add(index[last].len)).saturating_sub(start);
+        let base = self.base_of(id)?;
+        let mut into = std::mem::take(&mut self.stream_buf);
+        into.clear();
+        let mut streamed = 0;
+        let r = self.read_with(base, id, start, len, |bytes| {
+            for i in a..b {
+                match &loaded[i] {
+                    Some(es) => append_basement(&mut into, es, id)?,
+                    None if index[i].count == 0 => {}
+                    None => {
+                        let r = &index[i];
+                        // (Offsets out of order wrap to a place past the end.)
+                        let at = r.offset.wrapping_sub(start) as usize;
+                        let body = bytes
+                            .get(at..at.saturating_add(r.len as usize))
+                            .ok_or_else(|| {
+                                Error::Corrupt(format!("node {id}: basements out of order"))
+                            })?;
+                        node::append_basement(body, r, id, &mut into)?;
+                        streamed += 1;
+                    }
+                }
+            }
+            Ok(())
+        });
+        self.stats.basement_reads += streamed;
+        match r {
+            Ok(()) => Ok(Some(into)),
+            Err(e) => {
+                into.clear();
+                self.stream_buf = into;
+                Err(e)
+            }
+        }
+    }
+
     /// The entries of a cached leaf: all of them, or (`part`) those of one basement of a
     /// partial leaf, which is read if it is not loaded yet.
     fn leaf_entries(&mut self, id: NodeId, part: Option<usize>) -> Result<Option<&Entries>> {
@@ -2459,10 +2523,16 @@ impl Inner {
             }
             _ => None,
         };
+        // A keys-only scan needs no basement of one entry: the leaf's index gives its
+        // key, and its length gives the value's. A scan for values streams them: each
+        // is read (one read for the chunk), checked and copied into a reused buffer,
+        // not cached (see `stream_basements`).
+        let mut streamed = None;
         if let Some((a, b)) = parts {
-            // A keys-only scan needs no basement of one entry: the leaf's index gives
-            // its key, and its length gives the value's.
-            self.load_basements(id, a, b, keys_only)?;
+            self.load_basements(id, a, b, true)?;
+            if !keys_only {
+                streamed = self.stream_basements(id, a, b)?;
+            }
         }
         // The window of keys this chunk settles (outer space).
         let (wlo, whi): (Vec<u8>, Option<Vec<u8>>) = if forward {
@@ -2505,7 +2575,7 @@ impl Inner {
             let leaf = self.cache[&id].node.clone();
             let synth = match (keys_only, parts) {
                 (true, Some((a, b))) => Some(index_keys(&leaf, a, b, id)?),
-                _ => None,
+                _ => streamed.take(),
             };
             let mode = match (keys_only, &synth) {
                 (false, _) => Mode::Values,
@@ -2546,7 +2616,13 @@ impl Inner {
                     whi.as_deref(),
                     out,
                 )?;
+            } else if !keys_only {
+                streamed = synth;
             }
+        }
+        if let Some(mut s) = streamed {
+            s.clear();
+            self.stream_buf = s;
         }
         let next = if forward {
             match node_hi {

@@ -1633,13 +1633,15 @@ impl FileSystem for Betrfs {
             let mut at = first;
             while at < last {
                 let to = (at + per_batch).min(last);
+                // Which blocks are present: the keys only (a preallocation over data
+                // read every block of it before).
                 let mut present = std::collections::HashSet::new();
-                for kv in self
+                let mut ks = self
                     .tree
-                    .range(&n.loc.data_key(at), Some(&n.loc.data_key(to)))
-                {
+                    .keys(&n.loc.data_key(at), Some(&n.loc.data_key(to)));
+                while let Some(kv) = ks.next_key() {
                     let (k, _) = kv.map_err(io)?;
-                    if let Some(blk) = keys::block_of(&prefix, &k) {
+                    if let Some(blk) = keys::block_of(&prefix, k) {
                         present.insert(blk);
                     }
                 }
