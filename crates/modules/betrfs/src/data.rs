@@ -31,9 +31,10 @@ impl Betrfs {
         }
     }
 
-    /// Appends up to `size` bytes at `offset` to `out` (short only at end of file). The
-    /// part is zeroed (holes read as zeros) and the blocks present are copied over it;
-    /// in a reused buffer that costs no allocation or page faults.
+    /// Appends up to `size` bytes at `offset` to `out` (short only at end of file): the
+    /// blocks present are copied in key order and only the holes between them are
+    /// zeroed, so a reused buffer costs no allocation, page fault or `memset` of bytes
+    /// that are then overwritten.
     pub(crate) fn read_data_into(
         &self,
         n: &Node,
@@ -47,23 +48,28 @@ impl Betrfs {
         }
         let end = len.min(offset + size as u64);
         let start = buf.len();
-        buf.resize(start + (end - offset) as usize, 0);
-        let out = &mut buf[start..];
+        buf.reserve((end - offset) as usize);
         let first = offset / BLOCK;
         let last = (end - 1) / BLOCK;
-        let mut place = |blk: u64, v: &[u8]| {
+        // Bytes of the file `offset..` appended so far: `buf.len() - start`.
+        let mut place = |blk: u64, v: &[u8]| -> Result<()> {
             let bstart = blk * BLOCK;
             let from = offset.max(bstart);
-            let to = end.min(bstart + v.len() as u64);
+            // (A value longer than its block, which fsck reports, is cut at the block.)
+            let to = end.min(bstart + (v.len() as u64).min(BLOCK));
             if from < to {
-                let dst = (from - offset) as usize..(to - offset) as usize;
-                let src = (from - bstart) as usize..(to - bstart) as usize;
-                out[dst].copy_from_slice(&v[src]);
+                let at = start + (from - offset) as usize;
+                if buf.len() > at {
+                    return Err(FsError::Corrupt("data blocks out of order".into()));
+                }
+                buf.resize(at, 0);
+                buf.extend_from_slice(&v[(from - bstart) as usize..(to - bstart) as usize]);
             }
+            Ok(())
         };
         if first == last {
             if let Some(v) = self.tree.get(&n.loc.data_key(first)).map_err(io)? {
-                place(first, &v);
+                place(first, &v)?;
             }
         } else {
             let prefix = n.loc.data_prefix();
@@ -76,9 +82,11 @@ impl Betrfs {
                 let (k, v) = kv.map_err(io)?;
                 let blk = keys::block_of(&prefix, k)
                     .ok_or_else(|| FsError::Corrupt("a data key of the wrong length".into()))?;
-                place(blk, v);
+                place(blk, v)?;
             }
         }
+        // The hole at the end, if any (and a block shorter than its place).
+        buf.resize(start + (end - offset) as usize, 0);
         Ok(())
     }
 
