@@ -2293,7 +2293,7 @@ impl Inner {
         let b = b.min(index.len());
         // (Empty basements too: the window's runs must cover every basement.)
         let unread = || (a..b).filter(|&i| loaded[i].is_none());
-        let (Some(first), Some(last)) = (unread().next(), unread().last()) else {
+        let (Some(first), Some(last)) = (unread().next(), unread().next_back()) else {
             return Ok(None);
         };
         let start = index[first].offset;
