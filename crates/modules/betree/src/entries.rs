@@ -114,8 +114,12 @@ impl Entries {
             let at = at as usize;
             &buf[at + 4..at + 4 + u32_at(buf, at)]
         });
+        // (Offsets are u32: a damaged leaf whose basements overlap could join past it.)
+        let base = u32::try_from(buf.len() + body.len())
+            .map(|_| buf.len() as u32)
+            .map_err(|_| Error::Corrupt("basements: more than 4 GiB joined".into()))?;
         let had = offs.len();
-        if let Err(e) = offsets(body, count, last, buf.len() as u32, offs) {
+        if let Err(e) = offsets(body, count, last, base, offs) {
             offs.truncate(had);
             return Err(e);
         }

@@ -2277,7 +2277,8 @@ impl Inner {
     /// those cached are copied, the others (of one entry each: `load_basements` took the
     /// rest) read with one device read and appended, into the tree's reused
     /// `stream_buf`; `None` if every one is cached. A file's data (a block a basement)
-    /// passes through the tree this way without being kept: the kernel's page cache
+    /// read by a scan passes through the tree this way without being kept (a point
+    /// query, as betrfs's read of a single block, still caches it): the kernel's page cache
     /// above and the host's below keep it, and caching it here cost an allocation per
     /// block, page faults on that fresh memory, and the eviction of what is worth
     /// keeping.
@@ -2306,7 +2307,7 @@ impl Inner {
             for i in a..b {
                 match &loaded[i] {
                     Some(es) => append_basement(&mut into, es, id)?,
-                    None if index[i].count == 0 => {}
+                    // (An empty one too: its checksum and length are still checked.)
                     None => {
                         let r = &index[i];
                         // (Offsets out of order wrap to a place past the end.)
@@ -2525,8 +2526,9 @@ impl Inner {
         };
         // A keys-only scan needs no basement of one entry: the leaf's index gives its
         // key, and its length gives the value's. A scan for values streams them: each
-        // is read (one read for the chunk), checked and copied into a reused buffer,
-        // not cached (see `stream_basements`).
+        // is read (one read for the chunk's, a second where basements of many entries
+        // were read first), checked and copied into a reused buffer, not cached (see
+        // `stream_basements`).
         let mut streamed = None;
         if let Some((a, b)) = parts {
             self.load_basements(id, a, b, true)?;

@@ -92,11 +92,31 @@ fn a_scan_of_data_blocks_streams_them_and_keeps_none() {
         1,
         "a point query's basement not cached"
     );
+    // A leaf with that one basement cached and the rest not: the scan joins both.
+    let (lo, hi) = (key(0), key(60));
+    let part: Vec<_> = want
+        .iter()
+        .filter(|(k, _)| *k >= lo && *k < hi)
+        .cloned()
+        .collect();
+    assert_eq!(scan(&t, &lo, Some(&hi)), part);
+    let back: Vec<_> = t
+        .range_rev(&lo, Some(&hi))
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    assert_eq!(back, part.iter().rev().cloned().collect::<Vec<_>>());
+    // And a scan with a limit (a chunk sized by the count wanted).
+    let some: Vec<_> = t
+        .range(&lo, None)
+        .limit(25)
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    assert_eq!(some, want[..25].to_vec());
 }
 
 #[test]
 fn messages_pending_above_streamed_basements_apply() {
-    let (_dev, t, mut model) = cold_tree();
+    let (dev, t, mut model) = cold_tree();
     // Puts, deletes, partial writes (upserts) and a range delete, left in the buffers
     // above the cold leaves.
     let mut b = Batch::new();
@@ -120,7 +140,20 @@ fn messages_pending_above_streamed_basements_apply() {
     model.retain(|k, _| *k < key(900) || *k >= key(950));
     t.write(b).unwrap();
     let want: Vec<(Vec<u8>, Vec<u8>)> = model.into_iter().collect();
+    let r0 = t.stats().basement_reads;
     assert_eq!(scan(&t, b"", None), want);
+    assert!(
+        t.stats().basement_reads - r0 > 100,
+        "the scan streamed no basement: the messages were not left above the leaves"
+    );
     // And after the messages reach the leaves, cold again.
+    t.compact().unwrap();
+    t.close().unwrap();
+    let t = Tree::open(dev, Options::default()).unwrap();
+    let r1 = t.stats().basement_reads;
     assert_eq!(scan(&t, b"", None), want);
+    assert!(
+        t.stats().basement_reads - r1 > 100,
+        "the scan streamed no basement"
+    );
 }
