@@ -352,6 +352,20 @@ fn reserve_log(engine: &Engine, geo: &Geometry) -> Result<()> {
     })
 }
 
+/// Basement `r`'s bytes within `bytes`, a span of its leaf read from offset `start`.
+fn basement_in<'a>(
+    bytes: &'a [u8],
+    start: u32,
+    r: &node::BasementRef,
+    id: NodeId,
+) -> Result<&'a [u8]> {
+    // (Offsets out of order wrap to a place past the end.)
+    let at = r.offset.wrapping_sub(start) as usize;
+    bytes
+        .get(at..at.saturating_add(r.len as usize))
+        .ok_or_else(|| Error::Corrupt(format!("node {id}: basements out of order")))
+}
+
 /// Appends a basement's entries to the ones of the basements before it.
 fn append_basement(all: &mut Entries, es: &Entries, id: NodeId) -> Result<()> {
     if !all.is_empty() && !es.is_empty() && all.key(all.len() - 1) >= es.key(0) {
@@ -2249,11 +2263,7 @@ impl Inner {
         let got = self.read_with(base, id, start, end.saturating_sub(start), |bytes| {
             let mut got = Vec::with_capacity(want.len());
             for (i, r) in want {
-                // (Offsets out of order wrap to a place past the end.)
-                let at = r.offset.wrapping_sub(start) as usize;
-                let body = bytes
-                    .get(at..at.saturating_add(r.len as usize))
-                    .ok_or_else(|| Error::Corrupt(format!("node {id}: basements out of order")))?;
+                let body = basement_in(bytes, start, &r, id)?;
                 got.push((i, node::decode_basement(body, &r, id)?));
             }
             Ok(got)
@@ -2310,13 +2320,7 @@ impl Inner {
                     // (An empty one too: its checksum and length are still checked.)
                     None => {
                         let r = &index[i];
-                        // (Offsets out of order wrap to a place past the end.)
-                        let at = r.offset.wrapping_sub(start) as usize;
-                        let body = bytes
-                            .get(at..at.saturating_add(r.len as usize))
-                            .ok_or_else(|| {
-                                Error::Corrupt(format!("node {id}: basements out of order"))
-                            })?;
+                        let body = basement_in(bytes, start, r, id)?;
                         node::append_basement(body, r, id, &mut into)?;
                         streamed += 1;
                     }

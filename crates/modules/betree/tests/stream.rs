@@ -54,6 +54,21 @@ fn scan(t: &Tree, lo: &[u8], hi: Option<&[u8]>) -> Vec<(Vec<u8>, Vec<u8>)> {
     out
 }
 
+/// A forward and a backward scan of `lo..hi` each return that part of `want`.
+fn scans_agree_on_part(t: &Tree, want: &[(Vec<u8>, Vec<u8>)], lo: Vec<u8>, hi: Vec<u8>) {
+    let part: Vec<_> = want
+        .iter()
+        .filter(|(k, _)| *k >= lo && *k < hi)
+        .cloned()
+        .collect();
+    assert_eq!(scan(t, &lo, Some(&hi)), part);
+    let back: Vec<_> = t
+        .range_rev(&lo, Some(&hi))
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    assert_eq!(back, part.iter().rev().cloned().collect::<Vec<_>>());
+}
+
 #[test]
 fn a_scan_of_data_blocks_streams_them_and_keeps_none() {
     let (_dev, t, model) = cold_tree();
@@ -71,18 +86,7 @@ fn a_scan_of_data_blocks_streams_them_and_keeps_none() {
         "the first scan cached basements"
     );
     // A part of the range, from inside a leaf, backward as well.
-    let (lo, hi) = (key(333), key(1501));
-    let part: Vec<_> = want
-        .iter()
-        .filter(|(k, _)| *k >= lo && *k < hi)
-        .cloned()
-        .collect();
-    assert_eq!(scan(&t, &lo, Some(&hi)), part);
-    let back: Vec<_> = t
-        .range_rev(&lo, Some(&hi))
-        .collect::<Result<Vec<_>, _>>()
-        .unwrap();
-    assert_eq!(back, part.iter().rev().cloned().collect::<Vec<_>>());
+    scans_agree_on_part(&t, &want, key(333), key(1501));
     // A point query still caches the basement it reads.
     let g0 = t.stats().basement_reads;
     assert_eq!(t.get(&key(7)).unwrap().as_deref(), Some(&value(7, 0)[..]));
@@ -93,21 +97,10 @@ fn a_scan_of_data_blocks_streams_them_and_keeps_none() {
         "a point query's basement not cached"
     );
     // A leaf with that one basement cached and the rest not: the scan joins both.
-    let (lo, hi) = (key(0), key(60));
-    let part: Vec<_> = want
-        .iter()
-        .filter(|(k, _)| *k >= lo && *k < hi)
-        .cloned()
-        .collect();
-    assert_eq!(scan(&t, &lo, Some(&hi)), part);
-    let back: Vec<_> = t
-        .range_rev(&lo, Some(&hi))
-        .collect::<Result<Vec<_>, _>>()
-        .unwrap();
-    assert_eq!(back, part.iter().rev().cloned().collect::<Vec<_>>());
+    scans_agree_on_part(&t, &want, key(0), key(60));
     // And a scan with a limit (a chunk sized by the count wanted).
     let some: Vec<_> = t
-        .range(&lo, None)
+        .range(&key(0), None)
         .limit(25)
         .collect::<Result<Vec<_>, _>>()
         .unwrap();
