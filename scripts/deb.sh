@@ -3,18 +3,22 @@
 # target/debian/quiltfs_VERSION_amd64.deb. Made with dpkg-deb from a staged tree (the
 # layout is in packaging/debian and ARCHITECTURE.md); the man pages and completions are
 # made by the binaries themselves from their command-line definitions.
-# Usage: scripts/deb.sh [--version VERSION] [--no-build]
+# Usage: scripts/deb.sh [--version VERSION] [--no-build] [--from DIR]
 #   --version   the package's version (default: the workspace's, e.g. 0.1.0)
-#   --no-build  use target/release as it is (scripts/setup.sh built it)
+#   --no-build  use the build as it is (scripts/setup.sh built it)
+#   --from DIR  the build to package (default target/release; the test suite packages
+#               its own, target/ci)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=""
 build=1
+rel=target/release
 while [ $# -gt 0 ]; do
   case "$1" in
     --version) version="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
-    *) echo "deb: unknown argument $1 (usage: scripts/deb.sh [--version V] [--no-build])" >&2; exit 2 ;;
+    --from) rel="$2"; shift 2 ;;
+    *) echo "deb: unknown argument $1 (usage: scripts/deb.sh [--version V] [--no-build] [--from DIR])" >&2; exit 2 ;;
   esac
 done
 if [ -z "$version" ]; then
@@ -27,7 +31,6 @@ done
 if [ "$build" = 1 ]; then
   cargo build --release --workspace --quiet
 fi
-rel=target/release
 for f in quiltfs quiltfs-bench libquilt_pg.so libquilt_preload.so; do
   [ -f "$rel/$f" ] || { echo "deb: $rel/$f is missing (build the workspace: cargo build --release --workspace)" >&2; exit 1; }
 done

@@ -31,13 +31,17 @@ if ! command -v cargo >/dev/null 2>&1; then
   exit 1
 fi
 
-cargo build --release --workspace --quiet
+# QUILT_PROFILE picks the build (default release); scripts/test.sh builds its own
+# profile, ci, whose artifacts `cargo test` shares (Cargo.toml says why).
+profile="${QUILT_PROFILE:-release}"
+cargo build --profile "$profile" --workspace --quiet
+out="target/$profile"
 
 # The binary, and the helpers that make `mount -t fuse.quiltfs IMAGE DIR`, fstab entries
 # and `umount DIR` (which then waits for the final write-back) work.
 if [ "$(id -u)" = 0 ]; then
-  install -m 755 target/release/quiltfs /usr/local/bin/quiltfs
-  install -m 755 target/release/quiltfs-bench /usr/local/bin/quiltfs-bench
+  install -m 755 "$out"/quiltfs /usr/local/bin/quiltfs
+  install -m 755 "$out"/quiltfs-bench /usr/local/bin/quiltfs-bench
   ln -sf /usr/local/bin/quiltfs /usr/sbin/mount.fuse.quiltfs
   ln -sf /usr/local/bin/quiltfs /usr/sbin/umount.fuse.quiltfs
   # Root's mounts are block-device FUSE mounts (fuseblk.quiltfs): without this helper
@@ -45,13 +49,13 @@ if [ "$(id -u)" = 0 ]; then
   # report a failed final write-back.
   ln -sf /usr/local/bin/quiltfs /usr/sbin/umount.fuseblk.quiltfs
   # The patchgroup libraries for programs: C interface and LD_PRELOAD.
-  install -m 755 target/release/libquilt_pg.so target/release/libquilt_preload.so /usr/local/lib/
+  install -m 755 "$out"/libquilt_pg.so "$out"/libquilt_preload.so /usr/local/lib/
   install -m 644 crates/interfaces/pg/include/quiltfs_pg.h /usr/local/include/
   ldconfig 2>/dev/null || true
   # Man pages (quiltfs(1), a page per subcommand, quiltfs-mount-options(7),
   # quiltfs-formats(5)) and bash completion, as the Debian package installs them.
   man_tmp="$(mktemp -d)"
-  if target/release/quiltfs manpages "$man_tmp" 2>/dev/null && target/release/quiltfs-bench manpages "$man_tmp"; then
+  if "$out"/quiltfs manpages "$man_tmp" 2>/dev/null && "$out"/quiltfs-bench manpages "$man_tmp"; then
     for page in "$man_tmp"/*; do
       mkdir -p "/usr/local/share/man/man${page##*.}"
       install -m 644 "$page" "/usr/local/share/man/man${page##*.}/"
@@ -59,7 +63,7 @@ if [ "$(id -u)" = 0 ]; then
   fi
   rm -rf "$man_tmp"
   mkdir -p /usr/local/share/bash-completion/completions
-  target/release/quiltfs completions bash > /usr/local/share/bash-completion/completions/quiltfs
+  "$out"/quiltfs completions bash > /usr/local/share/bash-completion/completions/quiltfs
   # FUSE over io_uring (kernel 6.14+): mounts serve each request on its caller's CPU,
   # about twice as fast on this kind of machine as /dev/fuse (docs/results). Off by
   # default in the kernel; `-o nouring` keeps a mount on /dev/fuse.

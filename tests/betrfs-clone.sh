@@ -15,7 +15,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 q="${1:-$here/../target/release/quiltfs}"
 preload="$(dirname "$q")/libquilt_preload.so"
-[ -f "$preload" ] || (cd "$here/.." && cargo build --release -q -p quilt-preload)
+[ -f "$preload" ] || { echo "betrfs-clone: $preload is missing (cargo build --release -p quilt-preload)" >&2; exit 1; }
 work="$(mktemp -d /var/tmp/quiltfs-betrfs-clone.XXXXXX)"
 m="$work/m"; img="$work/img"; mkdir -p "$m" "$work/host"
 cleanup() {

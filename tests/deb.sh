@@ -14,10 +14,11 @@
 #     stopped with SIGTERM; the mount unit's ExecStart and ExecStop as root.
 #  4. apt purge leaves the file system as it was before the install.
 # Needs root. Usage: tests/deb.sh [QUILTFS_BINARY] (the binary is only used to find
-# target/release; the package is built from it).
+# its build directory, target/release by default; the package is made from it).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$here/.."
+build_dir="$(cd "$(dirname "${1:-$root/target/release/quiltfs}")" && pwd)"
 work="$(mktemp -d /tmp/quiltfs-deb.XXXXXX)"
 chmod 755 "$work"
 m="$work/m"; mkdir -p "$m"
@@ -50,8 +51,8 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 echo "deb: 1. build and lintian"
-"$root/scripts/deb.sh" --no-build --version 0.1.0~prev1 >/dev/null
-"$root/scripts/deb.sh" --no-build
+"$root/scripts/deb.sh" --no-build --from "$build_dir" --version 0.1.0~prev1 >/dev/null
+"$root/scripts/deb.sh" --no-build --from "$build_dir"
 version="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$root/Cargo.toml" | head -1)"
 old="$root/target/debian/quiltfs_0.1.0~prev1_amd64.deb"
 new="$root/target/debian/quiltfs_${version}_amd64.deb"

@@ -27,13 +27,22 @@ fn main() {
     if let Some(git_dir) = git(&dir, &["rev-parse", "--absolute-git-dir"]) {
         let git_dir = Path::new(&git_dir);
         println!("cargo:rerun-if-changed={}", git_dir.join("HEAD").display());
-        if let Some(r) = git(&dir, &["symbolic-ref", "-q", "HEAD"]) {
-            println!("cargo:rerun-if-changed={}", git_dir.join(r).display());
+        // Only paths that exist: Cargo reruns a build script on every build while a
+        // path it watches is missing, and quilt-cli then compiles again each time. A
+        // branch only in packed-refs is watched through its directory, where the next
+        // commit writes it.
+        let branch = git(&dir, &["symbolic-ref", "-q", "HEAD"]).map(|r| {
+            let f = git_dir.join(r);
+            match f.parent() {
+                Some(d) if !f.exists() => d.to_path_buf(),
+                _ => f,
+            }
+        });
+        for f in branch.into_iter().chain([git_dir.join("packed-refs")]) {
+            if f.exists() {
+                println!("cargo:rerun-if-changed={}", f.display());
+            }
         }
-        println!(
-            "cargo:rerun-if-changed={}",
-            git_dir.join("packed-refs").display()
-        );
     }
     let commit = std::env::var("QUILTFS_COMMIT")
         .ok()
