@@ -358,6 +358,10 @@ pub struct Stats {
     pub scans: u64,
     /// Pieces the scans read (a leaf's window each).
     pub scan_chunks: u64,
+    /// Leaves [`Tree::first_absent`] walked in place (nothing pending above them), and
+    /// windows where it merged pending messages with a keys-only scan instead.
+    pub absent_walks: u64,
+    pub absent_merges: u64,
     /// Buffer flushes (parent → child), and the message bytes they moved.
     pub flushes: u64,
     pub flushed_bytes: u64,
@@ -725,6 +729,51 @@ impl Tree {
         Keys(it)
     }
 
+    /// The first `n` in `from..to` whose key `prefix ‖ n` (`n` in eight big-endian
+    /// bytes, as a file's block keys) is absent, or `to` when every one is present:
+    /// SEEK_HOLE over a file's blocks. A leaf with nothing pending for its keys above
+    /// it (or in its delta) is walked in place, a comparison per key and its basements
+    /// of one entry unread; where messages are pending a keys-only scan merges them.
+    pub fn first_absent(&self, prefix: &[u8], from: u64, to: u64) -> Result<u64> {
+        let mut n = from;
+        while n < to {
+            let step = {
+                let mut t = self.lock();
+                let r = t.absent_chunk(prefix, n, to);
+                t.after_read();
+                r?
+            };
+            n = match step {
+                tree::AbsentStep::Found(m) => return Ok(m.min(to)),
+                tree::AbsentStep::Next(m) if m > n => m,
+                tree::AbsentStep::Next(_) => {
+                    return Err(Error::Corrupt(format!(
+                        "a search for absent keys made no progress at {n}: the tree's pivots contradict each other"
+                    )))
+                }
+                tree::AbsentStep::Merge { from: s, until } => {
+                    self.lock().stats.absent_merges += 1;
+                    let mut next = s;
+                    let mut keys = self.keys(&numbered_key(prefix, s), Some(&until));
+                    while let Some(k) = keys.next_key() {
+                        let (k, _) = k?;
+                        match key_number(prefix, k) {
+                            Some(m) if m == next => next += 1,
+                            Some(_) => return Ok(next.min(to)),
+                            None => {}
+                        }
+                    }
+                    // (`until` is past `prefix ‖ n`: progress, or an answer.)
+                    if next >= to || numbered_key(prefix, next) < until {
+                        return Ok(next.min(to));
+                    }
+                    next
+                }
+            };
+        }
+        Ok(to)
+    }
+
     pub fn stats(&self) -> Stats {
         self.lock().stats()
     }
@@ -953,6 +1002,20 @@ impl Iter<'_> {
         self.taken += 1;
         Some(Ok(i))
     }
+}
+
+/// `prefix ‖ n`, `n` in eight big-endian bytes ([`Tree::first_absent`]'s keys).
+pub(crate) fn numbered_key(prefix: &[u8], n: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(prefix.len() + 8);
+    k.extend_from_slice(prefix);
+    k.extend_from_slice(&n.to_be_bytes());
+    k
+}
+
+/// `n` of a key `prefix ‖ n`; `None` for a key of another shape.
+pub(crate) fn key_number(prefix: &[u8], key: &[u8]) -> Option<u64> {
+    let rest = key.strip_prefix(prefix)?;
+    Some(u64::from_be_bytes(rest.try_into().ok()?))
 }
 
 /// Ordered keys of a range with their values' lengths (see [`Tree::keys`]).

@@ -218,6 +218,16 @@ impl Points {
         self.offs.is_empty() && self.tail.is_empty()
     }
 
+    /// Whether any message (arena or tail) is for a key in `lo..hi`.
+    pub fn any_in(&self, lo: &[u8], hi: &[u8]) -> bool {
+        let a = self.lower_bound(lo);
+        (a < self.offs.len() && self.key_at(a) < hi)
+            || self
+                .tail
+                .iter()
+                .any(|(k, _, _)| k.as_slice() >= lo && k.as_slice() < hi)
+    }
+
     /// Whether any message (arena or tail) is an upsert.
     pub fn has_upserts(&self) -> bool {
         self.tail

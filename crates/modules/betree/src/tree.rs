@@ -294,6 +294,31 @@ fn decode_len(v: &[u8]) -> usize {
 /// from the index (its first key, and its length less the entry's framing; the index
 /// is checksummed, the basement's own checksum is not read). Basements of more entries
 /// must be loaded.
+/// What [`Inner::absent_chunk`] found.
+pub enum AbsentStep {
+    /// The first absent number.
+    Found(u64),
+    /// Every number below this one is present: go on from it (the next leaf).
+    Next(u64),
+    /// Messages pending in the window `prefix ‖ from .. until` (outer space): a
+    /// keys-only scan must merge them.
+    Merge { from: u64, until: Vec<u8> },
+}
+
+/// Where [`Inner::descend`] ends.
+struct Descent {
+    leaf: NodeId,
+    /// Each internal node on the way and the child taken.
+    path: Vec<(NodeId, usize)>,
+    lifts: PathLifts,
+    /// The leaf's bounds in the outer space (`None`: unbounded).
+    node_lo: Option<Vec<u8>>,
+    node_hi: Option<Vec<u8>>,
+    /// `lo` and the cursor in the leaf's space.
+    lo_here: Vec<u8>,
+    cursor_here: Option<Vec<u8>>,
+}
+
 fn index_keys(leaf: &Node, a: usize, b: usize, id: NodeId) -> Result<Entries> {
     let Node::Leaf(Leaf {
         data: LeafData::Partial { index, loaded },
@@ -2383,26 +2408,9 @@ impl Inner {
         })
     }
 
-    /// One chunk of a range scan: up to `reach` bytes of one leaf (basements read
-    /// from disk if the leaf is not cached whole), or, when the caller says how many
-    /// entries it still `want`s, about as many as hold them. Forward, `cursor` is the
-    /// first key to return; backward, the bound below which to return keys (`None`:
-    /// from `hi`, or the top).
-    /// Fills `out` with the entries (ascending; its buffers are reused from chunk to
-    /// chunk) and returns where the next chunk starts, if anywhere.
-    #[allow(clippy::too_many_arguments)]
-    pub fn scan_chunk(
-        &mut self,
-        lo: &[u8],
-        hi: Option<&[u8]>,
-        forward: bool,
-        cursor: Option<&[u8]>,
-        reach: usize,
-        want: Option<usize>,
-        keys_only: bool,
-        out: &mut Chunk,
-    ) -> Result<Option<Vec<u8>>> {
-        self.check_failed()?;
+    /// The walk from the root to the leaf a scan's chunk reads: forward, the leaf
+    /// holding `cursor` (or `lo`); backward, the one below `cursor` (or the last).
+    fn descend(&mut self, lo: &[u8], forward: bool, cursor: Option<&[u8]>) -> Result<Descent> {
         let mut id = self.root;
         // Bounds of the chunk's leaf, in the outer (the caller's) space.
         let mut node_lo: Option<Vec<u8>> = None;
@@ -2445,6 +2453,46 @@ impl Inner {
             }
             lifts.edges.push(lift);
         }
+        Ok(Descent {
+            leaf: id,
+            path,
+            lifts,
+            node_lo,
+            node_hi,
+            lo_here,
+            cursor_here,
+        })
+    }
+
+    /// One chunk of a range scan: up to `reach` bytes of one leaf (basements read
+    /// from disk if the leaf is not cached whole), or, when the caller says how many
+    /// entries it still `want`s, about as many as hold them. Forward, `cursor` is the
+    /// first key to return; backward, the bound below which to return keys (`None`:
+    /// from `hi`, or the top).
+    /// Fills `out` with the entries (ascending; its buffers are reused from chunk to
+    /// chunk) and returns where the next chunk starts, if anywhere.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scan_chunk(
+        &mut self,
+        lo: &[u8],
+        hi: Option<&[u8]>,
+        forward: bool,
+        cursor: Option<&[u8]>,
+        reach: usize,
+        want: Option<usize>,
+        keys_only: bool,
+        out: &mut Chunk,
+    ) -> Result<Option<Vec<u8>>> {
+        self.check_failed()?;
+        let Descent {
+            leaf: id,
+            path,
+            lifts,
+            mut node_lo,
+            mut node_hi,
+            lo_here,
+            cursor_here,
+        } = self.descend(lo, forward, cursor)?;
         let leaf_level = path.len();
         // A leaf not cached whole is read some basements at a time (one read), and a
         // whole one is taken as much at a time: the chunk narrows to them (a short
@@ -2643,6 +2691,152 @@ impl Inner {
         };
         // (Ascending either way: a backward scan walks the chunk from its end.)
         Ok(next)
+    }
+
+    /// One leaf's part of [`crate::Tree::first_absent`]: the keys `prefix ‖ m` from
+    /// `m = n` on, below `prefix ‖ to`, in the leaf that holds `prefix ‖ n`. When no
+    /// buffer or delta on the path (the leaf's own included) holds a message in the
+    /// leaf's window, the leaf's keys are the answer and are walked where they lie
+    /// (for a partial leaf, its index: a one-entry basement's key is its first);
+    /// otherwise, or at a basement of several entries not read, the rest of the
+    /// window is left to a keys-only scan, which merges the messages.
+    pub fn absent_chunk(&mut self, prefix: &[u8], n: u64, to: u64) -> Result<AbsentStep> {
+        use crate::{key_number, numbered_key};
+        self.check_failed()?;
+        let start = numbered_key(prefix, n);
+        let end = numbered_key(prefix, to);
+        let d = self.descend(&start, true, Some(&start))?;
+        // The window this leaf settles, outer space.
+        let until = match d.node_hi {
+            Some(h) if h < end => h,
+            _ => end,
+        };
+        for &(pid, i) in &d.path {
+            self.load_buffer(pid, i)?;
+        }
+        let levels: Vec<NodeId> = d.path.iter().map(|p| p.0).chain([d.leaf]).collect();
+        for (level, &nid) in levels.iter().enumerate() {
+            let lo_l = d.lifts.down(level, &start).into_owned();
+            let hi_l = d.lifts.down(level, &until).into_owned();
+            let window = self.delta_window(nid, &lo_l, Some(&hi_l))?;
+            let node = self
+                .cache
+                .get(&nid)
+                .ok_or_else(|| Error::Invalid("internal: a search's path evicted".into()))?
+                .node
+                .clone();
+            let (delta, buffer) = match &*node {
+                Node::Leaf(l) => (&l.delta, None),
+                Node::Internal(x) => (&x.delta, x.buffers.get(d.path[level].1)),
+            };
+            let delta = match (&window, &delta.unread) {
+                (Some(w), _) => w,
+                (None, None) => &delta.buf,
+                (None, Some(_)) => {
+                    return Err(Error::Invalid(
+                        "internal: a search's delta is unread".into(),
+                    ))
+                }
+            };
+            let busy = |b: &Buffer| {
+                b.points.any_in(&lo_l, &hi_l)
+                    || b.ranges.iter().any(|r| {
+                        r.end.as_slice() > lo_l.as_slice() && r.start.as_slice() < hi_l.as_slice()
+                    })
+            };
+            if busy(delta) || buffer.is_some_and(busy) {
+                return Ok(AbsentStep::Merge { from: n, until });
+            }
+        }
+        self.stats.absent_walks += 1;
+        let leaf_level = d.path.len();
+        let leaf = self.cache[&d.leaf].node.clone();
+        let Node::Leaf(l) = &*leaf else {
+            return Err(Error::Invalid(
+                "internal: a search's leaf is internal".into(),
+            ));
+        };
+        let lo_in = d.cursor_here.unwrap_or(d.lo_here);
+        let hi_in = d.lifts.down(leaf_level, &until).into_owned();
+        let plain = d.lifts.none();
+        let mut next = n;
+        // Each key of the leaf in order: `Some(answer)` to stop.
+        let mut visit = |k: &[u8]| -> Result<Option<AbsentStep>> {
+            if k < lo_in.as_slice() {
+                return Ok(None);
+            }
+            if k >= hi_in.as_slice() {
+                return Ok(Some(AbsentStep::Next(next)));
+            }
+            let outer = if plain {
+                std::borrow::Cow::Borrowed(k)
+            } else {
+                d.lifts.up(leaf_level, k)
+            };
+            match key_number(prefix, &outer) {
+                Some(m) if m == next => next += 1,
+                Some(m) if m > next => return Ok(Some(AbsentStep::Found(next))),
+                Some(_) => {
+                    return Err(Error::Corrupt(format!(
+                        "node {}: keys out of order",
+                        d.leaf
+                    )))
+                }
+                None => {}
+            }
+            Ok(None)
+        };
+        let mut stop = None;
+        match &l.data {
+            LeafData::Full(es) => {
+                let from = es.search(&lo_in).unwrap_or_else(|i| i);
+                for j in from..es.len() {
+                    stop = visit(es.key(j))?;
+                    if stop.is_some() {
+                        break;
+                    }
+                }
+            }
+            LeafData::Partial { index, loaded } => {
+                let first = node::basement_for(index, &lo_in);
+                'walk: for (i, b) in index.iter().enumerate().skip(first) {
+                    match (loaded.get(i).and_then(Option::as_ref), b.count) {
+                        (Some(es), _) => {
+                            for (k, _) in es.iter() {
+                                stop = visit(k)?;
+                                if stop.is_some() {
+                                    break 'walk;
+                                }
+                            }
+                        }
+                        (None, 0) => {}
+                        (None, 1) => {
+                            stop = visit(&b.lo)?;
+                            if stop.is_some() {
+                                break;
+                            }
+                        }
+                        (None, _) => {
+                            // (Its keys are in its body: the scan reads it.)
+                            if b.lo.as_slice() >= hi_in.as_slice() {
+                                break;
+                            }
+                            return Ok(AbsentStep::Merge { from: next, until });
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(AbsentStep::Found(m)) = stop {
+            return Ok(AbsentStep::Found(m));
+        }
+        // Every key from `n` to `next` is here; the window ends at `until`, so
+        // `prefix ‖ next` below it is absent.
+        Ok(if next >= to || numbered_key(prefix, next) < until {
+            AbsentStep::Found(next)
+        } else {
+            AbsentStep::Next(next)
+        })
     }
 
     /// The messages of the cached node `id`'s unread delta that a scan's window

@@ -223,6 +223,12 @@ fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
             }
             Step::DeleteRange { k, n } => {
                 let (lo, hi) = (k16(k), k16(k.saturating_add(n)));
+                if lo >= hi {
+                    // (At the top of the key space the range is empty, which the tree
+                    // refuses by name: its own tests check that.)
+                    assert!(matches!(t.delete_range(&lo, &hi), Err(Error::Invalid(_))));
+                    continue;
+                }
                 t.delete_range(&lo, &hi).unwrap();
                 let gone: Vec<_> = model.range(lo..hi).map(|(k, _)| k.clone()).collect();
                 for k in gone {

@@ -171,3 +171,79 @@ fn pending_messages_and_registered_upserts_agree_with_a_full_scan() {
     let t = Tree::open(dev, opts()).unwrap();
     check(&t, &model);
 }
+
+/// `first_absent` against the model (the first number at or after `from` not in it),
+/// from every start near the holes and at the ends.
+fn check_absent(t: &Tree, model: &BTreeMap<Vec<u8>, usize>, to: u64) {
+    for from in (0..to).step_by(7).chain([0, 1, 2, to - 1, to]) {
+        let want = (from..to)
+            .find(|b| !model.contains_key(&key(*b)))
+            .unwrap_or(to);
+        assert_eq!(
+            t.first_absent(b"dfile\0", from, to).unwrap(),
+            want,
+            "from {from}"
+        );
+    }
+}
+
+#[test]
+fn first_absent_walks_quiet_leaves_in_place_and_agrees_with_a_model() {
+    let (dev, t) = cold_data_tree();
+    let mut model: BTreeMap<Vec<u8>, usize> = (0..BLOCKS)
+        .filter(|b| b % 3 != 2)
+        .map(|b| (key(b), BLOCK))
+        .collect();
+    check_absent(&t, &model, BLOCKS);
+    let s = t.stats();
+    assert!(s.absent_walks > 0 && s.absent_merges == 0, "{s:?}");
+    // A dense run across many leaves, then a hole: fill every hole below 2000 (2000
+    // itself stays one).
+    let mut b = Batch::new();
+    for blk in (0..2000).filter(|b| b % 3 == 2) {
+        b.put(&key(blk), &[1; BLOCK]);
+        model.insert(key(blk), BLOCK);
+    }
+    t.write(b).unwrap();
+    // Pending above the leaves: merged, and the same answers.
+    check_absent(&t, &model, BLOCKS);
+    assert!(t.stats().absent_merges > 0);
+    assert_eq!(t.first_absent(b"dfile\0", 0, BLOCKS).unwrap(), 2000);
+    // Deletes and a range delete pending.
+    let mut b = Batch::new();
+    b.delete(&key(10));
+    model.remove(&key(10));
+    b.delete_range(&key(1500), &key(1510));
+    model.retain(|k, _| !(k >= &key(1500) && k < &key(1510)));
+    t.write(b).unwrap();
+    check_absent(&t, &model, BLOCKS);
+    // Flushed down and reopened cold: quiet again, walked in place.
+    t.compact().unwrap();
+    t.close().unwrap();
+    let t = Tree::open(dev.clone(), opts()).unwrap();
+    let before = t.stats();
+    check_absent(&t, &model, BLOCKS);
+    let after = t.stats();
+    assert!(after.absent_walks > before.absent_walks);
+    assert_eq!(
+        after.basement_reads, before.basement_reads,
+        "a walk read basements"
+    );
+    // Keys of other shapes between the numbered ones, and a renamed prefix (a lift).
+    t.put(b"dfile\0\0\0\0\0\0\0\0\x0bx", b"not a block")
+        .unwrap();
+    check_absent(&t, &model, BLOCKS);
+    t.rename_prefix(b"dfile\0", b"dmoved\0").unwrap();
+    t.compact().unwrap();
+    for (from, to) in [(0, BLOCKS), (11, BLOCKS), (1400, 1600), (2500, 2600)] {
+        let want = (from..to)
+            .find(|b| !model.contains_key(&key(*b)))
+            .unwrap_or(to);
+        assert_eq!(
+            t.first_absent(b"dmoved\0", from, to).unwrap(),
+            want,
+            "moved, from {from}"
+        );
+    }
+    assert_eq!(t.first_absent(b"dfile\0", 0, BLOCKS).unwrap(), 0);
+}

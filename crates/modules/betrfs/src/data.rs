@@ -178,27 +178,13 @@ impl Betrfs {
         }
     }
 
-    /// The blocks present from `from` on: the first, and those after it up to the
-    /// first hole (and the first block past it, if any). A keys-only scan: the data's
-    /// values are not read.
-    pub(crate) fn present_blocks(&self, n: &Node, from: u64) -> Result<Vec<u64>> {
-        let prefix = n.loc.data_prefix();
+    /// The first block at or after `from` not present (the file's block count if
+    /// every one is).
+    pub(crate) fn first_absent(&self, n: &Node, from: u64) -> Result<u64> {
         let last = n.inode.size.div_ceil(BLOCK);
-        let mut out = Vec::new();
-        let mut keys = self
-            .tree
-            .keys(&n.loc.data_key(from), Some(&n.loc.data_key(last)));
-        while let Some(k) = keys.next_key() {
-            let (k, _) = k.map_err(io)?;
-            out.push(
-                keys::block_of(&prefix, k)
-                    .ok_or_else(|| FsError::Corrupt("a data key of the wrong length".into()))?,
-            );
-            if out.len() > 1 && out[out.len() - 1] != out[out.len() - 2] + 1 {
-                break;
-            }
-        }
-        Ok(out)
+        self.tree
+            .first_absent(&n.loc.data_prefix(), from, last)
+            .map_err(io)
     }
 
     /// The first block present at or after `from` (below the file's end).

@@ -1689,31 +1689,17 @@ impl FileSystem for Betrfs {
         if n.inode.blocks >= size.div_ceil(BLOCK) {
             return Ok(if data { offset } else { size });
         }
-        let mut blk = offset / BLOCK;
+        let blk = offset / BLOCK;
         if data {
             return match self.next_present(&n, blk)? {
                 Some(b) if b * BLOCK < size => Ok(offset.max(b * BLOCK)),
                 _ => Err(FsError::NoData),
             };
         }
-        loop {
-            let present = self.present_blocks(&n, blk)?;
-            // The first block from `blk` on that is not present.
-            let mut want = blk;
-            let mut contiguous = true;
-            for &p in &present {
-                if p == want {
-                    want += 1;
-                } else {
-                    contiguous = false;
-                    break;
-                }
-            }
-            if !contiguous || present.is_empty() || want * BLOCK >= size {
-                return Ok(offset.max(want * BLOCK).min(size));
-            }
-            blk = want;
-        }
+        // The first block from `blk` on that is not present: the tree walks leaves with
+        // nothing pending in place, a comparison per key.
+        let hole = self.first_absent(&n, blk)?;
+        Ok(offset.max(hole * BLOCK).min(size))
     }
 
     fn get_flags(&self, ino: Ino) -> Result<u32> {
