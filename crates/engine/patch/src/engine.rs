@@ -1877,12 +1877,24 @@ impl State {
     /// Graph invariants, checked after every mutation in debug builds while the graph is
     /// small enough for that to be cheap.
     pub fn debug_check(&self) {
-        if cfg!(debug_assertions) && self.failed.is_none() && self.g.live() <= 512 {
+        if graph_checks() && self.failed.is_none() && self.g.live() <= 512 {
             if let Err(e) = self.check_invariants() {
                 panic!("patch graph invariant broken: {e}");
             }
         }
     }
+}
+
+/// Whether `debug_check` runs: in builds with debug assertions, unless
+/// `QUILTFS_CHECK_GRAPH=0` turns it off. The check is linear in the live graph and runs
+/// after every mutation, so it makes a debug build's long runs (benchmarks, a merge of
+/// 60 000 creates) many times slower; the test suite keeps it for the unit and
+/// integration tests and turns it off for the scripts that time things from outside.
+fn graph_checks() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        cfg!(debug_assertions) && std::env::var_os("QUILTFS_CHECK_GRAPH").is_none_or(|v| v != "0")
+    })
 }
 
 /// The runs of consecutive values in `values` (ascending), each at most `max` long, as
