@@ -2759,21 +2759,22 @@ impl Inner {
         let lo_in = d.cursor_here.unwrap_or(d.lo_here);
         let hi_in = d.lifts.down(leaf_level, &until).into_owned();
         let plain = d.lifts.none();
+        let plen = prefix.len();
         let mut next = n;
-        // Each key of the leaf in order: `Some(answer)` to stop.
+        // Each key of the leaf in the window, in order: `Some(answer)` to stop. The
+        // loops below bound the window by index, so most keys cost a length check and
+        // an eight-byte load: without lifts a key between `prefix ‖ 0` and
+        // `prefix ‖ u64::MAX` starts with `prefix`, so only its length tells whether
+        // it is a numbered key.
         let mut visit = |k: &[u8]| -> Result<Option<AbsentStep>> {
-            if k < lo_in.as_slice() {
-                return Ok(None);
-            }
-            if k >= hi_in.as_slice() {
-                return Ok(Some(AbsentStep::Next(next)));
-            }
-            let outer = if plain {
-                std::borrow::Cow::Borrowed(k)
+            let number = if plain {
+                k.get(plen..)
+                    .and_then(|r| <[u8; 8]>::try_from(r).ok())
+                    .map(u64::from_be_bytes)
             } else {
-                d.lifts.up(leaf_level, k)
+                key_number(prefix, &d.lifts.up(leaf_level, k))
             };
-            match key_number(prefix, &outer) {
+            match number {
                 Some(m) if m == next => next += 1,
                 Some(m) if m > next => return Ok(Some(AbsentStep::Found(next))),
                 Some(_) => {
@@ -2786,11 +2787,13 @@ impl Inner {
             }
             Ok(None)
         };
+        let inside = |k: &[u8]| k >= lo_in.as_slice() && k < hi_in.as_slice();
         let mut stop = None;
         match &l.data {
             LeafData::Full(es) => {
                 let from = es.search(&lo_in).unwrap_or_else(|i| i);
-                for j in from..es.len() {
+                let until_j = es.search(&hi_in).unwrap_or_else(|i| i);
+                for j in from..until_j.max(from) {
                     stop = visit(es.key(j))?;
                     if stop.is_some() {
                         break;
@@ -2799,30 +2802,35 @@ impl Inner {
             }
             LeafData::Partial { index, loaded } => {
                 let first = node::basement_for(index, &lo_in);
-                'walk: for (i, b) in index.iter().enumerate().skip(first) {
+                // Basements starting below the window's end: the rest lie past it.
+                let last = index.partition_point(|b| b.lo.as_slice() < hi_in.as_slice());
+                'walk: for (i, b) in index.iter().enumerate().take(last).skip(first) {
                     match (loaded.get(i).and_then(Option::as_ref), b.count) {
                         (Some(es), _) => {
                             for (k, _) in es.iter() {
-                                stop = visit(k)?;
-                                if stop.is_some() {
+                                if k >= hi_in.as_slice() {
                                     break 'walk;
+                                }
+                                if k >= lo_in.as_slice() {
+                                    stop = visit(k)?;
+                                    if stop.is_some() {
+                                        break 'walk;
+                                    }
                                 }
                             }
                         }
                         (None, 0) => {}
                         (None, 1) => {
-                            stop = visit(&b.lo)?;
-                            if stop.is_some() {
-                                break;
+                            // (Only the first basement can start below the window.)
+                            if i > first || inside(&b.lo) {
+                                stop = visit(&b.lo)?;
+                                if stop.is_some() {
+                                    break;
+                                }
                             }
                         }
-                        (None, _) => {
-                            // (Its keys are in its body: the scan reads it.)
-                            if b.lo.as_slice() >= hi_in.as_slice() {
-                                break;
-                            }
-                            return Ok(AbsentStep::Merge { from: next, until });
-                        }
+                        // (Its keys are in its body: the scan reads it.)
+                        (None, _) => return Ok(AbsentStep::Merge { from: next, until }),
                     }
                 }
             }
