@@ -4,7 +4,7 @@
 //! entries (`check`). Every change of an entry's size or dirtiness goes through here.
 
 use crate::node::{self, Leaf, LeafData, Node, NodeId};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 pub(super) struct Cached {
@@ -24,7 +24,9 @@ impl Cached {
 
 #[derive(Default)]
 pub(super) struct NodeCache {
-    nodes: HashMap<NodeId, Cached>,
+    // (Fx: ids are small integers the tree hands out, and SipHash was a sixth of a
+    // SEEK_HOLE walk over cached leaves.)
+    nodes: FxHashMap<NodeId, Cached>,
     /// Use counter: an entry's `tick` is when it was last used (least recently used
     /// goes first).
     tick: u64,
