@@ -764,10 +764,10 @@ impl Tree {
                         }
                     }
                     // (`until` is past `prefix ‖ n`: progress, or an answer.)
-                    if next >= to || numbered_key(prefix, next) < until {
-                        return Ok(next.min(to));
+                    match tree::AbsentStep::settled(prefix, next, to, &until) {
+                        tree::AbsentStep::Found(m) => return Ok(m.min(to)),
+                        _ => next,
                     }
-                    next
                 }
             };
         }

@@ -289,11 +289,6 @@ fn decode_len(v: &[u8]) -> usize {
         .map_or(0, |b| u32::from_le_bytes(b) as usize)
 }
 
-/// The keys of basements `a..b` of the partial leaf `leaf`, each with its value's
-/// length encoded as its value: a loaded basement's own, and a basement of one entry
-/// from the index (its first key, and its length less the entry's framing; the index
-/// is checksummed, the basement's own checksum is not read). Basements of more entries
-/// must be loaded.
 /// What [`Inner::absent_chunk`] found.
 pub enum AbsentStep {
     /// The first absent number.
@@ -303,6 +298,19 @@ pub enum AbsentStep {
     /// Messages pending in the window `prefix ‖ from .. until` (outer space): a
     /// keys-only scan must merge them.
     Merge { from: u64, until: Vec<u8> },
+}
+
+impl AbsentStep {
+    /// Where a window ending at `until` (outer space) leaves a search that found every
+    /// number from its start up to `next` present: `prefix ‖ next` below `until` is
+    /// absent (the window held every key there), else the search goes on from `next`.
+    pub(crate) fn settled(prefix: &[u8], next: u64, to: u64, until: &[u8]) -> AbsentStep {
+        if next >= to || crate::numbered_key(prefix, next).as_slice() < until {
+            AbsentStep::Found(next)
+        } else {
+            AbsentStep::Next(next)
+        }
+    }
 }
 
 /// Where [`Inner::descend`] ends.
@@ -319,6 +327,11 @@ struct Descent {
     cursor_here: Option<Vec<u8>>,
 }
 
+/// The keys of basements `a..b` of the partial leaf `leaf`, each with its value's
+/// length encoded as its value: a loaded basement's own, and a basement of one entry
+/// from the index (its first key, and its length less the entry's framing; the index
+/// is checksummed, the basement's own checksum is not read). Basements of more entries
+/// must be loaded.
 fn index_keys(leaf: &Node, a: usize, b: usize, id: NodeId) -> Result<Entries> {
     let Node::Leaf(Leaf {
         data: LeafData::Partial { index, loaded },
@@ -2838,13 +2851,7 @@ impl Inner {
         if let Some(AbsentStep::Found(m)) = stop {
             return Ok(AbsentStep::Found(m));
         }
-        // Every key from `n` to `next` is here; the window ends at `until`, so
-        // `prefix ‖ next` below it is absent.
-        Ok(if next >= to || numbered_key(prefix, next) < until {
-            AbsentStep::Found(next)
-        } else {
-            AbsentStep::Next(next)
-        })
+        Ok(AbsentStep::settled(prefix, next, to, &until))
     }
 
     /// The messages of the cached node `id`'s unread delta that a scan's window

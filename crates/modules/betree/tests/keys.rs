@@ -176,15 +176,22 @@ fn pending_messages_and_registered_upserts_agree_with_a_full_scan() {
 /// from every start near the holes and at the ends.
 fn check_absent(t: &Tree, model: &BTreeMap<Vec<u8>, usize>, to: u64) {
     for from in (0..to).step_by(7).chain([0, 1, 2, to - 1, to]) {
-        let want = (from..to)
-            .find(|b| !model.contains_key(&key(*b)))
-            .unwrap_or(to);
-        assert_eq!(
-            t.first_absent(b"dfile\0", from, to).unwrap(),
-            want,
-            "from {from}"
-        );
+        assert_absent(t, model, b"dfile\0", from, to);
     }
+}
+
+/// `first_absent(prefix, from, to)` is the model's first block missing there (the
+/// model's keys are `key(b)`, whatever prefix the tree has them under now).
+fn assert_absent(t: &Tree, model: &BTreeMap<Vec<u8>, usize>, prefix: &[u8], from: u64, to: u64) {
+    let want = (from..to)
+        .find(|b| !model.contains_key(&key(*b)))
+        .unwrap_or(to);
+    assert_eq!(
+        t.first_absent(prefix, from, to).unwrap(),
+        want,
+        "{}, from {from}",
+        String::from_utf8_lossy(prefix)
+    );
 }
 
 #[test]
@@ -236,14 +243,7 @@ fn first_absent_walks_quiet_leaves_in_place_and_agrees_with_a_model() {
     t.rename_prefix(b"dfile\0", b"dmoved\0").unwrap();
     t.compact().unwrap();
     for (from, to) in [(0, BLOCKS), (11, BLOCKS), (1400, 1600), (2500, 2600)] {
-        let want = (from..to)
-            .find(|b| !model.contains_key(&key(*b)))
-            .unwrap_or(to);
-        assert_eq!(
-            t.first_absent(b"dmoved\0", from, to).unwrap(),
-            want,
-            "moved, from {from}"
-        );
+        assert_absent(&t, &model, b"dmoved\0", from, to);
     }
     assert_eq!(t.first_absent(b"dfile\0", 0, BLOCKS).unwrap(), 0);
 }
