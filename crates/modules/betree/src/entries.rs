@@ -185,6 +185,46 @@ impl Entries {
         self.buf.extend_from_slice(v);
     }
 
+    /// Changes the entries at index `i` in place: with `replace`, entry `i` becomes
+    /// `kv` (or goes, for `None`); without, `kv` is inserted before entry `i`. The
+    /// caller keeps keys ascending (`i` from `search`). It moves the entries after `i`
+    /// once, where a rebuild would copy all of them and compare keys from the start.
+    pub fn splice(&mut self, i: usize, replace: bool, kv: Option<(&[u8], &[u8])>) {
+        let start = self.offs.get(i).map_or(self.buf.len(), |&o| o as usize);
+        let end = if replace {
+            self.offs.get(i + 1).map_or(self.buf.len(), |&o| o as usize)
+        } else {
+            start
+        };
+        let mut enc = Vec::new();
+        if let Some((k, v)) = kv {
+            enc.reserve(8 + k.len() + v.len());
+            enc.extend_from_slice(&(k.len() as u32).to_le_bytes());
+            enc.extend_from_slice(k);
+            enc.extend_from_slice(&(v.len() as u32).to_le_bytes());
+            enc.extend_from_slice(v);
+        }
+        let grow = enc.len() as i64 - (end - start) as i64;
+        self.buf.splice(start..end, enc);
+        // The entries after the changed one, shifted by the change in bytes.
+        let after = match (replace, kv.is_some()) {
+            (true, false) => {
+                self.offs.remove(i);
+                i
+            }
+            (true, true) => i + 1,
+            (false, _) => {
+                self.offs.insert(i, start as u32);
+                i + 1
+            }
+        };
+        if grow != 0 {
+            for o in &mut self.offs[after..] {
+                *o = (*o as i64 + grow) as u32;
+            }
+        }
+    }
+
     /// Appends entries `from..to` of `other`.
     pub fn extend_from(&mut self, other: &Entries, from: usize, to: usize) {
         if from >= to {
@@ -226,6 +266,49 @@ impl Entries {
 mod tests {
     use super::*;
     use crate::codec::key_cmp;
+
+    proptest::proptest! {
+        /// In-place changes (`splice`) leave what a model map holds: the same entries
+        /// in order, offsets that a fresh parse of the buffer agrees with, every key
+        /// found by `search`.
+        #[test]
+        fn splice_matches_a_model(
+            ops in proptest::collection::vec(
+                (0u8..40, proptest::option::of(proptest::collection::vec(0u8..255, 0..24))),
+                1..120,
+            )
+        ) {
+            let mut e = Entries::default();
+            let mut model = std::collections::BTreeMap::new();
+            for (k, v) in ops {
+                let key = vec![b'k', k];
+                match (e.search(&key), &v) {
+                    (Ok(i), v) => e.splice(i, true, v.as_deref().map(|v| (&key[..], v))),
+                    (Err(i), Some(v)) => e.splice(i, false, Some((&key[..], &v[..]))),
+                    (Err(_), None) => {}
+                }
+                match v {
+                    Some(v) => {
+                        model.insert(key, v);
+                    }
+                    None => {
+                        model.remove(&key);
+                    }
+                }
+                let got: Vec<(Vec<u8>, Vec<u8>)> =
+                    e.iter().map(|(k, v)| (k.to_vec(), v.to_vec())).collect();
+                let want: Vec<(Vec<u8>, Vec<u8>)> =
+                    model.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                proptest::prop_assert_eq!(&got, &want);
+                let parsed = Entries::from_body(e.buf.clone(), e.len())
+                    .expect("the buffer parses as entries");
+                proptest::prop_assert_eq!(&parsed.offs, &e.offs);
+                for (i, k) in model.keys().enumerate() {
+                    proptest::prop_assert_eq!(e.search(k), Ok(i));
+                }
+            }
+        }
+    }
 
     /// `gallop` finds the end of the prefix wherever it lies, over ranges of every
     /// length and start (against a linear walk).

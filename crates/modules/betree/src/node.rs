@@ -650,9 +650,54 @@ impl Leaf {
                 "internal: applying messages past a leaf's delta".into(),
             ));
         }
+        if self.apply_in_place(&buf, up)? {
+            return Ok(());
+        }
         let out = self.merged(&buf, up)?;
         *self = Leaf::full(out);
         Ok(())
+    }
+
+    /// A buffer of a few point messages (a root that is still a leaf gets one write's
+    /// each) changes the entries where they are instead of in a rebuild of the leaf:
+    /// every new value is worked out first, so an upsert that fails changes nothing.
+    /// False when the buffer is not of that kind.
+    fn apply_in_place(&mut self, buf: &Buffer, up: &Upserts) -> Result<bool> {
+        const FEW: usize = 8;
+        let LeafData::Full(old) = &mut self.data else {
+            return Ok(false);
+        };
+        if !buf.ranges.is_empty() {
+            return Ok(false);
+        }
+        let points = buf.points.settled();
+        if points.groups_len() > FEW {
+            return Ok(false);
+        }
+        let mut changes: Vec<(&[u8], Option<Vec<u8>>)> = Vec::with_capacity(FEW);
+        for g in points.groups() {
+            let mut v: Option<Cow<[u8]>> = old.value_of(g.key).map(Cow::Borrowed);
+            for (_, m) in g.msgs() {
+                v = match m {
+                    MsgRef::Put(x) => Some(Cow::Borrowed(x)),
+                    MsgRef::Delete => None,
+                    MsgRef::Upsert { .. } => {
+                        up.apply_ref(v.map(Cow::into_owned), m)?.map(Cow::Owned)
+                    }
+                };
+            }
+            changes.push((g.key, v.map(Cow::into_owned)));
+        }
+        for (k, v) in changes {
+            match (old.search(k), v) {
+                (Ok(i), v) => old.splice(i, true, v.as_deref().map(|v| (k, v))),
+                (Err(i), Some(v)) => old.splice(i, false, Some((k, &v))),
+                (Err(_), None) => {}
+            }
+        }
+        self.bytes = old.bytes();
+        self.delta = Delta::default();
+        Ok(true)
     }
 
     /// Applies the leaf's loaded delta to its full entries: the leaf changes only if

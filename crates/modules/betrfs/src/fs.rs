@@ -42,6 +42,7 @@ use quilt_vfs::{
     flags, rules, Attr, Ctx, DirEntry, FileSystem, FileType, FsError, Ino, KernelFs, RenameFlags,
     Result, SetAttr, StatFs, Timespec, XattrFlags,
 };
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -179,6 +180,7 @@ impl State {
         self.nodes.begin(ops.saturating_mul(2).min(1 << 20));
         self.by_path.begin(ops.min(1 << 20));
         self.orphan_paths.begin(0);
+        self.deferred = Some(FxHashSet::default());
         Small {
             moves: self.moves.clone(),
             moves_base: self.moves_base,
@@ -195,6 +197,7 @@ impl State {
     }
 
     fn commit_batch(&mut self) {
+        self.deferred = None;
         self.nodes.commit();
         self.by_path.commit();
         self.orphan_paths.commit();
@@ -202,6 +205,7 @@ impl State {
 
     /// The state as `begin_batch` found it.
     fn rollback_batch(&mut self, s: Small) {
+        self.deferred = None;
         self.nodes.rollback();
         self.by_path.rollback();
         self.orphan_paths.rollback();
@@ -221,7 +225,9 @@ impl State {
 
 #[derive(Default, Clone)]
 pub(crate) struct State {
-    pub nodes: Undoable<HashMap<u64, Node>>,
+    /// Keyed by inode numbers the module hands out itself: Fx, not SipHash (a sixth
+    /// of a merge's creation was hashing).
+    pub nodes: Undoable<FxHashMap<u64, Node>>,
     /// Path-key → inode, for every cached name with a path (files with one name,
     /// directories, link stubs are not here: their names resolve through the tree).
     pub by_path: Undoable<BTreeMap<Vec<u8>, u64>>,
@@ -249,6 +255,11 @@ pub(crate) struct State {
     pub cookie_order: VecDeque<u64>,
     pub next_cookie: u64,
     pub failed: Option<String>,
+    /// While a batch runs: the directories whose records its creations changed and
+    /// have not put yet (`Betrfs::put_deferred`). A run of creations in one directory
+    /// (a merge of a client journal) then puts the directory's record once, not once
+    /// per entry. Their nodes stay in the cache until put.
+    pub deferred: Option<FxHashSet<u64>>,
 }
 
 #[derive(Default)]
@@ -1039,6 +1050,51 @@ impl Betrfs {
 }
 
 impl Betrfs {
+    /// A batch's operations in order (the tree held, the state recording). Creations
+    /// leave their directories' records to the end of a run of creations
+    /// (`State::deferred`); any other operation, which may read or move those records
+    /// in the tree, finds them put first.
+    fn run_batch(
+        &self,
+        ops: &[quilt_vfs::FsOp],
+        ctx: &Ctx,
+    ) -> std::result::Result<Vec<quilt_vfs::FsReply>, quilt_vfs::BatchError> {
+        use quilt_vfs::{BatchError, FsOp};
+        let mut out = Vec::with_capacity(ops.len());
+        for (i, op) in ops.iter().enumerate() {
+            let creates = matches!(
+                op,
+                FsOp::Mknod { .. } | FsOp::Mkdir { .. } | FsOp::Symlink { .. }
+            );
+            if !creates {
+                self.put_deferred().map_err(|e| BatchError::at(i, e))?;
+            }
+            out.push(op.apply(self, ctx).map_err(|e| BatchError::at(i, e))?);
+        }
+        self.put_deferred()
+            .map_err(|e| BatchError::at(ops.len().saturating_sub(1), e))?;
+        Ok(out)
+    }
+
+    /// Puts the records of the directories the batch's creations changed (as the
+    /// cache has them now: path current, the last creation's times and links).
+    fn put_deferred(&self) -> Result<()> {
+        let mut st = self.lock();
+        let Some(dirs) = st.deferred.as_mut().filter(|d| !d.is_empty()) else {
+            return Ok(());
+        };
+        let dirs: Vec<u64> = dirs.drain().collect();
+        let mut b = Batch::new();
+        for ino in dirs {
+            // Creations never remove a directory, and the cache keeps a deferred one.
+            let n = st.fresh(ino).ok_or_else(|| {
+                FsError::Io(format!("directory {ino} left the cache with its record unput").into())
+            })?;
+            Self::put_inode(&mut b, n);
+        }
+        self.commit(&mut st, b)
+    }
+
     // Creations, with an inode number from a grant or the counter's.
 
     fn mknod_in(
@@ -1121,9 +1177,11 @@ impl KernelFs for Betrfs {
     /// memory follows what the kernel holds, not everything it ever looked up.
     fn unreference(&self, ino: Ino) -> Result<()> {
         let mut st = self.lock();
+        // A directory whose record a running batch has still to put stays.
+        let deferred = st.deferred.as_ref().is_some_and(|d| d.contains(&ino));
         if let Some(n) = st.nodes.get_mut(&ino) {
             n.refs = n.refs.saturating_sub(1);
-            if n.refs == 0 && n.opens == 0 && n.inode.nlink > 0 && ino != ROOT_INO {
+            if n.refs == 0 && n.opens == 0 && n.inode.nlink > 0 && ino != ROOT_INO && !deferred {
                 self.forget(&mut st, ino);
             }
         }
@@ -1302,7 +1360,7 @@ impl FileSystem for Betrfs {
             self.lock().commit_batch();
             return Err(BatchError::at(0, io(e)));
         }
-        match quilt_vfs::batch::run_in_order(self, ops, ctx) {
+        match self.run_batch(ops, ctx) {
             Ok(replies) => match self.tree.release() {
                 Ok(()) => {
                     self.lock().commit_batch();

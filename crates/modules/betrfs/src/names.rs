@@ -88,10 +88,15 @@ impl Betrfs {
             b.put(&keys::index_key(&key), b"");
             self.counters.zones_made.fetch_add(1, Relaxed);
         }
-        b.put(
-            keys::SUPER,
-            &Self::super_record(&st, self.errored.load(Relaxed)),
-        );
+        // The counters the superblock record keeps change only when a number comes
+        // from the counter or a zone is made (a granted number was logged with its
+        // grant).
+        if want.is_none() || inode.zone.is_some() {
+            b.put(
+                keys::SUPER,
+                &Self::super_record(&st, self.errored.load(Relaxed)),
+            );
+        }
         let loc = if tmp {
             b.put(&keys::orphan_key(ino), b"");
             Loc::Ino(ino)
@@ -100,17 +105,25 @@ impl Betrfs {
         };
         b.put(&loc.meta(), &inode.encode());
         let mut pdir = dir;
+        // In a batch, the directory's record is put once after its run of creations
+        // (`Betrfs::run_batch`); its node here is what will be put.
+        let defer = !tmp && st.deferred.is_some();
         if !tmp {
             if is_dir {
                 pdir.inode.nlink += 1;
             }
             pdir.inode.mtime = t;
             pdir.inode.ctime = t;
-            Self::put_inode(&mut b, &pdir);
+            if !defer {
+                Self::put_inode(&mut b, &pdir);
+            }
         }
         self.commit(&mut st, b)?;
         if !tmp {
             st.nodes.insert(parent, pdir);
+            if let Some(d) = st.deferred.as_mut() {
+                d.insert(parent);
+            }
         }
         let attr = self.attr_of(&inode);
         self.insert(&mut st, loc, inode);

@@ -11,7 +11,7 @@
 
 use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, HashMap};
-use std::hash::Hash;
+use std::hash::{BuildHasher, Hash};
 use std::ops::Deref;
 
 /// The operations of a map the record needs.
@@ -24,10 +24,10 @@ pub(crate) trait Map: Default + Clone {
     fn remove_(&mut self, k: &Self::K) -> Option<Self::V>;
 }
 
-/// Both maps the state keeps have the same four methods under the same names.
+/// Both kinds of map the state keeps have the same four methods under the same names.
 macro_rules! map {
-    ($m:ident) => {
-        impl<K: Clone + Eq + Hash + Ord, V: Clone> Map for $m<K, V> {
+    ([$($extra:tt)*] $m:ty) => {
+        impl<K: Clone + Eq + Hash + Ord, V: Clone, $($extra)*> Map for $m {
             type K = K;
             type V = V;
             fn get_mut_(&mut self, k: &K) -> Option<&mut V> {
@@ -45,8 +45,9 @@ macro_rules! map {
         }
     };
 }
-map!(HashMap);
-map!(BTreeMap);
+
+map!([S: BuildHasher + Default + Clone] HashMap<K, V, S>);
+map!([] BTreeMap<K, V>);
 
 /// What a batch changed: each touched key's value before it (None: absent), or the
 /// whole map when the batch replaced it.

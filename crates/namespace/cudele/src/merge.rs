@@ -34,7 +34,8 @@ use crate::journal::Event;
 use quilt_vfs::{
     Attr, Ctx, FileSystem, FileType, FsError, FsOp, Ino, InoGrant, RenameFlags, SetAttr, XattrFlags,
 };
-use std::collections::{HashMap, HashSet};
+use rustc_hash::{FxHashMap, FxHashSet};
+use std::collections::HashMap;
 
 /// The xattr names the service keeps on a subtree's root. Clients may never set them.
 pub const RESERVED_XATTR: &[u8] = b"trusted.quiltfs.";
@@ -168,26 +169,29 @@ struct Known {
 /// A name in a directory, and what the journal left there (`None`: removed).
 type Names = HashMap<(Ino, Vec<u8>), Option<(Ino, FileType)>>;
 
+/// The maps keyed by inode number hash with Fx (the numbers are the namespace's, or
+/// granted ones the journal must take in increasing order); those keyed by names, which
+/// a journal chooses freely, keep SipHash's resistance to chosen collisions.
 struct Shadow<'a> {
     fs: &'a dyn FileSystem,
     scope: &'a Scope,
     /// Names the journal changed: `None` once removed.
     names: Names,
-    known: HashMap<Ino, Known>,
+    known: FxHashMap<Ino, Known>,
     /// Each directory's parent, as the journal left it (for the loop check of renames).
-    parent: HashMap<Ino, Ino>,
+    parent: FxHashMap<Ino, Ino>,
     /// Entries added minus removed, per directory (for rmdir's emptiness).
-    delta: HashMap<Ino, i64>,
+    delta: FxHashMap<Ino, i64>,
     /// Existing directories' entry counts, read once.
-    counted: HashMap<Ino, i64>,
+    counted: FxHashMap<Ino, i64>,
     /// Existing directories found outside the subtree (not to ask twice).
-    outside: HashSet<Ino>,
-    used: HashSet<Ino>,
+    outside: FxHashSet<Ino>,
+    used: FxHashSet<Ino>,
     /// The highest granted number created so far (creations go up).
     max_ino: Ino,
     /// Names asked of existing directories, and the directories listed whole.
-    asked: HashMap<Ino, u32>,
-    listed: HashMap<Ino, HashMap<Vec<u8>, (Ino, FileType)>>,
+    asked: FxHashMap<Ino, u32>,
+    listed: FxHashMap<Ino, HashMap<Vec<u8>, (Ino, FileType)>>,
 }
 
 /// Names asked of one existing directory before it is listed whole instead.
@@ -226,7 +230,7 @@ impl<'a> Shadow<'a> {
         if a.kind != FileType::Directory {
             return Err(MergeError::Namespace(FsError::NotDir));
         }
-        let mut known = HashMap::new();
+        let mut known = FxHashMap::default();
         known.insert(
             scope.root,
             Known {
@@ -240,14 +244,14 @@ impl<'a> Shadow<'a> {
             scope,
             names: HashMap::new(),
             known,
-            parent: HashMap::new(),
-            delta: HashMap::new(),
-            counted: HashMap::new(),
-            outside: HashSet::new(),
-            used: HashSet::new(),
+            parent: FxHashMap::default(),
+            delta: FxHashMap::default(),
+            counted: FxHashMap::default(),
+            outside: FxHashSet::default(),
+            used: FxHashSet::default(),
             max_ino: 0,
-            asked: HashMap::new(),
-            listed: HashMap::new(),
+            asked: FxHashMap::default(),
+            listed: FxHashMap::default(),
         })
     }
 
