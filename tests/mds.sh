@@ -44,7 +44,10 @@ serve() {
   local port=$1 img=$2
   QUILTFS_LOG=error,quilt_cudele=info "$Q" mds serve "$img" --listen "127.0.0.1:$port" --lease 3 >"$W/serve.out" 2>"$W/serve.err" &
   SERVE_PID=$!
-  for _ in $(seq 1 100); do
+  # Up to a minute: a restart finishes a staged merge before it listens (60,000
+  # creates under the test build's debug assertions, on a shared machine), and the
+  # loop ends as soon as the address is printed.
+  for _ in $(seq 1 600); do
     ADDR=$(grep -o 'mds://[^ ]*' "$W/serve.out" 2>/dev/null || true)
     [ -n "$ADDR" ] && return 0
     kill -0 "$SERVE_PID" 2>/dev/null || fail "quiltfs mds serve exited"
