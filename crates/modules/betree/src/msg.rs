@@ -4,6 +4,7 @@
 
 use crate::points::{MsgRef, Points};
 use crate::{Error, Result};
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -364,6 +365,23 @@ impl Upserts {
             MsgRef::Delete => Ok(None),
             MsgRef::Upsert { func, arg } => self.upsert(old, func, arg),
         }
+    }
+
+    /// What a key's messages, oldest first, make of its value `v`: borrowed from the
+    /// messages or `v` until an upsert must compute a new one.
+    pub fn apply_all<'a>(
+        &self,
+        mut v: Option<Cow<'a, [u8]>>,
+        msgs: impl Iterator<Item = MsgRef<'a>>,
+    ) -> Result<Option<Cow<'a, [u8]>>> {
+        for m in msgs {
+            v = match m {
+                MsgRef::Put(x) => Some(Cow::Borrowed(x)),
+                MsgRef::Delete => None,
+                MsgRef::Upsert { .. } => self.apply_ref(v.map(Cow::into_owned), m)?.map(Cow::Owned),
+            };
+        }
+        Ok(v)
     }
 
     fn upsert(&self, old: Option<Vec<u8>>, func: u16, arg: &[u8]) -> Result<Option<Vec<u8>>> {

@@ -23,7 +23,7 @@ pub use crate::entries::Entries;
 use crate::format::Extent;
 use crate::lift::Lift;
 use crate::msg::{Buffer, Msg, Msn, RangeDel, Upserts};
-use crate::points::{MsgRef, Points};
+use crate::points::Points;
 use crate::{Error, Result};
 use std::borrow::Cow;
 
@@ -676,16 +676,8 @@ impl Leaf {
         }
         let mut changes: Vec<(&[u8], Option<Vec<u8>>)> = Vec::with_capacity(FEW);
         for g in points.groups() {
-            let mut v: Option<Cow<[u8]>> = old.value_of(g.key).map(Cow::Borrowed);
-            for (_, m) in g.msgs() {
-                v = match m {
-                    MsgRef::Put(x) => Some(Cow::Borrowed(x)),
-                    MsgRef::Delete => None,
-                    MsgRef::Upsert { .. } => {
-                        up.apply_ref(v.map(Cow::into_owned), m)?.map(Cow::Owned)
-                    }
-                };
-            }
+            let v = old.value_of(g.key).map(Cow::Borrowed);
+            let v = up.apply_all(v, g.msgs().map(|(_, m)| m))?;
             changes.push((g.key, v.map(Cow::into_owned)));
         }
         for (k, v) in changes {
@@ -735,23 +727,14 @@ impl Leaf {
             }
             copy_kept(&mut out, old, start, i, &buf.ranges, &kept);
             // The value, borrowed until an upsert must compute a new one.
-            let mut v: Option<Cow<[u8]>> = if i < old.len() && old.key(i) == k {
+            let v: Option<Cow<[u8]>> = if i < old.len() && old.key(i) == k {
                 i += 1;
                 let (ek, ev) = old.get(i - 1);
                 kept(ek).then_some(Cow::Borrowed(ev))
             } else {
                 None
             };
-            for (_, m) in g.msgs() {
-                v = match m {
-                    MsgRef::Put(x) => Some(Cow::Borrowed(x)),
-                    MsgRef::Delete => None,
-                    MsgRef::Upsert { .. } => {
-                        up.apply_ref(v.map(Cow::into_owned), m)?.map(Cow::Owned)
-                    }
-                };
-            }
-            if let Some(v) = v {
+            if let Some(v) = up.apply_all(v, g.msgs().map(|(_, m)| m))? {
                 out.push(k, &v);
             }
         }

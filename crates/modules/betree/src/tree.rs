@@ -3219,16 +3219,7 @@ impl Inner {
                     if !key_eq(k, &key) {
                         break;
                     }
-                    for (_, msg) in it.msgs() {
-                        v = match msg {
-                            MsgRef::Put(x) => Some(Cow::Borrowed(x)),
-                            MsgRef::Delete => None,
-                            MsgRef::Upsert { .. } => self
-                                .upserts
-                                .apply_ref(v.map(Cow::into_owned), msg)?
-                                .map(Cow::Owned),
-                        };
-                    }
+                    v = self.upserts.apply_all(v, it.msgs().map(|(_, m)| m))?;
                     l.at += 1;
                 }
             }
