@@ -11,6 +11,8 @@
 #     the room back.
 #  3. Four writers fill it through the kernel's writeback cache (-o wbcache): write(2)
 #     fails with ENOSPC, nothing acknowledged is lost, at least 90% of df's figure fits.
+#     And the sparse image on the small host through the cache: df counts the host's
+#     room, write(2) fails with ENOSPC, nothing acknowledged is lost.
 # CI (CI=true): 128 MiB, 4 cycles. Full (humans): 128 MiB and 512 MiB, 100 cycles each
 # (about an hour). Needs root. Usage: tests/betrfs-space.sh [QUILTFS_BINARY]
 set -euo pipefail
@@ -131,5 +133,23 @@ sync
 r="$("${py[@]}" fill "$m/g" 6 262144)"
 [ "$(jget "$r" acked)" -gt $((acked * 9 / 10)) ] || fail "after deleting on a full host, only $(jget "$r" acked) bytes fit again ($acked before)"
 umount "$m"
+# Through the kernel's writeback cache: df counts the host's room, so the mount keeps
+# room for what the kernel holds there too.
+rm "$host/s.img"
+"$q" mkfs --fs betrfs "$host/s.img" --size 1G >/dev/null
+"$q" mount "$host/s.img" "$m" -o wbcache >/dev/null
+avail="$(df --output=avail -B1 "$m" | tail -1)"
+[ "$avail" -le $((100 << 20)) ] || fail "df says $avail bytes available on a 100 MiB host"
+r="$("${py[@]}" fill "$m/f" 7 262144)"
+[ "$(jget "$r" write_errno)" = ENOSPC ] || fail "a full host did not fail write(2) with ENOSPC through the cache: $r"
+[ "$(jget "$r" fsync_errno)" = None ] && [ "$(jget "$r" close_errno)" = None ] ||
+  fail "fsync or close failed after write(2) had acknowledged (full host, cache): $r"
+acked="$(jget "$r" acked)"
+[ "$acked" -gt $((40 << 20)) ] || fail "only $acked bytes stored on a 100 MiB host through the cache"
+umount "$m" || fail "the unmount on a full host failed (cache)"
+"$q" fsck -n "$host/s.img" >"$work/fsck.out" 2>&1 || { cat "$work/fsck.out"; fail "fsck after a full host (cache)"; }
+"$q" mount "$host/s.img" "$m" >/dev/null
+"${py[@]}" verify "$m/f" 7 "$acked" >/dev/null || fail "after a full host through the cache, the file is not what was acknowledged"
+"$q" umount "$m"
 umount "$host"
 echo "betrfs-space: all checks passed"

@@ -115,7 +115,11 @@ def edge(path, mx):
         out["truncate_past"] = 0
     except OSError as e:
         out["truncate_past"] = errno.errorcode.get(e.errno, str(e.errno))
-    os.fsync(fd)
+    try:
+        os.fsync(fd)
+        out["fsync"] = None
+    except OSError as e:
+        out["fsync"] = errno.errorcode.get(e.errno, str(e.errno))
     out["size"] = os.fstat(fd).st_size
     os.close(fd)
     print(json.dumps(out))

@@ -128,13 +128,17 @@ pub struct SetAttr {
 pub enum TimeOrNow {
     Now,
     At(Timespec),
+    /// "Now" as the caller's kernel read it when the change was made: stored as given,
+    /// judged as `Now` (who may set it). The FUSE writeback cache sends a write's mtime
+    /// this way when it flushes it, which may be a second or more after the write.
+    NowAt(Timespec),
 }
 
 impl TimeOrNow {
     pub fn resolve(self) -> Timespec {
         match self {
             TimeOrNow::Now => Timespec::now(),
-            TimeOrNow::At(t) => t,
+            TimeOrNow::At(t) | TimeOrNow::NowAt(t) => t,
         }
     }
 }

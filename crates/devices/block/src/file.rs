@@ -2,7 +2,8 @@
 
 use crate::{
     check_block_size, check_request, check_run, BlockDevice, BlockError, BlockNo, Capabilities,
-    GatherWrites, IoCounters, IoStats, PartReads, ReadHints, Reservation, Result, WriteClass,
+    GatherWrites, HostRoom, IoCounters, IoStats, PartReads, ReadHints, Reservation, Result,
+    WriteClass,
 };
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -577,6 +578,30 @@ impl Reservation for FileDevice {
         }
         Ok(())
     }
+
+    /// The file's holes, from its length and what the host has allocated to it (which
+    /// counts space reserved with fallocate, and a little of the host's own metadata:
+    /// the margins above this leave room for that).
+    fn host_room(&self) -> Option<HostRoom> {
+        self.backed.as_ref()?;
+        use std::os::unix::fs::MetadataExt;
+        let meta = self.file.metadata().ok()?;
+        let holes = meta.len().saturating_sub(meta.blocks().saturating_mul(512));
+        if holes == 0 {
+            return None;
+        }
+        // SAFETY: fstatvfs fills the struct we pass, for a descriptor we own.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstatvfs(self.file.as_raw_fd(), &mut st) } != 0 {
+            return None;
+        }
+        // What an unprivileged writer may take: the host's reserve for root is not
+        // counted on, since the server need not run as root.
+        Some(HostRoom {
+            free: (st.f_bavail as u64).saturating_mul(st.f_frsize as u64),
+            unbacked: holes,
+        })
+    }
 }
 
 #[cfg(test)]
@@ -833,5 +858,39 @@ mod tests {
             via.reserve(16383, 2),
             Err(BlockError::OutOfRange { .. })
         ));
+    }
+
+    #[test]
+    fn host_room_counts_the_image_files_holes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("img");
+        // 8 MiB of 4 KiB blocks, all a hole.
+        let dev = FileDevice::create(&path, 2048, FileDeviceOptions::default()).unwrap();
+        let room = Reservation::host_room(&dev).expect("a sparse image has a host room");
+        assert_eq!(room.unbacked, 8 * RESERVE_CHUNK);
+        assert!(room.free > 0);
+        // Reserved (fallocate) and written space are both no longer holes.
+        Reservation::reserve(&dev, 0, 1).unwrap();
+        dev.write(3 * 256, &[7; 4096], WriteClass::Data).unwrap();
+        dev.flush().unwrap();
+        let left = Reservation::host_room(&dev).unwrap().unbacked;
+        assert!(
+            (6 * RESERVE_CHUNK..=7 * RESERVE_CHUNK - 4096).contains(&left),
+            "{left} bytes of holes after a reserved chunk and a written block"
+        );
+        // Fully backed, the device's own size is the only limit.
+        Reservation::reserve(&dev, 0, 2048).unwrap();
+        assert_eq!(Reservation::host_room(&dev), None);
+        // A block device or a read-only open has nothing to reserve, nor a host room.
+        drop(dev);
+        let ro = FileDevice::open(
+            &path,
+            FileDeviceOptions {
+                read_only: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(Reservation::host_room(&ro), None);
     }
 }

@@ -229,6 +229,28 @@ pub trait Reservation: Send + Sync {
     /// allocates a block, so that the error reaches the write(2) that needed the block
     /// instead of a write-back after it returned.
     fn reserve(&self, first: BlockNo, count: u64) -> Result<()>;
+    /// What the host can still give, where it may run out before the device does; None
+    /// when the device's own size is the only limit.
+    fn host_room(&self) -> Option<HostRoom>;
+}
+
+/// Room where a device's storage lives (a sparse image's host file system).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostRoom {
+    /// Bytes the host can still allocate.
+    pub free: u64,
+    /// Bytes of the device with no host storage behind them yet (at most).
+    pub unbacked: u64,
+}
+
+impl HostRoom {
+    /// Of `fs_free` bytes a file system on the device has free, how many can surely be
+    /// written: free blocks might all lie where no storage is yet, and those count
+    /// only as far as the host has room.
+    pub fn writable(&self, fs_free: u64) -> u64 {
+        let short = self.unbacked.min(fs_free).saturating_sub(self.free);
+        fs_free - short
+    }
 }
 
 /// A history of the device's requests that named points can be put into.
@@ -302,6 +324,9 @@ pub trait BlockDeviceExt: BlockDevice {
             Some(r) => r.reserve(first, count),
             None => Ok(()),
         }
+    }
+    fn host_room(&self) -> Option<HostRoom> {
+        self.capabilities().reservation.and_then(|r| r.host_room())
     }
     fn mark(&self, name: &str) {
         if let Some(h) = self.capabilities().history {
@@ -416,5 +441,41 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn capabilities(&self) -> Capabilities<'_> {
         (**self).capabilities()
+    }
+}
+
+#[cfg(test)]
+mod host_room_tests {
+    use super::HostRoom;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Against the worst case spelled out: as much of the free space as can be
+        /// unbacked is, and each of those bytes needs the host.
+        #[test]
+        fn writable_is_what_survives_the_worst_placement(
+            free in 0u64..1 << 40, unbacked in 0u64..1 << 40, fs_free in 0u64..1 << 40,
+        ) {
+            let w = HostRoom { free, unbacked }.writable(fs_free);
+            let needing_host = unbacked.min(fs_free);
+            let backed_free = fs_free - needing_host;
+            prop_assert_eq!(w, backed_free + needing_host.min(free));
+            prop_assert!(w <= fs_free);
+        }
+    }
+
+    #[test]
+    fn a_host_with_room_limits_nothing_and_a_full_one_leaves_the_backed_part() {
+        let r = HostRoom {
+            free: 100,
+            unbacked: 50,
+        };
+        assert_eq!(r.writable(1000), 1000);
+        let full = HostRoom {
+            free: 0,
+            unbacked: 600,
+        };
+        assert_eq!(full.writable(1000), 400);
+        assert_eq!(full.writable(500), 0);
     }
 }

@@ -5,8 +5,8 @@
 
 use quilt_block::{
     BlockDevice, BlockDeviceExt, BlockNo, Capabilities, Clock, DeviceCounters, DiskModel,
-    DiskParams, GatherWrites, History, IoCounters, IoStats, MemDevice, OverlayDevice, PartReads,
-    RangeWrites, ReadHints, RecordingDevice, Reservation, Result, WriteClass,
+    DiskParams, GatherWrites, History, HostRoom, IoCounters, IoStats, MemDevice, OverlayDevice,
+    PartReads, RangeWrites, ReadHints, RecordingDevice, Reservation, Result, WriteClass,
 };
 use std::sync::{Arc, Mutex};
 
@@ -122,6 +122,13 @@ impl Reservation for Probe {
         self.log(format!("reserve {first}+{count}"));
         Ok(())
     }
+    fn host_room(&self) -> Option<HostRoom> {
+        self.log("host_room".into());
+        Some(HostRoom {
+            free: 1,
+            unbacked: 2,
+        })
+    }
 }
 impl History for Probe {
     fn mark(&self, name: &str) {
@@ -182,6 +189,14 @@ fn calls_reach_the_probe(top: &dyn BlockDevice, probe: &Probe, model_below: bool
     assert_eq!(probe.take(), ["will_need 40+8"]);
     top.reserve(50, 4).unwrap();
     assert_eq!(probe.take(), ["reserve 50+4"]);
+    assert_eq!(
+        top.host_room(),
+        Some(HostRoom {
+            free: 1,
+            unbacked: 2
+        })
+    );
+    assert_eq!(probe.take(), ["host_room"]);
     top.mark("m");
     assert_eq!(probe.take(), ["mark m"]);
     let extra = top.extra_stats();

@@ -373,6 +373,16 @@ impl Engine {
             .map_err(PatchError::Block)
     }
 
+    /// Of `free` blocks a file system has free, how many can surely be written (see
+    /// `HostRoom::writable`): all of them unless the device's host may run out first.
+    pub fn writable_blocks(&self, free: u64) -> u64 {
+        let bs = self.block_size() as u64;
+        match self.device().host_room() {
+            Some(r) => r.writable(free.saturating_mul(bs)) / bs,
+            None => free,
+        }
+    }
+
     pub fn device(&self) -> &Arc<dyn BlockDevice> {
         &self.sh.dev
     }

@@ -35,6 +35,9 @@ pub use stats::RequestStats;
 
 const TTL: Duration = Duration::from_secs(1);
 
+/// How long a stat(2) waits for the kernel to send a file's cached writes.
+const WRITE_BACK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The kernel's dirty bound for a mount under the writeback cache, by default.
 pub const DIRTY_LIMIT: u64 = 64 << 20;
 
@@ -314,6 +317,35 @@ impl<F: KernelFs> Adapter<F> {
         Ok(data.len() as u32)
     }
 
+    /// The rest of a write-back that the file system took only `done` bytes of: asked
+    /// again (a few times) until it is all taken or the file system says why not.
+    fn write_back_rest(
+        &self,
+        ino: u64,
+        offset: u64,
+        data: &[u8],
+        mut done: usize,
+        c: &Ctx,
+    ) -> Result<u32, FsError> {
+        for _ in 0..4 {
+            if done >= data.len() {
+                return Ok(data.len() as u32);
+            }
+            match self
+                .fs
+                .write(ino, offset.saturating_add(done as u64), &data[done..], c)?
+            {
+                0 => break,
+                m => done += m as usize,
+            }
+        }
+        if done >= data.len() {
+            return Ok(data.len() as u32);
+        }
+        // Taking nothing more and saying nothing: a full file system, as write(2) says.
+        Err(FsError::NoSpace)
+    }
+
     /// Read-ahead as large as one READ, once the kernel has taken the answer to INIT
     /// (which sets it to the smaller of its default and ours).
     #[cold]
@@ -352,6 +384,15 @@ impl<F: KernelFs> Adapter<F> {
                 blocks.saturating_mul(s.block_size as u64)
             })
             .unwrap_or(0)
+    }
+
+    /// Of `blocks` free, what statfs says: without the room's share while space is low.
+    fn reportable(&self, blocks: u64, block_size: u32) -> u64 {
+        let bs = u64::from(block_size.max(1));
+        match self.room.get() {
+            Some(r) => r.reportable(blocks.saturating_mul(bs)) / bs,
+            None => blocks,
+        }
     }
 
     /// Looks at free space again if the room asks for it, and acts on a change.
@@ -439,6 +480,33 @@ impl<F: KernelFs> Adapter<F> {
             if let Err(e) = n.inval_inode(self.inos.to_fuse(ino).0, -1, 0) {
                 tracing::warn!("invalidating cached attributes of inode {ino}: {e}");
             }
+        }
+    }
+
+    /// Makes the kernel send what it holds written of `ino` through the cache, if any
+    /// handle writes it so: dropping its cached pages, it writes the dirty ones back
+    /// (a page per WRITE, at most the dirty bound). A thread of its own asks, since the
+    /// WRITEs come back to this server; it is waited for a bounded time (past that,
+    /// the answer counts what has arrived).
+    fn write_back_first(&self, ino: u64) {
+        let (Some(room), Some(n)) = (self.room.get(), self.notifier.get()) else {
+            return;
+        };
+        if !room.has_cached_writers(ino) {
+            return;
+        }
+        let (n, node) = (n.clone(), self.inos.to_fuse(ino).0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("wbcache-flush".into())
+            .spawn(move || {
+                let _ = tx.send(n.inval_inode(node, 0, 0));
+            });
+        match spawned.map(|_| rx.recv_timeout(WRITE_BACK_WAIT)) {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::warn!("writing back inode {ino} before stat: {e}"),
+            Ok(Err(_)) => tracing::warn!("writing back inode {ino} before stat: timed out"),
+            Err(e) => tracing::warn!("writing back inode {ino} before stat: {e}"),
         }
     }
 
@@ -636,23 +704,23 @@ impl<F: KernelFs> Adapter<F> {
             return reply.error(libc::EPERM);
         }
         let ino = self.inos.to_fs(node);
-        let mut v = s.valid;
-        if self.writeback_cache
+        let v = s.valid;
+        // Under the writeback cache the kernel keeps mtime itself: it sends "now" as
+        // the time it read (utimes(NULL), which still says ATIME_NOW), and after writes
+        // the mtime they set, when it flushes them (at close, fsync or unmount, maybe
+        // seconds later). Either is stored as the kernel sent it, so the file keeps the
+        // time programs saw, but judged as "now" (an append-only file's writer may set
+        // it; an explicit time far from now stays refused).
+        let kernel_now = self.writeback_cache
             && v & fattr::MTIME != 0
             && v & fattr::MTIME_NOW == 0
             && (v & fattr::ATIME == 0 || v & fattr::ATIME_NOW != 0)
-            && near_now(s.mtime)
-        {
-            // Under the writeback cache the kernel keeps mtime itself: it sends "now"
-            // as the time it read (utimes(NULL), which still says ATIME_NOW), and
-            // after writes the mtime they set. Both are taken as "now" again, so that
-            // who may set them is judged as for "now" (an append-only file's writer
-            // may; an explicit time far from now stays refused).
-            v |= fattr::MTIME_NOW;
-        }
+            && near_now(s.mtime);
         let time = |now: u32, set: u32, t: (i64, u32)| {
             if v & now != 0 {
                 Some(TimeOrNow::Now)
+            } else if v & set != 0 && set == fattr::MTIME && kernel_now {
+                Some(TimeOrNow::NowAt(spec(t)))
             } else if v & set != 0 {
                 Some(TimeOrNow::At(spec(t)))
             } else {
@@ -757,6 +825,12 @@ impl<F: KernelFs> Adapter<F> {
         }
         let written = match self.fs.write(ino, offset, data, &c) {
             Err(FsError::Perm) if writeback => self.write_back_appended(ino, offset, data, &c),
+            // The kernel takes a short answer to its write-back as all written: what
+            // was left would be lost with fsync and close none the wiser. The rest is
+            // asked again, so the reason (the maximum file size, no space) reaches them.
+            Ok(n) if writeback && (n as usize) < data.len() => {
+                self.write_back_rest(ino, offset, data, n as usize, &c)
+            }
             r => r,
         };
         match written {
@@ -865,6 +939,13 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                     if self.free_bytes(req.header.uid) < room::GATE {
                         return reply.error(libc::ENOSPC);
                     }
+                }
+                if fh.is_none() {
+                    // stat(2) of a file the kernel may hold written pages of: they are
+                    // sent first, so st_blocks counts them (tar --sparse takes a file
+                    // with none for all holes). Only a stat that reaches us: within
+                    // the attribute timeout the kernel answers from its own cache.
+                    self.write_back_first(ino);
                 }
                 match self.fs.getattr(ino) {
                     Ok(a) => {
@@ -1083,8 +1164,8 @@ impl<F: KernelFs + 'static> Handler for Adapter<F> {
                 match self.fs.statfs() {
                     Ok(s) => reply.statfs(&quilt_fusewire::Statfs {
                         blocks: s.blocks,
-                        bfree: s.blocks_free,
-                        bavail: s.blocks_avail,
+                        bfree: self.reportable(s.blocks_free, s.block_size),
+                        bavail: self.reportable(s.blocks_avail, s.block_size),
                         files: s.files,
                         ffree: s.files_free,
                         bsize: s.block_size,

@@ -12,19 +12,27 @@
 //! - **Low**: files opened for writing from then on write through (direct I/O, so errors
 //!   fail write(2) itself). The kernel's bound drops to [`LOW_LIMIT`] and the mount is
 //!   synced once, so that what the kernel held under the old bound reaches the file
-//!   system. Until that sync is done, a direct write that would leave less free than
-//!   the old bound waits for it, and fails with ENOSPC if it still does not fit after.
-//!   Files still open through the cache have their attributes dropped from the
-//!   kernel's cache, so that each write(2) to them asks for them first (GETATTR with
-//!   the handle): that is refused with ENOSPC while less than [`GATE`] is free, and
-//!   write(2) fails with it.
+//!   system. The last [`GATE`] bytes are kept for the kernel's write-back: statfs does
+//!   not count them, and a direct write that would take them fails with ENOSPC (until
+//!   that sync is done, one that would leave less free than the old bound waits for
+//!   it first). Files still open through the cache have their attributes dropped from
+//!   the kernel's cache, so that each write(2) to them asks for them first (GETATTR
+//!   with the handle): that is refused with ENOSPC while less than [`GATE`] is free,
+//!   and write(2) fails with it. So every writer, cached or direct, finds the file
+//!   system full at the same point, and df says so.
 //! - Back to ample once free ≥ `3·limit + SLACK`: the kernel's bound is restored.
 //!
 //! What remains open, and is reported at fsync(2) and close(2) rather than lost in
 //! silence: one write(2) larger than the gate's margin, begun when the gate still let it
-//! through; and stores through a shared writable mapping (no request precedes them).
-//! And a side effect of the gate: near full, other calls that ask for attributes with
-//! such a handle (`lseek(SEEK_END)`) fail with ENOSPC too.
+//! through; stores through a shared writable mapping (no request precedes them); and a
+//! write past the file system's maximum file size (the kernel checks only its own, and
+//! a write-back the file system takes only part of is answered with the reason, never
+//! as all written). And a side effect of the gate: near full, other calls that ask for
+//! attributes with such a handle (`lseek(SEEK_END)`) fail with ENOSPC too.
+//!
+//! Free space is what the file system's statfs says, which under a sparse image counts
+//! only what the host can still store (`HostRoom`): the kernel's cache cannot outrun a
+//! host disk that fills first.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -271,9 +279,9 @@ impl Room {
         }
         let held = |st: &State| {
             if st.drained {
-                LOW_LIMIT + SLACK
+                GATE
             } else {
-                self.limit + SLACK
+                (self.limit + SLACK).max(GATE)
             }
         };
         let mut st = self.lock();
@@ -296,7 +304,17 @@ impl Room {
                 .0;
         }
         drop(st);
-        free_now() >= need + LOW_LIMIT + SLACK
+        free_now() >= need + GATE
+    }
+
+    /// What statfs may report free of `free` bytes: while space is low, the last
+    /// [`GATE`] bytes are the kernel's write-back's.
+    pub fn reportable(&self, free: u64) -> u64 {
+        if self.is_low() {
+            free.saturating_sub(GATE)
+        } else {
+            free
+        }
     }
 
     /// Whether a file opened for writing now may go through the cache; if so it is
@@ -319,6 +337,11 @@ impl Room {
                 st.cached_writers.remove(&ino);
             }
         }
+    }
+
+    /// Whether `ino` has handles open for writing through the cache.
+    pub fn has_cached_writers(&self, ino: u64) -> bool {
+        self.lock().cached_writers.contains_key(&ino)
     }
 
     /// Whether `ino` has writers through the cache while space is low: their write(2)s
@@ -358,6 +381,11 @@ mod tests {
             .check(100 * MIB)
             .is_some_and(|c| matches!(c, Change::BecameAmple)));
         assert_eq!(bound(&dir), 8 * MIB);
+        assert_eq!(
+            r.reportable(5 * MIB),
+            5 * MIB,
+            "ample space is all reported"
+        );
         assert!(r.open_cached(7) && r.open_cached(7));
         // Between the thresholds nothing changes.
         assert!(r.check(2 * 8 * MIB + SLACK).is_none());
@@ -393,8 +421,11 @@ mod tests {
         // Drained (set by hand: the test has no mount to sync), the kernel holds at
         // most the low bound and the slack.
         r.lock().drained = true;
-        assert!(r.admit(MIB, LOW_LIMIT + SLACK + MIB, || 0));
-        assert!(!r.admit(MIB, LOW_LIMIT + SLACK + MIB - 1, || u64::MAX));
+        assert!(r.admit(MIB, GATE + MIB, || 0));
+        assert!(!r.admit(MIB, GATE + MIB - 1, || u64::MAX));
+        // statfs counts the same: what is left after the gate's bytes.
+        assert_eq!(r.reportable(GATE + MIB), MIB);
+        assert_eq!(r.reportable(GATE - 1), 0);
         // Not drained, a write that would eat into the old bound waits for the drain,
         // then asks again.
         r.lock().drained = false;

@@ -809,7 +809,7 @@ impl Tree {
                 .geo
                 .data_end(self.engine.block_count())
                 .saturating_sub(t.geo.data_first()),
-            free: t.free_blocks(),
+            free: self.engine.writable_blocks(t.free_blocks()),
             pending: t.pending_blocks(),
             margin: t.margin_blocks(),
         }

@@ -1612,11 +1612,15 @@ impl FileSystem for Ext2 {
     fn statfs(&self) -> Result<StatFs> {
         let st = self.read_lock();
         let free = st.sb.free_blocks_count as u64;
+        // A sparse image's host may fill first: what it cannot back is not free.
+        let writable = self.engine().writable_blocks(free);
         Ok(StatFs {
             block_size: self.geo.bs,
             blocks: (self.geo.blocks_count as u64).saturating_sub(self.overhead(&st)),
-            blocks_free: free,
-            blocks_avail: free.saturating_sub(st.sb.r_blocks_count as u64),
+            blocks_free: writable,
+            blocks_avail: free
+                .saturating_sub(st.sb.r_blocks_count as u64)
+                .min(writable),
             files: self.geo.inodes_count as u64,
             files_free: st.sb.free_inodes_count as u64,
             name_max: NAME_MAX as u32,

@@ -97,6 +97,9 @@ impl quilt_block::Reservation for StallDevice {
     fn reserve(&self, first: BlockNo, count: u64) -> BlockResult<()> {
         self.inner.reserve(first, count)
     }
+    fn host_room(&self) -> Option<quilt_block::HostRoom> {
+        self.inner.host_room()
+    }
 }
 
 fn root() -> Ctx {

@@ -151,7 +151,7 @@ impl FileSystem for VolumeFile {
             let mut t = self.times.lock().unwrap_or_else(|p| p.into_inner());
             let pick = |x: quilt_vfs::TimeOrNow| match x {
                 quilt_vfs::TimeOrNow::Now => now,
-                quilt_vfs::TimeOrNow::At(ts) => ts,
+                quilt_vfs::TimeOrNow::At(ts) | quilt_vfs::TimeOrNow::NowAt(ts) => ts,
             };
             if let Some(a) = set.atime {
                 t.0 = pick(a);

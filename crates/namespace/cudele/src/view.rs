@@ -438,10 +438,7 @@ impl DecoupledFs {
 }
 
 fn at(t: TimeOrNow) -> Timespec {
-    match t {
-        TimeOrNow::Now => Timespec::now(),
-        TimeOrNow::At(t) => t,
-    }
+    t.resolve()
 }
 
 impl FileSystem for DecoupledFs {

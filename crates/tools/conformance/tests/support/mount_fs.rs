@@ -218,7 +218,7 @@ impl FileSystem for MountFs {
                             tv_sec: 0,
                             tv_nsec: libc::UTIME_NOW,
                         },
-                        Some(TimeOrNow::At(x)) => libc::timespec {
+                        Some(TimeOrNow::At(x) | TimeOrNow::NowAt(x)) => libc::timespec {
                             tv_sec: x.sec,
                             tv_nsec: x.nsec as i64,
                         },
